@@ -1,0 +1,124 @@
+"""Public entry points: ``generate_batch``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel
+
+from .config import ContinuousBatchingConfig
+from .engine import Engine, params_from_kwargs
+from .requests import GenerationOutput, RequestStatus, SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 20
+
+
+def resolve_generation_config(model: PreTrainedModel, generation_config: GenerationConfig | None) -> GenerationConfig:
+    """The model's generation config overridden by the values the caller set explicitly (transformers' rule)."""
+    base = getattr(model, "generation_config", None)
+    merged = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
+    if generation_config is not None:
+        merged.update(**generation_config.to_diff_dict())
+    return merged
+
+
+def sampling_params_from_config(gc: GenerationConfig, seed: int | None = None) -> SamplingParams:
+    """SamplingParams from a resolved GenerationConfig.
+
+    Raises:
+        ValueError: a value out of range (the message names the field).
+    """
+    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+    params = params_from_kwargs(
+        max_new_tokens=max_new,
+        do_sample=bool(gc.do_sample),
+        temperature=gc.temperature if gc.temperature is not None else 1.0,
+        top_k=gc.top_k,
+        top_p=gc.top_p,
+        seed=seed,
+        eos_token_id=gc.eos_token_id,
+    )
+    params.validate()
+    return params
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    progress_bar: bool = False,
+    record_timestamps: bool = False,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate completions for a batch of prompts with continuous batching.
+
+    Every prompt is checked before any generation starts. The batch runs on a fresh
+    engine; the model's attention implementation is restored when this returns or
+    raises.
+
+    Args:
+        model: a ``transformers`` decoder-only causal LM (fp32, fp16 or bf16; CPU or CUDA).
+        inputs: prompts, each a non-empty list of token ids.
+        generation_config: max_new_tokens (default 20), do_sample, temperature, top_k,
+            top_p, eos_token_id (int or list; default the model's), num_return_sequences
+            (G samples per prompt, which share the prompt's KV blocks). Values the caller
+            does not set come from ``model.generation_config``.
+        continuous_batching_config: engine configuration. With ``seed`` set, sample k
+            (in output order) uses its own generator seeded ``seed + k``, so the batch is
+            reproducible.
+        progress_bar: show a tqdm bar of finished requests and tokens/s.
+        record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.
+        **kwargs: accepted for signature compatibility with transformers; ignored.
+
+    Returns:
+        request id -> GenerationOutput, in input order; with G > 1 the ids are
+        ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``.
+
+    Raises:
+        ValueError: an empty prompt, a token id outside the vocabulary, max_new_tokens < 1,
+            num_return_sequences < 1, or a request that can never fit the cache.
+        UnsupportedModelError: the model is not a decoder-only LM with pageable attention.
+    """
+    if not inputs:
+        return {}
+    cb_config = continuous_batching_config or ContinuousBatchingConfig()
+    gc = resolve_generation_config(model, generation_config)
+    num_samples = gc.num_return_sequences or 1
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
+    base_params = sampling_params_from_config(gc)
+    jobs: list[tuple[str, list[int], SamplingParams]] = []
+    for i, prompt in enumerate(inputs):
+        for g in range(num_samples):
+            rid = f"req_{i}_{g}" if num_samples > 1 else f"req_{i}"
+            seed = cb_config.seed + len(jobs) if cb_config.seed is not None and base_params.do_sample else None
+            params = base_params if seed is None else sampling_params_from_config(gc, seed)
+            jobs.append((rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt, params))
+    total_tokens = sum(len(p) + params.max_new_tokens for _, p, params in jobs)
+    engine = Engine(model, cb_config, max_tokens_hint=total_tokens)
+    try:
+        for rid, prompt, params in jobs:
+            engine.validate_request(prompt, params, rid)
+        requests = [engine.add_request(prompt, params, rid, record_timestamps) for rid, prompt, params in jobs]
+        bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
+        t0 = time.perf_counter()
+        finished = 0
+        try:
+            while engine.has_unfinished():
+                updated = engine.step()
+                done_now = sum(1 for r in updated if r.status == RequestStatus.FINISHED)
+                if done_now:
+                    finished += done_now
+                    bar.update(done_now)
+                if progress_bar:
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(tok_s=f"{engine.stats.num_generated_tokens / elapsed:.1f}", refresh=False)
+        finally:
+            bar.close()
+        return {req.request_id: req.to_output() for req in requests}
+    finally:
+        engine.close()

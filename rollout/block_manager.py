@@ -1,0 +1,191 @@
+"""Block pool of the paged KV cache: ref counts, free queue and prefix caching.
+
+Prefix caching follows vLLM's automatic prefix caching: a full block is identified
+by a hash chained over (parent block hash, the block's token ids, the weight
+version). Hits compare the stored token ids, so a hash collision can never hand a
+request the KV of other tokens. Freed blocks that carry a hash go to the tail of an
+LRU free queue and keep their hash until the block is handed out again, so the
+group of G completions of one GRPO prompt, or the next turn of a conversation,
+finds the prompt's blocks still there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
+    """Stable hash of a full block.
+
+    Args:
+        parent_hash: hash of the previous block of the sequence, or None for the first block.
+        token_ids: the block's token ids (block_size of them).
+        weight_version: version of the weights the block's KV is computed under.
+
+    Returns:
+        32-byte SHA-256 digest. Python's ``hash()`` is salted per process and is not used.
+    """
+    h = hashlib.sha256()
+    h.update(parent_hash or b"root")
+    h.update(struct.pack(f"<q{len(token_ids)}q", weight_version, *token_ids))
+    return h.digest()
+
+
+@dataclass
+class Block:
+    """One physical block: ref count and, when cached, its hash and token ids."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Allocates, shares and frees the blocks of the paged KV cache.
+
+    Args:
+        num_blocks: blocks in the cache (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_prefix_caching: hash full blocks and reuse them across requests.
+
+    Invariants: a block is in the free queue if and only if its ref count is 0;
+    ``hash_to_block`` maps a hash to the one block holding it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is the eviction order: head is evicted first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+        self.num_cache_hits = 0  # blocks handed out from the prefix cache
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (cached ones included: they can be evicted)."""
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, token_ids: Sequence[int], weight_version: int, max_tokens: int) -> list[int]:
+        """Longest run of cached full blocks that starts the sequence.
+
+        Args:
+            token_ids: the sequence's tokens.
+            weight_version: only blocks computed under this version match.
+            max_tokens: most tokens that may be covered (the caller keeps at least
+                the last token to compute, so there are logits to sample from).
+
+        Returns:
+            Block ids of the hit blocks, in order (possibly empty). Nothing is acquired.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: bytes | None = None
+        bs = self.block_size
+        for i in range(max_tokens // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent, chunk, weight_version)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    # ------------------------------------------------------------------ changes
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the head of the free queue (evicting cached ones).
+
+        Raises:
+            RuntimeError: fewer than ``n`` blocks are free (callers check first).
+        """
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.hash_to_block.get(block.block_hash) == block_id:
+                    del self.hash_to_block[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Share already-computed blocks (prefix-cache hits): ref count + 1 each."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        self.num_cache_hits += len(block_ids)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Release a request's blocks. Blocks whose ref count drops to 0 join the free queue.
+
+        The blocks are given in sequence order; they are queued last block first, so
+        that the tail of a sequence is evicted before its (more shareable) prefix.
+        """
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than it was allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    # An uncached block has nothing worth keeping: reuse it first.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
+
+    def cache_block(self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
+        """Register a full block in the prefix cache and return its hash.
+
+        If another block already holds the same hash, the table keeps that one and
+        this block stays private to its request.
+        """
+        h = hash_block(parent_hash, token_ids, weight_version)
+        if not self.enable_prefix_caching:
+            return h
+        block = self.blocks[block_id]
+        if block.block_hash is None and h not in self.hash_to_block:
+            block.block_hash = h
+            block.token_ids = tuple(token_ids)
+            self.hash_to_block[h] = block_id
+        return h
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Drop blocks from the prefix cache (their KV may be wrong, e.g. after a failed step)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated)."""
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.hash_to_block.clear()

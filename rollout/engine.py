@@ -1,0 +1,350 @@
+"""The engine: one synchronous step loop over scheduler, model runner and sampler.
+
+``Engine.step()`` reads as three lines (nano-vllm's shape): schedule, run the model,
+sample and update the requests. The background manager and ``generate_batch`` both
+drive this class; it holds no thread and no global state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .attention import enable_paged_attention, flash_attn_available, restore_attention
+from .block_manager import BlockManager
+from .config import ContinuousBatchingConfig
+from .kv_cache import CacheShape, PagedKVCache, num_blocks_for_memory
+from .model_runner import ModelRunner
+from .requests import Request, RequestStatus, SamplingParams
+from .sampling import sample_tokens
+from .scheduler import ScheduledRequest, Scheduler
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on the paged engine (encoder-only, or an attention kind we cannot page)."""
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModelError unless the model is a decoder-only causal LM with pageable attention.
+
+    Raises:
+        UnsupportedModelError: encoder-decoder or encoder-only models, bidirectional
+            attention, layer kinds other than full and sliding-window attention (linear
+            attention, chunked attention, state-space layers), KV shared across layers,
+            or a model that does not dispatch attention through ``AttentionInterface``.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; rollout runs decoder-only causal LMs")
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if name not in causal_names and not name.endswith("ForCausalLM"):
+        raise UnsupportedModelError(
+            f"{name} is not a causal language model (encoder-only or a task head); rollout runs decoder-only "
+            "causal LMs such as LlamaForCausalLM"
+        )
+    if name in causal_names and not getattr(text, "is_decoder", True) and config.model_type in ("bert", "roberta"):
+        raise UnsupportedModelError(f"{name} with is_decoder=False is an encoder; rollout runs decoder-only causal LMs")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"{name} uses bidirectional attention, which cannot be decoded causally")
+    layer_types = getattr(text, "layer_types", None) or []
+    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
+    if bad:
+        raise UnsupportedModelError(
+            f"{name} has layer types {bad}; the paged cache supports {list(SUPPORTED_LAYER_TYPES)} only"
+        )
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV between layers, which the paged cache does not support")
+    if not model._can_set_attn_implementation():
+        raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
+    layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
+    if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
+        raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
+
+
+def params_from_kwargs(
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> SamplingParams:
+    """SamplingParams from transformers-style values (eos_token_id an int or a list)."""
+    if eos_token_id is None:
+        eos: tuple[int, ...] = ()
+    elif isinstance(eos_token_id, int):
+        eos = (eos_token_id,)
+    else:
+        eos = tuple(eos_token_id)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        do_sample=bool(do_sample),
+        temperature=float(temperature),
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_ids=eos,
+    )
+
+
+@dataclass
+class EngineStats:
+    """Counters of an engine since it was built.
+
+    Attributes:
+        num_steps: forwards run.
+        num_prompt_tokens_computed: prompt tokens whose KV was computed (prefix-cache
+            hits are not computed; recompute after preemption is).
+        num_tokens_computed: all query tokens computed.
+        num_generated_tokens: tokens sampled.
+        num_preemptions: requests evicted for lack of blocks.
+        decode_step_seconds: wall time of steps that only decoded (one token per request).
+        decode_step_batch: the batch size of each of those steps.
+    """
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    decode_step_seconds: list[float] = field(default_factory=list)
+    decode_step_batch: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine for one model replica.
+
+    Args:
+        model: a ``transformers`` decoder-only causal LM. Its attention implementation is
+            switched to rollout's paged dispatcher until ``close()``; forwards without
+            engine metadata still run the original implementation.
+        config: engine configuration.
+        max_tokens_hint: when ``config.num_blocks`` is None, the cache holds at most this
+            many tokens (the whole job of ``generate_batch``), memory permitting.
+
+    Raises:
+        UnsupportedModelError: the model cannot be paged (see ``check_model_supported``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: ContinuousBatchingConfig | None = None,
+        max_tokens_hint: int | None = None,
+    ) -> None:
+        check_model_supported(model)
+        self.model = model
+        self.config = config or ContinuousBatchingConfig()
+        param = next(model.parameters())
+        self.device = param.device
+        dtype = param.dtype
+        dev_type = self.device.type
+        self.block_size = self.config.resolved_block_size(dev_type)
+        shape = CacheShape.from_config(model.config, dtype)
+        num_blocks = self.config.num_blocks
+        if num_blocks is None:
+            num_blocks = num_blocks_for_memory(
+                shape, self.block_size, self.device, self.config.resolved_memory_percent(dev_type)
+            )
+            if max_tokens_hint is not None:
+                num_blocks = min(num_blocks, -(-max_tokens_hint // self.block_size) + 1)
+        self.num_blocks = num_blocks
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
+        if self.use_flash and self.block_size % 256 != 0:
+            logger.warning("flash-attn paged kernels need block_size % 256 == 0; using the SDPA path")
+            self.use_flash = False
+        self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.resolved_max_batch_tokens(dev_type),
+            self.config.max_requests_per_batch,
+            self.config.scheduler_type,
+            self.config.resolved_safety_margin(),
+        )
+        self.generator = torch.Generator(device="cpu")
+        if self.config.seed is not None:
+            self.generator.manual_seed(self.config.seed)
+        else:
+            self.generator.seed()
+        self.weight_version = 0
+        self.runner = ModelRunner(model, self.cache, self.use_flash)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._arrivals = 0
+        self._original_attn = enable_paged_attention(model)
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+    def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> None:
+        """Raise ValueError (naming the argument) if the request can never run; changes nothing.
+
+        Raises:
+            ValueError: empty prompt, a token id outside [0, vocab_size), invalid
+                sampling values, a duplicate request id, or a prompt plus max_new_tokens
+                that can never fit the cache.
+        """
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+            raise ValueError(f"input_ids of request {request_id!r} must be a non-empty list of token ids")
+        for tok in prompt_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                raise ValueError(
+                    f"input_ids of request {request_id!r} hold token id {tok!r} outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        params.validate(self.vocab_size)
+        needed = self.block_manager.blocks_needed(len(prompt_ids) + params.max_new_tokens)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache has "
+                f"{self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
+            )
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+    ) -> Request:
+        """Validate and queue a request; returns its state object."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self.validate_request(prompt_ids, params, request_id)
+        if request_id is None:
+            request_id = f"req_{self._arrivals}"
+            while request_id in self.requests:
+                request_id += "_"
+        req = Request(request_id, list(prompt_ids), params, record_timestamps, self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
+        """End a request with a final status (cancel, fail), freeing its blocks. None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req)
+        req.status = status
+        req.error = error
+        if status == RequestStatus.CANCELLED:
+            req.finish_reason = "cancelled"
+        elif status == RequestStatus.FAILED:
+            req.finish_reason = "error"
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ weights
+    def bump_weight_version(self) -> int:
+        """Record a weight update: blocks hashed from now on carry the new version."""
+        self.weight_version += 1
+        self.scheduler.weight_version = self.weight_version
+        return self.weight_version
+
+    def recompute_in_flight(self) -> None:
+        """Drop the KV of every running request so it is re-prefilled under the current weights."""
+        sched = self.scheduler
+        for req in list(reversed(sched.running)):
+            sched.running.remove(req)
+            sched._release_blocks(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PENDING
+            sched.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[Request]:
+        """Run one engine step.
+
+        Returns:
+            The requests that got a new token this step (finished ones included, with
+            status FINISHED and their blocks freed).
+
+        Raises:
+            Whatever the forward raises; blocks hashed for this step are dropped from the
+            prefix cache first, since their KV may be incomplete.
+        """
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.run(out.scheduled)
+        except BaseException:
+            for entry in out.scheduled:
+                self.block_manager.uncache(entry.request.block_table)
+            raise
+        updated = self._postprocess(out.scheduled, logits)
+        elapsed = time.perf_counter() - t0
+        self.stats.num_steps += 1
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if all(e.num_query_tokens == 1 and e.sample for e in out.scheduled):
+            self.stats.decode_step_seconds.append(elapsed)
+            self.stats.decode_step_batch.append(len(out.scheduled))
+        return updated
+
+    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[Request]:
+        sampled: list[Request] = []
+        for entry in scheduled:
+            req, n = entry.request, entry.num_query_tokens
+            c = req.num_computed_tokens
+            self.stats.num_prompt_tokens_computed += max(0, min(c + n, req.num_prompt_tokens) - c)
+            self.stats.num_tokens_computed += n
+            req.num_computed_tokens = c + n
+            if entry.sample:
+                sampled.append(req)
+        if not sampled:
+            return []
+        tokens, logprobs = sample_tokens(
+            logits,
+            [r.params for r in sampled],
+            [r.generator for r in sampled],
+            self.generator,
+            self.config.logprobs_mode,
+            self.config.return_logprobs,
+        )
+        tok_list = tokens.tolist()
+        lp_list = logprobs.tolist() if logprobs is not None else [None] * len(sampled)
+        for req, tok, lp in zip(sampled, tok_list, lp_list):
+            req.append_token(tok, lp, self.weight_version)
+            self.stats.num_generated_tokens += 1
+            if req.done:
+                req.status = RequestStatus.FINISHED
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req)
+            else:
+                req.status = RequestStatus.DECODING
+        return sampled
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Restore the model's original attention implementation. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            restore_attention(self.model, self._original_attn)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

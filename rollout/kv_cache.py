@@ -1,0 +1,108 @@
+"""The paged K/V tensors of every attention layer, and their sizing from free memory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one token of KV costs: layers, KV heads, head dim, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> CacheShape:
+        """Read the KV shape of a decoder-only model's (text) config."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of a device in bytes: ``torch.cuda.mem_get_info`` on CUDA, psutil's available RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def num_blocks_for_memory(shape: CacheShape, block_size: int, device: torch.device, memory_percent: float) -> int:
+    """Blocks that fit in ``memory_percent`` of the device's free memory (at least 1)."""
+    budget = free_memory_bytes(device) * memory_percent
+    per_block = shape.bytes_per_token * block_size
+    return max(1, int(budget // per_block))
+
+
+class PagedKVCache:
+    """Per-layer key and value tensors of the paged cache.
+
+    Each layer holds ``key[layer]`` and ``value[layer]`` of shape
+    ``[num_blocks * block_size, num_kv_heads, head_dim]``: one row per slot, where
+    slot = block_id * block_size + offset in block. The tensors are allocated with
+    ``torch.empty``: on CPU the pages are only touched as blocks are first written.
+
+    Args:
+        shape: layers, KV heads, head dim and dtype.
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        device: where the tensors live.
+    """
+
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        num_slots = num_blocks * block_size
+        self.key = [
+            torch.empty(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.value = [
+            torch.empty(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        logger.info(
+            "paged KV cache: %d blocks x %d tokens, %.3f GiB on %s",
+            num_blocks,
+            block_size,
+            self.size_bytes / GIB,
+            device,
+        )
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of all K and V tensors."""
+        return self.shape.bytes_per_token * self.num_blocks * self.block_size
+
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the step's new keys and values.
+
+        Args:
+            layer_idx: the layer.
+            slot_mapping: int64 [T]; the slot of each query token.
+            key, value: [T, num_kv_heads, head_dim] in the cache's dtype.
+        """
+        self.key[layer_idx].index_copy_(0, slot_mapping, key)
+        self.value[layer_idx].index_copy_(0, slot_mapping, value)

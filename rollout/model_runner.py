@@ -1,0 +1,148 @@
+"""Turns a scheduled step into one flattened forward of the model and returns the logits to sample."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
+from .kv_cache import PagedKVCache
+from .scheduler import ScheduledRequest
+
+
+def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..lengths_max-1 of each sequence.
+
+    Args:
+        block_tables: int64 [B, max_blocks]; row b lists the physical blocks of sequence b.
+        lengths_max: positions to map per row.
+        block_size: tokens per block.
+
+    Returns:
+        int64 [B, lengths_max]: block_tables[b, pos // block_size] * block_size + pos % block_size.
+        Positions past a row's blocks map to slots of block 0: callers mask them.
+    """
+    pos = torch.arange(lengths_max, device=block_tables.device)
+    blocks = block_tables[:, pos // block_size]
+    return blocks * block_size + (pos % block_size)[None, :]
+
+
+class ModelRunner:
+    """Runs the model on a flattened variable-length batch through the paged cache.
+
+    The batch of a step is one sequence of T query tokens, ``input_ids`` [1, T] and
+    ``position_ids`` [1, T] (each token's position in its own request). Only the rows
+    whose logits are sampled go through the LM head (``logits_to_keep``).
+
+    Args:
+        model: a ``transformers`` causal LM whose attention is the paged dispatcher.
+        cache: the paged KV cache.
+        use_flash: build flash-attn varlen metadata (CUDA) instead of the SDPA path.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, use_flash: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.block_size = cache.block_size
+        self.use_flash = use_flash
+        params = inspect.signature(model.forward).parameters
+        self.supports_logits_to_keep = "logits_to_keep" in params
+        # A prepared 4D mask makes transformers skip building its own masks: the
+        # paged attention masks each request itself.
+        self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor]:
+        """Build the model inputs and the attention metadata of a step.
+
+        Returns:
+            The forward kwargs, and int64 [S]: rows of the sampled requests' last query tokens.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        for entry in scheduled:
+            req, n = entry.request, entry.num_query_tokens
+            c = req.num_computed_tokens
+            start = len(input_ids)
+            input_ids.extend(req.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            if entry.sample:
+                logits_rows.append(start + n - 1)
+            if n == 1:
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lengths.append(c + 1)
+            else:
+                prefill_specs.append((start, start + n, c, table))
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+        flash = self._flash_metadata(scheduled) if self.use_flash else None
+        d_rows = d_gather = d_lengths = None
+        prefills: list[PrefillSegment] = []
+        if flash is None:
+            if decode_rows:
+                d_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
+                d_lengths = torch.tensor(decode_lengths, dtype=torch.int64, device=dev)
+                d_gather = slots_of(_padded(decode_tables, dev), max(decode_lengths), bs)
+            for start, end, c, table in prefill_specs:
+                gather = None
+                if c > 0:
+                    gather = slots_of(torch.tensor([table], dtype=torch.int64, device=dev), c + end - start, bs)[0]
+                prefills.append(PrefillSegment(start, end, c, gather))
+        meta = PagedAttentionMetadata(self.cache, slot_mapping, d_rows, d_gather, d_lengths, prefills, flash)
+        kwargs = {
+            "input_ids": torch.tensor([input_ids], dtype=torch.int64, device=dev),
+            "position_ids": torch.tensor([positions], dtype=torch.int64, device=dev),
+            "attention_mask": self._skip_mask,
+            "use_cache": False,
+            METADATA_KWARG: meta,
+        }
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=dev)
+        if self.supports_logits_to_keep:
+            kwargs["logits_to_keep"] = rows
+        return kwargs, rows
+
+    def _flash_metadata(self, scheduled: Sequence[ScheduledRequest]) -> dict:  # pragma: no cover - CUDA only
+        q_lens = [e.num_query_tokens for e in scheduled]
+        k_lens = [e.request.num_computed_tokens + e.num_query_tokens for e in scheduled]
+        dev = self.device
+        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0] + k_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
+        table = _padded([e.request.block_table for e in scheduled], dev).to(torch.int32)
+        return {
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_k": cu_k,
+            "max_seqlen_q": max(q_lens),
+            "max_seqlen_k": max(k_lens),
+            "block_table": table,
+        }
+
+    @torch.inference_mode()
+    def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """One forward of the step.
+
+        Returns:
+            float32 [S, V]: logits of the last query token of each sampled request, in batch order.
+        """
+        kwargs, rows = self.prepare(scheduled)
+        out = self.model(**kwargs)
+        logits = out.logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits.index_select(0, rows)
+        return logits.float()

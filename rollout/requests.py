@@ -1,0 +1,222 @@
+"""Requests: their status, their sampling parameters, their engine-side state, and their output."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestStatus(enum.Enum):
+    """Life cycle of a request, named as in ``transformers``' continuous batching."""
+
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        """True for FINISHED, FAILED and CANCELLED."""
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters.
+
+    Attributes:
+        max_new_tokens: most tokens to generate (>= 1).
+        do_sample: False means greedy decoding, whatever the temperature.
+        temperature: > 0 to sample; 0 means greedy.
+        top_k: keep the k most likely tokens (None or 0: all).
+        top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
+        seed: seed of this request's own generator; the completion then does not depend
+            on the other requests of the batch.
+        eos_token_ids: token ids that end the request (the stop token is kept in the output).
+    """
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token at every step."""
+        return (not self.do_sample) or self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field when a value is out of its allowed range."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be None or an int >= 0, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        for tok in self.eos_token_ids:
+            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {self.eos_token_ids!r}")
+
+
+@dataclass
+class GenerationOutput:
+    """The result (or a streamed snapshot) of one request.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_ids: the prompt's token ids.
+        generated_tokens: the generated token ids, the stop token included when one ended it.
+        logprobs: one float per generated token when logprobs were asked for, else empty.
+        status: the request's status when this output was taken.
+        error: the error message of a FAILED or CANCELLED request, else None.
+        timestamps: ``time.perf_counter()`` seconds at which each token was generated,
+            when timestamps were asked for, else empty.
+        weight_versions: the engine's weight version under which each token was sampled.
+        finish_reason: "stop" (a stop token), "length" (max_new_tokens), "cancelled",
+            "error", or None while the request runs.
+        created_time: ``time.perf_counter()`` seconds when the request was added.
+        num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    timestamps: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    created_time: float = 0.0
+    num_cached_prompt_tokens: int = 0
+
+    def is_finished(self) -> bool:
+        """True once the request reached a final status."""
+        return self.status.is_final
+
+
+class Request:
+    """Engine-side state of one sequence.
+
+    The scheduling rule is vLLM v1's: ``num_computed_tokens`` (tokens whose KV is
+    in the cache) catches up with ``num_tokens`` (prompt plus generated tokens).
+    A step that brings it level samples one new token. Chunked prefill, prefix-cache
+    hits and recompute after preemption are all instances of that one rule.
+
+    Attributes:
+        request_id: unique id.
+        prompt_ids: prompt token ids.
+        params: sampling parameters.
+        token_ids: prompt followed by the generated tokens.
+        num_computed_tokens: tokens whose KV is in this request's blocks.
+        block_table: physical block ids, in sequence order.
+        block_hashes: prefix-cache hashes of the request's full blocks, in order.
+        generator: this request's own torch.Generator when it has a seed.
+        admit_order: increasing counter set at each admission (preemption evicts the largest).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        record_timestamps: bool = False,
+        arrival_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.record_timestamps = record_timestamps
+        self.arrival_index = arrival_index
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.PENDING
+        self.generated_logprobs: list[float] = []
+        self.timestamps: list[float] = []
+        self.weight_versions: list[int] = []
+        self.error: str | None = None
+        self.finish_reason: str | None = None
+        self.created_time = time.perf_counter()
+        self.admit_order = -1
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and params.do_sample:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    def append_token(self, token: int, logprob: float | None, weight_version: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.token_ids.append(token)
+        if logprob is not None:
+            self.generated_logprobs.append(logprob)
+        self.weight_versions.append(weight_version)
+        if self.record_timestamps:
+            self.timestamps.append(time.perf_counter())
+        if token in self.params.eos_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_generated_tokens >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_output(self) -> GenerationOutput:
+        """A snapshot that never changes after it is returned."""
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=self.generated_tokens,
+            logprobs=list(self.generated_logprobs),
+            status=self.status,
+            error=self.error,
+            timestamps=list(self.timestamps),
+            weight_versions=list(self.weight_versions),
+            finish_reason=self.finish_reason,
+            created_time=self.created_time,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+
+def copy_output(output: GenerationOutput) -> GenerationOutput:
+    """Deep copy of an output, for handing the same result to several readers."""
+    return copy.deepcopy(output)
