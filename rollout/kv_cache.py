@@ -59,8 +59,9 @@ class PagedKVCache:
 
     Each layer holds ``key[layer]`` and ``value[layer]`` of shape
     ``[num_blocks * block_size, num_kv_heads, head_dim]``: one row per slot, where
-    slot = block_id * block_size + offset in block. The tensors are allocated with
-    ``torch.empty``: on CPU the pages are only touched as blocks are first written.
+    slot = block_id * block_size + offset in block. The tensors start zeroed: padded
+    gathers read slots that hold no token, and masked garbage (NaN * 0) would still
+    poison the attention output. On CPU zeroed pages are only touched when written.
 
     Args:
         shape: layers, KV heads, head dim and dtype.
@@ -76,11 +77,11 @@ class PagedKVCache:
         self.device = device
         num_slots = num_blocks * block_size
         self.key = [
-            torch.empty(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
         self.value = [
-            torch.empty(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
             for _ in range(shape.num_layers)
         ]
         logger.info(

@@ -1,0 +1,213 @@
+"""generate_batch against transformers on tiny models: greedy parity, logprobs, caching, preemption, chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from rollout import ContinuousBatchingConfig, Engine, SamplingParams, generate_batch
+from tests.tiny_models import ALL_TINY_MODELS, EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama, tiny_mistral
+from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
+
+MAX_NEW = 12
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TINY_MODELS))
+def test_greedy_matches_generate_and_logprobs_match_teacher_forcing(name: str) -> None:
+    model = ALL_TINY_MODELS[name]()
+    prompts = random_prompts(8, VOCAB_SIZE, min_len=3, max_len=40, seed=1)
+    outputs = generate_batch(
+        model,
+        prompts,
+        GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False),
+        ContinuousBatchingConfig(block_size=4, return_logprobs=True, logprobs_mode="raw"),
+    )
+    assert list(outputs) == [f"req_{i}" for i in range(8)]
+    assert model.config._attn_implementation == "sdpa"
+    for prompt, out in zip(prompts, outputs.values()):
+        assert out.prompt_ids == prompt
+        assert out.generated_tokens == reference_greedy(model, prompt, MAX_NEW, EOS_TOKEN_ID)
+        assert len(out.logprobs) == len(out.generated_tokens)
+        assert_close(out.logprobs, teacher_forced_logprobs(model, prompt, out.generated_tokens), atol=1e-4)
+
+
+def test_sliding_window_is_applied_not_ignored() -> None:
+    # Same weights, window 8 vs no window: the engine must follow the model it is given.
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=20, max_len=30, seed=2)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    windowed = generate_batch(tiny_mistral(sliding_window=8), prompts, gc, ContinuousBatchingConfig(block_size=4))
+    full = generate_batch(tiny_mistral(sliding_window=None), prompts, gc, ContinuousBatchingConfig(block_size=4))
+    assert [o.generated_tokens for o in windowed.values()] != [o.generated_tokens for o in full.values()]
+
+
+def _greedy_engine(model, prompts, config: ContinuousBatchingConfig, max_new: int = MAX_NEW) -> tuple[Engine, dict]:
+    engine = Engine(model, config)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=max_new), request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return engine, {rid: outputs[rid].generated_tokens for rid in sorted(outputs)}
+
+
+def test_prefix_caching_on_off_same_outputs_and_shared_prefix_computed_once() -> None:
+    model = tiny_llama()
+    prefix = random_prompts(1, VOCAB_SIZE, min_len=24, max_len=24, seed=3)[0]  # 6 full blocks of 4
+    suffixes = random_prompts(4, VOCAB_SIZE, min_len=3, max_len=9, seed=4)
+    prompts = [prefix + s for s in suffixes]
+    on, out_on = _greedy_engine(model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=64))
+    off, out_off = _greedy_engine(
+        model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=64, allow_block_sharing=False)
+    )
+    assert out_on == out_off
+    total = sum(len(p) for p in prompts)
+    assert off.stats.num_prompt_tokens_computed == total
+    # The first request computes the prefix; the 3 others find its 6 blocks in the cache.
+    assert on.stats.num_prompt_tokens_computed == total - 3 * 24
+
+
+def test_group_samples_share_prompt_blocks() -> None:
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=18, max_len=18, seed=5)[0]
+    G = 8
+    engine = Engine(model, ContinuousBatchingConfig(block_size=4, num_blocks=128, seed=0))
+    try:
+        for g in range(G):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=6, do_sample=True, seed=g), request_id=f"s{g}")
+        engine.step()
+        # All G admitted in one step; they share the prompt's 4 full blocks (16 tokens).
+        shared = engine.scheduler.running[0].block_table[:4]
+        assert all(r.block_table[:4] == shared for r in engine.scheduler.running)
+        assert [engine.block_manager.blocks[b].ref_count for b in shared] == [G] * 4
+        run_engine(engine)
+    finally:
+        engine.close()
+    # 18 tokens once, then 2 tokens (the partial last block) for each of the 7 others.
+    assert engine.stats.num_prompt_tokens_computed == 18 + (G - 1) * 2
+
+
+def test_preemption_and_chunked_prefill_give_unconstrained_outputs() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(8, VOCAB_SIZE, min_len=10, max_len=30, seed=6)
+    _, reference = _greedy_engine(model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=256), max_new=16)
+    tight, tight_out = _greedy_engine(
+        model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=14, safety_margin=0.0), max_new=16
+    )
+    assert tight.stats.num_preemptions > 0
+    assert tight_out == reference
+    chunked, chunked_out = _greedy_engine(
+        model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=256, max_batch_tokens=16), max_new=16
+    )
+    assert chunked_out == reference
+    # Every prompt longer than 16 tokens needed more than one step.
+    assert chunked.stats.num_steps > sum(-(-len(p) // 16) for p in prompts[:1])
+
+
+@pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
+def test_scheduler_policies_match_generate(scheduler_type: str) -> None:
+    model = tiny_llama()
+    prompts = random_prompts(6, VOCAB_SIZE, min_len=5, max_len=25, seed=7)
+    _, out = _greedy_engine(
+        model, prompts, ContinuousBatchingConfig(block_size=8, num_blocks=64, scheduler_type=scheduler_type, max_batch_tokens=32)
+    )
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == reference_greedy(model, p, MAX_NEW, None)
+
+
+def _sample_alone_and_in_crowd(params: SamplingParams) -> tuple[list[int], list[int]]:
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=9, max_len=9, seed=8)[0]
+    others = random_prompts(15, VOCAB_SIZE, min_len=3, max_len=30, seed=9)
+    cfg = ContinuousBatchingConfig(block_size=4, num_blocks=256)
+    alone = Engine(model, cfg)
+    alone.add_request(prompt, params, request_id="me")
+    alone_out = run_engine(alone)["me"].generated_tokens
+    alone.close()
+    crowd = Engine(model, cfg)
+    for i, p in enumerate(others[:7]):
+        crowd.add_request(p, SamplingParams(max_new_tokens=10, do_sample=True, temperature=1.3), request_id=f"o{i}")
+    crowd.add_request(prompt, params, request_id="me")
+    for i, p in enumerate(others[7:]):
+        crowd.add_request(p, SamplingParams(max_new_tokens=5, do_sample=True, top_k=5), request_id=f"p{i}")
+    crowd_out = run_engine(crowd)["me"].generated_tokens
+    crowd.close()
+    return alone_out, crowd_out
+
+
+def test_same_seed_same_completion_alone_or_among_15_others() -> None:
+    params = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.0, top_p=0.95, seed=1234)
+    alone, crowd = _sample_alone_and_in_crowd(params)
+    assert alone == crowd
+    other_seed, _ = _sample_alone_and_in_crowd(
+        SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.0, top_p=0.95, seed=99)
+    )
+    assert other_seed != alone  # the seed matters
+
+
+def test_top_k_1_equals_greedy() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=3, max_len=20, seed=10)
+    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=True, top_k=1, temperature=0.8)
+    out = generate_batch(model, prompts, gc, ContinuousBatchingConfig(block_size=4, seed=0))
+    for p, o in zip(prompts, out.values()):
+        assert o.generated_tokens == reference_greedy(model, p, MAX_NEW, EOS_TOKEN_ID)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_temperature_logprobs_match_teacher_forced_forward(temperature: float) -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=3, max_len=20, seed=11)
+    gc = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=temperature)
+    cfg = ContinuousBatchingConfig(block_size=4, seed=3, return_logprobs=True, logprobs_mode="temperature")
+    out = generate_batch(model, prompts, gc, cfg)
+    for p, o in zip(prompts, out.values()):
+        assert_close(o.logprobs, teacher_forced_logprobs(model, p, o.generated_tokens, temperature), atol=1e-4)
+
+
+def test_num_return_sequences_groups_samples_in_input_order() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(3, VOCAB_SIZE, min_len=5, max_len=12, seed=12)
+    gc = GenerationConfig(max_new_tokens=5, do_sample=True, num_return_sequences=4)
+    out = generate_batch(model, prompts, gc, ContinuousBatchingConfig(block_size=4, seed=0))
+    assert list(out) == [f"req_{i}_{g}" for i in range(3) for g in range(4)]
+    for i, p in enumerate(prompts):
+        assert all(out[f"req_{i}_{g}"].prompt_ids == p for g in range(4))
+    # Seeded per sample: the same call gives the same batch.
+    again = generate_batch(model, prompts, gc, ContinuousBatchingConfig(block_size=4, seed=0))
+    assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in out.values()]
+
+
+def test_eos_list_and_timestamps() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=3, max_len=10, seed=13)
+    free = generate_batch(model, prompts, GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None))
+    # Stop on the third token each prompt produced: every output ends there.
+    stops = sorted({o.generated_tokens[2] for o in free.values()})
+    out = generate_batch(
+        model, prompts, GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=stops), record_timestamps=True
+    )
+    for o, f in zip(out.values(), free.values()):
+        n = next(i for i, t in enumerate(f.generated_tokens) if t in stops) + 1
+        assert o.generated_tokens == f.generated_tokens[:n]
+        assert o.finish_reason == "stop"
+        assert len(o.timestamps) == n and o.timestamps == sorted(o.timestamps)
+
+
+def test_progress_bar_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_llama()
+    out = generate_batch(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=3), progress_bar=True)
+    assert len(out["req_0"].generated_tokens) <= 3
+    assert "generate_batch" in capsys.readouterr().err
+
+
+def test_empty_inputs_give_empty_dict() -> None:
+    assert generate_batch(tiny_llama(), []) == {}
+
+
+def test_cpu_fp32_default_block_size() -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(num_blocks=4))
+    assert engine.block_size == 32 and engine.cache.key[0].shape == (4 * 32, 2, 16)
+    assert engine.cache.key[0].dtype == torch.float32
+    engine.close()
