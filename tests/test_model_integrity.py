@@ -1,0 +1,149 @@
+"""The engine shares the trainer's model object: training forwards must be unchanged, bad input refused early."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from rollout import ContinuousBatchingConfig, Engine, UnsupportedModelError, generate_batch
+from tests.tiny_models import ALL_TINY_MODELS, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
+
+
+def _training_step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of one padded causal-LM batch (right padding exercises the mask)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB_SIZE, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    mask[2, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_training_step_after_generate_batch_equals_fresh_copy(name: str) -> None:
+    model = ALL_TINY_MODELS[name]()
+    fresh = copy.deepcopy(model)
+    generate_batch(model, random_prompts(4, VOCAB_SIZE, 5, 20, seed=1), GenerationConfig(max_new_tokens=6))
+    loss, grads = _training_step(model)
+    ref_loss, ref_grads = _training_step(fresh)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_training_forward_while_engine_attached_equals_fresh_copy() -> None:
+    # A persistent engine keeps the paged dispatcher installed; plain forwards must fall through.
+    model = tiny_gemma()
+    fresh = copy.deepcopy(model)
+    engine = Engine(model, ContinuousBatchingConfig(block_size=4, num_blocks=16))
+    assert model.config._attn_implementation.startswith("rollout_paged|")
+    loss, grads = _training_step(model)
+    ref_loss, ref_grads = _training_step(fresh)
+    engine.close()
+    assert torch.equal(loss, ref_loss)
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_attention_restored_after_generate_batch_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama()
+    fresh = copy.deepcopy(model)
+
+    def broken_step(self):  # noqa: ANN001
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(Engine, "step", broken_step)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        generate_batch(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=3))
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(_training_step(model)[0], _training_step(fresh)[0])
+
+
+def test_eager_model_keeps_its_eager_attention() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).eval()
+    fresh = copy.deepcopy(model)
+    out = generate_batch(model, [[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
+    assert len(out["req_0"].generated_tokens) == 4
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(_training_step(model)[0], _training_step(fresh)[0])
+
+
+# ---------------------------------------------------------------- bad input
+GC = GenerationConfig(max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "match"),
+    [
+        ([[5, 6], []], "non-empty"),
+        ([[5, 6], [5, VOCAB_SIZE]], r"outside the vocabulary \[0, 256\)"),
+        ([[5, 6], [-1, 4]], "outside the vocabulary"),
+        ([[5, 6], "abc"], "non-empty list of token ids"),
+    ],
+)
+def test_bad_prompts_raise_before_generation(inputs, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama()
+    calls = []
+    monkeypatch.setattr(Engine, "step", lambda self: calls.append(1) or [])
+    with pytest.raises(ValueError, match=match):
+        generate_batch(model, inputs, GC)
+    assert calls == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_max_new_tokens_below_one_raises() -> None:
+    gc = GenerationConfig()
+    gc.max_new_tokens = 0  # GenerationConfig refuses 0 in its constructor; set it afterwards
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_batch(tiny_llama(), [[5, 6]], gc)
+
+
+def test_request_that_can_never_fit_the_cache_raises() -> None:
+    with pytest.raises(ValueError, match="needs 5 blocks of 4 tokens, but the cache has 4"):
+        generate_batch(
+            tiny_llama(), [[5, 6, 7]], GenerationConfig(max_new_tokens=15), ContinuousBatchingConfig(block_size=4, num_blocks=4)
+        )
+
+
+def test_encoder_only_model_is_refused() -> None:
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    with pytest.raises(UnsupportedModelError, match="not a causal language model"):
+        generate_batch(BertForMaskedLM(config), [[5, 6]], GC)
+
+
+def test_unpageable_attention_kinds_are_refused() -> None:
+    model = tiny_llama()
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        generate_batch(model, [[5, 6]], GC)
+    bidirectional = tiny_gemma()
+    bidirectional.config.use_bidirectional_attention = True
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        generate_batch(bidirectional, [[5, 6]], GC)
+
+
+def test_duplicate_request_id_is_refused() -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(block_size=4, num_blocks=16))
+    from rollout import SamplingParams
+
+    engine.add_request([5, 6], SamplingParams(max_new_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="request_id 'a' is already in use"):
+        engine.add_request([5, 6], SamplingParams(max_new_tokens=2), request_id="a")
+    engine.close()
