@@ -20,7 +20,7 @@ from .attention import enable_paged_attention, flash_attn_available, restore_att
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
 from .kv_cache import CacheShape, PagedKVCache, num_blocks_for_memory
-from .model_runner import ModelRunner
+from .model_runner import LogitsPlan, ModelRunner
 from .requests import Request, RequestStatus, SamplingParams
 from .sampling import sample_tokens
 from .scheduler import ScheduledRequest, Scheduler
@@ -225,16 +225,40 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         record_timestamps: bool = False,
+        score_from: int | None = None,
+        score_temperature: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; returns its state object."""
+        """Validate and queue a request; returns its state object.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            params: sampling parameters.
+            request_id: unique id (default ``req_<n>``).
+            record_timestamps: record a timestamp per generated token.
+            score_from: make this a scoring request: no token is generated, and the
+                logprobs of ``prompt_ids[score_from:]`` are recorded in
+                ``prompt_logprobs`` (1 <= score_from <= len(prompt_ids)).
+            score_temperature: logits are divided by this before the log-softmax (> 0).
+
+        Raises:
+            ValueError: see ``validate_request``; or score_from / score_temperature out of range.
+            RuntimeError: the engine is closed.
+        """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if score_from is not None:
+            if isinstance(score_from, bool) or not isinstance(score_from, int) or not 1 <= score_from <= len(prompt_ids):
+                raise ValueError(f"score_from must be an int in [1, {len(prompt_ids)}], got {score_from!r}")
+            if not score_temperature > 0:
+                raise ValueError(f"score_temperature must be > 0, got {score_temperature!r}")
         self.validate_request(prompt_ids, params, request_id)
         if request_id is None:
             request_id = f"req_{self._arrivals}"
             while request_id in self.requests:
                 request_id += "_"
-        req = Request(request_id, list(prompt_ids), params, record_timestamps, self._arrivals)
+        req = Request(
+            request_id, list(prompt_ids), params, record_timestamps, self._arrivals, score_from, score_temperature
+        )
         self._arrivals += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
@@ -291,12 +315,12 @@ class Engine:
             return []
         t0 = time.perf_counter()
         try:
-            logits = self.runner.run(out.scheduled)
+            logits, plan = self.runner.run(out.scheduled)
         except BaseException:
             for entry in out.scheduled:
                 self.block_manager.uncache(entry.request.block_table)
             raise
-        updated = self._postprocess(out.scheduled, logits)
+        updated = self._postprocess(out.scheduled, logits, plan)
         elapsed = time.perf_counter() - t0
         self.stats.num_steps += 1
         self.stats.num_preemptions = self.scheduler.num_preemptions
@@ -305,8 +329,9 @@ class Engine:
             self.stats.decode_step_batch.append(len(out.scheduled))
         return updated
 
-    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[Request]:
+    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, plan: LogitsPlan) -> list[Request]:
         sampled: list[Request] = []
+        scored: list[Request] = []
         for entry in scheduled:
             req, n = entry.request, entry.num_query_tokens
             c = req.num_computed_tokens
@@ -315,10 +340,19 @@ class Engine:
             req.num_computed_tokens = c + n
             if entry.sample:
                 sampled.append(req)
+            elif req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                scored.append(req)
+        if plan.score_segments:
+            self._record_scores(logits[plan.num_sample_rows :], plan)
+        for req in scored:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "length"
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req)
         if not sampled:
-            return []
+            return scored
         tokens, logprobs = sample_tokens(
-            logits,
+            logits[: plan.num_sample_rows],
             [r.params for r in sampled],
             [r.generator for r in sampled],
             self.generator,
@@ -336,7 +370,20 @@ class Engine:
                 self.scheduler.finish(req)
             else:
                 req.status = RequestStatus.DECODING
-        return sampled
+        return sampled + scored
+
+    def _record_scores(self, logits: torch.Tensor, plan: LogitsPlan) -> None:
+        targets = torch.tensor(plan.score_targets, dtype=torch.int64, device=logits.device)
+        temps = torch.tensor(
+            [req.score_temperature for req, count in plan.score_segments for _ in range(count)],
+            dtype=torch.float32,
+            device=logits.device,
+        )
+        lp = torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        i = 0
+        for req, count in plan.score_segments:
+            req.prompt_logprobs.extend(lp[i : i + count])
+            i += count
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import PagedKVCache
+from .requests import Request
 from .scheduler import ScheduledRequest
+
+
+@dataclass
+class LogitsPlan:
+    """Which rows of a step's logits are for what.
+
+    The first ``num_sample_rows`` rows are the last query token of each sampled
+    request, in batch order. The rest are scored positions of scoring requests:
+    row ``num_sample_rows + j`` predicts ``score_targets[j]``; ``score_segments``
+    says, in order, how many of those rows belong to which request.
+    """
+
+    num_sample_rows: int = 0
+    score_targets: list[int] = field(default_factory=list)
+    score_segments: list[tuple[Request, int]] = field(default_factory=list)
 
 
 def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -59,17 +76,20 @@ class ModelRunner:
         # paged attention masks each request itself.
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor]:
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
         """Build the model inputs and the attention metadata of a step.
 
         Returns:
-            The forward kwargs, and int64 [S]: rows of the sampled requests' last query tokens.
+            The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
+            requests' last query tokens, then scored positions); and the plan of those rows.
         """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        score_rows: list[int] = []
+        plan = LogitsPlan()
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
@@ -84,6 +104,13 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if entry.sample:
                 logits_rows.append(start + n - 1)
+            if req.score_from is not None:
+                # Position p's logits predict token p + 1.
+                lo, hi = max(c, req.score_from - 1), min(c + n, req.num_tokens - 1)
+                if hi > lo:
+                    score_rows.extend(range(start + lo - c, start + hi - c))
+                    plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+                    plan.score_segments.append((req, hi - lo))
             if n == 1:
                 decode_rows.append(start)
                 decode_tables.append(table)
@@ -113,10 +140,11 @@ class ModelRunner:
             "use_cache": False,
             METADATA_KWARG: meta,
         }
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=dev)
+        plan.num_sample_rows = len(logits_rows)
+        rows = torch.tensor(logits_rows + score_rows, dtype=torch.int64, device=dev)
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
-        return kwargs, rows
+        return kwargs, rows, plan
 
     def _flash_metadata(self, scheduled: Sequence[ScheduledRequest]) -> dict:  # pragma: no cover - CUDA only
         q_lens = [e.num_query_tokens for e in scheduled]
@@ -134,15 +162,15 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
         """One forward of the step.
 
         Returns:
-            float32 [S, V]: logits of the last query token of each sampled request, in batch order.
+            float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
         """
-        kwargs, rows = self.prepare(scheduled)
+        kwargs, rows, plan = self.prepare(scheduled)
         out = self.model(**kwargs)
         logits = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
-        return logits.float()
+        return logits.float(), plan

@@ -89,6 +89,7 @@ class GenerationOutput:
             "error", or None while the request runs.
         created_time: ``time.perf_counter()`` seconds when the request was added.
         num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache.
+        prompt_logprobs: for scoring requests, the logprobs of the scored prompt tokens.
     """
 
     request_id: str
@@ -102,6 +103,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     created_time: float = 0.0
     num_cached_prompt_tokens: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     def is_finished(self) -> bool:
         """True once the request reached a final status."""
@@ -124,6 +126,9 @@ class Request:
         num_computed_tokens: tokens whose KV is in this request's blocks.
         block_table: physical block ids, in sequence order.
         block_hashes: prefix-cache hashes of the request's full blocks, in order.
+        score_from: for a scoring request, the index of the first token whose logprob is
+            wanted (>= 1); None for a generation request.
+        prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
         generator: this request's own torch.Generator when it has a seed.
         admit_order: increasing counter set at each admission (preemption evicts the largest).
     """
@@ -135,8 +140,15 @@ class Request:
         params: SamplingParams,
         record_timestamps: bool = False,
         arrival_index: int = 0,
+        score_from: int | None = None,
+        score_temperature: float = 1.0,
     ) -> None:
         self.request_id = request_id
+        # Scoring (prefill-only) requests: logprobs of token_ids[score_from:] under the
+        # model, no sampling; they finish when their tokens are all computed.
+        self.score_from = score_from
+        self.score_temperature = score_temperature
+        self.prompt_logprobs: list[float] = []
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.record_timestamps = record_timestamps
@@ -159,6 +171,11 @@ class Request:
         if params.seed is not None and params.do_sample:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
+
+    @property
+    def prefill_only(self) -> bool:
+        """True for scoring requests, which compute their tokens and sample nothing."""
+        return self.score_from is not None
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +225,7 @@ class Request:
             finish_reason=self.finish_reason,
             created_time=self.created_time,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            prompt_logprobs=list(self.prompt_logprobs),
         )
 
     def __repr__(self) -> str:

@@ -147,7 +147,7 @@ class Scheduler:
                 return
             if needed > 0:
                 req.block_table.extend(self.block_manager.allocate(needed))
-            chosen[id(req)] = ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+            chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, req.num_computed_tokens + n))
             self._cache_full_blocks(req, req.num_computed_tokens + n)
             budget[0] -= n
             i += 1
@@ -156,7 +156,11 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget[0] > 0 and len(chosen) < self.max_requests:
             req = self.waiting[0]
-            hits = bm.find_cached_prefix(req.token_ids, self.weight_version, req.num_tokens - 1)
+            max_hit = req.num_tokens - 1
+            if req.score_from is not None:
+                # Positions whose logits are scored must be computed, not found in the cache.
+                max_hit = min(max_hit, req.score_from - 1)
+            hits = bm.find_cached_prefix(req.token_ids, self.weight_version, max_hit)
             num_cached = len(hits) * bm.block_size
             n = min(req.num_tokens - num_cached, budget[0])
             new_blocks = bm.blocks_needed(num_cached + n) - len(hits)
@@ -176,9 +180,13 @@ class Scheduler:
             req.admit_order = self._admit_counter
             self._admit_counter += 1
             self.running.append(req)
-            chosen[id(req)] = ScheduledRequest(req, n, num_cached + n == req.num_tokens)
+            chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
             self._cache_full_blocks(req, num_cached + n)
             budget[0] -= n
+
+    @staticmethod
+    def _samples(req: Request, num_tokens_after_step: int) -> bool:
+        return num_tokens_after_step == req.num_tokens and not req.prefill_only
 
     def _preempt(self, victim: Request, chosen: dict[int, ScheduledRequest], budget: list[int], out: SchedulerOutput) -> None:
         self.running.remove(victim)

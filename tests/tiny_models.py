@@ -1,0 +1,187 @@
+"""Tiny randomly initialised decoder-only models for tests.
+
+Every builder makes its model from a config written here, under a fixed seed, so two calls give the
+same weights, and nothing is downloaded. All models are fp32, in eval mode, on CPU, and use the
+attention implementation `transformers` picks by default ("sdpa"). Shapes are the same for all:
+hidden 64, 4 query heads and 2 KV heads (grouped-query attention), head_dim 16, vocab 256,
+`max_position_embeddings` 512; bos=1, eos=2, pad=0.
+
+`initializer_range` is 0.2 rather than the usual 0.02: with the default the logits of a random model
+are almost flat, greedy decoding repeats one token, and near-ties make argmax flip under harmless
+changes of summation order. Larger weights give varied completions with clear margins.
+
+The families differ where an engine can go wrong:
+- llama: plain RoPE attention with GQA.
+- qwen2: bias on the q/k/v projections.
+- qwen3: RMSNorm on queries and keys (`q_norm`, `k_norm`).
+- mistral: one sliding window for every layer (`config.sliding_window`, no `layer_types`), shorter than
+  the test sequences.
+- gemma3 (text only): sliding and full attention layers alternating (`config.layer_types`), a
+  different RoPE base for each, scaled embeddings, `query_pre_attn_scalar`, tied embeddings.
+"""
+
+from collections.abc import Callable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB_SIZE = 256
+SEED = 0
+PAD_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+
+# Keyword arguments shared by every tiny config.
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    pad_token_id=PAD_TOKEN_ID,
+    bos_token_id=BOS_TOKEN_ID,
+    eos_token_id=EOS_TOKEN_ID,
+    tie_word_embeddings=False,
+)
+
+
+def _build(model_cls: type[PreTrainedModel], config: object, seed: int) -> PreTrainedModel:
+    """Instantiate `model_cls(config)` under `torch.manual_seed(seed)`, fp32, eval mode."""
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    # Generation defaults come from the config; make the special ids explicit there too.
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    model.generation_config.bos_token_id = BOS_TOKEN_ID
+    model.generation_config.eos_token_id = EOS_TOKEN_ID
+    return model
+
+
+def tiny_llama(seed: int = SEED) -> LlamaForCausalLM:
+    """Llama: 2 layers, full causal attention, GQA 4/2."""
+    config = LlamaConfig(**_COMMON, num_hidden_layers=2)
+    return _build(LlamaForCausalLM, config, seed)
+
+
+def tiny_qwen2(seed: int = SEED) -> Qwen2ForCausalLM:
+    """Qwen2: 2 layers, full attention, bias on q/k/v projections."""
+    config = Qwen2Config(**_COMMON, num_hidden_layers=2, use_sliding_window=False)
+    return _build(Qwen2ForCausalLM, config, seed)
+
+
+def tiny_qwen3(seed: int = SEED) -> Qwen3ForCausalLM:
+    """Qwen3: 3 layers, full attention, RMSNorm on queries and keys."""
+    config = Qwen3Config(**_COMMON, num_hidden_layers=3, use_sliding_window=False)
+    return _build(Qwen3ForCausalLM, config, seed)
+
+
+def tiny_mistral(sliding_window: int | None = 8, seed: int = SEED) -> MistralForCausalLM:
+    """Mistral: 2 layers, every layer attends to at most `sliding_window` keys.
+
+    In transformers 5.24 Mistral applies the window through `config.sliding_window` alone: the model
+    builds its mask with `create_sliding_window_causal_mask` when the value is not None, and passes
+    `sliding_window=config.sliding_window` to the attention function. There is no `layer_types`
+    (setting one only logs a warning). A query at position i sees keys i - sliding_window < j <= i,
+    that is the last `sliding_window` tokens including itself.
+
+    Args:
+        sliding_window: window length in tokens; None for full attention. The same seed gives the same
+            weights whatever the window, so two windows can be compared on one set of weights.
+        seed: torch seed for the weights.
+    """
+    config = MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=sliding_window)
+    return _build(MistralForCausalLM, config, seed)
+
+
+def tiny_gemma(sliding_window: int = 8, seed: int = SEED) -> Gemma3ForCausalLM:
+    """Gemma3 text model: 4 layers alternating sliding (window `sliding_window`) and full attention.
+
+    Layers 0 and 2 are `"sliding_attention"`, layers 1 and 3 `"full_attention"`, each with its own
+    RoPE base (10,000 local, 1,000,000 global). The attention scale is `query_pre_attn_scalar ** -0.5`
+    (set to head_dim here), embeddings are scaled by sqrt(hidden_size) and tied to the LM head.
+
+    Args:
+        sliding_window: window length of the sliding layers, in tokens.
+        seed: torch seed for the weights.
+    """
+    common = dict(_COMMON)
+    config = Gemma3TextConfig(
+        **common,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=16,
+    )
+    return _build(Gemma3ForCausalLM, config, seed)
+
+
+ALL_TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {
+    "llama": tiny_llama,
+    "qwen2": tiny_qwen2,
+    "qwen3": tiny_qwen3,
+    "mistral": tiny_mistral,
+    "gemma": tiny_gemma,
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer matching the tiny models' vocabulary: "<pad>"=0, "<s>"=1, "</s>"=2, "t3".."t255".
+
+    Text is split on whitespace, so `tokenizer("t5 t7").input_ids == [5, 7]`, and decoding joins
+    tokens with spaces. Unknown words map to "<pad>". It has no chat template.
+    """
+    vocab = {"<pad>": PAD_TOKEN_ID, "<s>": BOS_TOKEN_ID, "</s>": EOS_TOKEN_ID}
+    vocab.update({f"t{i}": i for i in range(3, VOCAB_SIZE)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def random_prompts(
+    n: int,
+    vocab_size: int = VOCAB_SIZE,
+    min_len: int = 4,
+    max_len: int = 32,
+    seed: int = SEED,
+) -> list[list[int]]:
+    """Draw `n` random prompts of token ids, reproducibly.
+
+    Token ids are drawn from [3, vocab_size) so that no prompt contains pad, bos or eos.
+
+    Args:
+        n: number of prompts.
+        vocab_size: size of the model's vocabulary.
+        min_len: shortest prompt length, inclusive.
+        max_len: longest prompt length, inclusive.
+        seed: seed of a private `torch.Generator`; the global RNG is left alone.
+
+    Returns:
+        `n` lists of ints, lengths uniform in [min_len, max_len].
+
+    Raises:
+        ValueError: min_len < 1, max_len < min_len, or vocab_size <= 3.
+    """
+    if min_len < 1 or max_len < min_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    if vocab_size <= 3:
+        raise ValueError(f"vocab_size must exceed the 3 special ids, got {vocab_size}")
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=generator).tolist()
+    return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
