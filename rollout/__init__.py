@@ -1,12 +1,17 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
-from .api import generate_batch
+from .api import continuous_batching_context_manager, generate_batch, init_continuous_batching
 from .config import ContinuousBatchingConfig
 from .engine import Engine, UnsupportedModelError
+from .manager import ContinuousBatchingManager, QueueFullError
 from .requests import GenerationOutput, RequestStatus, SamplingParams
 
 __all__ = [
     "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "QueueFullError",
+    "continuous_batching_context_manager",
+    "init_continuous_batching",
     "Engine",
     "GenerationOutput",
     "RequestStatus",

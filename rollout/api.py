@@ -1,10 +1,11 @@
-"""Public entry points: ``generate_batch``."""
+"""Public entry points: ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
@@ -12,6 +13,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from .config import ContinuousBatchingConfig
 from .engine import Engine, params_from_kwargs
 from .requests import GenerationOutput, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from .manager import ContinuousBatchingManager
 
 DEFAULT_MAX_NEW_TOKENS = 20
 
@@ -85,6 +89,9 @@ def generate_batch(
     """
     if not inputs:
         return {}
+    manager = persistent_manager_of(model)
+    if manager is not None:
+        return _generate_on_manager(manager, inputs, generation_config, progress_bar, record_timestamps)
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
     gc = resolve_generation_config(model, generation_config)
     num_samples = gc.num_return_sequences or 1
@@ -122,3 +129,98 @@ def generate_batch(
         return {req.request_id: req.to_output() for req in requests}
     finally:
         engine.close()
+
+
+def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
+    """The persistent manager attached to a model by ``continuous_batching_context_manager``, if any."""
+    manager = getattr(model, "_rollout_manager", None)
+    if manager is None or manager._state.value in ("destroyed", "failed"):
+        return None
+    return manager
+
+
+def _generate_on_manager(
+    manager: ContinuousBatchingManager,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None,
+    progress_bar: bool,
+    record_timestamps: bool,
+) -> dict[str, GenerationOutput]:
+    gc = resolve_generation_config(manager.model, generation_config)
+    num_samples = gc.num_return_sequences or 1
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
+    params = sampling_params_from_config(gc)
+    expanded = [list(p) if isinstance(p, (list, tuple)) else p for p in inputs for _ in range(num_samples)]
+    if not manager.is_running():
+        manager.start()
+    ids = manager.add_requests(
+        expanded,
+        max_new_tokens=params.max_new_tokens,
+        do_sample=params.do_sample,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        eos_token_id=list(params.eos_token_ids),
+        record_timestamps=record_timestamps,
+    )
+    results: dict[str, GenerationOutput] = {}
+    for rid in tqdm(ids, desc="generate_batch", unit="req", disable=not progress_bar):
+        out = manager.get_result(rid)
+        if out is None:
+            raise RuntimeError(f"the persistent manager ended before request {rid} finished")
+        results[rid] = out
+    return results
+
+
+def init_continuous_batching(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+) -> ContinuousBatchingManager:
+    """Build a manager for the model (not started: call ``start()``).
+
+    Raises:
+        UnsupportedModelError: the model cannot be paged.
+    """
+    from .manager import ContinuousBatchingManager
+
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+
+
+@contextlib.contextmanager
+def continuous_batching_context_manager(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    persistent_manager: bool = False,
+    block: bool = True,
+    timeout: float | None = None,
+) -> Iterator[ContinuousBatchingManager]:
+    """Run a started manager for the duration of a ``with`` block.
+
+    On exit the manager is stopped (finishing its requests) and destroyed, unless
+    ``persistent_manager`` is True: then it is stopped with its cache kept, stays
+    attached to the model, and the next call with the same model (and
+    ``generate_batch``) reuses it; the configs of that next call are then ignored.
+
+    Args:
+        model: the model.
+        generation_config, continuous_batching_config: as for the manager.
+        persistent_manager: keep the manager for the next call.
+        block, timeout: how ``stop`` waits on exit.
+    """
+    manager = persistent_manager_of(model)
+    if manager is None:
+        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+    if persistent_manager:
+        model._rollout_manager = manager
+    manager.start()
+    try:
+        yield manager
+    finally:
+        if persistent_manager:
+            manager.stop(block=block, timeout=timeout, keep_for_next_session=True)
+        else:
+            manager.stop(block=block, timeout=timeout)
+            manager.destroy()

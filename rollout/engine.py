@@ -284,9 +284,13 @@ class Engine:
     # ------------------------------------------------------------------ weights
     def bump_weight_version(self) -> int:
         """Record a weight update: blocks hashed from now on carry the new version."""
-        self.weight_version += 1
-        self.scheduler.weight_version = self.weight_version
+        self.set_weight_version(self.weight_version + 1)
         return self.weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Set the version recorded with new tokens and new cached blocks."""
+        self.weight_version = version
+        self.scheduler.weight_version = version
 
     def recompute_in_flight(self) -> None:
         """Drop the KV of every running request so it is re-prefilled under the current weights."""
