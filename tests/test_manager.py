@@ -1,0 +1,449 @@
+"""The persistent manager: lifecycle, streaming, cancel, results, pause and weight updates, failures, stress."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import rollout
+from rollout import (
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    QueueFullError,
+    RequestStatus,
+    continuous_batching_context_manager,
+    generate_batch,
+    init_continuous_batching,
+)
+from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
+from tests.utils import reference_greedy
+
+GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
+
+
+def _manager(model=None, gc=GREEDY, **cfg) -> ContinuousBatchingManager:
+    cfg.setdefault("block_size", 4)
+    cfg.setdefault("num_blocks", 128)
+    return init_continuous_batching(model or tiny_llama(), gc, ContinuousBatchingConfig(**cfg))
+
+
+@pytest.fixture
+def manager():
+    m = _manager()
+    m.start()
+    yield m
+    m.destroy()
+
+
+def _slow_steps(manager: ContinuousBatchingManager, seconds: float) -> None:
+    manager.step_hook = lambda: time.sleep(seconds)
+
+
+# ---------------------------------------------------------------- lifecycle
+def test_results_match_generate_and_ids_in_input_order(manager: ContinuousBatchingManager) -> None:
+    prompts = random_prompts(6, VOCAB_SIZE, 3, 20, seed=2)
+    ids = manager.add_requests(prompts)
+    assert len(set(ids)) == 6
+    for rid, p in zip(ids, prompts):
+        out = manager.get_result(rid, timeout=30)
+        assert out is not None and out.status == RequestStatus.FINISHED
+        assert out.prompt_ids == p
+        assert out.generated_tokens == reference_greedy(manager.model, p, 8, EOS_TOKEN_ID)
+
+
+def test_start_stop_restart_destroy_twice() -> None:
+    m = _manager()
+    assert not m.is_running()
+    m.start()
+    assert m.is_running()
+    rid = m.add_request([5, 6, 7])
+    m.stop()  # default stop finishes pending requests first
+    assert not m.is_running() and m.join(0)
+    assert m.get_result(rid).status == RequestStatus.FINISHED
+    assert m.model.config._attn_implementation == "sdpa"  # engine closed on stop
+    m.start()
+    rid = m.add_request([8, 9])
+    assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    m.destroy()
+    m.destroy()
+    assert m.model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="destroyed"):
+        m.start()
+
+
+def test_add_request_after_stop_warns_and_returns_none(caplog: pytest.LogCaptureFixture) -> None:
+    m = _manager()
+    m.start()
+    m.stop()
+    with caplog.at_level(logging.WARNING):
+        assert m.add_request([5, 6]) is None
+    assert "after stop" in caplog.text
+    m.destroy()
+
+
+def test_hard_stop_fails_requests_and_keeps_partial_tokens() -> None:
+    m = _manager(gc=GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None), num_blocks=512)
+    m.start()
+    _slow_steps(m, 0.01)
+    ids = [m.add_request(p, streaming=True) for p in random_prompts(3, VOCAB_SIZE, 3, 6, seed=3)]
+    next(iter(m.request_id_iter(ids[0])))  # at least one token exists
+    m.stop(hard_stop=True)
+    outs = [m.get_result(rid, timeout=5) for rid in ids]
+    assert all(o.status == RequestStatus.FAILED and "hard_stop" in o.error for o in outs)
+    assert 1 <= len(outs[0].generated_tokens) < 200
+    m.destroy()
+
+
+def test_persistent_context_manager_is_reused_by_next_call_and_generate_batch() -> None:
+    model = tiny_llama()
+    cfg = ContinuousBatchingConfig(block_size=4, num_blocks=64)
+    with continuous_batching_context_manager(model, GREEDY, cfg, persistent_manager=True) as first:
+        rid = first.add_request([5, 6, 7])
+        assert first.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    assert not first.is_running()
+    with continuous_batching_context_manager(model, GREEDY, cfg, persistent_manager=True) as second:
+        assert second is first
+    prompts = random_prompts(3, VOCAB_SIZE, 3, 10, seed=4)
+    out = generate_batch(model, prompts, GREEDY)  # runs on the persistent manager
+    assert [o.generated_tokens for o in out.values()] == [reference_greedy(model, p, 8, EOS_TOKEN_ID) for p in prompts]
+    first.destroy()
+    assert getattr(model, "_rollout_manager", None) is None
+    with continuous_batching_context_manager(model, GREEDY, cfg) as third:
+        assert third is not first
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_duplicate_request_id_is_refused(manager: ContinuousBatchingManager) -> None:
+    manager.add_request([5, 6], request_id="a")
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        manager.add_request([5, 6], request_id="a")
+
+
+def test_bad_input_raises_before_queueing(manager: ContinuousBatchingManager) -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        manager.add_request([])
+    with pytest.raises(ValueError, match=r"inputs\[1\].*outside the vocabulary"):
+        manager.add_requests([[5, 6], [5, 999]])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        manager.add_request([5], max_new_tokens=0)
+    assert manager.get_result(timeout=0.2) is None  # nothing was queued
+
+
+# ---------------------------------------------------------------- results
+def test_cancel_ends_request_with_partial_tokens_and_frees_blocks() -> None:
+    m = _manager(gc=GenerationConfig(max_new_tokens=500, do_sample=False, eos_token_id=None), num_blocks=256)
+    m.start()
+    _slow_steps(m, 0.005)
+    rid = m.add_request([5, 6, 7, 8, 9], streaming=True)
+    it = m.request_id_iter(rid)
+    next(it), next(it)
+    m.cancel_request(rid)
+    out = m.get_result(rid, timeout=5)
+    assert out.status == RequestStatus.CANCELLED
+    assert 2 <= len(out.generated_tokens) < 500
+    time.sleep(0.05)
+    with m.pause():
+        assert m.engine.block_manager.num_free_blocks == 256
+    m.destroy()
+
+
+def test_get_result_none_after_timeout_and_next_finished(manager: ContinuousBatchingManager) -> None:
+    assert manager.get_result(timeout=0.1) is None
+    rid = manager.add_request([5, 6])
+    out = manager.get_result(timeout=30)
+    assert out.request_id == rid
+    with pytest.raises(KeyError, match="already delivered"):
+        manager.get_result(rid, timeout=0.1)
+
+
+def test_iterating_the_manager_yields_each_result_once(manager: ContinuousBatchingManager) -> None:
+    ids = manager.add_requests(random_prompts(5, VOCAB_SIZE, 3, 8, seed=5))
+    assert sorted(o.request_id for o in manager) == sorted(ids)
+
+
+def test_streaming_snapshots_never_change(manager: ContinuousBatchingManager) -> None:
+    manager.step_hook = lambda: time.sleep(0.002)
+    rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=6, eos_token_id=[])
+    chunks = list(manager.request_id_iter(rid))
+    assert [len(c.generated_tokens) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    assert [c.status for c in chunks[:-1]] == [RequestStatus.DECODING] * 5 and chunks[-1].status == RequestStatus.FINISHED
+    for i, c in enumerate(chunks):
+        assert c.generated_tokens == chunks[-1].generated_tokens[: i + 1]
+
+
+def test_non_streaming_iter_yields_final_only(manager: ContinuousBatchingManager) -> None:
+    rid = manager.add_request([5, 6, 7])
+    chunks = list(manager.request_id_iter(rid))
+    assert len(chunks) == 1 and chunks[0].status == RequestStatus.FINISHED
+
+
+def test_result_handler_runs_in_the_asyncio_loop(manager: ContinuousBatchingManager) -> None:
+    async def main() -> list[tuple[int, bool]]:
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[int, bool]] = []
+        done = asyncio.Event()
+
+        def on_chunk(out: rollout.GenerationOutput) -> None:
+            assert asyncio.get_running_loop() is loop
+            seen.append((len(out.generated_tokens), out.status.is_final))
+            if out.status.is_final:
+                done.set()
+
+        rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=4, eos_token_id=[])
+        manager.register_result_handler(rid, on_chunk)
+        await asyncio.wait_for(done.wait(), 30)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == (4, True)
+    assert [n for n, _ in seen] == sorted(n for n, _ in seen)
+
+
+def test_result_handler_without_loop_is_called_once(manager: ContinuousBatchingManager) -> None:
+    got = []
+    done = threading.Event()
+    rid = manager.add_request([5, 6, 7])
+    manager.register_result_handler(rid, lambda out: (got.append(out), done.set()))
+    assert done.wait(30)
+    time.sleep(0.05)
+    assert len(got) == 1 and got[0].status == RequestStatus.FINISHED
+
+
+def test_max_queue_size_raises_or_blocks() -> None:
+    m = _manager(max_queue_size=2)  # not started: nothing leaves the queue
+    m.add_request([5])
+    m.add_request([6])
+    with pytest.raises(QueueFullError, match="max_queue_size=2"):
+        m.add_request([7])
+    t0 = time.monotonic()
+    with pytest.raises(QueueFullError, match="still full"):
+        m.add_request([7], block=True, timeout=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    threading.Timer(0.2, m.start).start()
+    rid = m.add_request([7], block=True, timeout=30)  # room appears once the loop admits requests
+    assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    m.destroy()
+
+
+# ---------------------------------------------------------------- pause and weights
+def test_no_token_while_any_thread_holds_a_pause(manager: ContinuousBatchingManager) -> None:
+    manager.step_hook = lambda: time.sleep(0.002)
+    rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=400, eos_token_id=[])
+    it = manager.request_id_iter(rid)
+    next(it)
+    entered = threading.Barrier(3)
+    release = threading.Event()
+
+    def holder() -> None:
+        with manager.pause():
+            entered.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=holder) for _ in range(2)]
+    for t in threads:
+        t.start()
+    entered.wait()
+    before = manager.engine.stats.num_generated_tokens
+    time.sleep(0.2)
+    assert manager.engine.stats.num_generated_tokens == before
+    release.set()
+    for t in threads:
+        t.join()
+    time.sleep(0.1)
+    assert manager.engine.stats.num_generated_tokens > before
+    manager.cancel_request(rid)
+
+
+def test_pause_is_reentrant() -> None:
+    m = _manager()
+    m.start()
+    with m.pause():
+        with m.pause():
+            pass
+        assert m._pause_count == 1
+    rid = m.add_request([5, 6])
+    assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    m.destroy()
+
+
+def test_pause_latency_is_at_most_one_step() -> None:
+    step = 0.1
+    m = _manager(gc=GenerationConfig(max_new_tokens=1000, do_sample=False, eos_token_id=None), num_blocks=512)
+    m.start()
+    _slow_steps(m, step)
+    m.add_request([5, 6, 7])
+    time.sleep(0.15)
+    latencies = []
+    for _ in range(5):
+        time.sleep(random.uniform(0, step))
+        t0 = time.perf_counter()
+        with m.pause():
+            latencies.append(time.perf_counter() - t0)
+    m.destroy()
+    assert max(latencies) <= step + 0.05, latencies
+    assert statistics.median(latencies) <= step
+
+
+def _training_loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    ids = torch.arange(3, 23).reshape(2, 10)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_forward_backward_under_pause_equals_fresh_copy() -> None:
+    model = tiny_llama()
+    fresh = copy.deepcopy(model)
+    m = _manager(model, gc=GenerationConfig(max_new_tokens=300, do_sample=False, eos_token_id=None), num_blocks=256)
+    m.start()
+    m.add_request([5, 6, 7])
+    with m.pause():
+        loss, grads = _training_loss_and_grads(model)
+    m.destroy()
+    ref_loss, ref_grads = _training_loss_and_grads(fresh)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def _perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)
+    return {n: p.detach() + 0.3 * torch.randn_like(p) for n, p in model.named_parameters() if "layers.1" in n}
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_update_weights_versions_and_continuations(recompute: bool) -> None:
+    model = tiny_llama()
+    m = _manager(model, gc=GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None))
+    m.start()
+    m.step_hook = lambda: time.sleep(0.005)
+    prompt = [5, 6, 7, 8, 9]
+    rid = m.add_request(prompt, streaming=True)
+    it = m.request_id_iter(rid)
+    next(it), next(it), next(it)
+    version = m.update_weights(_perturbed(model), recompute=recompute)
+    assert version == 1 == m.weight_version
+    out = m.get_result(rid, timeout=30)
+    k = out.weight_versions.index(1)  # first token sampled under the new weights
+    assert 3 <= k < 12 and out.weight_versions == [0] * k + [1] * (12 - k)
+    # A request admitted after the update equals model.generate with the new weights.
+    later = m.add_request(prompt)
+    assert m.get_result(later, timeout=30).generated_tokens == reference_greedy(model, prompt, 12, None)
+    m.destroy()
+    if recompute:
+        before = out.generated_tokens[:k]
+        fresh = reference_greedy(model, prompt + before, 12 - k, None)
+        assert out.generated_tokens[k:] == fresh
+
+
+def test_update_weights_refuses_bad_tensors_before_copying() -> None:
+    model = tiny_llama()
+    m = _manager(model)
+    w = model.lm_head.weight.detach().clone()
+    with pytest.raises(KeyError, match="no parameter or buffer named 'nope'"):
+        m.update_weights({"lm_head.weight": w + 1, "nope": w})
+    with pytest.raises(ValueError, match="shape"):
+        m.update_weights([("lm_head.weight", w + 1), ("model.norm.weight", w)])
+    with pytest.raises(ValueError, match="dtype"):
+        m.update_weights({"lm_head.weight": w.double()})
+    assert torch.equal(model.lm_head.weight, w) and m.weight_version == 0
+    assert m.update_weights() == 1  # None: the caller changed the weights itself
+    m.destroy()
+
+
+def test_prefix_blocks_of_old_weights_are_not_reused() -> None:
+    model = tiny_llama()
+    m = _manager(model, gc=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
+    m.start()
+    prompt = list(range(10, 30))  # 5 full blocks
+    m.get_result(m.add_request(prompt), timeout=30)
+    m.update_weights(_perturbed(model))
+    out = m.get_result(m.add_request(prompt), timeout=30)
+    assert out.num_cached_prompt_tokens == 0
+    assert out.generated_tokens == reference_greedy(model, prompt, 4, None)
+    again = m.get_result(m.add_request(prompt), timeout=30)
+    assert again.num_cached_prompt_tokens == 16  # same version now: blocks reused (last block recomputed)
+    m.destroy()
+
+
+# ---------------------------------------------------------------- failure and stress
+def test_step_that_raises_fails_every_request_and_unblocks_readers() -> None:
+    m = _manager(gc=GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
+    m.start()
+    calls = {"n": 0}
+
+    def hook() -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+
+    m.step_hook = hook
+    ids = m.add_requests(random_prompts(4, VOCAB_SIZE, 3, 8, seed=6))
+    streamed = m.add_request([5, 6], streaming=True)
+    chunks = list(m.request_id_iter(streamed))
+    assert chunks[-1].status == RequestStatus.FAILED and "injected step failure" in chunks[-1].error
+    outs = [m.get_result(rid, timeout=10) for rid in ids]
+    assert all(o.status == RequestStatus.FAILED and "injected step failure" in o.error for o in outs)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        m.add_request([5, 6])
+    m.destroy()
+
+
+def test_stress_four_threads_add_cancel_read_with_pauses() -> None:
+    m = _manager(gc=GenerationConfig(max_new_tokens=6, do_sample=False), num_blocks=256)
+    m.start()
+    prompts = random_prompts(400, VOCAB_SIZE, 2, 12, seed=7)
+    results: dict[str, RequestStatus] = {}
+    lock = threading.Lock()
+    stop_pauses = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            rng = random.Random(k)
+            mine = prompts[k * 100 : (k + 1) * 100]
+            ids = []
+            for p in mine:
+                ids.append(m.add_request(p, max_new_tokens=rng.randint(1, 6)))
+                if rng.random() < 0.2:
+                    m.cancel_request(rng.choice(ids))
+            for rid in ids:
+                out = m.get_result(rid, timeout=60)
+                assert out is not None
+                with lock:
+                    assert rid not in results
+                    results[rid] = out.status
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def pauser() -> None:
+        while not stop_pauses.is_set():
+            with m.pause():
+                time.sleep(0.001)
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    p = threading.Thread(target=pauser)
+    p.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    stop_pauses.set()
+    p.join(10)
+    m.destroy()
+    assert not errors, errors
+    assert len(results) == 400
+    assert set(results.values()) <= {RequestStatus.FINISHED, RequestStatus.CANCELLED}
+    assert RequestStatus.CANCELLED in results.values()
