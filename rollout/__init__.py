@@ -4,6 +4,7 @@ from .api import continuous_batching_context_manager, generate_batch, init_conti
 from .config import ContinuousBatchingConfig
 from .engine import Engine, UnsupportedModelError
 from .manager import ContinuousBatchingManager, QueueFullError
+from .models import load_model
 from .requests import GenerationOutput, RequestStatus, SamplingParams
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "QueueFullError",
     "continuous_batching_context_manager",
     "init_continuous_batching",
+    "load_model",
     "Engine",
     "GenerationOutput",
     "RequestStatus",
