@@ -22,6 +22,10 @@ DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class ContinuousBatchingConfig:
     """Configuration of the continuous-batching engine.
@@ -89,7 +93,7 @@ class ContinuousBatchingConfig:
         self._check_int("max_requests_per_batch", self.max_requests_per_batch, minimum=1, allow_none=True)
         self._check_int("max_queue_size", self.max_queue_size, minimum=0)
         if self.max_memory_percent is not None and not (
-            isinstance(self.max_memory_percent, (int, float)) and 0.0 < self.max_memory_percent <= 1.0
+            _is_number(self.max_memory_percent) and 0.0 < self.max_memory_percent <= 1.0
         ):
             raise ValueError(f"max_memory_percent must be in (0, 1] or None, got {self.max_memory_percent!r}")
         if self.scheduler_type not in SCHEDULER_TYPES:
@@ -98,15 +102,13 @@ class ContinuousBatchingConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.safety_margin is not None and not (
-            isinstance(self.safety_margin, (int, float)) and 0.0 <= self.safety_margin < 1.0
-        ):
+        if self.safety_margin is not None and not (_is_number(self.safety_margin) and 0.0 <= self.safety_margin < 1.0):
             raise ValueError(f"safety_margin must be in [0, 1) or None, got {self.safety_margin!r}")
-        if not isinstance(self.cpu_offload_space, (int, float)) or self.cpu_offload_space < 0:
+        if not _is_number(self.cpu_offload_space) or self.cpu_offload_space < 0:
             raise ValueError(f"cpu_offload_space must be a number of GiB >= 0, got {self.cpu_offload_space!r}")
-        if not isinstance(self.progress_log_interval, (int, float)) or self.progress_log_interval <= 0:
+        if not _is_number(self.progress_log_interval) or self.progress_log_interval <= 0:
             raise ValueError(f"progress_log_interval must be > 0 seconds, got {self.progress_log_interval!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
             if not isinstance(getattr(self, name), bool):

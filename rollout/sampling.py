@@ -44,6 +44,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = before >= top_p[:, None]
         drop_sorted[:, 0] = False
+        # float32 running sums round up to 1.0 in the tail: top_p = 1 must keep every token.
+        drop_sorted &= (top_p < 1.0)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
         out.masked_fill_(drop, NEG_INF)
     return out

@@ -1,0 +1,419 @@
+"""Scheduler: token budget, chunked prefill, policies, safety margin, block counts, preemption, prefix sharing.
+
+The tests drive a Scheduler directly and play the engine's postprocess by hand (``run_step``): each
+scheduled request advances ``num_computed_tokens`` by its query tokens, and a request that samples gets
+one token appended (and is finished when done). Every block count below is computed by hand for
+``block_size`` 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.block_manager import BlockManager
+from rollout.requests import Request, RequestStatus, SamplingParams
+from rollout.scheduler import Scheduler, SchedulerOutput
+
+BS = 4
+NEXT_TOKEN = 1  # the token every emulated sample appends
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_batch_tokens: int = 64,
+    max_requests_per_batch: int | None = None,
+    scheduler_type: str = "fifo",
+    safety_margin: float = 0.0,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(bm, max_batch_tokens, max_requests_per_batch, scheduler_type, safety_margin)
+
+
+def make_request(request_id: str, prompt_ids: list[int], max_new_tokens: int, score_from: int | None = None) -> Request:
+    return Request(request_id, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), score_from=score_from)
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    """schedule(), then the engine's postprocess with a fixed sampled token (scoring requests end when computed)."""
+    out = sched.schedule()
+    for entry in out.scheduled:
+        req = entry.request
+        req.num_computed_tokens += entry.num_query_tokens
+        if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+            req.status = RequestStatus.FINISHED
+            sched.finish(req)
+        if entry.sample:
+            req.append_token(NEXT_TOKEN, None, 0)
+            if req.done:
+                req.status = RequestStatus.FINISHED
+                sched.finish(req)
+            else:
+                req.status = RequestStatus.DECODING
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
+    """(request id, query tokens, sample) of each scheduled request, in batch order."""
+    return [(e.request.request_id, e.num_query_tokens, e.sample) for e in out.scheduled]
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 200) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        assert len(outs) < max_steps, "scheduler did not finish"
+        outs.append(run_step(sched))
+    return outs
+
+
+# ------------------------------------------------------------------------------------ budget and chunking
+
+
+def test_step_tokens_never_exceed_budget_and_total_equals_tokens_to_compute() -> None:
+    prompt_lens = [37, 5, 20, 1, 16, 9, 30]
+    max_new = 3
+    sched = make_scheduler(num_blocks=64, max_batch_tokens=16)
+    requests = [make_request(f"r{i}", tokens(100 * i, n), max_new) for i, n in enumerate(prompt_lens)]
+    for req in requests:
+        sched.add_request(req)
+    outs = run_to_completion(sched)
+    for out in outs:
+        assert 1 <= out.num_tokens <= 16
+        assert all(e.num_query_tokens >= 1 for e in out.scheduled)
+    # Without preemption every prompt token and every generated token but the last is computed once.
+    assert sched.num_preemptions == 0
+    assert sum(out.num_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
+    assert all(req.num_generated_tokens == max_new for req in requests)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_prompt_of_37_tokens_with_budget_16_is_chunked_16_16_5_and_only_last_chunk_samples() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=16)
+    req = make_request("a", tokens(0, 37), max_new_tokens=2)
+    sched.add_request(req)
+    plans, computed, blocks = [], [], []
+    for _ in range(4):
+        out = run_step(sched)
+        plans.append(plan(out))
+        computed.append(req.num_computed_tokens)
+        blocks.append(len(req.block_table))
+    assert plans == [[("a", 16, False)], [("a", 16, False)], [("a", 5, True)], [("a", 1, True)]]
+    assert computed == [16, 32, 37, 38]
+    # ceil(16/4), ceil(32/4), ceil(37/4); the request is finished after the decode.
+    assert blocks == [4, 8, 10, 0]
+    assert req.num_generated_tokens == 2
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_chunked_prompt_shares_budget_with_running_decode() -> None:
+    sched = make_scheduler(max_batch_tokens=16)
+    sched.add_request(make_request("a", tokens(0, 3), max_new_tokens=10))
+    assert plan(run_step(sched)) == [("a", 3, True)]
+    sched.add_request(make_request("b", tokens(100, 37), max_new_tokens=1))
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 15, False)]
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 15, False)]
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 7, True)]
+    assert plan(run_step(sched)) == [("a", 1, True)]
+
+
+# ------------------------------------------------------------------------------------ policies
+
+
+@pytest.mark.parametrize(
+    ("scheduler_type", "expected"),
+    [
+        ("fifo", [("a", 1, True), ("b", 5, True)]),
+        ("prefill_first", [("b", 5, True), ("a", 1, True)]),
+    ],
+)
+def test_decodes_come_before_admissions_under_fifo_and_after_under_prefill_first(
+    scheduler_type: str, expected: list[tuple[str, int, bool]]
+) -> None:
+    sched = make_scheduler(scheduler_type=scheduler_type)
+    sched.add_request(make_request("a", tokens(0, 6), max_new_tokens=5))
+    assert plan(run_step(sched)) == [("a", 6, True)]
+    sched.add_request(make_request("b", tokens(100, 5), max_new_tokens=5))
+    assert plan(run_step(sched)) == expected
+
+
+@pytest.mark.parametrize(
+    ("scheduler_type", "expected_steps"),
+    [
+        # fifo: the decode takes its token first, the new prompt gets the rest of the budget of 8.
+        ("fifo", [[("a", 1, True), ("b", 7, False)], [("a", 1, True), ("b", 3, True)]]),
+        # prefill_first: the new prompt takes the whole budget, the decode waits one step.
+        ("prefill_first", [[("b", 8, False)], [("a", 1, True), ("b", 2, True)]]),
+    ],
+)
+def test_tight_budget_goes_to_decode_under_fifo_and_to_prefill_under_prefill_first(
+    scheduler_type: str, expected_steps: list[list[tuple[str, int, bool]]]
+) -> None:
+    sched = make_scheduler(max_batch_tokens=8, scheduler_type=scheduler_type)
+    sched.add_request(make_request("a", tokens(0, 6), max_new_tokens=5))
+    run_step(sched)
+    sched.add_request(make_request("b", tokens(100, 10), max_new_tokens=5))
+    assert [plan(run_step(sched)) for _ in expected_steps] == expected_steps
+
+
+def test_max_requests_per_batch_caps_every_step() -> None:
+    sched = make_scheduler(max_requests_per_batch=2)
+    for i, rid in enumerate("abcde"):
+        sched.add_request(make_request(rid, tokens(100 * i, 3), max_new_tokens=2))
+    plans = [plan(out) for out in run_to_completion(sched)]
+    assert plans == [
+        [("a", 3, True), ("b", 3, True)],
+        [("a", 1, True), ("b", 1, True)],
+        [("c", 3, True), ("d", 3, True)],
+        [("c", 1, True), ("d", 1, True)],
+        [("e", 3, True)],
+        [("e", 1, True)],
+    ]
+
+
+# ------------------------------------------------------------------------------------ safety margin
+
+
+def test_safety_margin_blocks_second_admission_while_first_runs() -> None:
+    # 10 blocks, margin 0.5 -> 5 blocks must stay free after admitting a request while another runs.
+    sched = make_scheduler(num_blocks=10, safety_margin=0.5)
+    assert sched.safety_margin_blocks == 5
+    a = make_request("a", tokens(0, 12), max_new_tokens=2)
+    b = make_request("b", tokens(100, 12), max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    # a: 3 blocks, 7 free. b would leave 7 - 3 = 4 < 5.
+    assert plan(run_step(sched)) == [("a", 12, True)]
+    assert list(sched.waiting) == [b]
+    # a's decode takes a 4th block: 6 free, b would leave 3 < 5. a then finishes.
+    assert plan(run_step(sched)) == [("a", 1, True)]
+    assert sched.block_manager.num_free_blocks == 10
+    # Nothing runs: b is admitted.
+    assert plan(run_step(sched)) == [("b", 12, True)]
+
+
+def test_safety_margin_never_blocks_a_request_when_nothing_runs() -> None:
+    sched = make_scheduler(num_blocks=10, safety_margin=0.5)
+    big = make_request("big", tokens(0, 32), max_new_tokens=4)  # 8 blocks: leaves 2 < 5 free
+    sched.add_request(big)
+    assert plan(run_step(sched)) == [("big", 32, True)]
+    assert len(big.block_table) == 8
+    assert sched.block_manager.num_free_blocks == 2
+
+
+def test_admission_with_exactly_margin_blocks_left_is_allowed() -> None:
+    sched = make_scheduler(num_blocks=10, safety_margin=0.4)  # 4 blocks kept free
+    sched.add_request(make_request("a", tokens(0, 12), max_new_tokens=2))  # 3 blocks -> 7 free
+    sched.add_request(make_request("b", tokens(100, 12), max_new_tokens=2))  # 3 blocks -> 4 free
+    sched.add_request(make_request("c", tokens(200, 4), max_new_tokens=2))  # 1 block -> 3 < 4
+    assert plan(run_step(sched)) == [("a", 12, True), ("b", 12, True)]
+    assert sched.block_manager.num_free_blocks == 4
+
+
+# ------------------------------------------------------------------------------------ block counts
+
+
+def test_block_counts_of_10_token_prompt_through_decodes() -> None:
+    sched = make_scheduler(num_blocks=8)
+    req = make_request("a", tokens(0, 10), max_new_tokens=8)
+    sched.add_request(req)
+    held, free = [], []
+    for _ in range(8):
+        sched_out = sched.schedule()
+        held.append(len(req.block_table))
+        free.append(sched.block_manager.num_free_blocks)
+        # postprocess of the scheduled step
+        for entry in sched_out.scheduled:
+            entry.request.num_computed_tokens += entry.num_query_tokens
+            if entry.sample:
+                entry.request.append_token(NEXT_TOKEN, None, 0)
+                if entry.request.done:
+                    sched.finish(entry.request)
+    # Tokens computed after the step: 10 (prefill), then 11..17 (decodes): ceil(n / 4) blocks.
+    assert held == [3, 3, 3, 4, 4, 4, 4, 5]
+    assert free == [5, 5, 5, 4, 4, 4, 4, 3]
+    assert req.num_generated_tokens == 8
+    assert req.block_table == []
+    assert sched.block_manager.num_free_blocks == 8
+
+
+# ------------------------------------------------------------------------------------ preemption
+
+
+def test_out_of_blocks_preempts_most_recent_request_and_readmits_it_later() -> None:
+    sched = make_scheduler(num_blocks=4)
+    bm = sched.block_manager
+    a = make_request("a", tokens(100, 8), max_new_tokens=3)
+    b = make_request("b", tokens(200, 8), max_new_tokens=3)
+    c = make_request("c", tokens(300, 4), max_new_tokens=1)
+    for req in (a, b, c):
+        sched.add_request(req)
+
+    # Step 1: a and b take 2 blocks each; c (1 block) does not fit.
+    out = run_step(sched)
+    assert plan(out) == [("a", 8, True), ("b", 8, True)]
+    assert bm.num_free_blocks == 0
+    assert list(sched.waiting) == [c]
+
+    # Step 2: a's 9th token needs a 3rd block; none is free, so b (admitted last) is preempted.
+    b_blocks = list(b.block_table)
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True)]
+    assert out.preempted == [b]
+    assert b.status == RequestStatus.PENDING
+    assert b.block_table == []
+    assert b.num_computed_tokens == 0
+    assert b.num_tokens == 9  # its generated token is kept and recomputed later
+    assert list(sched.waiting) == [b, c]
+    assert sched.running == [a]
+    assert b.num_preemptions == 1
+    assert sched.num_preemptions == 1
+    # a took b's tail block; b's first (cached) block is still free and findable.
+    assert a.block_table[2] == b_blocks[1]
+    assert bm.num_free_blocks == 1
+    assert bm.find_cached_prefix(b.token_ids, 0, max_tokens=8) == [b_blocks[0]]
+
+    # Step 3: a takes its 3rd token and finishes; b (hit 1 block, needs 2 more, 1 free) still waits.
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True)]
+    assert a.num_generated_tokens == 3
+    assert bm.num_free_blocks == 4
+
+    # Step 4: b is re-admitted with its first block from the prefix cache; c fits behind it.
+    out = run_step(sched)
+    assert plan(out) == [("b", 5, True), ("c", 4, True)]
+    assert b.num_computed_tokens == 9
+    assert b.block_table[0] == b_blocks[0]
+    assert len(b.block_table) == 3
+    assert b.num_cached_prompt_tokens == 0  # hits after a preemption are not prompt-cache hits
+    assert bm.num_cache_hits == 1
+
+    outs = run_to_completion(sched)
+    assert [plan(o) for o in outs] == [[("b", 1, True)]]
+    assert b.num_generated_tokens == 3
+    assert c.num_generated_tokens == 1
+    assert bm.num_free_blocks == 4
+
+
+def test_last_running_request_that_needs_a_block_preempts_itself() -> None:
+    sched = make_scheduler(num_blocks=3)
+    a = make_request("a", tokens(0, 6), max_new_tokens=4)
+    b = make_request("b", tokens(100, 4), max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert plan(run_step(sched)) == [("a", 6, True), ("b", 4, True)]
+    assert sched.block_manager.num_free_blocks == 0
+    # a's 7th token fits its 2 blocks; b's 5th token needs a 2nd block, none is free, and b is the
+    # most recently admitted request: it preempts itself and is not scheduled.
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True)]
+    assert out.preempted == [b]
+    assert b.status == RequestStatus.PENDING
+    assert b.num_computed_tokens == 0
+    assert sched.running == [a]
+    assert list(sched.waiting) == [b]
+    assert sched.block_manager.num_free_blocks == 1
+    run_to_completion(sched)
+    assert a.num_generated_tokens == 4
+    assert b.num_generated_tokens == 2
+    assert sched.block_manager.num_free_blocks == 3
+
+
+# ------------------------------------------------------------------------------------ prefix sharing
+
+
+def test_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    a = make_request("a", tokens(0, 12), max_new_tokens=2)
+    b = make_request("b", tokens(0, 12), max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    # Hits are capped at num_tokens - 1 = 11 tokens -> 2 full blocks; b computes its last 4 tokens.
+    assert plan(out) == [("a", 12, True), ("b", 4, True)]
+    assert b.num_computed_tokens == 8
+    assert b.num_cached_prompt_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    assert bm.blocks[b.block_table[2]].ref_count == 1
+    assert bm.num_free_blocks == 16 - 4
+    assert bm.num_cache_hits == 2
+    # b's third block duplicates a's: the cache keeps a's, b's stays private.
+    assert bm.blocks[b.block_table[2]].block_hash is None
+    assert bm.find_cached_prefix(b.token_ids, 0, max_tokens=12) == a.block_table
+
+
+def test_preempted_request_uncaches_blocks_hashed_in_same_step() -> None:
+    sched = make_scheduler(num_blocks=4, scheduler_type="prefill_first")
+    bm = sched.block_manager
+    a = make_request("a", tokens(0, 8), max_new_tokens=5)
+    sched.add_request(a)
+    assert plan(run_step(sched)) == [("a", 8, True)]
+    a_blocks = list(a.block_table)
+
+    # b shares a's first block and brings 8 tokens of its own (2 blocks, hashed when admitted).
+    b = make_request("b", tokens(0, 4) + tokens(500, 8), max_new_tokens=2)
+    sched.add_request(b)
+    out = run_step(sched)
+    # a's decode needs a 3rd block; b, admitted this step, is preempted before its KV is written.
+    assert plan(out) == [("a", 1, True)]
+    assert out.preempted == [b]
+    assert b.num_computed_tokens == 0
+    # Only b's blocks hashed this step are dropped: a's prefix (shared with b) stays cached.
+    assert bm.find_cached_prefix(b.token_ids, 0, max_tokens=12) == [a_blocks[0]]
+    assert bm.find_cached_prefix(a.token_ids, 0, max_tokens=8) == a_blocks
+    assert len(bm.hash_to_block) == 2
+    assert all(block.block_hash is None for block in bm.blocks if block.block_id not in a_blocks)
+    assert bm.blocks[a_blocks[0]].ref_count == 1
+    assert bm.num_free_blocks == 1
+
+    run_to_completion(sched)
+    assert a.num_generated_tokens == 5
+    assert b.num_generated_tokens == 2
+    assert bm.num_free_blocks == 4
+
+
+def test_finished_prompt_blocks_are_hit_by_a_later_identical_prompt() -> None:
+    sched = make_scheduler(num_blocks=8)
+    a = make_request("a", tokens(0, 9), max_new_tokens=1)
+    sched.add_request(a)
+    run_step(sched)
+    assert sched.block_manager.num_free_blocks == 8
+    b = make_request("b", tokens(0, 9), max_new_tokens=1)
+    sched.add_request(b)
+    assert plan(sched.schedule()) == [("b", 1, True)]
+    assert b.num_computed_tokens == 8
+    assert b.num_cached_prompt_tokens == 8
+
+
+# ------------------------------------------------------------------------------------ scoring requests
+
+
+def test_scoring_request_is_chunked_like_a_prompt_and_never_samples() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=16)
+    req = make_request("s", tokens(0, 37), max_new_tokens=1, score_from=1)
+    sched.add_request(req)
+    plans = [plan(out) for out in run_to_completion(sched)]
+    assert plans == [[("s", 16, False)], [("s", 16, False)], [("s", 5, False)]]
+    assert req.num_generated_tokens == 0
+    assert sched.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(
+    ("score_from", "expected_cached"),
+    [(12, 8), (9, 8), (8, 4), (5, 4), (4, 0), (1, 0)],
+)
+def test_scoring_request_prefix_hits_stop_before_first_scored_position(score_from: int, expected_cached: int) -> None:
+    # The logprob of token s needs the logits of position s - 1: at most s - 1 tokens may come from the cache.
+    sched = make_scheduler(num_blocks=16)
+    sched.add_request(make_request("gen", tokens(0, 12), max_new_tokens=1))
+    run_step(sched)  # finished; its 3 full blocks stay cached
+    scorer = make_request("score", tokens(0, 12), max_new_tokens=1, score_from=score_from)
+    sched.add_request(scorer)
+    assert plan(sched.schedule()) == [("score", 12 - expected_cached, False)]
+    assert scorer.num_computed_tokens == expected_cached
