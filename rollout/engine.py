@@ -19,11 +19,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from .attention import enable_paged_attention, flash_attn_available, restore_attention
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, PagedKVCache, num_blocks_for_memory
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory
 from .model_runner import LogitsPlan, ModelRunner
 from .requests import Request, RequestStatus, SamplingParams
 from .sampling import sample_tokens
-from .scheduler import ScheduledRequest, Scheduler
+from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class EngineStats:
         num_tokens_computed: all query tokens computed.
         num_generated_tokens: tokens sampled.
         num_preemptions: requests evicted for lack of blocks.
+        num_offloads: preempted requests whose KV went to the CPU pool (not recomputed).
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
     """
@@ -122,6 +123,7 @@ class EngineStats:
     num_tokens_computed: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_offloads: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
 
@@ -177,7 +179,13 @@ class Engine:
             self.config.max_requests_per_batch,
             self.config.scheduler_type,
             self.config.resolved_safety_margin(),
+            offload=self.config.preemption_mode == "offload",
         )
+        self.offload_pool: CPUOffloadPool | None = None
+        if self.config.preemption_mode == "offload":
+            self.offload_pool = CPUOffloadPool(
+                shape, self.config.cpu_offload_space, self.block_size, pin=dev_type == "cuda"
+            )
         self.generator = torch.Generator(device="cpu")
         if self.config.seed is not None:
             self.generator.manual_seed(self.config.seed)
@@ -270,6 +278,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req)
+        self._drop_offloaded(req)
         req.status = status
         req.error = error
         if status == RequestStatus.CANCELLED:
@@ -295,6 +304,10 @@ class Engine:
     def recompute_in_flight(self) -> None:
         """Drop the KV of every running request so it is re-prefilled under the current weights."""
         sched = self.scheduler
+        for req in sched.waiting:
+            if req.offloaded is not None:
+                self._drop_offloaded(req)
+                req.num_computed_tokens = 0
         for req in list(reversed(sched.running)):
             sched.running.remove(req)
             sched._release_blocks(req)
@@ -315,6 +328,7 @@ class Engine:
             prefix cache first, since their KV may be incomplete.
         """
         out = self.scheduler.schedule()
+        self._move_offloaded_kv(out)
         if out.is_empty:
             return []
         t0 = time.perf_counter()
@@ -332,6 +346,29 @@ class Engine:
             self.stats.decode_step_seconds.append(elapsed)
             self.stats.decode_step_batch.append(len(out.scheduled))
         return updated
+
+    def _move_offloaded_kv(self, out: SchedulerOutput) -> None:
+        """Copy preempted requests' KV to the CPU pool, and restored requests' KV back.
+
+        Offloads first: a victim's freed blocks may already be handed to a restored
+        request in the same step; nothing writes them before the forward.
+        """
+        pool = self.offload_pool
+        if pool is None:
+            return
+        for req, blocks, num_tokens in out.offloads:
+            if pool.can_hold(len(blocks)):
+                req.offloaded = (pool.store(self.cache, blocks), num_tokens)
+                self.stats.num_offloads += 1
+        for req, blocks in out.restores:
+            assert req.offloaded is not None
+            pool.load(self.cache, req.offloaded[0], blocks)
+            req.offloaded = None
+
+    def _drop_offloaded(self, req: Request) -> None:
+        if req.offloaded is not None and self.offload_pool is not None:
+            self.offload_pool.free(req.offloaded[0])
+        req.offloaded = None
 
     def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, plan: LogitsPlan) -> list[Request]:
         sampled: list[Request] = []

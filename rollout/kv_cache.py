@@ -107,3 +107,65 @@ class PagedKVCache:
         """
         self.key[layer_idx].index_copy_(0, slot_mapping, key)
         self.value[layer_idx].index_copy_(0, slot_mapping, value)
+
+
+class CPUOffloadPool:
+    """CPU memory that holds the KV blocks of requests preempted by offload.
+
+    Per layer, ``key[layer]`` and ``value[layer]`` have the cache's slot layout
+    ``[num_blocks * block_size, num_kv_heads, head_dim]``; pinned when the cache is on
+    CUDA, so copies can overlap. Blocks are handed out from a free list.
+
+    Args:
+        shape: the cache's shape.
+        space_gib: GiB of CPU memory to use (> 0).
+        block_size: tokens per block (the cache's).
+        pin: pin the memory (for a CUDA cache).
+    """
+
+    def __init__(self, shape: CacheShape, space_gib: float, block_size: int, pin: bool = False) -> None:
+        self.block_size = block_size
+        self.num_blocks = max(0, int(space_gib * GIB // (shape.bytes_per_token * block_size)))
+        num_slots = self.num_blocks * block_size
+        make = lambda: torch.zeros(  # noqa: E731
+            num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, pin_memory=pin
+        )
+        self.key = [make() for _ in range(shape.num_layers)]
+        self.value = [make() for _ in range(shape.num_layers)]
+        self.free_blocks = list(range(self.num_blocks))
+
+    def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        offsets = torch.arange(self.block_size, device=device)
+        return (ids[:, None] * self.block_size + offsets[None, :]).reshape(-1)
+
+    def can_hold(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_blocks)
+
+    def store(self, cache: PagedKVCache, block_ids: list[int]) -> list[int]:
+        """Copy cache blocks to the pool; returns the pool blocks holding them.
+
+        Raises:
+            RuntimeError: the pool has fewer free blocks than asked (check ``can_hold``).
+        """
+        if not self.can_hold(len(block_ids)):
+            raise RuntimeError(f"offload pool has {len(self.free_blocks)} free blocks, asked for {len(block_ids)}")
+        pool_ids = [self.free_blocks.pop() for _ in block_ids]
+        src = self._slots(block_ids, cache.device)
+        dst = self._slots(pool_ids, torch.device("cpu"))
+        for layer in range(len(cache.key)):
+            self.key[layer][dst] = cache.key[layer][src].to("cpu", non_blocking=True)
+            self.value[layer][dst] = cache.value[layer][src].to("cpu", non_blocking=True)
+        return pool_ids
+
+    def load(self, cache: PagedKVCache, pool_ids: list[int], block_ids: list[int]) -> None:
+        """Copy pool blocks back into cache blocks, then free the pool blocks."""
+        src = self._slots(pool_ids, torch.device("cpu"))
+        dst = self._slots(block_ids, cache.device)
+        for layer in range(len(cache.key)):
+            cache.key[layer][dst] = self.key[layer][src].to(cache.device, non_blocking=True)
+            cache.value[layer][dst] = self.value[layer][src].to(cache.device, non_blocking=True)
+        self.free(pool_ids)
+
+    def free(self, pool_ids: list[int]) -> None:
+        self.free_blocks.extend(pool_ids)

@@ -169,6 +169,8 @@ class Request:
         self.admit_order = -1
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
+        # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
+        self.offloaded: tuple[list[int], int] | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None and params.do_sample:
             self.generator = torch.Generator(device="cpu")

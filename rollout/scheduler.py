@@ -51,6 +51,11 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Offload preemption: (request, its former blocks holding computed KV, tokens in them).
+    # The blocks are already free; their contents stay intact until this step's forward.
+    offloads: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    # Restored requests: (request, the new blocks its offloaded KV must be copied into).
+    restores: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +75,9 @@ class Scheduler:
         max_requests_per_batch: most requests in one step, None for no cap.
         scheduler_type: "fifo" or "prefill_first".
         safety_margin: fraction [0, 1) of the blocks kept free at admission.
+        offload: on preemption, report the victim's computed blocks in
+            ``SchedulerOutput.offloads`` so the engine can copy them to CPU memory; a
+            request whose ``offloaded`` KV is set is restored instead of recomputed.
     """
 
     def __init__(
@@ -79,7 +87,9 @@ class Scheduler:
         max_requests_per_batch: int | None,
         scheduler_type: str,
         safety_margin: float,
+        offload: bool = False,
     ) -> None:
+        self.offload = offload
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests_per_batch or 1 << 30
@@ -156,12 +166,15 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget[0] > 0 and len(chosen) < self.max_requests:
             req = self.waiting[0]
-            max_hit = req.num_tokens - 1
-            if req.score_from is not None:
-                # Positions whose logits are scored must be computed, not found in the cache.
-                max_hit = min(max_hit, req.score_from - 1)
-            hits = bm.find_cached_prefix(req.token_ids, self.weight_version, max_hit)
-            num_cached = len(hits) * bm.block_size
+            if req.offloaded is not None:
+                hits, num_cached = [], req.offloaded[1]
+            else:
+                max_hit = req.num_tokens - 1
+                if req.score_from is not None:
+                    # Positions whose logits are scored must be computed, not found in the cache.
+                    max_hit = min(max_hit, req.score_from - 1)
+                hits = bm.find_cached_prefix(req.token_ids, self.weight_version, max_hit)
+                num_cached = len(hits) * bm.block_size
             n = min(req.num_tokens - num_cached, budget[0])
             new_blocks = bm.blocks_needed(num_cached + n) - len(hits)
             free_hits = sum(1 for b in hits if bm.blocks[b].ref_count == 0)
@@ -172,6 +185,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.acquire(hits)
             req.block_table = list(hits) + bm.allocate(new_blocks)
+            if req.offloaded is not None:
+                out.restores.append((req, req.block_table[: bm.blocks_needed(num_cached)]))
             req.block_hashes = [bm.blocks[b].block_hash for b in hits]  # type: ignore[misc]
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -196,6 +211,12 @@ class Scheduler:
             # Blocks hashed this step hold no KV yet: nobody may find them later.
             first_uncomputed = victim.num_computed_tokens // self.block_manager.block_size
             self.block_manager.uncache(victim.block_table[first_uncomputed:])
+        if victim.offloaded is not None:
+            # Admitted for a restore in this same step: its KV is still in the pool.
+            out.restores = [(r, b) for r, b in out.restores if r is not victim]
+        elif self.offload and victim.num_computed_tokens > 0:
+            computed = self.block_manager.blocks_needed(victim.num_computed_tokens)
+            out.offloads.append((victim, list(victim.block_table[:computed]), victim.num_computed_tokens))
         self._release_blocks(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PENDING

@@ -211,3 +211,20 @@ def test_cpu_fp32_default_block_size() -> None:
     assert engine.block_size == 32 and engine.cache.key[0].shape == (4 * 32, 2, 16)
     assert engine.cache.key[0].dtype == torch.float32
     engine.close()
+
+
+def test_offload_preemption_restores_kv_instead_of_recomputing() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(8, VOCAB_SIZE, min_len=10, max_len=30, seed=6)
+    _, reference = _greedy_engine(model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=256), max_new=16)
+    cfg = ContinuousBatchingConfig(
+        block_size=4, num_blocks=14, safety_margin=0.0, preemption_mode="offload", cpu_offload_space=0.01,
+        allow_block_sharing=False,
+    )
+    engine, out = _greedy_engine(model, prompts, cfg, max_new=16)
+    assert out == reference
+    assert engine.stats.num_preemptions > 0
+    assert engine.stats.num_offloads == engine.stats.num_preemptions
+    # Nothing was computed twice: each prompt token once, each generated token (but the last) once.
+    assert engine.stats.num_prompt_tokens_computed == sum(len(p) for p in prompts)
+    assert engine.offload_pool is not None and len(engine.offload_pool.free_blocks) == engine.offload_pool.num_blocks
