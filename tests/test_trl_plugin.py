@@ -1,0 +1,160 @@
+"""trainers.trl_plugin: TRL's GRPOTrainer generating with rollout's manager, on a tiny Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig
+
+from rollout import ContinuousBatchingConfig
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.utils import assert_close
+from trainers.trl_plugin import RolloutGRPOTrainer
+
+TEMPERATURE = 0.7
+NUM_GENERATIONS = 4
+BATCH = 8  # 2 prompts x 4 completions per step
+MAX_STEPS = 2
+CHECK_PROMPT = [5, 9, 11, 13, 17, 19, 23, 29, 31]
+
+
+def mean_token_id_reward(completion_ids, **kwargs):
+    """A reward with spread inside every group: the mean generated token id, scaled to [0, 1]."""
+    return [sum(ids) / (255 * len(ids)) for ids in completion_ids]
+
+
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each completion token under a plain forward."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logps = torch.log_softmax(logits / temperature, dim=-1)
+    return logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+class Probe(TrainerCallback):
+    """Records the manager's state at the points where the trainer must hold it paused."""
+
+    def __init__(self) -> None:
+        self.trainer: RolloutGRPOTrainer | None = None
+        self.paused_at_pre_optimizer: list[bool] = []
+        self.paused_at_step_end: list[bool] = []
+        self.at_train_end: dict = {}
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.paused_at_pre_optimizer.append(self.trainer.rollout_paused)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.paused_at_step_end.append(self.trainer.rollout_paused)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        manager = trainer.rollout_manager
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        # A greedy completion through the manager, scored by a plain forward of the trained model
+        # (greedy requests report log_softmax(logits), temperature 1).
+        out = trainer.rollout_generate([CHECK_PROMPT], do_sample=False)[0]
+        self.at_train_end = {
+            "same_model": manager.model is model,
+            "weight_version": manager.weight_version,
+            "global_step": state.global_step,
+            "manager_logprobs": list(out.logprobs),
+            "trained_logprobs": teacher_forced_logprobs(model, CHECK_PROMPT, out.generated_tokens, 1.0),
+            "initial_logprobs": teacher_forced_logprobs(tiny_llama(), CHECK_PROMPT, out.generated_tokens, 1.0),
+            "paused_after_check": trainer.rollout_paused,
+        }
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path):
+    path = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_grpo_trainer_generates_with_manager_and_logs_importance_sampling(tiny_llama_dir, tmp_path):
+    # Non-conversational prompts (the tiny tokenizer has no chat template): 10 word tokens each,
+    # so with block_size 4 the G completions of a prompt share its 2 full blocks.
+    prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=BATCH,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=8,
+        temperature=TEMPERATURE,
+        learning_rate=1e-2,  # large, so that stale weights would show in the logprob gap
+        max_steps=MAX_STEPS,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    probe = Probe()
+    trainer = RolloutGRPOTrainer(
+        model=tiny_llama_dir,
+        reward_funcs=mean_token_id_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        callbacks=[probe],
+        continuous_batching_config=ContinuousBatchingConfig(block_size=4, num_blocks=64),
+    )
+    probe.trainer = trainer
+    trainer.train()
+
+    # Generation went through the manager: every completion token TRL logged was sampled by it.
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    assert len(logs) == MAX_STEPS
+    summary = trainer.rollout_summary
+    completion_tokens = sum(entry["completions/mean_length"] * BATCH for entry in logs)
+    assert summary["num_generated_tokens"] == round(completion_tokens) + len(probe.at_train_end["manager_logprobs"])
+    # The G completions of each prompt reused its 2 full blocks: 2 prompts x 3 copies x 2 blocks per step.
+    assert summary["prefix_cache_hit_blocks"] >= MAX_STEPS * 2 * (NUM_GENERATIONS - 1) * 2
+    assert all(entry["rollout/cached_prompt_fraction"] > 0 for entry in logs)
+
+    # TRL's importance-sampling correction ran on our logprobs and logged its metrics; the manager
+    # sampled under the current weights at every step (after the first update too), so the sampling
+    # logprobs equal TRL's recomputed ones to float precision and the ratio is 1.
+    for entry in logs:
+        for name in ("min", "mean", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{name}"] == pytest.approx(1.0, abs=1e-3)
+        assert entry["sampling/sampling_logp_difference/max"] < 1e-4
+
+    # One weight version per optimizer step; paused through every optimizer step.
+    assert trainer.state.global_step == MAX_STEPS
+    assert summary["weight_version"] == MAX_STEPS
+    assert [entry["rollout/weight_version"] for entry in logs] == [0.0, 1.0]
+    assert probe.paused_at_pre_optimizer == [True] * MAX_STEPS
+    assert probe.paused_at_step_end == [True] * MAX_STEPS
+
+    # The manager runs on the trained model itself: its logprobs are the trained weights', which moved.
+    end = probe.at_train_end
+    assert end["same_model"] and end["weight_version"] == end["global_step"] == MAX_STEPS
+    assert end["paused_after_check"]
+    assert_close(end["manager_logprobs"], end["trained_logprobs"], atol=1e-4)
+    assert (end["trained_logprobs"] - end["initial_logprobs"]).abs().max() > 1e-2
+
+    # Destroyed at the end of train(), attention restored.
+    assert trainer.rollout_manager is None
+    assert trainer.model.config._attn_implementation == "sdpa"
+
+
+def test_rejects_unsupported_sampling_options(tiny_llama_dir, tmp_path):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, min_p=0.1,
+        report_to="none", bf16=False,
+    )
+    with pytest.raises(ValueError, match="min_p"):
+        RolloutGRPOTrainer(
+            model=tiny_llama_dir,
+            reward_funcs=mean_token_id_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * 4}),
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        )
