@@ -114,6 +114,7 @@ class EngineStats:
         num_generated_tokens: tokens sampled.
         num_preemptions: requests evicted for lack of blocks.
         num_offloads: preempted requests whose KV went to the CPU pool (not recomputed).
+        num_cached_blocks_hit: blocks handed to requests from the prefix cache.
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
     """
@@ -124,6 +125,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_offloads: int = 0
+    num_cached_blocks_hit: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
 
@@ -342,6 +344,7 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.stats.num_steps += 1
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.num_cached_blocks_hit = self.block_manager.num_cache_hits
         if all(e.num_query_tokens == 1 and e.sample for e in out.scheduled):
             self.stats.decode_step_seconds.append(elapsed)
             self.stats.decode_step_batch.append(len(out.scheduled))

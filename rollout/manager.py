@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .requests import GenerationOutput, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class ContinuousBatchingManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._id_counter = 0
+        self._final_weight_version = 0
+        self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
         self.step_hook: Callable[[], None] | None = None  # test hook: called before each step
 
     # ------------------------------------------------------------------ lifecycle
@@ -207,6 +209,8 @@ class ContinuousBatchingManager:
             self._state = _State.DESTROYED
             engine, self._engine = self._engine, None
         if engine is not None:
+            self._final_weight_version = engine.weight_version
+            self.final_stats = engine.stats
             engine.close()
         if getattr(self.model, "_rollout_manager", None) is self:
             del self.model._rollout_manager
@@ -221,8 +225,8 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------ properties
     @property
     def weight_version(self) -> int:
-        """Number of weight updates recorded so far."""
-        return self._engine.weight_version if self._engine is not None else 0
+        """Number of weight updates recorded so far (kept after ``destroy()``)."""
+        return self._engine.weight_version if self._engine is not None else self._final_weight_version
 
     @property
     def engine(self) -> Engine:
