@@ -1,0 +1,317 @@
+"""GRPO trainer on tiny models: advantages and loss against hand-computed values, logprob parity with the
+engine, staleness bounds of asynchronous rollouts, config errors, metrics and the saved model."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import rollout
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.utils import assert_close, teacher_forced_logprobs
+from trainers.config import ConfigError, GRPOConfig, load_config
+from trainers.grpo import (
+    GRPOTrainer,
+    aggregate_loss,
+    completion_logprobs,
+    group_advantages,
+    grpo_token_loss,
+    pad_batch,
+)
+
+REQUIRED_METRICS = (
+    "step",
+    "loss",
+    "reward_mean",
+    "reward_std",
+    "completion_len_mean",
+    "rollout_tokens_per_s",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "staleness_mean",
+)
+
+
+def low_token_reward(prompts, completions, completion_ids, **kwargs):
+    """Fraction of completion tokens with id < 100: learnable by a tiny random model."""
+    return [sum(1.0 for t in ids if t < 100) / len(ids) for ids in completion_ids]
+
+
+def token_dataset(n: int = 64) -> datasets.Dataset:
+    """Prompts of tiny-tokenizer words ("t5 t20 t40"), no chat template needed."""
+    return datasets.Dataset.from_list([{"prompt": f"t{5 + i % 7} t{20 + i % 11} t{40 + i % 5}"} for i in range(n)])
+
+
+def tiny_config(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(
+        model="tiny",
+        batch_size=8,
+        num_generations=4,
+        max_new_tokens=10,
+        max_steps=3,
+        learning_rate=1e-2,
+        micro_batch_size=4,
+        temperature=0.7,
+        output_dir=str(tmp_path / "out"),
+        save_model=False,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, **overrides) -> GRPOTrainer:
+    return GRPOTrainer(
+        tiny_config(tmp_path, **overrides),
+        model=tiny_llama(),
+        tokenizer=tiny_tokenizer(),
+        train_dataset=dataset if dataset is not None else token_dataset(),
+        reward_funcs=[reward],
+    )
+
+
+# ---------------------------------------------------------------------- advantages and loss
+def test_group_advantages_match_hand_computed_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 3.0, 1.0, math.nan, 2.0])
+    adv = group_advantages(rewards, num_generations=4, scale=True, eps=1e-4)
+    # Group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735.
+    s1 = math.sqrt(1 / 3)
+    # Group 2: all equal, advantage 0. Group 3: NaN left out: mean 2, std sqrt((1 + 1 + 0) / 2) = 1.
+    expected = [
+        0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        0.5 / (s1 + 1e-4),
+        0,
+        0,
+        0,
+        0,
+        1 / (1 + 1e-4),
+        -1 / (1 + 1e-4),
+        0.0,
+        0.0,
+    ]
+    assert_close(adv, expected, atol=1e-6)
+    assert_close(group_advantages(rewards[:4], 4, scale=False), [0.5, -0.5, -0.5, 0.5], atol=1e-7)
+
+
+def test_grpo_token_loss_matches_hand_computed_values():
+    # Two sequences of two tokens. Sequence 0: A = +1; sequence 1: A = -2.
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    prox = torch.tensor([[-1.0, -2.5], [-0.5, -2.0]])  # rho = [[1, e^0.5], [1, e^-1]]
+    behaviour = torch.tensor([[-1.0, -2.0], [-2.0, -2.0]])  # w = [[1, e^-0.5], [e^1.5 -> cap 3, 1]]
+    adv = torch.tensor([1.0, -2.0])
+    per_token, is_ratio = grpo_token_loss(logp, prox, behaviour, adv, epsilon_low=0.2, epsilon_high=0.3, is_cap=3.0)
+    e = math.e
+    # (0,0): rho 1, w 1, A 1 -> -1.
+    # (0,1): rho e^0.5 = 1.6487 > 1.3, A > 0 -> min(1.6487, 1.3) * 1 = 1.3; w = e^-0.5 -> -1.3 e^-0.5.
+    # (1,0): rho 1, w = min(e^1.5, 3) = 3, A -2 -> -3 * (-2) = 6.
+    # (1,1): rho e^-1 = 0.3679 < 0.8, A < 0 -> min(0.3679 * -2, 0.8 * -2) = -1.6; w 1 -> 1.6.
+    assert_close(per_token, [[-1.0, -1.3 * e**-0.5], [6.0, 1.6]], atol=1e-5)
+    assert_close(is_ratio, [[1.0, e**-0.5], [e**1.5, 1.0]], atol=1e-5)
+    per_token.sum().backward()
+    # Gradient flows only where the unclipped term is chosen: d/dlogp of -w rho A = -w rho A.
+    assert_close(logp.grad, [[-1.0, 0.0], [6.0, 0.0]], atol=1e-5)
+
+
+def test_aggregate_loss_dapo_and_grpo_normalisation():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # dapo: (1 + 2 + 3 + 4) / 4 tokens.
+    assert aggregate_loss(per_token, mask, "dapo", normaliser=4.0).item() == pytest.approx(2.5)
+    # grpo: mean(2, 4) = (6 / 3 + 4 / 1) / 2 sequences.
+    assert aggregate_loss(per_token, mask, "grpo", normaliser=2.0).item() == pytest.approx(3.0)
+
+
+def test_pad_batch_aligns_completions():
+    ids, attn, pos, cmask = pad_batch([[5, 6], [7]], [[8], [9, 10]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 8, 0], [0, 7, 9, 10]]
+    assert attn.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
+    assert pos[0, :3].tolist() == [0, 1, 2] and pos[1, 1:].tolist() == [0, 1, 2]
+    assert cmask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+
+
+# ---------------------------------------------------------------------- logprob parity
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logprobs_equal_engine_logprobs(temperature):
+    """The importance ratio is 1 within 1e-4 when the weights are equal: the engine's temperature logprobs
+    equal the trainer's padded forward (which runs through the paged dispatcher's fallback)."""
+    model = tiny_llama()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    cfg = rollout.ContinuousBatchingConfig(return_logprobs=True, logprobs_mode="temperature", num_blocks=64)
+    manager = rollout.ContinuousBatchingManager(model, GenerationConfig(max_new_tokens=12, do_sample=True), cfg)
+    manager.start()
+    try:
+        rids = [
+            manager.add_request(p, temperature=temperature, seed=i, eos_token_id=2) for i, p in enumerate(prompts * 2)
+        ]
+        outs = [manager.get_result(r) for r in rids]
+        completions = [o.generated_tokens for o in outs]
+        with torch.no_grad():
+            logps, mask = completion_logprobs(model, prompts * 2, completions, temperature, pad_token_id=0)
+    finally:
+        manager.destroy()
+    for b, out in enumerate(outs):
+        n = len(out.generated_tokens)
+        assert mask[b].sum().item() == n
+        assert_close(logps[b, :n], out.logprobs, atol=1e-4)
+        ratio = torch.exp(logps[b, :n] - torch.tensor(out.logprobs))
+        assert_close(ratio, torch.ones(n), atol=1e-4)
+        assert_close(
+            logps[b, :n], teacher_forced_logprobs(model, out.prompt_ids, out.generated_tokens, temperature), atol=1e-5
+        )
+
+
+def test_synchronous_steps_have_unit_importance_ratio(tmp_path):
+    rows = tiny_trainer(tmp_path, max_steps=3, temperature=0.7).train()
+    for row in rows:
+        assert row["staleness_mean"] == 0 and row["staleness_max"] == 0
+        assert abs(row["is_ratio_max"] - 1) < 1e-4 and abs(row["is_ratio_min"] - 1) < 1e-4
+        assert row["weight_version"] == row["step"]
+
+
+# ---------------------------------------------------------------------- asynchronous rollouts
+def test_async_wait_never_trains_on_tokens_older_than_max_staleness(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=8, async_rollouts=True, max_staleness=1, stale_policy="wait")
+    trained: list[int] = []
+    original = trainer._forward_backward
+
+    def record(prep):
+        for s, keep in zip(prep.staleness, prep.sample_mask.tolist()):
+            if keep:
+                trained.extend(s)
+        return original(prep)
+
+    trainer._forward_backward = record
+    rows = trainer.train()
+    assert max(trained) <= 1
+    assert 1 in trained, "async mode should train on some tokens sampled one version earlier"
+    assert all(r["staleness_max"] <= 1 and r["dropped_stale"] == 0 for r in rows)
+
+
+def test_async_drop_policy_masks_samples_older_than_max_staleness(tmp_path):
+    trainer = tiny_trainer(
+        tmp_path, max_steps=6, async_rollouts=True, max_staleness=1, stale_policy="drop", prefetch_batches=3
+    )
+    rows = trainer.train()
+    assert sum(r["dropped_stale"] for r in rows) > 0
+    assert any(r["staleness_max_sampled"] > 1 for r in rows)
+    assert all(math.isnan(r["staleness_max"]) or r["staleness_max"] <= 1 for r in rows)
+
+
+def test_training_forward_concurrent_with_generation_gives_the_same_gradients():
+    """Backs train_outside_pause: a training forward/backward while the engine decodes in its thread gives
+    exactly the gradients of the same forward/backward with the engine paused."""
+    model = tiny_llama()
+    cfg = rollout.ContinuousBatchingConfig(return_logprobs=True, num_blocks=256)
+    manager = rollout.ContinuousBatchingManager(model, GenerationConfig(max_new_tokens=200, do_sample=True), cfg)
+    prompts, completions = [[5, 6, 7], [8, 9, 10, 11]], [[20, 21, 22, 23], [30, 31]]
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        logps, mask = completion_logprobs(model, prompts, completions, 0.7, pad_token_id=0)
+        (logps * mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    manager.start()
+    try:
+        with manager.pause():
+            reference = grads()
+        busy = threading.Event()
+        manager.step_hook = busy.set
+        for i in range(16):
+            manager.add_request([3 + i, 40, 41], temperature=1.0, seed=i)
+        assert busy.wait(10)
+        concurrent = [grads() for _ in range(3)]
+        assert manager.engine.has_unfinished(), "the engine should still be generating"
+    finally:
+        manager.destroy()
+    for run in concurrent:
+        for a, b in zip(run, reference):
+            assert torch.equal(a, b)
+
+
+def test_train_outside_pause_runs(tmp_path):
+    rows = tiny_trainer(tmp_path, max_steps=3, async_rollouts=True, max_staleness=1, train_outside_pause=True).train()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_reward_rises_on_tiny_model(tmp_path):
+    rows = tiny_trainer(tmp_path, max_steps=20, max_new_tokens=12, async_rollouts=True, max_staleness=1).train()
+    first = sum(r["reward_mean"] for r in rows[:3]) / 3
+    last = sum(r["reward_mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.2, (first, last)
+
+
+# ---------------------------------------------------------------------- outputs
+def test_metrics_file_and_saved_model(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=2, save_model=True, log_completions=2)
+    trainer.train()
+    out = tmp_path / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    assert samples[0]["prompt"].startswith("t") and isinstance(samples[0]["reward"], float)
+    for key in REQUIRED_METRICS:
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert not saved.config._attn_implementation.startswith("rollout")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert_close(saved(ids).logits, trainer.unwrapped(ids).logits, atol=1e-5)
+    assert (out / "tokenizer.json").exists()
+
+
+def test_prompts_as_chat_messages_without_template_are_joined(tmp_path):
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"t{5 + i} t9"}]} for i in range(8)])
+    trainer = tiny_trainer(tmp_path, dataset=ds, max_steps=1)
+    assert trainer.encode_prompt(ds[0]["prompt"]) == [5, 9]
+    trainer.train()
+
+
+# ---------------------------------------------------------------------- bad configs fail at start
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"learning_rat": 1e-5}, "learning_rat"),
+        ({"num_generations": 1, "batch_size": 4}, "num_generations"),
+        ({"batch_size": 10, "num_generations": 4}, "batch_size"),
+        ({"loss_type": "sum"}, "loss_type"),
+        ({"max_new_tokens": "many"}, "max_new_tokens"),
+        ({"stale_policy": "later"}, "stale_policy"),
+        ({"engine": {"blok_size": 16}}, "engine.blok_size"),
+        ({"engine": {"logprobs_mode": "raw"}}, "engine.logprobs_mode"),
+        ({"reward_weights": [1.0]}, "reward_weights"),
+    ],
+)
+def test_bad_config_fails_naming_the_key(tmp_path, values, named):
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps(values))  # JSON is YAML
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        load_config(None, learning_rat=1e-5)
+
+
+def test_missing_dataset_column_fails_before_the_model_loads(tmp_path):
+    ds = datasets.Dataset.from_list([{"prompt": "t5 t6", "question": "q"}] * 8)
+    cfg = tiny_config(tmp_path, reward_funcs=["correctness"], model="/nonexistent/model")
+    with pytest.raises(ConfigError, match="'answer'"):
+        GRPOTrainer(cfg, train_dataset=ds)
+    with pytest.raises(ConfigError, match="prompt_column.*'text'"):
+        GRPOTrainer(tiny_config(tmp_path, prompt_column="text", model="/nonexistent/model"), train_dataset=ds)
+
+
+def test_default_config_file_loads():
+    config = load_config("configs/grpo_default.yaml")
+    assert config.batch_size % config.num_generations == 0
+    assert config.dataset == "arithmetic" and config.model == "smollm2-135m-instruct"

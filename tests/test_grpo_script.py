@@ -1,0 +1,90 @@
+"""The command-line entry points: scripts/train_grpo.py (bad config, tracker, the real default job) and
+scripts/plot_metrics.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_grpo import REQUIRED_METRICS, tiny_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import plot_metrics  # noqa: E402
+import train_grpo  # noqa: E402
+
+
+def test_script_rejects_unknown_key_naming_it(capsys):
+    assert train_grpo.main(["--set", "learning_rat=1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'learning_rat'" in err and "did you mean 'learning_rate'" in err
+
+
+def test_script_rejects_batch_not_divisible_by_g(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("batch_size: 6\nnum_generations: 4\n")
+    assert train_grpo.main(["--config", str(config)]) == 2
+    assert "batch_size (6) must be a multiple of num_generations (4)" in capsys.readouterr().err
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    rows = [
+        {
+            "step": i + 1,
+            "reward_mean": 0.1 * i,
+            "rewards/format": 0.05 * i,
+            "rollout_tokens_per_s": 50.0 + i,
+            "step_time_s": 20.0,
+        }
+        for i in range(6)
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "curve.png"
+    assert plot_metrics.main([str(metrics), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_metrics.moving_average([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
+
+
+def test_tensorboard_tracker_logs_the_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    tiny_trainer(tmp_path, max_steps=2, log_with="tensorboard").train()
+    events = list((tmp_path / "out").rglob("events.out.tfevents.*"))
+    assert events, "no tensorboard event file"
+
+
+@pytest.mark.slow
+def test_default_job_runs_with_accelerate_launch_on_the_real_model(tmp_path):
+    """`accelerate launch scripts/train_grpo.py` with no accelerate config file, on SmolLM2-135M-Instruct
+    and the default task; smaller batches than the default so CI stays short."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "scripts/train_grpo.py",
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+        "--set",
+        "batch_size=8",
+        "--set",
+        "max_new_tokens=24",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in REQUIRED_METRICS:
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert abs(rows[0]["is_ratio_max"] - 1) < 1e-3  # step 1: the rollout's weights are the trained weights
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert plot_metrics.main([str(out / "metrics.jsonl")]) == 0
+    assert (out / "reward_curve.png").exists()

@@ -1,0 +1,342 @@
+"""The GRPO trainer's settings: one validated dataclass, loaded from YAML.
+
+``load_config(path, **overrides)`` reads a YAML mapping with ``yaml.safe_load``, applies command-line
+overrides on top, and builds ``GRPOConfig``. Every key is checked before anything heavy happens (model
+load, process group, dataset): an unknown key, a value of the wrong type or out of range raises
+``ConfigError`` whose message names the key (and suggests the closest known key for a typo).
+
+The ``engine`` mapping holds ``rollout.ContinuousBatchingConfig`` fields; it is validated by that
+class. ``return_logprobs`` and ``logprobs_mode`` are fixed by the trainer (True, "temperature").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+import rollout
+
+LOSS_TYPES = ("dapo", "grpo")
+STALE_POLICIES = ("wait", "drop")
+# Engine fields the trainer owns: the behaviour logprobs must be log_softmax(logits / T).
+ENGINE_FIXED = {"return_logprobs": True, "logprobs_mode": "temperature"}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+@dataclass
+class GRPOConfig:
+    """Settings of a GRPO run.
+
+    Model and data:
+        model: local Hugging Face folder or an alias understood by ``rollout.load_model``
+            ("smollm2-135m-instruct", the default).
+        dataset: "arithmetic" (the generated default task, no download), or the path of a
+            GSM8K-format jsonl file (``question``/``answer`` fields, the answer after ``####``),
+            or "gsm8k:PATH" for the same.
+        dataset_size: number of problems of the "arithmetic" task.
+        dataset_seed: seed of the "arithmetic" problems.
+        prompt_column: dataset column holding the prompt: a string (tokenized as is) or a list
+            of chat messages (the tokenizer's chat template is applied when it has one).
+        reward_funcs: reward names of ``trainers.rewards.REWARD_FUNCS`` ("correctness",
+            "format") or "module:function" import paths of functions with TRL's signature.
+        reward_weights: one weight per reward function; None weighs each 1.0.
+
+    Generation:
+        num_generations: G, samples per prompt (>= 2; group-normalised advantages need two).
+        batch_size: completions per process per step; a multiple of ``num_generations``.
+        max_prompt_length: prompts longer than this keep their last tokens (TRL's rule).
+        max_new_tokens: most tokens per completion.
+        temperature: sampling temperature; the trainer divides its logits by the same value,
+            so behaviour and trainer logprobs are the same function of the weights. Sampling is
+            plain temperature sampling (no top-k/top-p), so the behaviour policy is exactly
+            softmax(logits / T).
+
+    Optimisation:
+        learning_rate, weight_decay, adam_beta1, adam_beta2, max_grad_norm: AdamW and gradient
+            clipping (constant learning rate after ``warmup_steps`` of linear warm-up).
+        warmup_steps: linear warm-up steps of the learning rate.
+        micro_batch_size: sequences per training forward/backward (gradients accumulate over
+            the micro-batches of a step; one optimizer step per step).
+        epsilon, epsilon_high: PPO clip range [1 - epsilon, 1 + epsilon_high] of the ratio
+            pi_theta / pi_prox (epsilon_high None means epsilon).
+        is_cap: truncation of the importance weight pi_prox / pi_behaviour (TRL's
+            ``vllm_importance_sampling_cap``, token_truncate mode).
+        loss_type: "dapo": sum of per-token losses over the global batch divided by the number
+            of completion tokens of the global batch (the default); "grpo": mean over each
+            sequence's tokens, then mean over the global batch's sequences.
+        scale_rewards: divide the group-centred rewards by the group's std (+ advantage_eps).
+        advantage_eps: eps of (r - mean_group) / (std_group + eps).
+
+    Asynchronous rollouts:
+        async_rollouts: generate the next batches while the trainer works on the current one.
+        max_staleness: most weight versions a trained token may be older than the weights it
+            is trained on. 0 is synchronous mode (async_rollouts then changes nothing).
+        stale_policy: "wait": batch j is submitted only once the weights are at version
+            >= j - max_staleness, so no sample is ever too old; "drop": submit
+            ``prefetch_batches`` ahead without waiting and drop (mask out of the loss) every
+            sample with a token older than max_staleness.
+        prefetch_batches: batches kept in flight beyond the one being trained (None: max_staleness).
+        train_outside_pause: run the training forward/backward while the engine keeps
+            generating (only the optimizer step holds ``pause()``). Off by default; see the
+            trainer module's docstring.
+
+    Run:
+        max_steps: optimizer steps (one batch each).
+        seed: seed of torch, of the dataset order and of the sampling seeds.
+        output_dir: metrics.jsonl, trackers' logs and the final model go here.
+        log_with: an accelerate tracker ("tensorboard", "wandb", ...) or None.
+        save_model: save the final model and tokenizer with ``save_pretrained``.
+        log_completions: write this many samples per step (prompt, completion, reward) to
+            OUTPUT_DIR/completions.jsonl (main process; 0: none).
+        cpu_threads: torch threads per process on CPU; None: the CPUs this process may use
+            divided by the processes on this machine.
+        engine: ``rollout.ContinuousBatchingConfig`` fields. When ``num_blocks`` is not given
+            the cache is sized for the batches in flight.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dataset: str = "arithmetic"
+    dataset_size: int = 2000
+    dataset_seed: int = 0
+    prompt_column: str = "prompt"
+    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format"])
+    reward_weights: list[float] | None = None
+
+    num_generations: int = 4
+    batch_size: int = 16
+    max_prompt_length: int = 256
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 8
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    is_cap: float = 3.0
+    loss_type: Literal["dapo", "grpo"] = "dapo"
+    scale_rewards: bool = True
+    advantage_eps: float = 1e-4
+
+    async_rollouts: bool = False
+    max_staleness: int = 0
+    stale_policy: Literal["wait", "drop"] = "wait"
+    prefetch_batches: int | None = None
+    train_outside_pause: bool = False
+
+    max_steps: int = 30
+    seed: int = 0
+    output_dir: str = "outputs/grpo"
+    log_with: str | None = None
+    save_model: bool = True
+    log_completions: int = 0
+    cpu_threads: int | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive = (
+            "dataset_size",
+            "num_generations",
+            "batch_size",
+            "max_prompt_length",
+            "max_new_tokens",
+            "micro_batch_size",
+            "max_steps",
+        )
+        for name in _positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be >= 2 (advantages are normalised within each group), got {self.num_generations}"
+            )
+        if self.batch_size % self.num_generations:
+            raise ConfigError(
+                f"batch_size ({self.batch_size}) must be a multiple of num_generations ({self.num_generations}): "
+                "each prompt's G completions are trained on the same process"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 (GRPO samples), got {self.temperature!r}")
+        for name in ("learning_rate", "epsilon", "is_cap", "advantage_eps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "weight_decay",
+            "max_grad_norm",
+            "warmup_steps",
+            "max_staleness",
+            "dataset_seed",
+            "log_completions",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise ConfigError(f"epsilon_high must be > 0 or null, got {self.epsilon_high!r}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.prefetch_batches is not None and self.prefetch_batches < 0:
+            raise ConfigError(f"prefetch_batches must be >= 0 or null, got {self.prefetch_batches!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads!r}")
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs must name at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}"
+            )
+        self.engine_config()  # validate the engine mapping now
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts per process per step: batch_size // num_generations."""
+        return self.batch_size // self.num_generations
+
+    @property
+    def effective_prefetch(self) -> int:
+        """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
+        if not self.async_rollouts or self.max_staleness == 0:
+            return 0
+        return self.max_staleness if self.prefetch_batches is None else self.prefetch_batches
+
+    def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
+        """The engine's configuration: ``engine`` plus the fields the trainer fixes.
+
+        Raises:
+            ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
+        """
+        known = rollout.ContinuousBatchingConfig.field_names()
+        for key, value in self.engine.items():
+            if key not in known:
+                raise ConfigError(f"unknown key engine.{key}{_suggest(key, known)}")
+            if key in ENGINE_FIXED and value != ENGINE_FIXED[key]:
+                raise ConfigError(f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the GRPO trainer, got {value!r}")
+        values = {**self.engine, **ENGINE_FIXED, **extra}
+        try:
+            return rollout.ContinuousBatchingConfig(**values)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"engine: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_types(config: GRPOConfig) -> None:
+    hints = typing.get_type_hints(GRPOConfig)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _matches(value, hints[f.name]):
+            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return "a mapping"
+    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def config_from_dict(values: dict[str, Any]) -> GRPOConfig:
+    """Build a GRPOConfig from a mapping.
+
+    Raises:
+        ConfigError: an unknown key (named, with the closest known key), or a bad value.
+    """
+    if not isinstance(values, dict):
+        raise ConfigError(f"a GRPO config must be a mapping of keys to values, got {type(values).__name__}")
+    known = [f.name for f in dataclasses.fields(GRPOConfig)]
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r}{_suggest(str(key), known)}")
+    return GRPOConfig(**values)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> GRPOConfig:
+    """Read a YAML config and apply overrides (None values are ignored).
+
+    Args:
+        path: a YAML file holding a mapping; None starts from the defaults.
+        **overrides: values that replace the file's (the command line's ``--max_steps`` etc.).
+
+    Raises:
+        ConfigError: unknown key, bad value, or a file that is not a YAML mapping.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a GRPO config must be a YAML mapping, got {type(loaded).__name__}")
+        values.update(loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return config_from_dict(values)
+    except ConfigError as e:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}{e}") from e

@@ -1,0 +1,880 @@
+"""GRPO on rollout's persistent manager, one process per device, data parallel through ``accelerate``.
+
+Each process holds one model replica (DDP across processes) and one persistent
+``rollout.ContinuousBatchingManager`` built on the *same* model object (no copy of the weights). One
+step of the trainer:
+
+1. takes ``batch_size / G`` prompts of the dataset for this process (a seeded permutation, disjoint
+   across processes), applies the tokenizer's chat template, and asks the manager for G samples of
+   each (the G requests share the prompt's KV blocks through prefix caching);
+2. scores the completions with the reward functions (TRL's signature) and turns the rewards into
+   group-normalised advantages ``(r - mean_group) / (std_group + eps)`` (std with Bessel's
+   correction, as TRL; a group lives on one process, so no communication is needed);
+3. computes the per-token logprobs log_softmax(logits / T) of the completions with a training
+   forward, and the loss below; gradients are all-reduced by DDP;
+4. runs the optimizer step inside ``manager.pause()`` and, still inside it,
+   ``manager.update_weights(None)``, which bumps the weight version that every later token records.
+
+Loss (decoupled PPO, as TRL's ``GRPOTrainer`` with ``vllm_importance_sampling_correction`` in
+``token_truncate`` mode, and AReaL): for completion token t of a sample with advantage A,
+
+    rho_t = pi_theta(t) / pi_prox(t)                      (pi_prox: the weights at the start of the step)
+    w_t   = min(pi_prox(t) / pi_behaviour(t), is_cap)     (detached; pi_behaviour: the rollout's logprob)
+    loss_t = -w_t * min(rho_t * A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A)
+
+pi_prox is the training forward's own logprob, detached, so with one optimizer step per batch rho is
+1 in value and the clip is inactive (as TRL's default ``num_iterations=1``); ``grpo_token_loss`` takes
+pi_prox as an argument, so the same function serves several updates per batch. w corrects for the
+policy having moved since the tokens were sampled (asynchronous rollouts, in-flight weight updates):
+with equal weights it is 1 within 1e-4, since the engine returns log_softmax(logits / T) in fp32
+(``logprobs_mode="temperature"``) with the trainer's temperature. ``is_ratio_*`` metrics report
+pi_prox / pi_behaviour before truncation.
+
+Normalisation (``loss_type``): "dapo" (default) sums the per-token losses of the global batch (all
+processes) and divides by the global number of completion tokens: each process scales its sum by
+world_size / global_tokens, and DDP's gradient mean undoes the world_size. "grpo" takes each
+sequence's token mean, then the mean over the global batch's sequences.
+
+Asynchronous rollouts. With ``async_rollouts`` and ``max_staleness`` s >= 1, batch j is submitted
+right after the optimizer step that brings the weights to version j - s (``stale_policy: wait``), so
+while the trainer collects, scores and trains batch k, the engine already generates batches up to
+k + s; every token of batch k was sampled under version >= k - s, and batch k is trained at
+version k: staleness <= s by construction. With ``stale_policy: drop`` the trainer keeps
+``prefetch_batches`` batches in flight without waiting, and at training time masks out of the loss
+every sample with a token older than s. ``max_staleness: 0`` is synchronous mode: batch k is
+submitted at the top of step k and trained under the weights it was sampled with.
+
+Forward/backward and the pause. By default the training forward/backward runs inside ``pause()``
+too: then the engine and the trainer never touch the model at the same time, and on a 2-core CPU
+two concurrent forwards only share the same cores. What overlaps with generation is everything
+else: waiting for the batch being trained, reward computation, tokenisation and batch preparation
+(and in async mode the engine's decode batches are larger, since batch k+1 decodes together with
+batch k). ``train_outside_pause: true`` runs the forward/backward while the engine keeps
+generating and holds the pause only for the optimizer step. That is safe because neither side
+mutates shared state during a forward: the engine runs under ``torch.inference_mode`` (no autograd
+state, its own KV tensors), its attention dispatcher takes all its metadata from forward kwargs
+and calls the original attention when there is none (the training forward), and the training
+backward writes only ``.grad``, which the engine never reads; the only writer of the parameters is
+the optimizer step, which holds the pause. ``tests/test_grpo.py`` checks that gradients computed
+while the engine generates equal those computed with the engine paused. The model stays in
+``eval()`` mode throughout (no dropout, as TRL's default ``disable_dropout``), so the engine and the
+trainer compute the same function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+import rollout
+
+from .config import ConfigError, GRPOConfig
+from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
+from .tasks import build_dataset
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
+
+
+# ---------------------------------------------------------------------- pure functions
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-normalised advantages.
+
+    Args:
+        rewards: float [N], N a multiple of G; the G samples of a prompt are consecutive. NaN
+            marks a sample no reward function scored.
+        num_generations: G.
+        scale: divide by the group's std (Bessel-corrected, NaN-aware) plus eps; otherwise
+            only centre.
+        eps: added to the std.
+
+    Returns:
+        float32 [N]: (r - mean_group) / (std_group + eps); 0 for NaN rewards and for groups with
+        fewer than two scored samples when scaling.
+    """
+    grouped = rewards.float().view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    centred = grouped - mean
+    if scale:
+        count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+        var = torch.nansum(centred**2, dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        std = torch.sqrt(var)
+        centred = torch.where(count > 1, centred / (std + eps), torch.zeros_like(centred))
+    return torch.nan_to_num(centred, nan=0.0).view(-1)
+
+
+def grpo_token_loss(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    is_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped policy-gradient loss with truncated importance weights.
+
+    Args:
+        logprobs: float [B, L]; log pi_theta of each completion token (carries the gradient).
+        prox_logprobs: float [B, L]; log pi_prox, the weights at the start of the update
+            (``logprobs.detach()`` for one update per batch).
+        behaviour_logprobs: float [B, L]; the rollout's logprobs (the behaviour policy).
+        advantages: float [B]; one advantage per sequence.
+        epsilon_low, epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high] of rho.
+        is_cap: upper truncation of the importance weight pi_prox / pi_behaviour.
+
+    Returns:
+        per_token_loss float [B, L]: -min(w, cap) * min(rho A, clip(rho) A); and the raw
+        importance ratio pi_prox / pi_behaviour float [B, L] (before truncation, detached).
+        Padding positions are not masked here.
+    """
+    adv = advantages[:, None]
+    rho = torch.exp(logprobs - prox_logprobs.detach())
+    unclipped = rho * adv
+    clipped = torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high) * adv
+    is_ratio = torch.exp(prox_logprobs.detach() - behaviour_logprobs)
+    weight = torch.clamp(is_ratio, max=is_cap)
+    return -weight * torch.minimum(unclipped, clipped), is_ratio
+
+
+def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, normaliser: float) -> torch.Tensor:
+    """Sum a micro-batch's contribution to the global loss.
+
+    Args:
+        per_token_loss: float [B, L].
+        mask: float [B, L]; 1 for trained completion tokens.
+        loss_type: "dapo": sum of masked token losses / normaliser (the global token count);
+            "grpo": sum over sequences of their masked token mean / normaliser (the global
+            sequence count). Fully masked sequences contribute 0.
+        normaliser: the global count (already divided by the world size for DDP's mean).
+
+    Returns:
+        A scalar tensor.
+    """
+    masked = per_token_loss * mask
+    if loss_type == "dapo":
+        return masked.sum() / normaliser
+    per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return per_seq.sum() / normaliser
+
+
+def pad_batch(
+    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad the prompts and right-pad the completions, so all completions start at one column.
+
+    Returns:
+        input_ids int64 [B, P + L], attention_mask int64 [B, P + L], position_ids int64 [B, P + L]
+        (0 at the first real token of each row), completion_mask float32 [B, L]; P is the longest
+        prompt and L the longest completion.
+    """
+    B = len(prompt_ids)
+    P = max(len(p) for p in prompt_ids)
+    L = max(len(c) for c in completion_ids)
+    input_ids = torch.full((B, P + L), pad_token_id, dtype=torch.int64)
+    attention = torch.zeros((B, P + L), dtype=torch.int64)
+    for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[b, P - len(p) : P] = torch.tensor(list(p), dtype=torch.int64)
+        input_ids[b, P : P + len(c)] = torch.tensor(list(c), dtype=torch.int64)
+        attention[b, P - len(p) : P + len(c)] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention, position_ids, attention[:, P:].float()
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    temperature: float,
+    pad_token_id: int,
+    supports_logits_to_keep: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits / T) of each completion token under one padded forward.
+
+    Only the last L + 1 positions go through the LM head (``logits_to_keep``): prompts are
+    left-padded so every completion starts at the same column.
+
+    Args:
+        model: the causal LM (or its DDP wrapper).
+        prompt_ids, completion_ids: B token lists each.
+        temperature: the sampling temperature T.
+        pad_token_id: id written in padding positions (masked out).
+        supports_logits_to_keep: the model's forward accepts ``logits_to_keep``.
+
+    Returns:
+        logprobs float32 [B, L] (0 at padding), completion mask float32 [B, L].
+    """
+    input_ids, attention, position_ids, comp_mask = pad_batch(prompt_ids, completion_ids, pad_token_id)
+    device = next(model.parameters()).device
+    L = comp_mask.shape[1]
+    kwargs = dict(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=False,
+    )
+    if supports_logits_to_keep:
+        kwargs["logits_to_keep"] = L + 1
+    logits = model(**kwargs).logits
+    logits = logits[:, -(L + 1) : -1].float() / temperature
+    targets = input_ids[:, -L:].to(device)
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+    comp_mask = comp_mask.to(device)
+    return logps * comp_mask, comp_mask
+
+
+def sample_seed(*parts: int) -> int:
+    """A stable 31-bit seed from integers (sampling seed of one request)."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------- the trainer
+@dataclass
+class TrainerState:
+    """What reward functions see as ``trainer_state``."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+@dataclass
+class _Batch:
+    """One process's share of a step's prompts, submitted to the manager."""
+
+    index: int
+    rows: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    request_ids: list[str]  # prompt-major: the G samples of prompt i are [i*G, (i+1)*G)
+    submit_version: int
+    submit_time: float
+
+
+@dataclass
+class _Prepared:
+    """A scored batch, ready for the loss."""
+
+    prompt_ids: list[list[int]]  # one per sample
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    advantages: torch.Tensor  # [N]
+    sample_mask: torch.Tensor  # [N]; 0 for dropped (stale) samples
+    staleness: list[list[int]]  # per token: version at training - version sampled
+    rewards: torch.Tensor  # [N]
+    rewards_per_func: torch.Tensor  # [N, F]
+    finish_length: torch.Tensor  # [N] 1 where the completion hit max_new_tokens
+    texts: list[str] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)
+
+
+class GRPOTrainer:
+    """GRPO with continuous-batching rollouts on the training model itself.
+
+    Args:
+        config: the run's settings (validated).
+        model, tokenizer: the policy; loaded from ``config.model`` with ``rollout.load_model``
+            when None.
+        train_dataset: a ``datasets.Dataset`` with ``config.prompt_column`` and the columns the
+            reward functions need; built from ``config.dataset`` when None.
+        reward_funcs: callables with TRL's signature (or names/paths); ``config.reward_funcs``
+            when None.
+        accelerator: an existing Accelerator; one is built otherwise (CPU when CUDA is absent).
+
+    Raises:
+        ConfigError: a bad setting or a dataset without a needed column (the message names it);
+            raised before the model is loaded.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        train_dataset: datasets.Dataset | None = None,
+        reward_funcs: Sequence[RewardFunc | str] | None = None,
+        accelerator: Accelerator | None = None,
+    ) -> None:
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.accelerator = accelerator or Accelerator(
+            cpu=not torch.cuda.is_available(),
+            log_with=config.log_with,
+            project_dir=str(self.output_dir) if config.log_with else None,
+        )
+        acc = self.accelerator
+        self.rank, self.world_size = acc.process_index, acc.num_processes
+        if acc.device.type == "cpu":
+            self._set_cpu_threads()
+
+        # Data and rewards first: a bad column fails before the model loads.
+        try:
+            self.dataset = (
+                train_dataset
+                if train_dataset is not None
+                else build_dataset(config.dataset, config.dataset_size, config.dataset_seed)
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"dataset: {e}") from e
+        specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
+        try:
+            self.reward_funcs = [resolve_reward_func(s) for s in specs]
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        self.reward_weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(specs)
+        if len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward functions"
+            )
+        self._check_columns()
+        if len(self.dataset) < config.prompts_per_batch * self.world_size:
+            raise ConfigError(
+                f"dataset: {len(self.dataset)} prompts cannot fill one step of "
+                f"{config.prompts_per_batch} prompts x {self.world_size} processes"
+            )
+
+        torch.manual_seed(config.seed)
+        if model is None or tokenizer is None:
+            model, tokenizer = rollout.load_model(config.model)
+        self.tokenizer = tokenizer
+        model.eval()  # no dropout: the engine and the trainer compute the same function
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = 0
+        self.eos_token_ids = self._eos_ids(model, tokenizer)
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._warned_no_template = False
+
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.unwrapped = acc.unwrap_model(self.model)
+        assert self.unwrapped is model, "accelerate must wrap the model object, not copy it"
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+        )
+
+        self.manager = rollout.ContinuousBatchingManager(
+            self.unwrapped,
+            GenerationConfig(
+                max_new_tokens=config.max_new_tokens,
+                do_sample=True,
+                temperature=config.temperature,
+                top_k=None,
+                top_p=None,
+                eos_token_id=self.eos_token_ids,
+            ),
+            self._engine_config(),
+        )
+        self.state = TrainerState(0, config.max_steps)
+        self._pending: deque[_Batch] = deque()
+        self._next_batch = 0
+        self._orders: dict[int, list[int]] = {}
+        self._pauses: list[tuple[float, float]] = []
+        self._busy_until = 0.0
+        self._throughput: deque[tuple[int, float]] = deque(maxlen=THROUGHPUT_WINDOW)
+        self._logged_metrics: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ setup helpers
+    def _set_cpu_threads(self) -> None:
+        threads = self.config.cpu_threads
+        if threads is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            threads = max(1, len(os.sched_getaffinity(0)) // max(local, 1))
+        torch.set_num_threads(threads)
+
+    def _check_columns(self) -> None:
+        columns = set(self.dataset.column_names)
+        if self.config.prompt_column not in columns:
+            raise ConfigError(
+                f"prompt_column: the dataset has no column {self.config.prompt_column!r} (columns: {sorted(columns)})"
+            )
+        for fn, name in zip(self.reward_funcs, self.reward_names):
+            for col in required_columns(fn):
+                if col not in columns:
+                    raise ConfigError(
+                        f"reward_funcs: {name!r} needs the dataset column {col!r}, which the dataset lacks "
+                        f"(columns: {sorted(columns)})"
+                    )
+
+    @staticmethod
+    def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        ids: list[int] = []
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        for value in (tokenizer.eos_token_id, gen_eos):
+            if value is None:
+                continue
+            for v in [value] if isinstance(value, int) else list(value):
+                if v not in ids:
+                    ids.append(int(v))
+        return ids
+
+    def _engine_config(self) -> rollout.ContinuousBatchingConfig:
+        cfg = self.config
+        if cfg.engine.get("num_blocks") is not None:
+            return cfg.engine_config()
+        base = cfg.engine_config()
+        block = base.resolved_block_size(self.accelerator.device.type)
+        per_seq = -(-(cfg.max_prompt_length + cfg.max_new_tokens) // block) + 1
+        in_flight = (cfg.effective_prefetch + 1) * cfg.batch_size
+        return cfg.engine_config(num_blocks=in_flight * per_seq + 8)
+
+    # ------------------------------------------------------------------ data
+    def _dataset_index(self, k: int) -> int:
+        n = len(self.dataset)
+        epoch, pos = divmod(k, n)
+        if epoch not in self._orders:
+            order = list(range(n))
+            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self._orders[epoch][pos]
+
+    def _rows_for_batch(self, j: int) -> list[dict[str, Any]]:
+        P = self.config.prompts_per_batch
+        start = (j * self.world_size + self.rank) * P
+        return [self.dataset[self._dataset_index(k)] for k in range(start, start + P)]
+
+    def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt: chat template for message lists (plain join without one); text as is.
+
+        Prompts longer than ``max_prompt_length`` keep their last tokens.
+        """
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = list(tok(prompt).input_ids)
+        elif getattr(tok, "chat_template", None):
+            ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+        else:
+            if not self._warned_no_template:
+                logger.warning("the tokenizer has no chat template: message prompts are joined as plain text")
+                self._warned_no_template = True
+            ids = list(tok("\n".join(m["content"] for m in prompt) + "\n").input_ids)
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        return ids[-self.config.max_prompt_length :]
+
+    # ------------------------------------------------------------------ rollouts
+    def _submit(self, j: int) -> None:
+        cfg = self.config
+        rows = self._rows_for_batch(j)
+        prompt_ids = [self.encode_prompt(r[cfg.prompt_column]) for r in rows]
+        request_ids = []
+        for i, ids in enumerate(prompt_ids):
+            for g in range(cfg.num_generations):
+                rid = self.manager.add_request(
+                    ids,
+                    request_id=f"grpo_b{j}_p{i}_g{g}",
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    do_sample=True,
+                    seed=sample_seed(cfg.seed, self.rank, j, i, g),
+                    eos_token_id=self.eos_token_ids,
+                    record_timestamps=True,
+                )
+                if rid is None:
+                    raise RuntimeError("the rollout manager stopped and accepts no request")
+                request_ids.append(rid)
+        self._pending.append(_Batch(j, rows, prompt_ids, request_ids, self.manager.weight_version, time.perf_counter()))
+        self._next_batch = j + 1
+
+    def _may_submit(self, j: int, current: int) -> bool:
+        cfg = self.config
+        if j >= cfg.max_steps or j > current + cfg.effective_prefetch:
+            return False
+        if j == current or cfg.stale_policy == "drop":
+            return True
+        return self.manager.weight_version >= j - cfg.max_staleness
+
+    def _fill(self, current: int) -> None:
+        """Submit every batch that may run now (batch ``current`` always)."""
+        while self._may_submit(self._next_batch, current):
+            self._submit(self._next_batch)
+
+    def _collect(self, batch: _Batch) -> list[rollout.GenerationOutput]:
+        outputs = []
+        for rid in batch.request_ids:
+            out = self.manager.get_result(rid)
+            if out is None or out.status != rollout.RequestStatus.FINISHED:
+                error = out.error if out is not None else "the manager ended before it finished"
+                raise RuntimeError(f"rollout request {rid} did not finish: {error}")
+            outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ scoring
+    def _log_metric(self, name: str, value: float) -> None:
+        self._logged_metrics.setdefault(name, []).append(float(value))
+
+    def _prepare(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> _Prepared:
+        cfg = self.config
+        G = cfg.num_generations
+        rows = [row for row in batch.rows for _ in range(G)]
+        prompts = [r[cfg.prompt_column] for r in rows]
+        completion_ids = [list(o.generated_tokens) for o in outputs]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [r[k] for r in rows] for k in self.dataset.column_names if k != cfg.prompt_column}
+        rewards, per_func = compute_rewards(
+            self.reward_funcs,
+            self.reward_weights,
+            prompts,
+            completions,
+            completion_ids,
+            columns,
+            trainer_state=self.state,
+            log_metric=self._log_metric,
+        )
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps)
+        version = self.manager.weight_version
+        staleness = [[version - v for v in o.weight_versions] for o in outputs]
+        too_old = torch.tensor([max(s) > cfg.max_staleness for s in staleness], dtype=torch.bool)
+        if too_old.any() and cfg.stale_policy == "wait":
+            logger.warning(
+                "%d samples are older than max_staleness under stale_policy 'wait'; dropping them", int(too_old.sum())
+            )
+        for o in outputs:
+            if len(o.logprobs) != len(o.generated_tokens):
+                raise RuntimeError("the engine returned no logprobs: return_logprobs must be on")
+        prompt_ids = [ids for ids in batch.prompt_ids for _ in range(G)]
+        return _Prepared(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            behaviour_logprobs=[list(o.logprobs) for o in outputs],
+            advantages=advantages,
+            sample_mask=(~too_old).float(),
+            staleness=staleness,
+            rewards=rewards,
+            rewards_per_func=per_func,
+            finish_length=torch.tensor([o.finish_reason == "length" for o in outputs], dtype=torch.float32),
+            texts=texts,
+            prompts=prompts,
+        )
+
+    # ------------------------------------------------------------------ training
+    def _micro_batches(self, n: int) -> list[list[int]]:
+        mb = self.config.micro_batch_size
+        return [list(range(i, min(i + mb, n))) for i in range(0, n, mb)]
+
+    def _forward_backward(self, prep: _Prepared) -> dict[str, float]:
+        """Accumulate the gradients of the step's loss; returns per-process sums for the metrics."""
+        cfg = self.config
+        acc = self.accelerator
+        device = acc.device
+        n = len(prep.completion_ids)
+        lengths = torch.tensor([len(c) for c in prep.completion_ids], dtype=torch.float32)
+        local_tokens = float((lengths * prep.sample_mask).sum())
+        local_seqs = float(prep.sample_mask.sum())
+        counts = acc.reduce(torch.tensor([local_tokens, local_seqs], device=device), reduction="sum")
+        global_count = float(counts[0] if cfg.loss_type == "dapo" else counts[1])
+        sums = {
+            "loss": 0.0,
+            "is_sum": 0.0,
+            "is_max": 0.0,
+            "is_tokens": 0.0,
+            "stale_sum": 0.0,
+            "stale_max": 0.0,
+            "clipped": 0.0,
+            "is_min": math.inf,
+        }
+        if global_count == 0:
+            return sums
+        normaliser = global_count / self.world_size
+        eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        # Longest first: similar lengths share a micro-batch and little is padded.
+        order = sorted(range(n), key=lambda i: -(len(prep.prompt_ids[i]) + len(prep.completion_ids[i])))
+        chunks = [[order[i] for i in mb] for mb in self._micro_batches(n)]
+        for c, idx in enumerate(chunks):
+            sync = c == len(chunks) - 1
+            ctx = contextlib.nullcontext() if sync else acc.no_sync(self.model)
+            with ctx:
+                logps, mask = completion_logprobs(
+                    self.model,
+                    [prep.prompt_ids[i] for i in idx],
+                    [prep.completion_ids[i] for i in idx],
+                    cfg.temperature,
+                    self.pad_token_id,
+                    self._supports_logits_to_keep,
+                )
+                behaviour = torch.zeros_like(logps)
+                stale = torch.zeros_like(logps)
+                for b, i in enumerate(idx):
+                    k = len(prep.completion_ids[i])
+                    behaviour[b, :k] = torch.tensor(prep.behaviour_logprobs[i], dtype=torch.float32)
+                    stale[b, :k] = torch.tensor(prep.staleness[i], dtype=torch.float32)
+                mask = mask * prep.sample_mask[idx].to(device)[:, None]
+                adv = prep.advantages[idx].to(device)
+                per_token, is_ratio = grpo_token_loss(
+                    logps, logps.detach(), behaviour.to(device), adv, cfg.epsilon, eps_high, cfg.is_cap
+                )
+                loss = aggregate_loss(per_token, mask, cfg.loss_type, normaliser)
+                acc.backward(loss)
+            sums["loss"] += float(loss.detach())
+            m = mask.bool()
+            if m.any():
+                sums["is_sum"] += float(is_ratio[m].sum())
+                sums["is_max"] = max(sums["is_max"], float(is_ratio[m].max()))
+                sums["is_min"] = min(sums["is_min"], float(is_ratio[m].min()))
+                sums["clipped"] += float((is_ratio[m] > cfg.is_cap).sum())
+                sums["stale_sum"] += float(stale.to(device)[m].sum())
+                sums["stale_max"] = max(sums["stale_max"], float(stale.to(device)[m].max()))
+                sums["is_tokens"] += float(m.sum())
+        return sums
+
+    def _optimizer_step(self) -> tuple[float, int]:
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        version = self.manager.update_weights(None)  # re-entrant: still inside the caller's pause
+        return float(grad_norm) if grad_norm is not None else float("nan"), version
+
+    @contextlib.contextmanager
+    def _paused(self):
+        t0 = time.perf_counter()
+        with self.manager.pause():
+            yield
+        self._pauses.append((t0, time.perf_counter()))
+
+    def _rollout_throughput(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> float:
+        """Generated tokens per second of this process's engine over the last batches.
+
+        The engine is busy from a batch's submission to its last token, except while paused.
+        Batch k is charged the part of its busy interval not already charged to earlier batches
+        (the measure of the union is exact since batches are submitted in order), so the
+        overlapping batches of async mode are not counted twice; the rate is taken over the last
+        ``THROUGHPUT_WINDOW`` batches, since a batch generated alongside the previous one may be
+        charged almost no time of its own.
+        """
+        finish = max((o.timestamps[-1] for o in outputs if o.timestamps), default=batch.submit_time)
+        start = max(batch.submit_time, self._busy_until)
+        end = max(finish, start)
+        paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
+        self._busy_until = end
+        self._pauses = [(s, e) for s, e in self._pauses if e > end]
+        tokens = sum(len(o.generated_tokens) for o in outputs)
+        self._throughput.append((tokens, max(0.0, end - start - paused)))
+        busy = sum(b for _, b in self._throughput)
+        return sum(t for t, _ in self._throughput) / busy if busy > 0 else float("nan")
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step: collect batch ``step``, score it, and update the weights. Returns the metrics row."""
+        cfg = self.config
+        acc = self.accelerator
+        t0 = time.perf_counter()
+        self._fill(step)
+        batch = self._pending.popleft()
+        assert batch.index == step
+        outputs = self._collect(batch)
+        t_collected = time.perf_counter()
+        tokens_per_s = self._rollout_throughput(batch, outputs)
+        self.state.global_step = step
+        self._logged_metrics = {}
+        prep = self._prepare(batch, outputs)
+        t_prepared = time.perf_counter()
+
+        if cfg.train_outside_pause:
+            sums = self._forward_backward(prep)
+            t_fb = time.perf_counter()
+            with self._paused():
+                grad_norm, version = self._optimizer_step()
+        else:
+            with self._paused():
+                sums = self._forward_backward(prep)
+                t_fb = time.perf_counter()
+                grad_norm, version = self._optimizer_step()
+        t_end = time.perf_counter()
+
+        # Metrics over all processes.
+        device = acc.device
+        rewards = acc.gather(prep.rewards.to(device))
+        per_func = acc.gather(prep.rewards_per_func.to(device))
+        lengths = acc.gather(torch.tensor([float(len(c)) for c in prep.completion_ids], device=device))
+        truncated = acc.gather(prep.finish_length.to(device))
+        totals = acc.reduce(
+            torch.tensor(
+                [
+                    sums["loss"],
+                    sums["is_sum"],
+                    sums["is_tokens"],
+                    sums["stale_sum"],
+                    sums["clipped"],
+                    float((1 - prep.sample_mask).sum()),
+                    tokens_per_s,
+                ],
+                dtype=torch.float64,
+                device=device,
+            ),
+            reduction="sum",
+        )
+        sampled_stale = float(max(max(s) for s in prep.staleness))
+        maxima = (
+            acc.gather(
+                torch.tensor(
+                    [[sums["is_max"], sums["stale_max"], sampled_stale, -sums["is_min"]]],
+                    dtype=torch.float64,
+                    device=device,
+                )
+            )
+            .max(dim=0)
+            .values
+        )
+        tokens = float(totals[2])
+        row: dict[str, float] = {
+            "step": step + 1,
+            "loss": float(totals[0]) / self.world_size,  # each process's part carries a factor world_size
+            "reward_mean": float(torch.nanmean(rewards)),
+            "reward_std": float(_nanstd(rewards)),
+            "completion_len_mean": float(lengths.mean()),
+            "completion_len_max": float(lengths.max()),
+            "truncated_fraction": float(truncated.mean()),
+            "rollout_tokens_per_s": float(totals[6]),
+            "is_ratio_mean": float(totals[1]) / tokens if tokens else float("nan"),
+            "is_ratio_max": float(maxima[0]) if tokens else float("nan"),
+            "is_ratio_min": -float(maxima[3]) if tokens else float("nan"),
+            "is_truncated_fraction": float(totals[4]) / tokens if tokens else float("nan"),
+            "staleness_mean": float(totals[3]) / tokens if tokens else float("nan"),
+            "staleness_max": float(maxima[1]) if tokens else float("nan"),
+            "staleness_max_sampled": float(maxima[2]),
+            "dropped_stale": float(totals[5]),
+            "trained_tokens": tokens,
+            "grad_norm": grad_norm,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "weight_version": version,
+            "step_time_s": t_end - t0,
+            "wait_rollout_s": t_collected - t0,
+            "prepare_s": t_prepared - t_collected,
+            "train_s": t_fb - t_prepared,
+        }
+        for j, name in enumerate(self.reward_names):
+            row[f"rewards/{name}"] = float(torch.nanmean(per_func[:, j]))
+        for name, values in self._logged_metrics.items():
+            row[f"custom/{name}"] = sum(values) / len(values)
+        if cfg.log_completions and acc.is_main_process:
+            self._write_completions(step + 1, prep)
+        return row
+
+    def _write_completions(self, step: int, prep: _Prepared) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with (self.output_dir / "completions.jsonl").open("a") as f:
+            for i in range(min(self.config.log_completions, len(prep.texts))):
+                prompt = prep.prompts[i]
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "prompt": prompt if isinstance(prompt, str) else prompt[-1].get("content", ""),
+                            "completion": prep.texts[i],
+                            "reward": float(prep.rewards[i]),
+                            "advantage": float(prep.advantages[i]),
+                        }
+                    )
+                    + "\n"
+                )
+
+    def train(self) -> list[dict[str, float]]:
+        """Run ``max_steps`` steps; write metrics, trackers and the final model. Returns the metrics rows."""
+        cfg = self.config
+        acc = self.accelerator
+        main = acc.is_main_process
+        metrics_path = self.output_dir / "metrics.jsonl"
+        if main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            metrics_path.write_text("")
+            (self.output_dir / "completions.jsonl").unlink(missing_ok=True)
+            (self.output_dir / "grpo_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if cfg.log_with:
+            acc.init_trackers("grpo", config=_flat_config(cfg))
+        rows: list[dict[str, float]] = []
+        self.manager.start()
+        bar = tqdm(total=cfg.max_steps, desc="grpo", unit="step", disable=not main)
+        try:
+            for step in range(cfg.max_steps):
+                row = self.train_step(step)
+                rows.append(row)
+                if main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    bar.set_postfix(
+                        reward=f"{row['reward_mean']:.3f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}", refresh=False
+                    )
+                    bar.update(1)
+                if cfg.log_with:
+                    acc.log({k: v for k, v in row.items() if k != "step"}, step=step + 1)
+        finally:
+            bar.close()
+            self.manager.destroy()  # also restores the model's attention implementation
+        acc.wait_for_everyone()
+        if cfg.save_model:
+            self.save_model(self.output_dir)
+        if cfg.log_with:
+            acc.end_training()
+        return rows
+
+    def close(self) -> None:
+        """Destroy the manager (``train`` does it at its end) and restore the model's attention."""
+        self.manager.destroy()
+
+    def save_model(self, directory: str | Path) -> None:
+        """save_pretrained of the model (main process) and of the tokenizer."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.unwrapped.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
+            self.tokenizer.save_pretrained(str(directory))
+        acc.wait_for_everyone()
+
+
+def _nanstd(x: torch.Tensor) -> torch.Tensor:
+    x = x[~torch.isnan(x)]
+    return x.std() if x.numel() > 1 else torch.tensor(0.0)
+
+
+def _flat_config(cfg: GRPOConfig) -> dict[str, Any]:
+    """Tracker-friendly config: scalars as they are, everything else as a string."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.to_dict().items():
+        out[k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+    return out
+
+
+def train_grpo(config: GRPOConfig, **kwargs: Any) -> list[dict[str, float]]:
+    """Build a GRPOTrainer and run it (the script's entry point)."""
+    return GRPOTrainer(config, **kwargs).train()
+
+
+__all__ = [
+    "GRPOTrainer",
+    "TrainerState",
+    "aggregate_loss",
+    "completion_logprobs",
+    "group_advantages",
+    "grpo_token_loss",
+    "pad_batch",
+    "sample_seed",
+    "train_grpo",
+]
