@@ -359,14 +359,26 @@ class ContinuousBatchingManager:
         next to each other and find each other's blocks in the prefix cache. Every
         prompt is validated before any is queued.
 
+        Args:
+            inputs: prompts, lists of token ids.
+            **kwargs: as for ``add_request`` (no ``request_id``). ``seed`` may also be a
+                sequence with one seed per input (G samples of one prompt need G seeds).
+
         Raises:
-            ValueError: a bad prompt (its index is named); nothing is queued.
+            ValueError: a bad prompt (its index is named), or a seed list of the wrong
+                length; nothing is queued.
         """
         if kwargs.get("request_id") is not None:
             raise ValueError("add_requests takes no request_id; use add_request for chosen ids")
         assert self._engine is not None
+        seeds = kwargs.pop("seed", None)
+        if isinstance(seeds, (list, tuple)):
+            if len(seeds) != len(inputs):
+                raise ValueError(f"seed holds {len(seeds)} seeds for {len(inputs)} inputs")
+        else:
+            seeds = [seeds] * len(inputs)
         params = self._make_params(
-            **{k: kwargs.get(k) for k in ("max_new_tokens", "eos_token_id", "temperature", "top_k", "top_p", "seed", "do_sample")}
+            **{k: kwargs.get(k) for k in ("max_new_tokens", "eos_token_id", "temperature", "top_k", "top_p", "do_sample")}
         )
         for i, prompt in enumerate(inputs):
             try:
@@ -376,7 +388,7 @@ class ContinuousBatchingManager:
         order = sorted(range(len(inputs)), key=lambda i: tuple(inputs[i]))
         ids: list[str | None] = [None] * len(inputs)
         for i in order:
-            ids[i] = self.add_request(inputs[i], **kwargs)
+            ids[i] = self.add_request(inputs[i], seed=seeds[i], **kwargs)
         return ids  # type: ignore[return-value]
 
     def cancel_request(self, request_id: str) -> None:

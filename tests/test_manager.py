@@ -447,3 +447,15 @@ def test_stress_four_threads_add_cancel_read_with_pauses() -> None:
     assert len(results) == 400
     assert set(results.values()) <= {RequestStatus.FINISHED, RequestStatus.CANCELLED}
     assert RequestStatus.CANCELLED in results.values()
+
+
+def test_add_requests_with_one_seed_per_input_is_reproducible() -> None:
+    m = _manager(gc=GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None))
+    m.start()
+    prompt = [5, 6, 7, 8]
+    first = [m.get_result(r, timeout=30).generated_tokens for r in m.add_requests([prompt] * 4, seed=[1, 2, 3, 4])]
+    again = [m.get_result(r, timeout=30).generated_tokens for r in m.add_requests([prompt] * 4, seed=[1, 2, 3, 4])]
+    assert first == again and len({tuple(t) for t in first}) > 1
+    with pytest.raises(ValueError, match="2 seeds for 4 inputs"):
+        m.add_requests([prompt] * 4, seed=[1, 2])
+    m.destroy()
