@@ -5,6 +5,7 @@ from .config import ContinuousBatchingConfig
 from .engine import Engine, UnsupportedModelError
 from .manager import ContinuousBatchingManager, QueueFullError
 from .models import load_model
+from .scoring import ScoreOutput, model_context_length, score, score_with_engine
 from .requests import GenerationOutput, RequestStatus, SamplingParams
 
 __all__ = [
@@ -14,12 +15,16 @@ __all__ = [
     "continuous_batching_context_manager",
     "init_continuous_batching",
     "load_model",
+    "model_context_length",
     "Engine",
     "GenerationOutput",
     "RequestStatus",
+    "ScoreOutput",
     "SamplingParams",
     "UnsupportedModelError",
     "generate_batch",
+    "score",
+    "score_with_engine",
 ]
 
 __version__ = "0.1.0"

@@ -106,7 +106,9 @@ class ModelRunner:
                 logits_rows.append(start + n - 1)
             if req.score_from is not None:
                 # Position p's logits predict token p + 1.
-                lo, hi = max(c, req.score_from - 1), min(c + n, req.num_tokens - 1)
+                # Positions already scored (before a preemption) are not recorded twice.
+                lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
+                hi = min(c + n, req.num_tokens - 1)
                 if hi > lo:
                     score_rows.extend(range(start + lo - c, start + hi - c))
                     plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])

@@ -174,8 +174,10 @@ def validate_rows(
 
 
 def _check_temperature(temperature: Any) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
@@ -219,10 +221,11 @@ def _plan_jobs(
 
 
 def _cache_tokens_hint(jobs: list[_Job], max_batch_tokens: int, block_size: int) -> int:
-    """Tokens the KV cache needs: a few steps' worth of rows, and never less than the longest row 4 times.
+    """Tokens the KV cache is sized for: the whole input, or at most a few steps' worth of rows.
 
     Scoring requests hold blocks only while they are computed, plus the prompts kept in the prefix
-    cache for the next rows of their group, so the cache need not hold the dataset.
+    cache for the next rows of their group, so the cache need not hold the dataset: 8 step budgets
+    plus 4 longest rows plus 64 blocks of per-request rounding is plenty.
     """
     total = sum(len(j.tokens) + block_size for j in jobs)
     longest = max((len(j.tokens) for j in jobs), default=0)
@@ -343,12 +346,12 @@ def _split_logprobs(job: _Job, req: Request) -> tuple[list[float], list[float]]:
     """A finished job's logprobs split into (prompt tokens 1..end or [], completion tokens)."""
     expected = len(job.tokens) - job.score_from
     lp = req.prompt_logprobs
-    if len(lp) < expected:
-        raise RuntimeError(f"row {job.rows[0] if job.rows else job.request_id}: the engine returned {len(lp)} "
-                           f"logprobs, expected {expected}")
-    # A request preempted mid-prefill is recomputed from scratch and records its scored positions
-    # again; the last pass is complete, so its tail is the answer.
-    lp = list(lp[len(lp) - expected :])
+    if len(lp) != expected:
+        raise RuntimeError(
+            f"row {job.rows[0] if job.rows else job.request_id}: the engine returned {len(lp)} "
+            f"logprobs, expected {expected}"
+        )
+    lp = list(lp)
     num_prompt_scored = job.prompt_len - job.score_from
     return lp[:num_prompt_scored], lp[num_prompt_scored:]
 
@@ -413,7 +416,9 @@ def score(
     if not jobs:  # empty completions and skipped rows only: no forward needed
         return _run(None, [], row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
     device_type = next(model.parameters()).device.type
-    hint = _cache_tokens_hint(jobs, config.resolved_max_batch_tokens(device_type), config.resolved_block_size(device_type))
+    hint = _cache_tokens_hint(
+        jobs, config.resolved_max_batch_tokens(device_type), config.resolved_block_size(device_type)
+    )
     engine = Engine(model, config, max_tokens_hint=hint)
     try:
         return _run(engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
