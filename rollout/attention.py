@@ -196,8 +196,11 @@ def paged_attention(
             qd = qd.reshape(bd, Hkv, H // Hkv, D)
         else:
             qd = qd.unsqueeze(2)
-        kd = k_cache[meta.decode_gather].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-        vd = v_cache[meta.decode_gather].transpose(1, 2)
+        # index_select on the flat slot list is several times faster than advanced indexing on CPU.
+        flat = meta.decode_gather.view(-1)
+        lmax = meta.decode_gather.shape[1]
+        kd = k_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
+        vd = v_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2)
         od = _attend(qd, kd, vd, meta.decode_mask(sliding_window), scale, softcap, is_causal=False)
         out[meta.decode_rows] = od.reshape(bd, H, D)
     for seg in meta.prefills:
@@ -206,8 +209,8 @@ def paged_attention(
             ks = key[:, :, seg.start : seg.end]
             vs = value[:, :, seg.start : seg.end]
         else:
-            ks = k_cache[seg.gather].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vs = v_cache[seg.gather].transpose(0, 1).unsqueeze(0)
+            ks = k_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vs = v_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0)
         mask = seg.mask(sliding_window, query.device)
         os_ = _attend(qs, ks, vs, mask, scale, softcap, is_causal=True)
         out[seg.start : seg.end] = os_[0].transpose(0, 1)
