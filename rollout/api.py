@@ -105,8 +105,8 @@ def generate_batch(
             seed = cb_config.seed + len(jobs) if cb_config.seed is not None and base_params.do_sample else None
             params = base_params if seed is None else sampling_params_from_config(gc, seed)
             jobs.append((rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt, params))
-    total_tokens = sum(len(p) + params.max_new_tokens for _, p, params in jobs)
-    engine = Engine(model, cb_config, max_tokens_hint=total_tokens)
+    request_tokens = [len(p) + params.max_new_tokens for _, p, params in jobs]
+    engine = Engine(model, cb_config, max_tokens_hint=request_tokens)
     try:
         for rid, prompt, params in jobs:
             engine.validate_request(prompt, params, rid)

@@ -138,8 +138,9 @@ class Engine:
             switched to rollout's paged dispatcher until ``close()``; forwards without
             engine metadata still run the original implementation.
         config: engine configuration.
-        max_tokens_hint: when ``config.num_blocks`` is None, the cache holds at most this
-            many tokens (the whole job of ``generate_batch``), memory permitting.
+        max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
+            what holds this many tokens (an int), or these requests of that many tokens each
+            (a sequence: the whole job of ``generate_batch``), memory permitting.
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``check_model_supported``).
@@ -149,7 +150,7 @@ class Engine:
         self,
         model: PreTrainedModel,
         config: ContinuousBatchingConfig | None = None,
-        max_tokens_hint: int | None = None,
+        max_tokens_hint: int | Sequence[int] | None = None,
     ) -> None:
         check_model_supported(model)
         self.model = model
@@ -166,7 +167,9 @@ class Engine:
                 shape, self.block_size, self.device, self.config.resolved_memory_percent(dev_type)
             )
             if max_tokens_hint is not None:
-                num_blocks = min(num_blocks, -(-max_tokens_hint // self.block_size) + 1)
+                hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
+                # Each request rounds up to whole blocks; one spare block for slack.
+                num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
         self.num_blocks = num_blocks
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)

@@ -228,3 +228,11 @@ def test_offload_preemption_restores_kv_instead_of_recomputing() -> None:
     # Nothing was computed twice: each prompt token once, each generated token (but the last) once.
     assert engine.stats.num_prompt_tokens_computed == sum(len(p) for p in prompts)
     assert engine.offload_pool is not None and len(engine.offload_pool.free_blocks) == engine.offload_pool.num_blocks
+
+
+def test_default_cache_holds_every_request_of_the_batch_at_once() -> None:
+    # 4 requests of 19 tokens need 4 blocks of 32 (one each), not ceil(76 / 32) = 3.
+    model = tiny_llama()
+    engine = Engine(model, ContinuousBatchingConfig(), max_tokens_hint=[19] * 4)
+    assert engine.num_blocks == 5
+    engine.close()
