@@ -163,8 +163,3 @@ def test_sample_questions_file_covers_every_workload():
         assert r["question"].endswith("?")
         assert re.search(r"\n#### -?\d+$", r["answer"])
     assert len(bench.SHARED_PREFIX_SYSTEM_PROMPT.read_text().split()) > 500
-
-
-def test_scoring_workload_is_a_placeholder(capsys):
-    assert bench.run_scoring_workload() == {"status": "not implemented yet"}
-    assert "not implemented yet" in capsys.readouterr().out
