@@ -11,13 +11,15 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine, params_from_kwargs
+from .engine import Engine, normalize_prompt, params_from_kwargs
 from .requests import GenerationOutput, RequestStatus, SamplingParams
 
 if TYPE_CHECKING:
     from .manager import ContinuousBatchingManager
 
 DEFAULT_MAX_NEW_TOKENS = 20
+# Arguments of transformers' generate_batch that have no meaning here and are accepted silently.
+IGNORED_TRANSFORMERS_KWARGS = frozenset({"warmup", "persistent_manager"})
 
 
 def resolve_generation_config(model: PreTrainedModel, generation_config: GenerationConfig | None) -> GenerationConfig:
@@ -76,27 +78,43 @@ def generate_batch(
             reproducible.
         progress_bar: show a tqdm bar of finished requests and tokens/s.
         record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.
-        **kwargs: accepted for signature compatibility with transformers; ignored.
+        **kwargs: only transformers' ``warmup`` and ``persistent_manager`` (ignored), so
+            that calls written for ``model.generate_batch`` run; anything else is a TypeError.
 
     Returns:
         request id -> GenerationOutput, in input order; with G > 1 the ids are
         ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``.
 
     Raises:
-        ValueError: an empty prompt, a token id outside the vocabulary, max_new_tokens < 1,
-            num_return_sequences < 1, or a request that can never fit the cache.
+        ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
+            outside the vocabulary, max_new_tokens < 1, num_return_sequences < 1, a non-finite
+            temperature, or a request that can never fit the cache.
+        TypeError: an unexpected keyword argument.
         UnsupportedModelError: the model is not a decoder-only LM with pageable attention.
     """
+    unknown = set(kwargs) - IGNORED_TRANSFORMERS_KWARGS
+    if unknown:
+        raise TypeError(
+            f"generate_batch got unexpected keyword arguments {sorted(unknown)}; sampling values go in "
+            "generation_config=GenerationConfig(...), engine values in continuous_batching_config"
+        )
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence) and not hasattr(inputs, "tolist"):
+        raise ValueError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
+    if hasattr(inputs, "tolist") and not isinstance(inputs, (list, tuple)):
+        inputs = inputs.tolist()
+    if len(inputs) and all(isinstance(t, int) for t in inputs):
+        raise ValueError("inputs must be a list of prompts, each a list of token ids; got one flat list of ints")
+    inputs = [normalize_prompt(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
     if not inputs:
         return {}
+    gc = resolve_generation_config(model, generation_config)
+    num_samples = gc.num_return_sequences if gc.num_return_sequences is not None else 1
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
     manager = persistent_manager_of(model)
     if manager is not None:
-        return _generate_on_manager(manager, inputs, generation_config, progress_bar, record_timestamps)
+        return _generate_on_manager(manager, inputs, gc, num_samples, progress_bar, record_timestamps)
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
-    gc = resolve_generation_config(model, generation_config)
-    num_samples = gc.num_return_sequences or 1
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
     base_params = sampling_params_from_config(gc)
     jobs: list[tuple[str, list[int], SamplingParams]] = []
     for i, prompt in enumerate(inputs):
@@ -104,7 +122,7 @@ def generate_batch(
             rid = f"req_{i}_{g}" if num_samples > 1 else f"req_{i}"
             seed = cb_config.seed + len(jobs) if cb_config.seed is not None and base_params.do_sample else None
             params = base_params if seed is None else sampling_params_from_config(gc, seed)
-            jobs.append((rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt, params))
+            jobs.append((rid, prompt, params))
     request_tokens = [len(p) + params.max_new_tokens for _, p, params in jobs]
     engine = Engine(model, cb_config, max_tokens_hint=request_tokens)
     try:
@@ -141,36 +159,41 @@ def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager |
 
 def _generate_on_manager(
     manager: ContinuousBatchingManager,
-    inputs: Sequence[Sequence[int]],
-    generation_config: GenerationConfig | None,
+    inputs: list[list[int]],
+    gc: GenerationConfig,
+    num_samples: int,
     progress_bar: bool,
     record_timestamps: bool,
 ) -> dict[str, GenerationOutput]:
-    gc = resolve_generation_config(manager.model, generation_config)
-    num_samples = gc.num_return_sequences or 1
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
+    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``)."""
     params = sampling_params_from_config(gc)
-    expanded = [list(p) if isinstance(p, (list, tuple)) else p for p in inputs for _ in range(num_samples)]
-    if not manager.is_running():
+    keys = [f"req_{i}_{g}" if num_samples > 1 else f"req_{i}" for i in range(len(inputs)) for g in range(num_samples)]
+    expanded = [p for p in inputs for _ in range(num_samples)]
+    was_running = manager.is_running()
+    if not was_running:
         manager.start()
-    ids = manager.add_requests(
-        expanded,
-        max_new_tokens=params.max_new_tokens,
-        do_sample=params.do_sample,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        eos_token_id=list(params.eos_token_ids),
-        record_timestamps=record_timestamps,
-    )
-    results: dict[str, GenerationOutput] = {}
-    for rid in tqdm(ids, desc="generate_batch", unit="req", disable=not progress_bar):
-        out = manager.get_result(rid)
-        if out is None:
-            raise RuntimeError(f"the persistent manager ended before request {rid} finished")
-        results[rid] = out
-    return results
+    try:
+        ids = manager.add_requests(
+            expanded,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=params.do_sample,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            eos_token_id=list(params.eos_token_ids),
+            record_timestamps=record_timestamps,
+        )
+        results: dict[str, GenerationOutput] = {}
+        for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
+            out = manager.get_result(rid)
+            if out is None:
+                raise RuntimeError(f"the persistent manager ended before request {key} finished")
+            out.request_id = key  # the manager's own ids are unique across calls; the caller gets req_{i}
+            results[key] = out
+        return results
+    finally:
+        if not was_running:
+            manager.stop(keep_for_next_session=True)
 
 
 def init_continuous_batching(

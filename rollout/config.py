@@ -7,6 +7,7 @@ allocated or any request is accepted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ DEFAULT_MEMORY_PERCENT_CUDA = 0.9
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -108,8 +109,8 @@ class ContinuousBatchingConfig:
             raise ValueError(f"cpu_offload_space must be a number of GiB >= 0, got {self.cpu_offload_space!r}")
         if not _is_number(self.progress_log_interval) or self.progress_log_interval <= 0:
             raise ValueError(f"progress_log_interval must be > 0 seconds, got {self.progress_log_interval!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**62):
+            raise ValueError(f"seed must be an int in [0, 2**62) or None, got {self.seed!r}")
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ drive this class; it holds no thread and no global state.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,26 @@ def check_model_supported(model: torch.nn.Module) -> None:
     layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
     if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
         raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
+
+
+def normalize_prompt(prompt: object, name: str) -> list[int]:
+    """A prompt as a list of Python ints: lists, tuples, 1-D tensors and numpy arrays of integers.
+
+    Raises:
+        ValueError: not a non-empty 1-D sequence of integer token ids (the message names ``name``).
+    """
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+        if getattr(prompt, "ndim", 1) != 1:
+            raise ValueError(f"{name} must be a 1-D list of token ids, got shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+        raise ValueError(f"{name} must be a non-empty list of token ids, got {type(prompt).__name__}: {prompt!r:.60}")
+    out = []
+    for tok in prompt:
+        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
+            raise ValueError(f"{name} must hold integer token ids, got {tok!r} ({type(tok).__name__})")
+        out.append(int(tok))
+    return out
 
 
 def params_from_kwargs(

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -34,7 +35,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats
+from .engine import Engine, EngineStats, normalize_prompt
 from .requests import GenerationOutput, Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -139,8 +140,14 @@ class ContinuousBatchingManager:
                 raise RuntimeError("this manager was destroyed and cannot start again; create a new one")
             if self._state == _State.FAILED:
                 raise RuntimeError(f"this manager failed and cannot start again: {self._error!r}")
-            if self._thread is not None and self._thread.is_alive():
+            old_thread = self._thread
+        if old_thread is not None and old_thread.is_alive():
+            with self._cond:
+                stopping = self._stop_requested
+            if not stopping:
                 return
+            old_thread.join()  # a stop(block=False) is still finishing: let it end, then restart
+        with self._cond:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
                 self._engine = Engine(self.model, self.cb_config)
@@ -259,6 +266,11 @@ class ContinuousBatchingManager:
         for k, v in overrides.items():
             if v is not None:
                 values[k] = v
+        temperature = overrides.get("temperature")
+        if temperature is not None and (
+            isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if overrides.get("temperature") is not None and overrides.get("do_sample") is None:
             # A per-request temperature > 0 asks for sampling, 0 for greedy.
             values["do_sample"] = overrides["temperature"] > 0
@@ -313,7 +325,7 @@ class ContinuousBatchingManager:
             seed=seed,
             do_sample=do_sample,
         )
-        prompt = list(input_ids) if isinstance(input_ids, (list, tuple)) else input_ids
+        prompt = normalize_prompt(input_ids, "input_ids")
         with self._cond:
             if self._state == _State.FAILED:
                 raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
@@ -322,6 +334,8 @@ class ContinuousBatchingManager:
             if self._stop_requested or self._state == _State.STOPPED:
                 logger.warning("add_request after stop(): request not added")
                 return None
+            if request_id is not None and not isinstance(request_id, str):
+                raise ValueError(f"request_id must be a str or None, got {request_id!r}")
             if request_id is not None and request_id in self._handles:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             assert self._engine is not None
@@ -380,11 +394,21 @@ class ContinuousBatchingManager:
         params = self._make_params(
             **{k: kwargs.get(k) for k in ("max_new_tokens", "eos_token_id", "temperature", "top_k", "top_p", "do_sample")}
         )
+        inputs = [normalize_prompt(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
         for i, prompt in enumerate(inputs):
             try:
-                self._engine.validate_request(list(prompt) if isinstance(prompt, (list, tuple)) else prompt, params)
+                self._engine.validate_request(prompt, params)
             except ValueError as e:
                 raise ValueError(f"inputs[{i}]: {e}") from e
+            if seeds[i] is not None:
+                params_i = self._make_params(seed=seeds[i])
+                params_i.validate()
+        max_q = self.cb_config.max_queue_size
+        if max_q and not kwargs.get("block") and self._num_waiting() + len(inputs) > max_q:
+            raise QueueFullError(
+                f"{len(inputs)} requests do not fit the queue: {self._num_waiting()} wait (max_queue_size={max_q}); "
+                "nothing was queued; pass block=True to wait for room"
+            )
         order = sorted(range(len(inputs)), key=lambda i: tuple(inputs[i]))
         ids: list[str | None] = [None] * len(inputs)
         for i in order:
@@ -573,10 +597,16 @@ class ContinuousBatchingManager:
             KeyError: an unknown name; ValueError: a shape or dtype mismatch. Both are
                 raised before anything is copied.
         """
+        if self._state == _State.DESTROYED:
+            raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else (named_tensors or []))
-        targets = dict(self.model.named_parameters())
-        targets.update(dict(self.model.named_buffers()))
+        # remove_duplicate=False: tied weights (lm_head.weight = embed_tokens.weight) keep both names,
+        # as in state_dict().
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
         for name, tensor in pairs:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"update_weights: {name} must be a torch.Tensor, got {type(tensor).__name__}")
             if name not in targets:
                 raise KeyError(f"update_weights: the model has no parameter or buffer named {name!r}")
             t = targets[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -58,8 +59,13 @@ class SamplingParams:
         """Raise ValueError naming the field when a value is out of its allowed range."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be None or an int >= 0, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
@@ -68,8 +74,10 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         for tok in self.eos_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                bound = vocab_size if vocab_size is not None else "vocab_size"
                 raise ValueError(
-                    f"eos_token_ids must be token ids in [0, {vocab_size}) (eos_token_id of a GenerationConfig), got {self.eos_token_ids!r}"
+                    f"eos_token_ids must be token ids in [0, {bound}) (eos_token_id of a GenerationConfig), "
+                    f"got {self.eos_token_ids!r}"
                 )
 
 

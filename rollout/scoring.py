@@ -11,7 +11,7 @@ token; nothing is sampled. Compared with a padded ``model(...)`` forward per bat
   the first scored position, whose logits must be computed);
 - only the scored positions go through the LM head.
 
-Decisions (written here as DESIGN.md asks):
+Decisions:
     - Prompt logprobs (``include_prompt=True``) do not depend on the completion (causal attention),
       so they are computed once per distinct prompt, by the first row of the group, and copied to the
       other rows of the group, which keep sharing the prompt's cached blocks.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput benchmark of rollout against its peers (DESIGN.md section 5).
+"""Throughput benchmark of rollout against its peers (the workloads of the project design: gsm8k-greedy, gsm8k-grpo, shared-prefix, scoring).
 
 Every system runs in the same process, on the same model object and the same prompts:
 

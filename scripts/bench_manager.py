@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Manager benchmark: pause latency and the manager's overhead over ``generate_batch``.
 
-Both run on the same prompts in the same process (the gsm8k-greedy workload of DESIGN.md
-section 5 by default):
+Both run on the same prompts in the same process (the gsm8k-greedy workload of scripts/bench.py
+by default):
 
 - ``generate_batch`` on a fresh engine (the caller's thread steps it);
 - the persistent manager: ``add_requests`` then ``get_result`` per request (background thread);

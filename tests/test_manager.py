@@ -459,3 +459,65 @@ def test_add_requests_with_one_seed_per_input_is_reproducible() -> None:
     with pytest.raises(ValueError, match="2 seeds for 4 inputs"):
         m.add_requests([prompt] * 4, seed=[1, 2])
     m.destroy()
+
+
+# ---------------------------------------------------------------- regressions found by a new user
+def test_update_weights_with_a_full_state_dict_of_a_tied_model() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    m = _manager(model)
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in new
+    assert m.update_weights(new) == 1
+    assert torch.equal(model.lm_head.weight, new["lm_head.weight"])
+    m.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        m.update_weights({"lm_head.weight": torch.zeros_like(model.lm_head.weight)})
+    assert torch.equal(model.lm_head.weight, new["lm_head.weight"])  # nothing copied
+
+
+def test_generate_batch_on_persistent_manager_keeps_input_order_keys() -> None:
+    model = tiny_llama()
+    cfg = ContinuousBatchingConfig(block_size=4, num_blocks=64)
+    prompts = [[200, 5], [10, 6], [100]]  # sorted order differs from input order
+    with continuous_batching_context_manager(model, GREEDY, cfg, persistent_manager=True) as manager:
+        pass
+    out = generate_batch(model, prompts, GREEDY)
+    assert list(out) == ["req_0", "req_1", "req_2"]
+    assert [o.prompt_ids for o in out.values()] == prompts
+    assert [o.request_id for o in out.values()] == list(out)
+    assert not manager.is_running()  # left as it was found
+    grouped = generate_batch(model, prompts, GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2))
+    assert list(grouped) == [f"req_{i}_{g}" for i in range(3) for g in range(2)]
+    manager.destroy()
+
+
+def test_start_after_non_blocking_stop_restarts() -> None:
+    m = _manager()
+    m.start()
+    m.stop(block=False)
+    m.start()
+    rid = m.add_request([51])
+    assert rid is not None and m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
+    m.destroy()
+
+
+def test_add_requests_queues_nothing_when_one_input_is_bad() -> None:
+    m = _manager(max_queue_size=3)
+    with pytest.raises(ValueError, match="seed"):
+        m.add_requests([[5], [6], [7]], seed=[1, "x", 3], do_sample=True)
+    m.add_request([9])
+    with pytest.raises(QueueFullError, match="nothing was queued"):
+        m.add_requests([[7], [8], [10]])
+    assert m._num_waiting() == 1
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        m.add_request([5], temperature=float("nan"))
+    with pytest.raises(ValueError, match="request_id must be a str"):
+        m.add_request([5], request_id=7)
+    m.destroy()

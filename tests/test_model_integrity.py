@@ -147,3 +147,38 @@ def test_duplicate_request_id_is_refused() -> None:
     with pytest.raises(ValueError, match="request_id 'a' is already in use"):
         engine.add_request([5, 6], SamplingParams(max_new_tokens=2), request_id="a")
     engine.close()
+
+
+@pytest.mark.parametrize(
+    ("inputs", "kwargs", "error", "match"),
+    [
+        ([5, 6, 7], {}, ValueError, "one flat list of ints"),
+        ([None], {}, ValueError, r"inputs\[0\] must be a non-empty list"),
+        ([[5.0, 6]], {}, ValueError, r"inputs\[0\] must hold integer token ids"),
+        ([[5, 6]], {"max_new_tokens": 2}, TypeError, "unexpected keyword arguments"),
+    ],
+)
+def test_malformed_inputs_name_the_argument(inputs, kwargs, error, match: str) -> None:
+    with pytest.raises(error, match=match):
+        generate_batch(tiny_llama(), inputs, GC, **kwargs)
+
+
+def test_tensor_and_numpy_prompts_are_accepted() -> None:
+    import numpy as np
+
+    model = tiny_llama()
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False)
+    ref = generate_batch(model, [[5, 6, 7]], gc)["req_0"].generated_tokens
+    assert generate_batch(model, torch.tensor([[5, 6, 7]]), gc)["req_0"].generated_tokens == ref
+    assert generate_batch(model, [np.array([5, 6, 7])], gc)["req_0"].generated_tokens == ref
+
+
+@pytest.mark.parametrize("gc", [GenerationConfig(max_new_tokens=4, do_sample=True), GenerationConfig(max_new_tokens=4)])
+def test_bad_sample_counts_and_temperatures_raise(gc: GenerationConfig) -> None:
+    gc.num_return_sequences = 0
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        generate_batch(tiny_llama(), [[5]], gc)
+    gc.num_return_sequences = 1
+    gc.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        generate_batch(tiny_llama(), [[5]], gc)
