@@ -2,10 +2,12 @@
 
 One pass over the step's logits handles requests with different temperatures,
 top-k, top-p and seeds. The order of the transformations is transformers':
-temperature, then top-k, then top-p. A token is drawn with the exponential race
-(argmax of p / E with E ~ Exp(1)), which samples from p exactly and lets a request
-with a seed draw its noise from its own generator, so its completion does not
-depend on the other requests in the batch (vLLM's sampler does the same).
+temperature, then top-k, then top-p. A token is drawn by inverse-CDF sampling: one
+uniform number per request and a search in the float64 cumulative distribution.
+A request with a seed draws that number from its own generator, so its completion
+does not depend on the other requests in the batch; one draw per token (instead of
+one random number per vocabulary entry, as the exponential race needs) keeps the
+per-request generators cheap on CPU.
 """
 
 from __future__ import annotations
@@ -97,15 +99,20 @@ def sample_tokens(
         if top_k is not None or top_p is not None:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
+        # One uniform draw per row, from the row's own generator when it has one.
+        uniform = torch.empty(len(sampled_rows), dtype=torch.float64)
         shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), V, device=device).exponential_(generator=default_generator)
+            uniform[shared] = torch.rand(len(shared), dtype=torch.float64, generator=default_generator)
         for j, i in enumerate(sampled_rows):
             gen = generators[i]
             if gen is not None:
-                noise[j] = torch.empty(V, device=device).exponential_(generator=gen)
-        chosen = torch.argmax(probs / noise, dim=-1)
+                uniform[j] = torch.rand(1, dtype=torch.float64, generator=gen)
+        # Inverse-CDF sampling in float64: the first token whose cumulative probability exceeds u.
+        # Tokens of probability 0 (outside top-k/top-p) never are the first to exceed it.
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        u = (uniform.to(device) * cdf[:, -1])[:, None]
+        chosen = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=V - 1)
         tokens[rows] = chosen
         if return_logprobs and logprobs_mode == "sampled":
             processed_logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
