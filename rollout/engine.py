@@ -193,6 +193,9 @@ class Engine:
                 num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
         self.num_blocks = num_blocks
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
+        self._warned_context = False
         self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
         if self.use_flash and self.block_size % 256 != 0:
             logger.warning("flash-attn paged kernels need block_size % 256 == 0; using the SDPA path")
@@ -245,7 +248,17 @@ class Engine:
                     f"[0, {self.vocab_size})"
                 )
         params.validate(self.vocab_size)
-        needed = self.block_manager.blocks_needed(len(prompt_ids) + params.max_new_tokens)
+        total = len(prompt_ids) + params.max_new_tokens
+        if self.max_positions is not None and total > self.max_positions and not self._warned_context:
+            # model.generate does not refuse this either; RoPE models run past it, with degraded output.
+            self._warned_context = True
+            logger.warning(
+                "request %r: prompt plus max_new_tokens (%d tokens) exceeds the model's max_position_embeddings (%d)",
+                request_id,
+                total,
+                self.max_positions,
+            )
+        needed = self.block_manager.blocks_needed(total)
         if needed > self.num_blocks:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) plus max_new_tokens "

@@ -182,3 +182,11 @@ def test_bad_sample_counts_and_temperatures_raise(gc: GenerationConfig) -> None:
     gc.temperature = float("nan")
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         generate_batch(tiny_llama(), [[5]], gc)
+
+
+def test_request_past_the_model_context_warns(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rollout.engine"):
+        generate_batch(tiny_llama(), [[5] * 500], GenerationConfig(max_new_tokens=20, do_sample=False))
+    assert "exceeds the model's max_position_embeddings (512)" in caplog.text
