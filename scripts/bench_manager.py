@@ -20,7 +20,6 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests import tiny_models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def _load_bench():
 
 bench = _load_bench()
 
-EOS, PAD = 2, 0
+EOS, PAD = tiny_models.EOS_TOKEN_ID, tiny_models.PAD_TOKEN_ID
 PROMPTS = [[1, 5, 9, 17, 33], [1, 7, 7], [1, 100, 101, 102, 103, 104, 105], [1, 42, 250, 3]]
 SYSTEM_KEYS = {
     "num_sequences",
@@ -40,20 +40,7 @@ SYSTEM_KEYS = {
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_models.tiny_llama()
 
 
 def _tiny_workload(**kwargs):
