@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -117,27 +118,25 @@ def generate_batch(
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
     base_params = sampling_params_from_config(gc)
     jobs: list[tuple[str, list[int], SamplingParams]] = []
-    for i, prompt in enumerate(inputs):
-        for g in range(num_samples):
-            rid = f"req_{i}_{g}" if num_samples > 1 else f"req_{i}"
+    ids = iter(_output_ids(len(inputs), num_samples))
+    for prompt in inputs:
+        for _ in range(num_samples):
+            rid = next(ids)
             seed = cb_config.seed + len(jobs) if cb_config.seed is not None and base_params.do_sample else None
-            params = base_params if seed is None else sampling_params_from_config(gc, seed)
+            params = base_params if seed is None else dataclasses.replace(base_params, seed=seed)
             jobs.append((rid, prompt, params))
     request_tokens = [len(p) + params.max_new_tokens for _, p, params in jobs]
     engine = Engine(model, cb_config, max_tokens_hint=request_tokens)
     try:
-        for rid, prompt, params in jobs:
-            engine.validate_request(prompt, params, rid)
+        # A bad request raises here, before any step; the engine is closed and nothing is returned.
         requests = [engine.add_request(prompt, params, rid, record_timestamps) for rid, prompt, params in jobs]
         bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
         t0 = time.perf_counter()
-        finished = 0
         try:
             while engine.has_unfinished():
                 updated = engine.step()
                 done_now = sum(1 for r in updated if r.status == RequestStatus.FINISHED)
                 if done_now:
-                    finished += done_now
                     bar.update(done_now)
                 if progress_bar:
                     elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -147,6 +146,13 @@ def generate_batch(
         return {req.request_id: req.to_output() for req in requests}
     finally:
         engine.close()
+
+
+def _output_ids(num_prompts: int, num_samples: int) -> list[str]:
+    """Output keys in input order: ``req_{i}``, or ``req_{i}_{g}`` with several samples per prompt."""
+    if num_samples == 1:
+        return [f"req_{i}" for i in range(num_prompts)]
+    return [f"req_{i}_{g}" for i in range(num_prompts) for g in range(num_samples)]
 
 
 def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
@@ -167,7 +173,7 @@ def _generate_on_manager(
 ) -> dict[str, GenerationOutput]:
     """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``)."""
     params = sampling_params_from_config(gc)
-    keys = [f"req_{i}_{g}" if num_samples > 1 else f"req_{i}" for i in range(len(inputs)) for g in range(num_samples)]
+    keys = _output_ids(len(inputs), num_samples)
     expanded = [p for p in inputs for _ in range(num_samples)]
     was_running = manager.is_running()
     if not was_running:

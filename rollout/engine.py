@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from .attention import enable_paged_attention, flash_attn_available, restore_attention
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory, text_config
 from .model_runner import LogitsPlan, ModelRunner
 from .requests import Request, RequestStatus, SamplingParams
 from .sampling import sample_tokens
@@ -47,7 +47,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
     if not isinstance(model, PreTrainedModel):
         raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     name = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; rollout runs decoder-only causal LMs")
@@ -193,8 +193,7 @@ class Engine:
                 num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
         self.num_blocks = num_blocks
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.max_positions: int | None = getattr(text_config(model.config), "max_position_embeddings", None)
         self._warned_context = False
         self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
         if self.use_flash and self.block_size % 256 != 0:
@@ -225,6 +224,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._arrivals = 0
+        self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
@@ -239,10 +239,9 @@ class Engine:
         """
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-            raise ValueError(f"input_ids of request {request_id!r} must be a non-empty list of token ids")
+        prompt_ids = normalize_prompt(prompt_ids, f"input_ids of request {request_id!r}")
         for tok in prompt_ids:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+            if not 0 <= tok < self.vocab_size:
                 raise ValueError(
                     f"input_ids of request {request_id!r} hold token id {tok!r} outside the vocabulary "
                     f"[0, {self.vocab_size})"
@@ -303,9 +302,7 @@ class Engine:
             request_id = f"req_{self._arrivals}"
             while request_id in self.requests:
                 request_id += "_"
-        req = Request(
-            request_id, list(prompt_ids), params, record_timestamps, self._arrivals, score_from, score_temperature
-        )
+        req = Request(request_id, list(prompt_ids), params, record_timestamps, score_from, score_temperature)
         self._arrivals += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
@@ -347,12 +344,7 @@ class Engine:
             if req.offloaded is not None:
                 self._drop_offloaded(req)
                 req.num_computed_tokens = 0
-        for req in list(reversed(sched.running)):
-            sched.running.remove(req)
-            sched._release_blocks(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PENDING
-            sched.waiting.appendleft(req)
+        sched.requeue_running()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Request]:
@@ -380,12 +372,28 @@ class Engine:
         updated = self._postprocess(out.scheduled, logits, plan)
         elapsed = time.perf_counter() - t0
         self.stats.num_steps += 1
+        self._log_progress()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.num_cached_blocks_hit = self.block_manager.num_cache_hits
         if all(e.num_query_tokens == 1 and e.sample for e in out.scheduled):
             self.stats.decode_step_seconds.append(elapsed)
             self.stats.decode_step_batch.append(len(out.scheduled))
         return updated
+
+    def _log_progress(self) -> None:
+        """Debug log of throughput every ``config.progress_log_interval`` seconds."""
+        now = time.perf_counter()
+        if now - self._last_log[0] < self.config.progress_log_interval:
+            return
+        tokens = self.stats.num_generated_tokens - self._last_log[1]
+        logger.debug(
+            "%.1f generated tokens/s; %d running, %d waiting, %d free blocks",
+            tokens / (now - self._last_log[0]),
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.block_manager.num_free_blocks,
+        )
+        self._last_log = (now, self.stats.num_generated_tokens)
 
     def _move_offloaded_kv(self, out: SchedulerOutput) -> None:
         """Copy preempted requests' KV to the CPU pool, and restored requests' KV back.

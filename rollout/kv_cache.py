@@ -14,6 +14,11 @@ logger = logging.getLogger(__name__)
 GIB = 1024**3
 
 
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The text (decoder) part of a config: the config itself for text-only models."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 @dataclass(frozen=True)
 class CacheShape:
     """What one token of KV costs: layers, KV heads, head dim, dtype."""
@@ -26,7 +31,7 @@ class CacheShape:
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> CacheShape:
         """Read the KV shape of a decoder-only model's (text) config."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads

@@ -120,7 +120,6 @@ class ContinuousBatchingManager:
         self._keep = False
         self._pause_count = 0
         self._in_step = False
-        self._paused = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._id_counter = 0
@@ -196,13 +195,6 @@ class ContinuousBatchingManager:
             self._cond.notify_all()
         if block:
             self.join(timeout)
-        if not self.is_running():
-            self._after_loop()
-
-    def _after_loop(self) -> None:
-        with self._cond:
-            if self._state == _State.RUNNING:
-                self._state = _State.STOPPED
 
     def destroy(self) -> None:
         """Stop at once (hard stop), free the cache and restore the model's attention. Idempotent.
@@ -633,11 +625,8 @@ class ContinuousBatchingManager:
                 with self._cond:
                     self._drain_inbox(engine)
                     while self._pause_count > 0 and not self._hard_stop:
-                        self._paused = True
-                        self._cond.notify_all()
                         self._cond.wait()
                         self._drain_inbox(engine)
-                    self._paused = False
                     if self._hard_stop:
                         self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import enum
 import math
 import time
@@ -140,7 +139,6 @@ class Request:
             wanted (>= 1); None for a generation request.
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
         generator: this request's own torch.Generator when it has a seed.
-        admit_order: increasing counter set at each admission (preemption evicts the largest).
     """
 
     def __init__(
@@ -149,7 +147,6 @@ class Request:
         prompt_ids: list[int],
         params: SamplingParams,
         record_timestamps: bool = False,
-        arrival_index: int = 0,
         score_from: int | None = None,
         score_temperature: float = 1.0,
     ) -> None:
@@ -162,7 +159,6 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.record_timestamps = record_timestamps
-        self.arrival_index = arrival_index
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -174,7 +170,6 @@ class Request:
         self.error: str | None = None
         self.finish_reason: str | None = None
         self.created_time = time.perf_counter()
-        self.admit_order = -1
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
@@ -246,7 +241,3 @@ class Request:
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
 
-
-def copy_output(output: GenerationOutput) -> GenerationOutput:
-    """Deep copy of an output, for handing the same result to several readers."""
-    return copy.deepcopy(output)

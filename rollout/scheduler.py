@@ -98,7 +98,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.weight_version = 0
-        self._admit_counter = 0
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
@@ -120,6 +119,18 @@ class Scheduler:
             except ValueError:
                 pass
         self._release_blocks(request)
+
+    def requeue_running(self) -> None:
+        """Free the blocks of every running request and put it back at the head of the queue.
+
+        Its tokens are computed again when it is re-admitted (a weight update with recompute).
+        """
+        for req in reversed(self.running):
+            self._release_blocks(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PENDING
+            self.waiting.appendleft(req)
+        self.running.clear()
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -192,8 +203,6 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = min(num_cached, req.num_prompt_tokens)
             req.status = RequestStatus.PREFILLING
-            req.admit_order = self._admit_counter
-            self._admit_counter += 1
             self.running.append(req)
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
             self._cache_full_blocks(req, num_cached + n)
