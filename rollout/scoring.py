@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 
 from .config import ContinuousBatchingConfig
 from .engine import Engine
+from .kv_cache import text_config
 from .requests import Request, RequestStatus, SamplingParams
 
 # Most scoring requests queued in the engine at once (submitted, not finished).
@@ -91,9 +92,7 @@ class _Job:
 
 def model_context_length(model: PreTrainedModel) -> int | None:
     """The longest sequence the model supports: ``max_position_embeddings`` of its text config, or None."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "max_position_embeddings", None)
+    value = getattr(text_config(model.config), "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
