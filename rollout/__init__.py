@@ -4,7 +4,7 @@ from .api import continuous_batching_context_manager, generate_batch, init_conti
 from .config import ContinuousBatchingConfig
 from .engine import Engine, UnsupportedModelError
 from .manager import ContinuousBatchingManager, QueueFullError
-from .models import load_model
+from .models import load_model, rollout_home
 from .scoring import ScoreOutput, model_context_length, score, score_with_engine
 from .requests import GenerationOutput, RequestStatus, SamplingParams
 
@@ -15,6 +15,7 @@ __all__ = [
     "continuous_batching_context_manager",
     "init_continuous_batching",
     "load_model",
+    "rollout_home",
     "model_context_length",
     "Engine",
     "GenerationOutput",

@@ -17,7 +17,9 @@ from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
 from trainers.config import ConfigError, GRPOConfig, load_config
 from trainers.grpo import (
+    TIMING_KEYS,
     GRPOTrainer,
+    _Prepared,
     aggregate_loss,
     completion_logprobs,
     group_advantages,
@@ -136,6 +138,55 @@ def test_pad_batch_aligns_completions():
     assert cmask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path, loss_type):
+    """One step of the trainer (padding, micro-batches, importance weights, normalisation, sign) gives the
+    gradient of the policy-gradient loss written out per sequence, unpadded:
+    dapo: -sum_i A_i sum_t w_it log p_it / (number of tokens);
+    grpo: -sum_i A_i mean_t(w_it log p_it) / (number of sequences); w = min(p / p_behaviour, cap), detached."""
+    T = 0.7
+    trainer = tiny_trainer(tmp_path, temperature=T, micro_batch_size=3, loss_type=loss_type, is_cap=2.0)
+    model = trainer.unwrapped
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    completions = [[20, 21, 22, 2], [30, 31], [40], [50, 51, 52, 53, 54]]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    # Behaviour logprobs below the current ones by 0.3 (w = e^0.3) or above by 1.0 (w = e^-1); one token
+    # 1.0 below (w = e = 2.72, truncated to the cap 2).
+    shifts = [[0.3, 0.3, 1.0, 0.3], [-1.0, -1.0], [0.3], [0.3, -1.0, 0.3, -1.0, 0.3]]
+    current = [teacher_forced_logprobs(model, p, c, T) for p, c in zip(prompts, completions)]
+    behaviour = [[lp - d for lp, d in zip(row, sh)] for row, sh in zip(current, shifts)]
+    prep = _Prepared(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        behaviour_logprobs=behaviour,
+        advantages=advantages,
+        sample_mask=torch.ones(4),
+        staleness=[[0] * len(c) for c in completions],
+        rewards=torch.zeros(4),
+        rewards_per_func=torch.zeros(4, 1),
+        finish_length=torch.zeros(4),
+        zero_spread=torch.zeros(2),
+    )
+    model.zero_grad(set_to_none=True)
+    trainer._forward_backward(prep)
+    got = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad(set_to_none=True)
+    n_tokens = sum(len(c) for c in completions)
+    loss = 0.0
+    for p, c, a, sh in zip(prompts, completions, advantages.tolist(), shifts):
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / T
+        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        w = torch.tensor([min(math.exp(d), 2.0) for d in sh])
+        seq = (w * logp).sum()
+        loss = loss + (-a * seq / n_tokens if loss_type == "dapo" else -a * seq / len(c) / len(completions))
+    loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in model.parameters())
+    assert scale > 1e-2
+    for g, p in zip(got, model.parameters()):
+        assert_close(g, p.grad, atol=1e-4 * scale)  # fp32: padded micro-batches vs one unpadded sequence
+
+
 # ---------------------------------------------------------------------- logprob parity
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trainer_logprobs_equal_engine_logprobs(temperature):
@@ -173,6 +224,28 @@ def test_synchronous_steps_have_unit_importance_ratio(tmp_path):
         assert row["staleness_mean"] == 0 and row["staleness_max"] == 0
         assert abs(row["is_ratio_max"] - 1) < 1e-4 and abs(row["is_ratio_min"] - 1) < 1e-4
         assert row["weight_version"] == row["step"]
+
+
+def test_synchronous_runs_of_one_config_write_identical_metrics(tmp_path):
+    """max_staleness 0: the same config and seed give the same metrics.jsonl, evaluation rows included."""
+    heldout = datasets.Dataset.from_list([{"prompt": f"t{30 + i} t{60 + i}", "answer": str(i % 3)} for i in range(6)])
+    texts = []
+    for run in ("a", "b"):
+        trainer = GRPOTrainer(
+            tiny_config(tmp_path / run, max_steps=4, eval_steps=2, log_completions=2),
+            model=tiny_llama(),
+            tokenizer=tiny_tokenizer(),
+            train_dataset=token_dataset(),
+            reward_funcs=[low_token_reward],
+            eval_dataset=heldout,
+        )
+        trainer.train()
+        texts.append((tmp_path / run / "out" / "metrics.jsonl").read_text())
+    rows = [json.loads(line) for line in texts[0].splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [("eval_accuracy" in r) for r in rows] == [True, False, True, False, True]
+    assert len({r["loss"] for r in rows[1:]}) > 1
+    assert texts[0] == texts[1]
 
 
 # ---------------------------------------------------------------------- asynchronous rollouts
@@ -254,7 +327,10 @@ def test_metrics_file_and_saved_model(tmp_path):
     trainer.train()
     out = tmp_path / "out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    timing = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in timing] == [1, 2]
+    assert not TIMING_KEYS & set(rows[0]) and TIMING_KEYS - {"eval_time_s"} <= set(timing[0])
+    rows = [{**r, **t} for r, t in zip(rows, timing)]
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     assert samples[0]["prompt"].startswith("t") and isinstance(samples[0]["reward"], float)

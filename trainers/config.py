@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,6 +51,17 @@ class GRPOConfig:
         reward_funcs: reward names of ``trainers.rewards.REWARD_FUNCS`` ("correctness",
             "format") or "module:function" import paths of functions with TRL's signature.
         reward_weights: one weight per reward function; None weighs each 1.0.
+
+    Evaluation (held-out accuracy, greedy through the same manager; see ``trainers.evaluate``):
+        eval_size: held-out problems per evaluation (0: no evaluation). For "arithmetic" they come
+            from ``eval_seed`` and exclude every training question; for a GSM8K file without
+            ``eval_dataset`` the file's last ``eval_size`` rows are held out of training.
+        eval_dataset: a GSM8K-format file to evaluate on (e.g. the test split); training drops
+            any question it holds.
+        eval_seed: seed of the held-out arithmetic problems.
+        eval_steps: evaluate every this many steps as well as at step 0 and after the last
+            step (None: only at step 0 and at the end).
+        eval_max_new_tokens: most tokens per greedy evaluation completion.
 
     Generation:
         num_generations: G, samples per prompt (>= 2; group-normalised advantages need two).
@@ -93,7 +105,11 @@ class GRPOConfig:
     Run:
         max_steps: optimizer steps (one batch each).
         seed: seed of torch, of the dataset order and of the sampling seeds.
-        output_dir: metrics.jsonl, trackers' logs and the final model go here.
+        output_dir: metrics.jsonl, timing.jsonl, the evaluation samples, trackers' logs and the
+            final model go here. None (the default): ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>``
+            (``~/.cache/rollout/runs/...``), a new folder for every run, outside any checkout.
+        overwrite_output_dir: allow ``output_dir`` to hold an earlier run (its metrics.jsonl or
+            model); without it such a folder is refused before the model loads.
         log_with: an accelerate tracker ("tensorboard", "wandb", ...) or None.
         save_model: save the final model and tokenizer with ``save_pretrained``.
         log_completions: write this many samples per step (prompt, completion, reward) to
@@ -111,6 +127,12 @@ class GRPOConfig:
     prompt_column: str = "prompt"
     reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] | None = None
+
+    eval_size: int = 200
+    eval_dataset: str | None = None
+    eval_seed: int = 1234
+    eval_steps: int | None = None
+    eval_max_new_tokens: int = 96
 
     num_generations: int = 4
     batch_size: int = 16
@@ -140,7 +162,8 @@ class GRPOConfig:
 
     max_steps: int = 30
     seed: int = 0
-    output_dir: str = "outputs/grpo"
+    output_dir: str | None = None
+    overwrite_output_dir: bool = False
     log_with: str | None = None
     save_model: bool = True
     log_completions: int = 0
@@ -182,6 +205,8 @@ class GRPOConfig:
             "max_staleness",
             "dataset_seed",
             "log_completions",
+            "eval_size",
+            "eval_seed",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -196,6 +221,10 @@ class GRPOConfig:
             raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             raise ConfigError(f"prefetch_batches must be >= 0 or null, got {self.prefetch_batches!r}")
+        if self.eval_steps is not None and self.eval_steps < 1:
+            raise ConfigError(f"eval_steps must be >= 1 or null, got {self.eval_steps!r}")
+        if self.eval_max_new_tokens < 1:
+            raise ConfigError(f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads!r}")
         if not self.reward_funcs:
@@ -296,8 +325,77 @@ def _describe(tp: Any) -> str:
     return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+def parse_int(text: str) -> int:
+    """An int written any way a number is written ("30", "5e3", "1_000", "2.0"); argparse's ``type`` for ints.
+
+    Raises:
+        ValueError: not a number, or not a whole one.
+    """
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _coerce_number(value: Any, tp: Any) -> Any:
+    """``value`` converted to the number type in ``tp`` when it is a number written another way.
+
+    YAML 1.1 reads ``1e-5`` (no dot) as a string and ``5e3`` too; a whole float may fill an int
+    field. Anything else is returned unchanged for the type check to judge.
+    """
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if isinstance(value, bool):
+        return value
+    if int in args and float not in args:
+        if isinstance(value, str):
+            try:
+                return parse_int(value.strip())
+            except ValueError:
+                return value
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            return int(value)
+    if float in args and isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    if typing.get_origin(tp) is list and isinstance(value, list):
+        return [_coerce_number(v, typing.get_args(tp)[0]) for v in value]
+    return value
+
+
+def coerce_numbers(values: dict[str, Any], cls: type) -> dict[str, Any]:
+    """``values`` with every number written as a string (or a whole float for an int) converted to
+    the type of ``cls``'s field of the same name; unknown keys are left as they are."""
+    hints = typing.get_type_hints(cls)
+    return {k: _coerce_number(v, hints[k]) if k in hints else v for k, v in values.items()}
+
+
+def read_yaml_config(path: str | Path) -> dict[str, Any]:
+    """The mapping of a YAML config file (empty for an empty file).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ConfigError: not valid YAML, or not a mapping (the message names the file).
+    """
+    text = Path(path).read_text()
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: a GRPO config must be a YAML mapping, got {type(loaded).__name__}")
+    return loaded
+
+
 def config_from_dict(values: dict[str, Any]) -> GRPOConfig:
-    """Build a GRPOConfig from a mapping.
+    """Build a GRPOConfig from a mapping (numbers may be written as strings, e.g. "1e-5").
 
     Raises:
         ConfigError: an unknown key (named, with the closest known key), or a bad value.
@@ -308,6 +406,9 @@ def config_from_dict(values: dict[str, Any]) -> GRPOConfig:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown key {key!r}{_suggest(str(key), known)}")
+    values = coerce_numbers(values, GRPOConfig)
+    if isinstance(values.get("engine"), dict):
+        values["engine"] = coerce_numbers(values["engine"], rollout.ContinuousBatchingConfig)
     return GRPOConfig(**values)
 
 
@@ -316,24 +417,13 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GRPOConfig:
 
     Args:
         path: a YAML file holding a mapping; None starts from the defaults.
-        **overrides: values that replace the file's (the command line's ``--max_steps`` etc.).
+        **overrides: values that replace the file's.
 
     Raises:
         ConfigError: unknown key, bad value, or a file that is not a YAML mapping.
         FileNotFoundError: ``path`` does not exist.
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: a GRPO config must be a YAML mapping, got {type(loaded).__name__}")
-        values.update(loaded)
+    values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return config_from_dict(values)

@@ -81,6 +81,7 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -88,11 +89,17 @@ import rollout
 
 from .config import ConfigError, GRPOConfig
 from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
-from .tasks import build_dataset
+from .evaluate import EvalResult, evaluate_greedy
+from .prompts import encode_prompt, eos_token_ids
+from .tasks import build_datasets
 
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
+# Wall-clock metrics: they vary from run to run, so they go to timing.jsonl, not metrics.jsonl.
+TIMING_KEYS = frozenset(
+    {"step_time_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
+)
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -110,18 +117,31 @@ def group_advantages(
         eps: added to the std.
 
     Returns:
-        float32 [N]: (r - mean_group) / (std_group + eps); 0 for NaN rewards and for groups with
-        fewer than two scored samples when scaling.
+        float32 [N]: (r - mean_group) / (std_group + eps); exactly 0 for NaN rewards, for a group
+        whose scored rewards are all equal (the float mean of equal values can differ from them
+        in the last bit, and eps would turn that into a spurious advantage), and for groups
+        with fewer than two scored samples when scaling.
     """
     grouped = rewards.float().view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1, keepdim=True)
-    centred = grouped - mean
+    centred = torch.where(zero_spread_groups(grouped)[:, None], torch.zeros_like(grouped), grouped - mean)
     if scale:
         count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
         var = torch.nansum(centred**2, dim=1, keepdim=True) / (count - 1).clamp(min=1)
         std = torch.sqrt(var)
         centred = torch.where(count > 1, centred / (std + eps), torch.zeros_like(centred))
     return torch.nan_to_num(centred, nan=0.0).view(-1)
+
+
+def zero_spread_groups(grouped: torch.Tensor) -> torch.Tensor:
+    """bool [P]: groups (rows of float [P, G], NaN = unscored) whose scored rewards are all equal.
+
+    Such a group carries no learning signal (TRL logs their share as ``frac_reward_zero_std``).
+    """
+    scored = ~torch.isnan(grouped)
+    hi = torch.where(scored, grouped, torch.full_like(grouped, -math.inf)).max(dim=1).values
+    lo = torch.where(scored, grouped, torch.full_like(grouped, math.inf)).min(dim=1).values
+    return (hi <= lo) | (scored.sum(dim=1) < 2)
 
 
 def grpo_token_loss(
@@ -244,6 +264,35 @@ def completion_logprobs(
     return logps * comp_mask, comp_mask
 
 
+RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
+
+
+def resolve_output_dir(config: GRPOConfig, accelerator: Accelerator) -> Path:
+    """The run's output folder, the same on every process.
+
+    ``config.output_dir`` when set, else ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>`` (the main
+    process picks the name and broadcasts it).
+
+    Raises:
+        ConfigError: the folder holds an earlier run and ``overwrite_output_dir`` is False.
+    """
+    if config.output_dir is not None:
+        path = Path(config.output_dir).expanduser()
+    else:
+        name = [time.strftime("grpo-%Y%m%d-%H%M%S", time.gmtime())]
+        if accelerator.num_processes > 1:
+            broadcast_object_list(name, from_process=0)
+        path = rollout.rollout_home() / "runs" / name[0]
+    if not config.overwrite_output_dir:
+        found = [f for f in RUN_FILES if (path / f).exists()]
+        if found:
+            raise ConfigError(
+                f"output_dir {str(path)!r} already holds a run ({', '.join(found)}); pass --overwrite_output_dir "
+                "to replace it, or choose another --output_dir"
+            )
+    return path
+
+
 def sample_seed(*parts: int) -> int:
     """A stable 31-bit seed from integers (sampling seed of one request)."""
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
@@ -284,6 +333,7 @@ class _Prepared:
     rewards: torch.Tensor  # [N]
     rewards_per_func: torch.Tensor  # [N, F]
     finish_length: torch.Tensor  # [N] 1 where the completion hit max_new_tokens
+    zero_spread: torch.Tensor  # [N / G] 1 for a group whose rewards are all equal (no signal)
     texts: list[str] = field(default_factory=list)
     prompts: list[Any] = field(default_factory=list)
 
@@ -300,6 +350,10 @@ class GRPOTrainer:
         reward_funcs: callables with TRL's signature (or names/paths); ``config.reward_funcs``
             when None.
         accelerator: an existing Accelerator; one is built otherwise (CPU when CUDA is absent).
+        eval_dataset: held-out problems (``config.prompt_column`` and ``answer`` columns) for
+            ``eval_accuracy``; when None and ``train_dataset`` is None, the held-out split of
+            ``config.dataset`` (``trainers.tasks.build_datasets``); None with a given
+            ``train_dataset``: no evaluation.
 
     Raises:
         ConfigError: a bad setting or a dataset without a needed column (the message names it);
@@ -314,28 +368,35 @@ class GRPOTrainer:
         train_dataset: datasets.Dataset | None = None,
         reward_funcs: Sequence[RewardFunc | str] | None = None,
         accelerator: Accelerator | None = None,
+        eval_dataset: datasets.Dataset | None = None,
     ) -> None:
         self.config = config
-        self.output_dir = Path(config.output_dir)
-        self.accelerator = accelerator or Accelerator(
-            cpu=not torch.cuda.is_available(),
-            log_with=config.log_with,
-            project_dir=str(self.output_dir) if config.log_with else None,
-        )
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available(), log_with=config.log_with)
         acc = self.accelerator
+        self.output_dir = resolve_output_dir(config, acc)
+        acc.wait_for_everyone()  # every process checked the folder before the main one writes to it
+        if config.log_with:
+            acc.project_configuration.set_directories(str(self.output_dir))
         self.rank, self.world_size = acc.process_index, acc.num_processes
         if acc.device.type == "cpu":
             self._set_cpu_threads()
 
         # Data and rewards first: a bad column fails before the model loads.
         try:
-            self.dataset = (
-                train_dataset
-                if train_dataset is not None
-                else build_dataset(config.dataset, config.dataset_size, config.dataset_seed)
-            )
+            if train_dataset is None:
+                train_dataset, built_eval = build_datasets(
+                    config.dataset,
+                    config.dataset_size,
+                    config.dataset_seed,
+                    config.eval_dataset,
+                    config.eval_size,
+                    config.eval_seed,
+                )
+                eval_dataset = eval_dataset if eval_dataset is not None else built_eval
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"dataset: {e}") from e
+        self.dataset = train_dataset
+        self.eval_dataset = eval_dataset if config.eval_size > 0 else None
         specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
         try:
             self.reward_funcs = [resolve_reward_func(s) for s in specs]
@@ -362,9 +423,8 @@ class GRPOTrainer:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_token_id is None:
             self.pad_token_id = 0
-        self.eos_token_ids = self._eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._warned_no_template = False
 
         optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -410,6 +470,12 @@ class GRPOTrainer:
         torch.set_num_threads(threads)
 
     def _check_columns(self) -> None:
+        if self.eval_dataset is not None:
+            for col in (self.config.prompt_column, "answer"):
+                if col not in self.eval_dataset.column_names:
+                    raise ConfigError(
+                        f"eval_dataset: no column {col!r} (columns: {sorted(self.eval_dataset.column_names)})"
+                    )
         columns = set(self.dataset.column_names)
         if self.config.prompt_column not in columns:
             raise ConfigError(
@@ -422,18 +488,6 @@ class GRPOTrainer:
                         f"reward_funcs: {name!r} needs the dataset column {col!r}, which the dataset lacks "
                         f"(columns: {sorted(columns)})"
                     )
-
-    @staticmethod
-    def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        ids: list[int] = []
-        gen_eos = getattr(model.generation_config, "eos_token_id", None)
-        for value in (tokenizer.eos_token_id, gen_eos):
-            if value is None:
-                continue
-            for v in [value] if isinstance(value, int) else list(value):
-                if v not in ids:
-                    ids.append(int(v))
-        return ids
 
     def _engine_config(self) -> rollout.ContinuousBatchingConfig:
         cfg = self.config
@@ -461,23 +515,8 @@ class GRPOTrainer:
         return [self.dataset[self._dataset_index(k)] for k in range(start, start + P)]
 
     def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """Token ids of a prompt: chat template for message lists (plain join without one); text as is.
-
-        Prompts longer than ``max_prompt_length`` keep their last tokens.
-        """
-        tok = self.tokenizer
-        if isinstance(prompt, str):
-            ids = list(tok(prompt).input_ids)
-        elif getattr(tok, "chat_template", None):
-            ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
-        else:
-            if not self._warned_no_template:
-                logger.warning("the tokenizer has no chat template: message prompts are joined as plain text")
-                self._warned_no_template = True
-            ids = list(tok("\n".join(m["content"] for m in prompt) + "\n").input_ids)
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-        return ids[-self.config.max_prompt_length :]
+        """Token ids of a prompt (``trainers.prompts.encode_prompt``), truncated to ``max_prompt_length``."""
+        return encode_prompt(self.tokenizer, prompt, self.config.max_prompt_length)
 
     # ------------------------------------------------------------------ rollouts
     def _submit(self, j: int) -> None:
@@ -485,21 +524,24 @@ class GRPOTrainer:
         rows = self._rows_for_batch(j)
         prompt_ids = [self.encode_prompt(r[cfg.prompt_column]) for r in rows]
         request_ids = []
-        for i, ids in enumerate(prompt_ids):
-            for g in range(cfg.num_generations):
-                rid = self.manager.add_request(
-                    ids,
-                    request_id=f"grpo_b{j}_p{i}_g{g}",
-                    max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature,
-                    do_sample=True,
-                    seed=sample_seed(cfg.seed, self.rank, j, i, g),
-                    eos_token_id=self.eos_token_ids,
-                    record_timestamps=True,
-                )
-                if rid is None:
-                    raise RuntimeError("the rollout manager stopped and accepts no request")
-                request_ids.append(rid)
+        # Queued under a pause, the batch reaches the engine in one go: in synchronous mode the
+        # steps, and so the samples and metrics, do not depend on thread timing.
+        with self.manager.pause():
+            for i, ids in enumerate(prompt_ids):
+                for g in range(cfg.num_generations):
+                    rid = self.manager.add_request(
+                        ids,
+                        request_id=f"grpo_b{j}_p{i}_g{g}",
+                        max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature,
+                        do_sample=True,
+                        seed=sample_seed(cfg.seed, self.rank, j, i, g),
+                        eos_token_id=self.eos_token_ids,
+                        record_timestamps=True,
+                    )
+                    if rid is None:
+                        raise RuntimeError("the rollout manager stopped and accepts no request")
+                    request_ids.append(rid)
         self._pending.append(_Batch(j, rows, prompt_ids, request_ids, self.manager.weight_version, time.perf_counter()))
         self._next_batch = j + 1
 
@@ -572,6 +614,7 @@ class GRPOTrainer:
             rewards=rewards,
             rewards_per_func=per_func,
             finish_length=torch.tensor([o.finish_reason == "length" for o in outputs], dtype=torch.float32),
+            zero_spread=zero_spread_groups(rewards.float().view(-1, G)).float(),
             texts=texts,
             prompts=prompts,
         )
@@ -716,6 +759,7 @@ class GRPOTrainer:
         per_func = acc.gather(prep.rewards_per_func.to(device))
         lengths = acc.gather(torch.tensor([float(len(c)) for c in prep.completion_ids], device=device))
         truncated = acc.gather(prep.finish_length.to(device))
+        zero_spread = acc.gather(prep.zero_spread.to(device))
         totals = acc.reduce(
             torch.tensor(
                 [
@@ -753,6 +797,7 @@ class GRPOTrainer:
             "completion_len_mean": float(lengths.mean()),
             "completion_len_max": float(lengths.max()),
             "truncated_fraction": float(truncated.mean()),
+            "frac_reward_zero_std": float(zero_spread.mean()),
             "rollout_tokens_per_s": float(totals[6]),
             "is_ratio_mean": float(totals[1]) / tokens if tokens else float("nan"),
             "is_ratio_max": float(maxima[0]) if tokens else float("nan"),
@@ -797,37 +842,106 @@ class GRPOTrainer:
                     + "\n"
                 )
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy held-out accuracy of the current weights (all processes; each takes a shard).
+
+        Returns:
+            ``eval_accuracy`` (fraction right, by ``trainers.evaluate.is_correct``) and
+            ``eval_completion_len`` (mean tokens); an empty dict without an evaluation set. The
+            main process appends the samples to OUTPUT_DIR/eval_completions.jsonl.
+        """
+        if self.eval_dataset is None:
+            return {}
+        cfg = self.config
+        acc = self.accelerator
+        shard = self.eval_dataset.select(range(self.rank, len(self.eval_dataset), self.world_size))
+        result = evaluate_greedy(
+            self.manager,
+            self.tokenizer,
+            [self.encode_prompt(p) for p in shard[cfg.prompt_column]],
+            shard["answer"],
+            cfg.eval_max_new_tokens,
+            self.eos_token_ids,
+            questions=shard["question"] if "question" in shard.column_names else None,
+        )
+        totals = acc.reduce(
+            torch.tensor(
+                [result.num_correct, result.num_problems, result.num_tokens], dtype=torch.float64, device=acc.device
+            ),
+            reduction="sum",
+        )
+        total = EvalResult(int(totals[0]), int(totals[1]), int(totals[2]))
+        if acc.is_main_process:
+            with (self.output_dir / "eval_completions.jsonl").open("a") as f:
+                for sample in result.samples:
+                    f.write(json.dumps({"step": step, **sample}) + "\n")
+        return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}
+
+    def _eval_due(self, step: int) -> bool:
+        """Evaluate after step ``step`` (1-based)? At the last step, and every ``eval_steps``."""
+        every = self.config.eval_steps
+        return step == self.config.max_steps or (every is not None and step % every == 0)
+
     def train(self) -> list[dict[str, float]]:
-        """Run ``max_steps`` steps; write metrics, trackers and the final model. Returns the metrics rows."""
+        """Run ``max_steps`` steps; write metrics, trackers and the final model. Returns the metrics rows.
+
+        OUTPUT_DIR/metrics.jsonl gets one row per step (a row ``step: 0`` holds the evaluation
+        before training); in synchronous mode it is the same on every run of a config. The
+        wall-clock figures (step times, rollout tokens/s, evaluation time) vary from run to run and
+        go to OUTPUT_DIR/timing.jsonl; the returned rows and the trackers get both.
+        """
         cfg = self.config
         acc = self.accelerator
         main = acc.is_main_process
         metrics_path = self.output_dir / "metrics.jsonl"
+        timing_path = self.output_dir / "timing.jsonl"
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            metrics_path.write_text("")
-            (self.output_dir / "completions.jsonl").unlink(missing_ok=True)
+            for name in ("metrics.jsonl", "timing.jsonl"):
+                (self.output_dir / name).write_text("")
+            for name in ("completions.jsonl", "eval_completions.jsonl"):
+                (self.output_dir / name).unlink(missing_ok=True)
             (self.output_dir / "grpo_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         if cfg.log_with:
             acc.init_trackers("grpo", config=_flat_config(cfg))
         rows: list[dict[str, float]] = []
+
+        def record(row: dict[str, float]) -> None:
+            rows.append(row)
+            if main:
+                learning = {k: v for k, v in row.items() if k not in TIMING_KEYS}
+                timing = {k: v for k, v in row.items() if k in TIMING_KEYS or k == "step"}
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(learning) + "\n")
+                with timing_path.open("a") as f:
+                    f.write(json.dumps(timing) + "\n")
+            if cfg.log_with:
+                acc.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+
         self.manager.start()
-        bar = tqdm(total=cfg.max_steps, desc="grpo", unit="step", disable=not main)
         try:
-            for step in range(cfg.max_steps):
-                row = self.train_step(step)
-                rows.append(row)
-                if main:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    bar.set_postfix(
-                        reward=f"{row['reward_mean']:.3f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}", refresh=False
-                    )
-                    bar.update(1)
-                if cfg.log_with:
-                    acc.log({k: v for k, v in row.items() if k != "step"}, step=step + 1)
+            if self.eval_dataset is not None:
+                t0 = time.perf_counter()
+                row0: dict[str, float] = {"step": 0, **self.evaluate(0)}
+                row0["eval_time_s"] = time.perf_counter() - t0
+                record(row0)
+            bar = tqdm(total=cfg.max_steps, desc="grpo", unit="step", disable=not main)
+            try:
+                for step in range(cfg.max_steps):
+                    row = self.train_step(step)
+                    if self.eval_dataset is not None and self._eval_due(step + 1):
+                        t0 = time.perf_counter()
+                        row.update(self.evaluate(step + 1))
+                        row["eval_time_s"] = time.perf_counter() - t0
+                    record(row)
+                    if main:
+                        bar.set_postfix(
+                            reward=f"{row['reward_mean']:.3f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}", refresh=False
+                        )
+                        bar.update(1)
+            finally:
+                bar.close()
         finally:
-            bar.close()
             self.manager.destroy()  # also restores the model's attention implementation
         acc.wait_for_everyone()
         if cfg.save_model:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import datasets
@@ -162,3 +163,90 @@ def build_dataset(name: str, size: int = 2000, seed: int = 0) -> datasets.Datase
     if Path(name).is_file():
         return load_gsm8k_jsonl(name)
     raise ValueError(f"dataset: {name!r} is neither 'arithmetic' nor an existing GSM8K-format jsonl file")
+
+
+def heldout_arithmetic_dataset(
+    size: int, seed: int, exclude: Iterable[str], max_operand: int = 10, sub_fraction: float = 0.3
+) -> datasets.Dataset:
+    """Arithmetic problems from ``seed`` whose question text is not in ``exclude`` (the training set).
+
+    The generator draws from about 60,000 distinct problems, so a training set of a few thousand
+    shares a few of them with any other seed; those are skipped, and the set holds ``size``
+    problems that training never samples.
+
+    Raises:
+        ValueError: size < 1, or ``size`` new problems not found in 100 x size draws.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    seen = set(exclude)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(100 * size):
+        question, answer = arithmetic_problem(rng, max_operand, sub_fraction)
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append({"prompt": make_message(question), "question": question, "answer": str(answer)})
+        if len(rows) == size:
+            return datasets.Dataset.from_list(rows)
+    raise ValueError(f"found only {len(rows)} held-out problems of the {size} asked for")
+
+
+def split_heldout(dataset: datasets.Dataset, size: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Hold out the last ``size`` rows; the training part also loses every row whose question is held out.
+
+    Returns:
+        (train, heldout).
+
+    Raises:
+        ValueError: the dataset has no more rows than ``size``, or no ``question`` column.
+    """
+    if "question" not in dataset.column_names:
+        raise ValueError(f"a held-out split needs a 'question' column (columns: {dataset.column_names})")
+    if len(dataset) <= size:
+        raise ValueError(f"cannot hold out {size} of {len(dataset)} rows and keep any for training")
+    heldout = dataset.select(range(len(dataset) - size, len(dataset)))
+    held = set(heldout["question"])
+    keep = [i for i, q in enumerate(dataset["question"][: len(dataset) - size]) if q not in held]
+    return dataset.select(keep), heldout
+
+
+def build_datasets(
+    name: str,
+    size: int = 2000,
+    seed: int = 0,
+    eval_dataset: str | None = None,
+    eval_size: int = 200,
+    eval_seed: int = 1234,
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The training set and a held-out evaluation set that training never samples.
+
+    - "arithmetic": ``size`` problems from ``seed`` for training; ``eval_size`` problems from
+      ``eval_seed`` that are not in the training set for evaluation.
+    - a GSM8K-format file with ``eval_dataset`` (e.g. its test split): that file, its first
+      ``eval_size`` rows, for evaluation; training drops any question it holds.
+    - a GSM8K-format file alone: its last ``eval_size`` rows are held out.
+
+    ``eval_size`` 0 gives no evaluation set (None).
+
+    Returns:
+        (train, heldout or None).
+
+    Raises:
+        ValueError, FileNotFoundError: a bad name or file, or too few rows to hold out.
+    """
+    train = build_dataset(name, size, seed)
+    if eval_size == 0:
+        return train, None
+    if name == "arithmetic" and eval_dataset is None:
+        return train, heldout_arithmetic_dataset(eval_size, eval_seed, train["question"])
+    if eval_dataset is None:
+        return split_heldout(train, eval_size)
+    heldout = build_dataset(eval_dataset, eval_size, eval_seed)
+    heldout = heldout.select(range(min(eval_size, len(heldout))))
+    held = set(heldout["question"])
+    train = train.select([i for i, q in enumerate(train["question"]) if q not in held])
+    if len(train) == 0:
+        raise ValueError("every training question is also in the evaluation set")
+    return train, heldout

@@ -1,0 +1,205 @@
+"""Run GRPO variants of one config and write their held-out accuracy as a markdown table.
+
+    python scripts/grpo_ablation.py --runs-dir /tmp/ablation --out docs/grpo_ablation.md
+    python scripts/grpo_ablation.py --runs-dir /tmp/ablation --out docs/grpo_ablation.md --only lr_5e-6 --reuse
+
+Each variant is the default config (``configs/grpo_default.yaml``) plus the overrides listed in
+``VARIANTS``; it runs in its own process (``python -m trainers.cli``, one CPU process), one after
+another, into ``RUNS_DIR/<name>``. With ``--reuse`` a variant whose run folder already holds a complete
+metrics.jsonl is not run again, so the table can be rebuilt from earlier runs. The table reports the
+held-out evaluation the trainer itself logs (``eval_accuracy`` at step 0 and after the last step,
+``trainers.evaluate.is_correct``) next to the training reward, so a reward that rises while accuracy
+falls is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainers.cli import DEFAULT_CONFIG
+
+# The recipe that collapsed (issue 8): format reward at weight 0.5, lr 2e-5, asynchronous with staleness 1.
+OLD = {
+    "reward_funcs": ["correctness", "format"],
+    "reward_weights": [1.0, 0.5],
+    "learning_rate": 2e-5,
+    "async_rollouts": True,
+    "max_staleness": 1,
+    "temperature": 0.7,
+    "num_generations": 4,
+    "batch_size": 16,
+    "max_new_tokens": 64,
+    "max_steps": 30,
+}
+# name -> (overrides of the default config, what the variant tests)
+VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
+    "old": (OLD, "the recipe that collapsed"),
+    "old_sync": ({**OLD, "max_staleness": 0}, "synchronous rollouts"),
+    "old_no_format": ({**OLD, "reward_weights": [1.0, 0.0]}, "format reward at weight 0"),
+    "old_grpo_loss": ({**OLD, "loss_type": "grpo"}, "per-sequence loss normalisation"),
+    "old_lr_5e-6": ({**OLD, "learning_rate": 5e-6}, "a 4x lower learning rate"),
+    "correct_only_lr_1e-5": (
+        {**OLD, "reward_funcs": ["correctness", "format"], "reward_weights": [1.0, 0.0], "learning_rate": 1e-5},
+        "format at weight 0 and lr 1e-5",
+    ),
+}
+
+
+def _command(overrides: dict[str, Any], out: Path, config: Path, threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "trainers.cli", "--config", str(config), "--output_dir", str(out)]
+    cmd += ["--overwrite_output_dir", "true", "--save_model", "false", "--cpu_threads", str(threads)]
+    for key, value in overrides.items():
+        cmd += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML
+    return cmd
+
+
+def run_all(jobs: list[tuple[str, dict[str, Any]]], runs_dir: Path, config: Path, reuse: bool, parallel: int) -> None:
+    """Run each (folder name, overrides) job not already complete, ``parallel`` at a time.
+
+    Each job gets cores / parallel torch threads; on two cores two single-threaded runs finish
+    sooner than the same two runs one after the other with two threads each.
+    """
+    threads = max(1, len(os.sched_getaffinity(0)) // parallel)
+    todo = [(n, o) for n, o in jobs if not (reuse and _complete(runs_dir / n / "metrics.jsonl", o))]
+    running: list[tuple[str, subprocess.Popen, float]] = []
+    while todo or running:
+        while todo and len(running) < parallel:
+            name, overrides = todo.pop(0)
+            out = runs_dir / name
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"== {name}: {' '.join(_command(overrides, out, config, threads)[3:])}", flush=True)
+            log = (out.parent / f"{name}.log").open("w")
+            proc = subprocess.Popen(_command(overrides, out, config, threads), stdout=log, stderr=subprocess.STDOUT)
+            running.append((name, proc, time.perf_counter()))
+        time.sleep(2)
+        for item in list(running):
+            name, proc, t0 = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {runs_dir / (name + '.log')}")
+            (runs_dir / name / "wall_time_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+            print(f"== {name} done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+
+
+def _complete(metrics: Path, overrides: dict[str, Any]) -> bool:
+    if not metrics.exists() or not (metrics.parent / "grpo_config.json").exists():
+        return False
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    config = json.loads((metrics.parent / "grpo_config.json").read_text())
+    return bool(rows) and "eval_accuracy" in rows[-1] and all(config.get(k) == v for k, v in overrides.items())
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """The figures of one run folder: eval before/after, last-5-step means of the training metrics."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r["step"] > 0]
+    last = steps[-5:]
+
+    def mean(key: str, sel: list[dict[str, Any]]) -> float:
+        values = [r[key] for r in sel if key in r and r[key] is not None and not math.isnan(r[key])]
+        return sum(values) / len(values) if values else math.nan
+
+    wall = run_dir / "wall_time_s.txt"
+    return {
+        "eval_before": rows[0].get("eval_accuracy", math.nan) if rows[0]["step"] == 0 else math.nan,
+        "eval_after": steps[-1].get("eval_accuracy", math.nan),
+        "eval_len_after": steps[-1].get("eval_completion_len", math.nan),
+        "reward_first5": mean("reward_mean", steps[:5]),
+        "reward_last5": mean("reward_mean", last),
+        "correct_last5": mean("rewards/correctness", last),
+        "format_last5": mean("rewards/format", last),
+        "len_last5": mean("completion_len_mean", last),
+        "is_ratio_max": max(r.get("is_ratio_max", 0.0) for r in steps),
+        "steps": len(steps),
+        "minutes": float(wall.read_text()) / 60 if wall.exists() else math.nan,
+    }
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def table(results: dict[str, list[dict[str, Any]]], seeds: list[int]) -> str:
+    """One row per variant: held-out accuracy per seed and its mean change, training metrics averaged over seeds."""
+    head = (
+        f"| variant | what it changes | eval acc before | eval acc after (seeds {', '.join(map(str, seeds))}) | "
+        "mean change | eval len after | reward steps 1-5 | reward last 5 | correctness last 5 | format last 5 | "
+        "train len last 5 | is_ratio_max | minutes |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = []
+    for name, runs in results.items():
+        m = {k: _mean([r[k] for r in runs]) for k in runs[0]}
+        change = m["eval_after"] - m["eval_before"]
+        lines.append(
+            f"| {name} | {VARIANTS[name][1]} | {_fmt(m['eval_before'])} | "
+            f"{' / '.join(_fmt(r['eval_after']) for r in runs)} | {'+' if change >= 0 else ''}{_fmt(change)} | "
+            f"{_fmt(m['eval_len_after'], 1)} | {_fmt(m['reward_first5'])} | {_fmt(m['reward_last5'])} | "
+            f"{_fmt(m['correct_last5'])} | {_fmt(m['format_last5'])} | {_fmt(m['len_last5'], 1)} | "
+            f"{_fmt(max(r['is_ratio_max'] for r in runs), 2)} | {_fmt(m['minutes'], 1)} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def overrides_table(names: list[str]) -> str:
+    lines = ["| variant | overrides of the default config |", "| --- | --- |"]
+    for name in names:
+        lines.append(f"| {name} | {', '.join(f'`{k}={json.dumps(v)}`' for k, v in VARIANTS[name][0].items())} |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs-dir", type=Path, required=True, help="one run folder per variant and seed goes here")
+    parser.add_argument("--out", type=Path, help="markdown file for the tables (default: print them)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="base config (default: %(default)s)")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants only")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (default: 0)")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each gets cores / parallel threads)")
+    parser.add_argument("--reuse", action="store_true", help="keep the runs already complete in --runs-dir")
+    args = parser.parse_args(argv)
+    names = args.only or list(VARIANTS)
+    jobs = [(f"{n}_s{seed}", {**VARIANTS[n][0], "seed": seed}) for n in names for seed in args.seeds]
+    run_all(jobs, args.runs_dir, args.config, args.reuse, args.parallel)
+    results = {n: [summarize(args.runs_dir / f"{n}_s{seed}") for seed in args.seeds] for n in names}
+    text = (
+        f"Generated by `python scripts/grpo_ablation.py --seeds {' '.join(map(str, args.seeds))} "
+        f"--parallel {args.parallel}` at commit {_commit()} on {dt.date.today().isoformat()} "
+        f"({len(os.sched_getaffinity(0))} CPUs; minutes are wall time with {args.parallel} run(s) at a time).\n\n"
+        + table(results, args.seeds)
+        + "\n"
+        + overrides_table(names)
+    )
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Command line of the GRPO trainer (``rollout-train-grpo``, ``scripts/train_grpo.py``).
+
+    accelerate launch scripts/train_grpo.py                          # the default recipe
+    accelerate launch scripts/train_grpo.py --max_steps 3 --output_dir /tmp/grpo
+    rollout-train-grpo --config my.yaml --learning_rate 1e-6 --engine '{max_batch_tokens: 1024}'
+
+Every field of ``trainers.config.GRPOConfig`` is a flag (``transformers.HfArgumentParser``);
+``--config FILE`` reads a YAML mapping of the same fields first, and flags override it.
+``--set KEY=VALUE`` (a YAML value, repeatable; ``engine.KEY=VALUE`` sets one engine field) is
+kept for older command lines. Numbers may be written any way Python and YAML write them
+(``1e-5``, ``1E-5``, ``2.0e-5``, ``5e3``), in the file and on the command line. Unknown keys and bad
+values stop the run before the model loads, with a message that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from .config import ConfigError, GRPOConfig, config_from_dict, parse_int, read_yaml_config
+
+logger = logging.getLogger(__name__)
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = REPO_CONFIGS / "grpo_default.yaml"
+
+
+def build_parser() -> HfArgumentParser:
+    """A parser with one flag per GRPOConfig field, ``--config`` and ``--set``.
+
+    Flags that are not given stay out of the parsed namespace (their default is
+    ``argparse.SUPPRESS``), so a flag overrides the file only when it is on the command line.
+    """
+    parser = HfArgumentParser(GRPOConfig, allow_abbrev=False, description=__doc__)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        action.default = argparse.SUPPRESS
+        action.required = False
+        if action.type is int:
+            action.type = parse_int
+        elif action.dest == "engine":
+            action.type = _yaml_mapping
+            action.metavar = "YAML_MAPPING"
+    parser.add_argument("--config", help="YAML file of GRPOConfig fields (default: the built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (YAML value)")
+    return parser
+
+
+def _yaml_mapping(text: str) -> dict[str, Any]:
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{max_batch_tokens: 1024}}', got {text!r}")
+    return value
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
+    """The run's config: the YAML file, then the flags, then ``--set`` items.
+
+    Raises:
+        ConfigError: an unknown key or flag (with the closest known one), a bad value, a
+            malformed ``--set`` item, or a file that is not a YAML mapping.
+        FileNotFoundError: ``--config`` names no file.
+        SystemExit: a flag whose value argparse cannot convert (argparse prints the flag).
+    """
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
+    if unknown:
+        flags = [u for u in unknown if u.startswith("-")]
+        known = [f.dest for f in parser._actions if f.dest not in ("help", "config", "set")]
+        hint = ""
+        if flags:
+            hint = _close(flags[0].lstrip("-").replace("-", "_"), known)
+        raise ConfigError(f"unknown argument(s) {' '.join(unknown)}{hint}")
+    given = vars(namespace)
+    path = given.pop("config", None)
+    items = given.pop("set", [])
+    values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
+    engine = dict(values.get("engine") or {})
+    if "engine" in given:
+        engine.update(given.pop("engine"))
+    values.update(given)
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = key.strip(), yaml.safe_load(raw)
+        if key.startswith("engine."):
+            engine[key[len("engine.") :]] = value
+        else:
+            values[key] = value
+    if engine:
+        values["engine"] = engine
+    try:
+        return config_from_dict(values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from e
+
+
+def _close(key: str, known: list[str]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean --{match[0]}?)" if match else ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the config and run GRPO. Returns the exit code (2 for a bad config)."""
+    from .grpo import train_grpo
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("rollout", "trainers"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        config = parse_config(argv)
+        train_grpo(config)
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    """``rollout-eval-grpo``: held-out accuracy of a model, on the split the trainer evaluates.
+
+        rollout-eval-grpo                                   # the base model, default task
+        rollout-eval-grpo --model RUN_DIR                   # a trained model; RUN_DIR/grpo_config.json picks the split
+        rollout-eval-grpo --model RUN_DIR --json out.json   # also write the figures and samples
+
+    Any GRPOConfig flag (``--dataset``, ``--eval_size``, ``--eval_seed``, ``--eval_dataset``,
+    ``--eval_max_new_tokens``, ``--config``) selects the held-out set as it would for training.
+    Returns the exit code (2 for a bad config).
+    """
+    import json
+
+    import rollout
+
+    from .evaluate import evaluate_model
+    from .tasks import build_datasets
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--json", type=Path, help="write accuracy, counts and samples to this file")
+    known, rest = pre.parse_known_args(list(argv) if argv is not None else None)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(rest)
+        saved = Path(config.model).expanduser() / "grpo_config.json"
+        if "--config" not in rest and saved.is_file():
+            config = parse_config(["--config", str(saved), *rest])
+        if config.eval_size == 0:
+            raise ConfigError("eval_size is 0: nothing to evaluate")
+        _, heldout = build_datasets(
+            config.dataset, config.dataset_size, config.dataset_seed, config.eval_dataset, config.eval_size, config.eval_seed
+        )
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+    model, tokenizer = rollout.load_model(config.model)
+    result = evaluate_model(
+        model,
+        tokenizer,
+        heldout,
+        config.prompt_column,
+        config.eval_max_new_tokens,
+        config.max_prompt_length,
+        config.engine_config(return_logprobs=False),
+    )
+    print(
+        f"{config.model}: eval_accuracy {result.accuracy:.3f} ({result.num_correct}/{result.num_problems}), "
+        f"eval_completion_len {result.completion_len_mean:.1f} tokens"
+    )
+    if known.json:
+        known.json.write_text(
+            json.dumps(
+                {
+                    "model": config.model,
+                    "eval_accuracy": result.accuracy,
+                    "eval_completion_len": result.completion_len_mean,
+                    "num_correct": result.num_correct,
+                    "num_problems": result.num_problems,
+                    "samples": result.samples,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
