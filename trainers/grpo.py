@@ -80,7 +80,7 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -267,11 +267,11 @@ def completion_logprobs(
 RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
 
 
-def resolve_output_dir(config: GRPOConfig, accelerator: Accelerator) -> Path:
+def resolve_output_dir(config: GRPOConfig, num_processes: int) -> Path:
     """The run's output folder, the same on every process.
 
     ``config.output_dir`` when set, else ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>`` (the main
-    process picks the name and broadcasts it).
+    process picks the name and broadcasts it when ``num_processes`` > 1).
 
     Raises:
         ConfigError: the folder holds an earlier run and ``overwrite_output_dir`` is False.
@@ -280,7 +280,7 @@ def resolve_output_dir(config: GRPOConfig, accelerator: Accelerator) -> Path:
         path = Path(config.output_dir).expanduser()
     else:
         name = [time.strftime("grpo-%Y%m%d-%H%M%S", time.gmtime())]
-        if accelerator.num_processes > 1:
+        if num_processes > 1:
             broadcast_object_list(name, from_process=0)
         path = rollout.rollout_home() / "runs" / name[0]
     if not config.overwrite_output_dir:
@@ -370,13 +370,18 @@ class GRPOTrainer:
         accelerator: Accelerator | None = None,
         eval_dataset: datasets.Dataset | None = None,
     ) -> None:
+        self._t_created = time.perf_counter()  # the run's wall time counts the model load
         self.config = config
-        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available(), log_with=config.log_with)
-        acc = self.accelerator
-        self.output_dir = resolve_output_dir(config, acc)
+        if accelerator is None:
+            # The output folder is the trackers' logging folder, so it is resolved before the Accelerator.
+            cpu = not torch.cuda.is_available()
+            self.output_dir = resolve_output_dir(config, PartialState(cpu=cpu).num_processes)
+            log_dir = str(self.output_dir) if config.log_with else None
+            accelerator = Accelerator(cpu=cpu, log_with=config.log_with, project_dir=log_dir)
+        else:
+            self.output_dir = resolve_output_dir(config, accelerator.num_processes)
+        self.accelerator = acc = accelerator
         acc.wait_for_everyone()  # every process checked the folder before the main one writes to it
-        if config.log_with:
-            acc.project_configuration.set_directories(str(self.output_dir))
         self.rank, self.world_size = acc.process_index, acc.num_processes
         if acc.device.type == "cpu":
             self._set_cpu_threads()
@@ -918,21 +923,28 @@ class GRPOTrainer:
             if cfg.log_with:
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
+        t_start = time.perf_counter()
+        self._log(f"writing metrics, samples and the final model to {self.output_dir}")
         self.manager.start()
         try:
             if self.eval_dataset is not None:
-                t0 = time.perf_counter()
-                row0: dict[str, float] = {"step": 0, **self.evaluate(0)}
-                row0["eval_time_s"] = time.perf_counter() - t0
+                row0: dict[str, float] = {"step": 0, **self._timed_eval(0)}
                 record(row0)
+            self._log(
+                f"training {cfg.max_steps} steps of {cfg.prompts_per_batch * self.world_size} prompts x "
+                f"{cfg.num_generations} samples; step 1 also waits for the first batch to be generated "
+                "(later steps find theirs generated while the previous one trained)"
+                if cfg.effective_prefetch
+                else f"training {cfg.max_steps} steps of {cfg.prompts_per_batch * self.world_size} prompts x "
+                f"{cfg.num_generations} samples (synchronous: each step generates, then trains)"
+            )
             bar = tqdm(total=cfg.max_steps, desc="grpo", unit="step", disable=not main)
             try:
                 for step in range(cfg.max_steps):
                     row = self.train_step(step)
                     if self.eval_dataset is not None and self._eval_due(step + 1):
-                        t0 = time.perf_counter()
-                        row.update(self.evaluate(step + 1))
-                        row["eval_time_s"] = time.perf_counter() - t0
+                        bar.clear()
+                        row.update(self._timed_eval(step + 1))
                     record(row)
                     if main:
                         bar.set_postfix(
@@ -948,7 +960,42 @@ class GRPOTrainer:
             self.save_model(self.output_dir)
         if cfg.log_with:
             acc.end_training()
+        wall = time.perf_counter() - self._t_created
+        if main:
+            evals = [r for r in rows if "eval_accuracy" in r]
+            (self.output_dir / "summary.json").write_text(
+                json.dumps(
+                    {
+                        "steps": cfg.max_steps,
+                        "wall_time_s": wall,
+                        "train_time_s": time.perf_counter() - t_start,
+                        "eval_accuracy_before": evals[0]["eval_accuracy"] if evals else None,
+                        "eval_accuracy_after": evals[-1]["eval_accuracy"] if evals else None,
+                        "world_size": self.world_size,
+                        "device": str(acc.device),
+                        "torch_threads": torch.get_num_threads(),
+                    },
+                    indent=2,
+                )
+            )
+        self._log(summary(rows, self.output_dir, wall, cfg.save_model))
         return rows
+
+    def _timed_eval(self, step: int) -> dict[str, float]:
+        n = len(self.eval_dataset) if self.eval_dataset is not None else 0
+        self._log(f"step {step}: evaluating {n} held-out problems (greedy, at most {self.config.eval_max_new_tokens} tokens)")
+        t0 = time.perf_counter()
+        result = self.evaluate(step)
+        result["eval_time_s"] = time.perf_counter() - t0
+        self._log(
+            f"step {step}: eval_accuracy {result['eval_accuracy']:.3f}, "
+            f"eval_completion_len {result['eval_completion_len']:.1f} tokens ({result['eval_time_s']:.0f} s)"
+        )
+        return result
+
+    def _log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            logger.info(message)
 
     def close(self) -> None:
         """Destroy the manager (``train`` does it at its end) and restore the model's attention."""
@@ -961,6 +1008,34 @@ class GRPOTrainer:
             self.unwrapped.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
             self.tokenizer.save_pretrained(str(directory))
         acc.wait_for_everyone()
+
+
+def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, saved: bool) -> str:
+    """The closing lines of a run: steps, wall time (seconds, model load included), reward and held-out
+    accuracy before and after, outputs."""
+    steps = [r for r in rows if r["step"] > 0]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    lines = [f"done: {len(steps)} steps in {seconds / 60:.1f} min"]
+    if steps:
+        first = steps[: min(5, len(steps))]
+        last = steps[-min(5, len(steps)) :]
+        r_first = sum(r["reward_mean"] for r in first) / len(first)
+        r_last = sum(r["reward_mean"] for r in last) / len(last)
+        lines.append(
+            f"  reward_mean {r_first:.3f} (steps {first[0]['step']}-{first[-1]['step']}) -> "
+            f"{r_last:.3f} (steps {last[0]['step']}-{last[-1]['step']})"
+        )
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        lines.append(
+            f"  held-out eval_accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> {b['eval_accuracy']:.3f} "
+            f"(step {b['step']}); completions {a['eval_completion_len']:.1f} -> {b['eval_completion_len']:.1f} tokens"
+        )
+    files = "metrics.jsonl, timing.jsonl, summary.json" + (", eval_completions.jsonl" if evals else "")
+    files += ", the model (save_pretrained)" if saved else ""
+    lines.append(f"  outputs in {output_dir}: {files}")
+    lines.append(f"  plot: python scripts/plot_metrics.py {output_dir / 'metrics.jsonl'}")
+    return "\n".join(lines)
 
 
 def _nanstd(x: torch.Tensor) -> torch.Tensor:

@@ -118,8 +118,9 @@ def load_gsm8k_jsonl(path: str | Path) -> datasets.Dataset:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line that is not a JSON object, lacks a field, or whose answer has no
-            '####' (the message names the line), or an empty file.
+        ValueError: a line that is not a JSON object, lacks a field, has an empty question or
+            answer, or whose answer has no '####' (the message names the line); an empty file or
+            one of blank lines only.
     """
     path = Path(path)
     rows = []
@@ -136,6 +137,8 @@ def load_gsm8k_jsonl(path: str | Path) -> datasets.Dataset:
             for key in ("question", "answer"):
                 if not isinstance(obj.get(key), str):
                     raise ValueError(f"{path}, line {lineno}: missing string field {key!r}")
+                if not obj[key].strip():
+                    raise ValueError(f"{path}, line {lineno}: field {key!r} is empty")
             try:
                 final = gsm8k_final_answer(obj["answer"])
             except ValueError as e:
@@ -146,7 +149,8 @@ def load_gsm8k_jsonl(path: str | Path) -> datasets.Dataset:
             )
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no examples")
+        what = "is empty" if path.stat().st_size == 0 else "holds only blank lines"
+        raise ValueError(f"{path} {what}: a GSM8K-format file needs one JSON object per line")
     return datasets.Dataset.from_list(rows)
 
 

@@ -1,0 +1,154 @@
+"""The command-line entry points as a user runs them: numbers in every notation, empty dataset files, and
+the flag parser of the GRPO trainer (``rollout-train-grpo``, ``rollout-score``, ``accelerate launch``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+from trainers.cli import parse_config
+from trainers.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _console(name: str) -> str:
+    path = shutil.which(name)
+    assert path is not None, f"the console script {name} is not installed (pip install -e .)"
+    return path
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ROLLOUT_HOME": str(cwd / "home")}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _gsm8k(path: Path, n: int = 12) -> Path:
+    rows = [{"question": f"t{5 + i} t{20 + i} t{40 + i}", "answer": f"t7\n#### {i % 3}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------- numbers (issue: 1e-5 refused)
+NOTATIONS = {"learning_rate": "1e-5", "advantage_eps": "1E-5", "epsilon": "2.0e-1", "dataset_size": "5e3"}
+EXPECTED = {"learning_rate": 1e-5, "advantage_eps": 1e-5, "epsilon": 0.2, "dataset_size": 5000}
+
+
+@pytest.mark.parametrize("where", ["file", "set", "flag"])
+def test_every_number_notation_parses(tmp_path, where):
+    if where == "file":
+        path = tmp_path / "c.yaml"
+        path.write_text("".join(f"{k}: {v}\n" for k, v in NOTATIONS.items()))
+        config = parse_config(["--config", str(path)])
+    elif where == "set":
+        config = parse_config([a for k, v in NOTATIONS.items() for a in ("--set", f"{k}={v}")])
+    else:
+        config = parse_config([a for k, v in NOTATIONS.items() for a in (f"--{k}", v)])
+    for key, value in EXPECTED.items():
+        assert getattr(config, key) == value and type(getattr(config, key)) is type(value), key
+
+
+def test_engine_numbers_and_mappings_parse():
+    config = parse_config(["--engine", "{max_batch_tokens: 1e3, max_memory_percent: 5E-2}", "--set", "engine.block_size=16"])
+    assert config.engine == {"max_batch_tokens": 1000, "max_memory_percent": 0.05, "block_size": 16}
+    assert config.engine_config().max_batch_tokens == 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rat", "1e-5"], "did you mean --learning_rate"),
+        (["--set", "learning_rat=1e-5"], "did you mean 'learning_rate'"),
+        (["--set", "max_steps=2.5"], "max_steps must be an int"),
+        (["--set", "learning_rate=fast"], "learning_rate must be a number"),
+        (["--set", "nokey"], "--set expects KEY=VALUE"),
+    ],
+)
+def test_bad_arguments_name_the_key(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)
+
+
+def test_scientific_notation_through_the_console_script_and_accelerate_launch(tmp_path, tiny_model_dir):
+    data = _gsm8k(tmp_path / "train.jsonl")
+    config = tmp_path / "c.yaml"
+    config.write_text("learning_rate: 1e-5\nadvantage_eps: 1E-5\n")
+    common = ["--config", str(config), "--model", str(tiny_model_dir), "--dataset", str(data), "--max_steps", "1"]
+    common += ["--set", "epsilon=2.0e-1", "--set", "batch_size=4", "--max_new_tokens", "4", "--eval_size", "2e0"]
+    common += ["--save_model", "false"]
+    launchers = {
+        "console": [_console("rollout-train-grpo")],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file"],
+    }
+    launchers["accelerate"] += [str(REPO / "configs/accelerate/one_process.yaml"), str(REPO / "scripts/train_grpo.py")]
+    for name, launcher in launchers.items():
+        out = tmp_path / name
+        proc = _run([*launcher, *common, "--output_dir", str(out)], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved = json.loads((out / "grpo_config.json").read_text())
+        assert (saved["learning_rate"], saved["advantage_eps"], saved["epsilon"], saved["eval_size"]) == (
+            1e-5,
+            1e-5,
+            0.2,
+            2,
+        )
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1] and "eval_accuracy" in rows[1]
+
+
+# ---------------------------------------------------------------------- empty dataset files
+EMPTY_CASES = {
+    "empty.jsonl": ("", "is empty"),
+    "blank.jsonl": ("\n  \n\n", "holds only blank lines"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
+def test_score_console_script_explains_an_empty_file(tmp_path, tiny_model_dir, name):
+    text, message = EMPTY_CASES[name]
+    (tmp_path / name).write_text(text)
+    cmd = [_console("rollout-score"), "--model", str(tiny_model_dir), "--dataset", name]
+    proc = _run([*cmd, "--prompt-column", "p", "--completion-column", "c", "--output", "o.jsonl"], tmp_path)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "StopIteration" not in proc.stderr, proc.stderr
+
+
+def test_score_console_script_explains_an_empty_column(tmp_path, tiny_model_dir):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"p": "t5 t6", "c": ""}) + "\n" + json.dumps({"p": "t7", "c": None}) + "\n")
+    cmd = [_console("rollout-score"), "--model", str(tiny_model_dir), "--dataset", "d.jsonl"]
+    proc = _run([*cmd, "--prompt-column", "p", "--completion-column", "c", "--output", "o.jsonl"], tmp_path)
+    assert proc.returncode == 1
+    assert "column 'c' is empty in every row" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
+def test_trainer_explains_an_empty_dataset_file(tmp_path, name):
+    text, message = EMPTY_CASES[name]
+    (tmp_path / name).write_text(text)
+    proc = _run([_console("rollout-train-grpo"), "--dataset", name, "--model", "/nonexistent"], tmp_path)
+    assert proc.returncode == 2
+    assert "bad config: dataset:" in proc.stderr and message in proc.stderr, proc.stderr
+
+
+def test_trainer_explains_an_empty_question_under_accelerate_launch(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"question": " ", "answer": "#### 3"}) + "\n")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    launch += [str(REPO / "configs/accelerate/one_process.yaml"), str(REPO / "scripts/train_grpo.py")]
+    proc = _run([*launch, "--dataset", "d.jsonl", "--model", "/nonexistent"], tmp_path)
+    assert proc.returncode != 0
+    assert "line 1: field 'question' is empty" in proc.stderr, proc.stderr[-2000:]
