@@ -81,7 +81,7 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -853,7 +853,7 @@ class GRPOTrainer:
         Returns:
             ``eval_accuracy`` (fraction right, by ``trainers.evaluate.is_correct``) and
             ``eval_completion_len`` (mean tokens); an empty dict without an evaluation set. The
-            main process appends the samples to OUTPUT_DIR/eval_completions.jsonl.
+            main process appends every process's samples to OUTPUT_DIR/eval_completions.jsonl.
         """
         if self.eval_dataset is None:
             return {}
@@ -876,9 +876,10 @@ class GRPOTrainer:
             reduction="sum",
         )
         total = EvalResult(int(totals[0]), int(totals[1]), int(totals[2]))
+        samples = gather_object(result.samples) if self.world_size > 1 else result.samples
         if acc.is_main_process:
             with (self.output_dir / "eval_completions.jsonl").open("a") as f:
-                for sample in result.samples:
+                for sample in samples:
                     f.write(json.dumps({"step": step, **sample}) + "\n")
         return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}
 
