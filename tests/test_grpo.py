@@ -16,16 +16,8 @@ import rollout
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
 from trainers.config import ConfigError, GRPOConfig, load_config
-from trainers.grpo import (
-    TIMING_KEYS,
-    GRPOTrainer,
-    _Prepared,
-    aggregate_loss,
-    completion_logprobs,
-    group_advantages,
-    grpo_token_loss,
-    pad_batch,
-)
+from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared
+from trainers.loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, pad_batch
 
 REQUIRED_METRICS = (
     "step",
@@ -364,6 +356,8 @@ def test_prompts_as_chat_messages_without_template_are_joined(tmp_path):
         ({"engine": {"blok_size": 16}}, "engine.blok_size"),
         ({"engine": {"logprobs_mode": "raw"}}, "engine.logprobs_mode"),
         ({"reward_weights": [1.0]}, "reward_weights"),
+        ({"lr_scheduler_type": "cosinus"}, "lr_scheduler_type"),
+        ({"eval_steps": 0}, "eval_steps"),
     ],
 )
 def test_bad_config_fails_naming_the_key(tmp_path, values, named):
@@ -371,6 +365,13 @@ def test_bad_config_fails_naming_the_key(tmp_path, values, named):
     path.write_text(json.dumps(values))  # JSON is YAML
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(path)
+
+
+def test_learning_rate_schedules_come_from_transformers(tmp_path):
+    rows = tiny_trainer(tmp_path, max_steps=4, lr_scheduler_type="linear", warmup_steps=1).train()
+    # get_scheduler("linear"): step 1 is the warm-up step (lr 0), then 1e-2 decaying linearly to 0 at step 4;
+    # the row holds the rate its own optimizer step used.
+    assert [r["learning_rate"] for r in rows] == pytest.approx([0.0, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
 
 
 def test_unknown_key_suggests_the_closest(tmp_path):

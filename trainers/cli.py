@@ -158,7 +158,12 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         if config.eval_size == 0:
             raise ConfigError("eval_size is 0: nothing to evaluate")
         _, heldout = build_datasets(
-            config.dataset, config.dataset_size, config.dataset_seed, config.eval_dataset, config.eval_size, config.eval_seed
+            config.dataset,
+            config.dataset_size,
+            config.dataset_seed,
+            config.eval_dataset,
+            config.eval_size,
+            config.eval_seed,
         )
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: bad config: {e}", file=sys.stderr)
