@@ -50,7 +50,9 @@ class GRPOConfig:
         prompt_column: dataset column holding the prompt: a string (tokenized as is) or a list
             of chat messages (the tokenizer's chat template is applied when it has one).
         reward_funcs: reward names of ``trainers.rewards.REWARD_FUNCS`` ("correctness",
-            "format") or "module:function" import paths of functions with TRL's signature.
+            "format_if_correct", "format") or "module:function" import paths of functions with
+            TRL's signature. "format" alone can be earned without solving the task; see
+            docs/grpo_training.md before giving it weight.
         reward_weights: one weight per reward function; None weighs each 1.0.
 
     Evaluation (held-out accuracy, greedy through the same manager; see ``trainers.evaluate``):
@@ -128,7 +130,7 @@ class GRPOConfig:
     dataset_size: int = 2000
     dataset_seed: int = 0
     prompt_column: str = "prompt"
-    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format"])
+    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format_if_correct"])
     reward_weights: list[float] | None = None
 
     eval_size: int = 200
