@@ -13,7 +13,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
 from .engine import Engine, normalize_prompt, params_from_kwargs
-from .requests import GenerationOutput, RequestStatus, SamplingParams
+from .requests import GenerationOutput, RequestStatus
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .manager import ContinuousBatchingManager

@@ -15,66 +15,21 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .attention import enable_paged_attention, flash_attn_available, restore_attention
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory, text_config
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory
 from .model_runner import LogitsPlan, ModelRunner
-from .requests import Request, RequestStatus, SamplingParams
+from .models import UnsupportedModelError, check_model_supported, text_config
+from .requests import Request, RequestStatus
+from .sampling_params import SamplingParams
 from .sampling import sample_tokens
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot run on the paged engine (encoder-only, or an attention kind we cannot page)."""
-
-
-def check_model_supported(model: torch.nn.Module) -> None:
-    """Raise UnsupportedModelError unless the model is a decoder-only causal LM with pageable attention.
-
-    Raises:
-        UnsupportedModelError: encoder-decoder or encoder-only models, bidirectional
-            attention, layer kinds other than full and sliding-window attention (linear
-            attention, chunked attention, state-space layers), KV shared across layers,
-            or a model that does not dispatch attention through ``AttentionInterface``.
-    """
-    if not isinstance(model, PreTrainedModel):
-        raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    config = model.config
-    text = text_config(config)
-    name = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; rollout runs decoder-only causal LMs")
-    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if name not in causal_names and not name.endswith("ForCausalLM"):
-        raise UnsupportedModelError(
-            f"{name} is not a causal language model (encoder-only or a task head); rollout runs decoder-only "
-            "causal LMs such as LlamaForCausalLM"
-        )
-    if name in causal_names and not getattr(text, "is_decoder", True) and config.model_type in ("bert", "roberta"):
-        raise UnsupportedModelError(f"{name} with is_decoder=False is an encoder; rollout runs decoder-only causal LMs")
-    if getattr(text, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(f"{name} uses bidirectional attention, which cannot be decoded causally")
-    layer_types = getattr(text, "layer_types", None) or []
-    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
-    if bad:
-        raise UnsupportedModelError(
-            f"{name} has layer types {bad}; the paged cache supports {list(SUPPORTED_LAYER_TYPES)} only"
-        )
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV between layers, which the paged cache does not support")
-    if not model._can_set_attn_implementation():
-        raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
-    layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
-    if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
-        raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
-
+__all__ = ["Engine", "EngineStats", "UnsupportedModelError", "normalize_prompt", "params_from_kwargs"]
 
 def normalize_prompt(prompt: object, name: str) -> list[int]:
     """A prompt as a list of Python ints: lists, tuples, 1-D tensors and numpy arrays of integers.

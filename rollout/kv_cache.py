@@ -9,14 +9,11 @@ import psutil
 import torch
 from transformers import PretrainedConfig
 
+from .models import text_config
+
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The text (decoder) part of a config: the config itself for text-only models."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 @dataclass(frozen=True)

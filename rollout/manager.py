@@ -36,7 +36,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats, normalize_prompt
-from .requests import GenerationOutput, Request, RequestStatus, SamplingParams
+from .requests import GenerationOutput, Request, RequestStatus
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .requests import SamplingParams
+from .sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

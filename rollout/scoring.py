@@ -40,8 +40,9 @@ from transformers import PreTrainedModel
 
 from .config import ContinuousBatchingConfig
 from .engine import Engine
-from .kv_cache import text_config
-from .requests import Request, RequestStatus, SamplingParams
+from .models import text_config
+from .requests import Request, RequestStatus
+from .sampling_params import SamplingParams
 
 # Most scoring requests queued in the engine at once (submitted, not finished).
 MAX_IN_FLIGHT = 512
