@@ -35,9 +35,11 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats, normalize_prompt
+from .checks import token_ids
+from .engine import Engine, EngineStats
+from .models import vocab_size
 from .requests import GenerationOutput, Request, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +105,11 @@ class ContinuousBatchingManager:
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
-        from .api import resolve_generation_config, sampling_params_from_config
-
         self.model = model
         self.cb_config = continuous_batching_config or ContinuousBatchingConfig()
         self.generation_config = resolve_generation_config(model, generation_config)
-        self.default_params = sampling_params_from_config(self.generation_config)
+        self._vocab_size = vocab_size(model)
+        self.default_params = build_sampling_params(self.generation_config, vocab_size=self._vocab_size)
         self._engine: Engine | None = Engine(model, self.cb_config)
         self._cond = threading.Condition()
         self._inbox: deque[_Add | _Cancel] = deque()
@@ -244,30 +245,7 @@ class ContinuousBatchingManager:
                 return rid
 
     def _make_params(self, **overrides: Any) -> SamplingParams:
-        from .engine import params_from_kwargs
-
-        d = self.default_params
-        values = dict(
-            max_new_tokens=d.max_new_tokens,
-            do_sample=d.do_sample,
-            temperature=d.temperature,
-            top_k=d.top_k,
-            top_p=d.top_p,
-            seed=d.seed,
-            eos_token_id=list(d.eos_token_ids),
-        )
-        for k, v in overrides.items():
-            if v is not None:
-                values[k] = v
-        temperature = overrides.get("temperature")
-        if temperature is not None and (
-            isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if overrides.get("temperature") is not None and overrides.get("do_sample") is None:
-            # A per-request temperature > 0 asks for sampling, 0 for greedy.
-            values["do_sample"] = overrides["temperature"] > 0
-        return params_from_kwargs(**values)
+        return build_sampling_params(self.default_params, vocab_size=self._vocab_size, **overrides)
 
     def add_request(
         self,
@@ -318,7 +296,7 @@ class ContinuousBatchingManager:
             seed=seed,
             do_sample=do_sample,
         )
-        prompt = normalize_prompt(input_ids, "input_ids")
+        prompt = token_ids(input_ids, "input_ids", self._vocab_size)
         with self._cond:
             if self._state == _State.FAILED:
                 raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
@@ -332,7 +310,7 @@ class ContinuousBatchingManager:
             if request_id is not None and request_id in self._handles:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             assert self._engine is not None
-            self._engine.validate_request(prompt, params)
+            self._engine.check_request(request_id, len(prompt), params)
             max_q = self.cb_config.max_queue_size
             if max_q and self._num_waiting() >= max_q:
                 if not block:
@@ -387,15 +365,14 @@ class ContinuousBatchingManager:
         params = self._make_params(
             **{k: kwargs.get(k) for k in ("max_new_tokens", "eos_token_id", "temperature", "top_k", "top_p", "do_sample")}
         )
-        inputs = [normalize_prompt(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
+        inputs = [token_ids(p, f"inputs[{i}]", self._vocab_size) for i, p in enumerate(inputs)]
         for i, prompt in enumerate(inputs):
             try:
-                self._engine.validate_request(prompt, params)
+                self._engine.check_request(None, len(prompt), params)
             except ValueError as e:
                 raise ValueError(f"inputs[{i}]: {e}") from e
             if seeds[i] is not None:
-                params_i = self._make_params(seed=seeds[i])
-                params_i.validate()
+                build_sampling_params(params, seed=seeds[i])
         max_q = self.cb_config.max_queue_size
         if max_q and not kwargs.get("block") and self._num_waiting() + len(inputs) > max_q:
             raise QueueFullError(

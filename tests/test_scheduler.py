@@ -1,9 +1,8 @@
 """Scheduler: token budget, chunked prefill, policies, safety margin, block counts, preemption, prefix sharing.
 
-The tests drive a Scheduler directly and play the engine's postprocess by hand (``run_step``): each
-scheduled request advances ``num_computed_tokens`` by its query tokens, and a request that samples gets
-one token appended (and is finished when done). Every block count below is computed by hand for
-``block_size`` 4.
+The tests drive a Scheduler through its own API, without a model: ``run_step`` calls ``schedule()``
+and then ``update_from_output`` with what a runner would return, a fixed token for every request
+that samples. Every block count below is computed by hand for ``block_size`` 4.
 """
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from rollout.block_manager import BlockManager
-from rollout.requests import Request, RequestStatus, SamplingParams
-from rollout.scheduler import Scheduler, SchedulerOutput
+from rollout.kv_cache_manager import KVCacheManager
+from rollout.requests import Request, RequestStatus
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 BS = 4
 NEXT_TOKEN = 1  # the token every emulated sample appends
@@ -25,8 +26,8 @@ def make_scheduler(
     scheduler_type: str = "fifo",
     safety_margin: float = 0.0,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, BS)
-    return Scheduler(bm, max_batch_tokens, max_requests_per_batch, scheduler_type, safety_margin)
+    kv = KVCacheManager(BlockManager(num_blocks, BS), safety_margin)
+    return Scheduler(kv, max_batch_tokens, max_requests_per_batch, scheduler_type)
 
 
 def make_request(request_id: str, prompt_ids: list[int], max_new_tokens: int, score_from: int | None = None) -> Request:
@@ -37,28 +38,21 @@ def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
+def runner_output(out: SchedulerOutput) -> RunnerOutput:
+    """What a runner returns for ``out``: NEXT_TOKEN for every request that samples, no logprobs."""
+    return RunnerOutput(sampled_token_ids=[NEXT_TOKEN for e in out.scheduled if e.sample])
+
+
 def run_step(sched: Scheduler) -> SchedulerOutput:
-    """schedule(), then the engine's postprocess with a fixed sampled token (scoring requests end when computed)."""
+    """schedule(), then the scheduler's own update with a fixed sampled token."""
     out = sched.schedule()
-    for entry in out.scheduled:
-        req = entry.request
-        req.num_computed_tokens += entry.num_query_tokens
-        if req.prefill_only and req.num_computed_tokens == req.num_tokens:
-            req.status = RequestStatus.FINISHED
-            sched.finish(req)
-        if entry.sample:
-            req.append_token(NEXT_TOKEN, None, 0)
-            if req.done:
-                req.status = RequestStatus.FINISHED
-                sched.finish(req)
-            else:
-                req.status = RequestStatus.DECODING
+    sched.update_from_output(out, runner_output(out))
     return out
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
     """(request id, query tokens, sample) of each scheduled request, in batch order."""
-    return [(e.request.request_id, e.num_query_tokens, e.sample) for e in out.scheduled]
+    return [(e.request.request_id, e.num_scheduled_tokens, e.sample) for e in out.scheduled]
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 200) -> list[SchedulerOutput]:
@@ -81,11 +75,11 @@ def test_step_tokens_never_exceed_budget_and_total_equals_tokens_to_compute() ->
         sched.add_request(req)
     outs = run_to_completion(sched)
     for out in outs:
-        assert 1 <= out.num_tokens <= 16
-        assert all(e.num_query_tokens >= 1 for e in out.scheduled)
+        assert 1 <= out.total_num_scheduled_tokens <= 16
+        assert all(e.num_scheduled_tokens >= 1 for e in out.scheduled)
     # Without preemption every prompt token and every generated token but the last is computed once.
     assert sched.num_preemptions == 0
-    assert sum(out.num_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
+    assert sum(out.total_num_scheduled_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
     assert all(req.num_generated_tokens == max_new for req in requests)
     assert sched.block_manager.num_free_blocks == 64
 
@@ -225,13 +219,7 @@ def test_block_counts_of_10_token_prompt_through_decodes() -> None:
         sched_out = sched.schedule()
         held.append(len(req.block_table))
         free.append(sched.block_manager.num_free_blocks)
-        # postprocess of the scheduled step
-        for entry in sched_out.scheduled:
-            entry.request.num_computed_tokens += entry.num_query_tokens
-            if entry.sample:
-                entry.request.append_token(NEXT_TOKEN, None, 0)
-                if entry.request.done:
-                    sched.finish(entry.request)
+        sched.update_from_output(sched_out, runner_output(sched_out))
     # Tokens computed after the step: 10 (prefill), then 11..17 (decodes): ceil(n / 4) blocks.
     assert held == [3, 3, 3, 4, 4, 4, 4, 5]
     assert free == [5, 5, 5, 4, 4, 4, 4, 3]
@@ -289,7 +277,7 @@ def test_out_of_blocks_preempts_most_recent_request_and_readmits_it_later() -> N
     assert b.block_table[0] == b_blocks[0]
     assert len(b.block_table) == 3
     assert b.num_cached_prompt_tokens == 0  # hits after a preemption are not prompt-cache hits
-    assert bm.num_cache_hits == 1
+    assert bm.num_prefix_cache_hit_blocks == 1
 
     outs = run_to_completion(sched)
     assert [plan(o) for o in outs] == [[("b", 1, True)]]
@@ -342,7 +330,7 @@ def test_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
     assert bm.blocks[b.block_table[2]].ref_count == 1
     assert bm.num_free_blocks == 16 - 4
-    assert bm.num_cache_hits == 2
+    assert bm.num_prefix_cache_hit_blocks == 2
     # b's third block duplicates a's: the cache keeps a's, b's stays private.
     assert bm.blocks[b.block_table[2]].block_hash is None
     assert bm.find_cached_prefix(b.token_ids, 0, max_tokens=12) == a.block_table
