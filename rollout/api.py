@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
@@ -13,12 +13,10 @@ from transformers import GenerationConfig, PreTrainedModel
 from .checks import check_int, token_ids
 from .config import ContinuousBatchingConfig
 from .engine import Engine
+from .manager import ContinuousBatchingManager, persistent_manager_of
 from .models import vocab_size
 from .requests import GenerationOutput, Request, RequestStatus
 from .sampling_params import build_sampling_params, resolve_generation_config
-
-if TYPE_CHECKING:
-    from .manager import ContinuousBatchingManager
 
 # Arguments of transformers' generate_batch that have no meaning here and are accepted silently.
 IGNORED_TRANSFORMERS_KWARGS = frozenset({"warmup", "persistent_manager"})
@@ -129,14 +127,6 @@ def _output_ids(num_prompts: int, num_samples: int) -> list[str]:
     return [f"req_{i}_{g}" for i in range(num_prompts) for g in range(num_samples)]
 
 
-def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
-    """The persistent manager attached to a model by ``continuous_batching_context_manager``, if any."""
-    manager = getattr(model, "_rollout_manager", None)
-    if manager is None or manager._state.value in ("destroyed", "failed"):
-        return None
-    return manager
-
-
 def _generate_on_manager(
     manager: ContinuousBatchingManager,
     inputs: list[list[int]],
@@ -145,7 +135,10 @@ def _generate_on_manager(
     progress_bar: bool,
     record_timestamps: bool,
 ) -> dict[str, GenerationOutput]:
-    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``)."""
+    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``).
+
+    The sampling parameters go to the manager whole; it checks the prompts and the parameters.
+    """
     params = build_sampling_params(gc)
     keys = _output_ids(len(inputs), num_samples)
     expanded = [p for p in inputs for _ in range(num_samples)]
@@ -153,16 +146,7 @@ def _generate_on_manager(
     if not was_running:
         manager.start()
     try:
-        ids = manager.add_requests(
-            expanded,
-            max_new_tokens=params.max_new_tokens,
-            do_sample=params.do_sample,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            eos_token_id=list(params.eos_token_ids),
-            record_timestamps=record_timestamps,
-        )
+        ids = manager.add_requests(expanded, sampling_params=params, record_timestamps=record_timestamps)
         results: dict[str, GenerationOutput] = {}
         for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
             out = manager.get_result(rid)
@@ -186,8 +170,6 @@ def init_continuous_batching(
     Raises:
         UnsupportedModelError: the model cannot be paged.
     """
-    from .manager import ContinuousBatchingManager
-
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
 
 
@@ -217,7 +199,7 @@ def continuous_batching_context_manager(
     if manager is None:
         manager = init_continuous_batching(model, generation_config, continuous_batching_config)
     if persistent_manager:
-        model._rollout_manager = manager
+        manager.persist()
     manager.start()
     try:
         yield manager
