@@ -3,7 +3,8 @@
 from .api import continuous_batching_context_manager, generate_batch, init_continuous_batching
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
-from .manager import ContinuousBatchingManager, QueueFullError
+from .intake import QueueFullError
+from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, load_model, model_context_length, rollout_home
 from .requests import GenerationOutput, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params

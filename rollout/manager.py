@@ -1,10 +1,10 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
 Threads that add, cancel or read requests never touch the engine: they put commands in an inbox
-that the loop drains between steps (vLLM's engine-core input queue), and read results from the
-``OutputRouter``'s per-request handles (``outputs.py``). One condition variable guards the inbox,
-the handles and the pause state. A request is checked once, in the caller's thread, before it is
-queued: the loop only hands checked ``Request`` objects to the engine.
+(``intake.py``) that the loop drains between steps, and read results from the per-request handles
+of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles and
+the pause state. A request is checked once, in the caller's thread and outside the lock, before it
+is queued: the loop only hands checked ``Request`` objects to the engine.
 
 ``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
 the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
@@ -22,31 +22,27 @@ import contextlib
 import enum
 import logging
 import threading
-import time
 import weakref
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from .checks import token_ids
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
+from .intake import Inbox, QueueFullError
 from .models import vocab_size
-from .outputs import OutputRouter, ResultCallback, ended_output
-from .requests import GenerationOutput, Request, RequestStatus
+from .outputs import OutputRouter, ResultCallback
+from .requests import GenerationOutput, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from .weights import NamedTensors, copy_weights, plan_weight_copy
+
+__all__ = ["ContinuousBatchingManager", "QueueFullError", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
 _IDLE_WAIT_SECONDS = 0.05
-
-
-class QueueFullError(RuntimeError):
-    """``add_request`` found ``max_queue_size`` requests waiting."""
 
 
 class _State(enum.Enum):
@@ -55,11 +51,6 @@ class _State(enum.Enum):
     STOPPED = "stopped"
     FAILED = "failed"
     DESTROYED = "destroyed"
-
-
-@dataclass
-class _Cancel:
-    request_id: str
 
 
 # The persistent manager of each model (``continuous_batching_context_manager(...,
@@ -109,8 +100,7 @@ class ContinuousBatchingManager:
         self._engine: Engine | None = Engine(model, self.cb_config)
         self._cond = threading.Condition()
         self._outputs = OutputRouter(self._cond, producing=self._producing)
-        self._inbox: deque[Request | _Cancel] = deque()
-        self._num_queued = 0  # adds in the inbox
+        self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._state = _State.CREATED
         self._stop_requested = False
         self._hard_stop = False
@@ -119,7 +109,6 @@ class ContinuousBatchingManager:
         self._in_step = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._id_counter = 0
         self._final_weight_version = 0
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
@@ -288,15 +277,22 @@ class ContinuousBatchingManager:
                 the wait timed out).
             RuntimeError: the manager failed (the message names the cause) or was destroyed.
         """
-        params = self._params(
-            sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id
+        params = build_sampling_params(
+            sampling_params or self.default_params,
+            vocab_size=self._vocab_size,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
         )
         prompt = token_ids(input_ids, "input_ids", self._vocab_size)
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str or None, got {request_id!r}")
         self._check_fits(request_id, prompt, params, "input_ids")
-        ids = self._enqueue([(request_id, prompt, params)], streaming, record_timestamps, block, timeout)
-        return ids[0]
+        return self._enqueue([(request_id, prompt, params)], streaming, record_timestamps, block, timeout)[0]
 
     def add_requests(
         self,
@@ -341,7 +337,16 @@ class ContinuousBatchingManager:
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(inputs)
         if len(seeds) != len(inputs):
             raise ValueError(f"seed holds {len(seeds)} seeds for {len(inputs)} inputs")
-        params = self._params(sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, None, eos_token_id)
+        params = build_sampling_params(
+            sampling_params or self.default_params,
+            vocab_size=self._vocab_size,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+        )
         items: list[tuple[str | None, list[int], SamplingParams]] = []
         for i, (prompt_ids, seed_i) in enumerate(zip(inputs, seeds)):
             name = f"inputs[{i}]"
@@ -355,32 +360,6 @@ class ContinuousBatchingManager:
         for i, rid in zip(order, queued):
             ids[i] = rid
         return ids  # type: ignore[return-value]
-
-    def _params(
-        self,
-        sampling_params: SamplingParams | None,
-        max_new_tokens: int | None,
-        do_sample: bool | None,
-        temperature: float | None,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        eos_token_id: int | Sequence[int] | None,
-    ) -> SamplingParams:
-        """The request's parameters: the caller's or the manager's, with the overrides on top."""
-        base = sampling_params if sampling_params is not None else self.default_params
-        return build_sampling_params(
-            base,
-            # The manager's defaults were checked against the vocabulary when it was built.
-            vocab_size=self._vocab_size if sampling_params is not None or eos_token_id is not None else None,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
 
     def _check_fits(self, request_id: str | None, prompt: list[int], params: SamplingParams, name: str) -> None:
         """Raise ValueError (naming the argument) when the request can never fit the engine's cache."""
@@ -401,7 +380,6 @@ class ContinuousBatchingManager:
         block: bool,
         timeout: float | None,
     ) -> list[str | None]:
-        """Queue checked requests in order, under the lock; waits for queue room when ``block``."""
         with self._cond:
             if self._state == _State.FAILED:
                 raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
@@ -410,65 +388,32 @@ class ContinuousBatchingManager:
             if self._stop_requested or self._state == _State.STOPPED:
                 logger.warning("add_request after stop(): request not added")
                 return [None] * len(items)
-            for rid, _, _ in items:
-                if rid is not None and rid in self._outputs:
-                    raise ValueError(f"request_id {rid!r} is already in use")
-            max_q = self.cb_config.max_queue_size
-            if max_q and not block and self._num_waiting() + len(items) > max_q:
-                raise QueueFullError(
-                    f"{len(items)} request(s) do not fit the queue: {self._num_waiting()} wait "
-                    f"(max_queue_size={max_q}); nothing was queued; retry later or pass block=True"
-                )
-            deadline = None if timeout is None else time.monotonic() + timeout
-            ids: list[str | None] = []
-            for rid, prompt, params in items:
-                while max_q and self._num_waiting() >= max_q:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise QueueFullError(f"queue still full after {timeout} s (max_queue_size={max_q})")
-                    self._cond.wait(remaining)
-                    if self._state in (_State.FAILED, _State.DESTROYED) or self._stop_requested:
-                        raise RuntimeError("the manager stopped while add_request waited for room")
-                rid = rid if rid is not None else self._new_id()
-                self._outputs.open(rid, streaming)
-                self._inbox.append(Request(rid, prompt, params, record_timestamps))
-                self._num_queued += 1
-                ids.append(rid)
-            self._cond.notify_all()
-            return ids
+            ids = self._inbox.put(items, streaming, record_timestamps, block, timeout, self._accepting)
+            return list(ids)
 
-    def _new_id(self) -> str:
-        while True:
-            rid = f"req_{self._id_counter}"
-            self._id_counter += 1
-            if rid not in self._outputs:
-                return rid
+    def _accepting(self) -> bool:
+        return self._state not in (_State.FAILED, _State.DESTROYED) and not self._stop_requested
 
     def _num_waiting(self) -> int:
-        # Requests not yet admitted: in the inbox or in the scheduler's waiting queue.
-        waiting = len(self._engine.scheduler.waiting) if self._engine is not None else 0
-        return self._num_queued + waiting
+        """Requests not yet admitted: in the inbox or in the scheduler's waiting queue."""
+        return self._inbox.num_waiting()
+
+    def _num_waiting_in_engine(self) -> int:
+        return len(self._engine.scheduler.waiting) if self._engine is not None else 0
 
     def cancel_request(self, request_id: str) -> None:
         """End a request: status CANCELLED with its partial tokens; its blocks are freed.
 
         Unknown or already finished ids are ignored.
         """
-        with self._cond:
-            if self._outputs.is_pending(request_id):
-                self._inbox.append(_Cancel(request_id))
-                self._cond.notify_all()
+        self._inbox.cancel(request_id)
 
     # ------------------------------------------------------------------ results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished result, or the result of ``request_id``.
 
-        Each result is delivered once: by this method, ``request_id_iter``, iteration or
-        a result handler. See ``OutputRouter.get_result``.
-
-        Returns:
-            The final output, or None after the timeout, or when nothing is left to wait
-            for (the loop ended, or no request is pending).
+        None after ``timeout`` seconds or when nothing is left to wait for. Each result is delivered
+        once (see ``OutputRouter.get_result``).
 
         Raises:
             KeyError: ``request_id`` is unknown or its result was already delivered.
@@ -486,9 +431,8 @@ class ContinuousBatchingManager:
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Stream a request's snapshots; the last one has a final status.
 
-        Each snapshot is a copy that never changes later. A request added without
-        ``streaming`` yields its final output only. The iterator also ends if the loop
-        ends (its final chunk then says FAILED).
+        Snapshots never change once yielded. Without ``streaming`` only the final output comes
+        (see ``OutputRouter.stream``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.
@@ -499,9 +443,8 @@ class ContinuousBatchingManager:
     def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
         """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
 
-        When called from a running asyncio loop, the callback runs in that loop through
-        ``call_soon_threadsafe``; otherwise it runs in the manager's thread. The handler
-        is dropped after the final output.
+        It runs in the caller's running asyncio loop if there is one, else in the manager's thread
+        (see ``OutputRouter.register_handler``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.
@@ -569,10 +512,10 @@ class ContinuousBatchingManager:
         try:
             while True:
                 with self._cond:
-                    self._drain_inbox(engine)
+                    self._inbox.drain(engine)
                     while self._pause_count > 0 and not self._hard_stop:
                         self._cond.wait()
-                        self._drain_inbox(engine)
+                        self._inbox.drain(engine)
                     if self._hard_stop:
                         self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return
@@ -605,40 +548,6 @@ class ContinuousBatchingManager:
             if close:
                 engine.close()
 
-    def _drain_inbox(self, engine: Engine) -> None:
-        """Hand queued requests to the engine and apply cancels, in order (the lock is held)."""
-        while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, Request):
-                self._num_queued -= 1
-                if cmd.request_id not in self._outputs:
-                    continue
-                try:
-                    engine.enqueue(cmd)
-                except ValueError as e:  # checked at add time; only a race could land here
-                    out = ended_output(cmd.request_id, cmd.prompt_ids, RequestStatus.FAILED, str(e))
-                    self._outputs.finish(cmd.request_id, out)
-            else:
-                rid = cmd.request_id
-                req = engine.finish_request(rid, RequestStatus.CANCELLED, "cancelled by the caller")
-                if req is not None:
-                    self._outputs.finish(rid, req.to_output())
-                elif self._outputs.is_pending(rid):  # still in the inbox: drop the add
-                    prompt = self._drop_queued_add(rid)
-                    self._outputs.finish(
-                        rid, ended_output(rid, prompt, RequestStatus.CANCELLED, "cancelled by the caller")
-                    )
-        self._cond.notify_all()
-
-    def _drop_queued_add(self, request_id: str) -> list[int]:
-        """Take a queued add out of the inbox; returns its prompt."""
-        for cmd in list(self._inbox):
-            if isinstance(cmd, Request) and cmd.request_id == request_id:
-                self._inbox.remove(cmd)
-                self._num_queued -= 1
-                return cmd.prompt_ids
-        return []
-
     def _fail_all(self, engine: Engine, error: BaseException) -> None:
         """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""
         message = f"{type(error).__name__}: {error}"
@@ -646,11 +555,5 @@ class ContinuousBatchingManager:
             req = engine.finish_request(rid, RequestStatus.FAILED, message)
             if req is not None:
                 self._outputs.finish(rid, req.to_output())
-        while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, Request):
-                self._num_queued -= 1
-                self._outputs.finish(
-                    cmd.request_id, ended_output(cmd.request_id, cmd.prompt_ids, RequestStatus.FAILED, message)
-                )
+        self._inbox.fail_all(message)
         self._outputs.fail_pending(message)
