@@ -149,18 +149,11 @@ class Inbox:
             self._cond.notify_all()
 
     def _cancel(self, engine: Engine, request_id: str) -> None:
+        # A request's add precedes its cancel in this one FIFO, so the engine has the request (or it
+        # has already finished, and then its result stands).
         req = engine.finish_request(request_id, RequestStatus.CANCELLED, "cancelled by the caller")
         if req is not None:
             self._outputs.finish(request_id, req.to_output())
-        elif self._outputs.is_pending(request_id):  # still in the inbox: drop it there
-            prompt: list[int] = []
-            for item in list(self._items):
-                if isinstance(item, Request) and item.request_id == request_id:
-                    self._items.remove(item)
-                    self._num_requests -= 1
-                    prompt = item.prompt_ids
-            out = ended_output(request_id, prompt, RequestStatus.CANCELLED, "cancelled by the caller")
-            self._outputs.finish(request_id, out)
 
     def fail_all(self, message: str) -> None:
         """End every queued request: FAILED with ``message``; drop the cancels."""

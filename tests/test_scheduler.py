@@ -405,3 +405,98 @@ def test_scoring_request_prefix_hits_stop_before_first_scored_position(score_fro
     sched.add_request(scorer)
     assert plan(sched.schedule()) == [("score", 12 - expected_cached, False)]
     assert scorer.num_computed_tokens == expected_cached
+
+
+# ------------------------------------------------------------------------------------ update_from_output
+
+
+def test_update_appends_token_logprob_and_weight_version_then_finishes_at_max_new_tokens() -> None:
+    sched = make_scheduler(num_blocks=8)
+    req = make_request("a", tokens(0, 6), max_new_tokens=2)
+    sched.add_request(req)
+    sched.weight_version = 3
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[42], logprobs=[-0.5]))
+    assert updated == [req]
+    assert req.num_computed_tokens == 6 and req.token_ids[-1] == 42
+    assert req.generated_logprobs == [-0.5] and req.weight_versions == [3]
+    assert req.status == RequestStatus.DECODING and req.finish_reason is None
+    out = sched.schedule()
+    assert plan(out) == [("a", 1, True)]
+    sched.update_from_output(out, RunnerOutput(sampled_token_ids=[43], logprobs=[-1.5]))
+    assert req.generated_tokens == [42, 43] and req.generated_logprobs == [-0.5, -1.5]
+    assert req.status == RequestStatus.FINISHED and req.finish_reason == "length"
+    assert req.block_table == [] and sched.block_manager.num_free_blocks == 8
+    assert not sched.has_unfinished() and sched.requests == {}
+
+
+def test_update_finishes_on_a_stop_token_and_leaves_the_others_running() -> None:
+    sched = make_scheduler(num_blocks=8)
+    eos = SamplingParams(max_new_tokens=10, eos_token_ids=(7,))
+    a = Request("a", tokens(0, 4), eos)
+    b = Request("b", tokens(100, 4), eos)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[7, 8]))
+    assert updated == [a, b]
+    assert a.status == RequestStatus.FINISHED and a.finish_reason == "stop" and a.generated_tokens == [7]
+    assert b.status == RequestStatus.DECODING and b.generated_tokens == [8]
+    assert a.generated_logprobs == [] and sched.running == [b] and list(sched.requests) == ["b"]
+    # b holds 1 block (4 computed tokens); the block of its 5th token comes with the next schedule().
+    assert sched.block_manager.num_free_blocks == 8 - 1
+
+
+def test_update_records_scores_and_finishes_a_scoring_request_with_reason_scored() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=6)
+    req = make_request("s", tokens(0, 10), max_new_tokens=1, score_from=4)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert plan(out) == [("s", 6, False)]
+    assert sched.update_from_output(out, RunnerOutput(prompt_logprobs=[(req, [-1.0, -2.0, -3.0])])) == []
+    assert req.num_computed_tokens == 6 and req.status == RequestStatus.PREFILLING
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(prompt_logprobs=[(req, [-4.0, -5.0, -6.0])]))
+    assert updated == [req]
+    assert req.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    assert req.status == RequestStatus.FINISHED and req.finish_reason == "scored"
+    assert req.num_generated_tokens == 0 and sched.block_manager.num_free_blocks == 16
+
+
+def test_finish_request_cancels_waiting_and_running_requests_and_frees_their_blocks() -> None:
+    sched = make_scheduler(num_blocks=8, max_requests_per_batch=1)
+    a = make_request("a", tokens(0, 8), max_new_tokens=5)
+    b = make_request("b", tokens(100, 8), max_new_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # a runs on 2 blocks, b waits
+    assert sched.finish_request("b", RequestStatus.CANCELLED, "cancelled by the caller") is b
+    assert b.status == RequestStatus.CANCELLED and b.finish_reason == "cancelled" and b.error == "cancelled by the caller"
+    assert sched.finish_request("a", RequestStatus.FAILED, "boom") is a
+    assert a.finish_reason == "error" and a.block_table == []
+    assert sched.finish_request("a", RequestStatus.FAILED) is None
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 8
+
+
+def test_add_request_refuses_an_id_in_use() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("a", tokens(0, 3), max_new_tokens=1))
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        sched.add_request(make_request("a", tokens(5, 3), max_new_tokens=1))
+
+
+def test_recompute_all_requeues_running_requests_in_order_with_no_kv() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a = make_request("a", tokens(0, 5), max_new_tokens=4)
+    b = make_request("b", tokens(100, 5), max_new_tokens=4)
+    c = make_request("c", tokens(200, 5), max_new_tokens=4)
+    for req in (a, b):
+        sched.add_request(req)
+    run_step(sched)
+    sched.add_request(c)
+    sched.recompute_all()
+    assert list(sched.waiting) == [a, b, c] and sched.running == []
+    assert [r.num_computed_tokens for r in (a, b)] == [0, 0] and a.num_tokens == 6
+    assert all(r.status == RequestStatus.PENDING and r.block_table == [] for r in (a, b, c))
+    # a and b recompute prompt + their generated token; with prefix caching their first block is a hit.
+    assert plan(sched.schedule()) == [("a", 2, True), ("b", 2, True), ("c", 5, True)]
