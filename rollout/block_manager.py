@@ -158,7 +158,9 @@ class BlockManager:
                 else:
                     self.free_queue[block_id] = None
 
-    def cache_block(self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
+    def cache_block(
+        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int
+    ) -> bytes:
         """Register a full block in the prefix cache and return its hash.
 
         If another block already holds the same hash, the table keeps that one and

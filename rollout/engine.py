@@ -152,9 +152,14 @@ class Engine:
         """Raise ValueError if this engine can never run a request; changes nothing.
 
         The prompt and parameters are trusted (they were checked at the public boundary); this
-        adds what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the cache. A request past the model's context only warns
-        (once per engine): ``model.generate`` does not refuse it either, and RoPE models run past
-        it with degraded output.
+        adds what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the cache.
+        A request past the model's context only warns (once per engine): ``model.generate`` does
+        not refuse it either, and RoPE models run past it with degraded output.
+
+        Args:
+            request_id: named in the message.
+            num_prompt_tokens: the prompt's length.
+            params: the request's sampling parameters (``max_new_tokens`` counts).
 
         Raises:
             ValueError: the request needs more blocks than the cache has.

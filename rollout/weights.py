@@ -16,7 +16,9 @@ import torch
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def plan_weight_copy(model: torch.nn.Module, named_tensors: NamedTensors | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def plan_weight_copy(
+    model: torch.nn.Module, named_tensors: NamedTensors | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pair each new tensor with its destination in the model, checking names, shapes and dtypes.
 
     Args:

@@ -18,7 +18,10 @@ from rollout.checks import check_bool, check_choice, check_int, check_number, to
         (lambda: check_int("k", 6, minimum=1, maximum=5), "k must be an int in [1, 5], got 6"),
         (lambda: check_number("t", float("nan"), minimum=0), "t must be a finite number >= 0, got nan"),
         (lambda: check_number("t", 0, minimum=0, min_open=True), "t must be a finite number > 0, got 0"),
-        (lambda: check_number("p", 0.0, 0, 1, min_open=True, allow_none=True), "p must be None or a finite number in (0, 1], got 0.0"),
+        (
+            lambda: check_number("p", 0.0, 0, 1, min_open=True, allow_none=True),
+            "p must be None or a finite number in (0, 1], got 0.0",
+        ),
         (lambda: check_number("m", 1.0, 0, 1, max_open=True), "m must be a finite number in [0, 1), got 1.0"),
         (lambda: check_bool("b", 1), "b must be a bool, got 1"),
         (lambda: check_choice("c", "x", ("a", "b")), "c must be one of ('a', 'b'), got 'x'"),

@@ -64,7 +64,9 @@ def test_every_number_notation_parses(tmp_path, where):
 
 
 def test_engine_numbers_and_mappings_parse():
-    config = parse_config(["--engine", "{max_batch_tokens: 1e3, max_memory_percent: 5E-2}", "--set", "engine.block_size=16"])
+    config = parse_config(
+        ["--engine", "{max_batch_tokens: 1e3, max_memory_percent: 5E-2}", "--set", "engine.block_size=16"]
+    )
     assert config.engine == {"max_batch_tokens": 1000, "max_memory_percent": 0.05, "block_size": 16}
     assert config.engine_config().max_batch_tokens == 1000
 
@@ -129,7 +131,8 @@ def test_score_console_script_explains_an_empty_file(tmp_path, tiny_model_dir, n
 
 
 def test_score_console_script_explains_an_empty_column(tmp_path, tiny_model_dir):
-    (tmp_path / "d.jsonl").write_text(json.dumps({"p": "t5 t6", "c": ""}) + "\n" + json.dumps({"p": "t7", "c": None}) + "\n")
+    rows = [{"p": "t5 t6", "c": ""}, {"p": "t7", "c": None}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     cmd = [_console("rollout-score"), "--model", str(tiny_model_dir), "--dataset", "d.jsonl"]
     proc = _run([*cmd, "--prompt-column", "p", "--completion-column", "c", "--output", "o.jsonl"], tmp_path)
     assert proc.returncode == 1

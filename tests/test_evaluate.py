@@ -32,7 +32,8 @@ def test_heldout_arithmetic_skips_excluded_questions():
 
 
 def _gsm8k_file(path, questions):
-    path.write_text("".join(json.dumps({"question": q, "answer": f"x\n#### {i}"}) + "\n" for i, q in enumerate(questions)))
+    rows = [{"question": q, "answer": f"x\n#### {i}"} for i, q in enumerate(questions)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 

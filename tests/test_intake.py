@@ -41,7 +41,7 @@ def make_inbox(max_queue_size: int = 0) -> tuple[Inbox, OutputRouter, FakeEngine
 
 def put(inbox: Inbox, prompts: list[list[int]], ids: list[str | None] | None = None, block: bool = False) -> list[str]:
     items = [(rid, p, PARAMS) for rid, p in zip(ids or [None] * len(prompts), prompts)]
-    return inbox.put(items, streaming=False, record_timestamps=False, block=block, timeout=0.01, still_open=lambda: True)
+    return inbox.put(items, False, False, block, timeout=0.01, still_open=lambda: True)
 
 
 def test_put_names_requests_and_drain_hands_them_to_the_engine_in_order() -> None:

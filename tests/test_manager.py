@@ -227,7 +227,8 @@ def test_streaming_snapshots_never_change(manager: ContinuousBatchingManager) ->
     rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=6, eos_token_id=[])
     chunks = list(manager.request_id_iter(rid))
     assert [len(c.generated_tokens) for c in chunks] == [1, 2, 3, 4, 5, 6]
-    assert [c.status for c in chunks[:-1]] == [RequestStatus.DECODING] * 5 and chunks[-1].status == RequestStatus.FINISHED
+    assert [c.status for c in chunks[:-1]] == [RequestStatus.DECODING] * 5
+    assert chunks[-1].status == RequestStatus.FINISHED
     for i, c in enumerate(chunks):
         assert c.generated_tokens == chunks[-1].generated_tokens[: i + 1]
 

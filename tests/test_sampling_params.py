@@ -1,4 +1,4 @@
-"""SamplingParams (checked at construction) and build_sampling_params (GenerationConfig or SamplingParams plus overrides)."""
+"""SamplingParams, checked at construction, and build_sampling_params (from a GenerationConfig, with overrides)."""
 
 from __future__ import annotations
 

@@ -471,7 +471,8 @@ def test_finish_request_cancels_waiting_and_running_requests_and_frees_their_blo
     sched.add_request(b)
     run_step(sched)  # a runs on 2 blocks, b waits
     assert sched.finish_request("b", RequestStatus.CANCELLED, "cancelled by the caller") is b
-    assert b.status == RequestStatus.CANCELLED and b.finish_reason == "cancelled" and b.error == "cancelled by the caller"
+    assert b.status == RequestStatus.CANCELLED and b.finish_reason == "cancelled"
+    assert b.error == "cancelled by the caller"
     assert sched.finish_request("a", RequestStatus.FAILED, "boom") is a
     assert a.finish_reason == "error" and a.block_table == []
     assert sched.finish_request("a", RequestStatus.FAILED) is None

@@ -19,7 +19,9 @@ def assert_close(actual: Sequence[float] | torch.Tensor, expected: Sequence[floa
     )
 
 
-def reference_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+def reference_greedy(
+    model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None
+) -> list[int]:
     """``model.generate`` greedy on one prompt (no padding), generated tokens only."""
     ids = torch.tensor([prompt])
     out = model.generate(
