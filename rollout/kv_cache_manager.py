@@ -108,11 +108,15 @@ class KVCacheManager:
             True when the slots are allocated; False, changing nothing, when the free blocks cannot
             hold them.
         """
-        bm = self.block_manager
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_fresh = self.blocks_needed(total) - len(request.block_table) - len(new_computed_blocks)
+        num_fresh = -(-total // self.block_size) - len(request.block_table) - len(new_computed_blocks)
+        if num_fresh <= 0 and not new_computed_blocks:
+            return True  # the blocks it holds suffice: most decode steps
+        bm = self.block_manager
         # A hit nobody holds sits in the free queue: taking it costs a free block too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if bm.blocks[b].ref_count == 0)
+        num_evictable_hits = 0
+        if new_computed_blocks:
+            num_evictable_hits = sum(1 for b in new_computed_blocks if bm.blocks[b].ref_count == 0)
         margin = self.safety_margin_blocks if keep_margin else 0
         if bm.num_free_blocks - num_evictable_hits - max(num_fresh, 0) < margin:
             return False
