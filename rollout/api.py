@@ -16,7 +16,7 @@ from .engine import Engine
 from .manager import ContinuousBatchingManager, persistent_manager_of
 from .models import vocab_size
 from .requests import GenerationOutput, Request, RequestStatus
-from .sampling_params import build_sampling_params, resolve_generation_config
+from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
 # Arguments of transformers' generate_batch that have no meaning here and are accepted silently.
 IGNORED_TRANSFORMERS_KWARGS = frozenset({"warmup", "persistent_manager"})
@@ -87,19 +87,20 @@ def generate_batch(
     prompts = [token_ids(p, f"inputs[{i}]", vocab) for i, p in enumerate(inputs)]
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
     base_params = build_sampling_params(gc, vocab_size=vocab)
-    requests: list[Request] = []
+    jobs: list[tuple[str, list[int], SamplingParams]] = []
     ids = iter(_output_ids(len(prompts), num_samples))
     for prompt in prompts:
         for _ in range(num_samples):
             params = base_params
             if cb_config.seed is not None and base_params.do_sample:
-                params = build_sampling_params(base_params, seed=cb_config.seed + len(requests))
-            requests.append(Request(next(ids), prompt, params, record_timestamps))
-    engine = Engine(model, cb_config, max_tokens_hint=[r.num_prompt_tokens + r.params.max_new_tokens for r in requests])
+                params = build_sampling_params(base_params, seed=cb_config.seed + len(jobs))
+            jobs.append((next(ids), prompt, params))
+    engine = Engine(model, cb_config, max_tokens_hint=[len(prompt) + p.max_new_tokens for _, prompt, p in jobs])
     try:
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
-        for req in requests:
-            engine.check_request(req.request_id, req.num_prompt_tokens, req.params)
+        for rid, prompt, params in jobs:
+            engine.check_request(rid, len(prompt), params)
+        requests = [Request(rid, prompt, params, record_timestamps) for rid, prompt, params in jobs]
         for req in requests:
             engine.enqueue(req)
         bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
