@@ -179,6 +179,18 @@ def test_duplicate_request_id_is_refused(manager: ContinuousBatchingManager) -> 
         manager.add_request([5, 6], request_id="a")
 
 
+def test_sampling_params_are_taken_whole_and_keyword_overrides_apply_on_top(manager: ContinuousBatchingManager) -> None:
+    params = rollout.SamplingParams(max_new_tokens=3, eos_token_ids=())
+    rid = manager.add_request([5, 6, 7], sampling_params=params)
+    assert len(manager.get_result(rid, timeout=30).generated_tokens) == 3
+    rid = manager.add_request([5, 6, 7], max_new_tokens=2, sampling_params=params)
+    assert len(manager.get_result(rid, timeout=30).generated_tokens) == 2
+    ids = manager.add_requests([[5, 6], [7]], params, max_new_tokens=4)
+    assert [len(manager.get_result(r, timeout=30).generated_tokens) for r in ids] == [4, 4]
+    with pytest.raises(ValueError, match=r"eos_token_ids must be token ids in \[0, 256\)"):
+        manager.add_request([5], sampling_params=rollout.SamplingParams(eos_token_ids=(256,)))
+
+
 def test_bad_input_raises_before_queueing(manager: ContinuousBatchingManager) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         manager.add_request([])
