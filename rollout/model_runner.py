@@ -228,8 +228,9 @@ class ModelRunner:
             result.logprobs = logprobs.tolist() if logprobs is not None else None
         return result
 
+    @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step.
+        """One forward of the step (``execute`` calls it; no KV copies, no sampling).
 
         Returns:
             float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
