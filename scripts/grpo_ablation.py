@@ -47,6 +47,19 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "old_no_format": ({**OLD, "reward_weights": [1.0, 0.0]}, "format reward at weight 0"),
     "old_grpo_loss": ({**OLD, "loss_type": "grpo"}, "per-sequence loss normalisation"),
     "old_lr_5e-6": ({**OLD, "learning_rate": 5e-6}, "a 4x lower learning rate"),
+    "recipe": (
+        {
+            **OLD,
+            "reward_funcs": ["correctness", "format_if_correct"],
+            "reward_weights": [1.0, 0.5],
+            "learning_rate": 1e-5,
+        },
+        "the new default: format only on a correct answer, lr 1e-5",
+    ),
+    "format_if_correct": (
+        {**OLD, "reward_funcs": ["correctness", "format_if_correct"], "reward_weights": [1.0, 0.5]},
+        "format rewarded only on a correct answer",
+    ),
     "correct_only_lr_1e-5": (
         {**OLD, "reward_funcs": ["correctness", "format"], "reward_weights": [1.0, 0.0], "learning_rate": 1e-5},
         "format at weight 0 and lr 1e-5",

@@ -81,7 +81,12 @@ def report(run: Path, figure: Path | None, command: str) -> str:
             f"{summary.get('torch_threads')} torch threads and {summary.get('world_size')} process(es).",
             "",
         ]
-    lines += ["## Held-out accuracy", "", "| step | eval_accuracy | eval_completion_len (tokens) |", "| ---: | ---: | ---: |"]
+    lines += [
+        "## Held-out accuracy",
+        "",
+        "| step | eval_accuracy | eval_completion_len (tokens) |",
+        "| ---: | ---: | ---: |",
+    ]
     lines += [f"| {r['step']} | {_f(r['eval_accuracy'])} | {_f(r['eval_completion_len'], 1)} |" for r in evals]
     if len(evals) >= 2:
         change = evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"]

@@ -67,7 +67,14 @@ def plot(rows: list[dict], out: str | Path, title: str = "GRPO", window: int = 5
     parts = sorted(k for k in (train[0] if train else {}) if k.startswith("rewards/"))
     for i, key in enumerate(parts):
         values = [float(r.get(key, math.nan)) for r in train]
-        ax1.plot(steps, moving_average(values, window), "--", color=f"C{i + 1}", lw=1.5, label=f"{key[8:]} ({window}-step avg)")
+        ax1.plot(
+            steps,
+            moving_average(values, window),
+            "--",
+            color=f"C{i + 1}",
+            lw=1.5,
+            label=f"{key[8:]} ({window}-step avg)",
+        )
     if evals:
         ax1.plot(
             [r["step"] for r in evals],
@@ -79,17 +86,32 @@ def plot(rows: list[dict], out: str | Path, title: str = "GRPO", window: int = 5
             label="held-out eval_accuracy (greedy)",
         )
         for r in (evals[0], evals[-1]):
-            ax1.annotate(f"{r['eval_accuracy']:.3f}", (r["step"], r["eval_accuracy"]), textcoords="offset points",
-                         xytext=(4, 6), fontsize=9)
+            ax1.annotate(
+                f"{r['eval_accuracy']:.3f}",
+                (r["step"], r["eval_accuracy"]),
+                textcoords="offset points",
+                xytext=(4, 6),
+                fontsize=9,
+            )
     ax1.set_ylabel("reward / accuracy")
     ax1.set_title(title)
     ax1.grid(alpha=0.3)
     ax1.legend(loc="best", fontsize=8)
-    ax_len.plot(steps, [float(r.get("completion_len_mean", math.nan)) for r in train], ".-", color="C4",
-                label="training completion_len_mean")
+    ax_len.plot(
+        steps,
+        [float(r.get("completion_len_mean", math.nan)) for r in train],
+        ".-",
+        color="C4",
+        label="training completion_len_mean",
+    )
     if evals:
-        ax_len.plot([r["step"] for r in evals], [float(r["eval_completion_len"]) for r in evals], "D-", color="k",
-                    label="eval_completion_len")
+        ax_len.plot(
+            [r["step"] for r in evals],
+            [float(r["eval_completion_len"]) for r in evals],
+            "D-",
+            color="k",
+            label="eval_completion_len",
+        )
     ax_len.set_ylabel("tokens")
     ax_len.grid(alpha=0.3)
     ax_len.legend(loc="best", fontsize=8)

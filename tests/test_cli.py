@@ -131,8 +131,9 @@ def test_score_console_script_explains_an_empty_file(tmp_path, tiny_model_dir, n
 
 
 def test_score_console_script_explains_an_empty_column(tmp_path, tiny_model_dir):
-    rows = [{"p": "t5 t6", "c": ""}, {"p": "t7", "c": None}]
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "d.jsonl").write_text(
+        json.dumps({"p": "t5 t6", "c": ""}) + "\n" + json.dumps({"p": "t7", "c": None}) + "\n"
+    )
     cmd = [_console("rollout-score"), "--model", str(tiny_model_dir), "--dataset", "d.jsonl"]
     proc = _run([*cmd, "--prompt-column", "p", "--completion-column", "c", "--output", "o.jsonl"], tmp_path)
     assert proc.returncode == 1

@@ -32,8 +32,9 @@ def test_heldout_arithmetic_skips_excluded_questions():
 
 
 def _gsm8k_file(path, questions):
-    rows = [{"question": q, "answer": f"x\n#### {i}"} for i, q in enumerate(questions)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path.write_text(
+        "".join(json.dumps({"question": q, "answer": f"x\n#### {i}"}) + "\n" for i, q in enumerate(questions))
+    )
     return str(path)
 
 

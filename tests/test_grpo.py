@@ -14,17 +14,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import rollout
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
+from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
-from trainers.grpo import (
-    TIMING_KEYS,
-    GRPOTrainer,
-    _Prepared,
-    aggregate_loss,
-    completion_logprobs,
-    group_advantages,
-    grpo_token_loss,
-    pad_batch,
-)
+from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared
+from trainers.loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, pad_batch
+from trainers.rewards import compute_rewards, resolve_reward_func
 
 REQUIRED_METRICS = (
     "step",
@@ -362,6 +356,8 @@ def test_prompts_as_chat_messages_without_template_are_joined(tmp_path):
         ({"engine": {"blok_size": 16}}, "engine.blok_size"),
         ({"engine": {"logprobs_mode": "raw"}}, "engine.logprobs_mode"),
         ({"reward_weights": [1.0]}, "reward_weights"),
+        ({"lr_scheduler_type": "cosinus"}, "lr_scheduler_type"),
+        ({"eval_steps": 0}, "eval_steps"),
     ],
 )
 def test_bad_config_fails_naming_the_key(tmp_path, values, named):
@@ -369,6 +365,13 @@ def test_bad_config_fails_naming_the_key(tmp_path, values, named):
     path.write_text(json.dumps(values))  # JSON is YAML
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(path)
+
+
+def test_learning_rate_schedules_come_from_transformers(tmp_path):
+    rows = tiny_trainer(tmp_path, max_steps=4, lr_scheduler_type="linear", warmup_steps=1).train()
+    # get_scheduler("linear"): step 1 is the warm-up step (lr 0), then 1e-2 decaying linearly to 0 at step 4;
+    # the row holds the rate its own optimizer step used.
+    assert [r["learning_rate"] for r in rows] == pytest.approx([0.0, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
 
 
 def test_unknown_key_suggests_the_closest(tmp_path):
@@ -389,3 +392,33 @@ def test_default_config_file_loads():
     config = load_config("configs/grpo_default.yaml")
     assert config.batch_size % config.num_generations == 0
     assert config.dataset == "arithmetic" and config.model == "smollm2-135m-instruct"
+    assert parse_config([]) == config  # the command line's default is this file
+
+
+# Four wrong answers to a problem whose answer is 7, two of them in the 'Answer: <number>' format.
+ALL_WRONG = ["Answer: 3", "The answer is 5.", "Maybe 5", "5 + 2 = 8\nAnswer: 8"]
+
+
+def _advantages(reward_names: list[str], weights: list[float]) -> torch.Tensor:
+    funcs = [resolve_reward_func(n) for n in reward_names]
+    columns = {"answer": ["7"] * 4}
+    rewards, _ = compute_rewards(funcs, weights, [""] * 4, ALL_WRONG, [[1]] * 4, columns)
+    return group_advantages(rewards, 4)
+
+
+def test_format_reward_alone_gets_full_size_advantages_in_an_all_wrong_group():
+    """The mechanism behind the collapse of the earlier recipe (correctness + 0.5 format, docs/grpo_training.md):
+    group normalisation scales a group of wrong answers that differ only in format to unit advantages, the
+    same size as a group that separates right from wrong, so the policy is pushed towards the format
+    whatever the number."""
+    old = _advantages(["correctness", "format"], [1.0, 0.5])
+    assert_close(old, [math.sqrt(3) / 2] * 1 + [-math.sqrt(3) / 2] * 2 + [math.sqrt(3) / 2], atol=1e-3)
+    right_vs_wrong = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
+    assert_close(old.abs(), right_vs_wrong.abs(), atol=1e-3)
+
+
+def test_default_recipe_gives_no_advantage_to_format_without_a_right_answer():
+    config = load_config("configs/grpo_default.yaml")
+    assert _advantages(config.reward_funcs, config.reward_weights).tolist() == [0.0] * 4
+    default = GRPOConfig()
+    assert _advantages(default.reward_funcs, [1.0] * len(default.reward_funcs)).tolist() == [0.0] * 4

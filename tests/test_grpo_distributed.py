@@ -91,6 +91,7 @@ def test_two_cpu_processes_keep_identical_weights(tmp_path):
             async_rollouts: true
             max_staleness: 1
             max_steps: 3
+            eval_size: 4
             engine: {{num_blocks: 64}}
             """
         )
@@ -132,6 +133,11 @@ def test_two_cpu_processes_keep_identical_weights(tmp_path):
     assert prompts[0] and not set(prompts[0]) & set(prompts[1])
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # Both ranks evaluate their half of the 4 held-out problems; the row holds the total.
+    assert [("eval_accuracy" in r) for r in rows] == [True, False, False, True]
+    samples = [json.loads(line) for line in (out / "eval_completions.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 4 and {s["step"] for s in samples} == {0, 3}
+    assert sorted(s["question"] for s in samples[:4]) == sorted(s["question"] for s in samples[4:])
+    assert all(r["staleness_max"] <= 1 for r in rows[1:])
     assert (out / "model.safetensors").exists()

@@ -61,13 +61,16 @@ def test_tensorboard_tracker_logs_the_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_default_job_runs_with_accelerate_launch_on_the_real_model(tmp_path):
-    """`accelerate launch scripts/train_grpo.py` with no accelerate config file, on SmolLM2-135M-Instruct
-    and the default task; smaller batches than the default so CI stays short."""
+    """The README's main command, `accelerate launch --config_file configs/accelerate/one_process.yaml
+    scripts/train_grpo.py`, on SmolLM2-135M-Instruct and the default task, prints no accelerate warning;
+    smaller batches and evaluation than the default so CI stays short."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/one_process.yaml",
         "scripts/train_grpo.py",
         "--max_steps",
         "2",
@@ -77,11 +80,21 @@ def test_default_job_runs_with_accelerate_launch_on_the_real_model(tmp_path):
         "batch_size=8",
         "--set",
         "max_new_tokens=24",
+        "--eval_size",
+        "8",
+        "--eval_max_new_tokens",
+        "16",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "were not passed to `accelerate launch`" not in proc.stderr, proc.stderr[:2000]
+    assert f"writing metrics, samples and the final model to {out}" in proc.stderr
+    assert "held-out eval_accuracy" in proc.stderr and f"outputs in {out}" in proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+    timing = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
+    rows = [{**t, **r} for r, t in zip(rows[1:], timing[1:])]
     for key in REQUIRED_METRICS:
         assert all(isinstance(r[key], (int, float)) for r in rows), key
     assert abs(rows[0]["is_ratio_max"] - 1) < 1e-3  # step 1: the rollout's weights are the trained weights

@@ -15,6 +15,7 @@ from trainers.rewards import (
     compute_rewards,
     correctness_reward,
     extract_answer,
+    format_if_correct_reward,
     format_reward,
     required_columns,
     resolve_reward_func,
@@ -106,6 +107,9 @@ def test_correctness_and_format_rewards():
     assert correctness_reward(None, completions, None, answer=answers) == [1.0, 0.0, 1.0, 0.0]
     assert format_reward(None, completions, None) == [1.0, 0.5, 0.0, 0.0]
     assert format_reward(None, ["x\n answer: 12.\n"], None) == [1.0]
+    # Formatting counts only on a right answer: the second completion has the format but the wrong number.
+    assert format_if_correct_reward(None, completions, None, answer=answers) == [1.0, 0.0, 0.0, 0.0]
+    assert format_if_correct_reward(None, ["Answer: 5 apples"], None, answer=["5"]) == [0.5]
 
 
 def test_compute_rewards_treats_none_like_trl():

@@ -5,7 +5,8 @@
     rollout-train-grpo --config my.yaml --learning_rate 1e-6 --engine '{max_batch_tokens: 1024}'
 
 Every field of ``trainers.config.GRPOConfig`` is a flag (``transformers.HfArgumentParser``);
-``--config FILE`` reads a YAML mapping of the same fields first, and flags override it.
+``--config FILE`` reads a YAML mapping of the same fields first (default: the repository's
+``configs/grpo_default.yaml``, the default recipe), and flags override it.
 ``--set KEY=VALUE`` (a YAML value, repeatable; ``engine.KEY=VALUE`` sets one engine field) is
 kept for older command lines. Numbers may be written any way Python and YAML write them
 (``1e-5``, ``1E-5``, ``2.0e-5``, ``5e3``), in the file and on the command line. Unknown keys and bad
@@ -50,7 +51,9 @@ def build_parser() -> HfArgumentParser:
         elif action.dest == "engine":
             action.type = _yaml_mapping
             action.metavar = "YAML_MAPPING"
-    parser.add_argument("--config", help="YAML file of GRPOConfig fields (default: the built-in defaults)")
+    parser.add_argument(
+        "--config", help=f"YAML file of GRPOConfig fields (default: {DEFAULT_CONFIG} when it exists, else the built-ins)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (YAML value)")
     return parser
 
@@ -82,6 +85,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
         raise ConfigError(f"unknown argument(s) {' '.join(unknown)}{hint}")
     given = vars(namespace)
     path = given.pop("config", None)
+    if path is None and DEFAULT_CONFIG.is_file():
+        path = str(DEFAULT_CONFIG)  # the default recipe, when running from a checkout
     items = given.pop("set", [])
     values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
     engine = dict(values.get("engine") or {})
@@ -153,12 +158,17 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(rest)
         saved = Path(config.model).expanduser() / "grpo_config.json"
-        if "--config" not in rest and saved.is_file():
+        if "--config" not in rest and saved.is_file():  # the split that run trained and evaluated on
             config = parse_config(["--config", str(saved), *rest])
         if config.eval_size == 0:
             raise ConfigError("eval_size is 0: nothing to evaluate")
         _, heldout = build_datasets(
-            config.dataset, config.dataset_size, config.dataset_seed, config.eval_dataset, config.eval_size, config.eval_seed
+            config.dataset,
+            config.dataset_size,
+            config.dataset_seed,
+            config.eval_dataset,
+            config.eval_size,
+            config.eval_seed,
         )
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: bad config: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from transformers import SchedulerType
 
 import rollout
 
@@ -49,7 +50,9 @@ class GRPOConfig:
         prompt_column: dataset column holding the prompt: a string (tokenized as is) or a list
             of chat messages (the tokenizer's chat template is applied when it has one).
         reward_funcs: reward names of ``trainers.rewards.REWARD_FUNCS`` ("correctness",
-            "format") or "module:function" import paths of functions with TRL's signature.
+            "format_if_correct", "format") or "module:function" import paths of functions with
+            TRL's signature. "format" alone can be earned without solving the task; see
+            docs/grpo_training.md before giving it weight.
         reward_weights: one weight per reward function; None weighs each 1.0.
 
     Evaluation (held-out accuracy, greedy through the same manager; see ``trainers.evaluate``):
@@ -75,7 +78,9 @@ class GRPOConfig:
 
     Optimisation:
         learning_rate, weight_decay, adam_beta1, adam_beta2, max_grad_norm: AdamW and gradient
-            clipping (constant learning rate after ``warmup_steps`` of linear warm-up).
+            clipping.
+        lr_scheduler_type: the learning-rate schedule after warm-up, a ``transformers.SchedulerType``
+            ("constant_with_warmup", "linear", "cosine", ...; ``transformers.get_scheduler``).
         warmup_steps: linear warm-up steps of the learning rate.
         micro_batch_size: sequences per training forward/backward (gradients accumulate over
             the micro-batches of a step; one optimizer step per step).
@@ -125,7 +130,7 @@ class GRPOConfig:
     dataset_size: int = 2000
     dataset_seed: int = 0
     prompt_column: str = "prompt"
-    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format"])
+    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format_if_correct"])
     reward_weights: list[float] | None = None
 
     eval_size: int = 200
@@ -146,6 +151,7 @@ class GRPOConfig:
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    lr_scheduler_type: str = "constant_with_warmup"
     micro_batch_size: int = 8
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -186,7 +192,8 @@ class GRPOConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.num_generations < 2:
             raise ConfigError(
-                f"num_generations must be >= 2 (advantages are normalised within each group), got {self.num_generations}"
+                "num_generations must be >= 2 (advantages are normalised within each group), "
+                f"got {self.num_generations}"
             )
         if self.batch_size % self.num_generations:
             raise ConfigError(
@@ -215,6 +222,9 @@ class GRPOConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        schedules = [t.value for t in SchedulerType]
+        if self.lr_scheduler_type not in schedules:
+            raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {self.lr_scheduler_type!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.stale_policy not in STALE_POLICIES:

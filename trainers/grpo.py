@@ -1,64 +1,15 @@
 """GRPO on rollout's persistent manager, one process per device, data parallel through ``accelerate``.
 
 Each process holds one model replica (DDP across processes) and one persistent
-``rollout.ContinuousBatchingManager`` built on the *same* model object (no copy of the weights). One
-step of the trainer:
-
-1. takes ``batch_size / G`` prompts of the dataset for this process (a seeded permutation, disjoint
-   across processes), applies the tokenizer's chat template, and asks the manager for G samples of
-   each (the G requests share the prompt's KV blocks through prefix caching);
-2. scores the completions with the reward functions (TRL's signature) and turns the rewards into
-   group-normalised advantages ``(r - mean_group) / (std_group + eps)`` (std with Bessel's
-   correction, as TRL; a group lives on one process, so no communication is needed);
-3. computes the per-token logprobs log_softmax(logits / T) of the completions with a training
-   forward, and the loss below; gradients are all-reduced by DDP;
-4. runs the optimizer step inside ``manager.pause()`` and, still inside it,
-   ``manager.update_weights(None)``, which bumps the weight version that every later token records.
-
-Loss (decoupled PPO, as TRL's ``GRPOTrainer`` with ``vllm_importance_sampling_correction`` in
-``token_truncate`` mode, and AReaL): for completion token t of a sample with advantage A,
-
-    rho_t = pi_theta(t) / pi_prox(t)                      (pi_prox: the weights at the start of the step)
-    w_t   = min(pi_prox(t) / pi_behaviour(t), is_cap)     (detached; pi_behaviour: the rollout's logprob)
-    loss_t = -w_t * min(rho_t * A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) * A)
-
-pi_prox is the training forward's own logprob, detached, so with one optimizer step per batch rho is
-1 in value and the clip is inactive (as TRL's default ``num_iterations=1``); ``grpo_token_loss`` takes
-pi_prox as an argument, so the same function serves several updates per batch. w corrects for the
-policy having moved since the tokens were sampled (asynchronous rollouts, in-flight weight updates):
-with equal weights it is 1 within 1e-4, since the engine returns log_softmax(logits / T) in fp32
-(``logprobs_mode="temperature"``) with the trainer's temperature. ``is_ratio_*`` metrics report
-pi_prox / pi_behaviour before truncation.
-
-Normalisation (``loss_type``): "dapo" (default) sums the per-token losses of the global batch (all
-processes) and divides by the global number of completion tokens: each process scales its sum by
-world_size / global_tokens, and DDP's gradient mean undoes the world_size. "grpo" takes each
-sequence's token mean, then the mean over the global batch's sequences.
-
-Asynchronous rollouts. With ``async_rollouts`` and ``max_staleness`` s >= 1, batch j is submitted
-right after the optimizer step that brings the weights to version j - s (``stale_policy: wait``), so
-while the trainer collects, scores and trains batch k, the engine already generates batches up to
-k + s; every token of batch k was sampled under version >= k - s, and batch k is trained at
-version k: staleness <= s by construction. With ``stale_policy: drop`` the trainer keeps
-``prefetch_batches`` batches in flight without waiting, and at training time masks out of the loss
-every sample with a token older than s. ``max_staleness: 0`` is synchronous mode: batch k is
-submitted at the top of step k and trained under the weights it was sampled with.
-
-Forward/backward and the pause. By default the training forward/backward runs inside ``pause()``
-too: then the engine and the trainer never touch the model at the same time, and on a 2-core CPU
-two concurrent forwards only share the same cores. What overlaps with generation is everything
-else: waiting for the batch being trained, reward computation, tokenisation and batch preparation
-(and in async mode the engine's decode batches are larger, since batch k+1 decodes together with
-batch k). ``train_outside_pause: true`` runs the forward/backward while the engine keeps
-generating and holds the pause only for the optimizer step. That is safe because neither side
-mutates shared state during a forward: the engine runs under ``torch.inference_mode`` (no autograd
-state, its own KV tensors), its attention dispatcher takes all its metadata from forward kwargs
-and calls the original attention when there is none (the training forward), and the training
-backward writes only ``.grad``, which the engine never reads; the only writer of the parameters is
-the optimizer step, which holds the pause. ``tests/test_grpo.py`` checks that gradients computed
-while the engine generates equal those computed with the engine paused. The model stays in
-``eval()`` mode throughout (no dropout, as TRL's default ``disable_dropout``), so the engine and the
-trainer compute the same function.
+``rollout.ContinuousBatchingManager`` built on the same model object (no copy of the weights). A step
+samples G completions of each prompt on the manager (they share the prompt's KV blocks), scores them,
+turns the rewards into group-normalised advantages, runs the clipped policy-gradient loss with
+truncated importance weights against the rollout's logprobs (``trainers.loss``), and takes the
+optimizer step inside ``manager.pause()`` followed by ``manager.update_weights(None)``. With
+``async_rollouts`` the engine generates the next batches while the current one trains, at most
+``max_staleness`` weight versions behind. Held-out evaluation (``trainers.evaluate``) runs at step 0,
+every ``eval_steps`` and at the end. The full design, the loss and the asynchronous schedule are in
+docs/grpo_trainer.md.
 """
 
 from __future__ import annotations
@@ -81,16 +32,17 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 import rollout
 
 from .config import ConfigError, GRPOConfig
-from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
 from .evaluate import EvalResult, evaluate_greedy
+from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
 from .prompts import encode_prompt, eos_token_ids
+from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
 from .tasks import build_datasets
 
 logger = logging.getLogger(__name__)
@@ -100,168 +52,6 @@ THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
 TIMING_KEYS = frozenset(
     {"step_time_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
 )
-
-
-# ---------------------------------------------------------------------- pure functions
-def group_advantages(
-    rewards: torch.Tensor, num_generations: int, scale: bool = True, eps: float = 1e-4
-) -> torch.Tensor:
-    """Group-normalised advantages.
-
-    Args:
-        rewards: float [N], N a multiple of G; the G samples of a prompt are consecutive. NaN
-            marks a sample no reward function scored.
-        num_generations: G.
-        scale: divide by the group's std (Bessel-corrected, NaN-aware) plus eps; otherwise
-            only centre.
-        eps: added to the std.
-
-    Returns:
-        float32 [N]: (r - mean_group) / (std_group + eps); exactly 0 for NaN rewards, for a group
-        whose scored rewards are all equal (the float mean of equal values can differ from them
-        in the last bit, and eps would turn that into a spurious advantage), and for groups
-        with fewer than two scored samples when scaling.
-    """
-    grouped = rewards.float().view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1, keepdim=True)
-    centred = torch.where(zero_spread_groups(grouped)[:, None], torch.zeros_like(grouped), grouped - mean)
-    if scale:
-        count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
-        var = torch.nansum(centred**2, dim=1, keepdim=True) / (count - 1).clamp(min=1)
-        std = torch.sqrt(var)
-        centred = torch.where(count > 1, centred / (std + eps), torch.zeros_like(centred))
-    return torch.nan_to_num(centred, nan=0.0).view(-1)
-
-
-def zero_spread_groups(grouped: torch.Tensor) -> torch.Tensor:
-    """bool [P]: groups (rows of float [P, G], NaN = unscored) whose scored rewards are all equal.
-
-    Such a group carries no learning signal (TRL logs their share as ``frac_reward_zero_std``).
-    """
-    scored = ~torch.isnan(grouped)
-    hi = torch.where(scored, grouped, torch.full_like(grouped, -math.inf)).max(dim=1).values
-    lo = torch.where(scored, grouped, torch.full_like(grouped, math.inf)).min(dim=1).values
-    return (hi <= lo) | (scored.sum(dim=1) < 2)
-
-
-def grpo_token_loss(
-    logprobs: torch.Tensor,
-    prox_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    is_cap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped policy-gradient loss with truncated importance weights.
-
-    Args:
-        logprobs: float [B, L]; log pi_theta of each completion token (carries the gradient).
-        prox_logprobs: float [B, L]; log pi_prox, the weights at the start of the update
-            (``logprobs.detach()`` for one update per batch).
-        behaviour_logprobs: float [B, L]; the rollout's logprobs (the behaviour policy).
-        advantages: float [B]; one advantage per sequence.
-        epsilon_low, epsilon_high: clip range [1 - epsilon_low, 1 + epsilon_high] of rho.
-        is_cap: upper truncation of the importance weight pi_prox / pi_behaviour.
-
-    Returns:
-        per_token_loss float [B, L]: -min(w, cap) * min(rho A, clip(rho) A); and the raw
-        importance ratio pi_prox / pi_behaviour float [B, L] (before truncation, detached).
-        Padding positions are not masked here.
-    """
-    adv = advantages[:, None]
-    rho = torch.exp(logprobs - prox_logprobs.detach())
-    unclipped = rho * adv
-    clipped = torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high) * adv
-    is_ratio = torch.exp(prox_logprobs.detach() - behaviour_logprobs)
-    weight = torch.clamp(is_ratio, max=is_cap)
-    return -weight * torch.minimum(unclipped, clipped), is_ratio
-
-
-def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, normaliser: float) -> torch.Tensor:
-    """Sum a micro-batch's contribution to the global loss.
-
-    Args:
-        per_token_loss: float [B, L].
-        mask: float [B, L]; 1 for trained completion tokens.
-        loss_type: "dapo": sum of masked token losses / normaliser (the global token count);
-            "grpo": sum over sequences of their masked token mean / normaliser (the global
-            sequence count). Fully masked sequences contribute 0.
-        normaliser: the global count (already divided by the world size for DDP's mean).
-
-    Returns:
-        A scalar tensor.
-    """
-    masked = per_token_loss * mask
-    if loss_type == "dapo":
-        return masked.sum() / normaliser
-    per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_seq.sum() / normaliser
-
-
-def pad_batch(
-    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad the prompts and right-pad the completions, so all completions start at one column.
-
-    Returns:
-        input_ids int64 [B, P + L], attention_mask int64 [B, P + L], position_ids int64 [B, P + L]
-        (0 at the first real token of each row), completion_mask float32 [B, L]; P is the longest
-        prompt and L the longest completion.
-    """
-    B = len(prompt_ids)
-    P = max(len(p) for p in prompt_ids)
-    L = max(len(c) for c in completion_ids)
-    input_ids = torch.full((B, P + L), pad_token_id, dtype=torch.int64)
-    attention = torch.zeros((B, P + L), dtype=torch.int64)
-    for b, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[b, P - len(p) : P] = torch.tensor(list(p), dtype=torch.int64)
-        input_ids[b, P : P + len(c)] = torch.tensor(list(c), dtype=torch.int64)
-        attention[b, P - len(p) : P + len(c)] = 1
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, attention, position_ids, attention[:, P:].float()
-
-
-def completion_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: Sequence[Sequence[int]],
-    completion_ids: Sequence[Sequence[int]],
-    temperature: float,
-    pad_token_id: int,
-    supports_logits_to_keep: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(logits / T) of each completion token under one padded forward.
-
-    Only the last L + 1 positions go through the LM head (``logits_to_keep``): prompts are
-    left-padded so every completion starts at the same column.
-
-    Args:
-        model: the causal LM (or its DDP wrapper).
-        prompt_ids, completion_ids: B token lists each.
-        temperature: the sampling temperature T.
-        pad_token_id: id written in padding positions (masked out).
-        supports_logits_to_keep: the model's forward accepts ``logits_to_keep``.
-
-    Returns:
-        logprobs float32 [B, L] (0 at padding), completion mask float32 [B, L].
-    """
-    input_ids, attention, position_ids, comp_mask = pad_batch(prompt_ids, completion_ids, pad_token_id)
-    device = next(model.parameters()).device
-    L = comp_mask.shape[1]
-    kwargs = dict(
-        input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=False,
-    )
-    if supports_logits_to_keep:
-        kwargs["logits_to_keep"] = L + 1
-    logits = model(**kwargs).logits
-    logits = logits[:, -(L + 1) : -1].float() / temperature
-    targets = input_ids[:, -L:].to(device)
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
-    comp_mask = comp_mask.to(device)
-    return logps * comp_mask, comp_mask
 
 
 RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
@@ -440,9 +230,11 @@ class GRPOTrainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.unwrapped = acc.unwrap_model(self.model)
         assert self.unwrapped is model, "accelerate must wrap the model object, not copy it"
-        warmup = config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+        self.scheduler = get_scheduler(
+            config.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=config.warmup_steps,
+            num_training_steps=config.max_steps,
         )
 
         self.manager = rollout.ContinuousBatchingManager(
@@ -694,13 +486,16 @@ class GRPOTrainer:
                 sums["is_tokens"] += float(m.sum())
         return sums
 
-    def _optimizer_step(self) -> tuple[float, int]:
+    def _optimizer_step(self) -> tuple[float, float, int]:
+        """Clip, step, schedule. Returns (grad norm before clipping, the learning rate this step used,
+        the new weight version)."""
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         version = self.manager.update_weights(None)  # re-entrant: still inside the caller's pause
-        return float(grad_norm) if grad_norm is not None else float("nan"), version
+        return float(grad_norm) if grad_norm is not None else float("nan"), lr, version
 
     @contextlib.contextmanager
     def _paused(self):
@@ -750,12 +545,12 @@ class GRPOTrainer:
             sums = self._forward_backward(prep)
             t_fb = time.perf_counter()
             with self._paused():
-                grad_norm, version = self._optimizer_step()
+                grad_norm, lr, version = self._optimizer_step()
         else:
             with self._paused():
                 sums = self._forward_backward(prep)
                 t_fb = time.perf_counter()
-                grad_norm, version = self._optimizer_step()
+                grad_norm, lr, version = self._optimizer_step()
         t_end = time.perf_counter()
 
         # Metrics over all processes.
@@ -814,7 +609,7 @@ class GRPOTrainer:
             "dropped_stale": float(totals[5]),
             "trained_tokens": tokens,
             "grad_norm": grad_norm,
-            "learning_rate": self.scheduler.get_last_lr()[0],
+            "learning_rate": lr,
             "weight_version": version,
             "step_time_s": t_end - t0,
             "wait_rollout_s": t_collected - t0,
@@ -853,7 +648,7 @@ class GRPOTrainer:
         Returns:
             ``eval_accuracy`` (fraction right, by ``trainers.evaluate.is_correct``) and
             ``eval_completion_len`` (mean tokens); an empty dict without an evaluation set. The
-            main process appends the samples to OUTPUT_DIR/eval_completions.jsonl.
+            main process appends every process's samples to OUTPUT_DIR/eval_completions.jsonl.
         """
         if self.eval_dataset is None:
             return {}
@@ -876,9 +671,10 @@ class GRPOTrainer:
             reduction="sum",
         )
         total = EvalResult(int(totals[0]), int(totals[1]), int(totals[2]))
+        samples = gather_object(result.samples) if self.world_size > 1 else result.samples
         if acc.is_main_process:
             with (self.output_dir / "eval_completions.jsonl").open("a") as f:
-                for sample in result.samples:
+                for sample in samples:
                     f.write(json.dumps({"step": step, **sample}) + "\n")
         return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}
 
@@ -948,7 +744,9 @@ class GRPOTrainer:
                     record(row)
                     if main:
                         bar.set_postfix(
-                            reward=f"{row['reward_mean']:.3f}", tok_s=f"{row['rollout_tokens_per_s']:.0f}", refresh=False
+                            reward=f"{row['reward_mean']:.3f}",
+                            tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                            refresh=False,
                         )
                         bar.update(1)
             finally:
@@ -983,7 +781,9 @@ class GRPOTrainer:
 
     def _timed_eval(self, step: int) -> dict[str, float]:
         n = len(self.eval_dataset) if self.eval_dataset is not None else 0
-        self._log(f"step {step}: evaluating {n} held-out problems (greedy, at most {self.config.eval_max_new_tokens} tokens)")
+        self._log(
+            f"step {step}: evaluating {n} held-out problems (greedy, at most {self.config.eval_max_new_tokens} tokens)"
+        )
         t0 = time.perf_counter()
         result = self.evaluate(step)
         result["eval_time_s"] = time.perf_counter() - t0
@@ -1056,14 +856,4 @@ def train_grpo(config: GRPOConfig, **kwargs: Any) -> list[dict[str, float]]:
     return GRPOTrainer(config, **kwargs).train()
 
 
-__all__ = [
-    "GRPOTrainer",
-    "TrainerState",
-    "aggregate_loss",
-    "completion_logprobs",
-    "group_advantages",
-    "grpo_token_loss",
-    "pad_batch",
-    "sample_seed",
-    "train_grpo",
-]
+__all__ = ["GRPOTrainer", "TrainerState", "resolve_output_dir", "sample_seed", "summary", "train_grpo"]

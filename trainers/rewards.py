@@ -82,7 +82,25 @@ def format_reward(prompts: list, completions: list, completion_ids: list, **kwar
     return rewards
 
 
-REWARD_FUNCS: dict[str, RewardFunc] = {"correctness": correctness_reward, "format": format_reward}
+def format_if_correct_reward(
+    prompts: list, completions: list, completion_ids: list, answer: list[str], **kwargs: Any
+) -> list[float]:
+    """``format_reward`` for a correct completion, 0 for a wrong one.
+
+    A format reward on its own can be earned without solving the task, and group normalisation
+    gives a group of all-wrong samples full-size advantages for any formatting difference among
+    them (docs/grpo_training.md). Gated by correctness, formatting only ranks right answers.
+    """
+    right = correctness_reward(prompts, completions, completion_ids, answer)
+    fmt = format_reward(prompts, completions, completion_ids)
+    return [f * r for f, r in zip(fmt, right)]
+
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "correctness": correctness_reward,
+    "format": format_reward,
+    "format_if_correct": format_if_correct_reward,
+}
 
 
 def resolve_reward_func(spec: str | RewardFunc) -> RewardFunc:

@@ -246,7 +246,10 @@ def build_datasets(
     if name == "arithmetic" and eval_dataset is None:
         return train, heldout_arithmetic_dataset(eval_size, eval_seed, train["question"])
     if eval_dataset is None:
-        return split_heldout(train, eval_size)
+        try:
+            return split_heldout(train, eval_size)
+        except ValueError as e:
+            raise ValueError(f"{e}; lower eval_size, give an eval_dataset, or set eval_size 0 (no evaluation)") from e
     heldout = build_dataset(eval_dataset, eval_size, eval_seed)
     heldout = heldout.select(range(min(eval_size, len(heldout))))
     held = set(heldout["question"])
