@@ -2,11 +2,13 @@
 
 from .api import continuous_batching_context_manager, generate_batch, init_continuous_batching
 from .config import ContinuousBatchingConfig
-from .engine import Engine, UnsupportedModelError
-from .manager import ContinuousBatchingManager, QueueFullError
-from .models import load_model, rollout_home
-from .scoring import ScoreOutput, model_context_length, score, score_with_engine
-from .requests import GenerationOutput, RequestStatus, SamplingParams
+from .engine import Engine, EngineStats
+from .intake import QueueFullError
+from .manager import ContinuousBatchingManager
+from .models import UnsupportedModelError, load_model, model_context_length, rollout_home
+from .requests import GenerationOutput, RequestStatus
+from .sampling_params import SamplingParams, build_sampling_params
+from .scoring import ScoreOutput, score, score_with_engine
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -18,10 +20,12 @@ __all__ = [
     "rollout_home",
     "model_context_length",
     "Engine",
+    "EngineStats",
     "GenerationOutput",
     "RequestStatus",
     "ScoreOutput",
     "SamplingParams",
+    "build_sampling_params",
     "UnsupportedModelError",
     "generate_batch",
     "score",

@@ -3,53 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
+from .checks import check_int, token_ids
 from .config import ContinuousBatchingConfig
-from .engine import Engine, normalize_prompt, params_from_kwargs
-from .requests import GenerationOutput, RequestStatus, SamplingParams
+from .engine import Engine
+from .manager import ContinuousBatchingManager, persistent_manager_of
+from .models import vocab_size
+from .requests import GenerationOutput, Request, RequestStatus
+from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
-if TYPE_CHECKING:
-    from .manager import ContinuousBatchingManager
-
-DEFAULT_MAX_NEW_TOKENS = 20
 # Arguments of transformers' generate_batch that have no meaning here and are accepted silently.
 IGNORED_TRANSFORMERS_KWARGS = frozenset({"warmup", "persistent_manager"})
-
-
-def resolve_generation_config(model: PreTrainedModel, generation_config: GenerationConfig | None) -> GenerationConfig:
-    """The model's generation config overridden by the values the caller set explicitly (transformers' rule)."""
-    base = getattr(model, "generation_config", None)
-    merged = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
-    if generation_config is not None:
-        merged.update(**generation_config.to_diff_dict())
-    return merged
-
-
-def sampling_params_from_config(gc: GenerationConfig, seed: int | None = None) -> SamplingParams:
-    """SamplingParams from a resolved GenerationConfig.
-
-    Raises:
-        ValueError: a value out of range (the message names the field).
-    """
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
-    params = params_from_kwargs(
-        max_new_tokens=max_new,
-        do_sample=bool(gc.do_sample),
-        temperature=gc.temperature if gc.temperature is not None else 1.0,
-        top_k=gc.top_k,
-        top_p=gc.top_p,
-        seed=seed,
-        eos_token_id=gc.eos_token_id,
-    )
-    params.validate()
-    return params
 
 
 def generate_batch(
@@ -105,31 +75,34 @@ def generate_batch(
         inputs = inputs.tolist()
     if len(inputs) and all(isinstance(t, int) for t in inputs):
         raise ValueError("inputs must be a list of prompts, each a list of token ids; got one flat list of ints")
-    inputs = [normalize_prompt(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
     if not inputs:
         return {}
     gc = resolve_generation_config(model, generation_config)
     num_samples = gc.num_return_sequences if gc.num_return_sequences is not None else 1
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_return_sequences must be an int >= 1, got {num_samples!r}")
+    check_int("num_return_sequences", num_samples, minimum=1)
     manager = persistent_manager_of(model)
-    if manager is not None:
+    if manager is not None:  # the manager checks the prompts, at its own boundary
         return _generate_on_manager(manager, inputs, gc, num_samples, progress_bar, record_timestamps)
+    vocab = vocab_size(model)
+    prompts = [token_ids(p, f"inputs[{i}]", vocab) for i, p in enumerate(inputs)]
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
-    base_params = sampling_params_from_config(gc)
+    base_params = build_sampling_params(gc, vocab_size=vocab)
     jobs: list[tuple[str, list[int], SamplingParams]] = []
-    ids = iter(_output_ids(len(inputs), num_samples))
-    for prompt in inputs:
+    ids = iter(_output_ids(len(prompts), num_samples))
+    for prompt in prompts:
         for _ in range(num_samples):
-            rid = next(ids)
-            seed = cb_config.seed + len(jobs) if cb_config.seed is not None and base_params.do_sample else None
-            params = base_params if seed is None else dataclasses.replace(base_params, seed=seed)
-            jobs.append((rid, prompt, params))
-    request_tokens = [len(p) + params.max_new_tokens for _, p, params in jobs]
-    engine = Engine(model, cb_config, max_tokens_hint=request_tokens)
+            params = base_params
+            if cb_config.seed is not None and base_params.do_sample:
+                params = build_sampling_params(base_params, seed=cb_config.seed + len(jobs))
+            jobs.append((next(ids), prompt, params))
+    engine = Engine(model, cb_config, max_tokens_hint=[len(prompt) + p.max_new_tokens for _, prompt, p in jobs])
     try:
-        # A bad request raises here, before any step; the engine is closed and nothing is returned.
-        requests = [engine.add_request(prompt, params, rid, record_timestamps) for rid, prompt, params in jobs]
+        # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
+        for rid, prompt, params in jobs:
+            engine.check_request(rid, len(prompt), params)
+        requests = [Request(rid, prompt, params, record_timestamps) for rid, prompt, params in jobs]
+        for req in requests:
+            engine.enqueue(req)
         bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
         t0 = time.perf_counter()
         try:
@@ -155,14 +128,6 @@ def _output_ids(num_prompts: int, num_samples: int) -> list[str]:
     return [f"req_{i}_{g}" for i in range(num_prompts) for g in range(num_samples)]
 
 
-def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
-    """The persistent manager attached to a model by ``continuous_batching_context_manager``, if any."""
-    manager = getattr(model, "_rollout_manager", None)
-    if manager is None or manager._state.value in ("destroyed", "failed"):
-        return None
-    return manager
-
-
 def _generate_on_manager(
     manager: ContinuousBatchingManager,
     inputs: list[list[int]],
@@ -171,24 +136,18 @@ def _generate_on_manager(
     progress_bar: bool,
     record_timestamps: bool,
 ) -> dict[str, GenerationOutput]:
-    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``)."""
-    params = sampling_params_from_config(gc)
+    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``).
+
+    The sampling parameters go to the manager whole; it checks the prompts and the parameters.
+    """
+    params = build_sampling_params(gc)
     keys = _output_ids(len(inputs), num_samples)
     expanded = [p for p in inputs for _ in range(num_samples)]
     was_running = manager.is_running()
     if not was_running:
         manager.start()
     try:
-        ids = manager.add_requests(
-            expanded,
-            max_new_tokens=params.max_new_tokens,
-            do_sample=params.do_sample,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            eos_token_id=list(params.eos_token_ids),
-            record_timestamps=record_timestamps,
-        )
+        ids = manager.add_requests(expanded, sampling_params=params, record_timestamps=record_timestamps)
         results: dict[str, GenerationOutput] = {}
         for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
             out = manager.get_result(rid)
@@ -212,8 +171,6 @@ def init_continuous_batching(
     Raises:
         UnsupportedModelError: the model cannot be paged.
     """
-    from .manager import ContinuousBatchingManager
-
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
 
 
@@ -243,7 +200,7 @@ def continuous_batching_context_manager(
     if manager is None:
         manager = init_continuous_batching(model, generation_config, continuous_batching_config)
     if persistent_manager:
-        model._rollout_manager = manager
+        manager.persist()
     manager.start()
     try:
         yield manager

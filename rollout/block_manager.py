@@ -69,7 +69,7 @@ class BlockManager:
         # Insertion order is the eviction order: head is evicted first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
-        self.num_cache_hits = 0  # blocks handed out from the prefix cache
+        self.num_prefix_cache_hit_blocks = 0  # blocks handed out from the prefix cache (EngineStats reads it)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -137,7 +137,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-        self.num_cache_hits += len(block_ids)
+        self.num_prefix_cache_hit_blocks += len(block_ids)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Release a request's blocks. Blocks whose ref count drops to 0 join the free queue.
@@ -158,7 +158,9 @@ class BlockManager:
                 else:
                     self.free_queue[block_id] = None
 
-    def cache_block(self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
+    def cache_block(
+        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int
+    ) -> bytes:
         """Register a full block in the prefix cache and return its hash.
 
         If another block already holds the same hash, the table keeps that one and

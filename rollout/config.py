@@ -1,15 +1,16 @@
 """Engine configuration: one validated dataclass.
 
-Every field is checked in ``__post_init__`` so that a bad value fails with a
-``ValueError`` naming the field and its allowed values before any memory is
-allocated or any request is accepted.
+Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``) so
+that a bad value fails with a ``ValueError`` naming the field and its allowed values
+before any memory is allocated or any request is accepted.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Literal
+
+from .checks import check_bool, check_choice, check_int, check_number
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
@@ -21,10 +22,6 @@ DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -88,40 +85,21 @@ class ContinuousBatchingConfig:
     progress_log_interval: float = 10.0
 
     def __post_init__(self) -> None:
-        self._check_int("block_size", self.block_size, minimum=4, allow_none=True)
-        self._check_int("num_blocks", self.num_blocks, minimum=1, allow_none=True)
-        self._check_int("max_batch_tokens", self.max_batch_tokens, minimum=1, allow_none=True)
-        self._check_int("max_requests_per_batch", self.max_requests_per_batch, minimum=1, allow_none=True)
-        self._check_int("max_queue_size", self.max_queue_size, minimum=0)
-        if self.max_memory_percent is not None and not (
-            _is_number(self.max_memory_percent) and 0.0 < self.max_memory_percent <= 1.0
-        ):
-            raise ValueError(f"max_memory_percent must be in (0, 1] or None, got {self.max_memory_percent!r}")
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.safety_margin is not None and not (_is_number(self.safety_margin) and 0.0 <= self.safety_margin < 1.0):
-            raise ValueError(f"safety_margin must be in [0, 1) or None, got {self.safety_margin!r}")
-        if not _is_number(self.cpu_offload_space) or self.cpu_offload_space < 0:
-            raise ValueError(f"cpu_offload_space must be a number of GiB >= 0, got {self.cpu_offload_space!r}")
-        if not _is_number(self.progress_log_interval) or self.progress_log_interval <= 0:
-            raise ValueError(f"progress_log_interval must be > 0 seconds, got {self.progress_log_interval!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**62):
-            raise ValueError(f"seed must be an int in [0, 2**62) or None, got {self.seed!r}")
+        check_int("block_size", self.block_size, minimum=4, allow_none=True)
+        check_int("num_blocks", self.num_blocks, minimum=1, allow_none=True)
+        check_int("max_batch_tokens", self.max_batch_tokens, minimum=1, allow_none=True)
+        check_int("max_requests_per_batch", self.max_requests_per_batch, minimum=1, allow_none=True)
+        check_int("max_queue_size", self.max_queue_size, minimum=0)
+        check_number("max_memory_percent", self.max_memory_percent, 0.0, 1.0, min_open=True, allow_none=True)
+        check_choice("scheduler_type", self.scheduler_type, SCHEDULER_TYPES)
+        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_number("safety_margin", self.safety_margin, 0.0, 1.0, max_open=True, allow_none=True)
+        check_number("cpu_offload_space", self.cpu_offload_space, minimum=0.0)  # GiB
+        check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
+        check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-    @staticmethod
-    def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
-            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+            check_bool(name, getattr(self, name))
 
     def resolved_block_size(self, device_type: str) -> int:
         """Block size in tokens for a device type (``"cpu"`` or ``"cuda"``)."""

@@ -1,141 +1,53 @@
-"""The engine: one synchronous step loop over scheduler, model runner and sampler.
+"""The engine: one synchronous step loop over scheduler and model runner.
 
-``Engine.step()`` reads as three lines (nano-vllm's shape): schedule, run the model,
-sample and update the requests. The background manager and ``generate_batch`` both
-drive this class; it holds no thread and no global state.
+``Engine.step()`` is three calls, as in nano-vllm and vLLM v1: ``scheduler.schedule()`` ->
+``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output``
+(counts, tokens, statuses, finished requests and their blocks). The engine builds the parts,
+queues requests and keeps statistics; it changes no request itself. The background manager,
+``generate_batch`` and ``score`` all drive this class; it holds no thread and no global state.
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .attention import enable_paged_attention, flash_attn_available, restore_attention
 from .block_manager import BlockManager
+from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory, text_config
-from .model_runner import LogitsPlan, ModelRunner
-from .requests import Request, RequestStatus, SamplingParams
-from .sampling import sample_tokens
-from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner
+from .models import UnsupportedModelError, check_model_supported, model_context_length, vocab_size
+from .requests import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot run on the paged engine (encoder-only, or an attention kind we cannot page)."""
-
-
-def check_model_supported(model: torch.nn.Module) -> None:
-    """Raise UnsupportedModelError unless the model is a decoder-only causal LM with pageable attention.
-
-    Raises:
-        UnsupportedModelError: encoder-decoder or encoder-only models, bidirectional
-            attention, layer kinds other than full and sliding-window attention (linear
-            attention, chunked attention, state-space layers), KV shared across layers,
-            or a model that does not dispatch attention through ``AttentionInterface``.
-    """
-    if not isinstance(model, PreTrainedModel):
-        raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    config = model.config
-    text = text_config(config)
-    name = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; rollout runs decoder-only causal LMs")
-    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if name not in causal_names and not name.endswith("ForCausalLM"):
-        raise UnsupportedModelError(
-            f"{name} is not a causal language model (encoder-only or a task head); rollout runs decoder-only "
-            "causal LMs such as LlamaForCausalLM"
-        )
-    if name in causal_names and not getattr(text, "is_decoder", True) and config.model_type in ("bert", "roberta"):
-        raise UnsupportedModelError(f"{name} with is_decoder=False is an encoder; rollout runs decoder-only causal LMs")
-    if getattr(text, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(f"{name} uses bidirectional attention, which cannot be decoded causally")
-    layer_types = getattr(text, "layer_types", None) or []
-    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
-    if bad:
-        raise UnsupportedModelError(
-            f"{name} has layer types {bad}; the paged cache supports {list(SUPPORTED_LAYER_TYPES)} only"
-        )
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV between layers, which the paged cache does not support")
-    if not model._can_set_attn_implementation():
-        raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
-    layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
-    if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
-        raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
-
-
-def normalize_prompt(prompt: object, name: str) -> list[int]:
-    """A prompt as a list of Python ints: lists, tuples, 1-D tensors and numpy arrays of integers.
-
-    Raises:
-        ValueError: not a non-empty 1-D sequence of integer token ids (the message names ``name``).
-    """
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
-        if getattr(prompt, "ndim", 1) != 1:
-            raise ValueError(f"{name} must be a 1-D list of token ids, got shape {tuple(prompt.shape)}")
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-        raise ValueError(f"{name} must be a non-empty list of token ids, got {type(prompt).__name__}: {prompt!r:.60}")
-    out = []
-    for tok in prompt:
-        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
-            raise ValueError(f"{name} must hold integer token ids, got {tok!r} ({type(tok).__name__})")
-        out.append(int(tok))
-    return out
-
-
-def params_from_kwargs(
-    max_new_tokens: int = 20,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-) -> SamplingParams:
-    """SamplingParams from transformers-style values (eos_token_id an int or a list)."""
-    if eos_token_id is None:
-        eos: tuple[int, ...] = ()
-    elif isinstance(eos_token_id, int):
-        eos = (eos_token_id,)
-    else:
-        eos = tuple(eos_token_id)
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        do_sample=bool(do_sample),
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        eos_token_ids=eos,
-    )
+__all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
 
 
 @dataclass
 class EngineStats:
-    """Counters of an engine since it was built.
+    """Counters of an engine since it was built: the one place to read them.
 
     Attributes:
         num_steps: forwards run.
         num_prompt_tokens_computed: prompt tokens whose KV was computed (prefix-cache
             hits are not computed; recompute after preemption is).
-        num_tokens_computed: all query tokens computed.
+        num_tokens_computed: all scheduled tokens computed.
         num_generated_tokens: tokens sampled.
         num_preemptions: requests evicted for lack of blocks.
         num_offloads: preempted requests whose KV went to the CPU pool (not recomputed).
-        num_cached_blocks_hit: blocks handed to requests from the prefix cache.
+        num_prefix_cache_hit_blocks: blocks handed to requests from the prefix cache (a block
+            shared by G requests counts G times when each found it in the cache).
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
     """
@@ -146,7 +58,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_offloads: int = 0
-    num_cached_blocks_hit: int = 0
+    num_prefix_cache_hit_blocks: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
 
@@ -164,7 +76,7 @@ class Engine:
             (a sequence: the whole job of ``generate_batch``), memory permitting.
 
     Raises:
-        UnsupportedModelError: the model cannot be paged (see ``check_model_supported``).
+        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``).
     """
 
     def __init__(
@@ -192,36 +104,38 @@ class Engine:
                 # Each request rounds up to whole blocks; one spare block for slack.
                 num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
         self.num_blocks = num_blocks
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_positions: int | None = getattr(text_config(model.config), "max_position_embeddings", None)
+        self.vocab_size = vocab_size(model)
+        self.context_length = model_context_length(model)
         self._warned_context = False
         self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
         if self.use_flash and self.block_size % 256 != 0:
             logger.warning("flash-attn paged kernels need block_size % 256 == 0; using the SDPA path")
             self.use_flash = False
         self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device)
-        self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            self.config.resolved_max_batch_tokens(dev_type),
-            self.config.max_requests_per_batch,
-            self.config.scheduler_type,
-            self.config.resolved_safety_margin(),
-            offload=self.config.preemption_mode == "offload",
-        )
         self.offload_pool: CPUOffloadPool | None = None
         if self.config.preemption_mode == "offload":
             self.offload_pool = CPUOffloadPool(
                 shape, self.config.cpu_offload_space, self.block_size, pin=dev_type == "cuda"
             )
-        self.generator = torch.Generator(device="cpu")
-        if self.config.seed is not None:
-            self.generator.manual_seed(self.config.seed)
-        else:
-            self.generator.seed()
-        self.weight_version = 0
-        self.runner = ModelRunner(model, self.cache, self.use_flash)
-        self.requests: dict[str, Request] = {}
+        self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
+        self.kv_cache_manager = KVCacheManager(
+            self.block_manager, self.config.resolved_safety_margin(), self.offload_pool
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            self.config.resolved_max_batch_tokens(dev_type),
+            self.config.max_requests_per_batch,
+            self.config.scheduler_type,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            self.use_flash,
+            self.offload_pool,
+            seed=self.config.seed,
+            logprobs_mode=self.config.logprobs_mode,
+            return_logprobs=self.config.return_logprobs,
+        )
         self.stats = EngineStats()
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
@@ -229,40 +143,42 @@ class Engine:
         self._closed = False
 
     # ------------------------------------------------------------------ requests
-    def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> None:
-        """Raise ValueError (naming the argument) if the request can never run; changes nothing.
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request, by id (the scheduler's; do not change it)."""
+        return self.scheduler.requests
+
+    def check_request(self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if this engine can never run a request; changes nothing.
+
+        The prompt and parameters are trusted (they were checked at the public boundary); this
+        adds what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the cache.
+        A request past the model's context only warns (once per engine): ``model.generate`` does
+        not refuse it either, and RoPE models run past it with degraded output.
+
+        Args:
+            request_id: named in the message.
+            num_prompt_tokens: the prompt's length.
+            params: the request's sampling parameters (``max_new_tokens`` counts).
 
         Raises:
-            ValueError: empty prompt, a token id outside [0, vocab_size), invalid
-                sampling values, a duplicate request id, or a prompt plus max_new_tokens
-                that can never fit the cache.
+            ValueError: the request needs more blocks than the cache has.
         """
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = normalize_prompt(prompt_ids, f"input_ids of request {request_id!r}")
-        for tok in prompt_ids:
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(
-                    f"input_ids of request {request_id!r} hold token id {tok!r} outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-        params.validate(self.vocab_size)
-        total = len(prompt_ids) + params.max_new_tokens
-        if self.max_positions is not None and total > self.max_positions and not self._warned_context:
-            # model.generate does not refuse this either; RoPE models run past it, with degraded output.
+        total = num_prompt_tokens + params.max_new_tokens
+        if self.context_length is not None and total > self.context_length and not self._warned_context:
             self._warned_context = True
             logger.warning(
                 "request %r: prompt plus max_new_tokens (%d tokens) exceeds the model's max_position_embeddings (%d)",
                 request_id,
                 total,
-                self.max_positions,
+                self.context_length,
             )
-        needed = self.block_manager.blocks_needed(total)
+        needed = self.kv_cache_manager.blocks_needed(total)
         if needed > self.num_blocks:
             raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache has "
-                f"{self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache "
+                f"has {self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
             )
 
     def add_request(
@@ -274,10 +190,14 @@ class Engine:
         score_from: int | None = None,
         score_temperature: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; returns its state object.
+        """Check and queue a request; returns its state object.
+
+        The entry point for code that drives an engine directly: everything is checked here,
+        once. (``generate_batch``, the manager and ``score`` check at their own boundary, then
+        ``check_request`` and ``enqueue`` the requests they built.)
 
         Args:
-            prompt_ids: the prompt's token ids.
+            prompt_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
             params: sampling parameters.
             request_id: unique id (default ``req_<n>``).
             record_timestamps: record a timestamp per generated token.
@@ -287,46 +207,52 @@ class Engine:
             score_temperature: logits are divided by this before the log-softmax (> 0).
 
         Raises:
-            ValueError: see ``validate_request``; or score_from / score_temperature out of range.
+            ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside
+                the vocabulary, a duplicate request id, a request that can never fit the cache,
+                or score_from / score_temperature out of range.
             RuntimeError: the engine is closed.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        prompt = token_ids(prompt_ids, f"input_ids of request {request_id!r}", self.vocab_size)
+        params.check_vocab(self.vocab_size)
         if score_from is not None:
-            if isinstance(score_from, bool) or not isinstance(score_from, int) or not 1 <= score_from <= len(prompt_ids):
-                raise ValueError(f"score_from must be an int in [1, {len(prompt_ids)}], got {score_from!r}")
-            if not score_temperature > 0:
-                raise ValueError(f"score_temperature must be > 0, got {score_temperature!r}")
-        self.validate_request(prompt_ids, params, request_id)
+            check_int("score_from", score_from, minimum=1, maximum=len(prompt))
+            check_number("score_temperature", score_temperature, minimum=0, min_open=True)
         if request_id is None:
             request_id = f"req_{self._arrivals}"
             while request_id in self.requests:
                 request_id += "_"
-        req = Request(request_id, list(prompt_ids), params, record_timestamps, score_from, score_temperature)
-        self._arrivals += 1
-        self.requests[request_id] = req
-        self.scheduler.add_request(req)
+        self.check_request(request_id, len(prompt), params)
+        req = Request(request_id, prompt, params, record_timestamps, score_from, score_temperature)
+        self.enqueue(req)
         return req
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built and checked by the caller (see ``check_request``).
+
+        Raises:
+            ValueError: its id is already in use by an unfinished request.
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self.scheduler.add_request(request)
+        self._arrivals += 1
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
         """End a request with a final status (cancel, fail), freeing its blocks. None if unknown."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.finish(req)
-        self._drop_offloaded(req)
-        req.status = status
-        req.error = error
-        if status == RequestStatus.CANCELLED:
-            req.finish_reason = "cancelled"
-        elif status == RequestStatus.FAILED:
-            req.finish_reason = "error"
-        return req
+        return self.scheduler.finish_request(request_id, status, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ weights
+    @property
+    def weight_version(self) -> int:
+        """Version recorded with new tokens and new cached blocks."""
+        return self.scheduler.weight_version
+
     def bump_weight_version(self) -> int:
         """Record a weight update: blocks hashed from now on carry the new version."""
         self.set_weight_version(self.weight_version + 1)
@@ -334,51 +260,50 @@ class Engine:
 
     def set_weight_version(self, version: int) -> None:
         """Set the version recorded with new tokens and new cached blocks."""
-        self.weight_version = version
         self.scheduler.weight_version = version
 
     def recompute_in_flight(self) -> None:
-        """Drop the KV of every running request so it is re-prefilled under the current weights."""
-        sched = self.scheduler
-        for req in sched.waiting:
-            if req.offloaded is not None:
-                self._drop_offloaded(req)
-                req.num_computed_tokens = 0
-        sched.requeue_running()
+        """Drop the KV of every unfinished request so it is re-prefilled under the current weights."""
+        self.scheduler.recompute_all()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Request]:
-        """Run one engine step.
+        """Run one engine step: schedule, execute, update.
 
         Returns:
-            The requests that got a new token this step (finished ones included, with
-            status FINISHED and their blocks freed).
+            The requests that got a new token this step, and the requests that finished (status
+            FINISHED, blocks freed), in batch order.
 
         Raises:
             Whatever the forward raises; blocks hashed for this step are dropped from the
             prefix cache first, since their KV may be incomplete.
         """
-        out = self.scheduler.schedule()
-        self._move_offloaded_kv(out)
-        if out.is_empty:
-            return []
+        scheduler_output = self.scheduler.schedule()
         t0 = time.perf_counter()
         try:
-            logits, plan = self.runner.run(out.scheduled)
+            runner_output = self.runner.execute(scheduler_output)
         except BaseException:
-            for entry in out.scheduled:
-                self.block_manager.uncache(entry.request.block_table)
+            self.scheduler.uncache_step(scheduler_output)
             raise
-        updated = self._postprocess(out.scheduled, logits, plan)
-        elapsed = time.perf_counter() - t0
-        self.stats.num_steps += 1
-        self._log_progress()
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        self.stats.num_cached_blocks_hit = self.block_manager.num_cache_hits
-        if all(e.num_query_tokens == 1 and e.sample for e in out.scheduled):
-            self.stats.decode_step_seconds.append(elapsed)
-            self.stats.decode_step_batch.append(len(out.scheduled))
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
         return updated
+
+    def _record_stats(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
+        stats = self.stats
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_offloads = self.kv_cache_manager.num_offloads
+        if scheduler_output.is_empty:
+            return
+        stats.num_steps += 1
+        stats.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
+        stats.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
+        stats.num_generated_tokens += len(runner_output.sampled_token_ids)
+        stats.num_prefix_cache_hit_blocks = self.block_manager.num_prefix_cache_hit_blocks
+        if scheduler_output.is_decode_only:
+            stats.decode_step_seconds.append(seconds)
+            stats.decode_step_batch.append(len(scheduler_output.scheduled))
+        self._log_progress()
 
     def _log_progress(self) -> None:
         """Debug log of throughput every ``config.progress_log_interval`` seconds."""
@@ -394,85 +319,6 @@ class Engine:
             self.block_manager.num_free_blocks,
         )
         self._last_log = (now, self.stats.num_generated_tokens)
-
-    def _move_offloaded_kv(self, out: SchedulerOutput) -> None:
-        """Copy preempted requests' KV to the CPU pool, and restored requests' KV back.
-
-        Offloads first: a victim's freed blocks may already be handed to a restored
-        request in the same step; nothing writes them before the forward.
-        """
-        pool = self.offload_pool
-        if pool is None:
-            return
-        for req, blocks, num_tokens in out.offloads:
-            if pool.can_hold(len(blocks)):
-                req.offloaded = (pool.store(self.cache, blocks), num_tokens)
-                self.stats.num_offloads += 1
-        for req, blocks in out.restores:
-            assert req.offloaded is not None
-            pool.load(self.cache, req.offloaded[0], blocks)
-            req.offloaded = None
-
-    def _drop_offloaded(self, req: Request) -> None:
-        if req.offloaded is not None and self.offload_pool is not None:
-            self.offload_pool.free(req.offloaded[0])
-        req.offloaded = None
-
-    def _postprocess(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, plan: LogitsPlan) -> list[Request]:
-        sampled: list[Request] = []
-        scored: list[Request] = []
-        for entry in scheduled:
-            req, n = entry.request, entry.num_query_tokens
-            c = req.num_computed_tokens
-            self.stats.num_prompt_tokens_computed += max(0, min(c + n, req.num_prompt_tokens) - c)
-            self.stats.num_tokens_computed += n
-            req.num_computed_tokens = c + n
-            if entry.sample:
-                sampled.append(req)
-            elif req.prefill_only and req.num_computed_tokens == req.num_tokens:
-                scored.append(req)
-        if plan.score_segments:
-            self._record_scores(logits[plan.num_sample_rows :], plan)
-        for req in scored:
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "length"
-            self.requests.pop(req.request_id, None)
-            self.scheduler.finish(req)
-        if not sampled:
-            return scored
-        tokens, logprobs = sample_tokens(
-            logits[: plan.num_sample_rows],
-            [r.params for r in sampled],
-            [r.generator for r in sampled],
-            self.generator,
-            self.config.logprobs_mode,
-            self.config.return_logprobs,
-        )
-        tok_list = tokens.tolist()
-        lp_list = logprobs.tolist() if logprobs is not None else [None] * len(sampled)
-        for req, tok, lp in zip(sampled, tok_list, lp_list):
-            req.append_token(tok, lp, self.weight_version)
-            self.stats.num_generated_tokens += 1
-            if req.done:
-                req.status = RequestStatus.FINISHED
-                self.requests.pop(req.request_id, None)
-                self.scheduler.finish(req)
-            else:
-                req.status = RequestStatus.DECODING
-        return sampled + scored
-
-    def _record_scores(self, logits: torch.Tensor, plan: LogitsPlan) -> None:
-        targets = torch.tensor(plan.score_targets, dtype=torch.int64, device=logits.device)
-        temps = torch.tensor(
-            [req.score_temperature for req, count in plan.score_segments for _ in range(count)],
-            dtype=torch.float32,
-            device=logits.device,
-        )
-        lp = torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-        i = 0
-        for req, count in plan.score_segments:
-            req.prompt_logprobs.extend(lp[i : i + count])
-            i += count
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -9,14 +9,11 @@ import psutil
 import torch
 from transformers import PretrainedConfig
 
+from .models import text_config
+
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The text (decoder) part of a config: the config itself for text-only models."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,8 @@ class CPUOffloadPool:
 
     Per layer, ``key[layer]`` and ``value[layer]`` have the cache's slot layout
     ``[num_blocks * block_size, num_kv_heads, head_dim]``; pinned when the cache is on
-    CUDA, so copies can overlap. Blocks are handed out from a free list.
+    CUDA, so copies can overlap. Blocks are handed out from a free list: the KV cache manager
+    allocates and frees them (bookkeeping), the model runner copies into and out of them.
 
     Args:
         shape: the cache's shape.
@@ -145,32 +143,35 @@ class CPUOffloadPool:
         return (ids[:, None] * self.block_size + offsets[None, :]).reshape(-1)
 
     def can_hold(self, num_blocks: int) -> bool:
+        """True when ``num_blocks`` pool blocks are free."""
         return num_blocks <= len(self.free_blocks)
 
-    def store(self, cache: PagedKVCache, block_ids: list[int]) -> list[int]:
-        """Copy cache blocks to the pool; returns the pool blocks holding them.
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` pool blocks (bookkeeping only; ``store`` fills them).
 
         Raises:
-            RuntimeError: the pool has fewer free blocks than asked (check ``can_hold``).
+            RuntimeError: fewer free blocks than asked (check ``can_hold`` first).
         """
-        if not self.can_hold(len(block_ids)):
-            raise RuntimeError(f"offload pool has {len(self.free_blocks)} free blocks, asked for {len(block_ids)}")
-        pool_ids = [self.free_blocks.pop() for _ in block_ids]
+        if not self.can_hold(num_blocks):
+            raise RuntimeError(f"offload pool has {len(self.free_blocks)} free blocks, asked for {num_blocks}")
+        return [self.free_blocks.pop() for _ in range(num_blocks)]
+
+    def free(self, pool_ids: list[int]) -> None:
+        """Return pool blocks to the free list."""
+        self.free_blocks.extend(pool_ids)
+
+    def store(self, cache: PagedKVCache, block_ids: list[int], pool_ids: list[int]) -> None:
+        """Copy cache blocks ``block_ids`` into pool blocks ``pool_ids`` (same length), every layer."""
         src = self._slots(block_ids, cache.device)
         dst = self._slots(pool_ids, torch.device("cpu"))
         for layer in range(len(cache.key)):
             self.key[layer][dst] = cache.key[layer][src].to("cpu", non_blocking=True)
             self.value[layer][dst] = cache.value[layer][src].to("cpu", non_blocking=True)
-        return pool_ids
 
     def load(self, cache: PagedKVCache, pool_ids: list[int], block_ids: list[int]) -> None:
-        """Copy pool blocks back into cache blocks, then free the pool blocks."""
+        """Copy pool blocks ``pool_ids`` back into cache blocks ``block_ids`` (the pool blocks stay taken)."""
         src = self._slots(pool_ids, torch.device("cpu"))
         dst = self._slots(block_ids, cache.device)
         for layer in range(len(cache.key)):
             cache.key[layer][dst] = self.key[layer][src].to(cache.device, non_blocking=True)
             cache.value[layer][dst] = self.value[layer][src].to(cache.device, non_blocking=True)
-        self.free(pool_ids)
-
-    def free(self, pool_ids: list[int]) -> None:
-        self.free_blocks.extend(pool_ids)

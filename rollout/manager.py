@@ -1,50 +1,48 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
-Threads that add, cancel or read requests never touch the engine: they put
-commands in an inbox that the loop drains between steps (vLLM's engine-core input
-queue), and read results from per-request handles. One condition variable guards
-the inbox, the handles and the pause state.
+Threads that add, cancel or read requests never touch the engine: they put commands in an inbox
+(``intake.py``) that the loop drains between steps, and read results from the per-request handles
+of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles and
+the pause state. A request is checked once, in the caller's thread and outside the lock, before it
+is queued: the loop only hands checked ``Request`` objects to the engine.
 
-``pause()`` is the trainer's window on the model: the loop finishes its current
-step and waits; the caller may run an optimizer step, ``load_state_dict`` or a
-training forward/backward on the same model object; on exit the loop resumes with
-the KV cache and every in-flight request kept. ``update_weights`` copies new
-tensors in place under a pause and bumps the weight version, which each generated
-token records; prefix-cache blocks computed under an older version are never
-reused by requests admitted later. By default in-flight requests keep their KV
-(PipelineRL's in-flight weight update); ``recompute=True`` re-prefills them under
-the new weights (AReaL's).
+``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
+the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
+same model object; on exit the loop resumes with the KV cache and every in-flight request kept.
+``update_weights`` copies new tensors in place under a pause (``weights.py``) and bumps the weight
+version, which each generated token records; prefix-cache blocks computed under an older version
+are never reused by requests admitted later. By default in-flight requests keep their KV
+(PipelineRL's in-flight weight update); ``recompute=True`` re-prefills them under the new weights
+(AReaL's).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import logging
-import math
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from queue import Empty, SimpleQueue
-from typing import Any
+import weakref
+from collections.abc import Iterator, Sequence
 
-import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from .checks import token_ids
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats, normalize_prompt
-from .requests import GenerationOutput, Request, RequestStatus, SamplingParams
+from .engine import Engine, EngineStats
+from .intake import Inbox, QueueFullError
+from .models import vocab_size
+from .outputs import OutputRouter, ResultCallback
+from .requests import GenerationOutput, RequestStatus
+from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
+from .weights import NamedTensors, copy_weights, plan_weight_copy
+
+__all__ = ["ContinuousBatchingManager", "QueueFullError", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
 
-ResultCallback = Callable[[GenerationOutput], Any]
-
-
-class QueueFullError(RuntimeError):
-    """``add_request`` found ``max_queue_size`` requests waiting."""
+# How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
+_IDLE_WAIT_SECONDS = 0.05
 
 
 class _State(enum.Enum):
@@ -55,29 +53,20 @@ class _State(enum.Enum):
     DESTROYED = "destroyed"
 
 
-@dataclass
-class _Handle:
-    """Reader-side state of one request."""
-
-    request_id: str
-    streaming: bool
-    final: GenerationOutput | None = None
-    delivered: bool = False
-    stream: SimpleQueue = field(default_factory=SimpleQueue)
-    callback: tuple[ResultCallback, asyncio.AbstractEventLoop | None] | None = None
+# The persistent manager of each model (``continuous_batching_context_manager(...,
+# persistent_manager=True)``), reused by the next call with that model and by ``generate_batch``.
+# The one place that links a model to a manager. A registered manager references its model, so a
+# model stays alive until its persistent manager is destroyed (Python has no ephemerons).
+_PERSISTENT: weakref.WeakKeyDictionary[PreTrainedModel, ContinuousBatchingManager] = weakref.WeakKeyDictionary()
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    record_timestamps: bool
-
-
-@dataclass
-class _Cancel:
-    request_id: str
+def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
+    """The usable persistent manager registered for ``model`` (see ``persist``), if any."""
+    manager = _PERSISTENT.get(model)
+    if manager is not None and manager.state in ("failed", "destroyed"):
+        del _PERSISTENT[model]
+        return None
+    return manager
 
 
 class ContinuousBatchingManager:
@@ -94,6 +83,7 @@ class ContinuousBatchingManager:
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
+        ValueError: a sampling value of the generation config is out of range.
     """
 
     def __init__(
@@ -102,18 +92,15 @@ class ContinuousBatchingManager:
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
-        from .api import resolve_generation_config, sampling_params_from_config
-
         self.model = model
         self.cb_config = continuous_batching_config or ContinuousBatchingConfig()
         self.generation_config = resolve_generation_config(model, generation_config)
-        self.default_params = sampling_params_from_config(self.generation_config)
+        self._vocab_size = vocab_size(model)
+        self.default_params = build_sampling_params(self.generation_config, vocab_size=self._vocab_size)
         self._engine: Engine | None = Engine(model, self.cb_config)
         self._cond = threading.Condition()
-        self._inbox: deque[_Add | _Cancel] = deque()
-        self._handles: dict[str, _Handle] = {}
-        self._finished_order: deque[str] = deque()
-        self._num_queued = 0  # adds in the inbox or waiting in the engine
+        self._outputs = OutputRouter(self._cond, producing=self._producing)
+        self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._state = _State.CREATED
         self._stop_requested = False
         self._hard_stop = False
@@ -122,10 +109,8 @@ class ContinuousBatchingManager:
         self._in_step = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._id_counter = 0
         self._final_weight_version = 0
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
-        self.step_hook: Callable[[], None] | None = None  # test hook: called before each step
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -161,6 +146,11 @@ class ContinuousBatchingManager:
         """True while the background loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def state(self) -> str:
+        """The manager's state: ``created``, ``running``, ``stopped``, ``failed`` or ``destroyed``."""
+        return self._state.value
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the loop to end; True if it has."""
         if self._thread is not None:
@@ -187,7 +177,7 @@ class ContinuousBatchingManager:
                 are finished first.
         """
         with self._cond:
-            if self._state in (_State.DESTROYED,):
+            if self._state == _State.DESTROYED:
                 return
             self._stop_requested = True
             self._hard_stop = self._hard_stop or hard_stop
@@ -199,7 +189,7 @@ class ContinuousBatchingManager:
     def destroy(self) -> None:
         """Stop at once (hard stop), free the cache and restore the model's attention. Idempotent.
 
-        The manager cannot start again afterwards.
+        The manager cannot start again afterwards, and it is no longer its model's persistent manager.
         """
         if self._state == _State.DESTROYED:
             return
@@ -211,8 +201,16 @@ class ContinuousBatchingManager:
             self._final_weight_version = engine.weight_version
             self.final_stats = engine.stats
             engine.close()
-        if getattr(self.model, "_rollout_manager", None) is self:
-            del self.model._rollout_manager
+        if _PERSISTENT.get(self.model) is self:
+            del _PERSISTENT[self.model]
+
+    def persist(self) -> None:
+        """Register as the model's persistent manager until ``destroy()``.
+
+        ``continuous_batching_context_manager(model, ..., persistent_manager=True)`` and
+        ``generate_batch(model, ...)`` then run on this manager.
+        """
+        _PERSISTENT[self.model] = self
 
     def __enter__(self) -> ContinuousBatchingManager:
         self.start()
@@ -235,39 +233,6 @@ class ContinuousBatchingManager:
         return self._engine
 
     # ------------------------------------------------------------------ requests
-    def _new_id(self) -> str:
-        while True:
-            rid = f"req_{self._id_counter}"
-            self._id_counter += 1
-            if rid not in self._handles:
-                return rid
-
-    def _make_params(self, **overrides: Any) -> SamplingParams:
-        from .engine import params_from_kwargs
-
-        d = self.default_params
-        values = dict(
-            max_new_tokens=d.max_new_tokens,
-            do_sample=d.do_sample,
-            temperature=d.temperature,
-            top_k=d.top_k,
-            top_p=d.top_p,
-            seed=d.seed,
-            eos_token_id=list(d.eos_token_ids),
-        )
-        for k, v in overrides.items():
-            if v is not None:
-                values[k] = v
-        temperature = overrides.get("temperature")
-        if temperature is not None and (
-            isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if overrides.get("temperature") is not None and overrides.get("do_sample") is None:
-            # A per-request temperature > 0 asks for sampling, 0 for greedy.
-            values["do_sample"] = overrides["temperature"] > 0
-        return params_from_kwargs(**values)
-
     def add_request(
         self,
         input_ids: Sequence[int],
@@ -283,20 +248,24 @@ class ContinuousBatchingManager:
         do_sample: bool | None = None,
         block: bool = False,
         timeout: float | None = None,
+        *,
+        sampling_params: SamplingParams | None = None,
     ) -> str | None:
         """Queue one request.
 
         Args:
-            input_ids: the prompt's token ids.
+            input_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
             request_id: unique id; default ``req_<n>``.
             max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, do_sample:
-                override the manager's defaults for this request. A temperature alone
+                override the sampling parameters for this request. A temperature alone
                 implies ``do_sample = temperature > 0``.
             streaming: keep every intermediate snapshot for ``request_id_iter`` and
                 result handlers; otherwise only the final output is delivered.
             record_timestamps: record a timestamp per generated token.
             block: when the queue is full, wait for room (up to ``timeout`` seconds).
             timeout: seconds to wait with ``block``.
+            sampling_params: the request's sampling parameters (the overrides above apply on
+                top); default: the manager's, from its generation config.
 
         Returns:
             The request id, or None (with a warning) after ``stop()``.
@@ -308,16 +277,109 @@ class ContinuousBatchingManager:
                 the wait timed out).
             RuntimeError: the manager failed (the message names the cause) or was destroyed.
         """
-        params = self._make_params(
+        params = build_sampling_params(
+            sampling_params or self.default_params,
+            vocab_size=self._vocab_size,
             max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
+            do_sample=do_sample,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,
-            do_sample=do_sample,
+            eos_token_id=eos_token_id,
         )
-        prompt = normalize_prompt(input_ids, "input_ids")
+        prompt = token_ids(input_ids, "input_ids", self._vocab_size)
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str or None, got {request_id!r}")
+        self._check_fits(request_id, prompt, params, "input_ids")
+        return self._enqueue([(request_id, prompt, params)], streaming, record_timestamps, block, timeout)[0]
+
+    def add_requests(
+        self,
+        inputs: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | Sequence[int | None] | None = None,
+        do_sample: bool | None = None,
+        block: bool = False,
+        timeout: float | None = None,
+        request_id: None = None,
+    ) -> list[str]:
+        """Queue several requests; returns their ids in input order.
+
+        Every prompt is checked before any is queued. Requests are queued sorted by prompt, so
+        prompts that share a prefix are admitted next to each other and find each other's blocks
+        in the prefix cache. Without ``block`` the batch is queued whole or not at all.
+
+        Args:
+            inputs: prompts, lists of token ids.
+            sampling_params: as for ``add_request``; one ``SamplingParams`` for the whole batch.
+            seed: one seed for all, or a sequence with one seed per input (G samples of one
+                prompt need G seeds).
+            max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p,
+                do_sample, block, timeout: as for ``add_request``.
+            request_id: not accepted (ids are chosen by the manager); use ``add_request``.
+
+        Raises:
+            ValueError: a bad prompt (its index is named), a bad sampling value, or a seed list
+                of the wrong length; nothing is queued.
+            QueueFullError: the batch does not fit the queue and ``block`` is False; nothing is queued.
+        """
+        if request_id is not None:
+            raise ValueError("add_requests takes no request_id; use add_request for chosen ids")
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(inputs)
+        if len(seeds) != len(inputs):
+            raise ValueError(f"seed holds {len(seeds)} seeds for {len(inputs)} inputs")
+        params = build_sampling_params(
+            sampling_params or self.default_params,
+            vocab_size=self._vocab_size,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+        )
+        items: list[tuple[str | None, list[int], SamplingParams]] = []
+        for i, (prompt_ids, seed_i) in enumerate(zip(inputs, seeds)):
+            name = f"inputs[{i}]"
+            prompt = token_ids(prompt_ids, name, self._vocab_size)
+            params_i = params if seed_i is None else build_sampling_params(params, seed=seed_i)
+            self._check_fits(None, prompt, params_i, name)
+            items.append((None, prompt, params_i))
+        order = sorted(range(len(items)), key=lambda i: items[i][1])
+        queued = self._enqueue([items[i] for i in order], streaming, record_timestamps, block, timeout)
+        ids: list[str | None] = [None] * len(items)
+        for i, rid in zip(order, queued):
+            ids[i] = rid
+        return ids  # type: ignore[return-value]
+
+    def _check_fits(self, request_id: str | None, prompt: list[int], params: SamplingParams, name: str) -> None:
+        """Raise ValueError (naming the argument) when the request can never fit the engine's cache."""
+        with self._cond:
+            engine = self._engine
+        if engine is None:
+            raise RuntimeError("the manager was destroyed and accepts no request")
+        try:
+            engine.check_request(request_id, len(prompt), params)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+
+    def _enqueue(
+        self,
+        items: list[tuple[str | None, list[int], SamplingParams]],
+        streaming: bool,
+        record_timestamps: bool,
+        block: bool,
+        timeout: float | None,
+    ) -> list[str | None]:
         with self._cond:
             if self._state == _State.FAILED:
                 raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
@@ -325,148 +387,38 @@ class ContinuousBatchingManager:
                 raise RuntimeError("the manager was destroyed and accepts no request")
             if self._stop_requested or self._state == _State.STOPPED:
                 logger.warning("add_request after stop(): request not added")
-                return None
-            if request_id is not None and not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str or None, got {request_id!r}")
-            if request_id is not None and request_id in self._handles:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            assert self._engine is not None
-            self._engine.validate_request(prompt, params)
-            max_q = self.cb_config.max_queue_size
-            if max_q and self._num_waiting() >= max_q:
-                if not block:
-                    raise QueueFullError(
-                        f"{self._num_waiting()} requests are waiting (max_queue_size={max_q}); retry later or pass block=True"
-                    )
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while self._num_waiting() >= max_q:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise QueueFullError(f"queue still full after {timeout} s (max_queue_size={max_q})")
-                    self._cond.wait(remaining)
-                    if self._state in (_State.FAILED, _State.DESTROYED) or self._stop_requested:
-                        raise RuntimeError("the manager stopped while add_request waited for room")
-            rid = request_id if request_id is not None else self._new_id()
-            self._handles[rid] = _Handle(rid, streaming)
-            self._inbox.append(_Add(rid, prompt, params, record_timestamps))
-            self._num_queued += 1
-            self._cond.notify_all()
-            return rid
+                return [None] * len(items)
+            ids = self._inbox.put(items, streaming, record_timestamps, block, timeout, self._accepting)
+            return list(ids)
+
+    def _accepting(self) -> bool:
+        return self._state not in (_State.FAILED, _State.DESTROYED) and not self._stop_requested
 
     def _num_waiting(self) -> int:
-        # Requests not yet admitted: in the inbox or in the scheduler's waiting queue.
-        waiting = len(self._engine.scheduler.waiting) if self._engine is not None else 0
-        return self._num_queued + waiting
+        """Requests not yet admitted: in the inbox or in the scheduler's waiting queue."""
+        return self._inbox.num_waiting()
 
-    def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
-        """Queue several requests; returns their ids in input order.
-
-        Requests are queued sorted by prompt, so prompts that share a prefix are admitted
-        next to each other and find each other's blocks in the prefix cache. Every
-        prompt is validated before any is queued.
-
-        Args:
-            inputs: prompts, lists of token ids.
-            **kwargs: as for ``add_request`` (no ``request_id``). ``seed`` may also be a
-                sequence with one seed per input (G samples of one prompt need G seeds).
-
-        Raises:
-            ValueError: a bad prompt (its index is named), or a seed list of the wrong
-                length; nothing is queued.
-        """
-        if kwargs.get("request_id") is not None:
-            raise ValueError("add_requests takes no request_id; use add_request for chosen ids")
-        assert self._engine is not None
-        seeds = kwargs.pop("seed", None)
-        if isinstance(seeds, (list, tuple)):
-            if len(seeds) != len(inputs):
-                raise ValueError(f"seed holds {len(seeds)} seeds for {len(inputs)} inputs")
-        else:
-            seeds = [seeds] * len(inputs)
-        params = self._make_params(
-            **{k: kwargs.get(k) for k in ("max_new_tokens", "eos_token_id", "temperature", "top_k", "top_p", "do_sample")}
-        )
-        inputs = [normalize_prompt(p, f"inputs[{i}]") for i, p in enumerate(inputs)]
-        for i, prompt in enumerate(inputs):
-            try:
-                self._engine.validate_request(prompt, params)
-            except ValueError as e:
-                raise ValueError(f"inputs[{i}]: {e}") from e
-            if seeds[i] is not None:
-                params_i = self._make_params(seed=seeds[i])
-                params_i.validate()
-        max_q = self.cb_config.max_queue_size
-        if max_q and not kwargs.get("block") and self._num_waiting() + len(inputs) > max_q:
-            raise QueueFullError(
-                f"{len(inputs)} requests do not fit the queue: {self._num_waiting()} wait (max_queue_size={max_q}); "
-                "nothing was queued; pass block=True to wait for room"
-            )
-        order = sorted(range(len(inputs)), key=lambda i: tuple(inputs[i]))
-        ids: list[str | None] = [None] * len(inputs)
-        for i in order:
-            ids[i] = self.add_request(inputs[i], seed=seeds[i], **kwargs)
-        return ids  # type: ignore[return-value]
+    def _num_waiting_in_engine(self) -> int:
+        return len(self._engine.scheduler.waiting) if self._engine is not None else 0
 
     def cancel_request(self, request_id: str) -> None:
         """End a request: status CANCELLED with its partial tokens; its blocks are freed.
 
         Unknown or already finished ids are ignored.
         """
-        with self._cond:
-            if request_id in self._handles and self._handles[request_id].final is None:
-                self._inbox.append(_Cancel(request_id))
-                self._cond.notify_all()
+        self._inbox.cancel(request_id)
 
     # ------------------------------------------------------------------ results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished result, or the result of ``request_id``.
 
-        Each result is delivered once: by this method, ``request_id_iter``, iteration or
-        a result handler.
-
-        Args:
-            request_id: wait for this request; None takes the next finished one.
-            timeout: seconds to wait; None waits until a result comes or the loop ends.
-
-        Returns:
-            The final output, or None after the timeout, or when nothing is left to wait
-            for (the loop ended, or no request is pending).
+        None after ``timeout`` seconds or when nothing is left to wait for. Each result is delivered
+        once (see ``OutputRouter.get_result``).
 
         Raises:
             KeyError: ``request_id`` is unknown or its result was already delivered.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if request_id is not None:
-                    handle = self._handles.get(request_id)
-                    if handle is None:
-                        raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
-                    if handle.final is not None:
-                        return self._deliver(handle)
-                else:
-                    while self._finished_order:
-                        handle = self._handles.get(self._finished_order.popleft())
-                        if handle is not None and handle.final is not None:
-                            return self._deliver(handle)
-                    if not any(h.final is None for h in self._handles.values()) and not self._inbox:
-                        return None
-                if not self.is_running() and not self._inbox_would_run():
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._cond.wait(remaining if remaining is not None else 1.0)
-
-    def _inbox_would_run(self) -> bool:
-        # Before the first start() queued requests will still run.
-        return self._state == _State.CREATED
-
-    def _deliver(self, handle: _Handle) -> GenerationOutput:
-        handle.delivered = True
-        del self._handles[handle.request_id]
-        assert handle.final is not None
-        return handle.final
+        return self._outputs.get_result(request_id, timeout)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         """Yield results as they finish, until none is pending and the loop idles or ends."""
@@ -479,73 +431,30 @@ class ContinuousBatchingManager:
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Stream a request's snapshots; the last one has a final status.
 
-        Each snapshot is a copy that never changes later. A request added without
-        ``streaming`` yields its final output only. The iterator also ends if the loop
-        ends (its final chunk then says FAILED).
+        Snapshots never change once yielded. Without ``streaming`` only the final output comes
+        (see ``OutputRouter.stream``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.
             TimeoutError: no chunk came within ``timeout`` seconds.
         """
-        with self._cond:
-            handle = self._handles.get(request_id)
-            if handle is None:
-                raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
-        while True:
-            try:
-                chunk: GenerationOutput = handle.stream.get(timeout=timeout if timeout is not None else 1.0)
-            except Empty:
-                if timeout is not None:
-                    raise TimeoutError(f"no output of {request_id!r} within {timeout} s") from None
-                with self._cond:
-                    if handle.final is not None and handle.stream.empty():
-                        chunk = handle.final
-                    elif handle.final is None and not self.is_running() and self._state != _State.CREATED:
-                        return  # the loop ended without this request (never started again)
-                    else:
-                        continue
-            if chunk.status.is_final:
-                with self._cond:
-                    if not handle.delivered and request_id in self._handles:
-                        self._deliver(handle)
-                yield chunk
-                return
-            yield chunk
+        return self._outputs.stream(request_id, timeout)
 
     def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
         """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
 
-        When called from a running asyncio loop, the callback runs in that loop through
-        ``call_soon_threadsafe``; otherwise it runs in the manager's thread. The handler
-        is dropped after the final output.
+        It runs in the caller's running asyncio loop if there is one, else in the manager's thread
+        (see ``OutputRouter.register_handler``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.
         """
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        with self._cond:
-            handle = self._handles.get(request_id)
-            if handle is None:
-                raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
-            handle.callback = (callback, loop)
-            if handle.final is not None:
-                self._call_handler(handle, handle.final)
-                self._deliver(handle)
+        self._outputs.register_handler(request_id, callback)
 
-    @staticmethod
-    def _call_handler(handle: _Handle, output: GenerationOutput) -> None:
-        assert handle.callback is not None
-        fn, loop = handle.callback
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(fn, output)
-        else:
-            try:
-                fn(output)
-            except Exception:  # noqa: BLE001 - a user callback must not kill the loop
-                logger.exception("result handler of %s raised", handle.request_id)
+    def _producing(self) -> bool:
+        # Results may still come while the loop runs, and before the first start() (queued
+        # requests will run then).
+        return self.is_running() or self._state == _State.CREATED
 
     # ------------------------------------------------------------------ pause and weights
     @contextlib.contextmanager
@@ -567,12 +476,7 @@ class ContinuousBatchingManager:
                 self._pause_count -= 1
                 self._cond.notify_all()
 
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
-        *,
-        recompute: bool = False,
-    ) -> int:
+    def update_weights(self, named_tensors: NamedTensors | None = None, *, recompute: bool = False) -> int:
         """Copy new weights into the model in place and bump the weight version.
 
         Args:
@@ -586,30 +490,15 @@ class ContinuousBatchingManager:
             The new weight version.
 
         Raises:
-            KeyError: an unknown name; ValueError: a shape or dtype mismatch. Both are
-                raised before anything is copied.
+            KeyError: an unknown name; ValueError: a shape or dtype mismatch; TypeError: a value
+                that is not a tensor. All are raised before anything is copied.
+            RuntimeError: the manager was destroyed.
         """
         if self._state == _State.DESTROYED:
             raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
-        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else (named_tensors or []))
-        # remove_duplicate=False: tied weights (lm_head.weight = embed_tokens.weight) keep both names,
-        # as in state_dict().
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        for name, tensor in pairs:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"update_weights: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if name not in targets:
-                raise KeyError(f"update_weights: the model has no parameter or buffer named {name!r}")
-            t = targets[name]
-            if tuple(tensor.shape) != tuple(t.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, got {tuple(tensor.shape)}")
-            if tensor.dtype != t.dtype:
-                raise ValueError(f"update_weights: {name} has dtype {t.dtype}, got {tensor.dtype}")
+        plan = plan_weight_copy(self.model, named_tensors)
         with self.pause():
-            with torch.no_grad():
-                for name, tensor in pairs:
-                    targets[name].copy_(tensor)
+            copy_weights(plan)
             engine = self.engine
             version = engine.bump_weight_version()
             if recompute:
@@ -623,30 +512,27 @@ class ContinuousBatchingManager:
         try:
             while True:
                 with self._cond:
-                    self._drain_inbox(engine)
+                    self._inbox.drain(engine)
                     while self._pause_count > 0 and not self._hard_stop:
                         self._cond.wait()
-                        self._drain_inbox(engine)
+                        self._inbox.drain(engine)
                     if self._hard_stop:
                         self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return
                     if not engine.has_unfinished():
                         if self._stop_requested:
                             return
-                        self._cond.wait(0.05)
+                        self._cond.wait(_IDLE_WAIT_SECONDS)
                         continue
                     self._in_step = True
                 try:
-                    if self.step_hook is not None:
-                        self.step_hook()
                     updated = engine.step()
                 finally:
                     with self._cond:
                         self._in_step = False
                         self._cond.notify_all()
-                with self._cond:
-                    self._publish(updated)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the readers
+                self._outputs.publish(updated)
+        except BaseException as e:  # every failure must reach the readers
             logger.exception("rollout manager loop failed")
             with self._cond:
                 self._error = e
@@ -662,82 +548,12 @@ class ContinuousBatchingManager:
             if close:
                 engine.close()
 
-    def _drain_inbox(self, engine: Engine) -> None:
-        while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, _Add):
-                self._num_queued -= 1
-                handle = self._handles.get(cmd.request_id)
-                if handle is None:
-                    continue
-                try:
-                    engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id, cmd.record_timestamps)
-                except ValueError as e:  # validated at add time; only a race could land here
-                    out = GenerationOutput(cmd.request_id, cmd.prompt_ids, status=RequestStatus.FAILED, error=str(e))
-                    self._finish_handle(handle, out)
-            else:
-                req = engine.finish_request(cmd.request_id, RequestStatus.CANCELLED, "cancelled by the caller")
-                handle = self._handles.get(cmd.request_id)
-                if handle is not None and handle.final is None:
-                    if req is not None:
-                        out = req.to_output()
-                    else:  # still in the inbox: drop the add
-                        out = GenerationOutput(
-                            cmd.request_id, [], status=RequestStatus.CANCELLED, error="cancelled by the caller",
-                            finish_reason="cancelled",
-                        )
-                        self._drop_queued_add(cmd.request_id)
-                    self._finish_handle(handle, out)
-        self._cond.notify_all()
-
-    def _drop_queued_add(self, request_id: str) -> None:
-        for cmd in list(self._inbox):
-            if isinstance(cmd, _Add) and cmd.request_id == request_id:
-                self._inbox.remove(cmd)
-                self._num_queued -= 1
-
-    def _publish(self, updated: list[Request]) -> None:
-        for req in updated:
-            handle = self._handles.get(req.request_id)
-            if handle is None:
-                continue
-            if req.status.is_final:
-                self._finish_handle(handle, req.to_output())
-            elif handle.streaming:
-                chunk = req.to_output()
-                handle.stream.put(chunk)
-                if handle.callback is not None:
-                    self._call_handler(handle, chunk)
-        self._cond.notify_all()
-
-    def _finish_handle(self, handle: _Handle, out: GenerationOutput) -> None:
-        if handle.final is not None:
-            return
-        handle.final = out
-        handle.stream.put(out)
-        self._finished_order.append(handle.request_id)
-        if handle.callback is not None:
-            self._call_handler(handle, out)
-            self._deliver(handle)
-
     def _fail_all(self, engine: Engine, error: BaseException) -> None:
+        """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""
         message = f"{type(error).__name__}: {error}"
         for rid in list(engine.requests):
             req = engine.finish_request(rid, RequestStatus.FAILED, message)
-            handle = self._handles.get(rid)
-            if req is not None and handle is not None:
-                self._finish_handle(handle, req.to_output())
-        while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, _Add):
-                self._num_queued -= 1
-                handle = self._handles.get(cmd.request_id)
-                if handle is not None:
-                    out = GenerationOutput(cmd.request_id, cmd.prompt_ids, status=RequestStatus.FAILED, error=message)
-                    self._finish_handle(handle, out)
-        for handle in list(self._handles.values()):
-            if handle.final is None:
-                self._finish_handle(
-                    handle, GenerationOutput(handle.request_id, [], status=RequestStatus.FAILED, error=message)
-                )
-        self._cond.notify_all()
+            if req is not None:
+                self._outputs.finish(rid, req.to_output())
+        self._inbox.fail_all(message)
+        self._outputs.fail_pending(message)

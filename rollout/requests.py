@@ -1,13 +1,18 @@
-"""Requests: their status, their sampling parameters, their engine-side state, and their output."""
+"""Requests: their status, their engine-side state, and their output.
+
+A request's status, tokens and ``num_computed_tokens`` are written by the scheduler only (admission,
+preemption, ``update_from_output``, ``finish_request``); its blocks by the KV cache manager only.
+"""
 
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -26,58 +31,14 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters.
-
-    Attributes:
-        max_new_tokens: most tokens to generate (>= 1).
-        do_sample: False means greedy decoding, whatever the temperature.
-        temperature: > 0 to sample; 0 means greedy.
-        top_k: keep the k most likely tokens (None or 0: all).
-        top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
-        seed: seed of this request's own generator; the completion then does not depend
-            on the other requests of the batch.
-        eos_token_ids: token ids that end the request (the stop token is kept in the output).
-    """
-
-    max_new_tokens: int = 20
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        """True when the request takes the argmax token at every step."""
-        return (not self.do_sample) or self.temperature == 0.0 or self.top_k == 1
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field when a value is out of its allowed range."""
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if (
-            isinstance(self.temperature, bool)
-            or not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
-            raise ValueError(f"top_k must be None or an int >= 0, got {self.top_k!r}")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        for tok in self.eos_token_ids:
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                bound = vocab_size if vocab_size is not None else "vocab_size"
-                raise ValueError(
-                    f"eos_token_ids must be token ids in [0, {bound}) (eos_token_id of a GenerationConfig), "
-                    f"got {self.eos_token_ids!r}"
-                )
+# ``GenerationOutput.finish_reason`` values.
+FINISH_STOP = "stop"  # a stop token (eos_token_ids) was sampled; it is kept in the output
+FINISH_LENGTH = "length"  # max_new_tokens were generated
+FINISH_SCORED = "scored"  # a scoring (prefill-only) request computed all its tokens; nothing was sampled
+FINISH_CANCELLED = "cancelled"  # cancel_request, or the request was taken out of the engine
+FINISH_ERROR = "error"  # the request failed (a failing step, a hard stop)
+# The finish reason of a request ended from outside with a final status.
+FINISH_REASON_OF_STATUS = {RequestStatus.CANCELLED: FINISH_CANCELLED, RequestStatus.FAILED: FINISH_ERROR}
 
 
 @dataclass
@@ -94,8 +55,9 @@ class GenerationOutput:
         timestamps: ``time.perf_counter()`` seconds at which each token was generated,
             when timestamps were asked for, else empty.
         weight_versions: the engine's weight version under which each token was sampled.
-        finish_reason: "stop" (a stop token), "length" (max_new_tokens), "cancelled",
-            "error", or None while the request runs.
+        finish_reason: "stop" (a stop token), "length" (max_new_tokens), "scored" (a scoring
+            request whose tokens are all computed), "cancelled", "error", or None while the
+            request runs.
         created_time: ``time.perf_counter()`` seconds when the request was added.
         num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache.
         prompt_logprobs: for scoring requests, the logprobs of the scored prompt tokens.
@@ -210,9 +172,9 @@ class Request:
         if self.record_timestamps:
             self.timestamps.append(time.perf_counter())
         if token in self.params.eos_token_ids:
-            self.finish_reason = "stop"
+            self.finish_reason = FINISH_STOP
         elif self.num_generated_tokens >= self.params.max_new_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FINISH_LENGTH
 
     @property
     def done(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .requests import SamplingParams
+from .sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
@@ -84,7 +84,9 @@ def sample_tokens(
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     processed_logprobs: torch.Tensor | None = None
     temps = torch.tensor(
-        [p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params], dtype=torch.float32, device=device
+        [p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params],
+        dtype=torch.float32,
+        device=device,
     )
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=device)

@@ -48,8 +48,8 @@ from pathlib import Path
 import datasets
 import transformers
 
-from .models import load_model
-from .scoring import ScoreOutput, model_context_length, score
+from .models import load_model, model_context_length
+from .scoring import ScoreOutput, score
 
 INPUT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 OUTPUT_FORMATS = (".jsonl", ".parquet")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,10 +37,12 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
 from .engine import Engine
-from .kv_cache import text_config
-from .requests import Request, RequestStatus, SamplingParams
+from .models import model_context_length, vocab_size
+from .requests import Request, RequestStatus
+from .sampling_params import SamplingParams
 
 # Most scoring requests queued in the engine at once (submitted, not finished).
 MAX_IN_FLIGHT = 512
@@ -90,33 +91,6 @@ class _Job:
     group: int
 
 
-def model_context_length(model: PreTrainedModel) -> int | None:
-    """The longest sequence the model supports: ``max_position_embeddings`` of its text config, or None."""
-    value = getattr(text_config(model.config), "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def _as_token_list(row: Any, name: str, index: int, vocab_size: int) -> list[int]:
-    """``row`` as a list of Python ints, checked against the vocabulary.
-
-    Raises:
-        ValueError: ``row`` is not a sequence of ints, or holds an id outside [0, vocab_size).
-    """
-    if hasattr(row, "tolist"):  # torch tensors, numpy arrays
-        row = row.tolist()
-    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-        raise ValueError(f"{name}[{index}] must be a list of token ids, got {type(row).__name__}")
-    out = []
-    for tok in row:
-        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
-            raise ValueError(f"{name}[{index}] holds {tok!r}, which is not an integer token id")
-        tok = int(tok)
-        if not 0 <= tok < vocab_size:
-            raise ValueError(f"{name}[{index}] holds token id {tok} outside the vocabulary [0, {vocab_size})")
-        out.append(tok)
-    return out
-
-
 def validate_rows(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -150,16 +124,16 @@ def validate_rows(
             f"prompts and completions must have the same length, got {len(prompts)} prompts and "
             f"{len(completions)} completions"
         )
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab = vocab_size(model)
     context = model_context_length(model)
     out_prompts: list[list[int]] = []
     out_completions: list[list[int]] = []
     skipped: list[bool] = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt = _as_token_list(p, "prompts", i, vocab_size)
+        prompt = token_ids(p, f"prompts[{i}]", vocab, allow_empty=True)
         if not prompt:
             raise ValueError(f"prompts[{i}] is empty; every row needs at least one prompt token")
-        completion = _as_token_list(c, "completions", i, vocab_size)
+        completion = token_ids(c, f"completions[{i}]", vocab, allow_empty=True)
         too_long = context is not None and len(prompt) + len(completion) > context
         if too_long and not skip_too_long:
             raise ValueError(
@@ -173,12 +147,7 @@ def validate_rows(
 
 
 def _check_temperature(temperature: Any) -> None:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_number("temperature", temperature, minimum=0, min_open=True)
 
 
 def _plan_jobs(
@@ -279,7 +248,7 @@ def _run(
         assert engine is not None
         for job in jobs:  # every job fits the cache, checked before any is queued
             try:
-                engine.validate_request(job.tokens, params, job.request_id)
+                engine.check_request(job.request_id, len(job.tokens), params)
             except ValueError as e:
                 raise ValueError(f"row {job.request_id.removeprefix('score_')}: {e}") from e
 
@@ -302,9 +271,7 @@ def _run(
             while next_job < len(jobs) or in_flight:
                 while next_job < len(jobs) and len(in_flight) < MAX_IN_FLIGHT:
                     job = jobs[next_job]
-                    engine.add_request(
-                        job.tokens, params, job.request_id, score_from=job.score_from, score_temperature=temperature
-                    )
+                    engine.enqueue(Request(job.request_id, job.tokens, params, False, job.score_from, temperature))
                     in_flight[job.request_id] = job
                     next_job += 1
                 if not engine.has_unfinished():
@@ -402,10 +369,7 @@ def score(
             checked before any forward, and the message names the row index.
         UnsupportedModelError: the model cannot run on the paged engine.
     """
-    if batch_tokens is not None and (
-        isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1
-    ):
-        raise ValueError(f"batch_tokens must be None or an int >= 1, got {batch_tokens!r}")
+    check_int("batch_tokens", batch_tokens, minimum=1, allow_none=True)
     _check_temperature(temperature)
     rows_p, rows_c, skipped = validate_rows(model, prompts, completions, skip_too_long)
     config = continuous_batching_config or ContinuousBatchingConfig()

@@ -56,7 +56,7 @@ def test_acquire_raises_ref_count_and_block_is_free_only_after_last_release() ->
     bm.free([block])
     assert bm.blocks[block].ref_count == 0
     assert bm.num_free_blocks == 4
-    assert bm.num_cache_hits == 2
+    assert bm.num_prefix_cache_hit_blocks == 2
 
 
 def test_freeing_a_block_twice_raises_runtime_error() -> None:
@@ -186,7 +186,7 @@ def test_find_cached_prefix_acquires_nothing() -> None:
     bm.free(blocks)
     assert bm.find_cached_prefix(seq, 0, max_tokens=8) == blocks
     assert bm.num_free_blocks == 4
-    assert bm.num_cache_hits == 0
+    assert bm.num_prefix_cache_hit_blocks == 0
 
 
 # ------------------------------------------------------------------------------------ free queue (LRU)
@@ -278,7 +278,7 @@ def test_acquire_of_free_cached_block_removes_it_from_free_queue() -> None:
     assert bm.num_free_blocks == 2
     assert cached not in bm.free_queue
     assert bm.blocks[cached].ref_count == 1
-    assert bm.num_cache_hits == 1
+    assert bm.num_prefix_cache_hit_blocks == 1
     assert sorted(bm.allocate(2)) == [1, 2]
     with pytest.raises(RuntimeError):
         bm.allocate(1)

@@ -1,4 +1,4 @@
-"""ContinuousBatchingConfig and SamplingParams: invalid values fail naming the field, defaults resolve as documented."""
+"""ContinuousBatchingConfig: invalid values fail naming the field, defaults resolve as documented."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.requests import SamplingParams
 
 INVALID_CONFIG_VALUES = [
     ("block_size", 3),
@@ -144,64 +143,3 @@ def test_safety_margin_resolves_to_explicit_value_else_scheduler_default(
 ) -> None:
     config = ContinuousBatchingConfig(scheduler_type=scheduler_type, safety_margin=safety_margin)
     assert config.resolved_safety_margin() == expected
-
-
-# ---------------------------------------------------------------------------------------- SamplingParams
-
-INVALID_SAMPLING_PARAMS = [
-    ("max_new_tokens", {"max_new_tokens": 0}),
-    ("max_new_tokens", {"max_new_tokens": True}),
-    ("temperature", {"temperature": -1.0}),
-    ("top_k", {"top_k": -1}),
-    ("top_p", {"top_p": 0.0}),
-    ("top_p", {"top_p": 1.5}),
-    ("seed", {"seed": "x"}),
-    ("eos_token_ids", {"eos_token_ids": (10,)}),  # out of a vocab of 10
-    ("eos_token_ids", {"eos_token_ids": (-1,)}),
-]
-
-
-@pytest.mark.parametrize(
-    ("field", "kwargs"), INVALID_SAMPLING_PARAMS, ids=[str(kw) for _, kw in INVALID_SAMPLING_PARAMS]
-)
-def test_invalid_sampling_params_raise_value_error_naming_field(field: str, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError) as info:
-        SamplingParams(**kwargs).validate(vocab_size=10)
-    message = str(info.value)
-    assert message.startswith(f"{field} must be"), message
-    assert repr(next(iter(kwargs.values()))) in message, message
-
-
-def test_eos_error_message_names_the_eos_token_ids_field() -> None:
-    with pytest.raises(ValueError, match=r"^eos_token_ids must be"):
-        SamplingParams(eos_token_ids=(10,)).validate(vocab_size=10)
-
-
-def test_eos_token_id_equal_to_vocab_size_is_rejected_and_last_id_accepted() -> None:
-    with pytest.raises(ValueError, match=r"\[0, 10\) \(eos_token_id of a GenerationConfig\), got \(3, 10\)"):
-        SamplingParams(eos_token_ids=(3, 10)).validate(vocab_size=10)
-    SamplingParams(eos_token_ids=(3, 9)).validate(vocab_size=10)
-    # Without a vocab size only the lower bound is checked.
-    SamplingParams(eos_token_ids=(10_000,)).validate()
-
-
-def test_boundary_sampling_params_are_accepted() -> None:
-    SamplingParams(max_new_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=0, eos_token_ids=(0,)).validate(1)
-    SamplingParams(top_p=1e-6, top_k=None).validate(vocab_size=None)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "greedy"),
-    [
-        ({}, True),
-        ({"do_sample": True}, False),
-        ({"do_sample": True, "temperature": 0.0}, True),
-        ({"do_sample": True, "top_k": 1}, True),
-        ({"do_sample": True, "top_k": 2, "top_p": 0.5}, False),
-        ({"do_sample": False, "temperature": 0.7, "top_k": 5}, True),
-    ],
-)
-def test_greedy_property_is_true_without_sampling_zero_temperature_or_top_k_one(
-    kwargs: dict[str, Any], greedy: bool
-) -> None:
-    assert SamplingParams(**kwargs).greedy is greedy

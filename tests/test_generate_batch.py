@@ -109,9 +109,10 @@ def test_preemption_and_chunked_prefill_give_unconstrained_outputs() -> None:
 def test_scheduler_policies_match_generate(scheduler_type: str) -> None:
     model = tiny_llama()
     prompts = random_prompts(6, VOCAB_SIZE, min_len=5, max_len=25, seed=7)
-    _, out = _greedy_engine(
-        model, prompts, ContinuousBatchingConfig(block_size=8, num_blocks=64, scheduler_type=scheduler_type, max_batch_tokens=32)
+    config = ContinuousBatchingConfig(
+        block_size=8, num_blocks=64, scheduler_type=scheduler_type, max_batch_tokens=32
     )
+    _, out = _greedy_engine(model, prompts, config)
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == reference_greedy(model, p, MAX_NEW, None)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import datasets
 import pytest
@@ -14,12 +13,12 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import rollout
 from tests.tiny_models import tiny_llama, tiny_tokenizer
-from tests.utils import assert_close, teacher_forced_logprobs
+from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
-from trainers.rewards import compute_rewards, resolve_reward_func
 from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared
 from trainers.loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, pad_batch
+from trainers.rewards import compute_rewards, resolve_reward_func
 
 REQUIRED_METRICS = (
     "step",
@@ -271,7 +270,7 @@ def test_async_drop_policy_masks_samples_older_than_max_staleness(tmp_path):
     assert all(math.isnan(r["staleness_max"]) or r["staleness_max"] <= 1 for r in rows)
 
 
-def test_training_forward_concurrent_with_generation_gives_the_same_gradients():
+def test_training_forward_concurrent_with_generation_gives_the_same_gradients(monkeypatch):
     """Backs train_outside_pause: a training forward/backward while the engine decodes in its thread gives
     exactly the gradients of the same forward/backward with the engine paused."""
     model = tiny_llama()
@@ -289,11 +288,10 @@ def test_training_forward_concurrent_with_generation_gives_the_same_gradients():
     try:
         with manager.pause():
             reference = grads()
-        busy = threading.Event()
-        manager.step_hook = busy.set
+        steps = StepControl(monkeypatch, manager)
         for i in range(16):
             manager.add_request([3 + i, 40, 41], temperature=1.0, seed=i)
-        assert busy.wait(10)
+        assert steps.wait_started(1, timeout=10)
         concurrent = [grads() for _ in range(3)]
         assert manager.engine.has_unfinished(), "the engine should still be generating"
     finally:

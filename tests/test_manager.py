@@ -1,14 +1,20 @@
-"""The persistent manager: lifecycle, streaming, cancel, results, pause and weight updates, failures, stress."""
+"""The persistent manager: lifecycle, streaming, cancel, results, pause and weight updates, failures, stress.
+
+Every manager comes from the ``make_manager`` fixture, which destroys it at teardown, so a failed
+assertion never leaves a loop thread running. Tests that need the loop at a given point pace its
+engine steps with ``StepControl`` (events, not sleeps).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import logging
 import random
-import statistics
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -24,28 +30,52 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
+from rollout.manager import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
-from tests.utils import reference_greedy
+from tests.utils import StepControl, reference_greedy
 
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 
 
-def _manager(model=None, gc=GREEDY, **cfg) -> ContinuousBatchingManager:
-    cfg.setdefault("block_size", 4)
-    cfg.setdefault("num_blocks", 128)
-    return init_continuous_batching(model or tiny_llama(), gc, ContinuousBatchingConfig(**cfg))
+class ManagerFactory:
+    """Builds managers on tiny models (block_size 4, 128 blocks unless given) and their step controls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.managers: list[ContinuousBatchingManager] = []
+        self.controls: list[StepControl] = []
+
+    def __call__(self, model=None, gc=GREEDY, **cfg) -> ContinuousBatchingManager:  # noqa: ANN001
+        cfg.setdefault("block_size", 4)
+        cfg.setdefault("num_blocks", 128)
+        m = init_continuous_batching(model or tiny_llama(), gc, ContinuousBatchingConfig(**cfg))
+        self.managers.append(m)
+        return m
+
+    def steps(self, manager: ContinuousBatchingManager, delay: float = 0.0) -> StepControl:
+        control = StepControl(self.monkeypatch, manager, delay)
+        self.controls.append(control)
+        return control
+
+    def close(self) -> None:
+        for control in self.controls:  # a held step would keep the loop from ending
+            control.release()
+        for m in self.managers:
+            m.destroy()
 
 
 @pytest.fixture
-def manager():
-    m = _manager()
+def make_manager(monkeypatch: pytest.MonkeyPatch):
+    factory = ManagerFactory(monkeypatch)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def manager(make_manager: ManagerFactory) -> ContinuousBatchingManager:
+    m = make_manager()
     m.start()
-    yield m
-    m.destroy()
-
-
-def _slow_steps(manager: ContinuousBatchingManager, seconds: float) -> None:
-    manager.step_hook = lambda: time.sleep(seconds)
+    return m
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -60,8 +90,8 @@ def test_results_match_generate_and_ids_in_input_order(manager: ContinuousBatchi
         assert out.generated_tokens == reference_greedy(manager.model, p, 8, EOS_TOKEN_ID)
 
 
-def test_start_stop_restart_destroy_twice() -> None:
-    m = _manager()
+def test_start_stop_restart_destroy_twice(make_manager: ManagerFactory) -> None:
+    m = make_manager()
     assert not m.is_running()
     m.start()
     assert m.is_running()
@@ -80,27 +110,31 @@ def test_start_stop_restart_destroy_twice() -> None:
         m.start()
 
 
-def test_add_request_after_stop_warns_and_returns_none(caplog: pytest.LogCaptureFixture) -> None:
-    m = _manager()
+def test_add_request_after_stop_warns_and_returns_none(
+    make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = make_manager()
     m.start()
     m.stop()
     with caplog.at_level(logging.WARNING):
         assert m.add_request([5, 6]) is None
     assert "after stop" in caplog.text
-    m.destroy()
 
 
-def test_hard_stop_fails_requests_and_keeps_partial_tokens() -> None:
-    m = _manager(gc=GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None), num_blocks=512)
+def test_hard_stop_fails_requests_and_keeps_partial_tokens(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None), num_blocks=512)
+    steps = make_manager.steps(m)
+    steps.hold()
     m.start()
-    _slow_steps(m, 0.01)
     ids = [m.add_request(p, streaming=True) for p in random_prompts(3, VOCAB_SIZE, 3, 6, seed=3)]
+    steps.allow(2)
     next(iter(m.request_id_iter(ids[0])))  # at least one token exists
-    m.stop(hard_stop=True)
+    m.stop(hard_stop=True, block=False)
+    steps.release()  # the step the loop waits in runs, then the loop sees the hard stop
+    assert m.join(30)
     outs = [m.get_result(rid, timeout=5) for rid in ids]
     assert all(o.status == RequestStatus.FAILED and "hard_stop" in o.error for o in outs)
     assert 1 <= len(outs[0].generated_tokens) < 200
-    m.destroy()
 
 
 def test_persistent_context_manager_is_reused_by_next_call_and_generate_batch() -> None:
@@ -117,15 +151,44 @@ def test_persistent_context_manager_is_reused_by_next_call_and_generate_batch() 
     assert [o.generated_tokens for o in out.values()] == [reference_greedy(model, p, 8, EOS_TOKEN_ID) for p in prompts]
     first.destroy()
     assert getattr(model, "_rollout_manager", None) is None
+    assert persistent_manager_of(model) is None
     with continuous_batching_context_manager(model, GREEDY, cfg) as third:
         assert third is not first
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_destroying_a_persistent_manager_releases_its_model() -> None:
+    # The model-to-manager link is a weak mapping: once the manager is destroyed, nothing of
+    # rollout's keeps the model (and its KV cache) alive.
+    model = tiny_llama()
+    cfg = ContinuousBatchingConfig(block_size=4, num_blocks=16)
+    with continuous_batching_context_manager(model, GREEDY, cfg, persistent_manager=True) as manager:
+        pass
+    assert persistent_manager_of(model) is manager
+    manager.destroy()
+    assert persistent_manager_of(model) is None
+    ref = weakref.ref(model)
+    del model, manager
+    gc.collect()
+    assert ref() is None
 
 
 def test_duplicate_request_id_is_refused(manager: ContinuousBatchingManager) -> None:
     manager.add_request([5, 6], request_id="a")
     with pytest.raises(ValueError, match="'a' is already in use"):
         manager.add_request([5, 6], request_id="a")
+
+
+def test_sampling_params_are_taken_whole_and_keyword_overrides_apply_on_top(manager: ContinuousBatchingManager) -> None:
+    params = rollout.SamplingParams(max_new_tokens=3, eos_token_ids=())
+    rid = manager.add_request([5, 6, 7], sampling_params=params)
+    assert len(manager.get_result(rid, timeout=30).generated_tokens) == 3
+    rid = manager.add_request([5, 6, 7], max_new_tokens=2, sampling_params=params)
+    assert len(manager.get_result(rid, timeout=30).generated_tokens) == 2
+    ids = manager.add_requests([[5, 6], [7]], params, max_new_tokens=4)
+    assert [len(manager.get_result(r, timeout=30).generated_tokens) for r in ids] == [4, 4]
+    with pytest.raises(ValueError, match=r"eos_token_ids must be token ids in \[0, 256\)"):
+        manager.add_request([5], sampling_params=rollout.SamplingParams(eos_token_ids=(256,)))
 
 
 def test_bad_input_raises_before_queueing(manager: ContinuousBatchingManager) -> None:
@@ -139,21 +202,23 @@ def test_bad_input_raises_before_queueing(manager: ContinuousBatchingManager) ->
 
 
 # ---------------------------------------------------------------- results
-def test_cancel_ends_request_with_partial_tokens_and_frees_blocks() -> None:
-    m = _manager(gc=GenerationConfig(max_new_tokens=500, do_sample=False, eos_token_id=None), num_blocks=256)
+def test_cancel_ends_request_with_partial_tokens_and_frees_blocks(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=500, do_sample=False, eos_token_id=None), num_blocks=256)
+    steps = make_manager.steps(m)
+    steps.hold()
     m.start()
-    _slow_steps(m, 0.005)
     rid = m.add_request([5, 6, 7, 8, 9], streaming=True)
     it = m.request_id_iter(rid)
+    steps.allow(3)
     next(it), next(it)
     m.cancel_request(rid)
+    steps.release()
     out = m.get_result(rid, timeout=5)
     assert out.status == RequestStatus.CANCELLED
     assert 2 <= len(out.generated_tokens) < 500
-    time.sleep(0.05)
+    # The result is published after the cancel freed the blocks: no wait is needed.
     with m.pause():
         assert m.engine.block_manager.num_free_blocks == 256
-    m.destroy()
 
 
 def test_get_result_none_after_timeout_and_next_finished(manager: ContinuousBatchingManager) -> None:
@@ -171,11 +236,11 @@ def test_iterating_the_manager_yields_each_result_once(manager: ContinuousBatchi
 
 
 def test_streaming_snapshots_never_change(manager: ContinuousBatchingManager) -> None:
-    manager.step_hook = lambda: time.sleep(0.002)
     rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=6, eos_token_id=[])
     chunks = list(manager.request_id_iter(rid))
     assert [len(c.generated_tokens) for c in chunks] == [1, 2, 3, 4, 5, 6]
-    assert [c.status for c in chunks[:-1]] == [RequestStatus.DECODING] * 5 and chunks[-1].status == RequestStatus.FINISHED
+    assert [c.status for c in chunks[:-1]] == [RequestStatus.DECODING] * 5
+    assert chunks[-1].status == RequestStatus.FINISHED
     for i, c in enumerate(chunks):
         assert c.generated_tokens == chunks[-1].generated_tokens[: i + 1]
 
@@ -214,12 +279,12 @@ def test_result_handler_without_loop_is_called_once(manager: ContinuousBatchingM
     rid = manager.add_request([5, 6, 7])
     manager.register_result_handler(rid, lambda out: (got.append(out), done.set()))
     assert done.wait(30)
-    time.sleep(0.05)
+    manager.stop()  # the loop has ended: no later call can come
     assert len(got) == 1 and got[0].status == RequestStatus.FINISHED
 
 
-def test_max_queue_size_raises_or_blocks() -> None:
-    m = _manager(max_queue_size=2)  # not started: nothing leaves the queue
+def test_max_queue_size_raises_or_blocks(make_manager: ManagerFactory) -> None:
+    m = make_manager(max_queue_size=2)  # not started: nothing leaves the queue
     m.add_request([5])
     m.add_request([6])
     with pytest.raises(QueueFullError, match="max_queue_size=2"):
@@ -231,12 +296,13 @@ def test_max_queue_size_raises_or_blocks() -> None:
     threading.Timer(0.2, m.start).start()
     rid = m.add_request([7], block=True, timeout=30)  # room appears once the loop admits requests
     assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
-    m.destroy()
 
 
 # ---------------------------------------------------------------- pause and weights
-def test_no_token_while_any_thread_holds_a_pause(manager: ContinuousBatchingManager) -> None:
-    manager.step_hook = lambda: time.sleep(0.002)
+def test_no_token_while_any_thread_holds_a_pause(make_manager: ManagerFactory) -> None:
+    manager = make_manager()
+    steps = make_manager.steps(manager)
+    manager.start()
     rid = manager.add_request([5, 6, 7], streaming=True, max_new_tokens=400, eos_token_id=[])
     it = manager.request_id_iter(rid)
     next(it)
@@ -253,18 +319,19 @@ def test_no_token_while_any_thread_holds_a_pause(manager: ContinuousBatchingMana
         t.start()
     entered.wait()
     before = manager.engine.stats.num_generated_tokens
-    time.sleep(0.2)
+    started = steps.started
+    assert not steps.wait_started(started + 1, timeout=0.2)  # no step starts while the pauses are held
     assert manager.engine.stats.num_generated_tokens == before
     release.set()
     for t in threads:
         t.join()
-    time.sleep(0.1)
+    assert steps.wait_finished(started + 1)
     assert manager.engine.stats.num_generated_tokens > before
     manager.cancel_request(rid)
 
 
-def test_pause_is_reentrant() -> None:
-    m = _manager()
+def test_pause_is_reentrant(make_manager: ManagerFactory) -> None:
+    m = make_manager()
     m.start()
     with m.pause():
         with m.pause():
@@ -272,25 +339,21 @@ def test_pause_is_reentrant() -> None:
         assert m._pause_count == 1
     rid = m.add_request([5, 6])
     assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
-    m.destroy()
 
 
-def test_pause_latency_is_at_most_one_step() -> None:
-    step = 0.1
-    m = _manager(gc=GenerationConfig(max_new_tokens=1000, do_sample=False, eos_token_id=None), num_blocks=512)
+def test_pause_latency_is_at_most_one_step(make_manager: ManagerFactory) -> None:
+    # pause() returns once the step in progress ends: no step starts between the call and the
+    # return, and none runs while the pause is held.
+    m = make_manager(gc=GenerationConfig(max_new_tokens=1000, do_sample=False, eos_token_id=None), num_blocks=512)
+    steps = make_manager.steps(m, delay=0.01)  # steps long enough for pauses to land mid-step
     m.start()
-    _slow_steps(m, step)
     m.add_request([5, 6, 7])
-    time.sleep(0.15)
-    latencies = []
     for _ in range(5):
-        time.sleep(random.uniform(0, step))
-        t0 = time.perf_counter()
+        assert steps.wait_started(steps.started + 1)
+        started_at_call = steps.started
         with m.pause():
-            latencies.append(time.perf_counter() - t0)
-    m.destroy()
-    assert max(latencies) <= step + 0.05, latencies
-    assert statistics.median(latencies) <= step
+            assert steps.finished == steps.started  # no step in progress
+            assert steps.started <= started_at_call + 1  # at most the step whose start raced the call
 
 
 def _training_loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -303,10 +366,10 @@ def _training_loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, list
     return loss.detach(), grads
 
 
-def test_forward_backward_under_pause_equals_fresh_copy() -> None:
+def test_forward_backward_under_pause_equals_fresh_copy(make_manager: ManagerFactory) -> None:
     model = tiny_llama()
     fresh = copy.deepcopy(model)
-    m = _manager(model, gc=GenerationConfig(max_new_tokens=300, do_sample=False, eos_token_id=None), num_blocks=256)
+    m = make_manager(model, gc=GenerationConfig(max_new_tokens=300, do_sample=False, eos_token_id=None), num_blocks=256)
     m.start()
     m.add_request([5, 6, 7])
     with m.pause():
@@ -323,11 +386,11 @@ def _perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_update_weights_versions_and_continuations(recompute: bool) -> None:
+def test_update_weights_versions_and_continuations(make_manager: ManagerFactory, recompute: bool) -> None:
     model = tiny_llama()
-    m = _manager(model, gc=GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None))
+    m = make_manager(model, gc=GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None))
+    make_manager.steps(m, delay=0.005)  # the update lands within a step of the third token
     m.start()
-    m.step_hook = lambda: time.sleep(0.005)
     prompt = [5, 6, 7, 8, 9]
     rid = m.add_request(prompt, streaming=True)
     it = m.request_id_iter(rid)
@@ -340,16 +403,15 @@ def test_update_weights_versions_and_continuations(recompute: bool) -> None:
     # A request admitted after the update equals model.generate with the new weights.
     later = m.add_request(prompt)
     assert m.get_result(later, timeout=30).generated_tokens == reference_greedy(model, prompt, 12, None)
-    m.destroy()
     if recompute:
         before = out.generated_tokens[:k]
         fresh = reference_greedy(model, prompt + before, 12 - k, None)
         assert out.generated_tokens[k:] == fresh
 
 
-def test_update_weights_refuses_bad_tensors_before_copying() -> None:
+def test_update_weights_refuses_bad_tensors_before_copying(make_manager: ManagerFactory) -> None:
     model = tiny_llama()
-    m = _manager(model)
+    m = make_manager(model)
     w = model.lm_head.weight.detach().clone()
     with pytest.raises(KeyError, match="no parameter or buffer named 'nope'"):
         m.update_weights({"lm_head.weight": w + 1, "nope": w})
@@ -359,12 +421,11 @@ def test_update_weights_refuses_bad_tensors_before_copying() -> None:
         m.update_weights({"lm_head.weight": w.double()})
     assert torch.equal(model.lm_head.weight, w) and m.weight_version == 0
     assert m.update_weights() == 1  # None: the caller changed the weights itself
-    m.destroy()
 
 
-def test_prefix_blocks_of_old_weights_are_not_reused() -> None:
+def test_prefix_blocks_of_old_weights_are_not_reused(make_manager: ManagerFactory) -> None:
     model = tiny_llama()
-    m = _manager(model, gc=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
+    m = make_manager(model, gc=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
     m.start()
     prompt = list(range(10, 30))  # 5 full blocks
     m.get_result(m.add_request(prompt), timeout=30)
@@ -374,21 +435,19 @@ def test_prefix_blocks_of_old_weights_are_not_reused() -> None:
     assert out.generated_tokens == reference_greedy(model, prompt, 4, None)
     again = m.get_result(m.add_request(prompt), timeout=30)
     assert again.num_cached_prompt_tokens == 16  # same version now: blocks reused (last block recomputed)
-    m.destroy()
 
 
 # ---------------------------------------------------------------- failure and stress
-def test_step_that_raises_fails_every_request_and_unblocks_readers() -> None:
-    m = _manager(gc=GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
-    m.start()
-    calls = {"n": 0}
+def test_step_that_raises_fails_every_request_and_unblocks_readers(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
+    steps = make_manager.steps(m)
 
-    def hook() -> None:
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def fail_third_step(number: int) -> None:
+        if number == 3:
             raise RuntimeError("injected step failure")
 
-    m.step_hook = hook
+    steps.before = fail_third_step
+    m.start()
     ids = m.add_requests(random_prompts(4, VOCAB_SIZE, 3, 8, seed=6))
     streamed = m.add_request([5, 6], streaming=True)
     chunks = list(m.request_id_iter(streamed))
@@ -397,11 +456,10 @@ def test_step_that_raises_fails_every_request_and_unblocks_readers() -> None:
     assert all(o.status == RequestStatus.FAILED and "injected step failure" in o.error for o in outs)
     with pytest.raises(RuntimeError, match="injected step failure"):
         m.add_request([5, 6])
-    m.destroy()
 
 
-def test_stress_four_threads_add_cancel_read_with_pauses() -> None:
-    m = _manager(gc=GenerationConfig(max_new_tokens=6, do_sample=False), num_blocks=256)
+def test_stress_four_threads_add_cancel_read_with_pauses(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=6, do_sample=False), num_blocks=256)
     m.start()
     prompts = random_prompts(400, VOCAB_SIZE, 2, 12, seed=7)
     results: dict[str, RequestStatus] = {}
@@ -449,8 +507,8 @@ def test_stress_four_threads_add_cancel_read_with_pauses() -> None:
     assert RequestStatus.CANCELLED in results.values()
 
 
-def test_add_requests_with_one_seed_per_input_is_reproducible() -> None:
-    m = _manager(gc=GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None))
+def test_add_requests_with_one_seed_per_input_is_reproducible(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None))
     m.start()
     prompt = [5, 6, 7, 8]
     first = [m.get_result(r, timeout=30).generated_tokens for r in m.add_requests([prompt] * 4, seed=[1, 2, 3, 4])]
@@ -458,11 +516,10 @@ def test_add_requests_with_one_seed_per_input_is_reproducible() -> None:
     assert first == again and len({tuple(t) for t in first}) > 1
     with pytest.raises(ValueError, match="2 seeds for 4 inputs"):
         m.add_requests([prompt] * 4, seed=[1, 2])
-    m.destroy()
 
 
 # ---------------------------------------------------------------- regressions found by a new user
-def test_update_weights_with_a_full_state_dict_of_a_tied_model() -> None:
+def test_update_weights_with_a_full_state_dict_of_a_tied_model(make_manager: ManagerFactory) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -471,7 +528,7 @@ def test_update_weights_with_a_full_state_dict_of_a_tied_model() -> None:
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    m = _manager(model)
+    m = make_manager(model)
     new = {k: v + 0.01 for k, v in model.state_dict().items()}
     assert "lm_head.weight" in new
     assert m.update_weights(new) == 1
@@ -498,18 +555,17 @@ def test_generate_batch_on_persistent_manager_keeps_input_order_keys() -> None:
     manager.destroy()
 
 
-def test_start_after_non_blocking_stop_restarts() -> None:
-    m = _manager()
+def test_start_after_non_blocking_stop_restarts(make_manager: ManagerFactory) -> None:
+    m = make_manager()
     m.start()
     m.stop(block=False)
     m.start()
     rid = m.add_request([51])
     assert rid is not None and m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
-    m.destroy()
 
 
-def test_add_requests_queues_nothing_when_one_input_is_bad() -> None:
-    m = _manager(max_queue_size=3)
+def test_add_requests_queues_nothing_when_one_input_is_bad(make_manager: ManagerFactory) -> None:
+    m = make_manager(max_queue_size=3)
     with pytest.raises(ValueError, match="seed"):
         m.add_requests([[5], [6], [7]], seed=[1, "x", 3], do_sample=True)
     m.add_request([9])
@@ -520,4 +576,3 @@ def test_add_requests_queues_nothing_when_one_input_is_bad() -> None:
         m.add_request([5], temperature=float("nan"))
     with pytest.raises(ValueError, match="request_id must be a str"):
         m.add_request([5], request_id=7)
-    m.destroy()

@@ -118,7 +118,10 @@ def test_max_new_tokens_below_one_raises() -> None:
 def test_request_that_can_never_fit_the_cache_raises() -> None:
     with pytest.raises(ValueError, match="needs 5 blocks of 4 tokens, but the cache has 4"):
         generate_batch(
-            tiny_llama(), [[5, 6, 7]], GenerationConfig(max_new_tokens=15), ContinuousBatchingConfig(block_size=4, num_blocks=4)
+            tiny_llama(),
+            [[5, 6, 7]],
+            GenerationConfig(max_new_tokens=15),
+            ContinuousBatchingConfig(block_size=4, num_blocks=4),
         )
 
 

@@ -1,9 +1,8 @@
 """Scheduler: token budget, chunked prefill, policies, safety margin, block counts, preemption, prefix sharing.
 
-The tests drive a Scheduler directly and play the engine's postprocess by hand (``run_step``): each
-scheduled request advances ``num_computed_tokens`` by its query tokens, and a request that samples gets
-one token appended (and is finished when done). Every block count below is computed by hand for
-``block_size`` 4.
+The tests drive a Scheduler through its own API, without a model: ``run_step`` calls ``schedule()``
+and then ``update_from_output`` with what a runner would return, a fixed token for every request
+that samples. Every block count below is computed by hand for ``block_size`` 4.
 """
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from rollout.block_manager import BlockManager
-from rollout.requests import Request, RequestStatus, SamplingParams
-from rollout.scheduler import Scheduler, SchedulerOutput
+from rollout.kv_cache_manager import KVCacheManager
+from rollout.requests import Request, RequestStatus
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 BS = 4
 NEXT_TOKEN = 1  # the token every emulated sample appends
@@ -25,8 +26,8 @@ def make_scheduler(
     scheduler_type: str = "fifo",
     safety_margin: float = 0.0,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, BS)
-    return Scheduler(bm, max_batch_tokens, max_requests_per_batch, scheduler_type, safety_margin)
+    kv = KVCacheManager(BlockManager(num_blocks, BS), safety_margin)
+    return Scheduler(kv, max_batch_tokens, max_requests_per_batch, scheduler_type)
 
 
 def make_request(request_id: str, prompt_ids: list[int], max_new_tokens: int, score_from: int | None = None) -> Request:
@@ -37,28 +38,21 @@ def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
+def runner_output(out: SchedulerOutput) -> RunnerOutput:
+    """What a runner returns for ``out``: NEXT_TOKEN for every request that samples, no logprobs."""
+    return RunnerOutput(sampled_token_ids=[NEXT_TOKEN for e in out.scheduled if e.sample])
+
+
 def run_step(sched: Scheduler) -> SchedulerOutput:
-    """schedule(), then the engine's postprocess with a fixed sampled token (scoring requests end when computed)."""
+    """schedule(), then the scheduler's own update with a fixed sampled token."""
     out = sched.schedule()
-    for entry in out.scheduled:
-        req = entry.request
-        req.num_computed_tokens += entry.num_query_tokens
-        if req.prefill_only and req.num_computed_tokens == req.num_tokens:
-            req.status = RequestStatus.FINISHED
-            sched.finish(req)
-        if entry.sample:
-            req.append_token(NEXT_TOKEN, None, 0)
-            if req.done:
-                req.status = RequestStatus.FINISHED
-                sched.finish(req)
-            else:
-                req.status = RequestStatus.DECODING
+    sched.update_from_output(out, runner_output(out))
     return out
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
     """(request id, query tokens, sample) of each scheduled request, in batch order."""
-    return [(e.request.request_id, e.num_query_tokens, e.sample) for e in out.scheduled]
+    return [(e.request.request_id, e.num_scheduled_tokens, e.sample) for e in out.scheduled]
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 200) -> list[SchedulerOutput]:
@@ -81,11 +75,11 @@ def test_step_tokens_never_exceed_budget_and_total_equals_tokens_to_compute() ->
         sched.add_request(req)
     outs = run_to_completion(sched)
     for out in outs:
-        assert 1 <= out.num_tokens <= 16
-        assert all(e.num_query_tokens >= 1 for e in out.scheduled)
+        assert 1 <= out.total_num_scheduled_tokens <= 16
+        assert all(e.num_scheduled_tokens >= 1 for e in out.scheduled)
     # Without preemption every prompt token and every generated token but the last is computed once.
     assert sched.num_preemptions == 0
-    assert sum(out.num_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
+    assert sum(out.total_num_scheduled_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
     assert all(req.num_generated_tokens == max_new for req in requests)
     assert sched.block_manager.num_free_blocks == 64
 
@@ -225,13 +219,7 @@ def test_block_counts_of_10_token_prompt_through_decodes() -> None:
         sched_out = sched.schedule()
         held.append(len(req.block_table))
         free.append(sched.block_manager.num_free_blocks)
-        # postprocess of the scheduled step
-        for entry in sched_out.scheduled:
-            entry.request.num_computed_tokens += entry.num_query_tokens
-            if entry.sample:
-                entry.request.append_token(NEXT_TOKEN, None, 0)
-                if entry.request.done:
-                    sched.finish(entry.request)
+        sched.update_from_output(sched_out, runner_output(sched_out))
     # Tokens computed after the step: 10 (prefill), then 11..17 (decodes): ceil(n / 4) blocks.
     assert held == [3, 3, 3, 4, 4, 4, 4, 5]
     assert free == [5, 5, 5, 4, 4, 4, 4, 3]
@@ -289,7 +277,7 @@ def test_out_of_blocks_preempts_most_recent_request_and_readmits_it_later() -> N
     assert b.block_table[0] == b_blocks[0]
     assert len(b.block_table) == 3
     assert b.num_cached_prompt_tokens == 0  # hits after a preemption are not prompt-cache hits
-    assert bm.num_cache_hits == 1
+    assert bm.num_prefix_cache_hit_blocks == 1
 
     outs = run_to_completion(sched)
     assert [plan(o) for o in outs] == [[("b", 1, True)]]
@@ -342,7 +330,7 @@ def test_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
     assert bm.blocks[b.block_table[2]].ref_count == 1
     assert bm.num_free_blocks == 16 - 4
-    assert bm.num_cache_hits == 2
+    assert bm.num_prefix_cache_hit_blocks == 2
     # b's third block duplicates a's: the cache keeps a's, b's stays private.
     assert bm.blocks[b.block_table[2]].block_hash is None
     assert bm.find_cached_prefix(b.token_ids, 0, max_tokens=12) == a.block_table
@@ -417,3 +405,99 @@ def test_scoring_request_prefix_hits_stop_before_first_scored_position(score_fro
     sched.add_request(scorer)
     assert plan(sched.schedule()) == [("score", 12 - expected_cached, False)]
     assert scorer.num_computed_tokens == expected_cached
+
+
+# ------------------------------------------------------------------------------------ update_from_output
+
+
+def test_update_appends_token_logprob_and_weight_version_then_finishes_at_max_new_tokens() -> None:
+    sched = make_scheduler(num_blocks=8)
+    req = make_request("a", tokens(0, 6), max_new_tokens=2)
+    sched.add_request(req)
+    sched.weight_version = 3
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[42], logprobs=[-0.5]))
+    assert updated == [req]
+    assert req.num_computed_tokens == 6 and req.token_ids[-1] == 42
+    assert req.generated_logprobs == [-0.5] and req.weight_versions == [3]
+    assert req.status == RequestStatus.DECODING and req.finish_reason is None
+    out = sched.schedule()
+    assert plan(out) == [("a", 1, True)]
+    sched.update_from_output(out, RunnerOutput(sampled_token_ids=[43], logprobs=[-1.5]))
+    assert req.generated_tokens == [42, 43] and req.generated_logprobs == [-0.5, -1.5]
+    assert req.status == RequestStatus.FINISHED and req.finish_reason == "length"
+    assert req.block_table == [] and sched.block_manager.num_free_blocks == 8
+    assert not sched.has_unfinished() and sched.requests == {}
+
+
+def test_update_finishes_on_a_stop_token_and_leaves_the_others_running() -> None:
+    sched = make_scheduler(num_blocks=8)
+    eos = SamplingParams(max_new_tokens=10, eos_token_ids=(7,))
+    a = Request("a", tokens(0, 4), eos)
+    b = Request("b", tokens(100, 4), eos)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[7, 8]))
+    assert updated == [a, b]
+    assert a.status == RequestStatus.FINISHED and a.finish_reason == "stop" and a.generated_tokens == [7]
+    assert b.status == RequestStatus.DECODING and b.generated_tokens == [8]
+    assert a.generated_logprobs == [] and sched.running == [b] and list(sched.requests) == ["b"]
+    # b holds 1 block (4 computed tokens); the block of its 5th token comes with the next schedule().
+    assert sched.block_manager.num_free_blocks == 8 - 1
+
+
+def test_update_records_scores_and_finishes_a_scoring_request_with_reason_scored() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=6)
+    req = make_request("s", tokens(0, 10), max_new_tokens=1, score_from=4)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert plan(out) == [("s", 6, False)]
+    assert sched.update_from_output(out, RunnerOutput(prompt_logprobs=[(req, [-1.0, -2.0, -3.0])])) == []
+    assert req.num_computed_tokens == 6 and req.status == RequestStatus.PREFILLING
+    out = sched.schedule()
+    updated = sched.update_from_output(out, RunnerOutput(prompt_logprobs=[(req, [-4.0, -5.0, -6.0])]))
+    assert updated == [req]
+    assert req.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    assert req.status == RequestStatus.FINISHED and req.finish_reason == "scored"
+    assert req.num_generated_tokens == 0 and sched.block_manager.num_free_blocks == 16
+
+
+def test_finish_request_cancels_waiting_and_running_requests_and_frees_their_blocks() -> None:
+    sched = make_scheduler(num_blocks=8, max_requests_per_batch=1)
+    a = make_request("a", tokens(0, 8), max_new_tokens=5)
+    b = make_request("b", tokens(100, 8), max_new_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # a runs on 2 blocks, b waits
+    assert sched.finish_request("b", RequestStatus.CANCELLED, "cancelled by the caller") is b
+    assert b.status == RequestStatus.CANCELLED and b.finish_reason == "cancelled"
+    assert b.error == "cancelled by the caller"
+    assert sched.finish_request("a", RequestStatus.FAILED, "boom") is a
+    assert a.finish_reason == "error" and a.block_table == []
+    assert sched.finish_request("a", RequestStatus.FAILED) is None
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 8
+
+
+def test_add_request_refuses_an_id_in_use() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("a", tokens(0, 3), max_new_tokens=1))
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        sched.add_request(make_request("a", tokens(5, 3), max_new_tokens=1))
+
+
+def test_recompute_all_requeues_running_requests_in_order_with_no_kv() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a = make_request("a", tokens(0, 5), max_new_tokens=4)
+    b = make_request("b", tokens(100, 5), max_new_tokens=4)
+    c = make_request("c", tokens(200, 5), max_new_tokens=4)
+    for req in (a, b):
+        sched.add_request(req)
+    run_step(sched)
+    sched.add_request(c)
+    sched.recompute_all()
+    assert list(sched.waiting) == [a, b, c] and sched.running == []
+    assert [r.num_computed_tokens for r in (a, b)] == [0, 0] and a.num_tokens == 6
+    assert all(r.status == RequestStatus.PENDING and r.block_table == [] for r in (a, b, c))
+    # a and b recompute prompt + their generated token; with prefix caching their first block is a hit.
+    assert plan(sched.schedule()) == [("a", 2, True), ("b", 2, True), ("c", 5, True)]

@@ -38,7 +38,11 @@ def smollm2():
 def test_greedy_matches_generate_and_logprobs_match_teacher_forcing_smollm2(smollm2) -> None:
     model, tokenizer = smollm2
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
         for q in QUESTIONS
     ]
     eos = model.generation_config.eos_token_id

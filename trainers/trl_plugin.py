@@ -224,7 +224,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 "weight_version": manager.weight_version,
                 "num_generated_tokens": stats.num_generated_tokens,
                 "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
-                "prefix_cache_hit_blocks": manager.engine.block_manager.num_cache_hits,
+                "prefix_cache_hit_blocks": stats.num_prefix_cache_hit_blocks,
                 "num_engine_steps": stats.num_steps,
                 "generation_seconds": self._generation_seconds,
             }

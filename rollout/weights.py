@@ -1,0 +1,60 @@
+"""Copying new weights into a model in place (the data path of ``update_weights``).
+
+Two steps, so that a bad tensor is refused before anything is copied: ``plan_weight_copy`` pairs
+each given tensor with the model's parameter or buffer of that name and checks it; ``copy_weights``
+copies under ``torch.no_grad()``. Tied weights (``lm_head.weight`` is ``embed_tokens.weight``) keep
+both names, as in ``state_dict()``, so a full state dict of a tied model is accepted; the shared
+tensor is then written once per name, with the same value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def plan_weight_copy(
+    model: torch.nn.Module, named_tensors: NamedTensors | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair each new tensor with its destination in the model, checking names, shapes and dtypes.
+
+    Args:
+        model: the model to update.
+        named_tensors: a state dict or (name, tensor) pairs, names as in ``model.named_parameters()``
+            (buffers too); None for nothing.
+
+    Returns:
+        (destination parameter or buffer, new tensor) pairs, in the given order.
+
+    Raises:
+        TypeError: a value is not a tensor.
+        KeyError: the model has no parameter or buffer of that name.
+        ValueError: a shape or dtype differs from the destination's.
+    """
+    pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else (named_tensors or []))
+    # remove_duplicate=False: tied weights keep both names, as in state_dict().
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    plan = []
+    for name, tensor in pairs:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if name not in targets:
+            raise KeyError(f"update_weights: the model has no parameter or buffer named {name!r}")
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: {name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+        if tensor.dtype != target.dtype:
+            raise ValueError(f"update_weights: {name} has dtype {target.dtype}, got {tensor.dtype}")
+        plan.append((target, tensor))
+    return plan
+
+
+@torch.no_grad()
+def copy_weights(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each new tensor into its destination in place (across devices if needed)."""
+    for target, tensor in plan:
+        target.copy_(tensor)

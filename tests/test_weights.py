@@ -1,0 +1,52 @@
+"""plan_weight_copy and copy_weights: everything is checked before anything is copied; tied weights keep both names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout.weights import copy_weights, plan_weight_copy
+from tests.tiny_models import VOCAB_SIZE, tiny_llama
+
+
+def tied_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_full_state_dict_of_a_tied_model_is_copied() -> None:
+    model = tied_llama()
+    new = {k: v + 0.5 for k, v in model.state_dict().items()}
+    plan = plan_weight_copy(model, new)
+    assert len(plan) == len(new)
+    copy_weights(plan)
+    assert torch.equal(model.lm_head.weight, new["lm_head.weight"])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+
+
+def test_pairs_and_none_are_accepted() -> None:
+    model = tiny_llama()
+    w = model.lm_head.weight.detach() * 2
+    copy_weights(plan_weight_copy(model, [("lm_head.weight", w)]))
+    assert torch.equal(model.lm_head.weight, w)
+    assert plan_weight_copy(model, None) == []
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda w: {"nope": w}, KeyError, "no parameter or buffer named 'nope'"),
+        (lambda w: {"lm_head.weight": w[:, :3]}, ValueError, "shape"),
+        (lambda w: {"lm_head.weight": w.double()}, ValueError, "dtype"),
+        (lambda w: {"lm_head.weight": w.tolist()}, TypeError, "must be a torch.Tensor"),
+    ],
+)
+def test_bad_tensors_are_refused(make, error: type[Exception], match: str) -> None:  # noqa: ANN001
+    model = tiny_llama()
+    with pytest.raises(error, match=match):
+        plan_weight_copy(model, make(model.lm_head.weight.detach()))
