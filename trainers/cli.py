@@ -52,7 +52,8 @@ def build_parser() -> HfArgumentParser:
             action.type = _yaml_mapping
             action.metavar = "YAML_MAPPING"
     parser.add_argument(
-        "--config", help=f"YAML file of GRPOConfig fields (default: {DEFAULT_CONFIG} when it exists, else the built-ins)"
+        "--config",
+        help=f"YAML file of GRPOConfig fields (default: {DEFAULT_CONFIG} when it exists, else the built-ins)",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (YAML value)")
     return parser
