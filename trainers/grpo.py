@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import subprocess
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -772,6 +773,7 @@ class GRPOTrainer:
                         "world_size": self.world_size,
                         "device": str(acc.device),
                         "torch_threads": torch.get_num_threads(),
+                        "commit": source_commit(),
                     },
                     indent=2,
                 )
@@ -808,6 +810,21 @@ class GRPOTrainer:
             self.unwrapped.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
             self.tokenizer.save_pretrained(str(directory))
         acc.wait_for_everyone()
+
+
+def source_commit() -> str | None:
+    """The git commit of the checkout this package runs from (an editable install), or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, saved: bool) -> str:
