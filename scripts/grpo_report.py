@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plot_metrics import plot, read_metrics
+from trainers.plotting import plot, read_metrics
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

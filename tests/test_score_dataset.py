@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import logging
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import rollout.benchmarks.scoring as bench
 import rollout.score_cli as score_dataset
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
@@ -218,9 +218,6 @@ def test_script_runs_from_checkout_and_prints_no_traceback(model_dir: Path, tmp_
 
 
 def test_bench_scoring_agrees_with_padded_forwards_on_tiny_model(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_scoring", REPO_ROOT / "scripts" / "bench_scoring.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5 "
     words = " ".join(f"t{i}" for i in range(10, 40))
