@@ -851,7 +851,7 @@ def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, save
     files = "metrics.jsonl, timing.jsonl, summary.json" + (", eval_completions.jsonl" if evals else "")
     files += ", the model (save_pretrained)" if saved else ""
     lines.append(f"  outputs in {output_dir}: {files}")
-    lines.append(f"  plot: python scripts/plot_metrics.py {output_dir / 'metrics.jsonl'}")
+    lines.append(f"  plot: rollout-plot {output_dir / 'metrics.jsonl'}")
     return "\n".join(lines)
 
 
