@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         for row in dataset
     )
     blocks_per_sequence = math.ceil((longest_prompt + args.max_completion_length) / block_size)
-    cb_config = ContinuousBatchingConfig(block_size=block_size, num_blocks=batch * blocks_per_sequence + 4)
+    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=batch * blocks_per_sequence + 4)
 
     config = GRPOConfig(
         output_dir=str(output_dir),
