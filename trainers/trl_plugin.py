@@ -290,7 +290,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self._generation_seconds += time.perf_counter() - start
         for rid, out in zip(ids, outputs):
             if out is None or out.status != RequestStatus.FINISHED:
-                error = "the manager ended" if out is None else f"{out.status.value}: {out.error}"
+                error = "the manager ended" if out is None else f"{out.status.name}: {out.error}"
                 raise RuntimeError(f"rollout request {rid} did not finish ({error})")
         return outputs
 
