@@ -78,14 +78,18 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
-        self.key = [
-            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
-        self.value = [
-            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
+        # Never inference tensors, whatever mode the caller builds the engine in: the steps write
+        # them in place from the manager's thread, and a write to an inference tensor outside
+        # inference mode is an error.
+        with torch.inference_mode(False):
+            self.key = [
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                for _ in range(shape.num_layers)
+            ]
+            self.value = [
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                for _ in range(shape.num_layers)
+            ]
         logger.info(
             "paged KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             num_blocks,
@@ -133,8 +137,9 @@ class CPUOffloadPool:
         make = lambda: torch.zeros(  # noqa: E731
             num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, pin_memory=pin
         )
-        self.key = [make() for _ in range(shape.num_layers)]
-        self.value = [make() for _ in range(shape.num_layers)]
+        with torch.inference_mode(False):  # as for the cache: written in place from any thread
+            self.key = [make() for _ in range(shape.num_layers)]
+            self.value = [make() for _ in range(shape.num_layers)]
         self.free_blocks = list(range(self.num_blocks))
 
     def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
