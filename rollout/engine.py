@@ -93,7 +93,7 @@ class Engine:
         dtype = param.dtype
         dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
-        shape = CacheShape.from_config(model.config, dtype)
+        shape = CacheShape.from_model(model, dtype)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
             num_blocks = num_blocks_for_memory(

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from transformers import PretrainedConfig
+from transformers import PreTrainedModel
 
-from .models import text_config
+from .models import layer_kv_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +26,11 @@ class CacheShape:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> CacheShape:
-        """Read the KV shape of a decoder-only model's (text) config."""
-        text = text_config(config)
-        num_heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
+    def from_model(cls, model: PreTrainedModel, dtype: torch.dtype) -> CacheShape:
+        """The KV shape of a decoder-only model whose layers all share one (``check_model_supported``)."""
+        shapes = layer_kv_shapes(model)
+        num_kv_heads, head_dim = shapes[0]
+        return cls(len(shapes), num_kv_heads, head_dim, dtype)
 
     @property
     def bytes_per_token(self) -> int:
