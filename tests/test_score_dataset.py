@@ -237,3 +237,18 @@ def test_bench_scoring_agrees_with_padded_forwards_on_tiny_model(tmp_path: Path)
         "a b c d\ne f\n#### 13",
         "#### 12",
     ]
+
+
+def test_prompt_text_that_starts_with_bos_gets_one_bos() -> None:
+    # Issue 10, case 6: a Llama-3-style tokenizer adds its BOS to every text; a prompt that already
+    # starts with the BOS text got a second one.
+    from tests.tiny_models import BOS_TOKEN_ID, LLAMA3_BOS, llama3_style_tokenizer
+
+    tokenizer = llama3_style_tokenizer()
+    prompts = [f"{LLAMA3_BOS}t5 t6", "t5 t6", f"{LLAMA3_BOS} t7"]
+    prompt_ids, completion_ids, fallback = score_dataset.tokenize_rows(tokenizer, prompts, [" t8", " t8", " t9"])
+    assert prompt_ids == [[BOS_TOKEN_ID, 5, 6], [BOS_TOKEN_ID, 5, 6], [BOS_TOKEN_ID, 7]]
+    assert completion_ids == [[8], [8], [9]] and fallback == []
+    chat = llama3_style_tokenizer(chat_template=True)  # the template writes the BOS text itself
+    prompt_ids, completion_ids, _ = score_dataset.tokenize_rows(chat, ["t5 t6"], ["t8"], chat_template=True)
+    assert prompt_ids == [[BOS_TOKEN_ID, 5, 6, 2, 9]] and completion_ids == [[8]]
