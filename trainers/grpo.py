@@ -753,6 +753,9 @@ class GRPOTrainer:
             finally:
                 bar.close()
         finally:
+            # A batch still generating (after an error) is dropped, not finished: destroy() alone
+            # would let it run to the end first.
+            self.manager.stop(hard_stop=True)
             self.manager.destroy()  # also restores the model's attention implementation
         acc.wait_for_everyone()
         if cfg.save_model:
@@ -800,7 +803,8 @@ class GRPOTrainer:
             logger.info(message)
 
     def close(self) -> None:
-        """Destroy the manager (``train`` does it at its end) and restore the model's attention."""
+        """Destroy the manager (``train`` does it at its end), dropping unfinished requests; restores the attention."""
+        self.manager.stop(hard_stop=True)
         self.manager.destroy()
 
     def save_model(self, directory: str | Path) -> None:

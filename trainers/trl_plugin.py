@@ -229,6 +229,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 "generation_seconds": self._generation_seconds,
             }
         finally:
+            manager.stop(hard_stop=True)  # requests left by an error are dropped, not run to the end
             manager.destroy()
 
     def _record_optimizer_step(self) -> None:
