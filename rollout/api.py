@@ -1,7 +1,9 @@
-"""Entry points: ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager``.
+"""Entry points: ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager``, ``attach``.
 
 They follow transformers' ``ContinuousMixin`` methods of the same names, as functions that take the
-model first.
+model first; ``attach(model)`` binds them on a model so that code written for
+``model.generate_batch(...)`` (TRL's ``use_transformers_continuous_batching`` among it) runs on rollout.
+Where the behaviour differs on purpose, the README's "API compatibility" section says how.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,7 +22,7 @@ from .checks import check_bool, check_int, token_ids
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine
 from .manager import ContinuousBatchingManager, derive_seeds, persistent_manager_of
-from .models import vocab_size
+from .models import check_model_supported, vocab_size
 from .requests import GenerationOutput, Request, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
@@ -268,3 +271,70 @@ def continuous_batching_context_manager(
         else:
             manager.stop(block=block, timeout=timeout)
             manager.destroy()
+
+
+# ------------------------------------------------------------------ drop-in for transformers code
+def attach(model: PreTrainedModel) -> PreTrainedModel:
+    """Make ``model.generate_batch`` and its siblings run on rollout, with transformers' signatures.
+
+    Binds, on this model object only (other instances of its class are untouched):
+    ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager`` and
+    ``destroy_cached_continuous_batching_manager``. Code written for transformers' continuous
+    batching, TRL's ``GRPOTrainer(..., args=GRPOConfig(use_transformers_continuous_batching=True))``
+    among it, then runs on rollout's engine unchanged. Idempotent; a deep copy of the model is
+    attached too (its methods are bound to the copy).
+
+    Args:
+        model: a ``transformers`` decoder-only causal LM.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        UnsupportedModelError: the model cannot run on the paged engine (checked now, not at the
+            first call).
+    """
+    check_model_supported(model)
+    model.generate_batch = types.MethodType(generate_batch, model)
+    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    model.continuous_batching_context_manager = types.MethodType(_attached_context_manager, model)
+    model.destroy_cached_continuous_batching_manager = types.MethodType(_destroy_persistent_manager, model)
+    return model
+
+
+def is_attached(model: PreTrainedModel) -> bool:
+    """True when ``attach`` bound rollout's entry points on this model object."""
+    bound = model.__dict__.get("generate_batch")
+    return isinstance(bound, types.MethodType) and bound.__func__ is generate_batch
+
+
+@contextlib.contextmanager
+def _attached_context_manager(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    block: bool = True,
+    timeout: float | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    workload_hints: Any = None,
+) -> Iterator[ContinuousBatchingManager]:
+    # transformers' positional order (block and timeout before continuous_batching_config).
+    with continuous_batching_context_manager(
+        model,
+        generation_config,
+        continuous_batching_config,
+        persistent_manager=persistent_manager,
+        block=block,
+        timeout=timeout,
+        warmup=warmup,
+        workload_hints=workload_hints,
+    ) as manager:
+        yield manager
+
+
+def _destroy_persistent_manager(model: PreTrainedModel) -> None:
+    """transformers' ``destroy_cached_continuous_batching_manager``: destroy the model's persistent manager, if any."""
+    manager = persistent_manager_of(model)
+    if manager is not None:
+        manager.destroy()

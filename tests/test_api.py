@@ -1,11 +1,18 @@
-"""api: the entry points take what transformers' take, and keep a manager when asked."""
+"""api: the entry points take what transformers' take, keep a manager when asked, and ``attach`` makes them the model's.
+
+The last test runs TRL's own ``GRPOTrainer`` with ``use_transformers_continuous_batching=True`` on an
+attached tiny model: TRL calls ``model.generate_batch`` as it would on transformers, and every
+completion comes from rollout's engine.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 
 import pytest
+import torch
 import transformers
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -20,7 +27,7 @@ from rollout import (
     init_continuous_batching,
 )
 from rollout.manager import persistent_manager_of
-from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
+from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama, tiny_tokenizer
 from tests.utils import reference_greedy
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)
@@ -111,3 +118,90 @@ def test_workload_hints_bound_the_cache_of_a_manager() -> None:
         # 3 requests of 16 tokens, 4 blocks each, plus one spare block.
         assert manager.engine.num_blocks == 13
         assert manager.get_result(manager.add_request([5] * 10), timeout=30).status == RequestStatus.FINISHED
+
+
+# ---------------------------------------------------------------- attach
+def test_attach_binds_transformers_entry_points_with_transformers_signatures() -> None:
+    model = tiny_llama()
+    other = tiny_llama()
+    assert rollout.attach(model) is model and rollout.is_attached(model) and not rollout.is_attached(other)
+    prompts = random_prompts(2, VOCAB_SIZE, 4, 9, seed=5)
+    expected = [reference_greedy(model, p, 6, EOS_TOKEN_ID) for p in prompts]
+    out = model.generate_batch(prompts, GREEDY, cfg(), False, False)  # transformers' positional order
+    assert [o.generated_tokens for o in out.values()] == expected
+    # transformers' order: generation_config, block, timeout, continuous_batching_config, persistent_manager
+    with model.continuous_batching_context_manager(GREEDY, True, None, cfg(), True) as manager:
+        assert isinstance(manager, ContinuousBatchingManager)
+        ids = manager.add_requests(prompts, 6)  # transformers' add_requests(inputs, max_new_tokens)
+        assert [manager.get_result(r, timeout=30).generated_tokens for r in ids] == expected
+    assert model.init_continuous_batching() is manager  # kept for the next session
+    model.destroy_cached_continuous_batching_manager()
+    assert persistent_manager_of(model) is None and manager.state == "destroyed"
+    twin = copy.deepcopy(model)  # a deep copy is attached to itself, not to the original
+    assert rollout.is_attached(twin) and twin.generate_batch.__self__ is twin
+    assert not rollout.is_attached(other)  # the class is untouched
+    with pytest.raises(rollout.UnsupportedModelError):
+        rollout.attach(torch.nn.Linear(2, 2))
+
+
+def test_trl_grpo_trainer_with_transformers_continuous_batching_runs_on_an_attached_model(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    # TRL passes repetition_penalty and min_p through the GenerationConfig: they stay at their neutral
+    # defaults here (1.0 and None); the logits processors are another branch's work.
+    model = rollout.attach(tiny_llama())
+    model.generation_config.eos_token_id = EOS_TOKEN_ID
+    engines: list[rollout.Engine] = []
+    real_engine = rollout.api.Engine
+
+    def counting_engine(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        engine = real_engine(*args, **kwargs)
+        engines.append(engine)
+        return engine
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("transformers' own continuous batching ran")
+
+    monkeypatch.setattr(rollout.api, "Engine", counting_engine)
+    monkeypatch.setattr(transformers.generation.continuous_batching.ContinuousBatchingManager, "__init__", refuse)
+    prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config={"page_size": 4, "num_blocks": 64},
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        temperature=0.7,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    assert args.repetition_penalty == 1.0 and args.min_p is None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completion_ids, **kw: [sum(ids) / (255 * max(len(ids), 1)) for ids in completion_ids],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.train()
+
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    assert len(logs) == 2 and trainer.state.global_step == 2
+    # Two generation calls (one per step), each a fresh rollout engine of TRL's converted config,
+    # that produced every completion token TRL logged.
+    assert len(engines) == 2 and all(e.block_size == 4 and e.num_blocks == 64 for e in engines)
+    generated = sum(e.stats.num_generated_tokens for e in engines)
+    assert generated == round(sum(entry["completions/mean_length"] * 8 for entry in logs))
+    assert all(e.closed for e in engines) and model.config._attn_implementation == "sdpa"
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())  # it trained
