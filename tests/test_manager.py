@@ -659,10 +659,8 @@ def test_calls_that_wait_on_the_loop_raise_inside_the_callers_pause(make_manager
     # for the stop); transformers raises RuntimeError. Same for every call that waits on the loop.
     m = make_manager(max_queue_size=1)
     m.start()
-    done = m.add_request([5, 6])
-    assert m.get_result(done, timeout=30).status == RequestStatus.FINISHED
-    rid = m.add_request([5, 6, 7])
     with m.pause():
+        rid = m.add_request([5, 6, 7])  # queued under the pause: no step runs it until the pause ends
         for call in (
             lambda: m.stop(),
             lambda: m.stop(block=True, timeout=1),
