@@ -131,7 +131,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
+    _end_distributed()
     return 0
+
+
+def _end_distributed() -> None:
+    """Tear the process group down before the interpreter exits, after a run that succeeded.
+
+    A gloo group left to interpreter teardown can abort a rank with SIGABRT ("terminate called
+    without an active exception") after training finished, failing the whole launch (pytorch/pytorch
+    issue 190489). Only on success, as torchtitan does (pytorch/torchtitan PR 1342): destroying the
+    group while another rank still waits in a collective can hang.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
