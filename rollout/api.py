@@ -29,6 +29,7 @@ def generate_batch(
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     progress_bar: bool = False,
     record_timestamps: bool = False,
+    tokenizer: Any | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a batch of prompts with continuous batching.
@@ -42,13 +43,17 @@ def generate_batch(
         inputs: prompts, each a non-empty list of token ids.
         generation_config: max_new_tokens (default 20), do_sample, temperature, top_k,
             top_p, eos_token_id (int or list; default the model's), num_return_sequences
-            (G samples per prompt, which share the prompt's KV blocks). Values the caller
-            does not set come from ``model.generation_config``.
+            (G samples per prompt, which share the prompt's KV blocks), and the logits
+            processors and stop strings of ``SamplingParams``. Values the caller does not set
+            come from ``model.generation_config``.
         continuous_batching_config: engine configuration. With ``seed`` set, sample k
             (in output order) uses its own generator seeded ``seed + k``, so the batch is
             reproducible.
         progress_bar: show a tqdm bar of finished requests and tokens/s.
         record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.
+        tokenizer: the model's tokenizer, needed for ``stop_strings`` (as ``model.generate``'s
+            ``tokenizer=``). A persistent manager keeps the tokenizer it was built with, or takes
+            this one if it has none.
         **kwargs: only transformers' ``warmup`` and ``persistent_manager`` (ignored), so
             that calls written for ``model.generate_batch`` run; anything else is a TypeError.
 
@@ -59,7 +64,8 @@ def generate_batch(
     Raises:
         ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
             outside the vocabulary, max_new_tokens < 1, num_return_sequences < 1, a non-finite
-            temperature, or a request that can never fit the cache.
+            temperature, a request that can never fit the cache, stop strings without a tokenizer,
+            or a logits processor rollout lacks with ``drop_unsupported_processors=False``.
         TypeError: an unexpected keyword argument.
         UnsupportedModelError: the model is not a decoder-only LM with pageable attention.
     """
@@ -82,11 +88,15 @@ def generate_batch(
     check_int("num_return_sequences", num_samples, minimum=1)
     manager = persistent_manager_of(model)
     if manager is not None:  # the manager checks the prompts, at its own boundary
+        if tokenizer is not None:
+            manager.adopt_tokenizer(tokenizer)
         return _generate_on_manager(manager, inputs, gc, num_samples, progress_bar, record_timestamps)
     vocab = vocab_size(model)
     prompts = [token_ids(p, f"inputs[{i}]", vocab) for i, p in enumerate(inputs)]
     cb_config = continuous_batching_config or ContinuousBatchingConfig()
-    base_params = build_sampling_params(gc, vocab_size=vocab)
+    base_params = build_sampling_params(
+        gc, vocab_size=vocab, drop_unsupported_processors=cb_config.drop_unsupported_processors
+    )
     jobs: list[tuple[str, list[int], SamplingParams]] = []
     ids = iter(_output_ids(len(prompts), num_samples))
     for prompt in prompts:
@@ -95,7 +105,8 @@ def generate_batch(
             if cb_config.seed is not None and base_params.do_sample:
                 params = build_sampling_params(base_params, seed=cb_config.seed + len(jobs))
             jobs.append((next(ids), prompt, params))
-    engine = Engine(model, cb_config, max_tokens_hint=[len(prompt) + p.max_new_tokens for _, prompt, p in jobs])
+    hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
+    engine = Engine(model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer)
     try:
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
@@ -140,7 +151,7 @@ def _generate_on_manager(
 
     The sampling parameters go to the manager whole; it checks the prompts and the parameters.
     """
-    params = build_sampling_params(gc)
+    params = build_sampling_params(gc, drop_unsupported_processors=manager.cb_config.drop_unsupported_processors)
     keys = _output_ids(len(inputs), num_samples)
     expanded = [p for p in inputs for _ in range(num_samples)]
     was_running = manager.is_running()
@@ -165,13 +176,16 @@ def init_continuous_batching(
     model: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
+    tokenizer: Any | None = None,
 ) -> ContinuousBatchingManager:
     """Build a manager for the model (not started: call ``start()``).
+
+    ``tokenizer`` is needed by requests with stop strings (see ``ContinuousBatchingManager``).
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
     """
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer=tokenizer)
 
 
 @contextlib.contextmanager
@@ -182,6 +196,7 @@ def continuous_batching_context_manager(
     persistent_manager: bool = False,
     block: bool = True,
     timeout: float | None = None,
+    tokenizer: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Run a started manager for the duration of a ``with`` block.
 
@@ -195,10 +210,11 @@ def continuous_batching_context_manager(
         generation_config, continuous_batching_config: as for the manager.
         persistent_manager: keep the manager for the next call.
         block, timeout: how ``stop`` waits on exit.
+        tokenizer: for requests with stop strings, as for the manager.
     """
     manager = persistent_manager_of(model)
     if manager is None:
-        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+        manager = init_continuous_batching(model, generation_config, continuous_batching_config, tokenizer)
     if persistent_manager:
         manager.persist()
     manager.start()

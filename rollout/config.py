@@ -55,15 +55,31 @@ class ContinuousBatchingConfig:
         return_logprobs: record one logprob per generated token.
         logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO
             trainer computes for the same token), ``"raw"`` (log_softmax(logits)) or
-            ``"sampled"`` (the distribution sampled from, after top-k/top-p).
+            ``"sampled"`` (the distribution the token was drawn from). ``"temperature"`` and
+            ``"raw"`` read the model's logits before any logits processor (repetition penalty,
+            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a
+            plain forward of the same weights gives, and a banned token keeps a finite logprob.
+            ``"sampled"`` reads the processed distribution: the processors, then temperature,
+            top-k, top-p and min-p for sampled requests (a greedy request: log_softmax of its
+            processed logits, which is the raw logprob when it has no processor).
         seed: seed of the engine's generator, used by sampled requests that carry
             no seed of their own.
         preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or
             ``"offload"`` (copy the blocks to a CPU pool of ``cpu_offload_space`` GiB).
         cpu_offload_space: GiB of CPU memory for offloaded blocks (>= 0).
         max_queue_size: most waiting requests (>= 0; 0 means unbounded).
-        per_request_processors: accepted for compatibility with transformers; the
-            per-request sampling parameters are always honoured.
+        per_request_processors: as in transformers, whether a request may set its own
+            logits-processor values (do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty, no_repeat_ngram_size, min_new_tokens, min_length,
+            bad_words_ids) through ``add_request(s)``. False: every request uses the
+            generation config's, and ``add_request(s)`` refuses another value with a
+            ValueError naming the field (transformers fails such a request too).
+            max_new_tokens, eos ids, seeds and stop strings stay per request either way.
+            Default True, unlike transformers' False: RL rollouts vary them per request.
+        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits
+            processor rollout does not implement (typical_p, suppress_tokens, sequence_bias,
+            ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
+            warning per field, False refuses the config with a ValueError naming it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
     """
 
@@ -82,6 +98,7 @@ class ContinuousBatchingConfig:
     cpu_offload_space: float = 0.0
     max_queue_size: int = 0
     per_request_processors: bool = True
+    drop_unsupported_processors: bool = True
     progress_log_interval: float = 10.0
 
     def __post_init__(self) -> None:
@@ -98,7 +115,7 @@ class ContinuousBatchingConfig:
         check_number("cpu_offload_space", self.cpu_offload_space, minimum=0.0)  # GiB
         check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
-        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
+        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
             check_bool(name, getattr(self, name))
 
     def resolved_block_size(self, device_type: str) -> int:
