@@ -22,7 +22,7 @@ import rollout
 from rollout import sampling_params as sampling_params_module
 from rollout.sampling_params import SamplingParams, build_sampling_params
 from tests.tiny_models import EOS_TOKEN_ID, random_prompts, tiny_byte_level_tokenizer, tiny_gemma, tiny_llama
-from tests.utils import assert_close, run_engine
+from tests.utils import assert_close, reference_generate, run_engine
 
 MAX_NEW = 40
 PROMPTS = random_prompts(12, min_len=4, max_len=12, seed=1)[4:8]  # both tiny models repeat a 3-gram on some
@@ -31,17 +31,7 @@ MODELS = {"llama": tiny_llama, "gemma": tiny_gemma}
 
 def reference(model: PreTrainedModel, prompt: list[int], max_new_tokens: int = MAX_NEW, **kwargs: Any) -> list[int]:
     """``model.generate`` greedy on one unpadded prompt with extra settings; the generated tokens."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            **kwargs,
-        )
-    return out[0, len(prompt) :].tolist()
+    return reference_generate(model, prompt, max_new_tokens, **kwargs)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
