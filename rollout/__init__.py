@@ -1,6 +1,6 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
-from .api import continuous_batching_context_manager, generate_batch, init_continuous_batching
+from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
@@ -11,6 +11,8 @@ from .sampling_params import SamplingParams, build_sampling_params
 from .scoring import ScoreOutput, score, score_with_engine
 
 __all__ = [
+    "attach",
+    "is_attached",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "QueueFullError",

@@ -1,42 +1,56 @@
-"""Public entry points: ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager``."""
+"""Entry points: ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager``, ``attach``.
+
+They follow transformers' ``ContinuousMixin`` methods of the same names, as functions that take the
+model first; ``attach(model)`` binds them on a model so that code written for
+``model.generate_batch(...)`` (TRL's ``use_transformers_continuous_batching`` among it) runs on rollout.
+Where the behaviour differs on purpose, the README's "API compatibility" section says how.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
-from .checks import check_int, token_ids
-from .config import ContinuousBatchingConfig
+from .checks import check_bool, check_int, token_ids
+from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine
-from .manager import ContinuousBatchingManager, persistent_manager_of
-from .models import vocab_size
+from .manager import ContinuousBatchingManager, derive_seeds, persistent_manager_of
+from .models import check_model_supported, vocab_size
 from .requests import GenerationOutput, Request, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
-# Arguments of transformers' generate_batch that have no meaning here and are accepted silently.
-IGNORED_TRANSFORMERS_KWARGS = frozenset({"warmup", "persistent_manager"})
+logger = logging.getLogger(__name__)
+
 
 
 def generate_batch(
     model: PreTrainedModel,
     inputs: Sequence[Sequence[int]],
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
-    progress_bar: bool = False,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     record_timestamps: bool = False,
+    progress_bar: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    workload_hints: Any = None,
     tokenizer: Any | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a batch of prompts with continuous batching.
 
-    Every prompt is checked before any generation starts. The batch runs on a fresh
-    engine; the model's attention implementation is restored when this returns or
-    raises.
+    Every prompt is checked before any generation starts. Without a persistent manager the batch
+    runs on a fresh engine sized for it, and the model's attention implementation is restored when
+    this returns or raises (unless another engine or manager still uses the model). When the model
+    has a persistent manager (``persistent_manager=True`` here or in
+    ``continuous_batching_context_manager``, or ``stop(keep_for_next_session=True)``), the batch
+    runs on it instead, and it is left as it was found (stopped or running).
 
     Args:
         model: a ``transformers`` decoder-only causal LM (fp32, fp16 or bf16; CPU or CUDA).
@@ -46,16 +60,26 @@ def generate_batch(
             (G samples per prompt, which share the prompt's KV blocks), and the logits
             processors and stop strings of ``SamplingParams``. Values the caller does not set
             come from ``model.generation_config``.
-        continuous_batching_config: engine configuration. With ``seed`` set, sample k
-            (in output order) uses its own generator seeded ``seed + k``, so the batch is
-            reproducible.
-        progress_bar: show a tqdm bar of finished requests and tokens/s.
+        continuous_batching_config: engine configuration, rollout's or transformers' (converted);
+            None takes the one the generation config carries (deprecated) or the defaults.
+            With ``seed`` set, sample k (in output order) uses its own generator seeded
+            ``seed + k``, so the batch is reproducible, on a fresh engine or a persistent manager.
+            Ignored, but for ``seed``, when a persistent manager already exists.
         record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.
+        progress_bar: show a tqdm bar of finished requests and tokens/s.
+        persistent_manager: keep a manager on the model for the next calls: when the model has
+            none, one is built with these configs (its cache sized from free memory, not for this
+            batch alone), used, stopped with its cache kept and registered on the model.
+        warmup: accepted for transformers' API; there are no CUDA graphs to capture, so nothing
+            is done.
+        workload_hints: transformers' ``WorkloadHints``; checked, otherwise unused here: a fresh
+            engine is sized from the batch itself, and a persistent manager built here from free
+            memory, since it serves later batches too.
         tokenizer: the model's tokenizer, needed for ``stop_strings`` (as ``model.generate``'s
             ``tokenizer=``). A persistent manager keeps the tokenizer it was built with, or takes
             this one if it has none.
-        **kwargs: only transformers' ``warmup`` and ``persistent_manager`` (ignored), so
-            that calls written for ``model.generate_batch`` run; anything else is a TypeError.
+        **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
+            ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
     Returns:
         request id -> GenerationOutput, in input order; with G > 1 the ids are
@@ -64,17 +88,21 @@ def generate_batch(
     Raises:
         ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
             outside the vocabulary, max_new_tokens < 1, num_return_sequences < 1, a non-finite
-            temperature, a request that can never fit the cache, stop strings without a tokenizer,
-            or a logits processor rollout lacks with ``drop_unsupported_processors=False``.
-        TypeError: an unexpected keyword argument.
+            temperature, a bad workload hint, a request that can never fit the cache, stop strings
+            without a tokenizer, or a logits processor rollout lacks with
+            ``drop_unsupported_processors=False``.
+        TypeError: an unexpected keyword argument, or a continuous_batching_config of another type.
         UnsupportedModelError: the model is not a decoder-only LM with pageable attention.
+        RuntimeError: called on a persistent manager from inside this thread's ``manager.pause()``.
     """
-    unknown = set(kwargs) - IGNORED_TRANSFORMERS_KWARGS
-    if unknown:
+    if kwargs:
         raise TypeError(
-            f"generate_batch got unexpected keyword arguments {sorted(unknown)}; sampling values go in "
-            "generation_config=GenerationConfig(...), engine values in continuous_batching_config"
+            f"generate_batch got unexpected keyword arguments {sorted(kwargs)}; sampling values (max_new_tokens "
+            "included) go in generation_config=GenerationConfig(...), engine values in continuous_batching_config"
         )
+    check_bool("persistent_manager", persistent_manager)
+    check_bool("record_timestamps", record_timestamps)
+    workload_tokens_hint(workload_hints)  # checked only: see the docstring
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence) and not hasattr(inputs, "tolist"):
         raise ValueError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
     if hasattr(inputs, "tolist") and not isinstance(inputs, (list, tuple)):
@@ -86,24 +114,33 @@ def generate_batch(
     gc = resolve_generation_config(model, generation_config)
     num_samples = gc.num_return_sequences if gc.num_return_sequences is not None else 1
     check_int("num_return_sequences", num_samples, minimum=1)
-    manager = persistent_manager_of(model)
-    if manager is not None:  # the manager checks the prompts, at its own boundary
-        if tokenizer is not None:
-            manager.adopt_tokenizer(tokenizer)
-        return _generate_on_manager(manager, inputs, gc, num_samples, progress_bar, record_timestamps)
     vocab = vocab_size(model)
     prompts = [token_ids(p, f"inputs[{i}]", vocab) for i, p in enumerate(inputs)]
-    cb_config = continuous_batching_config or ContinuousBatchingConfig()
-    base_params = build_sampling_params(
-        gc, vocab_size=vocab, drop_unsupported_processors=cb_config.drop_unsupported_processors
-    )
+    manager = persistent_manager_of(model)
+    if manager is None and persistent_manager:
+        cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
+        manager = ContinuousBatchingManager(model, generation_config, cb_config, tokenizer=tokenizer)
+        manager.persist()
+    if manager is not None:
+        if tokenizer is not None:
+            manager.adopt_tokenizer(tokenizer)
+        drop = manager.cb_config.drop_unsupported_processors
+        base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
+        seed = manager.cb_config.seed
+        if continuous_batching_config is not None:
+            call_seed = resolve_continuous_batching_config(continuous_batching_config, gc).seed
+            seed = call_seed if call_seed is not None else seed
+        return _generate_on_manager(manager, prompts, base_params, num_samples, seed, progress_bar, record_timestamps)
+    cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
+    drop = cb_config.drop_unsupported_processors
+    base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
     jobs: list[tuple[str, list[int], SamplingParams]] = []
     ids = iter(_output_ids(len(prompts), num_samples))
+    seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(prompts) * num_samples)
     for prompt in prompts:
         for _ in range(num_samples):
-            params = base_params
-            if cb_config.seed is not None and base_params.do_sample:
-                params = build_sampling_params(base_params, seed=cb_config.seed + len(jobs))
+            seed = seeds[len(jobs)]
+            params = base_params if seed is None else build_sampling_params(base_params, seed=seed)
             jobs.append((next(ids), prompt, params))
     hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
     engine = Engine(model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer)
@@ -141,24 +178,31 @@ def _output_ids(num_prompts: int, num_samples: int) -> list[str]:
 
 def _generate_on_manager(
     manager: ContinuousBatchingManager,
-    inputs: list[list[int]],
-    gc: GenerationConfig,
+    prompts: list[list[int]],
+    params: SamplingParams,
     num_samples: int,
+    seed: int | None,
     progress_bar: bool,
     record_timestamps: bool,
 ) -> dict[str, GenerationOutput]:
-    """Run a batch on a persistent manager; keys and order as on a fresh engine (``req_{i}``, ``req_{i}_{g}``).
+    """Run a batch on a persistent manager; keys, order and seeds as on a fresh engine.
 
-    The sampling parameters go to the manager whole; it checks the prompts and the parameters.
+    The sampling parameters go to the manager whole; with a seed, sample k (output order) gets
+    ``seed + k``, as ``generate_batch`` on a fresh engine does.
     """
-    params = build_sampling_params(gc, drop_unsupported_processors=manager.cb_config.drop_unsupported_processors)
-    keys = _output_ids(len(inputs), num_samples)
-    expanded = [p for p in inputs for _ in range(num_samples)]
+    if manager.holds_pause():
+        raise RuntimeError(
+            "generate_batch on the model's persistent manager from inside this thread's manager.pause() would wait "
+            "for the generation loop, which waits for the pause to end; leave the pause first"
+        )
+    keys = _output_ids(len(prompts), num_samples)
+    expanded = [p for p in prompts for _ in range(num_samples)]
+    seeds = seed if seed is not None and params.do_sample else None
     was_running = manager.is_running()
     if not was_running:
         manager.start()
     try:
-        ids = manager.add_requests(expanded, sampling_params=params, record_timestamps=record_timestamps)
+        ids = manager.add_requests(expanded, sampling_params=params, seed=seeds, record_timestamps=record_timestamps)
         results: dict[str, GenerationOutput] = {}
         for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
             out = manager.get_result(rid)
@@ -175,48 +219,73 @@ def _generate_on_manager(
 def init_continuous_batching(
     model: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+    workload_hints: Any = None,
     tokenizer: Any | None = None,
 ) -> ContinuousBatchingManager:
-    """Build a manager for the model (not started: call ``start()``).
+    """The model's persistent manager if it has one, else a new manager (not started: call ``start()``).
 
-    ``tokenizer`` is needed by requests with stop strings (see ``ContinuousBatchingManager``).
+    As in transformers, a persistent manager (kept by ``stop(keep_for_next_session=True)`` or a
+    ``persistent_manager=True`` call) is returned as it is, and the configs given here are ignored;
+    ``destroy()`` it to build a new one.
+
+    Args:
+        model: the model.
+        generation_config, continuous_batching_config, workload_hints: as for
+            ``ContinuousBatchingManager``.
+        tokenizer: for requests with stop strings (see ``ContinuousBatchingManager``); a
+            persistent manager without one takes it.
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
+        ValueError, TypeError: a bad config value or type (see ``ContinuousBatchingManager``).
     """
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer=tokenizer)
+    manager = persistent_manager_of(model)
+    if manager is not None:
+        logger.info("init_continuous_batching: reusing the model's persistent manager (its configs are kept)")
+        if tokenizer is not None:
+            manager.adopt_tokenizer(tokenizer)
+        return manager
+    return ContinuousBatchingManager(
+        model, generation_config, continuous_batching_config, workload_hints, tokenizer=tokenizer
+    )
 
 
 @contextlib.contextmanager
 def continuous_batching_context_manager(
     model: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     persistent_manager: bool = False,
     block: bool = True,
     timeout: float | None = None,
+    warmup: bool = True,
+    workload_hints: Any = None,
     tokenizer: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Run a started manager for the duration of a ``with`` block.
 
-    On exit the manager is stopped (finishing its requests) and destroyed, unless
-    ``persistent_manager`` is True: then it is stopped with its cache kept, stays
-    attached to the model, and the next call with the same model (and
-    ``generate_batch``) reuses it; the configs of that next call are then ignored.
+    The manager comes from ``init_continuous_batching`` (the model's persistent manager when it
+    has one). On exit it is stopped (finishing its requests) and destroyed, unless
+    ``persistent_manager`` is True: then it is registered on the model from the start, stopped
+    with its cache kept on exit, and the next call with the same model (and ``generate_batch``)
+    reuses it; the configs of that next call are then ignored.
 
     Args:
         model: the model.
-        generation_config, continuous_batching_config: as for the manager.
+        generation_config, continuous_batching_config, workload_hints: as for the manager.
         persistent_manager: keep the manager for the next call.
         block, timeout: how ``stop`` waits on exit.
+        warmup: accepted for transformers' API (``manager.warmup()`` does nothing).
         tokenizer: for requests with stop strings, as for the manager.
     """
-    manager = persistent_manager_of(model)
-    if manager is None:
-        manager = init_continuous_batching(model, generation_config, continuous_batching_config, tokenizer)
-    if persistent_manager:
+    manager = init_continuous_batching(
+        model, generation_config, continuous_batching_config, workload_hints, tokenizer=tokenizer
+    )
+    if persistent_manager:  # generate_batch inside the block already runs on it
         manager.persist()
+    if warmup:
+        manager.warmup()
     manager.start()
     try:
         yield manager
@@ -226,3 +295,72 @@ def continuous_batching_context_manager(
         else:
             manager.stop(block=block, timeout=timeout)
             manager.destroy()
+
+
+# ------------------------------------------------------------------ drop-in for transformers code
+def attach(model: PreTrainedModel) -> PreTrainedModel:
+    """Make ``model.generate_batch`` and its siblings run on rollout, with transformers' signatures.
+
+    Binds, on this model object only (other instances of its class are untouched):
+    ``generate_batch``, ``init_continuous_batching``, ``continuous_batching_context_manager`` and
+    ``destroy_cached_continuous_batching_manager``. Code written for transformers' continuous
+    batching, TRL's ``GRPOTrainer(..., args=GRPOConfig(use_transformers_continuous_batching=True))``
+    among it, then runs on rollout's engine unchanged. Idempotent; a deep copy of the model is
+    attached too (its methods are bound to the copy).
+
+    Args:
+        model: a ``transformers`` decoder-only causal LM.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        UnsupportedModelError: the model cannot run on the paged engine (checked now, not at the
+            first call).
+    """
+    check_model_supported(model)
+    model.generate_batch = types.MethodType(generate_batch, model)
+    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    model.continuous_batching_context_manager = types.MethodType(_attached_context_manager, model)
+    model.destroy_cached_continuous_batching_manager = types.MethodType(_destroy_persistent_manager, model)
+    return model
+
+
+def is_attached(model: PreTrainedModel) -> bool:
+    """True when ``attach`` bound rollout's entry points on this model object."""
+    bound = model.__dict__.get("generate_batch")
+    return isinstance(bound, types.MethodType) and bound.__func__ is generate_batch
+
+
+@contextlib.contextmanager
+def _attached_context_manager(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    block: bool = True,
+    timeout: float | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    workload_hints: Any = None,
+    tokenizer: Any | None = None,
+) -> Iterator[ContinuousBatchingManager]:
+    # transformers' positional order (block and timeout before continuous_batching_config).
+    with continuous_batching_context_manager(
+        model,
+        generation_config,
+        continuous_batching_config,
+        persistent_manager=persistent_manager,
+        block=block,
+        timeout=timeout,
+        warmup=warmup,
+        workload_hints=workload_hints,
+        tokenizer=tokenizer,
+    ) as manager:
+        yield manager
+
+
+def _destroy_persistent_manager(model: PreTrainedModel) -> None:
+    """transformers' ``destroy_cached_continuous_batching_manager``: destroy the model's persistent manager, if any."""
+    manager = persistent_manager_of(model)
+    if manager is not None:
+        manager.destroy()

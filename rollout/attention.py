@@ -22,6 +22,8 @@ layers) with an offset for the tokens already in the cache. CUDA path: flash-att
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,16 +326,54 @@ def original_implementation(model: torch.nn.Module) -> str:
     return impl.removeprefix(PAGED_PREFIX)
 
 
+# Models switched to the paged dispatcher, with the number of engines using each and the implementation
+# to put back when the last one closes. Several engines share one model (a persistent manager, a
+# generate_batch or score call, a second manager): the first switches it, only the last restores it.
+_USERS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()  # model -> [count, original]
+_USERS_LOCK = threading.Lock()
+
+
 def enable_paged_attention(model: torch.nn.Module) -> str:
-    """Switch a model to the paged dispatcher; returns the original implementation's name."""
-    original = original_implementation(model)
-    name = register_paged_attention(original)
-    if model.config._attn_implementation != name:
-        model.set_attn_implementation(name)
-    return original
+    """Switch a model to the paged dispatcher for one more user; returns the original implementation's name.
+
+    Reference-counted per model object: each call must be paired with one ``restore_attention``.
+    """
+    with _USERS_LOCK:
+        entry = _USERS.get(model)
+        if entry is not None and model.config._attn_implementation == PAGED_PREFIX + entry[1]:
+            entry[0] += 1
+            return entry[1]
+        # First user, or the caller replaced the implementation since: start counting afresh.
+        original = original_implementation(model)
+        name = register_paged_attention(original)
+        if model.config._attn_implementation != name:
+            model.set_attn_implementation(name)
+        _USERS[model] = [1 if entry is None else entry[0] + 1, original]
+        return original
 
 
 def restore_attention(model: torch.nn.Module, original: str) -> None:
-    """Put the model's original attention implementation back."""
-    if model.config._attn_implementation != original:
-        model.set_attn_implementation(original)
+    """Release one user of the paged dispatcher; the last one puts the original implementation back.
+
+    Args:
+        model: the model.
+        original: the implementation ``enable_paged_attention`` returned (used when the model was
+            never counted, e.g. switched by hand).
+    """
+    with _USERS_LOCK:
+        entry = _USERS.get(model)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] > 0:
+                return
+            del _USERS[model]
+            original = entry[1]
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
+
+
+def num_paged_users(model: torch.nn.Module) -> int:
+    """Engines currently holding the model on the paged dispatcher (0 when none)."""
+    with _USERS_LOCK:
+        entry = _USERS.get(model)
+        return entry[0] if entry is not None else 0

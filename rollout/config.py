@@ -1,16 +1,28 @@
-"""Engine configuration: one validated dataclass.
+"""Engine configuration: one validated dataclass, and the one conversion of what callers pass for it.
 
 Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``) so
 that a bad value fails with a ``ValueError`` naming the field and its allowed values
 before any memory is allocated or any request is accepted.
+
+``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts
+rollout's config, a ``transformers.ContinuousBatchingConfig`` (converted field by field, see
+``ContinuousBatchingConfig.from_transformers``), None, or, as transformers still does with a
+deprecation warning, a config carried inside the ``GenerationConfig``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import warnings
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
+
+from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
 
 from .checks import check_bool, check_choice, check_int, check_number
+
+logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
@@ -32,8 +44,8 @@ class ContinuousBatchingConfig:
     overlap, so users of ``model.generate_batch`` find what they know.
 
     Attributes:
-        block_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA
-            and 32 on CPU.
+        page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA
+            and 32 on CPU (32 measured fastest on a 2-core CPU).
         num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache to
             ``max_memory_percent`` of free memory (psutil on CPU,
             ``torch.cuda.mem_get_info`` on CUDA).
@@ -66,7 +78,13 @@ class ContinuousBatchingConfig:
             no seed of their own.
         preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or
             ``"offload"`` (copy the blocks to a CPU pool of ``cpu_offload_space`` GiB).
-        cpu_offload_space: GiB of CPU memory for offloaded blocks (>= 0).
+            A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as in
+            transformers; ``"offload"`` with a space of 0 has no pool and recomputes.
+        cpu_offload_space: GiB of CPU memory for offloaded blocks (>= 0), capped at
+            ``cpu_offload_space_safety_threshold`` of the available RAM. None sizes the
+            pool to that cap.
+        cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM
+            (psutil's ``available``, when the engine is built) that the CPU pool may take.
         max_queue_size: most waiting requests (>= 0; 0 means unbounded).
         per_request_processors: as in transformers, whether a request may set its own
             logits-processor values (do_sample, temperature, top_k, top_p, min_p,
@@ -81,9 +99,12 @@ class ContinuousBatchingConfig:
             ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
             warning per field, False refuses the config with a ValueError naming it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
+        block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
+            it sets ``page_size`` with a ``FutureWarning``. Both set to different values
+            is a ``ValueError``.
     """
 
-    block_size: int | None = None
+    page_size: int | None = None
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_memory_percent: float | None = None
@@ -95,14 +116,30 @@ class ContinuousBatchingConfig:
     logprobs_mode: Literal["temperature", "raw", "sampled"] = "temperature"
     seed: int | None = None
     preemption_mode: Literal["recompute", "offload"] = "recompute"
-    cpu_offload_space: float = 0.0
+    cpu_offload_space: float | None = 0.0
+    cpu_offload_space_safety_threshold: float = 0.8
     max_queue_size: int = 0
     per_request_processors: bool = True
     drop_unsupported_processors: bool = True
     progress_log_interval: float = 10.0
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, minimum=4, allow_none=True)
+        check_int("page_size", self.page_size, minimum=4, allow_none=True)
+        if self.block_size is not None:
+            if self.page_size is not None and self.page_size != self.block_size:
+                raise ValueError(
+                    f"page_size and its deprecated alias block_size must agree, got page_size={self.page_size} "
+                    f"and block_size={self.block_size}; set page_size only"
+                )
+            if self.page_size is None:  # dataclasses.replace passes both back, already equal: warn once
+                warnings.warn(
+                    "ContinuousBatchingConfig(block_size=...) is deprecated, as in transformers 5.17: use page_size",
+                    FutureWarning,
+                    stacklevel=3,
+                )
+            self.page_size = self.block_size
         check_int("num_blocks", self.num_blocks, minimum=1, allow_none=True)
         check_int("max_batch_tokens", self.max_batch_tokens, minimum=1, allow_none=True)
         check_int("max_requests_per_batch", self.max_requests_per_batch, minimum=1, allow_none=True)
@@ -112,17 +149,22 @@ class ContinuousBatchingConfig:
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_number("safety_margin", self.safety_margin, 0.0, 1.0, max_open=True, allow_none=True)
-        check_number("cpu_offload_space", self.cpu_offload_space, minimum=0.0)  # GiB
+        check_number("cpu_offload_space", self.cpu_offload_space, minimum=0.0, allow_none=True)  # GiB
+        check_number("cpu_offload_space_safety_threshold", self.cpu_offload_space_safety_threshold, 0.0, 1.0)
         check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
             check_bool(name, getattr(self, name))
 
-    def resolved_block_size(self, device_type: str) -> int:
-        """Block size in tokens for a device type (``"cpu"`` or ``"cuda"``)."""
-        if self.block_size is not None:
-            return self.block_size
+    def resolved_page_size(self, device_type: str) -> int:
+        """Tokens per block for a device type (``"cpu"`` or ``"cuda"``)."""
+        if self.page_size is not None:
+            return self.page_size
         return DEFAULT_BLOCK_SIZE_CUDA if device_type == "cuda" else DEFAULT_BLOCK_SIZE_CPU
+
+    def resolved_block_size(self, device_type: str) -> int:
+        """Same as ``resolved_page_size`` (the engine calls a page a block, as vLLM does)."""
+        return self.resolved_page_size(device_type)
 
     def resolved_max_batch_tokens(self, device_type: str) -> int:
         """Token budget of one step for a device type."""
@@ -142,7 +184,144 @@ class ContinuousBatchingConfig:
             return float(self.safety_margin)
         return 0.15 if self.scheduler_type == "fifo" else 0.0
 
+    def resolved_cpu_offload_gib(self, available_bytes: int) -> float:
+        """GiB of the CPU offload pool: ``cpu_offload_space`` capped at the safety threshold.
+
+        Args:
+            available_bytes: the RAM available now (psutil's ``virtual_memory().available``).
+
+        Returns:
+            0.0 when preempted requests are recomputed (no pool); otherwise
+            ``min(cpu_offload_space, threshold * available)`` in GiB, or the cap alone when
+            ``cpu_offload_space`` is None.
+        """
+        cap = self.cpu_offload_space_safety_threshold * available_bytes / 1024**3
+        if self.cpu_offload_space is None:
+            return cap
+        return min(float(self.cpu_offload_space), cap)
+
     @classmethod
     def field_names(cls) -> list[str]:
         """Names of the configurable fields."""
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_transformers(cls, config: TransformersContinuousBatchingConfig) -> ContinuousBatchingConfig:
+        """Convert a ``transformers.ContinuousBatchingConfig``, field by field.
+
+        A field rollout has under the same name is copied when it differs from transformers'
+        default; a field left at transformers' default keeps rollout's default, which may depend
+        on the device (``page_size`` 256 is transformers' default, so it reads as unset: 32 on
+        CPU, 256 on CUDA). Fields rollout does not have (CUDA graphs, compile levels, async
+        batching, flash auto-switch, TP timeouts...) are dropped; the ones set away from their
+        default are named in one warning. ``block_size`` was folded into ``page_size`` by
+        transformers itself.
+
+        Raises:
+            ValueError: a copied value rollout does not accept (the message names the field).
+        """
+        ours = {f.name for f in fields(cls)} - {"block_size"}
+        values: dict[str, Any] = {}
+        ignored: list[str] = []
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:  # a required field has no default: always copy it
+                default = dataclasses.MISSING
+            if f.name == "block_size" or _same(value, default):
+                continue
+            if f.name in ours:
+                values[f.name] = value
+            else:
+                ignored.append(f"{f.name}={value!r}")
+        if ignored:
+            logger.warning(
+                "transformers ContinuousBatchingConfig: rollout does not use %s; ignored (see the README's "
+                "API compatibility section)",
+                ", ".join(ignored),
+            )
+        return cls(**values)
+
+
+def _same(value: Any, default: Any) -> bool:
+    # Compile configs and other objects may not compare; anything that cannot be compared differs.
+    try:
+        return bool(value == default)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def resolve_continuous_batching_config(
+    continuous_batching_config: ContinuousBatchingConfig | TransformersContinuousBatchingConfig | None,
+    generation_config: Any = None,
+) -> ContinuousBatchingConfig:
+    """The engine configuration an entry point runs with.
+
+    Args:
+        continuous_batching_config: rollout's config, a ``transformers.ContinuousBatchingConfig``
+            (converted with ``ContinuousBatchingConfig.from_transformers``), or None.
+        generation_config: the call's (resolved) ``GenerationConfig``. When no
+            ``continuous_batching_config`` is given and it carries one in its own
+            ``continuous_batching_config`` attribute, that one is used, with the
+            ``FutureWarning`` transformers gives for this deprecated form.
+
+    Returns:
+        A validated ``ContinuousBatchingConfig`` (the default one when nothing is given).
+
+    Raises:
+        TypeError: a value that is neither config class (the message names the argument).
+        ValueError: a converted value rollout does not accept.
+    """
+    if continuous_batching_config is None:
+        nested = getattr(generation_config, "continuous_batching_config", None)
+        if nested is not None:
+            warnings.warn(
+                "a ContinuousBatchingConfig inside the GenerationConfig is deprecated (transformers 5.13); "
+                "pass it as continuous_batching_config= instead",
+                FutureWarning,
+                stacklevel=3,
+            )
+            continuous_batching_config = nested
+    if continuous_batching_config is None:
+        return ContinuousBatchingConfig()
+    if isinstance(continuous_batching_config, ContinuousBatchingConfig):
+        return continuous_batching_config
+    if isinstance(continuous_batching_config, TransformersContinuousBatchingConfig):
+        return ContinuousBatchingConfig.from_transformers(continuous_batching_config)
+    raise TypeError(
+        "continuous_batching_config must be a rollout.ContinuousBatchingConfig, a "
+        f"transformers.ContinuousBatchingConfig or None, got {type(continuous_batching_config).__name__}"
+    )
+
+
+def workload_tokens_hint(workload_hints: Any) -> list[int] | None:
+    """The per-request token counts that ``workload_hints`` describe, for sizing the KV cache.
+
+    Args:
+        workload_hints: transformers' ``WorkloadHints`` (or any object, or mapping, with
+            ``max_prompt_length``, ``max_generated_length`` and ``num_requests``: ints >= 0), or None.
+
+    Returns:
+        ``num_requests`` entries of ``max_prompt_length + max_generated_length`` tokens; None when
+        no hint is given or it describes nothing (a zero count or length).
+
+    Raises:
+        ValueError: a missing or negative field (the message names it).
+    """
+    if workload_hints is None:
+        return None
+    values = {}
+    for name in ("max_prompt_length", "max_generated_length", "num_requests"):
+        if isinstance(workload_hints, dict):
+            value = workload_hints.get(name, 0)
+        else:
+            value = getattr(workload_hints, name, None)
+        check_int(f"workload_hints.{name}", value, minimum=0)
+        values[name] = value
+    length = values["max_prompt_length"] + values["max_generated_length"]
+    if length == 0 or values["num_requests"] == 0:
+        return None
+    return [length] * values["num_requests"]

@@ -21,7 +21,7 @@ from .attention import enable_paged_attention, flash_attn_available, restore_att
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_memory
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, free_memory_bytes, num_blocks_for_memory
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models import UnsupportedModelError, check_model_supported, model_context_length, vocab_size
@@ -98,8 +98,8 @@ class Engine:
         self.device = param.device
         dtype = param.dtype
         dev_type = self.device.type
-        self.block_size = self.config.resolved_block_size(dev_type)
-        shape = CacheShape.from_config(model.config, dtype)
+        self.block_size = self.config.resolved_page_size(dev_type)
+        shape = CacheShape.from_model(model, dtype)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
             num_blocks = num_blocks_for_memory(
@@ -119,10 +119,9 @@ class Engine:
             self.use_flash = False
         self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device)
         self.offload_pool: CPUOffloadPool | None = None
-        if self.config.preemption_mode == "offload":
-            self.offload_pool = CPUOffloadPool(
-                shape, self.config.cpu_offload_space, self.block_size, pin=dev_type == "cuda"
-            )
+        offload_gib = self._offload_space_gib()
+        if offload_gib > 0:
+            self.offload_pool = CPUOffloadPool(shape, offload_gib, self.block_size, pin=dev_type == "cuda")
         self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
         self.kv_cache_manager = KVCacheManager(
             self.block_manager, self.config.resolved_safety_margin(), self.offload_pool
@@ -147,6 +146,27 @@ class Engine:
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
         self._closed = False
+
+    def _offload_space_gib(self) -> float:
+        """GiB of the CPU offload pool; 0 when preempted requests are recomputed.
+
+        Offload is on when ``preemption_mode="offload"`` or ``cpu_offload_space`` is above 0 or None
+        (transformers turns it on by the space alone); the space is capped at
+        ``cpu_offload_space_safety_threshold`` of the available RAM.
+        """
+        config = self.config
+        wanted = config.preemption_mode == "offload" or config.cpu_offload_space is None or config.cpu_offload_space > 0
+        if not wanted:
+            return 0.0
+        gib = config.resolved_cpu_offload_gib(free_memory_bytes(torch.device("cpu")))
+        if gib <= 0:
+            logger.warning(
+                "preemption_mode='offload' with cpu_offload_space=%s (safety threshold %s): no CPU pool, preempted "
+                "requests are recomputed",
+                config.cpu_offload_space,
+                config.cpu_offload_space_safety_threshold,
+            )
+        return gib
 
     # ------------------------------------------------------------------ requests
     @property

@@ -69,6 +69,7 @@ class Inbox:
         block: bool,
         timeout: float | None,
         still_open: Callable[[], bool],
+        refuse_wait: str | None = None,
     ) -> list[str]:
         """Queue checked requests in order and open their result handles.
 
@@ -78,6 +79,9 @@ class Inbox:
             block: wait for queue room (request by request) instead of refusing the batch.
             timeout: most seconds to wait with ``block``; None waits for ever.
             still_open: False once the manager stopped; a waiting caller then gives up.
+            refuse_wait: when set, a batch that would have to wait for room without a timeout
+                raises ``RuntimeError(refuse_wait)`` instead, before anything is queued (the
+                caller holds a pause, so no room can come).
 
         Returns:
             The request ids, in order.
@@ -86,7 +90,7 @@ class Inbox:
             ValueError: a chosen id is already in use (nothing is queued).
             QueueFullError: without ``block``, the batch does not fit (nothing is queued); with
                 it, no room came within ``timeout``.
-            RuntimeError: the manager stopped while the caller waited for room.
+            RuntimeError: the manager stopped while the caller waited for room, or ``refuse_wait``.
         """
         with self._cond:
             for rid, _, _ in items:
@@ -98,6 +102,8 @@ class Inbox:
                     f"{len(items)} request(s) do not fit the queue: {self.num_waiting()} wait "
                     f"(max_queue_size={max_q}); nothing was queued; retry later or pass block=True"
                 )
+            if max_q and block and timeout is None and refuse_wait and self.num_waiting() + len(items) > max_q:
+                raise RuntimeError(refuse_wait)
             deadline = None if timeout is None else time.monotonic() + timeout
             ids = []
             for rid, prompt, params in items:

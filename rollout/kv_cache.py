@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from transformers import PretrainedConfig
+from transformers import PreTrainedModel
 
-from .models import text_config
+from .models import layer_kv_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +26,11 @@ class CacheShape:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> CacheShape:
-        """Read the KV shape of a decoder-only model's (text) config."""
-        text = text_config(config)
-        num_heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
+    def from_model(cls, model: PreTrainedModel, dtype: torch.dtype) -> CacheShape:
+        """The KV shape of a decoder-only model whose layers all share one (``check_model_supported``)."""
+        shapes = layer_kv_shapes(model)
+        num_kv_heads, head_dim = shapes[0]
+        return cls(len(shapes), num_kv_heads, head_dim, dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -78,14 +76,18 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
-        self.key = [
-            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
-        self.value = [
-            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
+        # Never inference tensors, whatever mode the caller builds the engine in: the steps write
+        # them in place from the manager's thread, and a write to an inference tensor outside
+        # inference mode is an error.
+        with torch.inference_mode(False):
+            self.key = [
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                for _ in range(shape.num_layers)
+            ]
+            self.value = [
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                for _ in range(shape.num_layers)
+            ]
         logger.info(
             "paged KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             num_blocks,
@@ -133,8 +135,9 @@ class CPUOffloadPool:
         make = lambda: torch.zeros(  # noqa: E731
             num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, pin_memory=pin
         )
-        self.key = [make() for _ in range(shape.num_layers)]
-        self.value = [make() for _ in range(shape.num_layers)]
+        with torch.inference_mode(False):  # as for the cache: written in place from any thread
+            self.key = [make() for _ in range(shape.num_layers)]
+            self.value = [make() for _ in range(shape.num_layers)]
         self.free_blocks = list(range(self.num_blocks))
 
     def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:

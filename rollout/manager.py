@@ -13,7 +13,14 @@ same model object; on exit the loop resumes with the KV cache and every in-fligh
 version, which each generated token records; prefix-cache blocks computed under an older version
 are never reused by requests admitted later. By default in-flight requests keep their KV
 (PipelineRL's in-flight weight update); ``recompute=True`` re-prefills them under the new weights
-(AReaL's).
+(AReaL's). Weights changed without ``update_weights`` are noticed too: the manager compares a
+fingerprint of the parameters (``weights.weights_fingerprint``) when requests are added, when it
+starts and when a pause ends, and bumps the weight version when they changed.
+
+A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause):
+``stop``, ``destroy`` and the calls that would wait for ever (``get_result``, ``request_id_iter``,
+``join`` without a timeout, ``add_request(block=True)`` on a full queue) raise ``RuntimeError``
+there instead of hanging, as transformers' ``stop`` does.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from .checks import token_ids
-from .config import ContinuousBatchingConfig
+from .checks import is_int, token_ids
+from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine, EngineStats
 from .intake import Inbox, QueueFullError
 from .models import vocab_size
@@ -41,14 +50,19 @@ from .sampling_params import (
     resolve_generation_config,
 )
 from .stop_strings import check_tokenizer
-from .weights import NamedTensors, copy_weights, plan_weight_copy
+from .weights import NamedTensors, copy_weights, plan_weight_copy, weights_fingerprint
 
-__all__ = ["ContinuousBatchingManager", "QueueFullError", "persistent_manager_of"]
+__all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
 _IDLE_WAIT_SECONDS = 0.05
+
+_WAIT_IN_PAUSE = (
+    "{call} from inside this thread's manager.pause() would wait for the generation loop, which waits for "
+    "the pause to end; leave the `with manager.pause()` block first"
+)
 
 
 class _State(enum.Enum):
@@ -60,10 +74,29 @@ class _State(enum.Enum):
 
 
 # The persistent manager of each model (``continuous_batching_context_manager(...,
-# persistent_manager=True)``), reused by the next call with that model and by ``generate_batch``.
+# persistent_manager=True)``, ``generate_batch(..., persistent_manager=True)``,
+# ``stop(keep_for_next_session=True)``), reused by the next call with that model, by
+# ``generate_batch`` and returned by ``init_continuous_batching``.
 # The one place that links a model to a manager. A registered manager references its model, so a
 # model stays alive until its persistent manager is destroyed (Python has no ephemerons).
 _PERSISTENT: weakref.WeakKeyDictionary[PreTrainedModel, ContinuousBatchingManager] = weakref.WeakKeyDictionary()
+
+
+def derive_seeds(seed: int | Sequence[int | None] | None, num_requests: int) -> list[int | None]:
+    """One seed per request: s + k for request k from one int s (``generate_batch``'s rule), or the sequence itself.
+
+    Raises:
+        ValueError: a sequence of the wrong length.
+    """
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != num_requests:
+            raise ValueError(f"seed holds {len(seed)} seeds for {num_requests} inputs")
+        return list(seed)
+    if seed is None:
+        return [None] * num_requests
+    if not is_int(seed):
+        return [seed] * num_requests  # SamplingParams names the bad value
+    return [int(seed) + k for k in range(num_requests)]
 
 
 def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
@@ -86,27 +119,35 @@ class ContinuousBatchingManager:
             do_sample, temperature, top_k, top_p, eos_token_id, the logits processors and
             stop strings of ``SamplingParams``); per-request arguments of ``add_request``
             override them. Unset values come from the model's.
-        continuous_batching_config: engine configuration.
+        continuous_batching_config: engine configuration: rollout's, or a
+            ``transformers.ContinuousBatchingConfig`` (converted, see
+            ``ContinuousBatchingConfig.from_transformers``); None takes the one the
+            generation config carries (deprecated, with a warning) or the defaults.
+        workload_hints: transformers' ``WorkloadHints`` (max_prompt_length,
+            max_generated_length, num_requests): when ``num_blocks`` is unset, the cache is
+            no larger than what holds that workload at once, memory permitting.
         tokenizer: the model's tokenizer, needed by requests with stop strings
             (``stop_strings``, ``stop``) to read the text of their tokens.
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
-        ValueError: a sampling value of the generation config is out of range, it has stop strings
-            and there is no tokenizer, or it asks for a logits processor rollout lacks with
-            ``drop_unsupported_processors=False``.
+        ValueError: a sampling value of the generation config, or a workload hint, is out of range;
+            the generation config has stop strings and there is no tokenizer, or asks for a logits
+            processor rollout lacks with ``drop_unsupported_processors=False``.
+        TypeError: ``continuous_batching_config`` is neither config class.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+        workload_hints: Any = None,
         tokenizer: object | None = None,
     ) -> None:
         self.model = model
-        self.cb_config = continuous_batching_config or ContinuousBatchingConfig()
         self.generation_config = resolve_generation_config(model, generation_config)
+        self.cb_config = resolve_continuous_batching_config(continuous_batching_config, self.generation_config)
         self._vocab_size = vocab_size(model)
         self.default_params = build_sampling_params(
             self.generation_config,
@@ -115,7 +156,10 @@ class ContinuousBatchingManager:
         )
         check_tokenizer(self.default_params.stop_strings, self.default_params.stop, tokenizer)
         self.tokenizer = tokenizer
-        self._engine: Engine | None = Engine(model, self.cb_config, tokenizer=tokenizer)
+        self._tokens_hint = workload_tokens_hint(workload_hints)
+        self._engine: Engine | None = Engine(
+            model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=tokenizer
+        )
         self._cond = threading.Condition()
         self._outputs = OutputRouter(self._cond, producing=self._producing)
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
@@ -124,15 +168,20 @@ class ContinuousBatchingManager:
         self._hard_stop = False
         self._keep = False
         self._pause_count = 0
+        self._local = threading.local()  # .depth: pauses held by the current thread
         self._in_step = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._final_weight_version = 0
+        self._weights_fingerprint = weights_fingerprint(model)
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the background loop (again, after ``stop()``).
+        """Start the background loop (again, after ``stop()``); a no-op while it runs.
+
+        Weights changed since the manager last looked (see ``update_weights``) bump the weight
+        version first, so a kept prefix cache is not served under new weights.
 
         Raises:
             RuntimeError: the manager was destroyed or failed.
@@ -152,8 +201,11 @@ class ContinuousBatchingManager:
         with self._cond:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
-                self._engine = Engine(self.model, self.cb_config, tokenizer=self.tokenizer)
+                self._engine = Engine(
+                    self.model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=self.tokenizer
+                )
                 self._engine.set_weight_version(version)
+            self._check_weights()
             self._stop_requested = False
             self._hard_stop = False
             self._state = _State.RUNNING
@@ -169,11 +221,30 @@ class ContinuousBatchingManager:
         """The manager's state: ``created``, ``running``, ``stopped``, ``failed`` or ``destroyed``."""
         return self._state.value
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the loop to end; True if it has."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return not self.is_running()
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> bool:
+        """Wait for the loop to end; True if it has.
+
+        Args:
+            stop_trigger_time: ``time.perf_counter()`` when the stop was asked (transformers'
+                argument): the time the loop took to end is logged from it. Optional.
+            timeout: most seconds to wait; None waits until the loop ends.
+
+        Raises:
+            RuntimeError: called without a timeout from inside this thread's ``pause()`` while
+                the loop runs (it could never end).
+        """
+        thread = self._thread
+        if thread is None:
+            return True
+        if timeout is None and self.holds_pause() and thread.is_alive():
+            raise RuntimeError(_WAIT_IN_PAUSE.format(call="join()"))
+        thread.join(timeout)
+        ended = not thread.is_alive()
+        if not ended:
+            logger.warning("the rollout manager's loop did not end within %s s", timeout)
+        elif stop_trigger_time is not None:
+            logger.info("the rollout manager's loop ended %.2f s after stop()", time.perf_counter() - stop_trigger_time)
+        return ended
 
     def stop(
         self,
@@ -188,33 +259,58 @@ class ContinuousBatchingManager:
             block: wait for the loop to end (up to ``timeout`` seconds).
             timeout: seconds to wait when blocking; None waits for ever.
             keep_for_next_session: keep the engine and its KV cache (prefix cache
-                included) for the next ``start()``; otherwise the engine is closed and
-                the model's original attention restored once the loop has ended.
+                included) for the next ``start()``, and leave the manager on the model:
+                ``init_continuous_batching``, ``continuous_batching_context_manager`` and
+                ``generate_batch`` on that model then reuse it, until ``destroy()``.
+                Otherwise the engine is closed (the model's original attention restored
+                when no other engine uses the model) once the loop has ended.
             hard_stop: end waiting and running requests at once, status FAILED with a
                 RuntimeError in ``error`` and their partial tokens kept. Otherwise they
                 are finished first.
+
+        Raises:
+            RuntimeError: called from inside this thread's ``pause()`` (the loop could never
+                end; transformers raises the same).
         """
+        if self._state == _State.DESTROYED:
+            return
+        if self.holds_pause():
+            raise RuntimeError(_WAIT_IN_PAUSE.format(call="stop()"))
+        trigger = time.perf_counter()
         with self._cond:
-            if self._state == _State.DESTROYED:
-                return
             self._stop_requested = True
             self._hard_stop = self._hard_stop or hard_stop
             self._keep = keep_for_next_session
             self._cond.notify_all()
+        if keep_for_next_session:
+            self.persist()
         if block:
-            self.join(timeout)
+            self.join(trigger, timeout)
 
     def destroy(self) -> None:
-        """Stop at once (hard stop), free the cache and restore the model's attention. Idempotent.
+        """Stop the loop the default way, free the cache and release the model's attention. Idempotent.
 
-        The manager cannot start again afterwards, and it is no longer its model's persistent manager.
+        A running manager is first stopped as ``stop()`` does: its pending requests finish (call
+        ``stop(hard_stop=True)`` first to fail them instead). Requests that can no longer run (queued
+        on a manager never started) end FAILED. The manager cannot start again afterwards, and it is
+        no longer its model's persistent manager.
+
+        Raises:
+            RuntimeError: called from inside this thread's ``pause()`` (see ``stop``).
         """
         if self._state == _State.DESTROYED:
             return
-        self.stop(block=True, hard_stop=True)
+        if self.holds_pause():
+            raise RuntimeError(_WAIT_IN_PAUSE.format(call="destroy()"))
+        if self.is_running():
+            self.stop(block=True)
         with self._cond:
+            self._stop_requested = True
             self._state = _State.DESTROYED
             engine, self._engine = self._engine, None
+            message = "RuntimeError: the manager was destroyed before the request ran"
+            self._inbox.fail_all(message)
+            self._outputs.fail_pending(message)
         if engine is not None:
             self._final_weight_version = engine.weight_version
             self.final_stats = engine.stats
@@ -230,13 +326,20 @@ class ContinuousBatchingManager:
                 if self._engine is not None:
                     self._engine.tokenizer = tokenizer
 
+    def warmup(self) -> None:
+        """Accepted for transformers' API; does nothing (there are no CUDA graphs to capture yet)."""
+
     def persist(self) -> None:
         """Register as the model's persistent manager until ``destroy()``.
 
-        ``continuous_batching_context_manager(model, ..., persistent_manager=True)`` and
+        ``init_continuous_batching(model)``, ``continuous_batching_context_manager(model, ...)`` and
         ``generate_batch(model, ...)`` then run on this manager.
         """
         _PERSISTENT[self.model] = self
+
+    def holds_pause(self) -> bool:
+        """True when the calling thread is inside this manager's ``pause()``."""
+        return getattr(self._local, "depth", 0) > 0
 
     def __enter__(self) -> ContinuousBatchingManager:
         self.start()
@@ -250,6 +353,11 @@ class ContinuousBatchingManager:
     def weight_version(self) -> int:
         """Number of weight updates recorded so far (kept after ``destroy()``)."""
         return self._engine.weight_version if self._engine is not None else self._final_weight_version
+
+    @property
+    def continuous_batching_config(self) -> ContinuousBatchingConfig:
+        """The engine configuration (transformers' attribute name; the same object as ``cb_config``)."""
+        return self.cb_config
 
     @property
     def engine(self) -> Engine:
@@ -304,7 +412,8 @@ class ContinuousBatchingManager:
                 config's under ``per_request_processors=False``; raised before anything is queued.
             QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or
                 the wait timed out).
-            RuntimeError: the manager failed (the message names the cause) or was destroyed.
+            RuntimeError: the manager failed (the message names the cause) or was destroyed, or
+                ``block`` would wait for room without a timeout inside this thread's ``pause()``.
         """
         params = build_sampling_params(
             sampling_params or self.default_params,
@@ -328,11 +437,11 @@ class ContinuousBatchingManager:
     def add_requests(
         self,
         inputs: Sequence[Sequence[int]],
-        sampling_params: SamplingParams | None = None,
-        *,
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
+        *,
+        sampling_params: SamplingParams | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -349,11 +458,16 @@ class ContinuousBatchingManager:
         prompts that share a prefix are admitted next to each other and find each other's blocks
         in the prefix cache. Without ``block`` the batch is queued whole or not at all.
 
+        The positional order is transformers' (``inputs, max_new_tokens, streaming,
+        record_timestamps``); the rest is keyword-only.
+
         Args:
             inputs: prompts, lists of token ids.
             sampling_params: as for ``add_request``; one ``SamplingParams`` for the whole batch.
-            seed: one seed for all, or a sequence with one seed per input (G samples of one
-                prompt need G seeds).
+            seed: an int s seeds input k (in input order) with s + k, the rule of
+                ``generate_batch``, so the G copies of one prompt get G distinct, reproducible
+                samples; a sequence gives one seed per input (None entries: unseeded). Without
+                it, a seed in ``sampling_params`` is spread the same way.
             max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p,
                 do_sample, block, timeout: as for ``add_request``.
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
@@ -367,9 +481,9 @@ class ContinuousBatchingManager:
         """
         if request_id is not None:
             raise ValueError("add_requests takes no request_id; use add_request for chosen ids")
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(inputs)
-        if len(seeds) != len(inputs):
-            raise ValueError(f"seed holds {len(seeds)} seeds for {len(inputs)} inputs")
+        if seed is None and sampling_params is not None:
+            seed = sampling_params.seed
+        seeds = derive_seeds(seed, len(inputs))
         params = build_sampling_params(
             sampling_params or self.default_params,
             vocab_size=self._vocab_size,
@@ -415,6 +529,8 @@ class ContinuousBatchingManager:
         block: bool,
         timeout: float | None,
     ) -> list[str | None]:
+        self._sync_weight_version()
+        refuse = _WAIT_IN_PAUSE.format(call="add_request(block=True)") if self.holds_pause() else None
         with self._cond:
             if self._state == _State.FAILED:
                 raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
@@ -423,7 +539,9 @@ class ContinuousBatchingManager:
             if self._stop_requested or self._state == _State.STOPPED:
                 logger.warning("add_request after stop(): request not added")
                 return [None] * len(items)
-            ids = self._inbox.put(items, streaming, record_timestamps, block, timeout, self._accepting)
+            ids = self._inbox.put(
+                items, streaming, record_timestamps, block, timeout, self._accepting, refuse_wait=refuse
+            )
             return list(ids)
 
     def _accepting(self) -> bool:
@@ -452,8 +570,9 @@ class ContinuousBatchingManager:
 
         Raises:
             KeyError: ``request_id`` is unknown or its result was already delivered.
+            RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
         """
-        return self._outputs.get_result(request_id, timeout)
+        return self._outputs.get_result(request_id, timeout, refuse_wait=self._refuse_wait("get_result()"))
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         """Yield results as they finish, until none is pending and the loop idles or ends."""
@@ -472,8 +591,9 @@ class ContinuousBatchingManager:
         Raises:
             KeyError: unknown request id, or its result was already delivered.
             TimeoutError: no chunk came within ``timeout`` seconds.
+            RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
         """
-        return self._outputs.stream(request_id, timeout)
+        return self._outputs.stream(request_id, timeout, refuse_wait=lambda: self._refuse_wait("request_id_iter()"))
 
     def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
         """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
@@ -485,6 +605,10 @@ class ContinuousBatchingManager:
             KeyError: unknown request id, or its result was already delivered.
         """
         self._outputs.register_handler(request_id, callback)
+
+    def _refuse_wait(self, call: str) -> str | None:
+        """The error message for a wait the calling thread's own pause would make endless, else None."""
+        return _WAIT_IN_PAUSE.format(call=call) if self.holds_pause() else None
 
     def _producing(self) -> bool:
         # Results may still come while the loop runs, and before the first start() (queued
@@ -504,9 +628,11 @@ class ContinuousBatchingManager:
             self._cond.notify_all()
             while self._in_step:
                 self._cond.wait()
+        self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
+            self._local.depth -= 1
             with self._cond:
                 self._pause_count -= 1
                 self._cond.notify_all()
@@ -535,10 +661,39 @@ class ContinuousBatchingManager:
         with self.pause():
             copy_weights(plan)
             engine = self.engine
-            version = engine.bump_weight_version()
+            with self._cond:
+                version = engine.bump_weight_version()
+                self._weights_fingerprint = weights_fingerprint(self.model)  # this change is recorded
             if recompute:
                 engine.recompute_in_flight()
         return version
+
+    def _check_weights(self) -> bool:
+        """With the lock held and no step running: bump the weight version if the parameters changed.
+
+        Returns:
+            True when the weights had changed (without ``update_weights``) and the version was bumped.
+        """
+        fingerprint = weights_fingerprint(self.model)
+        if fingerprint == self._weights_fingerprint:
+            return False
+        self._weights_fingerprint = fingerprint
+        if self._engine is not None:
+            version = self._engine.bump_weight_version()
+            logger.info("the model's parameters changed without update_weights: weight version %d", version)
+        return True
+
+    def _sync_weight_version(self) -> None:
+        """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).
+
+        The fingerprint is compared first without pausing (the common case: unchanged); a change is
+        recorded under a pause, so that no step runs while the version moves.
+        """
+        with self._cond:
+            if weights_fingerprint(self.model) == self._weights_fingerprint:
+                return
+        with self.pause(), self._cond:
+            self._check_weights()
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
@@ -548,9 +703,13 @@ class ContinuousBatchingManager:
             while True:
                 with self._cond:
                     self._inbox.drain(engine)
+                    paused = False
                     while self._pause_count > 0 and not self._hard_stop:
+                        paused = True
                         self._cond.wait()
                         self._inbox.drain(engine)
+                    if paused:  # the pause holders may have changed the weights without update_weights
+                        self._check_weights()
                     if self._hard_stop:
                         self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return

@@ -134,6 +134,45 @@ def check_model_supported(model: torch.nn.Module) -> None:
     layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
     if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
         raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
+    shapes = layer_kv_shapes(model)
+    if len(set(shapes)) > 1:
+        groups: dict[tuple[int, int], list[int]] = {}
+        for layer, shape in enumerate(shapes):
+            groups.setdefault(shape, []).append(layer)
+        described = "; ".join(
+            f"layers {', '.join(map(str, layers))}: {kv} KV heads x head_dim {dim}"
+            for (kv, dim), layers in groups.items()
+        )
+        raise UnsupportedModelError(
+            f"{name}: its attention layers differ in KV shape ({described}); rollout's paged cache holds one "
+            "shape for every layer, so models with per-layer head dims or KV-head counts are not supported yet"
+        )
+
+
+def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
+    """(KV heads, head dim) of each decoder layer, in layer order.
+
+    Read from the text config (a heterogeneous config's ``per_layer_config`` layer by layer, since
+    its global ``head_dim`` is ambiguous), then from the attention modules themselves where they
+    show it (``head_dim`` and a ``k_proj`` Linear): the modules are what write the KV.
+    """
+    text = text_config(model.config)
+    if getattr(text, "is_heterogeneous", False):
+        layer_configs = list(text.per_layer_config)
+    else:
+        layer_configs = [text] * text.num_hidden_layers
+    shapes = []
+    for layer_config in layer_configs:
+        num_heads = layer_config.num_attention_heads
+        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // num_heads
+        shapes.append((getattr(layer_config, "num_key_value_heads", None) or num_heads, head_dim))
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        head_dim = getattr(module, "head_dim", None)
+        out_features = getattr(getattr(module, "k_proj", None), "out_features", None)
+        if isinstance(layer, int) and 0 <= layer < len(shapes) and isinstance(head_dim, int) and out_features:
+            shapes[layer] = (out_features // head_dim, head_dim)
+    return shapes
 
 
 # ---------------------------------------------------------------------------------------- loading

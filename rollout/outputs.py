@@ -145,12 +145,16 @@ class OutputRouter:
             self._deliver(handle)
 
     # ------------------------------------------------------------------ reader side
-    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+    def get_result(
+        self, request_id: str | None = None, timeout: float | None = None, refuse_wait: str | None = None
+    ) -> GenerationOutput | None:
         """The next finished result, or the result of ``request_id``.
 
         Args:
             request_id: wait for this request; None takes the next finished one.
             timeout: seconds to wait; None waits until a result comes or nothing can come.
+            refuse_wait: when set, a wait without a timeout raises ``RuntimeError(refuse_wait)``
+                instead of starting (a result already there is still returned).
 
         Returns:
             The final output, or None after the timeout, or when nothing is left to wait for
@@ -158,6 +162,7 @@ class OutputRouter:
 
         Raises:
             KeyError: ``request_id`` is unknown or its result was already delivered.
+            RuntimeError: ``refuse_wait``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -177,12 +182,16 @@ class OutputRouter:
                         return None
                 if not self._producing():
                     return None
+                if refuse_wait is not None and timeout is None:
+                    raise RuntimeError(refuse_wait)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 self._cond.wait(remaining if remaining is not None else _POLL_SECONDS)
 
-    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+    def stream(
+        self, request_id: str, timeout: float | None = None, refuse_wait: Callable[[], str | None] | None = None
+    ) -> Iterator[GenerationOutput]:
         """A request's snapshots; the last one has a final status and delivers the result.
 
         A request opened without ``streaming`` yields its final output only. The iterator also
@@ -191,12 +200,18 @@ class OutputRouter:
         Raises:
             KeyError: unknown request id, or its result was already delivered.
             TimeoutError: no chunk came within ``timeout`` seconds.
+            RuntimeError: ``refuse_wait()`` returns a message (checked before each wait, in the
+                iterating thread), no timeout is given and the next chunk is not there yet.
         """
         with self._cond:
             handle = self._handles.get(request_id)
             if handle is None:
                 raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
         while True:
+            if refuse_wait is not None and timeout is None and handle.stream.empty():
+                message = refuse_wait()
+                if message is not None:
+                    raise RuntimeError(message)
             try:
                 chunk: GenerationOutput = handle.stream.get(timeout=timeout if timeout is not None else _POLL_SECONDS)
             except Empty:

@@ -19,20 +19,24 @@ if TYPE_CHECKING:
     from .stop_strings import StopStringMatcher
 
 
-class RequestStatus(enum.Enum):
-    """Life cycle of a request, named as in ``transformers``' continuous batching."""
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a request, named and ordered as in ``transformers``' continuous batching.
 
-    PENDING = "pending"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+    An ``IntEnum`` with transformers' values (PENDING 0 ... FAILED 4), so ``status >= FINISHED``
+    reads "ended" in both; CANCELLED (5, rollout's own: ``cancel_request``) is final too.
+    """
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
 
     @property
     def is_final(self) -> bool:
         """True for FINISHED, FAILED and CANCELLED."""
-        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+        return self >= RequestStatus.FINISHED
 
 
 # ``GenerationOutput.finish_reason`` values.
@@ -65,6 +69,8 @@ class GenerationOutput:
         created_time: ``time.perf_counter()`` seconds when the request was added.
         num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache.
         prompt_logprobs: for scoring requests, the logprobs of the scored prompt tokens.
+        lifespan: ``time.perf_counter()`` seconds (first scheduled, ended), as in transformers;
+            -1 for a moment that has not come (or never came: a request cancelled while waiting).
     """
 
     request_id: str
@@ -79,6 +85,7 @@ class GenerationOutput:
     created_time: float = 0.0
     num_cached_prompt_tokens: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)
+    lifespan: tuple[float, float] = (-1.0, -1.0)
 
     def is_finished(self) -> bool:
         """True once the request reached a final status."""
@@ -138,6 +145,8 @@ class Request:
         self.error: str | None = None
         self.finish_reason: str | None = None
         self.created_time = time.perf_counter()
+        # (first scheduled, ended) in perf_counter seconds; the scheduler sets both.
+        self.lifespan: tuple[float, float] = (-1.0, -1.0)
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
@@ -204,6 +213,7 @@ class Request:
             created_time=self.created_time,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             prompt_logprobs=list(self.prompt_logprobs),
+            lifespan=self.lifespan,
         )
 
     def __repr__(self) -> str:

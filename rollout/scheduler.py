@@ -28,6 +28,7 @@ and in ``finish_request``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -181,6 +182,7 @@ class Scheduler:
         kv.free(req)
         kv.drop_offloaded(req)
         req.status = status
+        req.lifespan = (req.lifespan[0], time.perf_counter())
 
     def recompute_all(self) -> None:
         """Drop the KV of every unfinished request so it is computed again under the current weights.
@@ -276,6 +278,8 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = min(num_cached, req.num_prompt_tokens)
             req.status = RequestStatus.PREFILLING
+            if req.lifespan[0] < 0:  # first admission (a preempted request keeps its first)
+                req.lifespan = (time.perf_counter(), -1.0)
             self.running.append(req)
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
             kv.cache_blocks(req, num_cached + n, self.weight_version)

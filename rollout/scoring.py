@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .checks import check_int, check_number, token_ids
-from .config import ContinuousBatchingConfig
+from .config import ContinuousBatchingConfig, resolve_continuous_batching_config
 from .engine import Engine
 from .models import model_context_length, vocab_size
 from .requests import Request, RequestStatus
@@ -332,7 +332,7 @@ def score(
     temperature: float = 1.0,
     skip_too_long: bool = False,
     progress_bar: bool = False,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
 ) -> list[ScoreOutput]:
     """Per-token logprobs of ``completions`` given ``prompts``, computed through the paged engine.
 
@@ -354,9 +354,9 @@ def score(
         skip_too_long: a row longer than the model's context (``max_position_embeddings``) gets a
             ``ScoreOutput`` with ``skipped=True`` instead of raising.
         progress_bar: show a tqdm bar of scored rows and computed tokens/s.
-        continuous_batching_config: engine configuration (block size, cache size, prefix caching).
-            When its ``num_blocks`` is None the cache is sized for a few steps of rows, not for the
-            whole input.
+        continuous_batching_config: engine configuration (block size, cache size, prefix caching),
+            rollout's or a ``transformers.ContinuousBatchingConfig`` (converted). When its
+            ``num_blocks`` is None the cache is sized for a few steps of rows, not for the whole input.
 
     Returns:
         N ``ScoreOutput`` in input order: ``completion_logprobs`` float [len(completions[i])] in nats,
@@ -372,7 +372,7 @@ def score(
     check_int("batch_tokens", batch_tokens, minimum=1, allow_none=True)
     _check_temperature(temperature)
     rows_p, rows_c, skipped = validate_rows(model, prompts, completions, skip_too_long)
-    config = continuous_batching_config or ContinuousBatchingConfig()
+    config = resolve_continuous_batching_config(continuous_batching_config)
     if batch_tokens is not None:
         config = dataclasses.replace(config, max_batch_tokens=batch_tokens)
     jobs, row_group = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
@@ -380,7 +380,7 @@ def score(
         return _run(None, [], row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
     device_type = next(model.parameters()).device.type
     hint = _cache_tokens_hint(
-        jobs, config.resolved_max_batch_tokens(device_type), config.resolved_block_size(device_type)
+        jobs, config.resolved_max_batch_tokens(device_type), config.resolved_page_size(device_type)
     )
     engine = Engine(model, config, max_tokens_hint=hint)
     try:

@@ -32,6 +32,7 @@ from trl import GRPOConfig
 import rollout
 from rollout import ContinuousBatchingConfig
 from trainers.evaluate import evaluate_model
+from trainers.grpo import source_commit
 from trainers.rewards import correctness_reward
 from trainers.tasks import build_datasets
 from trainers.trl_plugin import RolloutGRPOTrainer
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         for row in dataset
     )
     blocks_per_sequence = math.ceil((longest_prompt + args.max_completion_length) / block_size)
-    cb_config = ContinuousBatchingConfig(block_size=block_size, num_blocks=batch * blocks_per_sequence + 4)
+    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=batch * blocks_per_sequence + 4)
 
     config = GRPOConfig(
         output_dir=str(output_dir),
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = trainer.rollout_summary or {}
     gen_s = summary.get("generation_seconds", 0.0)
     report = {
+        "commit": source_commit(),
         "model": args.model,
         "steps": trainer.state.global_step,
         "completions_per_step": batch,

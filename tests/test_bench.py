@@ -1,27 +1,14 @@
-"""Tests of scripts/bench.py on a tiny random Llama: the pieces run and the JSON has what readers expect."""
+"""Tests of the generation benchmark (``rollout-bench``, rollout/benchmarks/) on a tiny random Llama: the pieces
+run and the JSON has what readers expect."""
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
+from rollout.benchmarks import generation, workloads
+from rollout.benchmarks.report import format_table, new_report, write_json
 from tests import tiny_models
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO_ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 
 EOS, PAD = tiny_models.EOS_TOKEN_ID, tiny_models.PAD_TOKEN_ID
 PROMPTS = [[1, 5, 9, 17, 33], [1, 7, 7], [1, 100, 101, 102, 103, 104, 105], [1, 42, 250, 3]]
@@ -44,11 +31,11 @@ def tiny_llama():
 
 
 def _tiny_workload(**kwargs):
-    return bench.Workload("tiny", num_prompts=len(PROMPTS), start=0, max_new_tokens=4, **kwargs)
+    return workloads.Workload("tiny", num_prompts=len(PROMPTS), start=0, max_new_tokens=4, **kwargs)
 
 
 def _run(model, systems, workload):
-    return bench.run_workload(
+    return generation.run_workload(
         model,
         PROMPTS,
         workload,
@@ -63,10 +50,10 @@ def _run(model, systems, workload):
 
 
 def _check_report_json(result, tmp_path, systems):
-    report = bench.new_report("tiny-llama", "cpu", {"systems": systems}, "inline")
+    report = new_report("tiny-llama", "cpu", {"systems": systems}, "inline")
     report["workloads"]["tiny"] = result
     out = tmp_path / "bench.json"
-    bench.write_json(report, out)
+    write_json(report, out)
     loaded = json.loads(out.read_text())
     assert {"model", "machine", "args", "question_source", "workloads"} <= loaded.keys()
     assert {"torch", "transformers", "device", "torch_num_threads"} <= loaded["machine"].keys()
@@ -77,7 +64,7 @@ def _check_report_json(result, tmp_path, systems):
         assert SYSTEM_KEYS <= summary.keys()
         assert summary["tokens_per_s"] > 0
         assert summary["peak_mem_mb"] > 0
-    assert len(bench.format_table(loaded)) == len(systems)
+    assert len(format_table(loaded)) == len(systems)
     return w
 
 
@@ -110,9 +97,6 @@ def test_bench_static_samples_g_per_prompt_tiny_llama(tiny_llama, tmp_path):
 
 
 def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
-    rollout = pytest.importorskip("rollout")
-    if not hasattr(rollout, "generate_batch"):
-        pytest.skip("rollout.generate_batch does not exist yet")
     systems = ["rollout", "hf-static", "ceiling"]
     result = _run(tiny_llama, systems, _tiny_workload())
     w = _check_report_json(result, tmp_path, systems)
@@ -123,30 +107,40 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
 
 
 def test_truncate_at_eos_keeps_the_eos():
-    assert bench.truncate_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
-    assert bench.truncate_at_eos([5, 6, 7], {2}) == [5, 6, 7]
-    assert bench.truncate_at_eos([2], {2, 3}) == [2]
+    assert workloads.truncate_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
+    assert workloads.truncate_at_eos([5, 6, 7], {2}) == [5, 6, 7]
+    assert workloads.truncate_at_eos([2], {2, 3}) == [2]
 
 
 def test_left_pad_puts_padding_on_the_left():
-    input_ids, mask = bench.left_pad([[1, 2, 3], [4]], pad_token_id=0, device="cpu")
+    input_ids, mask = workloads.left_pad([[1, 2, 3], [4]], pad_token_id=0, device="cpu")
     assert input_ids.tolist() == [[1, 2, 3], [0, 0, 4]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
 def test_select_questions_falls_back_to_start_zero():
     questions = [f"q{i}" for i in range(10)]
-    assert bench.select_questions(questions, 2, 3) == (["q2", "q3", "q4"], 2)
-    assert bench.select_questions(questions, 200, 3) == (["q0", "q1", "q2"], 0)
+    assert workloads.select_questions(questions, 2, 3) == (["q2", "q3", "q4"], 2)
+    assert workloads.select_questions(questions, 200, 3) == (["q0", "q1", "q2"], 0)
     with pytest.raises(ValueError):
-        bench.select_questions(questions, 0, 11)
+        workloads.select_questions(questions, 0, 11)
 
 
 def test_sample_questions_file_covers_every_workload():
-    lines = bench.SAMPLE_QUESTIONS.read_text().splitlines()
+    lines = workloads.SAMPLE_QUESTIONS.read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert len(records) >= max(w.num_prompts for w in bench.WORKLOADS.values())
+    assert len(records) >= max(w.num_prompts for w in workloads.WORKLOADS.values())
     for r in records:
         assert r["question"].endswith("?")
         assert re.search(r"\n#### -?\d+$", r["answer"])
-    assert len(bench.SHARED_PREFIX_SYSTEM_PROMPT.read_text().split()) > 500
+    assert len(workloads.SHARED_PREFIX_SYSTEM_PROMPT.read_text().split()) > 500
+
+
+def test_build_prompts_is_the_chat_template_with_the_shared_system_prompt_in_front():
+    tokenizer = tiny_models.tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5 "
+    plain = workloads.build_prompts(tokenizer, ["t7 t8", "t9"], workloads.WORKLOADS["gsm8k-greedy"])
+    assert plain == [[3, 7, 8, 4, 5], [3, 9, 4, 5]]
+    shared = workloads.build_prompts(tokenizer, ["t7 t8"], workloads.WORKLOADS["shared-prefix"])
+    system_words = len(workloads.SHARED_PREFIX_SYSTEM_PROMPT.read_text().split())
+    assert shared[0][0] == 3 and shared[0][-5:] == plain[0] and len(shared[0]) == system_words + 2 + 5

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import warnings
 from typing import Any
 
 import pytest
+from transformers import ContinuousBatchingConfig as TransformersConfig
+from transformers import GenerationConfig
 
-from rollout.config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 
 INVALID_CONFIG_VALUES = [
     ("block_size", 3),
@@ -90,7 +95,7 @@ def test_field_defaults_match_documentation() -> None:
 
 def test_field_names_lists_every_field_in_declaration_order() -> None:
     assert ContinuousBatchingConfig.field_names() == [
-        "block_size",
+        "page_size",
         "num_blocks",
         "max_batch_tokens",
         "max_memory_percent",
@@ -103,10 +108,12 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "seed",
         "preemption_mode",
         "cpu_offload_space",
+        "cpu_offload_space_safety_threshold",
         "max_queue_size",
         "per_request_processors",
         "drop_unsupported_processors",
         "progress_log_interval",
+        "block_size",
     ]
 
 
@@ -146,3 +153,95 @@ def test_safety_margin_resolves_to_explicit_value_else_scheduler_default(
 ) -> None:
     config = ContinuousBatchingConfig(scheduler_type=scheduler_type, safety_margin=safety_margin)
     assert config.resolved_safety_margin() == expected
+
+
+# ---------------------------------------------------------------- issue 10: transformers' names and objects
+def test_page_size_is_canonical_and_block_size_its_deprecated_alias() -> None:
+    assert ContinuousBatchingConfig(page_size=16).resolved_page_size("cpu") == 16
+    with pytest.warns(FutureWarning, match="block_size=...\\) is deprecated.*use page_size"):
+        old = ContinuousBatchingConfig(block_size=16)
+    assert old.page_size == 16 and old.resolved_page_size("cuda") == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replace() passes both back, equal: no second warning
+        assert dataclasses.replace(old, seed=1).page_size == 16
+    with pytest.raises(ValueError, match="page_size and its deprecated alias block_size must agree"):
+        ContinuousBatchingConfig(page_size=8, block_size=16)
+    with pytest.raises(ValueError, match="page_size must be None or an int >= 4, got 2"):
+        ContinuousBatchingConfig(page_size=2)
+
+
+def test_a_transformers_config_converts_field_by_field(caplog: pytest.LogCaptureFixture) -> None:
+    theirs = TransformersConfig(
+        page_size=16, num_blocks=40, max_batch_tokens=128, max_memory_percent=0.5, max_requests_per_batch=8,
+        allow_block_sharing=False, scheduler_type="prefill_first", safety_margin=0.1, return_logprobs=True, seed=7,
+        cpu_offload_space=1.5, cpu_offload_space_safety_threshold=0.5, max_queue_size=9,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="rollout.config"):
+        ours = ContinuousBatchingConfig.from_transformers(theirs)
+    assert caplog.text == ""  # every field set is one rollout uses
+    for name in (
+        "page_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "max_requests_per_batch",
+        "allow_block_sharing", "scheduler_type", "safety_margin", "return_logprobs", "seed", "cpu_offload_space",
+        "cpu_offload_space_safety_threshold", "max_queue_size",
+    ):  # fmt: skip
+        assert getattr(ours, name) == getattr(theirs, name), name
+    # Fields left at transformers' defaults keep rollout's (page_size 256 reads as unset: 32 on CPU).
+    default = ContinuousBatchingConfig.from_transformers(TransformersConfig())
+    assert default == ContinuousBatchingConfig()
+    assert default.resolved_page_size("cpu") == 32 and default.resolved_page_size("cuda") == 256
+    assert ContinuousBatchingConfig.from_transformers(TransformersConfig(block_size=8)).page_size == 8
+    # Fields rollout does not have are named, all in one warning.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollout.config"):
+        ContinuousBatchingConfig.from_transformers(
+            TransformersConfig(use_cuda_graph=True, default_compile_level=2, auto_switch_to_flash=False)
+        )
+    assert len(caplog.records) == 1
+    for name in ("use_cuda_graph=True", "default_compile_level=2", "auto_switch_to_flash=False"):
+        assert name in caplog.text
+    with pytest.raises(ValueError, match="scheduler_type must be one of"):
+        ContinuousBatchingConfig.from_transformers(TransformersConfig(scheduler_type="lifo"))
+
+
+def test_resolve_takes_ours_theirs_none_or_the_one_inside_a_generation_config() -> None:
+    ours = ContinuousBatchingConfig(page_size=8)
+    assert resolve_continuous_batching_config(ours) is ours
+    assert resolve_continuous_batching_config(None) == ContinuousBatchingConfig()
+    assert resolve_continuous_batching_config(TransformersConfig(page_size=8)).page_size == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        gc = GenerationConfig(continuous_batching_config=ours)
+    with pytest.warns(FutureWarning, match="inside the GenerationConfig is deprecated"):
+        assert resolve_continuous_batching_config(None, gc) is ours
+    assert resolve_continuous_batching_config(ContinuousBatchingConfig(), gc).page_size is None  # explicit wins
+    with pytest.raises(TypeError, match="continuous_batching_config must be"):
+        resolve_continuous_batching_config({"page_size": 8})
+
+
+@pytest.mark.parametrize(
+    ("space", "threshold", "available_gib", "expected"),
+    [
+        (0.0, 0.8, 10, 0.0),  # no pool: recompute
+        (2.0, 0.8, 10, 2.0),  # > 0 turns offload on by itself
+        (20.0, 0.8, 10, 8.0),  # capped at the safety threshold of the available RAM
+        (None, 0.5, 10, 5.0),  # None sizes the pool from the threshold alone
+        (None, 0.0, 10, 0.0),
+    ],
+)
+def test_cpu_offload_space_resolves_against_the_safety_threshold(
+    space: float | None, threshold: float, available_gib: float, expected: float
+) -> None:
+    config = ContinuousBatchingConfig(cpu_offload_space=space, cpu_offload_space_safety_threshold=threshold)
+    assert config.resolved_cpu_offload_gib(int(available_gib * 1024**3)) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="cpu_offload_space_safety_threshold must be a finite number in"):
+        ContinuousBatchingConfig(cpu_offload_space_safety_threshold=1.5)
+
+
+def test_workload_hints_become_per_request_token_counts() -> None:
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    assert workload_tokens_hint(None) is None
+    assert workload_tokens_hint(WorkloadHints(max_prompt_length=5, max_generated_length=3, num_requests=2)) == [8, 8]
+    assert workload_tokens_hint({"max_prompt_length": 5, "num_requests": 0}) is None
+    with pytest.raises(ValueError, match="workload_hints.max_prompt_length must be an int >= 0, got None"):
+        workload_tokens_hint(object())

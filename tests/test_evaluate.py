@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 import rollout
 from tests.tiny_models import tiny_llama, tiny_tokenizer
-from trainers.evaluate import evaluate_greedy, is_correct, last_number
+from trainers.evaluate import evaluate_greedy, evaluate_model, is_correct, last_number
 from trainers.tasks import arithmetic_dataset, build_datasets, heldout_arithmetic_dataset, split_heldout
 
 
@@ -93,3 +93,18 @@ def test_evaluate_greedy_equals_generate_batch_and_counts_right_answers():
     assert result.num_problems == 3
     assert result.num_tokens == sum(len(o.generated_tokens) for o in reference.values())
     assert result.num_correct == sum(is_correct(t, a) for t, a in zip(texts, answers))
+
+
+def test_evaluate_model_runs_its_own_manager_and_restores_the_model():
+    model, tok = tiny_llama(), tiny_tokenizer()
+    heldout = datasets.Dataset.from_list([{"prompt": f"t{5 + i} t{9 + i}", "answer": "1"} for i in range(3)])
+    attn = model.config._attn_implementation
+    result = evaluate_model(model, tok, heldout, max_new_tokens=5)
+    assert result.num_problems == 3 and 3 <= result.num_tokens <= 15
+    assert model.config._attn_implementation == attn
+    reference = rollout.generate_batch(
+        model, [[5, 9], [6, 10], [7, 11]], generation_config=GenerationConfig(max_new_tokens=5, do_sample=False)
+    )
+    assert [s["completion"] for s in result.samples] == [
+        tok.decode(o.generated_tokens, skip_special_tokens=True) for o in reference.values()
+    ]

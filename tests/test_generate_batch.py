@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+import psutil
 import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, Engine, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, Engine, GenerationOutput, RequestStatus, SamplingParams, generate_batch
 from tests.tiny_models import ALL_TINY_MODELS, EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama, tiny_mistral
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
@@ -237,3 +240,41 @@ def test_default_cache_holds_every_request_of_the_batch_at_once() -> None:
     engine = Engine(model, ContinuousBatchingConfig(), max_tokens_hint=[19] * 4)
     assert engine.num_blocks == 5
     engine.close()
+
+
+# ---------------------------------------------------------------- issue 10: transformers' outputs and offload switch
+def test_status_is_ordered_as_in_transformers_and_outputs_carry_their_lifespan() -> None:
+    from transformers.generation.continuous_batching import RequestStatus as TransformersStatus
+
+    for name in ("PENDING", "PREFILLING", "DECODING", "FINISHED", "FAILED"):
+        assert RequestStatus[name] == TransformersStatus[name]
+    assert [s for s in RequestStatus if s >= RequestStatus.FINISHED] == [
+        RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED,
+    ]  # fmt: skip
+    assert all(s.is_final == (s >= RequestStatus.FINISHED) for s in RequestStatus)
+    t0 = time.perf_counter()
+    out = generate_batch(tiny_llama(), [[5, 6, 7]], GenerationConfig(max_new_tokens=4), record_timestamps=True)
+    req = out["req_0"]
+    start, end = req.lifespan
+    assert req.created_time <= start <= req.timestamps[0] <= req.timestamps[-1] <= end <= time.perf_counter()
+    assert t0 <= req.created_time and req.is_finished()
+    assert GenerationOutput("x", []).lifespan == (-1.0, -1.0)
+
+
+@pytest.mark.parametrize("space", [0.01, None])
+def test_cpu_offload_space_alone_turns_offload_on(space: float | None) -> None:
+    model = tiny_llama()
+    prompts = random_prompts(8, VOCAB_SIZE, min_len=10, max_len=30, seed=6)
+    _, reference = _greedy_engine(model, prompts, ContinuousBatchingConfig(page_size=4, num_blocks=256), max_new=16)
+    # None: the pool is the safety threshold's share of the available RAM (tiny here).
+    cfg = ContinuousBatchingConfig(
+        page_size=4, num_blocks=14, safety_margin=0.0, allow_block_sharing=False, cpu_offload_space=space,
+        cpu_offload_space_safety_threshold=0.01 / (psutil.virtual_memory().available / 1024**3),
+    )  # fmt: skip
+    assert cfg.preemption_mode == "recompute"  # not asked for: the space decides
+    engine, out = _greedy_engine(model, prompts, cfg, max_new=16)
+    assert out == reference
+    assert engine.offload_pool is not None and engine.stats.num_offloads == engine.stats.num_preemptions > 0
+    no_pool = Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=14, cpu_offload_space=0.0))
+    assert no_pool.offload_pool is None
+    no_pool.close()

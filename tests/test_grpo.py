@@ -17,7 +17,14 @@ from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
 from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared
-from trainers.loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, pad_batch
+from trainers.loss import (
+    aggregate_loss,
+    completion_logprobs,
+    group_advantages,
+    grpo_token_loss,
+    pad_batch,
+    zero_spread_groups,
+)
 from trainers.rewards import compute_rewards, resolve_reward_func
 
 REQUIRED_METRICS = (
@@ -422,3 +429,34 @@ def test_default_recipe_gives_no_advantage_to_format_without_a_right_answer():
     assert _advantages(config.reward_funcs, config.reward_weights).tolist() == [0.0] * 4
     default = GRPOConfig()
     assert _advantages(default.reward_funcs, [1.0] * len(default.reward_funcs)).tolist() == [0.0] * 4
+
+
+# ---------------------------------------------------------------------- issue 10, cases 6 and 7
+def test_prompt_text_that_starts_with_bos_gets_one_bos():
+    # Case 6: a Llama-3-style tokenizer adds its BOS to every text; a prompt that already starts
+    # with the BOS text got two.
+    from tests.tiny_models import BOS_TOKEN_ID, LLAMA3_BOS, llama3_style_tokenizer
+    from trainers.prompts import encode_prompt
+
+    tokenizer = llama3_style_tokenizer()
+    assert tokenizer(f"{LLAMA3_BOS}t5 t7").input_ids == [BOS_TOKEN_ID, BOS_TOKEN_ID, 5, 7]  # the trap
+    assert encode_prompt(tokenizer, f"{LLAMA3_BOS}t5 t7") == [BOS_TOKEN_ID, 5, 7]
+    assert encode_prompt(tokenizer, f"{LLAMA3_BOS} t5 t7") == [BOS_TOKEN_ID, 5, 7]
+    assert encode_prompt(tokenizer, "t5 t7") == [BOS_TOKEN_ID, 5, 7]
+    with pytest.warns(UserWarning, match="no chat template"):
+        assert encode_prompt(tokenizer, [{"role": "user", "content": f"{LLAMA3_BOS}t5 t7"}]) == [BOS_TOKEN_ID, 5, 7]
+    chat = llama3_style_tokenizer(chat_template=True)  # the template writes the BOS text itself
+    assert encode_prompt(chat, [{"role": "user", "content": "t5 t7"}]) == [BOS_TOKEN_ID, 5, 7, 2, 9]
+
+
+def test_all_equal_rewards_get_exactly_zero_advantage():
+    # Case 7: the float mean of eight 0.2 is not 0.2; eps used to turn that into advantages of about
+    # -1.5e-4 each (-0.58 with eps 1e-8).
+    rewards = torch.full((8,), 0.2)
+    assert torch.nanmean(rewards) != rewards[0]  # the trap is real
+    for eps in (1e-4, 1e-8):
+        assert torch.equal(group_advantages(rewards, 8, eps=eps), torch.zeros(8))
+    assert torch.equal(group_advantages(rewards, 8, scale=False), torch.zeros(8))
+    mixed = torch.cat([torch.full((4,), 0.2), torch.tensor([0.0, 1.0, 0.0, 1.0])])
+    assert zero_spread_groups(mixed.view(2, 4)).tolist() == [True, False]  # what frac_reward_zero_std averages
+    assert torch.equal(group_advantages(mixed, 4)[:4], torch.zeros(4))

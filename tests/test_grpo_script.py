@@ -1,5 +1,5 @@
-"""The command-line entry points: scripts/train_grpo.py (bad config, tracker, the real default job) and
-scripts/plot_metrics.py."""
+"""The command-line entry points: ``rollout-train-grpo`` / scripts/train_grpo.py (``trainers.cli``: bad config,
+tracker, the real default job) and ``rollout-plot`` / scripts/plot_metrics.py (``trainers.plotting``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import trainers.cli as train_grpo
+import trainers.plotting as plot_metrics
 from tests.test_grpo import REQUIRED_METRICS, tiny_trainer
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import plot_metrics  # noqa: E402
-import train_grpo  # noqa: E402
 
 
 def test_script_rejects_unknown_key_naming_it(capsys):

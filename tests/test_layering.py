@@ -1,7 +1,9 @@
 """rollout/ imports only point down: each module imports only modules listed before it in LAYERS.
 
 The check parses every module with ``ast`` and looks at every import, at module level, inside
-functions and under ``TYPE_CHECKING`` alike, so no cycle can hide in a lazy import.
+functions and under ``TYPE_CHECKING`` alike, so no cycle can hide in a lazy import. The subpackage
+``rollout/benchmarks/`` is one entry of LAYERS, the top one (a consumer of everything below it that no
+module of rollout/ imports); its own modules point down in BENCHMARK_LAYERS.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put
 # them: checks (the shared validation helpers), stop_strings (token spellings) and models
 # (introspection) are leaves, intake sits between outputs and the manager, weights is a leaf of the
-# manager, scoring and score_cli are entry points beside api.
+# manager, scoring and score_cli are entry points beside api; the benchmarks (a subpackage) use all of
+# it, the package's exports included.
 LAYERS = [
     "checks",
     "config",
@@ -40,46 +43,87 @@ LAYERS = [
     "scoring",
     "score_cli",
     "__init__",
+    "benchmarks",
 ]
 
+# rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
+# workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload.
+BENCHMARK_LAYERS = ["workloads", "report", "systems", "scoring", "manager", "generation", "__init__"]
 
-def rollout_imports(path: Path) -> set[str]:
-    """The rollout modules a file imports, anywhere in it (``from .x import``, ``import rollout.x``...)."""
-    found: set[str] = set()
+
+def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The rollout module that a dotted name below rollout/ lives in: the longest prefix that is a module
+    file, or a package (its ``__init__``); a name no module holds is an attribute of rollout/__init__.py."""
+    for n in range(len(parts), 0, -1):
+        path = PACKAGE.joinpath(*parts[:n])
+        if path.with_name(path.name + ".py").is_file():
+            return parts[:n]
+        if (path / "__init__.py").is_file():
+            return (*parts[:n], "__init__")
+    return ("__init__",)
+
+
+def module_imports(path: Path, package: tuple[str, ...] = ("rollout",)) -> set[tuple[str, ...]]:
+    """The rollout modules a file imports, anywhere in it, as paths below rollout/: ``("engine",)`` for
+    ``from .engine import Engine``, ``("__init__",)`` for ``import rollout`` or ``from rollout import
+    load_model``, ``("benchmarks", "workloads")`` for ``from .workloads import x`` in rollout/benchmarks/.
+
+    Args:
+        path: the file.
+        package: the package the file belongs to, against which its relative imports resolve.
+    """
+    found: set[tuple[str, ...]] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:  # from . import x
-                    found.update(alias.name for alias in node.names)
-            elif node.level == 0 and node.module and node.module.split(".")[0] == "rollout":
-                parts = node.module.split(".")
-                if len(parts) > 1:
-                    found.add(parts[1])
-                else:
-                    found.update(alias.name for alias in node.names)
-            elif node.level > 1:
+            if node.level > len(package):
                 raise AssertionError(f"{path.name}: import from outside the package: {ast.unparse(node)}")
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            target = (*base, *(node.module.split(".") if node.module else ()))
+            if target[0] == "rollout":
+                found.update(_module_of((*target[1:], alias.name)) for alias in node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "rollout" and len(parts) > 1:
-                    found.add(parts[1])
+                parts = tuple(alias.name.split("."))
+                if parts[0] == "rollout":
+                    found.add(_module_of(parts[1:]) if len(parts) > 1 else ("__init__",))
     return found
 
 
+def rollout_imports(path: Path, package: tuple[str, ...] = ("rollout",)) -> set[str]:
+    """The top-level rollout modules (or subpackages) a file imports, anywhere in it (``from .x import``,
+    ``import rollout.x``...)."""
+    return {parts[0] for parts in module_imports(path, package)}
+
+
+def _files(module: str) -> tuple[list[Path], tuple[str, ...]]:
+    """The files of a LAYERS entry and the package their relative imports resolve against."""
+    if (PACKAGE / module).is_dir():
+        return sorted((PACKAGE / module).glob("*.py")), ("rollout", module)
+    return [PACKAGE / f"{module}.py"], ("rollout",)
+
+
 def test_every_module_is_placed_in_the_layers() -> None:
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert modules == set(LAYERS)
+    assert {p.stem for p in (PACKAGE / "benchmarks").glob("*.py")} == set(BENCHMARK_LAYERS)
 
 
 @pytest.mark.parametrize("module", LAYERS)
 def test_module_imports_only_lower_layers(module: str) -> None:
     rank = {name: i for i, name in enumerate(LAYERS)}
-    imported = rollout_imports(PACKAGE / f"{module}.py")
+    files, package = _files(module)
+    imported = set().union(*(rollout_imports(f, package) for f in files)) - ({module} if len(package) > 1 else set())
     upward = sorted(m for m in imported if rank.get(m, len(LAYERS)) >= rank[module])
     assert not upward, f"rollout/{module}.py imports {upward}, which are not below it in LAYERS"
+
+
+@pytest.mark.parametrize("module", BENCHMARK_LAYERS)
+def test_benchmark_module_imports_only_lower_benchmark_modules(module: str) -> None:
+    rank = {name: i for i, name in enumerate(BENCHMARK_LAYERS)}
+    imported = module_imports(PACKAGE / "benchmarks" / f"{module}.py", ("rollout", "benchmarks"))
+    inside = {parts[1] for parts in imported if parts[0] == "benchmarks"}
+    upward = sorted(m for m in inside if rank.get(m, len(BENCHMARK_LAYERS)) >= rank[module])
+    assert not upward, f"rollout/benchmarks/{module}.py imports {upward}, which are not below it in BENCHMARK_LAYERS"
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
@@ -92,3 +136,23 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
         "    from rollout import scoring\n"
     )
     assert rollout_imports(source) == {"engine", "api", "manager", "scoring"}
+
+
+def test_the_checker_resolves_a_subpackage_s_imports(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import rollout\n"
+        "from rollout import load_model\n"
+        "from ..engine import Engine\n"
+        "from .workloads import Workload\n"
+        "from . import report\n"
+        "from rollout.benchmarks.systems import SYSTEMS\n"
+    )
+    assert module_imports(source, ("rollout", "benchmarks")) == {
+        ("__init__",),
+        ("engine",),
+        ("benchmarks", "workloads"),
+        ("benchmarks", "report"),
+        ("benchmarks", "systems"),
+    }
+    assert rollout_imports(source, ("rollout", "benchmarks")) == {"__init__", "engine", "benchmarks"}

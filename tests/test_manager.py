@@ -185,7 +185,7 @@ def test_sampling_params_are_taken_whole_and_keyword_overrides_apply_on_top(mana
     assert len(manager.get_result(rid, timeout=30).generated_tokens) == 3
     rid = manager.add_request([5, 6, 7], max_new_tokens=2, sampling_params=params)
     assert len(manager.get_result(rid, timeout=30).generated_tokens) == 2
-    ids = manager.add_requests([[5, 6], [7]], params, max_new_tokens=4)
+    ids = manager.add_requests([[5, 6], [7]], sampling_params=params, max_new_tokens=4)
     assert [len(manager.get_result(r, timeout=30).generated_tokens) for r in ids] == [4, 4]
     with pytest.raises(ValueError, match=r"eos_token_ids must be token ids in \[0, 256\)"):
         manager.add_request([5], sampling_params=rollout.SamplingParams(eos_token_ids=(256,)))
@@ -576,3 +576,179 @@ def test_add_requests_queues_nothing_when_one_input_is_bad(make_manager: Manager
         m.add_request([5], temperature=float("nan"))
     with pytest.raises(ValueError, match="request_id must be a str"):
         m.add_request([5], request_id=7)
+
+
+# ---------------------------------------------------------------- issue 10: silent wrong answers and hangs
+def _change_weights_in_place(model: torch.nn.Module) -> None:
+    """What a trainer's optimizer step does to the shared model: parameters written in place, no update_weights."""
+    with torch.no_grad():
+        for name, value in _perturbed(model).items():
+            model.get_parameter(name).copy_(value)
+
+
+def test_weights_changed_without_update_weights_never_serve_old_blocks() -> None:
+    # Case 2: a persistent manager, then an optimizer step on the model without update_weights,
+    # then the same prompt again: the prefix cache used to serve the blocks of the old weights.
+    model = tiny_llama()
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=64)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    prompt = list(range(10, 30))  # 5 full blocks
+    with continuous_batching_context_manager(model, gc, cfg, persistent_manager=True) as manager:
+        assert manager.get_result(manager.add_request(prompt), timeout=30).status == RequestStatus.FINISHED
+    _change_weights_in_place(model)  # the manager is stopped, its cache kept
+    out = generate_batch(model, [prompt], gc)["req_0"]
+    assert out.num_cached_prompt_tokens == 0
+    assert out.generated_tokens == reference_greedy(model, prompt, 6, None)
+    assert out.weight_versions == [1] * 6 and manager.weight_version == 1
+    again = generate_batch(model, [prompt], gc)["req_0"]  # unchanged since: the new blocks are reused
+    assert again.num_cached_prompt_tokens == 16 and again.generated_tokens == out.generated_tokens
+
+    # A running manager: weights changed under a pause (the loop checks when the pause ends) and while
+    # it idles (add_request checks); update_weights(None) after a change is one version, not two.
+    manager.start()
+    for change in ("under_pause", "while_idle", "recorded"):
+        with manager.pause():
+            if change != "while_idle":
+                _change_weights_in_place(model)
+            if change == "recorded":
+                manager.update_weights(None)
+        if change == "while_idle":
+            _change_weights_in_place(model)
+        out = manager.get_result(manager.add_request(prompt, max_new_tokens=6), timeout=30)
+        assert out.num_cached_prompt_tokens == 0, change
+        assert out.generated_tokens == reference_greedy(model, prompt, 6, None), change
+    assert manager.weight_version == 4
+    manager.destroy()
+
+
+def test_one_int_seed_for_many_prompts_gives_distinct_reproducible_samples(make_manager: ManagerFactory) -> None:
+    # Case 3: add_requests([p] * 8, seed=1234) gave 8 identical completions.
+    m = make_manager(gc=GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None))
+    m.start()
+    prompt = [5, 6, 7, 8]
+
+    def sample(**kw) -> list[list[int]]:  # noqa: ANN003
+        return [m.get_result(r, timeout=30).generated_tokens for r in m.add_requests([prompt] * 8, **kw)]
+
+    first = sample(seed=1234)
+    assert len({tuple(t) for t in first}) == 8
+    assert sample(seed=1234) == first  # reproducible
+    assert sample(seed=[1234 + k for k in range(8)]) == first  # the rule: input k gets seed + k
+    assert sample(sampling_params=rollout.SamplingParams(max_new_tokens=8, do_sample=True, seed=1234)) == first
+
+
+def test_generate_batch_on_a_persistent_manager_seeds_like_a_fresh_engine() -> None:
+    # Case 3, same rule everywhere: sample k of a generate_batch call gets seed + k, whether the call
+    # runs on a fresh engine or on the model's persistent manager.
+    model = tiny_llama()
+    prompts = random_prompts(3, VOCAB_SIZE, 3, 10, seed=4)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, num_return_sequences=3)
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=64, seed=99)
+    fresh = generate_batch(model, prompts, gc, cfg)
+    with continuous_batching_context_manager(model, gc, cfg, persistent_manager=True) as manager:
+        pass
+    on_manager = generate_batch(model, prompts, gc)
+    assert list(on_manager) == list(fresh)
+    assert [o.generated_tokens for o in on_manager.values()] == [o.generated_tokens for o in fresh.values()]
+    assert len({tuple(o.generated_tokens) for o in fresh.values()}) > 1
+    manager.destroy()
+
+
+def test_calls_that_wait_on_the_loop_raise_inside_the_callers_pause(make_manager: ManagerFactory) -> None:
+    # Case 8: stop(block=True) inside pause() waited for ever (the loop waits for the pause, the pause
+    # for the stop); transformers raises RuntimeError. Same for every call that waits on the loop.
+    m = make_manager(max_queue_size=1)
+    m.start()
+    with m.pause():
+        rid = m.add_request([5, 6, 7])  # queued under the pause: no step runs it until the pause ends
+        for call in (
+            lambda: m.stop(),
+            lambda: m.stop(block=True, timeout=1),
+            lambda: m.stop(hard_stop=True),
+            lambda: m.destroy(),
+            lambda: m.join(),
+            lambda: m.get_result(rid),
+            lambda: next(m.request_id_iter(rid)),
+            lambda: list(m),
+            lambda: m.add_request([9], block=True),  # the queue holds rid: no room can come
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="inside this thread's manager.pause"):
+                call()
+            assert time.monotonic() - t0 < 1.0  # raised, did not wait
+        assert m.get_result(rid, timeout=0.05) is None  # a bounded wait is allowed
+        with m.pause():  # re-entrant, still refused
+            with pytest.raises(RuntimeError, match="pause"):
+                m.stop()
+
+        # Another thread is not inside the pause: its stop waits for the pause to end, as it should.
+        stopper = threading.Thread(target=m.stop)
+        stopper.start()
+        stopper.join(0.3)
+        assert stopper.is_alive() and m.is_running()
+    stopper.join(30)
+    assert not m.is_running()
+    assert m.get_result(rid, timeout=5).status == RequestStatus.FINISHED  # the default stop finished it
+
+
+def test_generate_batch_on_a_persistent_manager_inside_its_pause_raises() -> None:
+    model = tiny_llama()
+    with continuous_batching_context_manager(
+        model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=64), persistent_manager=True
+    ) as manager:
+        with manager.pause(), pytest.raises(RuntimeError, match="pause"):
+            generate_batch(model, [[5, 6]])
+        assert manager.is_running()
+    manager.destroy()
+
+
+# ---------------------------------------------------------------- issue 10: persistence as transformers documents it
+def test_stop_keep_for_next_session_leaves_the_manager_on_the_model(make_manager: ManagerFactory) -> None:
+    model = tiny_llama()
+    m = make_manager(model)
+    m.start()
+    first = m.get_result(m.add_request(list(range(10, 30))), timeout=30)
+    m.stop(keep_for_next_session=True)
+    assert persistent_manager_of(model) is m and init_continuous_batching(model) is m
+    m.start()  # the kept engine and prefix cache serve the next session
+    again = m.get_result(m.add_request(list(range(10, 30))), timeout=30)
+    assert again.generated_tokens == first.generated_tokens and again.num_cached_prompt_tokens == 16
+    m.destroy()
+    assert persistent_manager_of(model) is None and init_continuous_batching(model) is not m
+
+
+def test_destroy_on_a_running_manager_finishes_pending_requests(make_manager: ManagerFactory) -> None:
+    m = make_manager(gc=GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=None))
+    steps = make_manager.steps(m)
+    steps.hold()
+    m.start()
+    ids = m.add_requests(random_prompts(3, VOCAB_SIZE, 3, 6, seed=3))
+    steps.release()
+    m.destroy()  # the default stop: pending requests finish, as transformers' guide says
+    assert not m.is_running() and m.state == "destroyed"
+    outs = [m.get_result(rid, timeout=5) for rid in ids]
+    assert [o.status for o in outs] == [RequestStatus.FINISHED] * 3
+    assert all(len(o.generated_tokens) == 20 for o in outs)
+
+    hard = make_manager(gc=GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None), num_blocks=512)
+    hard.start()
+    rid = hard.add_request([5, 6, 7])
+    hard.stop(hard_stop=True)  # how to fail them instead
+    hard.destroy()
+    assert hard.get_result(rid, timeout=5).status == RequestStatus.FAILED
+
+    never_started = make_manager()
+    queued = never_started.add_request([5, 6])
+    never_started.destroy()  # nothing will ever run it: it ends FAILED, no reader waits for ever
+    out = never_started.get_result(queued, timeout=5)
+    assert out.status == RequestStatus.FAILED and "destroyed" in out.error
+
+
+def test_join_takes_transformers_arguments(make_manager: ManagerFactory, caplog: pytest.LogCaptureFixture) -> None:
+    m = make_manager()
+    m.start()
+    assert m.join(time.perf_counter(), 0.01) is False  # still running: (stop_trigger_time, timeout)
+    m.stop(block=False)
+    with caplog.at_level(logging.INFO, logger="rollout.manager"):
+        assert m.join(stop_trigger_time=time.perf_counter(), timeout=30) is True
+    assert "ended" in caplog.text

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+import rollout
 from rollout import ContinuousBatchingConfig, Engine, UnsupportedModelError, generate_batch
 from tests.tiny_models import ALL_TINY_MODELS, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 
@@ -140,6 +141,47 @@ def test_unpageable_attention_kinds_are_refused() -> None:
     bidirectional.config.use_bidirectional_attention = True
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
         generate_batch(bidirectional, [[5, 6]], GC)
+
+
+def _tiny_gemma4(**per_layer: int):  # noqa: ANN202
+    """A 4-layer Gemma-4 text model: sliding layers with head_dim 16, full layers as ``per_layer`` says."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=16, **per_layer,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("per_layer", "described"),
+    [
+        ({"global_head_dim": 32}, "layers 0, 2: 2 KV heads x head_dim 16; layers 1, 3: 2 KV heads x head_dim 32"),
+        (
+            {"global_head_dim": 16, "num_global_key_value_heads": 1, "attention_k_eq_v": True},
+            "layers 0, 2: 2 KV heads x head_dim 16; layers 1, 3: 1 KV heads x head_dim 16",
+        ),
+    ],
+    ids=["head_dim", "kv_heads"],
+)
+def test_layers_with_different_kv_shapes_are_refused_up_front(per_layer: dict, described: str) -> None:
+    # Issue 10, case 5: a Gemma-4 style config (a separate global head dim or KV-head count) used to
+    # fail in the cache-shape code with a transformers error, and with that worked around, mid-step.
+    model = _tiny_gemma4(**per_layer)
+    for call in (
+        lambda: generate_batch(model, [[5, 6]], GC),
+        lambda: Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=8)),
+        lambda: rollout.init_continuous_batching(model, GC),
+        lambda: rollout.score(model, [[5, 6]], [[7]]),
+    ):
+        with pytest.raises(UnsupportedModelError, match="differ in KV shape") as info:
+            call()
+        assert described in str(info.value)
+    assert model.config._attn_implementation != "rollout_paged|sdpa"  # refused before anything was switched
 
 
 def test_duplicate_request_id_is_refused() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import logging
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import rollout.benchmarks.scoring as bench
 import rollout.score_cli as score_dataset
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
@@ -218,9 +218,6 @@ def test_script_runs_from_checkout_and_prints_no_traceback(model_dir: Path, tmp_
 
 
 def test_bench_scoring_agrees_with_padded_forwards_on_tiny_model(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_scoring", REPO_ROOT / "scripts" / "bench_scoring.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5 "
     words = " ".join(f"t{i}" for i in range(10, 40))
@@ -240,3 +237,18 @@ def test_bench_scoring_agrees_with_padded_forwards_on_tiny_model(tmp_path: Path)
         "a b c d\ne f\n#### 13",
         "#### 12",
     ]
+
+
+def test_prompt_text_that_starts_with_bos_gets_one_bos() -> None:
+    # Issue 10, case 6: a Llama-3-style tokenizer adds its BOS to every text; a prompt that already
+    # starts with the BOS text got a second one.
+    from tests.tiny_models import BOS_TOKEN_ID, LLAMA3_BOS, llama3_style_tokenizer
+
+    tokenizer = llama3_style_tokenizer()
+    prompts = [f"{LLAMA3_BOS}t5 t6", "t5 t6", f"{LLAMA3_BOS} t7"]
+    prompt_ids, completion_ids, fallback = score_dataset.tokenize_rows(tokenizer, prompts, [" t8", " t8", " t9"])
+    assert prompt_ids == [[BOS_TOKEN_ID, 5, 6], [BOS_TOKEN_ID, 5, 6], [BOS_TOKEN_ID, 7]]
+    assert completion_ids == [[8], [8], [9]] and fallback == []
+    chat = llama3_style_tokenizer(chat_template=True)  # the template writes the BOS text itself
+    prompt_ids, completion_ids, _ = score_dataset.tokenize_rows(chat, ["t5 t6"], ["t8"], chat_template=True)
+    assert prompt_ids == [[BOS_TOKEN_ID, 5, 6, 2, 9]] and completion_ids == [[8]]

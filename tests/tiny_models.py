@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -172,6 +172,39 @@ def tiny_byte_level_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+LLAMA3_BOS = "<|begin_of_text|>"
+
+
+def llama3_style_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
+    """The tiny vocabulary behind a Llama-3-style tokenizer: it adds ``<|begin_of_text|>`` (id 1) itself.
+
+    Like Llama 3's, the BOS is a special token that a post-processor puts in front of every encoded
+    text, and the same text inside the input is recognised as that token, so a text that already
+    starts with it would get two. ``"t5 t7"`` encodes to ``[1, 5, 7]``; ``"<|eot_id|>"`` is id 2 (EOS).
+
+    Args:
+        chat_template: give it a Llama-3-like template that writes the BOS text itself.
+    """
+    vocab = {"<pad>": PAD_TOKEN_ID, LLAMA3_BOS: BOS_TOKEN_ID, "<|eot_id|>": EOS_TOKEN_ID}
+    vocab.update({f"t{i}": i for i in range(3, VOCAB_SIZE)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<pad>", LLAMA3_BOS, "<|eot_id|>")])
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{LLAMA3_BOS} $A", pair=f"{LLAMA3_BOS} $A {LLAMA3_BOS} $B", special_tokens=[(LLAMA3_BOS, BOS_TOKEN_ID)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token=LLAMA3_BOS, eos_token="<|eot_id|>"
+    )
+    if chat_template:
+        tokenizer.chat_template = (
+            "{{ bos_token }}{% for m in messages %}{{ m['content'] }} <|eot_id|> {% endfor %}"
+            "{% if add_generation_prompt %}t9 {% endif %}"
+        )
+    return tokenizer
 
 
 def random_prompts(

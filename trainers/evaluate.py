@@ -8,6 +8,7 @@ model cannot score by format alone, and it is the rule the GRPO trainer's ``eval
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -136,23 +137,29 @@ def evaluate_model(
         prompt_column: the column holding each prompt (text or chat messages).
         max_new_tokens: most tokens per greedy completion.
         max_prompt_length: prompts keep their last this many tokens (None: all).
-        engine_config: the engine's settings (default: ``ContinuousBatchingConfig()``).
+        engine_config: the engine's settings; when it sets no ``num_blocks``, the cache holds
+            every problem at once (its prompt plus ``max_new_tokens``) rather than a share of free
+            memory.
 
     Returns:
         The counts and samples (see ``evaluate_greedy``).
     """
     eos = eos_token_ids(model, tokenizer)
+    prompts = [encode_prompt(tokenizer, p, max_prompt_length) for p in heldout[prompt_column]]
+    config = engine_config or rollout.ContinuousBatchingConfig()
+    if config.num_blocks is None:
+        block = config.resolved_block_size(next(model.parameters()).device.type)
+        blocks = sum(-(-(len(p) + max_new_tokens) // block) for p in prompts) + 8
+        config = dataclasses.replace(config, num_blocks=blocks)
     manager = rollout.ContinuousBatchingManager(
-        model,
-        GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos),
-        engine_config or rollout.ContinuousBatchingConfig(),
+        model, GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos), config
     )
     manager.start()
     try:
         return evaluate_greedy(
             manager,
             tokenizer,
-            [encode_prompt(tokenizer, p, max_prompt_length) for p in heldout[prompt_column]],
+            prompts,
             heldout["answer"],
             max_new_tokens,
             eos,

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import subprocess
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -752,6 +753,9 @@ class GRPOTrainer:
             finally:
                 bar.close()
         finally:
+            # A batch still generating (after an error) is dropped, not finished: destroy() alone
+            # would let it run to the end first.
+            self.manager.stop(hard_stop=True)
             self.manager.destroy()  # also restores the model's attention implementation
         acc.wait_for_everyone()
         if cfg.save_model:
@@ -772,6 +776,7 @@ class GRPOTrainer:
                         "world_size": self.world_size,
                         "device": str(acc.device),
                         "torch_threads": torch.get_num_threads(),
+                        "commit": source_commit(),
                     },
                     indent=2,
                 )
@@ -798,7 +803,8 @@ class GRPOTrainer:
             logger.info(message)
 
     def close(self) -> None:
-        """Destroy the manager (``train`` does it at its end) and restore the model's attention."""
+        """Destroy the manager (``train`` does it at its end), dropping unfinished requests; restores the attention."""
+        self.manager.stop(hard_stop=True)
         self.manager.destroy()
 
     def save_model(self, directory: str | Path) -> None:
@@ -808,6 +814,21 @@ class GRPOTrainer:
             self.unwrapped.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
             self.tokenizer.save_pretrained(str(directory))
         acc.wait_for_everyone()
+
+
+def source_commit() -> str | None:
+    """The git commit of the checkout this package runs from (an editable install), or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, saved: bool) -> str:
@@ -834,7 +855,7 @@ def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, save
     files = "metrics.jsonl, timing.jsonl, summary.json" + (", eval_completions.jsonl" if evals else "")
     files += ", the model (save_pretrained)" if saved else ""
     lines.append(f"  outputs in {output_dir}: {files}")
-    lines.append(f"  plot: python scripts/plot_metrics.py {output_dir / 'metrics.jsonl'}")
+    lines.append(f"  plot: rollout-plot {output_dir / 'metrics.jsonl'}")
     return "\n".join(lines)
 
 

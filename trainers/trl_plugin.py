@@ -229,6 +229,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 "generation_seconds": self._generation_seconds,
             }
         finally:
+            manager.stop(hard_stop=True)  # requests left by an error are dropped, not run to the end
             manager.destroy()
 
     def _record_optimizer_step(self) -> None:
@@ -290,7 +291,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self._generation_seconds += time.perf_counter() - start
         for rid, out in zip(ids, outputs):
             if out is None or out.status != RequestStatus.FINISHED:
-                error = "the manager ended" if out is None else f"{out.status.value}: {out.error}"
+                error = "the manager ended" if out is None else f"{out.status.name}: {out.error}"
                 raise RuntimeError(f"rollout request {rid} did not finish ({error})")
         return outputs
 

@@ -1,0 +1,17 @@
+"""Benchmarks of rollout against its peers, installed with the package.
+
+Modules (each command is also a script under ``scripts/``):
+
+- ``generation``: ``rollout-bench`` (scripts/bench.py): rollout against transformers' ``generate_batch``,
+  static ``model.generate`` and the bare-forward ceiling on the gsm8k-greedy, gsm8k-grpo and
+  shared-prefix workloads, one JSON report;
+- ``scoring``: ``rollout-bench-scoring`` (scripts/bench_scoring.py): logprob scoring through the
+  engine against padded batched forwards;
+- ``manager``: ``rollout-bench-manager`` (scripts/bench_manager.py): pause latency and the persistent
+  manager's overhead over ``generate_batch``;
+- ``workloads``, ``systems``, ``report``: the pieces of ``generation``: the questions and prompts of
+  each workload, one runner per system, and the JSON report and summary table.
+
+These modules sit above everything else in ``rollout/`` (nothing there imports them); they use
+``rollout``'s exports and ``trainers.prompts`` for prompt encoding and end-of-sequence ids.
+"""

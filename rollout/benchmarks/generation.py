@@ -1,0 +1,321 @@
+"""Throughput benchmark of rollout against its peers (the workloads of the project design: gsm8k-greedy,
+gsm8k-grpo, shared-prefix, scoring).
+
+Every system runs in the same process, on the same model object and the same prompts:
+
+- ``rollout``: ours, ``rollout.generate_batch``.
+- ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
+- ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
+- ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
+  prefill forward and as many decode forwards as the static run needed): "the bare-forward ceiling".
+
+Workloads: ``gsm8k-greedy``, ``gsm8k-grpo``, ``shared-prefix`` and ``scoring`` (``rollout-bench-scoring``). The
+questions come from ``--gsm8k PATH`` (a jsonl with ``question``/``answer``) or, by default, from the small
+original sample file shipped in ``rollout/data/``.
+
+Measured per system: generated tokens (up to and including EOS), wall seconds, tokens/s, mean time to
+first token, peak memory, and the tokens/s ratios between systems. Per workload also: how many greedy
+sequences of ``rollout`` and ``hf-cb`` equal ``hf-static``'s token for token (a check, not a failure),
+and the decode-step comparison: one bare forward of B decode tokens (``--decode-batch-size``, KV of the
+workload's prompts) against the mean decode-only step of ``rollout.Engine`` on the same batch.
+
+Timing conventions:
+    - Wall time covers the whole call a user would make (for ``hf-cb`` and ``rollout`` this includes
+      the engine's own cache allocation and warmup; ``setup_s`` in the JSON isolates the part of it
+      before the first request was queued, where the engine reports it).
+    - TTFT for the continuous-batching systems runs from the call's start to each sequence's first
+      token timestamp. For ``hf-static`` and ``ceiling`` it is the prefill time of the sequence's batch;
+      ``ttft_from_submit_mean_s`` adds the time spent waiting behind earlier batches.
+    - Peak memory is the process RSS sampled by a background thread on CPU (``rss_start_mb`` is the RSS
+      when the run began), or ``torch.cuda.max_memory_allocated`` on CUDA.
+
+Example (``python scripts/bench.py`` takes the same arguments):
+    rollout-bench --gsm8k /work/shared/data/gsm8k/test.jsonl --workload gsm8k-greedy \
+        --systems hf-cb hf-static ceiling --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import set_seed
+
+import rollout
+from trainers.prompts import eos_token_ids
+
+from .report import new_report, print_report, write_json
+from .scoring import bench_scoring
+from .systems import (
+    SYSTEMS,
+    SystemRun,
+    bare_forwards,
+    measure_bare_decode_step,
+    measure_rollout_decode_step,
+    run_ceiling,
+    run_hf_cb,
+    run_hf_static,
+    run_rollout,
+    run_system,
+)
+from .workloads import (
+    SAMPLE_QUESTIONS,
+    SCORING_WORKLOADS,
+    WORKLOADS,
+    Workload,
+    build_prompts,
+    chunks,
+    load_questions,
+    make_generation_config,
+    select_questions,
+)
+
+# The parent logger of every benchmark module: its messages are shown without --verbose.
+logger = logging.getLogger("rollout.benchmarks")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def greedy_matches(run: SystemRun, reference: SystemRun) -> dict:
+    """How many sequences of ``run`` equal the reference's token for token."""
+    pairs = list(zip(run.sequences, reference.sequences))
+    return {"matches": sum(a == b for a, b in pairs), "total": len(reference.sequences)}
+
+
+def ratios(runs: Mapping[str, SystemRun]) -> dict[str, float]:
+    """tokens/s of each system over each system after it in SYSTEMS order, e.g. ``rollout/hf-cb``."""
+    names = [s for s in SYSTEMS if s in runs]
+    return {
+        f"{a}/{b}": runs[a].tokens_per_s / runs[b].tokens_per_s
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if runs[b].tokens_per_s > 0
+    }
+
+
+def run_workload(
+    model,
+    prompts: Sequence[list[int]],
+    workload: Workload,
+    systems: Sequence[str],
+    *,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    static_batch_size: int = 32,
+    decode_batch_size: int = 32,
+    seed: int = 0,
+    warmup: bool = True,
+) -> dict:
+    """Run the chosen systems on one workload's prompts and collect the numbers.
+
+    Args:
+        model: a causal LM in eval mode.
+        prompts: token ids per question.
+        workload: how to generate.
+        systems: names from SYSTEMS; they run in SYSTEMS order (the ceiling replays hf-static's steps).
+        eos_token_id: EOS id(s); EOS ends a sequence.
+        pad_token_id: padding id of the static batches.
+        static_batch_size: rows per static batch (hf-static and ceiling).
+        decode_batch_size: B of the decode-step comparison.
+        seed: seed set before every run.
+        warmup: run each system on two prompts and four tokens first.
+
+    Returns:
+        A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match`` and
+        ``decode_step``.
+    """
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    generation_config = make_generation_config(workload, eos_token_id, pad_token_id)
+    warm_config = copy.deepcopy(generation_config)
+    warm_config.max_new_tokens = min(4, workload.max_new_tokens)
+    warm_prompts = list(prompts[:2])
+    G = workload.num_samples
+
+    def ceiling() -> SystemRun:
+        steps, tokens, source = _ceiling_token_counts(runs, len(prompts) * G, static_batch_size, workload)
+        run = run_ceiling(model, prompts, G, pad_token_id, steps, tokens, static_batch_size)
+        run.extra["steps_source"] = source
+        return run
+
+    # system -> (timed run, warmup run)
+    plans = {
+        "rollout": (
+            lambda: run_rollout(model, prompts, generation_config, seed),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed),
+        ),
+        "hf-cb": (
+            lambda: run_hf_cb(model, prompts, generation_config, seed),
+            lambda: run_hf_cb(model, warm_prompts, warm_config, seed),
+        ),
+        "hf-static": (
+            lambda: run_hf_static(model, prompts, generation_config, static_batch_size),
+            lambda: run_hf_static(model, warm_prompts, warm_config, static_batch_size),
+        ),
+        "ceiling": (ceiling, lambda: bare_forwards(model, warm_prompts, pad_token_id, warm_config.max_new_tokens)),
+    }
+    runs: dict[str, SystemRun] = {}
+    for name in (s for s in SYSTEMS if s in systems):
+        timed, warm = plans[name]
+        runs[name] = run_system(name, timed, model.device, seed, warm if warmup else None)
+
+    result = {
+        "prompts": _prompt_stats(prompts, G),
+        "generation": {
+            "max_new_tokens": workload.max_new_tokens,
+            "do_sample": workload.do_sample,
+            "temperature": workload.temperature if workload.do_sample else None,
+            "num_samples": G,
+        },
+        "systems": {name: run.summary() for name, run in runs.items()},
+        "ratios": ratios(runs),
+        "greedy_match": {},
+        "decode_step": None,
+    }
+    if not workload.do_sample and "hf-static" in runs:
+        for name in ("rollout", "hf-cb"):
+            if name in runs:
+                result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
+    if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
+        result["decode_step"] = _decode_step(model, prompts, pad_token_id, decode_batch_size, "rollout" in runs, seed)
+    return result
+
+
+def _ceiling_token_counts(
+    runs: Mapping[str, SystemRun], num_rows: int, batch_size: int, workload: Workload
+) -> tuple[list[int], int, str]:
+    """Per-batch decode steps and the token count the ceiling replays.
+
+    From hf-static when it ran; otherwise from the longest sequence per batch of another system that
+    returned sequences; otherwise every batch runs the full ``max_new_tokens``.
+    """
+    if "hf-static" in runs:
+        static = runs["hf-static"]
+        return static.extra["decode_steps"], static.num_generated, "hf-static"
+    for name in ("rollout", "hf-cb"):
+        if name in runs and runs[name].sequences and len(runs[name].sequences) == num_rows:
+            seqs = runs[name].sequences
+            steps = [max(1, max(len(s) for s in chunk)) for chunk in chunks(seqs, batch_size)]
+            return steps, runs[name].num_generated, name
+    num_batches = math.ceil(num_rows / batch_size)
+    return ([workload.max_new_tokens] * num_batches, num_rows * workload.max_new_tokens, "max_new_tokens")
+
+
+def _decode_step(model, prompts, pad_token_id: int, batch_size: int, with_rollout: bool, seed: int) -> dict:
+    """A bare forward of ``batch_size`` decode tokens vs our engine's mean decode-only step, same batch."""
+    set_seed(seed)
+    bare_s = measure_bare_decode_step(model, prompts, pad_token_id, batch_size)
+    rollout_s = measure_rollout_decode_step(model, prompts, batch_size, seed=seed) if with_rollout else None
+    return {
+        "batch_size": batch_size,
+        "bare_forward_s": bare_s,
+        "rollout_decode_step_s": rollout_s,
+        "rollout/bare_time_ratio": None if rollout_s is None else rollout_s / bare_s,
+    }
+
+
+def _prompt_stats(prompts: Sequence[list[int]], num_samples: int) -> dict:
+    lengths = [len(p) for p in prompts]
+    return {
+        "num_prompts": len(prompts),
+        "num_sequences": len(prompts) * num_samples,
+        "prompt_tokens_min": min(lengths),
+        "prompt_tokens_mean": statistics.fmean(lengths),
+        "prompt_tokens_max": max(lengths),
+        "prompt_tokens_total": sum(lengths),
+    }
+
+
+def run_scoring_workload(model, tokenizer, data_path, num_prompts: int | None) -> dict:
+    """The scoring workload: rollout's prefill-only logprobs vs padded batched forwards (``.scoring``).
+
+    GSM8K (question, answer) pairs with 4 completions per question; ``data_path`` should be a train
+    split (e.g. ../shared/data/gsm8k/train.jsonl); the project's sample questions by default.
+    """
+    report = bench_scoring(model, tokenizer, data_path, num_questions=num_prompts or 16, repeats=2)
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=2))
+    return report
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workload", nargs="+", default=["gsm8k-greedy"], choices=[*WORKLOADS, *SCORING_WORKLOADS])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
+    p.add_argument(
+        "--gsm8k", type=Path, default=None, metavar="PATH", help=f"questions jsonl (default: {SAMPLE_QUESTIONS.name})"
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="override every workload's prompt count")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's budget")
+    p.add_argument("--static-batch-size", type=int, default=32)
+    p.add_argument("--decode-batch-size", type=int, default=32, help="B of the decode-step comparison; 0 skips it")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
+    p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Load the model, run every workload asked for, write the JSON after each, print the summary.
+
+    Returns:
+        The report (what the JSON file holds).
+    """
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    logger.setLevel(logging.INFO)
+    model, tokenizer = rollout.load_model(args.model, dtype=torch.float32, device=args.device)
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    source = args.gsm8k or SAMPLE_QUESTIONS
+    questions = load_questions(source)
+
+    report = new_report(args.model, args.device, vars(args), source)
+    for wname in args.workload:
+        if wname in SCORING_WORKLOADS:
+            report["workloads"][wname] = run_scoring_workload(model, tokenizer, args.gsm8k, args.num_prompts)
+            continue
+        workload = WORKLOADS[wname]
+        overrides = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens}
+        workload = dataclasses.replace(workload, **{k: v for k, v in overrides.items() if v is not None})
+        selected, start = select_questions(questions, workload.start, workload.num_prompts)
+        prompts = build_prompts(tokenizer, selected, workload)
+        logger.info("%s: %d prompts from index %d", wname, len(prompts), start)
+        result = run_workload(
+            model,
+            prompts,
+            workload,
+            args.systems,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            static_batch_size=args.static_batch_size,
+            decode_batch_size=args.decode_batch_size,
+            seed=args.seed,
+            warmup=args.warmup,
+        )
+        result["prompts"]["start_index"] = start
+        report["workloads"][wname] = result
+        write_json(report, args.json_path)  # keep what is measured so far
+
+    write_json(report, args.json_path)
+    print_report(report)
+    print(f"wrote {args.json_path}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``rollout-bench``: run the benchmark (see the module docstring); 0 when it ran."""
+    run(parse_args(argv))
+    return 0

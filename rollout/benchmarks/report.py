@@ -1,0 +1,143 @@
+"""The generation benchmark's report: the machine it ran on, the JSON file and the summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+import torch
+import transformers
+
+# The checkout the package is imported from (``git describe`` there names the code that was measured).
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def machine_info(device) -> dict:
+    """Versions, threads and hardware the numbers were measured on."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "ram_gib": psutil.virtual_memory().total / 2**30,
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def new_report(model: str, device, args: Mapping, question_source) -> dict:
+    """The JSON report's skeleton; ``workloads`` is filled one workload at a time."""
+    return {
+        "model": model,
+        "machine": machine_info(device),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in args.items()},
+        "question_source": str(question_source),
+        "workloads": {},
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=SOURCE_ROOT, capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(report: Mapping) -> list[list[str]]:
+    """The rows of the summary table: one per (workload, system)."""
+    rows = []
+    for wname, w in report["workloads"].items():
+        for sname, s in w.get("systems", {}).items():
+            rows.append(
+                [
+                    wname,
+                    sname,
+                    str(s["num_sequences"]),
+                    str(s["generated_tokens"]),
+                    _fmt(s["wall_s"], ".1f"),
+                    _fmt(s["tokens_per_s"], ".1f"),
+                    _fmt(s["ttft_mean_s"], ".2f"),
+                    _fmt(s["peak_mem_mb"], ".0f"),
+                ]
+            )
+    return rows
+
+
+TABLE_HEADER = ["workload", "system", "seqs", "tokens", "wall s", "tokens/s", "TTFT s", "peak MB"]
+
+
+def print_report(report: Mapping) -> None:
+    """Print the summary table (with rich when it is installed) and the ratio / check lines."""
+    rows = format_table(report)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"bench ({report['machine']['device']}, {report['model']})")
+        for i, col in enumerate(TABLE_HEADER):
+            table.add_column(col, justify="left" if i < 2 else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        console = Console()
+        if not console.is_terminal:  # rich assumes 80 columns when writing to a file or pipe
+            console = Console(width=120)
+        console.print(table)
+    except ImportError:
+        widths = [max(len(r[i]) for r in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
+        for row in [TABLE_HEADER, *rows]:
+            print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    for wname, w in report["workloads"].items():
+        if "systems" not in w:  # the scoring workload: the report of rollout.benchmarks.scoring
+            agree = "agree" if w["agree"] else "DISAGREE"
+            print(f"{wname} ratio rollout/padded (row tokens/s): {w['ratio']:.2f}, logprobs {agree}")
+            continue
+        if w["ratios"]:
+            print(f"{wname} ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in w["ratios"].items()))
+        for k, v in w["greedy_match"].items():
+            print(f"{wname} greedy match {k}: {v['matches']}/{v['total']} sequences identical")
+        d = w.get("decode_step")
+        if d:
+            ratio = d["rollout/bare_time_ratio"]
+            print(
+                f"{wname} decode step B={d['batch_size']}: bare forward {d['bare_forward_s'] * 1e3:.0f} ms, "
+                f"rollout step {_fmt(d['rollout_decode_step_s'], '.3f')} s, ratio {_fmt(ratio, '.2f')}"
+            )
+
+
+def write_json(report: Mapping, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
