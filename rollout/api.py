@@ -40,6 +40,7 @@ def generate_batch(
     persistent_manager: bool = False,
     warmup: bool = True,
     workload_hints: Any = None,
+    tokenizer: Any | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a batch of prompts with continuous batching.
@@ -56,8 +57,9 @@ def generate_batch(
         inputs: prompts, each a non-empty list of token ids.
         generation_config: max_new_tokens (default 20), do_sample, temperature, top_k,
             top_p, eos_token_id (int or list; default the model's), num_return_sequences
-            (G samples per prompt, which share the prompt's KV blocks). Values the caller
-            does not set come from ``model.generation_config``.
+            (G samples per prompt, which share the prompt's KV blocks), and the logits
+            processors and stop strings of ``SamplingParams``. Values the caller does not set
+            come from ``model.generation_config``.
         continuous_batching_config: engine configuration, rollout's or transformers' (converted);
             None takes the one the generation config carries (deprecated) or the defaults.
             With ``seed`` set, sample k (in output order) uses its own generator seeded
@@ -73,6 +75,9 @@ def generate_batch(
         workload_hints: transformers' ``WorkloadHints``; checked, otherwise unused here: a fresh
             engine is sized from the batch itself, and a persistent manager built here from free
             memory, since it serves later batches too.
+        tokenizer: the model's tokenizer, needed for ``stop_strings`` (as ``model.generate``'s
+            ``tokenizer=``). A persistent manager keeps the tokenizer it was built with, or takes
+            this one if it has none.
         **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
             ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
@@ -83,7 +88,9 @@ def generate_batch(
     Raises:
         ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
             outside the vocabulary, max_new_tokens < 1, num_return_sequences < 1, a non-finite
-            temperature, a bad workload hint, or a request that can never fit the cache.
+            temperature, a bad workload hint, a request that can never fit the cache, stop strings
+            without a tokenizer, or a logits processor rollout lacks with
+            ``drop_unsupported_processors=False``.
         TypeError: an unexpected keyword argument, or a continuous_batching_config of another type.
         UnsupportedModelError: the model is not a decoder-only LM with pageable attention.
         RuntimeError: called on a persistent manager from inside this thread's ``manager.pause()``.
@@ -109,19 +116,24 @@ def generate_batch(
     check_int("num_return_sequences", num_samples, minimum=1)
     vocab = vocab_size(model)
     prompts = [token_ids(p, f"inputs[{i}]", vocab) for i, p in enumerate(inputs)]
-    base_params = build_sampling_params(gc, vocab_size=vocab)
     manager = persistent_manager_of(model)
     if manager is None and persistent_manager:
         cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
-        manager = ContinuousBatchingManager(model, generation_config, cb_config)
+        manager = ContinuousBatchingManager(model, generation_config, cb_config, tokenizer=tokenizer)
         manager.persist()
     if manager is not None:
+        if tokenizer is not None:
+            manager.adopt_tokenizer(tokenizer)
+        drop = manager.cb_config.drop_unsupported_processors
+        base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
         seed = manager.cb_config.seed
         if continuous_batching_config is not None:
             call_seed = resolve_continuous_batching_config(continuous_batching_config, gc).seed
             seed = call_seed if call_seed is not None else seed
         return _generate_on_manager(manager, prompts, base_params, num_samples, seed, progress_bar, record_timestamps)
     cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
+    drop = cb_config.drop_unsupported_processors
+    base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
     jobs: list[tuple[str, list[int], SamplingParams]] = []
     ids = iter(_output_ids(len(prompts), num_samples))
     seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(prompts) * num_samples)
@@ -130,7 +142,8 @@ def generate_batch(
             seed = seeds[len(jobs)]
             params = base_params if seed is None else build_sampling_params(base_params, seed=seed)
             jobs.append((next(ids), prompt, params))
-    engine = Engine(model, cb_config, max_tokens_hint=[len(prompt) + p.max_new_tokens for _, prompt, p in jobs])
+    hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
+    engine = Engine(model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer)
     try:
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
@@ -208,6 +221,7 @@ def init_continuous_batching(
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     workload_hints: Any = None,
+    tokenizer: Any | None = None,
 ) -> ContinuousBatchingManager:
     """The model's persistent manager if it has one, else a new manager (not started: call ``start()``).
 
@@ -219,6 +233,8 @@ def init_continuous_batching(
         model: the model.
         generation_config, continuous_batching_config, workload_hints: as for
             ``ContinuousBatchingManager``.
+        tokenizer: for requests with stop strings (see ``ContinuousBatchingManager``); a
+            persistent manager without one takes it.
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
@@ -227,8 +243,12 @@ def init_continuous_batching(
     manager = persistent_manager_of(model)
     if manager is not None:
         logger.info("init_continuous_batching: reusing the model's persistent manager (its configs are kept)")
+        if tokenizer is not None:
+            manager.adopt_tokenizer(tokenizer)
         return manager
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, workload_hints)
+    return ContinuousBatchingManager(
+        model, generation_config, continuous_batching_config, workload_hints, tokenizer=tokenizer
+    )
 
 
 @contextlib.contextmanager
@@ -241,6 +261,7 @@ def continuous_batching_context_manager(
     timeout: float | None = None,
     warmup: bool = True,
     workload_hints: Any = None,
+    tokenizer: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Run a started manager for the duration of a ``with`` block.
 
@@ -256,8 +277,11 @@ def continuous_batching_context_manager(
         persistent_manager: keep the manager for the next call.
         block, timeout: how ``stop`` waits on exit.
         warmup: accepted for transformers' API (``manager.warmup()`` does nothing).
+        tokenizer: for requests with stop strings, as for the manager.
     """
-    manager = init_continuous_batching(model, generation_config, continuous_batching_config, workload_hints)
+    manager = init_continuous_batching(
+        model, generation_config, continuous_batching_config, workload_hints, tokenizer=tokenizer
+    )
     if persistent_manager:  # generate_batch inside the block already runs on it
         manager.persist()
     if warmup:
@@ -318,6 +342,7 @@ def _attached_context_manager(
     persistent_manager: bool = False,
     warmup: bool = True,
     workload_hints: Any = None,
+    tokenizer: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     # transformers' positional order (block and timeout before continuous_batching_config).
     with continuous_batching_context_manager(
@@ -329,6 +354,7 @@ def _attached_context_manager(
         timeout=timeout,
         warmup=warmup,
         workload_hints=workload_hints,
+        tokenizer=tokenizer,
     ) as manager:
         yield manager
 

@@ -67,7 +67,13 @@ class ContinuousBatchingConfig:
         return_logprobs: record one logprob per generated token.
         logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO
             trainer computes for the same token), ``"raw"`` (log_softmax(logits)) or
-            ``"sampled"`` (the distribution sampled from, after top-k/top-p).
+            ``"sampled"`` (the distribution the token was drawn from). ``"temperature"`` and
+            ``"raw"`` read the model's logits before any logits processor (repetition penalty,
+            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a
+            plain forward of the same weights gives, and a banned token keeps a finite logprob.
+            ``"sampled"`` reads the processed distribution: the processors, then temperature,
+            top-k, top-p and min-p for sampled requests (a greedy request: log_softmax of its
+            processed logits, which is the raw logprob when it has no processor).
         seed: seed of the engine's generator, used by sampled requests that carry
             no seed of their own.
         preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or
@@ -80,8 +86,18 @@ class ContinuousBatchingConfig:
         cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM
             (psutil's ``available``, when the engine is built) that the CPU pool may take.
         max_queue_size: most waiting requests (>= 0; 0 means unbounded).
-        per_request_processors: accepted for compatibility with transformers; the
-            per-request sampling parameters are always honoured.
+        per_request_processors: as in transformers, whether a request may set its own
+            logits-processor values (do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty, no_repeat_ngram_size, min_new_tokens, min_length,
+            bad_words_ids) through ``add_request(s)``. False: every request uses the
+            generation config's, and ``add_request(s)`` refuses another value with a
+            ValueError naming the field (transformers fails such a request too).
+            max_new_tokens, eos ids, seeds and stop strings stay per request either way.
+            Default True, unlike transformers' False: RL rollouts vary them per request.
+        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits
+            processor rollout does not implement (typical_p, suppress_tokens, sequence_bias,
+            ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
+            warning per field, False refuses the config with a ValueError naming it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
             it sets ``page_size`` with a ``FutureWarning``. Both set to different values
@@ -104,6 +120,7 @@ class ContinuousBatchingConfig:
     cpu_offload_space_safety_threshold: float = 0.8
     max_queue_size: int = 0
     per_request_processors: bool = True
+    drop_unsupported_processors: bool = True
     progress_log_interval: float = 10.0
     block_size: int | None = None
 
@@ -136,7 +153,7 @@ class ContinuousBatchingConfig:
         check_number("cpu_offload_space_safety_threshold", self.cpu_offload_space_safety_threshold, 0.0, 1.0)
         check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
-        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors"):
+        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
             check_bool(name, getattr(self, name))
 
     def resolved_page_size(self, device_type: str) -> int:

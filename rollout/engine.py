@@ -28,6 +28,7 @@ from .models import UnsupportedModelError, check_model_supported, model_context_
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Engine:
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
             what holds this many tokens (an int), or these requests of that many tokens each
             (a sequence: the whole job of ``generate_batch``), memory permitting.
+        tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings
+            (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``).
@@ -84,9 +87,12 @@ class Engine:
         model: PreTrainedModel,
         config: ContinuousBatchingConfig | None = None,
         max_tokens_hint: int | Sequence[int] | None = None,
+        tokenizer: object | None = None,
     ) -> None:
         check_model_supported(model)
         self.model = model
+        self.tokenizer = tokenizer
+        self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
         self.config = config or ContinuousBatchingConfig()
         param = next(model.parameters())
         self.device = param.device
@@ -182,8 +188,11 @@ class Engine:
             params: the request's sampling parameters (``max_new_tokens`` counts).
 
         Raises:
-            ValueError: the request needs more blocks than the cache has.
+            ValueError: the request needs more blocks than the cache has, or it has stop strings and
+                the engine no tokenizer.
         """
+        if params.needs_tokenizer:
+            self.stop_matcher(params)
         total = num_prompt_tokens + params.max_new_tokens
         if self.context_length is not None and total > self.context_length and not self._warned_context:
             self._warned_context = True
@@ -248,15 +257,34 @@ class Engine:
         self.enqueue(req)
         return req
 
+    def stop_matcher(self, params: SamplingParams) -> StopStringMatcher:
+        """The matcher of a request's stop strings, built once per set of strings.
+
+        The first call for a tokenizer spells its vocabulary (``stop_strings.token_texts``).
+
+        Raises:
+            ValueError: the engine has no tokenizer.
+        """
+        key = (params.stop_strings, params.stop)
+        matcher = self._stop_matchers.get(key)
+        if matcher is None:
+            check_tokenizer(params.stop_strings, params.stop, self.tokenizer)
+            texts = token_texts(self.tokenizer, self.vocab_size)
+            matcher = self._stop_matchers[key] = StopStringMatcher(texts, params.stop_strings, params.stop)
+        return matcher
+
     def enqueue(self, request: Request) -> None:
         """Queue a request built and checked by the caller (see ``check_request``).
 
         Raises:
-            ValueError: its id is already in use by an unfinished request.
+            ValueError: its id is already in use by an unfinished request, or it has stop strings and
+                the engine no tokenizer.
             RuntimeError: the engine is closed.
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if request.params.needs_tokenizer:
+            request.stop_matcher = self.stop_matcher(request.params)
         self.scheduler.add_request(request)
         self._arrivals += 1
 

@@ -43,7 +43,13 @@ from .intake import Inbox, QueueFullError
 from .models import vocab_size
 from .outputs import OutputRouter, ResultCallback
 from .requests import GenerationOutput, RequestStatus
-from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
+from .sampling_params import (
+    SamplingParams,
+    build_sampling_params,
+    check_processors_unchanged,
+    resolve_generation_config,
+)
+from .stop_strings import check_tokenizer
 from .weights import NamedTensors, copy_weights, plan_weight_copy, weights_fingerprint
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
@@ -110,8 +116,9 @@ class ContinuousBatchingManager:
             (never copied). Its attention is switched to rollout's paged dispatcher
             while the manager lives; forwards without engine metadata are unchanged.
         generation_config: default sampling values of requests (max_new_tokens,
-            do_sample, temperature, top_k, top_p, eos_token_id); per-request arguments
-            of ``add_request`` override them. Unset values come from the model's.
+            do_sample, temperature, top_k, top_p, eos_token_id, the logits processors and
+            stop strings of ``SamplingParams``); per-request arguments of ``add_request``
+            override them. Unset values come from the model's.
         continuous_batching_config: engine configuration: rollout's, or a
             ``transformers.ContinuousBatchingConfig`` (converted, see
             ``ContinuousBatchingConfig.from_transformers``); None takes the one the
@@ -119,10 +126,14 @@ class ContinuousBatchingManager:
         workload_hints: transformers' ``WorkloadHints`` (max_prompt_length,
             max_generated_length, num_requests): when ``num_blocks`` is unset, the cache is
             no larger than what holds that workload at once, memory permitting.
+        tokenizer: the model's tokenizer, needed by requests with stop strings
+            (``stop_strings``, ``stop``) to read the text of their tokens.
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
-        ValueError: a sampling value of the generation config, or a workload hint, is out of range.
+        ValueError: a sampling value of the generation config, or a workload hint, is out of range;
+            the generation config has stop strings and there is no tokenizer, or asks for a logits
+            processor rollout lacks with ``drop_unsupported_processors=False``.
         TypeError: ``continuous_batching_config`` is neither config class.
     """
 
@@ -132,14 +143,23 @@ class ContinuousBatchingManager:
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
         workload_hints: Any = None,
+        tokenizer: object | None = None,
     ) -> None:
         self.model = model
         self.generation_config = resolve_generation_config(model, generation_config)
         self.cb_config = resolve_continuous_batching_config(continuous_batching_config, self.generation_config)
         self._vocab_size = vocab_size(model)
-        self.default_params = build_sampling_params(self.generation_config, vocab_size=self._vocab_size)
+        self.default_params = build_sampling_params(
+            self.generation_config,
+            vocab_size=self._vocab_size,
+            drop_unsupported_processors=self.cb_config.drop_unsupported_processors,
+        )
+        check_tokenizer(self.default_params.stop_strings, self.default_params.stop, tokenizer)
+        self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
-        self._engine: Engine | None = Engine(model, self.cb_config, max_tokens_hint=self._tokens_hint)
+        self._engine: Engine | None = Engine(
+            model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=tokenizer
+        )
         self._cond = threading.Condition()
         self._outputs = OutputRouter(self._cond, producing=self._producing)
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
@@ -181,7 +201,9 @@ class ContinuousBatchingManager:
         with self._cond:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
-                self._engine = Engine(self.model, self.cb_config, max_tokens_hint=self._tokens_hint)
+                self._engine = Engine(
+                    self.model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=self.tokenizer
+                )
                 self._engine.set_weight_version(version)
             self._check_weights()
             self._stop_requested = False
@@ -296,6 +318,14 @@ class ContinuousBatchingManager:
         if _PERSISTENT.get(self.model) is self:
             del _PERSISTENT[self.model]
 
+    def adopt_tokenizer(self, tokenizer: object) -> None:
+        """Take ``tokenizer`` for stop strings if the manager was built without one; else keep its own."""
+        with self._cond:
+            if self.tokenizer is None:
+                self.tokenizer = tokenizer
+                if self._engine is not None:
+                    self._engine.tokenizer = tokenizer
+
     def warmup(self) -> None:
         """Accepted for transformers' API; does nothing (there are no CUDA graphs to capture yet)."""
 
@@ -369,14 +399,17 @@ class ContinuousBatchingManager:
             block: when the queue is full, wait for room (up to ``timeout`` seconds).
             timeout: seconds to wait with ``block``.
             sampling_params: the request's sampling parameters (the overrides above apply on
-                top); default: the manager's, from its generation config.
+                top); default: the manager's, from its generation config. The way to give a
+                request its own logits processors or stop strings (``build_sampling_params(
+                manager.default_params, stop=["</answer>"])``).
 
         Returns:
             The request id, or None (with a warning) after ``stop()``.
 
         Raises:
-            ValueError: a bad prompt or sampling value, or a duplicate ``request_id``;
-                raised before anything is queued.
+            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings
+                without a tokenizer, or a logits-processor value other than the generation
+                config's under ``per_request_processors=False``; raised before anything is queued.
             QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or
                 the wait timed out).
             RuntimeError: the manager failed (the message names the cause) or was destroyed, or
@@ -393,6 +426,8 @@ class ContinuousBatchingManager:
             seed=seed,
             eos_token_id=eos_token_id,
         )
+        if not self.cb_config.per_request_processors:
+            check_processors_unchanged(params, self.default_params)
         prompt = token_ids(input_ids, "input_ids", self._vocab_size)
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str or None, got {request_id!r}")
@@ -438,8 +473,10 @@ class ContinuousBatchingManager:
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
 
         Raises:
-            ValueError: a bad prompt (its index is named), a bad sampling value, or a seed list
-                of the wrong length; nothing is queued.
+            ValueError: a bad prompt (its index is named), a bad sampling value, a seed list
+                of the wrong length, stop strings without a tokenizer, or a logits-processor value
+                other than the generation config's under ``per_request_processors=False``; nothing
+                is queued.
             QueueFullError: the batch does not fit the queue and ``block`` is False; nothing is queued.
         """
         if request_id is not None:
@@ -457,6 +494,8 @@ class ContinuousBatchingManager:
             top_p=top_p,
             eos_token_id=eos_token_id,
         )
+        if not self.cb_config.per_request_processors:
+            check_processors_unchanged(params, self.default_params)
         items: list[tuple[str | None, list[int], SamplingParams]] = []
         for i, (prompt_ids, seed_i) in enumerate(zip(inputs, seeds)):
             name = f"inputs[{i}]"

@@ -216,13 +216,16 @@ class ModelRunner:
         if plan.score_segments:
             result.prompt_logprobs = self._score(logits[plan.num_sample_rows :], plan)
         if plan.sampled:
+            sampled = plan.sampled
             tokens, logprobs = sample_tokens(
                 logits[: plan.num_sample_rows],
-                [r.params for r in plan.sampled],
-                [r.generator for r in plan.sampled],
+                [r.params for r in sampled],
+                [r.generator for r in sampled],
                 self.generator,
                 self.logprobs_mode,
                 self.return_logprobs,
+                token_ids=[r.token_ids for r in sampled],
+                num_prompt_tokens=[r.num_prompt_tokens for r in sampled],
             )
             result.sampled_token_ids = tokens.tolist()
             result.logprobs = logprobs.tolist() if logprobs is not None else None

@@ -9,10 +9,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .stop_strings import StopStringMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,7 +40,7 @@ class RequestStatus(enum.IntEnum):
 
 
 # ``GenerationOutput.finish_reason`` values.
-FINISH_STOP = "stop"  # a stop token (eos_token_ids) was sampled; it is kept in the output
+FINISH_STOP = "stop"  # a stop token (eos_token_ids) was sampled, or a stop string completed; the token is kept
 FINISH_LENGTH = "length"  # max_new_tokens were generated
 FINISH_SCORED = "scored"  # a scoring (prefill-only) request computed all its tokens; nothing was sampled
 FINISH_CANCELLED = "cancelled"  # cancel_request, or the request was taken out of the engine
@@ -59,7 +63,7 @@ class GenerationOutput:
         timestamps: ``time.perf_counter()`` seconds at which each token was generated,
             when timestamps were asked for, else empty.
         weight_versions: the engine's weight version under which each token was sampled.
-        finish_reason: "stop" (a stop token), "length" (max_new_tokens), "scored" (a scoring
+        finish_reason: "stop" (a stop token or stop string), "length" (max_new_tokens), "scored" (a scoring
             request whose tokens are all computed), "cancelled", "error", or None while the
             request runs.
         created_time: ``time.perf_counter()`` seconds when the request was added.
@@ -108,6 +112,8 @@ class Request:
             wanted (>= 1); None for a generation request.
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
         generator: this request's own torch.Generator when it has a seed.
+        stop_matcher: decides whether a sampled token completes one of the request's stop strings;
+            set by the engine when the request is queued (None: no stop strings).
     """
 
     def __init__(
@@ -149,6 +155,7 @@ class Request:
         if params.seed is not None and params.do_sample:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
+        self.stop_matcher: StopStringMatcher | None = None
 
     @property
     def prefill_only(self) -> bool:
@@ -181,6 +188,8 @@ class Request:
         if self.record_timestamps:
             self.timestamps.append(time.perf_counter())
         if token in self.params.eos_token_ids:
+            self.finish_reason = FINISH_STOP
+        elif self.stop_matcher is not None and self.stop_matcher.matches(self.token_ids, len(self.prompt_ids)):
             self.finish_reason = FINISH_STOP
         elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish_reason = FINISH_LENGTH

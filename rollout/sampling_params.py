@@ -7,22 +7,102 @@ overridden by the caller's, as ``model.generate`` does) or an existing ``Samplin
 per-request overrides in ``model.generate``'s keyword names. It is called once at the public
 boundary (``generate_batch``, the manager's ``add_request(s)``) and the result is passed down whole.
 
+The logits processors (repetition penalty, no-repeat n-grams, bad words, minimum lengths, min-p)
+and the stop strings follow ``model.generate``'s meaning of the ``GenerationConfig`` fields of the
+same names; ``stop`` is vLLM's per-request stop strings. A ``GenerationConfig`` field whose
+processor rollout does not implement is dropped with one warning, or refused
+(``drop_unsupported_processors=False``); see ``unsupported_processor_fields``.
+
 Leaf module: it imports nothing of rollout's but ``checks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import GenerationConfig
 
 from .checks import check_bool, check_int, check_number, is_int, is_number
 
+logger = logging.getLogger(__name__)
+
 # transformers' default when neither the model's nor the caller's generation config sets max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 20
+
+# The fields that shape or draw the next-token distribution. With
+# ``ContinuousBatchingConfig(per_request_processors=False)`` a request may not change them (transformers:
+# "all requests use the default values"); max_new_tokens, eos ids, seeds and stop strings stay per request.
+PROCESSOR_FIELDS = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_new_tokens",
+    "min_length",
+    "bad_words_ids",
+)
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None
+
+
+def _above(bound: float) -> Callable[[Any], bool]:
+    return lambda value: value is not None and value > bound
+
+
+def _open_unit(value: Any) -> bool:
+    return value is not None and 0.0 < value < 1.0
+
+
+# GenerationConfig fields whose logits processor rollout does not implement, with the condition under
+# which ``model.generate`` builds that processor (``GenerationMixin._get_logits_processor`` in
+# transformers 5.24). The second table only counts when sampling: transformers applies those warpers
+# with do_sample=True alone.
+UNSUPPORTED_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "guidance_scale": lambda v: v is not None and v != 1,
+    "sequence_bias": _is_set,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "encoder_no_repeat_ngram_size": _above(0),
+    "forced_bos_token_id": _is_set,
+    "forced_eos_token_id": _is_set,
+    "remove_invalid_values": lambda v: v is True,
+    "exponential_decay_length_penalty": _is_set,
+    "suppress_tokens": _is_set,
+    "begin_suppress_tokens": _is_set,
+    "watermarking_config": _is_set,
+}
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "top_h": _is_set,
+    "typical_p": lambda v: v is not None and v < 1.0,
+    "epsilon_cutoff": _open_unit,
+    "eta_cutoff": _open_unit,
+}
+_warned_unsupported: set[str] = set()  # fields already warned about in this process
+
+
+def _as_strings(value: Any) -> Any:
+    """A str becomes a 1-tuple, a list or tuple a tuple; anything else is left for validation to refuse."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
+def _as_token_sequences(value: Any) -> Any:
+    """A list of token-id lists becomes a tuple of tuples of ints; anything else is left for validation."""
+    if isinstance(value, (list, tuple)) and all(isinstance(seq, (list, tuple)) for seq in value):
+        return tuple(tuple(int(t) if is_int(t) else t for t in seq) for seq in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -39,6 +119,24 @@ class SamplingParams:
             on the other requests of the batch.
         eos_token_ids: token ids that end the request (the stop token is kept in the output).
             An int or a list is accepted and stored as a tuple.
+        repetition_penalty: > 0; 1.0 is none. Every token id already in the sequence (prompt and
+            generated) has its logit divided by it when positive, multiplied when negative.
+        no_repeat_ngram_size: n >= 0; 0 is none. A token that would repeat an n-gram already in the
+            sequence (prompt included) is banned.
+        min_p: in [0, 1], or None. When sampling, after top-k and top-p, tokens whose probability is
+            below ``min_p`` times the top token's are dropped. Greedy requests ignore it, as
+            ``model.generate`` does.
+        min_new_tokens: >= 0; the end-of-sequence ids are banned until this many tokens are generated.
+        min_length: >= 0; the end-of-sequence ids are banned while prompt plus generated tokens are
+            fewer than this.
+        bad_words_ids: token-id sequences never to generate: the last token of a sequence is banned
+            when the sequence so far ends with the others. A one-token sequence equal to an
+            end-of-sequence id is ignored, as in transformers. Lists are stored as tuples.
+        stop_strings: ``GenerationConfig.stop_strings``: the request ends (finish reason "stop")
+            once the text of its last tokens contains one of them, ending inside the last token;
+            the text may start in the prompt. Needs the engine's tokenizer. A str is one string.
+        stop: vLLM-style per-request stop strings: the same test on the generated tokens' text only.
+            The token that completes a stop string is kept in the output, for both.
 
     Raises:
         ValueError: a value out of its range; the message starts with the field's name.
@@ -51,6 +149,17 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_p: float | None = None
+    min_new_tokens: int = 0
+    min_length: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
+    # True when a logits processor that reads the sequence may change this request's logits
+    # (set at construction; the sampler skips every other request at no cost).
+    uses_logits_processors: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         eos = self.eos_token_ids
@@ -59,15 +168,48 @@ class SamplingParams:
         elif isinstance(eos, Sequence) and not isinstance(eos, (str, bytes, tuple)):
             eos = tuple(eos)
         object.__setattr__(self, "eos_token_ids", eos)
+        object.__setattr__(self, "bad_words_ids", _as_token_sequences(self.bad_words_ids))
+        object.__setattr__(self, "stop_strings", _as_strings(self.stop_strings))
+        object.__setattr__(self, "stop", _as_strings(self.stop))
         self.validate()
         # Plain Python types from here on: numpy scalars and ints are common in user input.
         object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        if self.min_p is not None:
+            object.__setattr__(self, "min_p", float(self.min_p))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
+        uses = (
+            self.repetition_penalty != 1.0
+            or self.no_repeat_ngram_size > 0
+            or bool(self.bad_words_ids)
+            or (bool(self.eos_token_ids) and (self.min_new_tokens > 0 or self.min_length > 0))
+        )
+        object.__setattr__(self, "uses_logits_processors", uses)
 
     @property
     def greedy(self) -> bool:
-        """True when the request takes the argmax token at every step."""
+        """True when the request takes the argmax token (of the processed logits) at every step."""
         return (not self.do_sample) or self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        """True when the request has stop strings, which are read from the tokenizer's token texts."""
+        return bool(self.stop_strings or self.stop)
+
+    @functools.cached_property
+    def banned_tokens(self) -> tuple[int, ...]:
+        """The one-token bad words, less the end-of-sequence ids (transformers drops those)."""
+        return tuple(seq[0] for seq in self.bad_words_ids if len(seq) == 1 and seq[0] not in self.eos_token_ids)
+
+    @functools.cached_property
+    def bad_word_prefixes(self) -> dict[int, dict[tuple[int, ...], tuple[int, ...]]]:
+        """Bad words of two or more tokens: prefix length -> prefix -> the last tokens it bans."""
+        table: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        for seq in self.bad_words_ids:
+            if len(seq) > 1:
+                by_prefix = table.setdefault(len(seq) - 1, {})
+                by_prefix[seq[:-1]] = by_prefix.get(seq[:-1], ()) + (seq[-1],)
+        return table
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field when a value is out of its allowed range.
@@ -81,20 +223,38 @@ class SamplingParams:
         check_int("top_k", self.top_k, minimum=0, allow_none=True)
         check_number("top_p", self.top_p, 0, 1, min_open=True, allow_none=True)
         check_int("seed", self.seed, allow_none=True)
+        check_number("repetition_penalty", self.repetition_penalty, minimum=0, min_open=True)
+        check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0)
+        check_number("min_p", self.min_p, 0, 1, allow_none=True)
+        check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        check_int("min_length", self.min_length, minimum=0)
+        for name in ("stop_strings", "stop"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
+                raise ValueError(f"{name} must be a non-empty str or a list of non-empty str, got {value!r}")
         self.check_vocab(vocab_size)
 
     def check_vocab(self, vocab_size: int | None) -> None:
-        """Raise ValueError unless every end-of-sequence id lies in ``[0, vocab_size)``.
+        """Raise ValueError unless every end-of-sequence and bad-word id lies in ``[0, vocab_size)``.
 
         With ``vocab_size`` None only the lower bound (and the type) is checked.
         """
+
+        def in_vocab(tok: Any) -> bool:
+            return is_int(tok) and tok >= 0 and (vocab_size is None or tok < vocab_size)
+
+        bound = vocab_size if vocab_size is not None else "vocab_size"
         eos = self.eos_token_ids
-        if not isinstance(eos, tuple) or not all(
-            is_int(tok) and tok >= 0 and (vocab_size is None or tok < vocab_size) for tok in eos
-        ):
-            bound = vocab_size if vocab_size is not None else "vocab_size"
+        if not isinstance(eos, tuple) or not all(in_vocab(tok) for tok in eos):
             raise ValueError(
                 f"eos_token_ids must be token ids in [0, {bound}) (eos_token_id of a GenerationConfig), got {eos!r}"
+            )
+        bad = self.bad_words_ids
+        if not isinstance(bad, tuple) or not all(
+            isinstance(seq, tuple) and seq and all(in_vocab(tok) for tok in seq) for seq in bad
+        ):
+            raise ValueError(
+                f"bad_words_ids must be a list of non-empty lists of token ids in [0, {bound}), got {bad!r}"
             )
 
 
@@ -115,10 +275,70 @@ def resolve_generation_config(model: Any, generation_config: GenerationConfig | 
     return merged
 
 
+def unsupported_processor_fields(generation_config: GenerationConfig) -> list[str]:
+    """The fields of a ``GenerationConfig`` for which ``model.generate`` would build a logits processor
+    that rollout does not implement, in the config's field order.
+
+    Args:
+        generation_config: a (resolved) generation config.
+
+    Returns:
+        Field names, e.g. ``["typical_p", "suppress_tokens"]``; empty when everything it asks for is honoured.
+    """
+    tables = [UNSUPPORTED_PROCESSOR_FIELDS]
+    if generation_config.do_sample:
+        tables.append(UNSUPPORTED_SAMPLING_FIELDS)
+    return [
+        name for table in tables for name, active in table.items() if active(getattr(generation_config, name, None))
+    ]
+
+
+def _from_generation_config(gc: GenerationConfig, drop_unsupported_processors: bool) -> dict[str, Any]:
+    """The ``SamplingParams`` values a ``GenerationConfig`` asks for (unset fields mean transformers' defaults)."""
+    unsupported = unsupported_processor_fields(gc)
+    if unsupported and not drop_unsupported_processors:
+        shown = ", ".join(f"{name}={getattr(gc, name)!r}" for name in unsupported)
+        raise ValueError(
+            f"generation_config sets {shown}: rollout does not implement the logits processor of "
+            f"{'this field' if len(unsupported) == 1 else 'these fields'}; unset it, or pass "
+            "ContinuousBatchingConfig(drop_unsupported_processors=True) to drop it with a warning"
+        )
+    new = [name for name in unsupported if name not in _warned_unsupported]
+    if new:
+        _warned_unsupported.update(new)
+        logger.warning(
+            "generation_config sets %s, whose logits processor rollout does not implement: dropped "
+            "(ContinuousBatchingConfig(drop_unsupported_processors=False) refuses it instead)",
+            ", ".join(f"{name}={getattr(gc, name)!r}" for name in new),
+        )
+
+    def value(name: str, default: Any) -> Any:
+        v = getattr(gc, name, None)
+        return default if v is None else v
+
+    return {
+        "max_new_tokens": value("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+        "do_sample": bool(gc.do_sample),
+        "temperature": value("temperature", 1.0),
+        "top_k": gc.top_k,
+        "top_p": gc.top_p,
+        "seed": None,
+        "eos_token_ids": value("eos_token_id", ()),
+        "repetition_penalty": value("repetition_penalty", 1.0),
+        "no_repeat_ngram_size": value("no_repeat_ngram_size", 0),
+        "min_p": gc.min_p,
+        "min_new_tokens": value("min_new_tokens", 0),
+        "min_length": value("min_length", 0),
+        "bad_words_ids": value("bad_words_ids", ()),
+        "stop_strings": value("stop_strings", ()),
+    }
+
+
 def build_sampling_params(
     base: SamplingParams | GenerationConfig | None = None,
     *,
     vocab_size: int | None = None,
+    drop_unsupported_processors: bool = True,
     max_new_tokens: int | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
@@ -126,41 +346,41 @@ def build_sampling_params(
     top_p: float | None = None,
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    min_p: float | None = None,
+    min_new_tokens: int | None = None,
+    min_length: int | None = None,
+    bad_words_ids: Sequence[Sequence[int]] | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
 ) -> SamplingParams:
     """Build validated ``SamplingParams`` from defaults and per-request overrides.
 
     Args:
         base: the defaults: a (resolved) ``GenerationConfig`` (max_new_tokens, do_sample,
-            temperature, top_k, top_p, eos_token_id; an unset max_new_tokens means 20 and an unset
-            temperature 1.0), an existing ``SamplingParams``, or None for ``SamplingParams()``.
-        vocab_size: when given, the end-of-sequence ids must lie in ``[0, vocab_size)``.
-        max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id: overrides in
-            ``model.generate``'s names; None keeps the default (``eos_token_id=[]`` means no stop
-            token). A temperature given without ``do_sample`` implies ``do_sample = temperature > 0``.
+            temperature, top_k, top_p, eos_token_id, repetition_penalty, no_repeat_ngram_size,
+            min_p, min_new_tokens, min_length, bad_words_ids, stop_strings; unset fields take
+            transformers' defaults: max_new_tokens 20, temperature 1.0, no processor), an existing
+            ``SamplingParams``, or None for ``SamplingParams()``.
+        vocab_size: when given, the end-of-sequence and bad-word ids must lie in ``[0, vocab_size)``.
+        drop_unsupported_processors: for a ``GenerationConfig`` that asks for a logits processor rollout
+            does not implement (see ``unsupported_processor_fields``): True drops the field with one
+            warning per field and process, False raises.
+        max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id, repetition_penalty,
+            no_repeat_ngram_size, min_p, min_new_tokens, min_length, bad_words_ids, stop_strings:
+            overrides in ``model.generate``'s names; None keeps the default (``eos_token_id=[]`` means no
+            stop token, ``stop_strings=[]`` none). A temperature given without ``do_sample`` implies
+            ``do_sample = temperature > 0``.
+        stop: vLLM-style stop strings of the request (see ``SamplingParams.stop``).
 
     Returns:
         The parameters; ``base`` itself when it is a ``SamplingParams`` and nothing overrides it.
 
     Raises:
-        ValueError: a value out of range (the message names the field).
+        ValueError: a value out of range (the message names the field), or an unsupported processor
+            field with ``drop_unsupported_processors=False`` (the message names it).
     """
-    if isinstance(base, GenerationConfig):
-        values: dict[str, Any] = {
-            "max_new_tokens": base.max_new_tokens if base.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
-            "do_sample": bool(base.do_sample),
-            "temperature": base.temperature if base.temperature is not None else 1.0,
-            "top_k": base.top_k,
-            "top_p": base.top_p,
-            "seed": None,
-            "eos_token_ids": base.eos_token_id if base.eos_token_id is not None else (),
-        }
-    else:
-        params = base if base is not None else SamplingParams()
-        overrides = (max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id)
-        if all(v is None for v in overrides):
-            params.check_vocab(vocab_size)
-            return params
-        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     given = {
         "max_new_tokens": max_new_tokens,
         "do_sample": None if do_sample is None else bool(do_sample),
@@ -169,7 +389,23 @@ def build_sampling_params(
         "top_p": top_p,
         "seed": seed,
         "eos_token_ids": eos_token_id,
+        "repetition_penalty": repetition_penalty,
+        "no_repeat_ngram_size": no_repeat_ngram_size,
+        "min_p": min_p,
+        "min_new_tokens": min_new_tokens,
+        "min_length": min_length,
+        "bad_words_ids": bad_words_ids,
+        "stop_strings": stop_strings,
+        "stop": stop,
     }
+    if isinstance(base, GenerationConfig):
+        values = _from_generation_config(base, drop_unsupported_processors)
+    else:
+        params = base if base is not None else SamplingParams()
+        if all(v is None for v in given.values()):
+            params.check_vocab(vocab_size)
+            return params
+        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
     values.update({k: v for k, v in given.items() if v is not None})
     if temperature is not None and do_sample is None and is_number(temperature):
         # A per-request temperature > 0 asks for sampling, 0 for greedy (a bad one fails below).
@@ -177,3 +413,24 @@ def build_sampling_params(
     params = SamplingParams(**values)
     params.check_vocab(vocab_size)
     return params
+
+
+def check_processors_unchanged(params: SamplingParams, defaults: SamplingParams) -> None:
+    """Refuse a request whose logits-processor values differ from the defaults.
+
+    What ``ContinuousBatchingConfig(per_request_processors=False)`` means: every request uses the
+    generation config's processor values (``PROCESSOR_FIELDS``); max_new_tokens, eos ids, seeds and
+    stop strings may still differ per request.
+
+    Raises:
+        ValueError: naming every field of ``PROCESSOR_FIELDS`` that differs, with both values.
+    """
+    differ = [name for name in PROCESSOR_FIELDS if getattr(params, name) != getattr(defaults, name)]
+    if differ:
+        mine = ", ".join(f"{name}={getattr(params, name)!r}" for name in differ)
+        theirs = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in differ)
+        raise ValueError(
+            f"{mine}: per_request_processors is False, so every request uses the generation config's "
+            f"logits-processor values ({theirs}); pass ContinuousBatchingConfig(per_request_processors=True) "
+            "to set them per request"
+        )

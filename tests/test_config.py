@@ -34,6 +34,7 @@ INVALID_CONFIG_VALUES = [
     ("allow_block_sharing", "yes"),
     ("return_logprobs", 1),
     ("per_request_processors", None),
+    ("drop_unsupported_processors", "no"),
     ("progress_log_interval", 0),
 ]
 
@@ -88,6 +89,7 @@ def test_field_defaults_match_documentation() -> None:
     assert config.cpu_offload_space == 0.0
     assert config.max_queue_size == 0
     assert config.per_request_processors is True
+    assert config.drop_unsupported_processors is True
     assert config.progress_log_interval == 10.0
 
 
@@ -109,6 +111,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "cpu_offload_space_safety_threshold",
         "max_queue_size",
         "per_request_processors",
+        "drop_unsupported_processors",
         "progress_log_interval",
         "block_size",
     ]

@@ -16,13 +16,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 
 # STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put
-# them: checks (the shared validation helpers) and models (introspection) are leaves, intake sits
-# between outputs and the manager, weights is a leaf of the manager, scoring and score_cli are
-# entry points beside api; the benchmarks (a subpackage) use all of it, the package's exports included.
+# them: checks (the shared validation helpers), stop_strings (token spellings) and models
+# (introspection) are leaves, intake sits between outputs and the manager, weights is a leaf of the
+# manager, scoring and score_cli are entry points beside api; the benchmarks (a subpackage) use all of
+# it, the package's exports included.
 LAYERS = [
     "checks",
     "config",
     "sampling_params",
+    "stop_strings",
     "requests",
     "models",
     "weights",

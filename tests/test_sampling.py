@@ -1,4 +1,5 @@
-"""Sampling: top-k/top-p masks on hand-made logits, greedy rows, per-request seeds, frequencies, logprob modes."""
+"""Sampling on hand-made logits: top-k/top-p/min-p masks, logits processors, greedy rows, per-request seeds,
+frequencies, logprob modes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from rollout.requests import SamplingParams
-from rollout.sampling import apply_top_k_top_p, sample_tokens
+from rollout.sampling import apply_logits_processors, apply_min_p, apply_top_k_top_p, sample_tokens
 from tests.utils import assert_close
 
 NEG = float("-inf")
@@ -273,3 +274,195 @@ def test_return_logprobs_false_returns_none_and_same_tokens() -> None:
     assert logprobs is None
     assert tokens.dtype == torch.int64
     assert tokens.tolist() == draw_with_logprobs("temperature")[0]
+
+
+# ------------------------------------------------------------------------------------ logits processors
+
+
+def processed(logits: list[list[float]], params: list[SamplingParams], token_ids: list[list[int]], prompt: list[int]):
+    return apply_logits_processors(torch.tensor(logits), params, token_ids, prompt).tolist()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens_only() -> None:
+    logits = [[2.0, -1.0, 0.5, -0.25, 1.0]] * 3  # exact in float32
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(), SamplingParams(repetition_penalty=0.5)]
+    out = processed(logits, params, [[0, 1, 1, 3], [0, 1], [2]], [1, 1, 1])
+    # Row 0 saw 0, 1 and 3 (1 twice: penalised once); row 1 has no processor; row 2 rewards token 2.
+    assert out == [[1.0, -2.0, 0.5, -0.5, 1.0], logits[1], [2.0, -1.0, 1.0, -0.25, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("n", "history", "banned"),
+    [
+        (2, [5, 6, 5, 7, 5], [6, 7]),  # prefix (5,): 5 was followed by 6 and by 7
+        (3, [1, 2, 3, 1, 2], [3]),  # prefix (1, 2) was followed by 3
+        (3, [1, 2, 3, 2, 1], []),  # prefix (2, 1) never seen before
+        (1, [4, 4, 0], [0, 4]),  # every token seen is banned
+        (3, [1, 2], []),  # shorter than n: nothing to ban yet
+    ],
+)
+def test_no_repeat_ngram_bans_tokens_that_complete_an_earlier_ngram(
+    n: int, history: list[int], banned: list[int]
+) -> None:
+    out = processed([[0.0] * 8], [SamplingParams(no_repeat_ngram_size=n)], [history], [1])
+    assert [i for i, v in enumerate(out[0]) if v == NEG] == banned
+
+
+def test_no_repeat_ngram_rows_of_different_lengths_and_sizes_in_one_batch() -> None:
+    params = [SamplingParams(no_repeat_ngram_size=2), SamplingParams(no_repeat_ngram_size=2), SamplingParams()]
+    params += [SamplingParams(no_repeat_ngram_size=3)]
+    histories = [[5, 6, 5, 7, 5], [1, 2, 1], [1, 1, 1], [7, 7, 7, 7, 7, 7]]
+    out = processed([[0.0] * 8] * 4, params, histories, [1, 1, 1, 1])
+    assert kept(torch.tensor(out)) == [[0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5, 6, 7], list(range(8)), list(range(7))]
+
+
+def test_bad_words_ban_single_tokens_always_and_the_last_token_of_a_sequence_whose_prefix_just_occurred() -> None:
+    # eos = 2: the one-token bad word [2] is ignored (transformers filters eos out of bad words).
+    params = SamplingParams(bad_words_ids=[[3], [2], [1, 4], [0, 1, 5], [6, 1, 7]], eos_token_ids=(2,))
+    out = processed([[0.0] * 8] * 2, [params] * 2, [[9, 0, 1], [1, 0]], [1, 1])
+    assert [i for i, v in enumerate(out[0]) if v == NEG] == [3, 4, 5]  # ends with (1,) and (0, 1), not (6, 1)
+    assert [i for i, v in enumerate(out[1]) if v == NEG] == [3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "length", "prompt", "eos_banned"),
+    [
+        ({"min_new_tokens": 2}, 4, 3, True),  # 1 generated < 2
+        ({"min_new_tokens": 2}, 5, 3, False),
+        ({"min_length": 5}, 4, 3, True),  # 4 tokens in all < 5
+        ({"min_length": 5}, 5, 3, False),
+    ],
+)
+def test_min_new_tokens_and_min_length_ban_every_eos_id_until_reached(
+    kwargs: dict, length: int, prompt: int, eos_banned: bool
+) -> None:
+    params = SamplingParams(eos_token_ids=(2, 5), **kwargs)
+    out = processed([[0.0] * 8], [params], [list(range(10, 10 + length))], [prompt])
+    assert [i for i, v in enumerate(out[0]) if v == NEG] == ([2, 5] if eos_banned else [])
+
+
+def test_min_new_tokens_without_eos_ids_changes_nothing_and_costs_nothing() -> None:
+    params = SamplingParams(min_new_tokens=5, eos_token_ids=())
+    assert not params.uses_logits_processors
+    logits = torch.randn(1, 8)
+    assert apply_logits_processors(logits, [params], None, None) is logits
+
+
+def test_rows_without_processors_are_returned_untouched_and_need_no_token_ids() -> None:
+    logits = torch.randn(3, 8)
+    assert apply_logits_processors(logits, [SamplingParams()] * 3, None, None) is logits
+    with pytest.raises(ValueError, match="token_ids"):
+        apply_logits_processors(logits, [SamplingParams(repetition_penalty=1.1)] * 3, None, None)
+
+
+def test_min_p_keeps_tokens_with_at_least_min_p_times_the_top_probability() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.25] * 4]).log()
+    out = apply_min_p(logits, torch.tensor([0.4, 0.0, 1.0]))
+    # 0.4 * 0.5 = 0.2: 0.15 and 0.05 go; min_p 0 keeps all; ties with the top token stay at min_p 1.
+    assert kept(out) == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_greedy_takes_the_argmax_of_the_processed_logits() -> None:
+    logits = torch.tensor([[1.0, 0.9, 0.1], [1.0, 0.9, 0.1]])
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
+    tokens, _ = sample_tokens(
+        logits, params, [None, None], generator(0), token_ids=[[0], [0]], num_prompt_tokens=[1, 1]
+    )
+    assert tokens.tolist() == [1, 0]  # 1.0 / 2 < 0.9 on the first row only
+
+
+def test_sampled_rows_never_draw_a_banned_token() -> None:
+    logits = torch.zeros(500, 6)
+    params = [SamplingParams(do_sample=True, bad_words_ids=[[0], [4, 5]], no_repeat_ngram_size=2)] * 500
+    histories = [[4, 1, 3, 4]] * 500  # bans 0, 5 (after 4) and 1 (4 was followed by 1)
+    tokens, _ = sample_tokens(
+        logits, params, [None] * 500, generator(0), token_ids=histories, num_prompt_tokens=[1] * 500
+    )
+    assert set(tokens.tolist()) == {2, 3, 4}
+
+
+PROC_PARAMS = [
+    SamplingParams(repetition_penalty=1.5),  # greedy with a processor
+    SamplingParams(do_sample=True, temperature=0.7, repetition_penalty=1.3, top_k=6, min_p=0.1),
+    SamplingParams(do_sample=True, temperature=1.2, bad_words_ids=[[3], [1, 2]], min_p=0.05),
+    SamplingParams(do_sample=True, no_repeat_ngram_size=2, top_p=0.9),
+    SamplingParams(do_sample=True, temperature=0.9),  # no processor, next to the others
+]
+PROC_HISTORY = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [0, 1], [7, 8, 7, 2, 7], [1, 2, 3]]
+
+
+def hand_processed_logprob(row: torch.Tensor, p: SamplingParams, history: list[int], token: int) -> float:
+    """log q(token) for the distribution of ``p`` on raw logits ``row``, each step in plain Python."""
+    values = [float(v) for v in row]
+    if p.repetition_penalty != 1.0:
+        values = [
+            (v / p.repetition_penalty if v > 0 else v * p.repetition_penalty) if i in history else v
+            for i, v in enumerate(values)
+        ]
+    banned = set(p.banned_tokens)
+    for seq in p.bad_words_ids:
+        if len(seq) > 1 and history[-(len(seq) - 1) :] == list(seq[:-1]):
+            banned.add(seq[-1])
+    n = p.no_repeat_ngram_size
+    if n:
+        prefix = history[len(history) - n + 1 :]
+        banned |= {history[i + n - 1] for i in range(len(history) - n + 1) if history[i : i + n - 1] == prefix}
+    allowed = [i for i in range(len(values)) if i not in banned]
+    temperature = p.temperature if not p.greedy else 1.0
+    weights = {i: math.exp(values[i] / temperature) for i in allowed}
+    if not p.greedy:
+        order = sorted(allowed, key=lambda i: -weights[i])
+        if p.top_k:
+            order = order[: p.top_k]
+        if p.top_p is not None:
+            total, mass, keep = sum(weights[i] for i in order), 0.0, []
+            for i in order:
+                keep.append(i)
+                mass += weights[i] / total
+                if mass >= p.top_p:
+                    break
+            order = keep
+        if p.min_p:
+            top = max(weights[i] for i in order)
+            order = [i for i in order if weights[i] >= p.min_p * top]
+        weights = {i: weights[i] for i in order}
+    assert token in weights, "the token lies outside the processed distribution"
+    return math.log(weights[token] / sum(weights.values()))
+
+
+def test_sampled_logprobs_equal_the_hand_computed_processed_distribution() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(len(PROC_PARAMS), 10) * 2
+    for seed in range(5):
+        tokens, logprobs = sample_tokens(
+            logits,
+            PROC_PARAMS,
+            [None] * len(PROC_PARAMS),
+            generator(seed),
+            logprobs_mode="sampled",
+            token_ids=PROC_HISTORY,
+            num_prompt_tokens=[1] * len(PROC_PARAMS),
+        )
+        expected = [
+            hand_processed_logprob(logits[b], p, h, t)
+            for b, (p, h, t) in enumerate(zip(PROC_PARAMS, PROC_HISTORY, tokens.tolist()))
+        ]
+        assert_close(logprobs, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["temperature", "raw"])
+def test_temperature_and_raw_logprobs_ignore_the_processors(mode: str) -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(len(PROC_PARAMS), 10) * 2
+    tokens, logprobs = sample_tokens(
+        logits,
+        PROC_PARAMS,
+        [None] * len(PROC_PARAMS),
+        generator(0),
+        logprobs_mode=mode,
+        token_ids=PROC_HISTORY,
+        num_prompt_tokens=[1] * len(PROC_PARAMS),
+    )
+    temps = [p.temperature if (mode == "temperature" and not p.greedy) else 1.0 for p in PROC_PARAMS]
+    expected = [torch.log_softmax(logits[b] / t, dim=-1)[tok].item() for b, (tok, t) in enumerate(zip(tokens, temps))]
+    assert_close(logprobs, expected, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 import rollout
-from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
+from tests.utils import assert_close, reference_generate, reference_greedy, run_engine, teacher_forced_logprobs
 
 QUESTIONS = [
     "What is 2+3?",
@@ -57,3 +57,78 @@ def test_greedy_matches_generate_and_logprobs_match_teacher_forcing_smollm2(smol
         assert out.generated_tokens == reference_greedy(model, prompt, MAX_NEW, eos)
         assert_close(out.logprobs, teacher_forced_logprobs(model, prompt, out.generated_tokens), atol=1e-4)
     assert "5" in tokenizer.decode(outputs["req_0"].generated_tokens)
+
+
+PROCESSOR_QUESTIONS = [  # answers of 8 and 14 tokens end early; the list repeats itself
+    "What is 2+3?",
+    "Name a prime number larger than 10.",
+    "List three colours.",
+]
+PROCESSOR_MAX_NEW = 24
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:  # noqa: ANN001
+    """Each question as a user turn in the model's chat template, ready for the answer."""
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=False)) for m in messages]
+
+
+def processor_cases(tokenizer) -> dict[str, dict]:  # noqa: ANN001
+    """generate() settings, one case per processor, each changing some answer of PROCESSOR_QUESTIONS."""
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in ("5", " 11", " prime number", " Red")]
+    return {
+        "repetition_penalty": {"repetition_penalty": 1.3},
+        "no_repeat_ngram_size": {"no_repeat_ngram_size": 2},
+        "min_new_tokens": {"min_new_tokens": 12},
+        "min_length": {"min_length": 50},  # prompts are 34-40 tokens
+        "bad_words_ids": {"bad_words_ids": words},
+        "min_p": {"min_p": 0.3},  # greedy: ignored, by both
+        "stop_strings": {"stop_strings": [".", "ime"]},  # "ime" ends inside " prime"
+        "together": {
+            "repetition_penalty": 1.2,
+            "no_repeat_ngram_size": 3,
+            "bad_words_ids": words[:2],
+            "min_new_tokens": 10,
+            "stop_strings": ["!", "Blue"],
+        },
+    }
+
+
+@pytest.mark.slow
+def test_every_logits_processor_and_stop_strings_match_generate_smollm2(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = chat_prompts(tokenizer, PROCESSOR_QUESTIONS)
+    plain = [reference_generate(model, p, PROCESSOR_MAX_NEW) for p in prompts]
+    config = rollout.ContinuousBatchingConfig(num_blocks=64)
+    for name, kwargs in processor_cases(tokenizer).items():
+        gc = GenerationConfig(max_new_tokens=PROCESSOR_MAX_NEW, do_sample=False, **kwargs)
+        outputs = rollout.generate_batch(model, prompts, gc, config, tokenizer=tokenizer)
+        got = [out.generated_tokens for out in outputs.values()]
+        expected = [reference_generate(model, p, PROCESSOR_MAX_NEW, tokenizer=tokenizer, **kwargs) for p in prompts]
+        assert got == expected, name
+        assert (got != plain) is (name != "min_p"), f"{name} changed no answer: the comparison proves nothing"
+
+
+@pytest.mark.slow
+def test_vllm_style_stop_ends_at_the_first_stop_string_of_the_generated_text_smollm2(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = chat_prompts(tokenizer, PROCESSOR_QUESTIONS)
+    stop = ("</answer>", " is", ":")
+    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=64), tokenizer=tokenizer)
+    try:
+        params = rollout.SamplingParams(max_new_tokens=PROCESSOR_MAX_NEW, eos_token_ids=(2,), stop=stop)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    num_cut = 0
+    for i, p in enumerate(prompts):
+        plain = reference_generate(model, p, PROCESSOR_MAX_NEW)
+        texts = [tokenizer.decode(plain[: k + 1]) for k in range(len(plain))]
+        cut = next((k + 1 for k, text in enumerate(texts) if any(s in text for s in stop)), len(plain))
+        assert outputs[f"r{i}"].generated_tokens == plain[:cut], i
+        num_cut += cut < len(plain)
+        stopped = any(s in texts[cut - 1] for s in stop) or plain[cut - 1] == 2  # a stop string or eos
+        assert outputs[f"r{i}"].finish_reason == ("stop" if stopped else "length")
+    assert num_cut >= 2  # " is" and ":" end two answers early

@@ -20,6 +20,7 @@ The families differ where an engine can go wrong:
   different RoPE base for each, scaled embeddings, `query_pre_attn_scalar`, tied embeddings.
 """
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -151,6 +152,25 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level tokenizer over the tiny models' vocabulary, for stop-string tests.
+
+    "<pad>"=0, "<s>"=1, "</s>"=2; 3 "Ã", 4 "©" and 5 "Ã©" (byte-level characters of the two UTF-8
+    bytes of "é", so "é" can be split over two tokens); then 6..255 are the strings over "a", "b",
+    "c" and "Ġ" (a space) of length 1 to 4, shortest first. Tokens overlap in many ways ("ab" then
+    "cĠa" spells "abc a"), which exercises stop strings that start or end inside a token.
+    Decoding maps the characters back to bytes (``ByteLevel`` decoder); the decoder is the one
+    transformers' ``StopStringCriteria`` reads as byte-level. Encoding text is not supported.
+    """
+    vocab = {"<pad>": PAD_TOKEN_ID, "<s>": BOS_TOKEN_ID, "</s>": EOS_TOKEN_ID, "Ã": 3, "©": 4, "Ã©": 5}
+    words = ("".join(chars) for n in range(1, 5) for chars in itertools.product("abcĠ", repeat=n))
+    vocab.update({word: i for i, word in zip(range(6, VOCAB_SIZE), words)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 

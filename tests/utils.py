@@ -35,6 +35,22 @@ def reference_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+def reference_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[int]:
+    """``model.generate`` greedy on one prompt (no padding) with extra generation settings (a processor,
+    ``stop_strings`` with ``tokenizer``, another ``eos_token_id``...); generated tokens only."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def teacher_forced_logprobs(
     model: PreTrainedModel, prompt: list[int], completion: list[int], temperature: float = 1.0
 ) -> list[float]:
