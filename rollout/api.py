@@ -64,7 +64,7 @@ def generate_batch(
             come from ``model.generation_config``.
         continuous_batching_config: engine configuration, rollout's or transformers' (converted);
             None takes the one the generation config carries (deprecated) or the defaults.
-            With ``seed`` set, sample k (in output order) uses its own generator seeded
+            With ``seed`` set, sample k (in output order) uses its own random stream seeded
             ``seed + k``, so the batch is reproducible, on a fresh engine or a persistent manager.
             Ignored, but for ``seed``, when a persistent manager already exists.
         record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.
