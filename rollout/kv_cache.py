@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -64,37 +65,62 @@ class PagedKVCache:
     poison the attention output. On CPU zeroed pages are only touched when written.
 
     Args:
-        shape: layers, KV heads, head dim and dtype.
+        shape: layers, KV heads, head dim and dtype (the dtype the attention computes in,
+            ``models.attention_dtype``; keys and values arriving in another are cast on write).
         num_blocks: blocks in the cache.
         block_size: tokens per block.
-        device: where the tensors live.
+        device: where the step's inputs live (the runner builds its metadata there).
+        layer_devices: the device of each layer's tensors (a model sharded with ``device_map`` keeps
+            each layer's cache beside the layer); None puts every layer on ``device``.
+
+    Raises:
+        ValueError: ``layer_devices`` does not have one device per layer.
     """
 
-    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        layer_devices: Sequence[torch.device] | None = None,
+    ) -> None:
+        if layer_devices is not None and len(layer_devices) != shape.num_layers:
+            raise ValueError(
+                f"layer_devices must name one device per layer ({shape.num_layers}), got {len(layer_devices)}"
+            )
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
+        self.layer_devices = list(layer_devices) if layer_devices is not None else [device] * shape.num_layers
         num_slots = num_blocks * block_size
         # Never inference tensors, whatever mode the caller builds the engine in: the steps write
         # them in place from the manager's thread, and a write to an inference tensor outside
         # inference mode is an error.
         with torch.inference_mode(False):
             self.key = [
-                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-                for _ in range(shape.num_layers)
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=d)
+                for d in self.layer_devices
             ]
             self.value = [
-                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-                for _ in range(shape.num_layers)
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=d)
+                for d in self.layer_devices
             ]
         logger.info(
-            "paged KV cache: %d blocks x %d tokens, %.3f GiB on %s",
+            "paged KV cache: %d blocks x %d tokens, %s, %.3f GiB on %s",
             num_blocks,
             block_size,
+            shape.dtype,
             self.size_bytes / GIB,
-            device,
+            ", ".join(str(d) for d in dict.fromkeys(self.layer_devices)),
         )
+        self._warned_cast = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every key and value tensor."""
+        return self.shape.dtype
 
     @property
     def size_bytes(self) -> int:
@@ -106,9 +132,21 @@ class PagedKVCache:
 
         Args:
             layer_idx: the layer.
-            slot_mapping: int64 [T]; the slot of each query token.
-            key, value: [T, num_kv_heads, head_dim] in the cache's dtype.
+            slot_mapping: int64 [T]; the slot of each query token, on the layer's device.
+            key, value: [T, num_kv_heads, head_dim], on the layer's device; cast to the cache's dtype
+                when they arrive in another (autocast computes projections and rotary embeddings in
+                different dtypes; the first such write logs it once).
         """
+        if key.dtype != self.dtype or value.dtype != self.dtype:
+            if not self._warned_cast:
+                self._warned_cast = True
+                logger.info(
+                    "keys (%s) and values (%s) are cast to the KV cache's %s on write",
+                    key.dtype,
+                    value.dtype,
+                    self.dtype,
+                )
+            key, value = key.to(self.dtype), value.to(self.dtype)
         self.key[layer_idx].index_copy_(0, slot_mapping, key)
         self.value[layer_idx].index_copy_(0, slot_mapping, value)
 
@@ -165,16 +203,22 @@ class CPUOffloadPool:
 
     def store(self, cache: PagedKVCache, block_ids: list[int], pool_ids: list[int]) -> None:
         """Copy cache blocks ``block_ids`` into pool blocks ``pool_ids`` (same length), every layer."""
-        src = self._slots(block_ids, cache.device)
         dst = self._slots(pool_ids, torch.device("cpu"))
-        for layer in range(len(cache.key)):
+        src_on: dict[torch.device, torch.Tensor] = {}  # a sharded cache has layers on several devices
+        for layer, device in enumerate(cache.layer_devices):
+            src = src_on.get(device)
+            if src is None:
+                src = src_on[device] = self._slots(block_ids, device)
             self.key[layer][dst] = cache.key[layer][src].to("cpu", non_blocking=True)
             self.value[layer][dst] = cache.value[layer][src].to("cpu", non_blocking=True)
 
     def load(self, cache: PagedKVCache, pool_ids: list[int], block_ids: list[int]) -> None:
         """Copy pool blocks ``pool_ids`` back into cache blocks ``block_ids`` (the pool blocks stay taken)."""
         src = self._slots(pool_ids, torch.device("cpu"))
-        dst = self._slots(block_ids, cache.device)
-        for layer in range(len(cache.key)):
-            cache.key[layer][dst] = self.key[layer][src].to(cache.device, non_blocking=True)
-            cache.value[layer][dst] = self.value[layer][src].to(cache.device, non_blocking=True)
+        dst_on: dict[torch.device, torch.Tensor] = {}
+        for layer, device in enumerate(cache.layer_devices):
+            dst = dst_on.get(device)
+            if dst is None:
+                dst = dst_on[device] = self._slots(block_ids, device)
+            cache.key[layer][dst] = self.key[layer][src].to(device, non_blocking=True)
+            cache.value[layer][dst] = self.value[layer][src].to(device, non_blocking=True)
