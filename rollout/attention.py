@@ -16,21 +16,30 @@ are folded into the query-length axis, so grouped-query attention needs no copy 
 the keys. Each prefill chunk is one call, causal (and windowed for sliding-window
 layers) with an offset for the tokens already in the cache. CUDA path: flash-attn's
 ``flash_attn_varlen_func`` over the whole flattened batch with a block table
-(vLLM's and nano-vllm's approach), used when flash-attn is importable.
+(vLLM's and nano-vllm's approach), used when ``flash_unsupported_reason`` finds nothing
+against it (flash-attn's version, the GPU's compute capability, dtype, head dim, page size).
+
+The dispatcher's registered name never contains "flash" nor "/": transformers 5 treats any
+implementation name containing "flash" as a request for a flash kernel (and tries to import one
+under that name), and a name of the form ``org/repo`` as a Hub kernel to download and register
+under that very name. A model loaded with ``attn_implementation="flash_attention_2"`` (or a Hub
+kernel) gets the dispatcher ``rollout_paged|fa_attention_2`` (``dispatcher_name``), and its training
+forwards still reach the original kernel, which sees the original name in ``module.config``.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -40,14 +49,107 @@ PAGED_PREFIX = "rollout_paged|"
 METADATA_KWARG = "rollout_batch"
 
 try:  # pragma: no cover - exercised on CUDA machines only
+    from flash_attn import __version__ as _flash_attn_version
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_varlen_func = None
+    _flash_attn_version = None
+
+# What flash-attn's paged varlen kernel needs, read from flash-attn 2.8.3 (csrc/flash_attn/flash_api.cpp,
+# mha_varlen_fwd, and flash_attn/flash_attn_interface.py):
+# - flash_attn_varlen_func takes block_table since 2.5.7 and softcap since 2.6.0;
+FLASH_ATTN_MIN_VERSION = (2, 6, 0)
+# - "FlashAttention only supports Ampere GPUs or newer": compute capability major >= 8;
+FLASH_MIN_COMPUTE_CAPABILITY = 8
+# - q, k and v in fp16 or bf16, all of one dtype;
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# - a head dim of at most 256 and a multiple of 8 (the Python wrapper pads other head dims, which for a
+#   paged cache would copy the whole cache at every call, so rollout treats them as unsupported);
+FLASH_MAX_HEAD_DIM = 256
+FLASH_HEAD_DIM_MULTIPLE = 8
+# - "Paged KV cache block size must be divisible by 256";
+FLASH_PAGE_MULTIPLE = 256
+# - cu_seqlens and block_table in int32, every tensor on the device of q (model_runner builds them so).
 
 
 def flash_attn_available() -> bool:
     """True when flash-attn's varlen kernel can be imported."""
     return _flash_attn_varlen_func is not None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(2, 8, 3) for "2.8.3", "2.8.3.post1" or "2.8.3+cu12torch2.6"."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def flash_unsupported_reason(
+    version: str | None,
+    capabilities: Sequence[tuple[int, int] | None],
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+) -> str | None:
+    """Why flash-attn's paged varlen kernel cannot serve a cache, or None when it can.
+
+    A pure function of its arguments (no device is queried), so the rules can be tested with made-up
+    GPUs. The rules are flash-attn 2.8's own (see the constants above; source: Dao-AILab/flash-attention,
+    csrc/flash_attn/flash_api.cpp ``mha_varlen_fwd``).
+
+    Args:
+        version: flash-attn's ``__version__``, or None when it cannot be imported.
+        capabilities: the CUDA compute capability (major, minor) of each device holding cache layers;
+            None for a device that is not a CUDA GPU.
+        dtype: the cache's dtype (the kernel reads q, k and v in it).
+        head_dim: the attention head dim.
+        page_size: tokens per cache block.
+
+    Returns:
+        A sentence naming the first unmet requirement, or None.
+    """
+    if version is None:
+        return "flash-attn is not installed"
+    if _version_tuple(version) < FLASH_ATTN_MIN_VERSION:
+        need = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
+        return f"flash-attn {version} is older than {need} (paged varlen attention with softcap)"
+    for capability in capabilities:
+        if capability is None:
+            return "part of the cache is not on a CUDA GPU (the flash path is checked for NVIDIA GPUs only)"
+        if capability[0] < FLASH_MIN_COMPUTE_CAPABILITY:
+            return (
+                f"a GPU has compute capability {capability[0]}.{capability[1]}; flash-attn 2 needs "
+                f"{FLASH_MIN_COMPUTE_CAPABILITY}.0 (Ampere) or newer"
+            )
+    if dtype not in FLASH_DTYPES:
+        return f"the KV cache is {dtype}; flash-attn reads only float16 and bfloat16"
+    if head_dim > FLASH_MAX_HEAD_DIM or head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        return (
+            f"head_dim is {head_dim}; flash-attn needs a multiple of {FLASH_HEAD_DIM_MULTIPLE} "
+            f"of at most {FLASH_MAX_HEAD_DIM}"
+        )
+    if page_size % FLASH_PAGE_MULTIPLE:
+        return f"page_size is {page_size}; flash-attn's paged kernel needs a multiple of {FLASH_PAGE_MULTIPLE}"
+    return None
+
+
+def flash_support(devices: Sequence[torch.device], dtype: torch.dtype, head_dim: int, page_size: int) -> str | None:
+    """``flash_unsupported_reason`` for a cache on these devices, with this machine's flash-attn and GPUs.
+
+    Args:
+        devices: the devices holding cache layers (one per layer, repeats allowed).
+        dtype, head_dim, page_size: as in ``flash_unsupported_reason``.
+
+    Returns:
+        Why the flash path cannot be used, or None when it can.
+    """
+    capabilities: list[tuple[int, int] | None] = []
+    for device in dict.fromkeys(devices):
+        if device.type != "cuda" or torch.version.hip is not None:
+            # ROCm reports its own architecture numbers here, and its flash-attn backend has other rules.
+            capabilities.append(None)
+        else:
+            capabilities.append(torch.cuda.get_device_capability(device))
+    version = _flash_attn_version if _flash_attn_varlen_func is not None else None
+    return flash_unsupported_reason(version, capabilities, dtype, head_dim, page_size)
 
 
 @dataclass
@@ -107,6 +209,38 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSegment]
     flash: dict[str, Any] | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> PagedAttentionMetadata:
+        """This step's metadata with every tensor on ``device``; ``self`` when they are there already.
+
+        A model sharded over devices (``device_map``) runs each layer on its own device and keeps that
+        layer's cache there, while the runner builds the metadata on the input's device. The copy for
+        a device is made by the first layer there and reused by the others of the step; it has its own
+        masks and prefill segments, since those are built on (and cached for) one device.
+        """
+        if device == self.slot_mapping.device:
+            return self
+        moved = self._on_device.get(device)
+        if moved is None:
+
+            def to(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.to(device)
+
+            flash = None
+            if self.flash is not None:
+                flash = {k: to(v) if isinstance(v, torch.Tensor) else v for k, v in self.flash.items()}
+            moved = PagedAttentionMetadata(
+                self.cache,
+                to(self.slot_mapping),
+                to(self.decode_rows),
+                to(self.decode_gather),
+                to(self.decode_lengths),
+                [PrefillSegment(s.start, s.end, s.context, to(s.gather)) for s in self.prefills],
+                flash,
+            )
+            self._on_device[device] = moved
+        return moved
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """bool [Bd, 1, 1, Lmax]: which padded key slots each decoding request attends to."""
@@ -152,6 +286,19 @@ def _attend(
     return torch.matmul(probs, v)
 
 
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's when it is on for the query's device, else the query's.
+
+    Under autocast (accelerate's ``mixed_precision``) the keys, values and queries of one layer may
+    arrive in different dtypes (a bf16 projection, an fp32 rotary embedding), and SDPA would cast them
+    all to autocast's dtype; casting them here first keeps the decode gather from being cast twice.
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -164,31 +311,37 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of one layer over the paged cache.
 
+    The step's keys and values are written into the cache in the cache's dtype (cast when they
+    arrive in another, e.g. under autocast); the attention itself runs in ``_compute_dtype``.
+
     Args:
         module: the attention module (its ``layer_idx`` picks the cache layer).
-        query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding).
-        meta: the step's metadata.
+        query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding), on the device of
+            the layer's cache.
+        meta: the step's metadata (moved to the layer's device when the model is sharded).
         scaling: softmax scale (default D ** -0.5).
         sliding_window: keys further back than this many positions are masked (None: all).
         softcap: tanh soft-capping of the scores (Gemma 2), or None.
 
     Returns:
-        [1, T, H, D], the layout the model's attention modules expect back.
+        [1, T, H, D], the layout the model's attention modules expect back, in the compute dtype.
     """
     layer = module.layer_idx
     cache = meta.cache
+    k_cache, v_cache = cache.key[layer], cache.value[layer]
+    meta = meta.on(k_cache.device)
     _, H, T, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
     k_new = key[0].transpose(0, 1)
     v_new = value[0].transpose(0, 1)
     cache.write(layer, meta.slot_mapping, k_new, v_new)
-    k_cache, v_cache = cache.key[layer], cache.value[layer]
 
     if meta.flash is not None:
         return _flash_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
-    q = query[0]  # [H, T, D]
-    out = query.new_empty(T, H, D)
+    dtype = _compute_dtype(query)
+    q = query[0].to(dtype)  # [H, T, D]
+    out = q.new_empty(T, H, D)
     if meta.decode_rows is not None:
         Hkv = k_cache.shape[1]
         bd = meta.decode_rows.shape[0]
@@ -201,18 +354,18 @@ def paged_attention(
         # index_select on the flat slot list is several times faster than advanced indexing on CPU.
         flat = meta.decode_gather.view(-1)
         lmax = meta.decode_gather.shape[1]
-        kd = k_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-        vd = v_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2)
+        kd = k_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2).to(dtype)  # [Bd, Hkv, Lmax, D]
+        vd = v_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2).to(dtype)
         od = _attend(qd, kd, vd, meta.decode_mask(sliding_window), scale, softcap, is_causal=False)
         out[meta.decode_rows] = od.reshape(bd, H, D)
     for seg in meta.prefills:
         qs = q[:, seg.start : seg.end].unsqueeze(0)  # [1, H, n, D]
         if seg.gather is None:
-            ks = key[:, :, seg.start : seg.end]
-            vs = value[:, :, seg.start : seg.end]
+            ks = key[:, :, seg.start : seg.end].to(dtype)
+            vs = value[:, :, seg.start : seg.end].to(dtype)
         else:
-            ks = k_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vs = v_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0)
+            ks = k_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, L, D]
+            vs = v_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0).to(dtype)
         mask = seg.mask(sliding_window, query.device)
         os_ = _attend(qs, ks, vs, mask, scale, softcap, is_causal=True)
         out[seg.start : seg.end] = os_[0].transpose(0, 1)
@@ -228,11 +381,16 @@ def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """flash-attn varlen over the whole batch, keys read through the block table."""
+    """flash-attn varlen over the whole batch, keys read through the block table.
+
+    The kernel needs q in the cache's dtype (fp16 or bf16, checked when the engine chose this path);
+    a query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is
+    returned in the query's dtype, which the model's output projection expects.
+    """
     f = meta.flash
     assert f is not None and _flash_attn_varlen_func is not None
     block_size = meta.cache.block_size
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
     kc = k_cache.view(-1, block_size, *k_cache.shape[1:])
     vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
     window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
@@ -250,7 +408,51 @@ def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
         softcap=softcap or 0.0,
         block_table=f["block_table"],
     )
-    return out.unsqueeze(0)
+    return out.to(query.dtype).unsqueeze(0)
+
+
+class _ConfigAsOriginal:
+    """A model config as the original attention function reads it: the config's own attributes, except
+    the attention implementation, which names the original rather than the paged dispatcher.
+
+    transformers' flash wrapper (``integrations/flash_attention.py``) picks its kernel from
+    ``module.config._attn_implementation``; under the dispatcher's name it would look for a kernel
+    called "rollout_paged|..." and fail. Read-only: a write raises.
+    """
+
+    __slots__ = ("_config", "_attn_implementation", "_attn_implementation_internal")
+
+    def __init__(self, config: PretrainedConfig, original: str) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_attn_implementation", original)
+        object.__setattr__(self, "_attn_implementation_internal", original)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the attention function's view of the config is read-only (setting {name!r})")
+
+
+class _ModuleAsOriginal:
+    """An attention module whose ``config`` is a ``_ConfigAsOriginal``; every other attribute is the module's."""
+
+    __slots__ = ("_module", "config")
+
+    def __init__(self, module: torch.nn.Module, original: str) -> None:
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "config", _ConfigAsOriginal(module.config, original))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._module, name, value)
+
+
+# Originals whose functions never read the implementation's name from the config: they get the module
+# itself (the common path stays exactly what it was).
+_PLAIN_ORIGINALS = frozenset({"eager", "sdpa"})
 
 
 def _original_function(module: torch.nn.Module, original: str) -> Callable[..., Any]:
@@ -265,6 +467,8 @@ def _original_function(module: torch.nn.Module, original: str) -> Callable[..., 
 
 
 def _make_dispatch(original: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    plain = original in _PLAIN_ORIGINALS
+
     def rollout_paged_attention(
         module: torch.nn.Module,
         query: torch.Tensor,
@@ -275,7 +479,9 @@ def _make_dispatch(original: str) -> Callable[..., tuple[torch.Tensor, torch.Ten
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = kwargs.pop(METADATA_KWARG, None)
         if meta is None:
-            return _original_function(module, original)(module, query, key, value, attention_mask, **kwargs)
+            fn = _original_function(module, original)
+            seen = module if plain or not hasattr(module, "config") else _ModuleAsOriginal(module, original)
+            return fn(seen, query, key, value, attention_mask, **kwargs)
         if kwargs.get("s_aux") is not None:
             raise NotImplementedError("attention sinks (s_aux) are not supported by rollout's paged attention")
         out = paged_attention(
@@ -294,61 +500,127 @@ def _make_dispatch(original: str) -> Callable[..., tuple[torch.Tensor, torch.Ten
     return rollout_paged_attention
 
 
+# Every dispatcher registered in this process: its name -> (the original it falls back to, its function).
+_DISPATCHERS: dict[str, tuple[str, Callable[..., Any]]] = {}
+_REGISTER_LOCK = threading.Lock()
+
+
+def dispatcher_name(original: str) -> str:
+    """The name under which the paged dispatcher falling back to ``original`` is registered.
+
+    ``"rollout_paged|" + original`` with "flash" (any case) written "fa" and "/" written "--":
+    transformers 5 treats an implementation name containing "flash" as a flash-kernel request
+    (``is_flash_attention_requested``, then an import of a kernel of that name, which fails) and a name
+    shaped like ``org/repo`` as a Hub kernel to download and register under that very name, which
+    would replace the dispatcher. Examples: "sdpa" -> "rollout_paged|sdpa", "flash_attention_2" ->
+    "rollout_paged|fa_attention_2", "kernels-community/flash-attn2" ->
+    "rollout_paged|kernels-community--fa-attn2".
+    """
+    return PAGED_PREFIX + re.sub("flash", "fa", original, flags=re.IGNORECASE).replace("/", "--")
+
+
 def register_paged_attention(original: str) -> str:
     """Register the paged function that falls back to ``original`` and return its name.
 
-    Registration is idempotent; the registered function holds no state, so models
-    and managers can share it.
+    Registration is idempotent; the registered function holds no state, so models and managers can
+    share it. A registration that something else replaced under the same name is put back.
 
     Args:
-        original: the model's attention implementation ("sdpa", "eager", "flash_attention_2", ...).
+        original: the model's attention implementation ("sdpa", "eager", "flash_attention_2", a Hub
+            kernel such as "kernels-community/flash-attn2", ...).
 
     Returns:
-        ``"rollout_paged|" + original``.
+        ``dispatcher_name(original)``.
 
     Raises:
-        ValueError: ``original`` is itself a paged implementation, or has no mask function.
+        ValueError: ``original`` is itself a paged implementation, has no mask function, or its
+            dispatcher name is already taken by another original.
     """
     if original.startswith(PAGED_PREFIX) or original.startswith("paged|"):
         raise ValueError(f"original attention must not be a paged implementation, got {original!r}")
-    name = PAGED_PREFIX + original
-    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-        AttentionInterface.register(name, _make_dispatch(original))
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        mask_key = original if original in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask_key])
+    name = dispatcher_name(original)
+    with _REGISTER_LOCK:
+        entry = _DISPATCHERS.get(name)
+        if entry is not None and entry[0] != original:
+            raise ValueError(
+                f"attention implementations {entry[0]!r} and {original!r} both map to the dispatcher name {name!r}"
+            )
+        if entry is None:
+            entry = _DISPATCHERS[name] = (original, _make_dispatch(original))
+        if ALL_ATTENTION_FUNCTIONS._global_mapping.get(name) is not entry[1]:
+            AttentionInterface.register(name, entry[1])
+        if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            mask_key = original if original in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask_key])
     return name
 
 
 def original_implementation(model: torch.nn.Module) -> str:
     """The attention implementation the model had before the engine switched it."""
     impl = model.config._attn_implementation or "eager"
-    return impl.removeprefix(PAGED_PREFIX)
+    entry = _DISPATCHERS.get(impl)
+    return entry[0] if entry is not None else impl.removeprefix(PAGED_PREFIX)
 
 
-# Models switched to the paged dispatcher, with the number of engines using each and the implementation
-# to put back when the last one closes. Several engines share one model (a persistent manager, a
+def _implementation_configs(model: torch.nn.Module) -> list[tuple[PretrainedConfig, Any]]:
+    """Each config whose attention implementation ``set_attn_implementation`` may change, with its value now.
+
+    That is the model's config, its sub-configs at any depth and the configs of its sub-models, the
+    set transformers' ``set_attn_implementation`` walks.
+    """
+    found: dict[int, PretrainedConfig] = {}
+    pending = [model.config]
+    pending += [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while pending:
+        config = pending.pop()
+        if id(config) in found:
+            continue
+        found[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, PretrainedConfig):
+                pending.append(sub)
+    return [(c, getattr(c, "_attn_implementation_internal", None)) for c in found.values()]
+
+
+@dataclass
+class _User:
+    """A model on the paged dispatcher: its users, its original implementation, what to put back."""
+
+    count: int
+    original: str
+    saved: list[tuple[PretrainedConfig, Any]]
+
+
+# Models switched to the paged dispatcher. Several engines share one model (a persistent manager, a
 # generate_batch or score call, a second manager): the first switches it, only the last restores it.
-_USERS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()  # model -> [count, original]
+_USERS: weakref.WeakKeyDictionary[torch.nn.Module, _User] = weakref.WeakKeyDictionary()
 _USERS_LOCK = threading.Lock()
 
 
 def enable_paged_attention(model: torch.nn.Module) -> str:
     """Switch a model to the paged dispatcher for one more user; returns the original implementation's name.
 
-    Reference-counted per model object: each call must be paired with one ``restore_attention``.
+    Reference-counted per model object: each call must be paired with one ``restore_attention``. The
+    first user records every config's implementation, and the last one puts those values back as
+    they were (no check and no kernel import runs again: the model already had them).
+
+    Raises:
+        ValueError: transformers refuses the dispatcher (``set_attn_implementation``), or see
+            ``register_paged_attention``.
     """
     with _USERS_LOCK:
         entry = _USERS.get(model)
-        if entry is not None and model.config._attn_implementation == PAGED_PREFIX + entry[1]:
-            entry[0] += 1
-            return entry[1]
+        if entry is not None and model.config._attn_implementation == dispatcher_name(entry.original):
+            entry.count += 1
+            return entry.original
         # First user, or the caller replaced the implementation since: start counting afresh.
         original = original_implementation(model)
         name = register_paged_attention(original)
+        saved = _implementation_configs(model)
         if model.config._attn_implementation != name:
             model.set_attn_implementation(name)
-        _USERS[model] = [1 if entry is None else entry[0] + 1, original]
+        _USERS[model] = _User(1 if entry is None else entry.count + 1, original, saved)
         return original
 
 
@@ -362,18 +634,20 @@ def restore_attention(model: torch.nn.Module, original: str) -> None:
     """
     with _USERS_LOCK:
         entry = _USERS.get(model)
-        if entry is not None:
-            entry[0] -= 1
-            if entry[0] > 0:
-                return
-            del _USERS[model]
-            original = entry[1]
-        if model.config._attn_implementation != original:
-            model.set_attn_implementation(original)
+        if entry is None:
+            if model.config._attn_implementation != original:
+                model.set_attn_implementation(original)
+            return
+        entry.count -= 1
+        if entry.count > 0:
+            return
+        del _USERS[model]
+        for config, value in entry.saved:
+            config._attn_implementation_internal = value
 
 
 def num_paged_users(model: torch.nn.Module) -> int:
     """Engines currently holding the model on the paged dispatcher (0 when none)."""
     with _USERS_LOCK:
         entry = _USERS.get(model)
-        return entry[0] if entry is not None else 0
+        return entry.count if entry is not None else 0

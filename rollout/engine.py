@@ -9,6 +9,7 @@ queues requests and keeps statistics; it changes no request itself. The backgrou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .attention import enable_paged_attention, flash_attn_available, restore_attention
+from .attention import enable_paged_attention, flash_attn_available, flash_support, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
@@ -31,13 +32,24 @@ from .kv_cache import (
 )
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
-from .models import UnsupportedModelError, check_model_supported, model_context_length, vocab_size
+from .models import (
+    UnsupportedModelError,
+    attention_dtype,
+    check_model_supported,
+    input_device,
+    layer_devices,
+    model_context_length,
+    vocab_size,
+)
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
+
+# Why engines of this process did not use flash-attn, each logged once.
+_LOGGED_FLASH_REASONS: set[str] = set()
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
 
@@ -77,7 +89,12 @@ class Engine:
     Args:
         model: a ``transformers`` decoder-only causal LM. Its attention implementation is
             switched to rollout's paged dispatcher until ``close()``; forwards without
-            engine metadata still run the original implementation.
+            engine metadata still run the original implementation. The KV cache holds the
+            dtype the attention computes in (``models.attention_dtype``: autocast's for a model
+            prepared by accelerate with ``mixed_precision``) and keeps each layer's tensors on
+            the device that layer runs on (``models.layer_devices``: a ``device_map``-sharded model
+            gets its cache sharded the same way). On CUDA the steps use flash-attn's paged kernel
+            when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line).
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
             what holds this many tokens (an int), or these requests of that many tokens each
@@ -86,7 +103,8 @@ class Engine:
             (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
 
     Raises:
-        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``).
+        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
+            layer's weights are on the meta device with no accelerate hook saying where it runs.
     """
 
     def __init__(
@@ -101,19 +119,28 @@ class Engine:
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
         self.config = config or ContinuousBatchingConfig()
-        param = next(model.parameters())
-        self.device = param.device
-        dtype = param.dtype
+        self.device = input_device(model)
+        devices = layer_devices(model)
+        dtype = attention_dtype(model)
         dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
         shape = CacheShape.from_model(model, dtype)
         self.vocab_size = vocab_size(model)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
-            # The step's logits and sampling temporaries come out of the same share as the cache.
+            # The step's logits and sampling temporaries come out of the same share as the cache, on
+            # the device of the last layer (where the head computes them); each device holds its own
+            # layers' share of every block, so the tightest device decides.
             workspace = logits_workspace_bytes(self.config.resolved_max_batch_tokens(dev_type), self.vocab_size, dtype)
-            num_blocks = num_blocks_for_memory(
-                shape, self.block_size, self.device, self.config.resolved_memory_percent(dev_type), workspace
+            num_blocks = min(
+                num_blocks_for_memory(
+                    dataclasses.replace(shape, num_layers=devices.count(device)),
+                    self.block_size,
+                    device,
+                    self.config.resolved_memory_percent(device.type),
+                    workspace if device == devices[-1] else 0,
+                )
+                for device in dict.fromkeys(devices)
             )
             if max_tokens_hint is not None:
                 hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
@@ -122,11 +149,8 @@ class Engine:
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
         self._warned_context = False
-        self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
-        if self.use_flash and self.block_size % 256 != 0:
-            logger.warning("flash-attn paged kernels need block_size % 256 == 0; using the SDPA path")
-            self.use_flash = False
-        self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device)
+        self.use_flash = self._choose_flash(devices, shape)
+        self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
         self.offload_pool: CPUOffloadPool | None = None
         offload_gib = self._offload_space_gib()
         if offload_gib > 0:
@@ -155,6 +179,34 @@ class Engine:
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
         self._closed = False
+
+    def _choose_flash(self, devices: list[torch.device], shape: CacheShape) -> bool:
+        """Whether the steps run flash-attn's paged kernel (``attention.flash_support``), else SDPA.
+
+        Only a cache entirely on CUDA GPUs is considered; when flash-attn is installed but cannot serve
+        this cache (GPU too old, fp32 cache, head dim, page size) the reason is logged as a warning, and
+        a CUDA machine without flash-attn gets an info line (each reason once per process).
+        """
+        if any(d.type != "cuda" for d in devices):
+            return False
+        reason = flash_support(devices, shape.dtype, shape.head_dim, self.block_size)
+        if reason is None:
+            return True
+        if reason not in _LOGGED_FLASH_REASONS:  # once per process: generate_batch builds an engine per call
+            _LOGGED_FLASH_REASONS.add(reason)
+            log = logger.info if not flash_attn_available() else logger.warning
+            log("paged attention uses SDPA, not flash-attn: %s", reason)
+        return False
+
+    def use_device_in_this_thread(self) -> None:
+        """Make the engine's CUDA device the current device of the calling thread (nothing on CPU).
+
+        A new thread starts on cuda:0; kernels and allocations that follow the current device (CUDA
+        streams, pinned copies, flash-attn's capability query) must use the model's GPU, e.g. rank 1's
+        under accelerate. The manager's loop calls it when its thread starts.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _offload_space_gib(self) -> float:
         """GiB of the CPU offload pool; 0 when preempted requests are recomputed.

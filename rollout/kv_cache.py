@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -247,37 +248,62 @@ class PagedKVCache:
     poison the attention output. On CPU zeroed pages are only touched when written.
 
     Args:
-        shape: layers, KV heads, head dim and dtype.
+        shape: layers, KV heads, head dim and dtype (the dtype the attention computes in,
+            ``models.attention_dtype``; keys and values arriving in another are cast on write).
         num_blocks: blocks in the cache.
         block_size: tokens per block.
-        device: where the tensors live.
+        device: where the step's inputs live (the runner builds its metadata there).
+        layer_devices: the device of each layer's tensors (a model sharded with ``device_map`` keeps
+            each layer's cache beside the layer); None puts every layer on ``device``.
+
+    Raises:
+        ValueError: ``layer_devices`` does not have one device per layer.
     """
 
-    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        layer_devices: Sequence[torch.device] | None = None,
+    ) -> None:
+        if layer_devices is not None and len(layer_devices) != shape.num_layers:
+            raise ValueError(
+                f"layer_devices must name one device per layer ({shape.num_layers}), got {len(layer_devices)}"
+            )
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
+        self.layer_devices = list(layer_devices) if layer_devices is not None else [device] * shape.num_layers
         num_slots = num_blocks * block_size
         # Never inference tensors, whatever mode the caller builds the engine in: the steps write
         # them in place from the manager's thread, and a write to an inference tensor outside
         # inference mode is an error.
         with torch.inference_mode(False):
             self.key = [
-                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-                for _ in range(shape.num_layers)
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=d)
+                for d in self.layer_devices
             ]
             self.value = [
-                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-                for _ in range(shape.num_layers)
+                torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=d)
+                for d in self.layer_devices
             ]
         logger.info(
-            "paged KV cache: %d blocks x %d tokens, %.3f GiB on %s",
+            "paged KV cache: %d blocks x %d tokens, %s, %.3f GiB on %s",
             num_blocks,
             block_size,
+            shape.dtype,
             self.size_bytes / GIB,
-            device,
+            ", ".join(str(d) for d in dict.fromkeys(self.layer_devices)),
         )
+        self._warned_cast = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every key and value tensor."""
+        return self.shape.dtype
 
     @property
     def size_bytes(self) -> int:
@@ -289,9 +315,21 @@ class PagedKVCache:
 
         Args:
             layer_idx: the layer.
-            slot_mapping: int64 [T]; the slot of each query token.
-            key, value: [T, num_kv_heads, head_dim] in the cache's dtype.
+            slot_mapping: int64 [T]; the slot of each query token, on the layer's device.
+            key, value: [T, num_kv_heads, head_dim], on the layer's device; cast to the cache's dtype
+                when they arrive in another (autocast computes projections and rotary embeddings in
+                different dtypes; the first such write logs it once).
         """
+        if key.dtype != self.dtype or value.dtype != self.dtype:
+            if not self._warned_cast:
+                self._warned_cast = True
+                logger.info(
+                    "keys (%s) and values (%s) are cast to the KV cache's %s on write",
+                    key.dtype,
+                    value.dtype,
+                    self.dtype,
+                )
+            key, value = key.to(self.dtype), value.to(self.dtype)
         self.key[layer_idx].index_copy_(0, slot_mapping, key)
         self.value[layer_idx].index_copy_(0, slot_mapping, value)
 
@@ -312,6 +350,14 @@ def _page_lock(buffer: torch.Tensor) -> None:
 def _page_unlock(buffer: torch.Tensor) -> None:
     """Undo ``_page_lock`` (``cudaHostUnregister``); errors are ignored (the memory is freed next anyway)."""
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _layers_by_device(cache: PagedKVCache) -> list[tuple[torch.device, list[int]]]:
+    """The cache's layers grouped by the device that holds them, in layer order."""
+    groups: dict[torch.device, list[int]] = {}
+    for layer, device in enumerate(cache.layer_devices):
+        groups.setdefault(device, []).append(layer)
+    return list(groups.items())
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -341,10 +387,10 @@ class CPUOffloadPool:
     (``pin_memory=True``) rounds each allocation up to a power of two, up to twice what was asked.
 
     Copies and their order (CUDA cache): ``store`` enqueues the device-to-host copies straight into
-    the pool blocks on the current stream, without waiting, and records ``copy_event`` after them;
+    the pool blocks on the current stream, without waiting, and records an event after them (one per device);
     nothing reads the pool on the host before they land (``read_blocks`` waits for the event first).
-    ``load`` makes the current stream wait for that event, enqueues host-to-device copies from the
-    pinned blocks and records the event again (``close`` waits for it before unpinning). A pool block
+    ``load`` makes the current stream wait for those events, enqueues host-to-device copies from the
+    pinned blocks and records its own event (``close`` waits for all before unpinning). A pool block
     freed and handed out again is only written by a later ``store``, whose copy the stream orders
     after the ``load`` that read it, so one stream (the engine's thread) needs no other
     synchronisation.
@@ -379,7 +425,7 @@ class CPUOffloadPool:
             self.pinned = True
         # Descending, so that ``pop`` hands out ascending ids: a fresh request's blocks are one run.
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
-        self.copy_event: torch.cuda.Event | None = None
+        self.copy_events: dict[torch.device, torch.cuda.Event] = {}  # the last copies' end, per CUDA device
 
     @property
     def size_bytes(self) -> int:
@@ -425,56 +471,75 @@ class CPUOffloadPool:
     def store(self, cache: PagedKVCache, block_ids: list[int], pool_ids: list[int]) -> None:
         """Copy cache blocks ``block_ids`` into pool blocks ``pool_ids`` (same length), every layer.
 
-        On CUDA the copies are only enqueued (see the class docstring); ``copy_event`` marks their end.
+        On CUDA the copies are only enqueued (see the class docstring); an event per device marks their
+        end. A cache sharded over devices (``PagedKVCache.layer_devices``) is copied one device's layers
+        at a time.
         """
         n = len(block_ids)
         if n == 0:
             return
         shape, bs = self.shape, self.block_size
-        src = self._slots(block_ids, cache.device)
+        runs = _runs(pool_ids)
+        for device, layers in _layers_by_device(cache):
+            src = self._slots(block_ids, device)
 
-        def blocks_of(t: torch.Tensor) -> torch.Tensor:
-            return t[src].view(n, bs, shape.num_kv_heads, shape.head_dim)
+            def blocks_of(t: torch.Tensor, src: torch.Tensor = src) -> torch.Tensor:
+                return t[src].view(n, bs, shape.num_kv_heads, shape.head_dim)
 
-        # [n, layers, 2, bs, heads, dim] on the device: each pool block's bytes, contiguous.
-        staged = torch.stack(
-            [torch.stack((blocks_of(cache.key[i]), blocks_of(cache.value[i])), dim=1) for i in range(len(cache.key))],
-            dim=1,
-        )
-        for index, first, length in _runs(pool_ids):
-            self.blocks[first : first + length].copy_(staged[index : index + length], non_blocking=True)
-        self._record(cache.device)
+            # [n, len(layers), 2, bs, heads, dim] on the device: the pool blocks' layout for these layers.
+            staged = torch.stack(
+                [torch.stack((blocks_of(cache.key[i]), blocks_of(cache.value[i])), dim=1) for i in layers], dim=1
+            )
+            whole = len(layers) == shape.num_layers
+            for index, first, length in runs:
+                if whole:  # one contiguous copy per run
+                    self.blocks[first : first + length].copy_(staged[index : index + length], non_blocking=True)
+                else:
+                    for j, layer in enumerate(layers):
+                        self.blocks[first : first + length, layer].copy_(
+                            staged[index : index + length, j], non_blocking=True
+                        )
+            self._record(device)
 
     def _record(self, device: torch.device) -> None:
         """Mark the end of the copies just enqueued on ``device``'s current stream (CUDA only)."""
         if device.type == "cuda":
-            if self.copy_event is None:
-                self.copy_event = torch.cuda.Event()
-            self.copy_event.record(torch.cuda.current_stream(device))
+            event = self.copy_events.get(device)
+            if event is None:
+                event = self.copy_events[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
 
     def load(self, cache: PagedKVCache, pool_ids: list[int], block_ids: list[int]) -> None:
         """Copy pool blocks ``pool_ids`` back into cache blocks ``block_ids`` (the pool blocks stay taken)."""
         n = len(pool_ids)
         if n == 0:
             return
-        device = cache.device
-        if device.type == "cuda" and self.copy_event is not None:
-            torch.cuda.current_stream(device).wait_event(self.copy_event)
-        parts = [
-            self.blocks[first : first + length].to(device, non_blocking=True) for _, first, length in _runs(pool_ids)
-        ]
-        moved = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, layers, 2, bs, heads, dim]
-        dst = self._slots(block_ids, device)
+        shape = self.shape
+        runs = _runs(pool_ids)
         rows = n * self.block_size
-        for layer in range(len(cache.key)):
-            cache.key[layer][dst] = moved[:, layer, 0].reshape(rows, self.shape.num_kv_heads, self.shape.head_dim)
-            cache.value[layer][dst] = moved[:, layer, 1].reshape(rows, self.shape.num_kv_heads, self.shape.head_dim)
-        self._record(device)
+        for device, layers in _layers_by_device(cache):
+            if device.type == "cuda":
+                stream = torch.cuda.current_stream(device)
+                for event in self.copy_events.values():
+                    stream.wait_event(event)
+            whole = len(layers) == shape.num_layers
+            parts = [
+                (self.blocks[first : first + length] if whole else self.blocks[first : first + length, layers]).to(
+                    device, non_blocking=True
+                )
+                for _, first, length in runs
+            ]
+            moved = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, len(layers), 2, bs, heads, dim]
+            dst = self._slots(block_ids, device)
+            for j, layer in enumerate(layers):
+                cache.key[layer][dst] = moved[:, j, 0].reshape(rows, shape.num_kv_heads, shape.head_dim)
+                cache.value[layer][dst] = moved[:, j, 1].reshape(rows, shape.num_kv_heads, shape.head_dim)
+            self._record(device)
 
     def synchronize(self) -> None:
         """Block the host until every copy into or out of the pool enqueued so far is done."""
-        if self.copy_event is not None:
-            self.copy_event.synchronize()
+        for event in self.copy_events.values():
+            event.synchronize()
 
     def read_blocks(self, pool_ids: list[int]) -> torch.Tensor:
         """A host copy of pool blocks, after the pending stores have landed.

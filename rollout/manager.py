@@ -637,6 +637,8 @@ class ContinuousBatchingManager:
         engine = self._engine
         assert engine is not None
         try:
+            # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
+            engine.use_device_in_this_thread()
             while True:
                 with self._cond:
                     self._inbox.drain(engine)

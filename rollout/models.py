@@ -25,6 +25,7 @@ Environment:
 """
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -173,6 +174,117 @@ def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
         if isinstance(layer, int) and 0 <= layer < len(shapes) and isinstance(head_dim, int) and out_features:
             shapes[layer] = (out_features // head_dim, head_dim)
     return shapes
+
+
+def _hook_execution_device(module: torch.nn.Module) -> torch.device | None:
+    """The device accelerate's dispatch hook runs ``module`` on, or None when it has no such hook.
+
+    ``dispatch_model`` (behind ``from_pretrained(device_map=...)``) attaches an ``AlignDevicesHook``
+    (possibly inside a ``SequentialHook``) to each module of the map; its ``execution_device`` is where
+    the module computes, also when its weights are offloaded to the CPU or disk.
+    """
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return None
+
+
+def execution_device(model: torch.nn.Module, module_name: str) -> torch.device:
+    """Where the module ``module_name`` of ``model`` computes.
+
+    The execution device of the closest accelerate dispatch hook on the module or an ancestor, else
+    the device of the module's first parameter or buffer, else the model's.
+
+    Raises:
+        UnsupportedModelError: the module's weights are on the "meta" device with no hook saying where
+            it runs (a model built without weights, or offloaded by other means).
+    """
+    name = module_name
+    while True:
+        device = _hook_execution_device(model.get_submodule(name))
+        if device is not None:
+            return device
+        if not name:
+            break
+        name = name.rpartition(".")[0]
+    module = model.get_submodule(module_name)
+    tensor = next(itertools.chain(module.parameters(), module.buffers(), model.parameters()), None)
+    device = tensor.device if tensor is not None else torch.device("cpu")
+    if device.type == "meta":
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {module_name or 'the model'} has its weights on the meta device and no "
+            "accelerate hook saying where it runs; load the weights, or dispatch the model with device_map"
+        )
+    return device
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's input ids go: the execution device of its input embedding (``execution_device``).
+
+    Raises:
+        UnsupportedModelError: the embedding's weights are on the meta device with no hook.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if module is embedding:
+            return execution_device(model, name)
+    return execution_device(model, "")
+
+
+def layer_devices(model: PreTrainedModel) -> list[torch.device]:
+    """The device each decoder layer computes on, in layer order (``execution_device`` of the outermost
+    module carrying that ``layer_idx``): a model sharded with ``device_map`` keeps each layer's KV there.
+    Layers no module names run on ``input_device``.
+
+    Raises:
+        UnsupportedModelError: a layer's weights are on the meta device with no hook (see
+            ``execution_device``).
+    """
+    num_layers = len(layer_kv_shapes(model))  # the cache's layers
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and 0 <= layer < num_layers and layer not in names:
+            names[layer] = name
+    default = input_device(model)
+    return [execution_device(model, names[layer]) if layer in names else default for layer in range(num_layers)]
+
+
+def attention_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype the model's attention computes in: the dtype its KV cache should hold.
+
+    - A model whose forward accelerate wrapped in autocast (``Accelerator(mixed_precision="bf16")``, TRL's
+      default, keeps fp32 weights and computes under autocast) attends in autocast's dtype.
+    - Otherwise, the dtype of the first layer's attention weights (the first floating-point
+      parameter of the module with ``layer_idx`` 0), else of the model's first floating-point parameter.
+
+    Autocast that a caller enters around a call is not seen here; the cache then holds the weights'
+    dtype and keys arriving in another are cast on write (``PagedKVCache.write``).
+
+    Raises:
+        UnsupportedModelError: the embedding's weights are on the meta device with no hook.
+    """
+    device = input_device(model)
+    # accelerate's prepare_model keeps the unwrapped forward there when it adds its autocast wrapper
+    # (accelerate/accelerator.py, native AMP), and removes it again when unwrapping without it.
+    if "_original_forward" in vars(model):
+        from accelerate.state import is_initialized
+        from accelerate.utils import get_mixed_precision_context_manager
+
+        if is_initialized():  # the Accelerator that wrapped it still holds its settings
+            with get_mixed_precision_context_manager(native_amp=True):
+                if torch.is_autocast_enabled(device.type):
+                    return torch.get_autocast_dtype(device.type)
+    layer0 = next((m for m in model.modules() if getattr(m, "layer_idx", None) == 0), None)
+    for module in (layer0, model):
+        if module is None:
+            continue
+        for param in module.parameters():
+            if param.is_floating_point():
+                return param.dtype
+    return torch.float32
 
 
 # ---------------------------------------------------------------------------------------- loading

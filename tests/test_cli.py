@@ -73,6 +73,31 @@ def test_engine_numbers_and_mappings_parse():
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mixed_precision", "bf16", "--dtype", "float32"],
+        ["--set", "mixed_precision=bf16"],
+        ["--set", "mixed_precision=no", "--mixed_precision", "bf16"],  # --set comes last and wins: "no"
+    ],
+)
+def test_precision_options_parse(argv):
+    # mixed_precision is accelerate's setting ("no", "bf16", "fp16"); YAML reads an unquoted no as false.
+    config = parse_config(argv)
+    assert config.mixed_precision == ("no" if "mixed_precision=no" in argv else "bf16")
+    assert config.dtype == "float32"
+    assert parse_config([]).mixed_precision is None and parse_config([]).dtype == "float32"
+
+
+def test_precision_options_parse_from_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mixed_precision: no\ndtype: bfloat16\n")
+    config = parse_config(["--config", str(path)])
+    assert (config.mixed_precision, config.dtype) == ("no", "bfloat16")
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        parse_config(["--mixed_precision", "fp8"])
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--learning_rat", "1e-5"], "did you mean --learning_rate"),

@@ -339,6 +339,52 @@ def test_training_forward_concurrent_with_generation_gives_the_same_gradients(mo
             assert torch.equal(a, b)
 
 
+def test_bf16_mixed_precision_trains_fp32_weights_with_bf16_rollouts(tmp_path, accelerate_state):
+    """Issue 13, case 2: with ``mixed_precision: bf16`` (TRL's default on a GPU) the weights and the
+    optimizer stay fp32 while every forward runs under bf16 autocast, the engine's included. The engine's
+    cache used to be fp32 while the keys and values arrived in bf16: the first rollout step failed."""
+    trainer = tiny_trainer(tmp_path, max_steps=2, mixed_precision="bf16")
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert trainer.manager.engine.cache.dtype == torch.bfloat16
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+    rows = trainer.train()
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    after = dict(trainer.unwrapped.named_parameters())
+    assert all(p.dtype == torch.float32 for p in after.values())
+    assert all(
+        s.dtype == torch.float32
+        for group in trainer.optimizer.state.values()
+        for s in group.values()
+        if torch.is_tensor(s) and s.is_floating_point() and s.dim() > 0
+    )
+    changed = [n for n, p in after.items() if not torch.equal(p.detach(), before[n])]
+    assert len(changed) == len(before)  # every weight trained
+    # Behaviour logprobs (engine, bf16 autocast) and trainer logprobs (bf16 autocast forward) agree up to
+    # bf16 rounding: synchronous steps have importance ratios near 1.
+    for row in rows:
+        assert abs(row["is_ratio_mean"] - 1) < 0.02 and row["is_ratio_max"] < 1.2, row
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mixed_precision": "bf16", "dtype": "bfloat16"}, "dtype must be 'float32'"),
+        ({"mixed_precision": "fp8"}, "mixed_precision must be one of"),
+        ({"dtype": "half"}, "dtype must be one of"),
+    ],
+)
+def test_bad_precision_settings_fail_naming_the_key(tmp_path, values, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, **values)
+
+
+def test_fp16_mixed_precision_needs_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'fp16' needs a CUDA GPU"):
+        config = tiny_config(tmp_path, mixed_precision="fp16", model="/nonexistent/model")
+        GRPOTrainer(config, train_dataset=token_dataset())
+
+
 def test_train_outside_pause_runs(tmp_path):
     rows = tiny_trainer(tmp_path, max_steps=3, async_rollouts=True, max_staleness=1, train_outside_pause=True).train()
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -252,3 +252,35 @@ def test_cuda_training_share_is_half_of_what_the_training_state_leaves() -> None
     assert rollout.training_memory_percent(model, usable_bytes=usable) == pytest.approx(0.5 * 99 / 100)
     measured = rollout.training_memory_percent(model)
     assert 0.4 < measured <= 0.5  # a GPU has far more than 3 x the tiny model's bytes free
+def test_keys_and_values_in_another_dtype_are_cast_on_write() -> None:
+    # Issue 13, case 2: under autocast a layer's keys (fp32 rotary embedding) and values (bf16 projection)
+    # arrive in different dtypes; index_copy_ refused both into a cache of a third.
+    cache = PagedKVCache(CacheShape(1, 2, 4, torch.bfloat16), num_blocks=2, block_size=4, device=torch.device("cpu"))
+    key = torch.tensor([[[0.1, 0.2, 0.3, 0.4]] * 2, [[1.001, 2.0, 3.0, 4.0]] * 2])  # fp32 [2, 2, 4]
+    value = torch.full((2, 2, 4), 0.5, dtype=torch.float16)
+    cache.write(0, torch.tensor([5, 2]), key, value)
+    assert cache.key[0].dtype == torch.bfloat16
+    assert torch.equal(cache.key[0][[5, 2]], key.to(torch.bfloat16))
+    assert torch.equal(cache.value[0][[5, 2]], value.to(torch.bfloat16))
+    assert cache.key[0][[0, 1, 3, 4, 6, 7]].abs().sum() == 0  # no other slot written
+
+
+def test_each_layer_lives_on_its_own_device_and_offload_copies_per_layer() -> None:
+    # Issue 13, case 6: a device_map-sharded model keeps each layer's KV beside the layer ("meta" stands in
+    # for a second GPU: it has shapes and dtypes but no data).
+    shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    cache = PagedKVCache(shape, num_blocks=4, block_size=4, device=cpu, layer_devices=[cpu, meta, cpu])
+    assert [t.device for t in cache.key] == [cpu, meta, cpu] == [t.device for t in cache.value]
+    assert cache.size_bytes == 3 * 2 * 2 * 4 * 4 * 16
+    with pytest.raises(ValueError, match="one device per layer"):
+        PagedKVCache(shape, num_blocks=4, block_size=4, device=cpu, layer_devices=[cpu])
+    # Offload through a cache whose layers are all on the CPU, laid out per layer.
+    cache = PagedKVCache(shape, num_blocks=4, block_size=4, device=cpu, layer_devices=[cpu] * 3)
+    for layer in range(3):
+        cache.key[layer][4:8] = layer + 1.0
+    pool = CPUOffloadPool(shape, space_gib=0.001, block_size=4)
+    ids = pool.allocate(1)
+    pool.store(cache, [1], ids)
+    pool.load(cache, ids, [3])
+    assert [float(cache.key[layer][12:16].mean()) for layer in range(3)] == [1.0, 2.0, 3.0]

@@ -1,12 +1,15 @@
-"""load_model on local folders, the default-model cache, and the errors when the model cannot be had."""
+"""load_model on local folders, the default-model cache, and the errors when the model cannot be had; where a
+model's layers run and in which dtype they attend (the engine sizes, places and types its cache from these)."""
 
 import subprocess
 import time
+import types
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 
 from rollout import models
 from rollout.models import MARKER_FILE, default_model_dir, load_model, provision_default_model
@@ -167,3 +170,41 @@ def test_default_model_answers_2_plus_3_and_loads_fast_from_cache() -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, f"loading from the cache took {elapsed:.1f} s"
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+# ---------------------------------------------------------------------- issue 13, case 6: where layers run
+class _Hook:
+    """Stands for accelerate's AlignDevicesHook: ``dispatch_model`` attaches one to each module of a device map."""
+
+    def __init__(self, device: torch.device | int | str) -> None:
+        self.execution_device = device
+
+
+def test_layer_devices_follow_accelerate_dispatch_hooks() -> None:
+    # A device_map that puts layer 1 on cuda:1 (faked: no GPU is touched; only the hooks are read).
+    model = tiny_llama()
+    assert models.layer_devices(model) == [torch.device("cpu")] * 2 and models.input_device(model).type == "cpu"
+    model.model.layers[1]._hf_hook = _Hook(1)  # an int is a GPU index
+    model.model.embed_tokens._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(), _Hook("cuda:0")])
+    assert models.layer_devices(model) == [torch.device("cpu"), torch.device("cuda", 1)]
+    assert models.input_device(model) == torch.device("cuda", 0)  # a SequentialHook's inner hook counts
+    model.model._hf_hook = _Hook(torch.device("cuda", 2))  # an ancestor's hook covers layers without their own
+    assert models.layer_devices(model) == [torch.device("cuda", 2), torch.device("cuda", 1)]
+
+
+def test_a_layer_on_the_meta_device_without_a_hook_is_refused() -> None:
+    with torch.device("meta"):
+        model = type(tiny_llama())(tiny_llama().config)
+    with pytest.raises(models.UnsupportedModelError, match="meta device"):
+        models.layer_devices(model)
+
+
+def test_attention_dtype_is_the_layers_weights_dtype_or_accelerate_autocast(accelerate_state) -> None:
+    model = tiny_llama()
+    assert models.attention_dtype(model) == torch.float32
+    model.model.embed_tokens.to(torch.float32)
+    model.model.layers.to(torch.bfloat16)  # fp32 embeddings, bf16 layers: the layers decide
+    assert models.attention_dtype(model) == torch.bfloat16
+    prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(tiny_llama())
+    assert all(p.dtype == torch.float32 for p in prepared.parameters())
+    assert models.attention_dtype(prepared) == torch.bfloat16  # fp32 weights, bf16 autocast forward

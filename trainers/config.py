@@ -27,6 +27,8 @@ import rollout
 
 LOSS_TYPES = ("dapo", "grpo")
 STALE_POLICIES = ("wait", "drop")
+DTYPES = ("float32", "bfloat16", "float16")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 # Engine fields the trainer owns: the behaviour logprobs must be log_softmax(logits / T).
 ENGINE_FIXED = {"return_logprobs": True, "logprobs_mode": "temperature"}
 
@@ -42,6 +44,13 @@ class GRPOConfig:
     Model and data:
         model: local Hugging Face folder or an alias understood by ``rollout.load_model``
             ("smollm2-135m-instruct", the default).
+        dtype: the dtype the weights are loaded in ("float32", "bfloat16", "float16"); a model handed
+            to the trainer is used as it is. Mixed precision needs "float32" (the master weights).
+        mixed_precision: accelerate's mixed precision ("no", "bf16", "fp16"): forwards and backwards
+            (the engine's rollout forwards included, whose KV cache then holds bf16/fp16) run under
+            autocast while the weights and the optimizer stay in ``dtype``. "bf16" is TRL's default on
+            a GPU; "fp16" needs CUDA. None (the default): what the launcher says (``accelerate
+            launch --mixed_precision``, the accelerate config file), else "no".
         dataset: "arithmetic" (the generated default task, no download), or the path of a
             GSM8K-format jsonl file (``question``/``answer`` fields, the answer after ``####``),
             or "gsm8k:PATH" for the same.
@@ -128,6 +137,8 @@ class GRPOConfig:
     """
 
     model: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
     dataset: str = "arithmetic"
     dataset_size: int = 2000
     dataset_seed: int = 0
@@ -179,6 +190,8 @@ class GRPOConfig:
     engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` (accelerate's spelling) as false
+            self.mixed_precision = "no"
         _check_types(self)
         _positive = (
             "dataset_size",
@@ -231,6 +244,17 @@ class GRPOConfig:
             raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.stale_policy not in STALE_POLICIES:
             raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
+            raise ConfigError(
+                f"mixed_precision must be one of {MIXED_PRECISIONS} or null, got {self.mixed_precision!r}"
+            )
+        if self.mixed_precision not in (None, "no") and self.dtype != "float32":
+            raise ConfigError(
+                f"mixed_precision {self.mixed_precision!r} keeps float32 master weights under autocast; "
+                f"dtype must be 'float32', got {self.dtype!r}"
+            )
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             raise ConfigError(f"prefetch_batches must be >= 0 or null, got {self.prefetch_batches!r}")
         if self.eval_steps is not None and self.eval_steps < 1:

@@ -140,7 +140,9 @@ class GRPOTrainer:
             reward functions need; built from ``config.dataset`` when None.
         reward_funcs: callables with TRL's signature (or names/paths); ``config.reward_funcs``
             when None.
-        accelerator: an existing Accelerator; one is built otherwise (CPU when CUDA is absent).
+        accelerator: an existing Accelerator; one is built otherwise (CPU when CUDA is absent, with
+            ``config.mixed_precision``). A given one must agree with ``config.mixed_precision`` when
+            that is set.
         eval_dataset: held-out problems (``config.prompt_column`` and ``answer`` columns) for
             ``eval_accuracy``; when None and ``train_dataset`` is None, the held-out split of
             ``config.dataset`` (``trainers.tasks.build_datasets``); None with a given
@@ -148,7 +150,9 @@ class GRPOTrainer:
 
     Raises:
         ConfigError: a bad setting or a dataset without a needed column (the message names it);
-            raised before the model is loaded.
+            raised before the model is loaded. Among them: ``mixed_precision`` "fp16" without CUDA,
+            a given accelerator whose mixed precision differs from ``config.mixed_precision``, and
+            mixed precision (from the config or the launcher) with a ``dtype`` other than float32.
     """
 
     def __init__(
@@ -166,11 +170,25 @@ class GRPOTrainer:
         if accelerator is None:
             # The output folder is the trackers' logging folder, so it is resolved before the Accelerator.
             cpu = not torch.cuda.is_available()
+            if cpu and config.mixed_precision == "fp16":
+                raise ConfigError("mixed_precision 'fp16' needs a CUDA GPU (autocast to float16); use 'bf16' on CPU")
             self.output_dir = resolve_output_dir(config, PartialState(cpu=cpu).num_processes)
             log_dir = str(self.output_dir) if config.log_with else None
-            accelerator = Accelerator(cpu=cpu, log_with=config.log_with, project_dir=log_dir)
+            accelerator = Accelerator(
+                cpu=cpu, mixed_precision=config.mixed_precision, log_with=config.log_with, project_dir=log_dir
+            )
         else:
+            if config.mixed_precision is not None and config.mixed_precision != accelerator.mixed_precision:
+                raise ConfigError(
+                    f"mixed_precision is {config.mixed_precision!r} but the given accelerator's is "
+                    f"{accelerator.mixed_precision!r}"
+                )
             self.output_dir = resolve_output_dir(config, accelerator.num_processes)
+        if accelerator.mixed_precision != "no" and config.dtype != "float32":
+            raise ConfigError(
+                f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
+                f"dtype must be 'float32', got {config.dtype!r}"
+            )
         self.accelerator = acc = accelerator
         acc.wait_for_everyone()  # every process checked the folder before the main one writes to it
         self.rank, self.world_size = acc.process_index, acc.num_processes
@@ -213,7 +231,7 @@ class GRPOTrainer:
 
         torch.manual_seed(config.seed)
         if model is None or tokenizer is None:
-            model, tokenizer = rollout.load_model(config.model)
+            model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
         self.tokenizer = tokenizer
         model.eval()  # no dropout: the engine and the trainer compute the same function
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

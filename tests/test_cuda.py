@@ -1,0 +1,156 @@
+"""Issue 13 on a GPU: flash-attn's paged kernel on real hardware, bf16 mixed precision through it, the manager
+thread's current device, and a model sharded over a GPU and the CPU.
+
+Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
+same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
+Half-precision results are compared with a tolerance: two kernels round differently, while a wrong block
+table, cu_seqlens or window would be off by whole nats.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+from transformers import GenerationConfig
+
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
+from rollout.attention import flash_attn_available, flash_support
+from rollout.scoring import score_with_engine
+from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
+from tests.utils import assert_close
+
+pytestmark = pytest.mark.cuda
+
+# The last GPU: with several, a thread that stayed on cuda:0 would show.
+GPU = torch.device("cuda", max(torch.cuda.device_count() - 1, 0))
+GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False)
+# Logprob tolerances between two attention kernels: on CPU the fp16 paths differ by under 0.008
+# (tests/test_flash_path.py); bf16 keeps 3 fewer mantissa bits. A wrong block table is off by ~8 nats.
+FP16_ATOL = 0.05
+BF16_ATOL = 0.25
+
+
+def _logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: ANN001
+    """log_softmax of each completion token under one plain forward (the model's own attention)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + completion], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
+
+
+def _greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts() -> list[list[int]]:
+    # Two-block tables, shared prefixes longer than a page, chunked prefills (max_batch_tokens 128).
+    prompts = random_prompts(4, VOCAB_SIZE, 150, 300, seed=5)
+    return prompts + [prompts[0][:270] + [9, 10], prompts[2][:257]]
+
+
+def test_flash_checks_pass_on_this_gpu_for_a_bf16_cache() -> None:
+    if not flash_attn_available():
+        assert flash_support([GPU], torch.bfloat16, 128, 256) == "flash-attn is not installed"
+        return
+    major, _ = torch.cuda.get_device_capability(GPU)
+    reason = flash_support([GPU], torch.bfloat16, 128, 256)
+    assert reason is None if major >= 8 else "compute capability" in reason
+    if major >= 8:
+        assert "float16 and bfloat16" in flash_support([GPU], torch.float32, 128, 256)
+        assert "page_size is 32" in flash_support([GPU], torch.bfloat16, 128, 32)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
+def test_flash_path_scores_and_generates_like_the_model_itself(build) -> None:
+    pytest.importorskip("flash_attn")
+    model = build().to(GPU, torch.float16)
+    prompts = _prompts()
+    completions = random_prompts(len(prompts), VOCAB_SIZE, 20, 20, seed=6)
+    engine = Engine(model, ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=128))
+    try:
+        assert engine.use_flash and engine.cache.dtype == torch.float16
+        assert engine.cache.key[0].device == GPU
+        scored = score_with_engine(engine, prompts, completions)
+    finally:
+        engine.close()
+    for prompt, completion, row in zip(prompts, completions, scored):
+        assert_close(row.completion_logprobs, _logprobs(model, prompt, completion), atol=FP16_ATOL)
+    # Decoding: each sampled token's logprob (the engine's) against a plain forward over the same tokens.
+    cfg = ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=128, return_logprobs=True)
+    out = generate_batch(model, prompts, GREEDY, cfg)
+    for prompt, o in zip(prompts, out.values()):
+        assert o.generated_tokens and len(o.logprobs) == len(o.generated_tokens)
+        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=FP16_ATOL)
+
+
+def test_bf16_mixed_precision_on_gpu(accelerate_state) -> None:
+    # fp32 weights under bf16 autocast: the cache holds bf16 (flash-attn's dtype), queries are cast to it.
+    model = Accelerator(mixed_precision="bf16").prepare(tiny_llama())
+    assert next(model.parameters()).device.type == "cuda"
+    prompts = _prompts()
+    cfg = ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=128, return_logprobs=True)
+    engine = Engine(model, cfg)
+    try:
+        assert engine.cache.dtype == torch.bfloat16
+        assert engine.use_flash == (flash_support(engine.cache.layer_devices, torch.bfloat16, 16, 256) is None)
+    finally:
+        engine.close()
+    out = generate_batch(model, prompts, GREEDY, cfg)
+    for prompt, o in zip(prompts, out.values()):
+        assert o.generated_tokens
+        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=BF16_ATOL)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_manager_thread_launches_on_the_model_gpu() -> None:
+    model = tiny_llama().to(GPU)
+    seen: list[int] = []
+
+    def record(module, args, kwargs):  # noqa: ANN001, ANN202
+        if threading.current_thread().name == "rollout-manager":
+            seen.append(torch.cuda.current_device())
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    prompt = random_prompts(1, VOCAB_SIZE, 10, 10, seed=4)[0]
+    manager = ContinuousBatchingManager(model, GREEDY, ContinuousBatchingConfig(num_blocks=8))
+    manager.start()
+    try:
+        out = manager.get_result(manager.add_request(prompt), timeout=120)
+    finally:
+        manager.destroy()
+    assert seen and set(seen) == {GPU.index}
+    assert out.generated_tokens == _greedy(model, prompt, 12)
+
+
+def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside_it() -> None:
+    # device_map-style dispatch done by hand (one GPU suffices): layer 1 runs on the CPU through accelerate's
+    # hook, which moves its inputs there and its outputs back; everything else runs on the GPU.
+    model = tiny_llama().to(GPU)
+    model.model.layers[1].to("cpu")
+    add_hook_to_module(model.model.layers[1], AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    prompts = random_prompts(4, VOCAB_SIZE, 5, 40, seed=7)
+    expected = [_greedy(model, p, 12) for p in prompts]
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    engine = Engine(model, cfg)
+    try:
+        assert [t.device.type for t in engine.cache.key] == ["cuda", "cpu"] and not engine.use_flash
+        assert engine.device == GPU
+    finally:
+        engine.close()
+    out = generate_batch(model, prompts, GREEDY, cfg)
+    assert [o.generated_tokens for o in out.values()] == expected
