@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -111,6 +112,26 @@ class PagedKVCache:
         """
         self.key[layer_idx].index_copy_(0, slot_mapping, key)
         self.value[layer_idx].index_copy_(0, slot_mapping, value)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks within the cache, every layer (copy-on-write of a shared block).
+
+        Every source is read before any destination is written, so a block may be the source of
+        one pair and the destination of a later one (freed and reused in the same step).
+
+        Args:
+            pairs: (source block id, destination block id); destinations are distinct.
+        """
+        if not pairs:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        ids = torch.tensor(pairs, dtype=torch.int64, device=self.device)  # [P, 2]
+        src = (ids[:, 0:1] * bs + offsets).reshape(-1)
+        dst = (ids[:, 1:2] * bs + offsets).reshape(-1)
+        for tensors in (self.key, self.value):
+            for layer in tensors:
+                layer.index_copy_(0, dst, layer.index_select(0, src))
 
 
 class CPUOffloadPool:
