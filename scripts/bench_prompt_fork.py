@@ -1,7 +1,7 @@
 """Prompt forking: prompt tokens computed and wall time of G samples of one prompt, forking on and off
 (see ``rollout.benchmarks.prompt_fork``).
 
-    python scripts/bench_prompt_fork.py                       # G=8, 100-token prompt, block sizes 32 and 256
+    python scripts/bench_prompt_fork.py                       # G=8, 100-token prompt, block sizes 32 and 256, 1 thread
     python scripts/bench_prompt_fork.py --num-samples 16 --prompt-len 300 --json bench_results/fork.json
 """
 

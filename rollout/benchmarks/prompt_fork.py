@@ -8,9 +8,11 @@ The model is a randomly initialised Llama built from a config (no download); its
 arguments, its outputs are meaningless, its cost per token is what is measured.
 
 Reported per (block size, mode): prompt tokens computed (``EngineStats.num_prompt_tokens_computed``),
-all tokens computed, steps, forks, copy-on-write block copies, the wall seconds until every sample
-has its first token (the prefill of the group) and until all are done (median of ``--repeats``), and
-whether the greedy outputs equal those of forking off token for token.
+all tokens computed, steps, forks, copy-on-write block copies, the seconds until every sample has
+its first token (the prefill of the group) and until all are done, and whether the greedy outputs
+equal those of forking off token for token. Seconds are the minimum over ``--repeats`` runs, of wall
+time and of this process's CPU time (``time.process_time``, all threads): on a shared machine the
+minimum and the CPU time are the figures that other processes disturb least.
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ def run_group(
             engine.scheduler.fork_prompts = False
         params = rollout.SamplingParams(max_new_tokens=max_new_tokens)
         requests = [engine.add_request(prompt, params, request_id=f"s{g}") for g in range(num_samples)]
-        t0 = time.perf_counter()
-        first_all = None
+        t0, c0 = time.perf_counter(), time.process_time()
+        first_all = first_all_cpu = None
         while engine.has_unfinished():
             engine.step()
             if first_all is None and all(r.num_generated_tokens > 0 for r in requests):
-                first_all = time.perf_counter() - t0
-        total = time.perf_counter() - t0
+                first_all, first_all_cpu = time.perf_counter() - t0, time.process_time() - c0
+        total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         engine.close()
     stats = engine.stats
@@ -73,7 +75,9 @@ def run_group(
         "forks": getattr(stats, "num_forks", 0),
         "block_copies": getattr(stats, "num_block_copies", 0),
         "first_token_all_s": first_all,
+        "first_token_all_cpu_s": first_all_cpu,
         "total_s": total,
+        "total_cpu_s": total_cpu,
         "outputs": [r.generated_tokens for r in requests],
     }
 
@@ -85,13 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=100, help="prompt tokens")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the median seconds are reported")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the minimum seconds are reported")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads; 1 (default) is least disturbed by other "
+        "processes on a shared machine, 0 keeps torch's default"
+    )
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args(argv)
     if args.threads:
@@ -104,30 +111,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"G={args.num_samples}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens, "
         f"Llama hidden {args.hidden} x {args.layers} layers, {torch.get_num_threads()} threads"
     )
-    print(f"{'block':>5} {'fork':>4} {'prompt tok':>10} {'all tok':>7} {'steps':>5} {'forks':>5} {'copies':>6} "
-          f"{'1st tok s':>9} {'total s':>8} same-as-off")
+    print(
+        f"{'block':>5} {'fork':>4} {'prompt tok':>10} {'all tok':>7} {'steps':>5} {'forks':>5} {'copies':>6} "
+        f"{'1st tok s (cpu)':>16} {'total s (cpu)':>16} same-as-off"
+    )
+    seconds = ("first_token_all_s", "first_token_all_cpu_s", "total_s", "total_cpu_s")
     for block_size in args.block_sizes:
         reference = None
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(args.repeats):  # modes interleaved, so that a busy spell of the machine hits both
+            for fork in (False, True):
+                runs[fork].append(run_group(model, prompt, args.num_samples, block_size, fork, args.max_new_tokens))
         for fork in (False, True):
-            runs = [
-                run_group(model, prompt, args.num_samples, block_size, fork, args.max_new_tokens)
-                for _ in range(args.repeats)
-            ]
-            row = {k: v for k, v in runs[0].items() if k not in ("first_token_all_s", "total_s", "outputs")}
-            row.update(
-                block_size=block_size,
-                fork=fork,
-                first_token_all_s=statistics.median(r["first_token_all_s"] for r in runs),
-                total_s=statistics.median(r["total_s"] for r in runs),
-            )
+            row = {k: v for k, v in runs[fork][0].items() if k not in (*seconds, "outputs")}
+            row.update(block_size=block_size, fork=fork)
+            row.update({k: min(r[k] for r in runs[fork]) for k in seconds})
+            row["median_total_s"] = statistics.median(r["total_s"] for r in runs[fork])
             if reference is None:
-                reference = runs[0]["outputs"]
-            row["outputs_equal_fork_off"] = all(r["outputs"] == reference for r in runs)
+                reference = runs[fork][0]["outputs"]
+            row["outputs_equal_fork_off"] = all(r["outputs"] == reference for r in runs[fork])
             rows.append(row)
             print(
                 f"{block_size:>5} {'on' if fork else 'off':>4} {row['prompt_tokens_computed']:>10} "
                 f"{row['tokens_computed']:>7} {row['steps']:>5} {row['forks']:>5} {row['block_copies']:>6} "
-                f"{row['first_token_all_s']:>9.3f} {row['total_s']:>8.3f} {row['outputs_equal_fork_off']}"
+                f"{row['first_token_all_s']:>7.3f} ({row['first_token_all_cpu_s']:>6.3f}) "
+                f"{row['total_s']:>7.3f} ({row['total_cpu_s']:>6.3f}) {row['outputs_equal_fork_off']}"
             )
     if args.json:
         with open(args.json, "w") as f:
