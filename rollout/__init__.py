@@ -4,6 +4,7 @@ from .api import attach, continuous_batching_context_manager, generate_batch, in
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
+from .kv_cache import num_blocks_for_model, training_memory_percent
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, load_model, model_context_length, rollout_home
 from .requests import GenerationOutput, RequestStatus
@@ -32,6 +33,8 @@ __all__ = [
     "generate_batch",
     "score",
     "score_with_engine",
+    "num_blocks_for_model",
+    "training_memory_percent",
 ]
 
 __version__ = "0.1.0"

@@ -21,8 +21,10 @@ from transformers import GenerationConfig, PreTrainedModel
 from .checks import check_bool, check_int, token_ids
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine
-from .manager import ContinuousBatchingManager, derive_seeds, persistent_manager_of
+from .intake import derive_seeds
+from .manager import ContinuousBatchingManager
 from .models import check_model_supported, vocab_size
+from .persistence import persistent_manager_of
 from .requests import GenerationOutput, Request, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 
@@ -62,7 +64,7 @@ def generate_batch(
             come from ``model.generation_config``.
         continuous_batching_config: engine configuration, rollout's or transformers' (converted);
             None takes the one the generation config carries (deprecated) or the defaults.
-            With ``seed`` set, sample k (in output order) uses its own generator seeded
+            With ``seed`` set, sample k (in output order) uses its own random stream seeded
             ``seed + k``, so the batch is reproducible, on a fresh engine or a persistent manager.
             Ignored, but for ``seed``, when a persistent manager already exists.
         record_timestamps: record a ``time.perf_counter()`` timestamp per generated token.

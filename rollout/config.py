@@ -46,14 +46,20 @@ class ContinuousBatchingConfig:
     Attributes:
         page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA
             and 32 on CPU (32 measured fastest on a 2-core CPU).
-        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache to
-            ``max_memory_percent`` of free memory (psutil on CPU,
-            ``torch.cuda.mem_get_info`` on CUDA).
+        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from
+            ``max_memory_percent`` of the usable memory (``kv_cache.num_blocks_for_memory``).
         max_batch_tokens: token budget of one engine step: query tokens (prefill
             chunks plus one per decoding request) computed in one forward (>= 1).
             ``None`` picks 2048 on CUDA and 512 on CPU.
-        max_memory_percent: fraction (0, 1] of free memory the KV cache may use when
-            ``num_blocks`` is ``None``. ``None`` picks 0.9 on CUDA and 0.25 on CPU.
+        max_memory_percent: fraction (0, 1] of the usable memory the engine may take when
+            ``num_blocks`` is ``None``: the KV cache plus one step's logits and sampling temporaries
+            (``max_batch_tokens`` x vocabulary x (the model dtype's bytes + 8 float32), see
+            ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available RAM on CPU; on
+            CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator
+            holds unused (``memory_reserved - memory_allocated``), so an engine built after another
+            one was destroyed gets the same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to
+            a trainer, use ``rollout.training_memory_percent(model)`` (the GRPO trainer and the TRL
+            plugin do), since gradients and optimizer state are allocated only after the engine.
         max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap
             beyond the token budget.
         allow_block_sharing: prefix caching; full prompt blocks are hashed and
@@ -173,7 +179,7 @@ class ContinuousBatchingConfig:
         return 2048 if device_type == "cuda" else 512
 
     def resolved_memory_percent(self, device_type: str) -> float:
-        """Fraction of free memory the KV cache may take for a device type."""
+        """Fraction of the usable memory the engine (KV cache and step workspace) may take on a device type."""
         if self.max_memory_percent is not None:
             return float(self.max_memory_percent)
         return DEFAULT_MEMORY_PERCENT_CUDA if device_type == "cuda" else DEFAULT_MEMORY_PERCENT_CPU

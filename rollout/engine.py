@@ -21,7 +21,14 @@ from .attention import enable_paged_attention, flash_attn_available, restore_att
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, free_memory_bytes, num_blocks_for_memory
+from .kv_cache import (
+    CacheShape,
+    CPUOffloadPool,
+    PagedKVCache,
+    free_memory_bytes,
+    logits_workspace_bytes,
+    num_blocks_for_memory,
+)
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models import UnsupportedModelError, check_model_supported, model_context_length, vocab_size
@@ -106,17 +113,19 @@ class Engine:
         dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
         shape = CacheShape.from_model(model, dtype)
+        self.vocab_size = vocab_size(model)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
+            # The step's logits and sampling temporaries come out of the same share as the cache.
+            workspace = logits_workspace_bytes(self.config.resolved_max_batch_tokens(dev_type), self.vocab_size, dtype)
             num_blocks = num_blocks_for_memory(
-                shape, self.block_size, self.device, self.config.resolved_memory_percent(dev_type)
+                shape, self.block_size, self.device, self.config.resolved_memory_percent(dev_type), workspace
             )
             if max_tokens_hint is not None:
                 hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
                 # Each request rounds up to whole blocks; one spare block for slack.
                 num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
         self.num_blocks = num_blocks
-        self.vocab_size = vocab_size(model)
         self.context_length = model_context_length(model)
         self._warned_context = False
         self.use_flash = dev_type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
@@ -378,10 +387,12 @@ class Engine:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Restore the model's original attention implementation. Idempotent."""
+        """Restore the model's original attention implementation and unpin the offload pool. Idempotent."""
         if not self._closed:
             self._closed = True
             restore_attention(self.model, self._original_attn)
+            if self.offload_pool is not None:
+                self.offload_pool.close()
 
     @property
     def closed(self) -> bool:

@@ -1,4 +1,9 @@
-"""The manager's intake: the inbox of checked requests and cancels, with back-pressure.
+"""The manager's intake: checking requests in the caller's thread, the inbox of checked requests and cancels.
+
+A request is checked once, in the caller's thread and outside the manager's lock, before it is
+queued: ``request_params`` builds its sampling parameters, ``checked_request`` and ``checked_batch``
+its prompt and whether it can ever fit the engine's cache; ``derive_seeds`` spreads one seed over a
+batch. Nothing is queued when a check fails.
 
 Callers' threads put requests (already checked, as ``Request`` objects) and cancels into the inbox;
 the manager's loop drains it between engine steps (vLLM's engine-core input queue), so no caller
@@ -14,17 +19,144 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from .checks import is_int, token_ids
 from .engine import Engine
 from .outputs import OutputRouter, ended_output
 from .requests import Request, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, build_sampling_params, check_processors_unchanged
+
+# A checked request on its way to the inbox: (request id, or None for ``req_<n>``; prompt token ids;
+# sampling parameters).
+Item = tuple[str | None, list[int], SamplingParams]
 
 
 class QueueFullError(RuntimeError):
     """``add_request`` found ``max_queue_size`` requests waiting."""
+
+
+def derive_seeds(seed: int | Sequence[int | None] | None, num_requests: int) -> list[int | None]:
+    """One seed per request: s + k for request k from one int s (``generate_batch``'s rule), or the sequence itself.
+
+    Raises:
+        ValueError: a sequence of the wrong length.
+    """
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != num_requests:
+            raise ValueError(f"seed holds {len(seed)} seeds for {num_requests} inputs")
+        return list(seed)
+    if seed is None:
+        return [None] * num_requests
+    if not is_int(seed):
+        return [seed] * num_requests  # SamplingParams names the bad value
+    return [int(seed) + k for k in range(num_requests)]
+
+
+def request_params(
+    defaults: SamplingParams,
+    sampling_params: SamplingParams | None,
+    *,
+    vocab_size: int,
+    per_request_processors: bool,
+    **overrides: Any,
+) -> SamplingParams:
+    """A request's sampling parameters: ``sampling_params`` (default: ``defaults``) with the overrides on top.
+
+    Args:
+        defaults: the manager's parameters, from its generation config.
+        sampling_params: the caller's parameters, or None.
+        vocab_size: end-of-sequence and bad-word ids must lie in ``[0, vocab_size)``.
+        per_request_processors: False refuses logits-processor values other than the defaults'
+            (``ContinuousBatchingConfig.per_request_processors``).
+        overrides: ``build_sampling_params``'s keyword overrides (max_new_tokens, do_sample,
+            temperature, top_k, top_p, seed, eos_token_id); None keeps a value.
+
+    Raises:
+        ValueError: a bad sampling value, or a logits-processor value other than the defaults' under
+            ``per_request_processors=False``.
+    """
+    params = build_sampling_params(sampling_params or defaults, vocab_size=vocab_size, **overrides)
+    if not per_request_processors:
+        check_processors_unchanged(params, defaults)
+    return params
+
+
+def check_fits(
+    engine: Engine | None, request_id: str | None, prompt: list[int], params: SamplingParams, name: str
+) -> None:
+    """Raise ValueError (naming the argument) when the request can never fit the engine's cache.
+
+    Args:
+        engine: the manager's engine; None once the manager was destroyed.
+        request_id: the request's id, or None (named in the message).
+        prompt: the checked prompt token ids.
+        params: the request's sampling parameters (``max_new_tokens`` counts).
+        name: how the message names the argument (``"input_ids"``, ``"inputs[3]"``).
+
+    Raises:
+        ValueError: ``Engine.check_request``'s message, prefixed with ``name``.
+        RuntimeError: there is no engine (the manager was destroyed).
+    """
+    if engine is None:
+        raise RuntimeError("the manager was destroyed and accepts no request")
+    try:
+        engine.check_request(request_id, len(prompt), params)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+
+
+def checked_request(
+    engine: Engine | None, input_ids: Any, request_id: str | None, params: SamplingParams, vocab_size: int
+) -> Item:
+    """One request for the inbox: its prompt (``input_ids``) and id checked, and that it fits the cache.
+
+    Raises:
+        ValueError: a bad prompt, a request id that is not a str, or a request that can never fit.
+        RuntimeError: there is no engine (the manager was destroyed).
+    """
+    prompt = token_ids(input_ids, "input_ids", vocab_size)
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a str or None, got {request_id!r}")
+    check_fits(engine, request_id, prompt, params, "input_ids")
+    return request_id, prompt, params
+
+
+def checked_batch(
+    engine: Engine | None,
+    inputs: Sequence[Any],
+    params: SamplingParams,
+    seeds: Sequence[int | None],
+    vocab_size: int,
+) -> tuple[list[Item], list[int]]:
+    """A batch for the inbox: every prompt checked, in queue order.
+
+    Args:
+        engine: the manager's engine (whether each request fits its cache); None once destroyed.
+        inputs: the prompts, each named ``inputs[i]`` in messages.
+        params: the batch's sampling parameters.
+        seeds: one seed per prompt (see ``derive_seeds``); None keeps ``params``' seed.
+        vocab_size: prompt ids must lie in ``[0, vocab_size)``.
+
+    Returns:
+        The items sorted by prompt, so that prompts sharing a prefix are admitted next to each other
+        and find each other's blocks in the prefix cache; and ``order``: item j is ``inputs[order[j]]``.
+
+    Raises:
+        ValueError: a bad prompt or a request that can never fit (its index is named); a bad seed.
+        RuntimeError: there is no engine (the manager was destroyed).
+    """
+    items: list[Item] = []
+    for i, (prompt_ids, seed_i) in enumerate(zip(inputs, seeds)):
+        name = f"inputs[{i}]"
+        prompt = token_ids(prompt_ids, name, vocab_size)
+        params_i = params if seed_i is None else build_sampling_params(params, seed=seed_i)
+        check_fits(engine, None, prompt, params_i, name)
+        items.append((None, prompt, params_i))
+    order = sorted(range(len(items)), key=lambda i: items[i][1])
+    return [items[i] for i in order], order
 
 
 @dataclass
@@ -63,7 +195,7 @@ class Inbox:
 
     def put(
         self,
-        items: list[tuple[str | None, list[int], SamplingParams]],
+        items: list[Item],
         streaming: bool,
         record_timestamps: bool,
         block: bool,

@@ -1,4 +1,4 @@
-"""The paged K/V tensors of every attention layer, and their sizing from free memory."""
+"""The paged K/V tensors of every attention layer, their sizing from usable memory, and the CPU offload pool."""
 
 from __future__ import annotations
 
@@ -10,11 +10,29 @@ import psutil
 import torch
 from transformers import PreTrainedModel
 
-from .models import layer_kv_shapes
+from .config import ContinuousBatchingConfig
+from .models import layer_kv_shapes, vocab_size
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+
+# Float32 temporaries of one step's logits and sampling, per logits entry (row x vocabulary), on top of
+# the model's own logits. The plain temperature-sampling path with logprobs peaks at 7 live at once
+# (the float32 copy, the scaled logits, the softmax, the float64 CDF counted as two, and the scaled copy
+# and log-softmax of the logprobs); one more covers the top-k/top-p masks, which run on sampled rows only.
+LOGITS_FLOAT32_TEMPORARIES = 8
+
+# Colocated training (see ``training_memory_percent``): the gradient and AdamW's two moments are each
+# as large as the trainable parameters, and none exists before the first backward and optimizer step.
+TRAINING_STATE_FACTOR = 3
+# The share of what remains that the engine takes next to a trainer, as TRL does for its own
+# continuous-batching path: trl/trainer/grpo_trainer.py (TRL 1.16.0, GRPOTrainer.__init__) sets
+# ``cb_kwargs.setdefault("max_memory_percent", 0.5)`` because transformers' 0.9 "leaves almost no
+# VRAM for the training backward pass". The other half is left to activations and the loss's logits.
+TRAINING_ENGINE_SHARE = 0.5
+# Floor of ``training_memory_percent`` (``max_memory_percent`` must be > 0).
+MIN_TRAINING_MEMORY_PERCENT = 0.01
 
 
 @dataclass(frozen=True)
@@ -48,11 +66,176 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def num_blocks_for_memory(shape: CacheShape, block_size: int, device: torch.device, memory_percent: float) -> int:
-    """Blocks that fit in ``memory_percent`` of the device's free memory (at least 1)."""
-    budget = free_memory_bytes(device) * memory_percent
+@dataclass(frozen=True)
+class MemoryReport:
+    """What a new allocation on a device can use, in bytes.
+
+    Attributes:
+        free: bytes the driver reports free (``torch.cuda.mem_get_info``), or psutil's available RAM on CPU.
+        cached: bytes torch's CUDA caching allocator holds but no tensor uses
+            (``memory_reserved - memory_allocated``; 0 on CPU). The driver counts them as used, yet
+            torch hands them out first, so an engine built after another one was destroyed, or after a
+            training step freed its temporaries, can use them.
+    """
+
+    free: int
+    cached: int
+
+    @property
+    def usable(self) -> int:
+        """Bytes this process can allocate: ``free + cached``."""
+        return self.free + self.cached
+
+
+def memory_report(device: torch.device) -> MemoryReport:
+    """The device's free and cached-but-unused bytes (see ``MemoryReport``)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return MemoryReport(int(free), max(0, int(cached)))
+    return MemoryReport(int(psutil.virtual_memory().available), 0)
+
+
+def usable_memory_bytes(device: torch.device) -> int:
+    """Bytes this process can allocate on a device: ``memory_report(device).usable``."""
+    return memory_report(device).usable
+
+
+def logits_workspace_bytes(max_batch_tokens: int, vocab: int, logits_dtype: torch.dtype) -> int:
+    """Bytes of one step's logits and sampling temporaries, at most.
+
+    A step keeps the logits of at most ``max_batch_tokens`` rows (sampled requests' last tokens plus
+    scored positions); each row holds ``vocab`` entries in the model's dtype, plus
+    ``LOGITS_FLOAT32_TEMPORARIES`` float32 temporaries of the sampler and the logprobs.
+
+    Args:
+        max_batch_tokens: the step's token budget (rows of logits at most).
+        vocab: entries per row (the LM head's width).
+        logits_dtype: the dtype the model returns its logits in.
+
+    Returns:
+        ``max_batch_tokens * vocab * (itemsize(logits_dtype) + 4 * LOGITS_FLOAT32_TEMPORARIES)``.
+    """
+    elem = torch.empty((), dtype=logits_dtype).element_size()
+    return max_batch_tokens * vocab * (elem + 4 * LOGITS_FLOAT32_TEMPORARIES)
+
+
+def num_blocks_for_memory(
+    shape: CacheShape,
+    block_size: int,
+    device: torch.device,
+    memory_percent: float,
+    workspace_bytes: int = 0,
+    usable_bytes: int | None = None,
+) -> int:
+    """Blocks that fit in the engine's share of the device's usable memory (at least 1).
+
+    The engine takes ``memory_percent`` of the usable memory (free plus torch's cached-but-unused
+    bytes, see ``MemoryReport``): its step workspace first (``logits_workspace_bytes``), the KV cache
+    from the rest.
+
+    Args:
+        shape: the cache's per-token shape.
+        block_size: tokens per block.
+        device: where the cache goes.
+        memory_percent: the engine's share, in (0, 1].
+        workspace_bytes: bytes of the step's temporaries, taken from the share before the cache.
+        usable_bytes: the usable memory in bytes; None measures it (``usable_memory_bytes``).
+
+    Returns:
+        ``max(1, floor((usable * memory_percent - workspace_bytes) / (bytes_per_token * block_size)))``.
+    """
+    usable = usable_memory_bytes(device) if usable_bytes is None else usable_bytes
+    share = usable * memory_percent
     per_block = shape.bytes_per_token * block_size
-    return max(1, int(budget // per_block))
+    if share - workspace_bytes < per_block:
+        logger.warning(
+            "KV cache sizing: %.0f%% of %.3f GiB usable on %s leaves no room for one %d-token block after the "
+            "%.3f GiB logits workspace; the cache gets 1 block (set num_blocks, or lower max_batch_tokens)",
+            100 * memory_percent,
+            usable / GIB,
+            device,
+            block_size,
+            workspace_bytes / GIB,
+        )
+    return max(1, int((share - workspace_bytes) // per_block))
+
+
+def num_blocks_for_model(
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig | None = None,
+    memory_percent: float | None = None,
+    usable_bytes: int | None = None,
+) -> int:
+    """The blocks an engine built now on ``model`` would size from memory (``num_blocks`` unset).
+
+    The cache has the model's dtype; its block size, token budget and share come from ``config``
+    (``max_memory_percent``, or its device default) unless ``memory_percent`` is given.
+
+    Args:
+        model: a supported decoder-only model (``check_model_supported``).
+        config: the engine's settings; None: the defaults.
+        memory_percent: the share to use instead of the config's, in (0, 1].
+        usable_bytes: the usable memory in bytes; None measures it on the model's device.
+
+    Returns:
+        The number of blocks (>= 1), as ``num_blocks_for_memory`` computes it.
+    """
+    config = config or ContinuousBatchingConfig()
+    param = next(model.parameters())
+    device = param.device
+    percent = config.resolved_memory_percent(device.type) if memory_percent is None else memory_percent
+    workspace = logits_workspace_bytes(config.resolved_max_batch_tokens(device.type), vocab_size(model), param.dtype)
+    shape = CacheShape.from_model(model, param.dtype)
+    return num_blocks_for_memory(
+        shape, config.resolved_page_size(device.type), device, percent, workspace, usable_bytes
+    )
+
+
+def training_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes that training will add to ``model``: ``TRAINING_STATE_FACTOR`` x its trainable parameters' bytes.
+
+    The gradient and AdamW's ``exp_avg`` and ``exp_avg_sq`` each match a parameter in size and dtype
+    (``torch.optim.AdamW`` allocates them lazily, at the first backward and step).
+    """
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return TRAINING_STATE_FACTOR * trainable
+
+
+def training_memory_percent(model: torch.nn.Module, usable_bytes: int | None = None) -> float:
+    """The engine's memory share next to a trainer of ``model``: ``max_memory_percent`` for a colocated engine.
+
+    The engine is built before the trainer's gradients and optimizer state exist, so sizing from the
+    memory usable then (0.9 of it on CUDA by default) leaves the first backward nothing. This share
+    first sets aside ``training_state_bytes(model)`` (gradient and AdamW moments: 3 x the trainable
+    parameters' bytes), then gives the engine ``TRAINING_ENGINE_SHARE`` (0.5, TRL's default for its own
+    continuous-batching path) of the rest; the other half is left to the training forward's
+    activations and logits. It is never above the engine's own default for the device (0.25 on CPU).
+
+    Args:
+        model: the policy model, on the device the engine will use.
+        usable_bytes: that device's usable memory in bytes; None measures it (``usable_memory_bytes``).
+
+    Returns:
+        ``min(device default, TRAINING_ENGINE_SHARE * (usable - state) / usable)``, as a fraction of the
+        usable memory; ``MIN_TRAINING_MEMORY_PERCENT`` (with a warning) when the state alone fills it.
+    """
+    device = next(model.parameters()).device
+    usable = usable_memory_bytes(device) if usable_bytes is None else usable_bytes
+    state = training_state_bytes(model)
+    default = ContinuousBatchingConfig().resolved_memory_percent(device.type)
+    if usable <= 0 or state >= usable:
+        logger.warning(
+            "training state (%.3f GiB: gradients and AdamW moments) does not fit the %.3f GiB usable on %s; the "
+            "engine takes %.0f%% of it",
+            state / GIB,
+            usable / GIB,
+            device,
+            100 * MIN_TRAINING_MEMORY_PERCENT,
+        )
+        return MIN_TRAINING_MEMORY_PERCENT
+    share = TRAINING_ENGINE_SHARE * (usable - state) / usable
+    return max(MIN_TRAINING_MEMORY_PERCENT, min(default, share))
 
 
 class PagedKVCache:
@@ -134,32 +317,108 @@ class PagedKVCache:
                 layer.index_copy_(0, dst, layer.index_select(0, src))
 
 
+def _page_lock(buffer: torch.Tensor) -> None:
+    """Page-lock (pin) a CPU tensor's whole storage in place, exactly its bytes (``cudaHostRegister``).
+
+    Raises:
+        RuntimeError: CUDA refused (the error code is in the message).
+    """
+    nbytes = buffer.untyped_storage().nbytes()
+    # Flag 1 is cudaHostRegisterPortable: pinned for every CUDA context of the process.
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte CPU offload pool failed with CUDA error {err}")
+
+
+def _page_unlock(buffer: torch.Tensor) -> None:
+    """Undo ``_page_lock`` (``cudaHostUnregister``); errors are ignored (the memory is freed next anyway)."""
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ascending ids: (index in ``ids``, first id, length) each."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
 class CPUOffloadPool:
     """CPU memory that holds the KV blocks of requests preempted by offload.
 
-    Per layer, ``key[layer]`` and ``value[layer]`` have the cache's slot layout
-    ``[num_blocks * block_size, num_kv_heads, head_dim]``; pinned when the cache is on
-    CUDA, so copies can overlap. Blocks are handed out from a free list: the KV cache manager
-    allocates and frees them (bookkeeping), the model runner copies into and out of them.
+    One buffer of exactly ``num_blocks`` pool blocks, viewed as ``blocks`` of shape
+    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (2: key then value): a pool
+    block holds one cache block of every layer, contiguous, so a request's blocks move in one copy per
+    run of consecutive pool ids (the free list hands ids out in ascending order). ``key[layer]`` and
+    ``value[layer]`` are views ``[num_blocks, block_size, num_kv_heads, head_dim]`` of it. Blocks are
+    handed out from a free list: the KV cache manager allocates and frees them (bookkeeping), the model
+    runner copies into and out of them.
+
+    Pinned (for a CUDA cache), the buffer is allocated pageable and then page-locked in place with
+    ``cudaHostRegister``, so exactly ``size_bytes`` are pinned: torch's pinned allocator
+    (``pin_memory=True``) rounds each allocation up to a power of two, up to twice what was asked.
+
+    Copies and their order (CUDA cache): ``store`` enqueues the device-to-host copies straight into
+    the pool blocks on the current stream, without waiting, and records ``copy_event`` after them;
+    nothing reads the pool on the host before they land (``read_blocks`` waits for the event first).
+    ``load`` makes the current stream wait for that event, enqueues host-to-device copies from the
+    pinned blocks and records the event again (``close`` waits for it before unpinning). A pool block
+    freed and handed out again is only written by a later ``store``, whose copy the stream orders
+    after the ``load`` that read it, so one stream (the engine's thread) needs no other
+    synchronisation.
 
     Args:
         shape: the cache's shape.
-        space_gib: GiB of CPU memory to use (> 0).
+        space_gib: GiB of CPU memory to use (> 0); the pool holds ``floor(space / bytes per block)`` blocks.
         block_size: tokens per block (the cache's).
-        pin: pin the memory (for a CUDA cache).
+        pin: page-lock the buffer (for a CUDA cache).
+
+    Raises:
+        RuntimeError: pinning failed.
     """
 
     def __init__(self, shape: CacheShape, space_gib: float, block_size: int, pin: bool = False) -> None:
+        self.shape = shape
         self.block_size = block_size
-        self.num_blocks = max(0, int(space_gib * GIB // (shape.bytes_per_token * block_size)))
-        num_slots = self.num_blocks * block_size
-        make = lambda: torch.zeros(  # noqa: E731
-            num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, pin_memory=pin
-        )
+        bytes_per_block = shape.bytes_per_token * block_size
+        self.num_blocks = max(0, int(space_gib * GIB // bytes_per_block))
+        block_shape = (shape.num_layers, 2, block_size, shape.num_kv_heads, shape.head_dim)
+        numel = self.num_blocks * 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim
         with torch.inference_mode(False):  # as for the cache: written in place from any thread
-            self.key = [make() for _ in range(shape.num_layers)]
-            self.value = [make() for _ in range(shape.num_layers)]
-        self.free_blocks = list(range(self.num_blocks))
+            # Uninitialised: a pool block is only read back after a store filled it; untouched pages
+            # of an unpinned pool cost no RAM.
+            self.buffer = torch.empty(numel, dtype=shape.dtype)
+            self.blocks = self.buffer.view(self.num_blocks, *block_shape)
+            self.key = [self.blocks[:, layer, 0] for layer in range(shape.num_layers)]
+            self.value = [self.blocks[:, layer, 1] for layer in range(shape.num_layers)]
+        self.pinned = False
+        if pin and numel > 0:
+            _page_lock(self.buffer)
+            self.pinned = True
+        # Descending, so that ``pop`` hands out ascending ids: a fresh request's blocks are one run.
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.copy_event: torch.cuda.Event | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the pool's buffer (all pinned when ``pinned``): ``num_blocks`` x bytes per block."""
+        return self.buffer.untyped_storage().nbytes()
+
+    def close(self) -> None:
+        """Wait for pending copies and unpin the buffer. Idempotent; the pool is unusable for CUDA copies after."""
+        if self.pinned:
+            self.synchronize()
+            self.pinned = False
+            _page_unlock(self.buffer)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
+            pass
 
     def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
@@ -185,17 +444,64 @@ class CPUOffloadPool:
         self.free_blocks.extend(pool_ids)
 
     def store(self, cache: PagedKVCache, block_ids: list[int], pool_ids: list[int]) -> None:
-        """Copy cache blocks ``block_ids`` into pool blocks ``pool_ids`` (same length), every layer."""
+        """Copy cache blocks ``block_ids`` into pool blocks ``pool_ids`` (same length), every layer.
+
+        On CUDA the copies are only enqueued (see the class docstring); ``copy_event`` marks their end.
+        """
+        n = len(block_ids)
+        if n == 0:
+            return
+        shape, bs = self.shape, self.block_size
         src = self._slots(block_ids, cache.device)
-        dst = self._slots(pool_ids, torch.device("cpu"))
-        for layer in range(len(cache.key)):
-            self.key[layer][dst] = cache.key[layer][src].to("cpu", non_blocking=True)
-            self.value[layer][dst] = cache.value[layer][src].to("cpu", non_blocking=True)
+
+        def blocks_of(t: torch.Tensor) -> torch.Tensor:
+            return t[src].view(n, bs, shape.num_kv_heads, shape.head_dim)
+
+        # [n, layers, 2, bs, heads, dim] on the device: each pool block's bytes, contiguous.
+        staged = torch.stack(
+            [torch.stack((blocks_of(cache.key[i]), blocks_of(cache.value[i])), dim=1) for i in range(len(cache.key))],
+            dim=1,
+        )
+        for index, first, length in _runs(pool_ids):
+            self.blocks[first : first + length].copy_(staged[index : index + length], non_blocking=True)
+        self._record(cache.device)
+
+    def _record(self, device: torch.device) -> None:
+        """Mark the end of the copies just enqueued on ``device``'s current stream (CUDA only)."""
+        if device.type == "cuda":
+            if self.copy_event is None:
+                self.copy_event = torch.cuda.Event()
+            self.copy_event.record(torch.cuda.current_stream(device))
 
     def load(self, cache: PagedKVCache, pool_ids: list[int], block_ids: list[int]) -> None:
         """Copy pool blocks ``pool_ids`` back into cache blocks ``block_ids`` (the pool blocks stay taken)."""
-        src = self._slots(pool_ids, torch.device("cpu"))
-        dst = self._slots(block_ids, cache.device)
+        n = len(pool_ids)
+        if n == 0:
+            return
+        device = cache.device
+        if device.type == "cuda" and self.copy_event is not None:
+            torch.cuda.current_stream(device).wait_event(self.copy_event)
+        parts = [
+            self.blocks[first : first + length].to(device, non_blocking=True) for _, first, length in _runs(pool_ids)
+        ]
+        moved = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, layers, 2, bs, heads, dim]
+        dst = self._slots(block_ids, device)
+        rows = n * self.block_size
         for layer in range(len(cache.key)):
-            cache.key[layer][dst] = self.key[layer][src].to(cache.device, non_blocking=True)
-            cache.value[layer][dst] = self.value[layer][src].to(cache.device, non_blocking=True)
+            cache.key[layer][dst] = moved[:, layer, 0].reshape(rows, self.shape.num_kv_heads, self.shape.head_dim)
+            cache.value[layer][dst] = moved[:, layer, 1].reshape(rows, self.shape.num_kv_heads, self.shape.head_dim)
+        self._record(device)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy into or out of the pool enqueued so far is done."""
+        if self.copy_event is not None:
+            self.copy_event.synchronize()
+
+    def read_blocks(self, pool_ids: list[int]) -> torch.Tensor:
+        """A host copy of pool blocks, after the pending stores have landed.
+
+        Returns:
+            [len(pool_ids), num_layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype.
+        """
+        self.synchronize()
+        return self.blocks[torch.tensor(pool_ids, dtype=torch.int64)].clone()

@@ -4,7 +4,7 @@ Threads that add, cancel or read requests never touch the engine: they put comma
 (``intake.py``) that the loop drains between steps, and read results from the per-request handles
 of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles and
 the pause state. A request is checked once, in the caller's thread and outside the lock, before it
-is queued: the loop only hands checked ``Request`` objects to the engine.
+is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to the engine.
 
 ``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
 the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
@@ -14,8 +14,9 @@ version, which each generated token records; prefix-cache blocks computed under 
 are never reused by requests admitted later. By default in-flight requests keep their KV
 (PipelineRL's in-flight weight update); ``recompute=True`` re-prefills them under the new weights
 (AReaL's). Weights changed without ``update_weights`` are noticed too: the manager compares a
-fingerprint of the parameters (``weights.weights_fingerprint``) when requests are added, when it
-starts and when a pause ends, and bumps the weight version when they changed.
+fingerprint of the parameters (``weights.WeightWatch``) when requests are added, when it starts
+and when a pause ends, and bumps the weight version when they changed. A manager kept for the next
+session is its model's persistent manager (``persistence.py``).
 
 A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause):
 ``stop``, ``destroy`` and the calls that would wait for ever (``get_result``, ``request_id_iter``,
@@ -30,28 +31,23 @@ import enum
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from .checks import is_int, token_ids
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine, EngineStats
-from .intake import Inbox, QueueFullError
+from .intake import Inbox, Item, QueueFullError, checked_batch, checked_request, derive_seeds, request_params
 from .models import vocab_size
 from .outputs import OutputRouter, ResultCallback
+from .persistence import persistent_manager_of, register_persistent, unregister_persistent
 from .requests import GenerationOutput, RequestStatus
-from .sampling_params import (
-    SamplingParams,
-    build_sampling_params,
-    check_processors_unchanged,
-    resolve_generation_config,
-)
+from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from .stop_strings import check_tokenizer
-from .weights import NamedTensors, copy_weights, plan_weight_copy, weights_fingerprint
+from .weights import NamedTensors, WeightWatch, copy_weights, plan_weight_copy
 
+# derive_seeds (intake.py) and persistent_manager_of (persistence.py) stay importable from here.
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
@@ -71,41 +67,6 @@ class _State(enum.Enum):
     STOPPED = "stopped"
     FAILED = "failed"
     DESTROYED = "destroyed"
-
-
-# The persistent manager of each model (``continuous_batching_context_manager(...,
-# persistent_manager=True)``, ``generate_batch(..., persistent_manager=True)``,
-# ``stop(keep_for_next_session=True)``), reused by the next call with that model, by
-# ``generate_batch`` and returned by ``init_continuous_batching``.
-# The one place that links a model to a manager. A registered manager references its model, so a
-# model stays alive until its persistent manager is destroyed (Python has no ephemerons).
-_PERSISTENT: weakref.WeakKeyDictionary[PreTrainedModel, ContinuousBatchingManager] = weakref.WeakKeyDictionary()
-
-
-def derive_seeds(seed: int | Sequence[int | None] | None, num_requests: int) -> list[int | None]:
-    """One seed per request: s + k for request k from one int s (``generate_batch``'s rule), or the sequence itself.
-
-    Raises:
-        ValueError: a sequence of the wrong length.
-    """
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != num_requests:
-            raise ValueError(f"seed holds {len(seed)} seeds for {num_requests} inputs")
-        return list(seed)
-    if seed is None:
-        return [None] * num_requests
-    if not is_int(seed):
-        return [seed] * num_requests  # SamplingParams names the bad value
-    return [int(seed) + k for k in range(num_requests)]
-
-
-def persistent_manager_of(model: PreTrainedModel) -> ContinuousBatchingManager | None:
-    """The usable persistent manager registered for ``model`` (see ``persist``), if any."""
-    manager = _PERSISTENT.get(model)
-    if manager is not None and manager.state in ("failed", "destroyed"):
-        del _PERSISTENT[model]
-        return None
-    return manager
 
 
 class ContinuousBatchingManager:
@@ -173,7 +134,7 @@ class ContinuousBatchingManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._final_weight_version = 0
-        self._weights_fingerprint = weights_fingerprint(model)
+        self._weights = WeightWatch(model)  # the parameters last recorded
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
     # ------------------------------------------------------------------ lifecycle
@@ -315,8 +276,7 @@ class ContinuousBatchingManager:
             self._final_weight_version = engine.weight_version
             self.final_stats = engine.stats
             engine.close()
-        if _PERSISTENT.get(self.model) is self:
-            del _PERSISTENT[self.model]
+        unregister_persistent(self)
 
     def adopt_tokenizer(self, tokenizer: object) -> None:
         """Take ``tokenizer`` for stop strings if the manager was built without one; else keep its own."""
@@ -335,7 +295,7 @@ class ContinuousBatchingManager:
         ``init_continuous_batching(model)``, ``continuous_batching_context_manager(model, ...)`` and
         ``generate_batch(model, ...)`` then run on this manager.
         """
-        _PERSISTENT[self.model] = self
+        register_persistent(self)
 
     def holds_pause(self) -> bool:
         """True when the calling thread is inside this manager's ``pause()``."""
@@ -415,9 +375,11 @@ class ContinuousBatchingManager:
             RuntimeError: the manager failed (the message names the cause) or was destroyed, or
                 ``block`` would wait for room without a timeout inside this thread's ``pause()``.
         """
-        params = build_sampling_params(
-            sampling_params or self.default_params,
+        params = request_params(
+            self.default_params,
+            sampling_params,
             vocab_size=self._vocab_size,
+            per_request_processors=self.cb_config.per_request_processors,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,
@@ -426,13 +388,8 @@ class ContinuousBatchingManager:
             seed=seed,
             eos_token_id=eos_token_id,
         )
-        if not self.cb_config.per_request_processors:
-            check_processors_unchanged(params, self.default_params)
-        prompt = token_ids(input_ids, "input_ids", self._vocab_size)
-        if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str or None, got {request_id!r}")
-        self._check_fits(request_id, prompt, params, "input_ids")
-        return self._enqueue([(request_id, prompt, params)], streaming, record_timestamps, block, timeout)[0]
+        item = checked_request(self._current_engine(), input_ids, request_id, params, self._vocab_size)
+        return self._enqueue([item], streaming, record_timestamps, block, timeout)[0]
 
     def add_requests(
         self,
@@ -484,9 +441,11 @@ class ContinuousBatchingManager:
         if seed is None and sampling_params is not None:
             seed = sampling_params.seed
         seeds = derive_seeds(seed, len(inputs))
-        params = build_sampling_params(
-            sampling_params or self.default_params,
+        params = request_params(
+            self.default_params,
+            sampling_params,
             vocab_size=self._vocab_size,
+            per_request_processors=self.cb_config.per_request_processors,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,
@@ -494,36 +453,21 @@ class ContinuousBatchingManager:
             top_p=top_p,
             eos_token_id=eos_token_id,
         )
-        if not self.cb_config.per_request_processors:
-            check_processors_unchanged(params, self.default_params)
-        items: list[tuple[str | None, list[int], SamplingParams]] = []
-        for i, (prompt_ids, seed_i) in enumerate(zip(inputs, seeds)):
-            name = f"inputs[{i}]"
-            prompt = token_ids(prompt_ids, name, self._vocab_size)
-            params_i = params if seed_i is None else build_sampling_params(params, seed=seed_i)
-            self._check_fits(None, prompt, params_i, name)
-            items.append((None, prompt, params_i))
-        order = sorted(range(len(items)), key=lambda i: items[i][1])
-        queued = self._enqueue([items[i] for i in order], streaming, record_timestamps, block, timeout)
+        items, order = checked_batch(self._current_engine(), inputs, params, seeds, self._vocab_size)
+        queued = self._enqueue(items, streaming, record_timestamps, block, timeout)
         ids: list[str | None] = [None] * len(items)
         for i, rid in zip(order, queued):
             ids[i] = rid
         return ids  # type: ignore[return-value]
 
-    def _check_fits(self, request_id: str | None, prompt: list[int], params: SamplingParams, name: str) -> None:
-        """Raise ValueError (naming the argument) when the request can never fit the engine's cache."""
+    def _current_engine(self) -> Engine | None:
+        """The engine, read under the lock; None once the manager was destroyed."""
         with self._cond:
-            engine = self._engine
-        if engine is None:
-            raise RuntimeError("the manager was destroyed and accepts no request")
-        try:
-            engine.check_request(request_id, len(prompt), params)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
+            return self._engine
 
     def _enqueue(
         self,
-        items: list[tuple[str | None, list[int], SamplingParams]],
+        items: list[Item],
         streaming: bool,
         record_timestamps: bool,
         block: bool,
@@ -663,7 +607,7 @@ class ContinuousBatchingManager:
             engine = self.engine
             with self._cond:
                 version = engine.bump_weight_version()
-                self._weights_fingerprint = weights_fingerprint(self.model)  # this change is recorded
+                self._weights.record()  # this change is recorded
             if recompute:
                 engine.recompute_in_flight()
         return version
@@ -674,14 +618,7 @@ class ContinuousBatchingManager:
         Returns:
             True when the weights had changed (without ``update_weights``) and the version was bumped.
         """
-        fingerprint = weights_fingerprint(self.model)
-        if fingerprint == self._weights_fingerprint:
-            return False
-        self._weights_fingerprint = fingerprint
-        if self._engine is not None:
-            version = self._engine.bump_weight_version()
-            logger.info("the model's parameters changed without update_weights: weight version %d", version)
-        return True
+        return self._weights.bump_if_changed(self._engine)
 
     def _sync_weight_version(self) -> None:
         """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).
@@ -690,7 +627,7 @@ class ContinuousBatchingManager:
         recorded under a pause, so that no step runs while the version moves.
         """
         with self._cond:
-            if weights_fingerprint(self.model) == self._weights_fingerprint:
+            if not self._weights.changed():
                 return
         with self.pause(), self._cond:
             self._check_weights()

@@ -5,6 +5,13 @@ do: the KV copies of offload preemption and of copy-on-write, one flattened forw
 through the paged cache, then sampling (a forked request samples from its parent's logits row) and
 the logprobs of scoring requests. It reads requests but changes none: ``Scheduler.update_from_output``
 applies what it returns.
+
+Host work per step is batched so that the device runs without waiting on Python: the step's
+index tensors (token ids, positions, slots, block tables, kept rows, score targets) are built
+with numpy and reach the device in one copy through a pinned staging buffer, the sampler's
+per-row values in a second one, the random numbers of all sampled requests come from one
+vectorised draw (``sampling.step_uniforms``), and the results (tokens, logprobs, scores) come
+back in one device-to-host copy, the step's only host sync outside the model's forward.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import CPUOffloadPool, PagedKVCache
 from .requests import Request
-from .sampling import sample_tokens
+from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -36,11 +44,19 @@ class LogitsPlan:
     score_targets: list[int] = field(default_factory=list)
     score_segments: list[tuple[Request, int]] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)  # the request of each sample row, in order
+    # On the device (staged with the step's inputs): int64 [S] score_targets, float32 [S] the
+    # temperature of each scored row; None when nothing is scored.
+    score_target_ids: torch.Tensor | None = None
+    score_temperatures: torch.Tensor | None = None
 
 
-def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """int64 [len(rows), longest]: the rows right-padded with 0."""
     width = max(len(r) for r in rows)
-    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
@@ -106,9 +122,16 @@ class ModelRunner:
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        # One staging buffer for the step's inputs and one for the sampler's per-row values: each
+        # waits only for its own previous copy before it is refilled.
+        self._input_staging = HostStaging(self.device)
+        self._sampling_staging = HostStaging(self.device)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
         """Build the model inputs and the attention metadata of a step.
+
+        Every index tensor is built on the host with numpy and reaches the device in one copy
+        (``HostStaging``); the block-table gathers are then computed on the device.
 
         Returns:
             The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
@@ -120,6 +143,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         score_rows: list[int] = []
+        score_temps: list[float] = []
         plan = LogitsPlan()
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -130,9 +154,13 @@ class ModelRunner:
             c = req.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
-            positions.extend(range(c, c + n))
             table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            positions.extend(range(c, c + n))
+            if n == 1:
+                slots.append(table[c // bs] * bs + c % bs)
+            else:
+                pos = np.arange(c, c + n, dtype=np.int64)
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             if entry.sample:
                 logits_rows.append(start + n - 1)
                 plan.sampled.append(req)
@@ -145,55 +173,89 @@ class ModelRunner:
                     score_rows.extend(range(start + lo - c, start + hi - c))
                     plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
                     plan.score_segments.append((req, hi - lo))
+                    score_temps.extend([req.score_temperature] * (hi - lo))
             if n == 1:
                 decode_rows.append(start)
                 decode_tables.append(table)
                 decode_lengths.append(c + 1)
             else:
                 prefill_specs.append((start, start + n, c, table))
-        dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-        flash = self._flash_metadata(scheduled) if self.use_flash else None
+        use_flash = self.use_flash
+        gathered = [spec for spec in prefill_specs if spec[2] > 0] if not use_flash else []
+        arrays: list[np.ndarray] = [
+            np.asarray(input_ids, dtype=np.int64),
+            np.asarray(positions, dtype=np.int64),
+            np.asarray(slots, dtype=np.int64),
+            np.asarray(logits_rows + score_rows, dtype=np.int64),
+            np.asarray(plan.score_targets, dtype=np.int64),
+            np.asarray(score_temps, dtype=np.float64),
+        ]
+        if use_flash:
+            arrays += self._flash_arrays(scheduled)
+        elif decode_rows:
+            arrays += [
+                np.asarray(decode_rows, dtype=np.int64),
+                np.asarray(decode_lengths, dtype=np.int64),
+                _padded(decode_tables),
+            ]
+        arrays += [np.asarray(table, dtype=np.int64) for _, _, _, table in gathered]
+        staged = iter(self._input_staging.upload(*arrays))
+        ids_t, pos_t, slot_mapping, rows, targets, temps = (next(staged) for _ in range(6))
+        if plan.score_segments:
+            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
+        flash = None
         d_rows = d_gather = d_lengths = None
         prefills: list[PrefillSegment] = []
-        if flash is None:
+        if use_flash:
+            cu_q, cu_k, table_t = next(staged), next(staged), next(staged)
+            q_lens = [e.num_scheduled_tokens for e in scheduled]
+            k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+            flash = {
+                "cu_seqlens_q": cu_q.to(torch.int32),
+                "cu_seqlens_k": cu_k.to(torch.int32),
+                "max_seqlen_q": max(q_lens),
+                "max_seqlen_k": max(k_lens),
+                "block_table": table_t.to(torch.int32),
+            }
+        else:
             if decode_rows:
-                d_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
-                d_lengths = torch.tensor(decode_lengths, dtype=torch.int64, device=dev)
-                d_gather = slots_of(_padded(decode_tables, dev), max(decode_lengths), bs)
-            for start, end, c, table in prefill_specs:
+                d_rows, d_lengths, d_tables = next(staged), next(staged), next(staged)
+                d_gather = slots_of(d_tables, max(decode_lengths), bs)
+            tables = {id(spec): next(staged) for spec in gathered}
+            for spec in prefill_specs:
+                start, end, c, _table = spec
                 gather = None
                 if c > 0:
-                    gather = slots_of(torch.tensor([table], dtype=torch.int64, device=dev), c + end - start, bs)[0]
+                    gather = slots_of(tables[id(spec)][None, :], c + end - start, bs)[0]
                 prefills.append(PrefillSegment(start, end, c, gather))
         meta = PagedAttentionMetadata(self.cache, slot_mapping, d_rows, d_gather, d_lengths, prefills, flash)
         kwargs = {
-            "input_ids": torch.tensor([input_ids], dtype=torch.int64, device=dev),
-            "position_ids": torch.tensor([positions], dtype=torch.int64, device=dev),
+            "input_ids": ids_t[None, :],
+            "position_ids": pos_t[None, :],
             "attention_mask": self._skip_mask,
             "use_cache": False,
             METADATA_KWARG: meta,
         }
         plan.num_sample_rows = len(logits_rows)
-        rows = torch.tensor(logits_rows + score_rows, dtype=torch.int64, device=dev)
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
         return kwargs, rows, plan
 
-    def _flash_metadata(self, scheduled: Sequence[ScheduledRequest]) -> dict:  # pragma: no cover - CUDA only
-        q_lens = [e.num_scheduled_tokens for e in scheduled]
-        k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-        dev = self.device
-        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-        cu_k = torch.tensor([0] + k_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-        table = _padded([e.request.block_table for e in scheduled], dev).to(torch.int32)
-        return {
-            "cu_seqlens_q": cu_q,
-            "cu_seqlens_k": cu_k,
-            "max_seqlen_q": max(q_lens),
-            "max_seqlen_k": max(k_lens),
-            "block_table": table,
-        }
+    @staticmethod
+    def _flash_arrays(scheduled: Sequence[ScheduledRequest]) -> list[np.ndarray]:
+        """int64 host arrays of flash-attn's varlen inputs.
+
+        Returns:
+            cu_seqlens_q [B+1], cu_seqlens_k [B+1] and the block table [B, W] (rows padded with 0).
+        """
+        q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
+        k_lens = np.asarray([e.request.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
+        zero = np.zeros(1, dtype=np.int64)
+        return [
+            np.concatenate([zero, np.cumsum(q_lens)]),
+            np.concatenate([zero, np.cumsum(k_lens)]),
+            _padded([e.request.block_table for e in scheduled]),
+        ]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -215,31 +277,50 @@ class ModelRunner:
             return RunnerOutput()
         logits, plan = self.run(scheduler_output.scheduled)
         result = RunnerOutput()
+        # Everything the host needs back, in one float64 vector and one device-to-host copy: the
+        # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
+        parts: list[torch.Tensor] = []
         if plan.score_segments:
-            result.prompt_logprobs = self._score(logits[plan.num_sample_rows :], plan)
+            parts.append(self._score_logprobs(logits[plan.num_sample_rows :], plan).double())
+        logprobs = None
         if plan.sampled:
             sampled = plan.sampled
             sample_logits = logits[: plan.num_sample_rows]
             if scheduler_output.forks:
                 # Each fork samples from its parent's row (the last prompt token, computed once),
-                # with its own parameters and generator.
+                # with its own parameters and random stream.
                 row_of = {id(req): i for i, req in enumerate(sampled)}
                 parent_rows = [row_of[id(parent)] for parent, _ in scheduler_output.forks]
                 index = torch.tensor(parent_rows, dtype=torch.int64, device=sample_logits.device)
                 sample_logits = torch.cat([sample_logits, sample_logits.index_select(0, index)])
                 sampled = sampled + [child for _, child in scheduler_output.forks]
+            params = [r.params for r in sampled]
             tokens, logprobs = sample_tokens(
                 sample_logits,
-                [r.params for r in sampled],
-                [r.generator for r in sampled],
-                self.generator,
+                params,
+                None,
+                None,
                 self.logprobs_mode,
                 self.return_logprobs,
                 token_ids=[r.token_ids for r in sampled],
                 num_prompt_tokens=[r.num_prompt_tokens for r in sampled],
+                uniform=step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator),
+                staging=self._sampling_staging,
             )
-            result.sampled_token_ids = tokens.tolist()
-            result.logprobs = logprobs.tolist() if logprobs is not None else None
+            parts.append(tokens.double())
+            if logprobs is not None:
+                parts.append(logprobs.double())
+        host = torch.cat(parts).tolist() if parts else []
+        i = 0
+        if plan.score_segments:
+            result.prompt_logprobs = []
+            for req, count in plan.score_segments:
+                result.prompt_logprobs.append((req, host[i : i + count]))
+                i += count
+        if plan.sampled:
+            b = len(plan.sampled) + len(scheduler_output.forks)
+            result.sampled_token_ids = [int(t) for t in host[i : i + b]]
+            result.logprobs = host[i + b : i + 2 * b] if logprobs is not None else None
         return result
 
     @torch.inference_mode()
@@ -277,26 +358,16 @@ class ModelRunner:
             pool.load(self.cache, req.offloaded[0], blocks)
 
     @staticmethod
-    def _score(logits: torch.Tensor, plan: LogitsPlan) -> list[tuple[Request, list[float]]]:
+    def _score_logprobs(logits: torch.Tensor, plan: LogitsPlan) -> torch.Tensor:
         """Logprobs of the scored positions: ``log_softmax(logits / T)`` at each target token.
 
         Args:
             logits: float32 [S, V]; row j predicts ``plan.score_targets[j]``.
-            plan: the step's rows; ``score_segments`` splits the S rows by request.
+            plan: the step's rows, with ``score_target_ids`` and ``score_temperatures`` on the device.
 
         Returns:
-            (request, its S_r logprobs in position order) per scoring request of the step.
+            float32 [S] on the device, in row order; ``plan.score_segments`` splits it by request.
         """
-        targets = torch.tensor(plan.score_targets, dtype=torch.int64, device=logits.device)
-        temps = torch.tensor(
-            [req.score_temperature for req, count in plan.score_segments for _ in range(count)],
-            dtype=torch.float32,
-            device=logits.device,
-        )
-        lp = torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-        out = []
-        i = 0
-        for req, count in plan.score_segments:
-            out.append((req, lp[i : i + count]))
-            i += count
-        return out
+        targets, temps = plan.score_target_ids, plan.score_temperatures
+        assert targets is not None and temps is not None
+        return torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0]

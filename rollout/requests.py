@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -112,7 +110,6 @@ class Request:
         score_from: for a scoring request, the index of the first token whose logprob is
             wanted (>= 1); None for a generation request.
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
-        generator: this request's own torch.Generator when it has a seed.
         stop_matcher: decides whether a sampled token completes one of the request's stop strings;
             set by the engine when the request is queued (None: no stop strings).
         fork_parent: while this request waits for another request's prefill of the same tokens (a
@@ -155,10 +152,6 @@ class Request:
         self.num_preemptions = 0
         # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
         self.offloaded: tuple[list[int], int] | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and params.do_sample:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(params.seed)
         self.stop_matcher: StopStringMatcher | None = None
         # Prompt forking (the scheduler writes both): the G samples of one prompt are prefilled once.
         self.fork_parent: Request | None = None

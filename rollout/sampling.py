@@ -13,10 +13,16 @@ minimum lengths are decided per request in Python (a dictionary lookup per prefi
 work per vocabulary entry).
 
 A token is drawn by inverse-CDF sampling: one uniform number per request and a search in the
-float64 cumulative distribution. A request with a seed draws that number from its own
-generator, so its completion does not depend on the other requests in the batch; one draw per
-token (instead of one random number per vocabulary entry, as the exponential race needs) keeps
-the per-request generators cheap on CPU.
+float64 cumulative distribution (one number per token, instead of one per vocabulary entry as the
+exponential race needs). In the engine, a request with a seed takes the ``t``-th number of its own
+counter-based stream for its ``t``-th generated token (``seeded_uniforms``: SplitMix64 jumped to
+position ``t``), so its completion depends neither on the other requests of the batch nor on
+preemptions, and the numbers of a whole step come from one vectorised computation; the requests
+without a seed share one draw of the engine's generator per step (``step_uniforms``).
+
+Host work per step is batched: a step's small per-row arrays (rows, temperatures, top-k, top-p,
+min-p, uniforms) reach the device in one copy through a pinned staging buffer (``HostStaging``),
+and nothing here reads a device value back on the host.
 """
 
 from __future__ import annotations
@@ -30,6 +36,165 @@ import torch
 from .sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
+
+# SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014):
+# the state advances by the golden-ratio increment and each output is the state through a 64-bit
+# finaliser, so the t-th output of a stream is computable directly from its start state.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 values (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
+    """Number ``counters[i]`` of the random stream of ``seeds[i]``, for every i at once.
+
+    The stream of a seed is SplitMix64 started from the state ``mix64(seed + golden)`` (so that
+    neighbouring seeds start far apart); its number t is ``mix64(start + (t + 1) * golden)``, the top
+    53 bits scaled to [0, 1). A request's t-th generated token takes number t: the same seed gives the
+    same numbers whatever else is in the batch, with no generator object per request.
+
+    Args:
+        seeds: any ints (taken modulo 2**64).
+        counters: ints >= 0, one per seed.
+
+    Returns:
+        float64 [len(seeds)] in [0, 1).
+    """
+    with np.errstate(over="ignore"):
+        s = np.array([seed % 2**64 for seed in seeds], dtype=np.uint64)
+        t = np.asarray(counters, dtype=np.uint64)
+        start = _mix64(s + _GOLDEN)
+        z = _mix64(start + (t + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def step_uniforms(
+    params: Sequence[SamplingParams], counters: Sequence[int], default_generator: torch.Generator
+) -> np.ndarray:
+    """The uniform numbers of one step's rows: at most one draw of ``default_generator``.
+
+    Args:
+        params: each row's sampling parameters.
+        counters: each row's number of generated tokens so far (the position in its seed's stream).
+        default_generator: the engine's CPU generator, for sampled rows without a seed.
+
+    Returns:
+        float64 [B]: ``seeded_uniforms`` for sampled rows with a seed; one ``torch.rand`` call of
+        ``default_generator`` for the other sampled rows, in row order; 0 for greedy rows (unused).
+    """
+    out = np.zeros(len(params), dtype=np.float64)
+    seeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is not None]
+    shared = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+    if seeded:
+        out[seeded] = seeded_uniforms([params[i].seed for i in seeded], [counters[i] for i in seeded])
+    if shared:
+        out[shared] = torch.rand(len(shared), dtype=torch.float64, generator=default_generator).numpy()
+    return out
+
+
+def generator_uniforms(generators: Sequence[torch.Generator | None], default_generator: torch.Generator) -> np.ndarray:
+    """One uniform number per entry from explicit generators: one ``torch.rand`` call per distinct generator.
+
+    Entries that share a generator object draw from it in entry order; None entries draw from
+    ``default_generator``.
+
+    Returns:
+        float64 [len(generators)] in [0, 1).
+    """
+    out = np.zeros(len(generators), dtype=np.float64)
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, gen in enumerate(generators):
+        gen = default_generator if gen is None else gen
+        groups.setdefault(id(gen), (gen, []))[1].append(i)
+    for gen, rows in groups.values():
+        out[rows] = torch.rand(len(rows), dtype=torch.float64, generator=gen).numpy()
+    return out
+
+
+class HostStaging:
+    """Moves a step's small host arrays to the device in one copy, through buffers kept across steps.
+
+    On CUDA the arrays are packed into one pinned host buffer and copied with one non-blocking copy into
+    one device buffer; both are reused every step (grown when a step needs more), so the device
+    tensors a step reads sit at the same addresses each time, as a replayed CUDA graph needs. Before the
+    host buffer is refilled, the host waits for the event of its previous copy (long done in practice:
+    each step ends by reading its results). The device buffer is overwritten by the next upload, in
+    stream order after everything already enqueued that reads it: do not keep the returned tensors
+    past the step. On CPU the packed array itself is returned, a new one each time.
+
+    Args:
+        device: where the tensors go.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.num_uploads = 0
+        self._host: torch.Tensor | None = None
+        self._device_buffer: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def _buffers(self, total: int) -> tuple[np.ndarray | None, torch.Tensor | None]:
+        if self.device.type != "cuda":
+            return None, None
+        if self._host is None or self._host.numel() < total:
+            if self._event is not None:
+                self._event.synchronize()  # the old host buffer may still be read by its copy
+            capacity = max(total, 2 * (self._host.numel() if self._host is not None else 256))
+            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            self._device_buffer = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        elif self._event is not None and not self._event.query():
+            self._event.synchronize()  # query() does not block: no sync when the copy has landed
+        return self._host.numpy(), self._device_buffer
+
+    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Copy arrays to the device in one transfer.
+
+        Args:
+            arrays: int64 or float64 numpy arrays of any shape.
+
+        Returns:
+            One tensor per array, same dtype and shape, on the device.
+
+        Raises:
+            TypeError: an array of another dtype.
+        """
+        for a in arrays:
+            if a.dtype not in (np.int64, np.float64):
+                raise TypeError(f"HostStaging.upload takes int64 or float64 arrays, got {a.dtype}")
+        total = sum(a.size for a in arrays)
+        self.num_uploads += 1
+        host, device_buffer = self._buffers(total)
+        if host is None:
+            host = np.empty(total, dtype=np.int64)
+        offset = 0
+        for a in arrays:
+            host[offset : offset + a.size] = a.reshape(-1).view(np.int64)  # float64 travels as its bits
+            offset += a.size
+        if device_buffer is None:
+            packed = torch.from_numpy(host)
+        else:
+            assert self._host is not None
+            device_buffer[:total].copy_(self._host[:total], non_blocking=True)
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self.device))
+            packed = device_buffer
+        out = []
+        offset = 0
+        for a in arrays:
+            t = packed[offset : offset + a.size]
+            if a.dtype == np.float64:
+                t = t.view(torch.float64)
+            out.append(t.view(a.shape))
+            offset += a.size
+        return out
 
 
 def padded_histories(token_ids: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -171,13 +336,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_k: int | None = None
+) -> torch.Tensor:
     """Mask the logits outside each row's top-k and top-p sets with -inf.
 
     Args:
         logits: float32 [B, V], already divided by the temperature.
         top_k: int64 [B]; 0 keeps every token. None: no row uses top-k.
         top_p: float32 [B]; 1.0 keeps every token. None: no row uses top-p.
+        max_k: the largest k in use, with 0 counted as V and capped at V, when the caller knows it
+            on the host; None reads it from ``top_k`` (a device-to-host sync on CUDA).
 
     Returns:
         float32 [B, V], a new tensor; at least one token per row stays finite.
@@ -186,7 +355,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     vocab = logits.shape[-1]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        max_k = int(k.max())
+        if max_k is None:
+            max_k = int(k.max())
         kth = torch.topk(out, max_k, dim=-1).values.gather(1, (k - 1)[:, None])  # [B, 1]
         out.masked_fill_(out < kth, NEG_INF)
     if top_p is not None:
@@ -206,20 +376,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator,
+    generators: Sequence[torch.Generator | None] | None,
+    default_generator: torch.Generator | None,
     logprobs_mode: str = "temperature",
     return_logprobs: bool = True,
     token_ids: Sequence[Sequence[int]] | None = None,
     num_prompt_tokens: Sequence[int] | None = None,
+    uniform: np.ndarray | None = None,
+    staging: HostStaging | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row and its logprob.
 
     Args:
         logits: float32 [B, V], raw; row b belongs to the request with ``params[b]``.
         params: the sampling parameters of each row.
-        generators: each row's own generator (requests with a seed), or None.
-        default_generator: generator for sampled rows without their own.
+        generators: each row's own generator, or None (see ``generator_uniforms``); unused when
+            ``uniform`` is given (then it may be None).
+        default_generator: generator for sampled rows without their own; unused when ``uniform`` is given.
         logprobs_mode: "temperature": log_softmax(logits / T) of the raw logits at the token (T = 1
             for requests that do not sample); "raw": log_softmax(logits); "sampled": log of the
             probability of the token in the distribution it was drawn from: after the logits
@@ -229,12 +402,18 @@ def sample_tokens(
         token_ids: each row's sequence so far (prompt then generated tokens), read by the logits
             processors; None is allowed when no row has any.
         num_prompt_tokens: each row's prompt length, with ``token_ids``.
+        uniform: float64 [B] in [0, 1), the number each sampled row draws its token with (the
+            engine's ``step_uniforms``); None draws them from the generators.
+        staging: the buffers that carry the per-row values to the device (one copy per call); None
+            uses a fresh one.
 
     Returns:
-        int64 [B] tokens, and float32 [B] logprobs (or None).
+        int64 [B] tokens, and float32 [B] logprobs (or None), on the logits' device; nothing is read
+        back to the host.
 
     Raises:
-        ValueError: a row has logits processors and ``token_ids`` is None.
+        ValueError: a row has logits processors and ``token_ids`` is None, or neither ``uniform`` nor
+            the generators are given while a row samples.
     """
     raw = logits.float()
     logits = apply_logits_processors(raw, params, token_ids, num_prompt_tokens)
@@ -242,54 +421,75 @@ def sample_tokens(
     device = logits.device
     tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    processed_logprobs: torch.Tensor | None = None
-    temps = torch.tensor(
-        [p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params],
-        dtype=torch.float32,
-        device=device,
-    )
+    need_temps = bool(sampled_rows) or (return_logprobs and logprobs_mode == "temperature")
+    if not need_temps:
+        return tokens, (_logprobs(raw, logits, None, tokens, logprobs_mode) if return_logprobs else None)
+    # Every per-row value the device needs, gathered on the host and sent in one copy.
+    temps = np.array([p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params], dtype=np.float64)
+    arrays = [temps]
+    sub_params = [params[i] for i in sampled_rows]
+    use_top_k = any(p.top_k for p in sub_params)
+    use_top_p = any(p.top_p is not None and p.top_p < 1.0 for p in sub_params)
+    use_min_p = any(p.min_p for p in sub_params)
+    max_k = None
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=device)
-        sub_params = [params[i] for i in sampled_rows]
-        scaled = logits[rows] / temps[rows, None]
-        top_k = None
-        if any(p.top_k for p in sub_params):
-            top_k = torch.tensor([p.top_k or 0 for p in sub_params], device=device)
-        top_p = None
-        if any(p.top_p is not None and p.top_p < 1.0 for p in sub_params):
-            top_p = torch.tensor([p.top_p if p.top_p is not None else 1.0 for p in sub_params], device=device)
+        if uniform is None:
+            if generators is None or default_generator is None:
+                raise ValueError("sample_tokens needs uniform numbers or generators for its sampled rows")
+            u = generator_uniforms([generators[i] for i in sampled_rows], default_generator)
+        else:
+            u = np.asarray(uniform, dtype=np.float64)[sampled_rows]
+        arrays += [np.array(sampled_rows, dtype=np.int64), u]
+        if use_top_k:
+            ks = [p.top_k or 0 for p in sub_params]
+            arrays.append(np.array(ks, dtype=np.int64))
+            max_k = max(min(k, V) if k > 0 else V for k in ks)
+        if use_top_p:
+            arrays.append(np.array([p.top_p if p.top_p is not None else 1.0 for p in sub_params], dtype=np.float64))
+        if use_min_p:
+            arrays.append(np.array([p.min_p or 0.0 for p in sub_params], dtype=np.float64))
+    staged = iter((staging or HostStaging(device)).upload(*arrays))
+    temps_t = next(staged).float()
+    processed_logprobs: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    if sampled_rows:
+        rows, u_t = next(staged), next(staged)
+        top_k = next(staged) if use_top_k else None
+        top_p = next(staged).float() if use_top_p else None
+        min_p = next(staged).float() if use_min_p else None
+        scaled = logits[rows] / temps_t[rows, None]
         if top_k is not None or top_p is not None:
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        if any(p.min_p for p in sub_params):
-            min_p = torch.tensor([p.min_p or 0.0 for p in sub_params], dtype=torch.float32, device=device)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p, max_k)
+        if min_p is not None:
             scaled = apply_min_p(scaled, min_p)
         probs = torch.softmax(scaled, dim=-1)
-        # One uniform draw per row, from the row's own generator when it has one.
-        uniform = torch.empty(len(sampled_rows), dtype=torch.float64)
-        shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if shared:
-            uniform[shared] = torch.rand(len(shared), dtype=torch.float64, generator=default_generator)
-        for j, i in enumerate(sampled_rows):
-            gen = generators[i]
-            if gen is not None:
-                uniform[j] = torch.rand(1, dtype=torch.float64, generator=gen)
         # Inverse-CDF sampling in float64: the first token whose cumulative probability exceeds u.
         # Tokens of probability 0 (banned, or outside top-k/top-p/min-p) never are the first to exceed it.
         cdf = torch.cumsum(probs.double(), dim=-1)
-        u = (uniform.to(device) * cdf[:, -1])[:, None]
-        chosen = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=V - 1)
+        chosen = torch.searchsorted(cdf, (u_t * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
         tokens[rows] = chosen
         if return_logprobs and logprobs_mode == "sampled":
             processed_logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
     if not return_logprobs:
         return tokens, None
-    if logprobs_mode == "temperature":
+    logprobs = _logprobs(raw, logits, temps_t, tokens, logprobs_mode)
+    if processed_logprobs is not None:
+        logprobs[rows] = processed_logprobs
+    return tokens, logprobs
+
+
+def _logprobs(
+    raw: torch.Tensor, processed: torch.Tensor, temps: torch.Tensor | None, tokens: torch.Tensor, mode: str
+) -> torch.Tensor:
+    """float32 [B]: each row's logprob of its token in ``mode`` (see ``sample_tokens``).
+
+    ``temps`` (float32 [B]) is needed by the "temperature" mode only.
+    """
+    if mode == "temperature":
+        assert temps is not None
         lp = torch.log_softmax(raw / temps[:, None], dim=-1)
-    elif logprobs_mode == "raw":
+    elif mode == "raw":
         lp = torch.log_softmax(raw, dim=-1)
     else:  # "sampled": greedy rows drew from their processed logits
-        lp = torch.log_softmax(logits, dim=-1)
-    logprobs = lp.gather(1, tokens[:, None])[:, 0]
-    if processed_logprobs is not None:
-        logprobs[torch.tensor(sampled_rows, device=device)] = processed_logprobs
-    return tokens, logprobs
+        lp = torch.log_softmax(processed, dim=-1)
+    return lp.gather(1, tokens[:, None])[:, 0]

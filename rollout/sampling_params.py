@@ -115,8 +115,9 @@ class SamplingParams:
         temperature: > 0 to sample; 0 means greedy.
         top_k: keep the k most likely tokens (None or 0: all).
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
-        seed: seed of this request's own generator; the completion then does not depend
-            on the other requests of the batch.
+        seed: seed of this request's own random stream (``sampling.seeded_uniforms``: token t of
+            the completion draws number t); the completion then does not depend on the other
+            requests of the batch.
         eos_token_ids: token ids that end the request (the stop token is kept in the output).
             An int or a list is accepted and stored as a tuple.
         repetition_penalty: > 0; 1.0 is none. Every token id already in the sequence (prompt and

@@ -8,16 +8,27 @@ tensor is then written once per name, with the same value.
 
 ``weights_fingerprint`` lets a manager notice that the parameters changed without
 ``update_weights`` (an optimizer step on the shared model), so that it never serves prefix-cache
-blocks computed under the old weights.
+blocks computed under the old weights: a ``WeightWatch`` keeps the fingerprint last recorded and
+bumps the engine's weight version when the parameters moved since.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+logger = logging.getLogger(__name__)
+
+
+class VersionedEngine(Protocol):
+    """What a ``WeightWatch`` needs of an engine: the weight version that each generated token records."""
+
+    def bump_weight_version(self) -> int: ...
 
 
 def plan_weight_copy(
@@ -82,3 +93,49 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[int, ...]:
         out.append(param.data_ptr())
         out.append(param._version)
     return tuple(out)
+
+
+class WeightWatch:
+    """The parameters of a model as last recorded, to notice changes made without ``update_weights``.
+
+    The caller serializes the calls (the manager holds its lock).
+
+    Args:
+        model: the model watched; its current parameters are recorded.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._fingerprint = weights_fingerprint(model)
+
+    def changed(self) -> bool:
+        """True when the parameters changed since they were last recorded; records nothing."""
+        return weights_fingerprint(self.model) != self._fingerprint
+
+    def record(self) -> bool:
+        """Record the current parameters (a change made through ``update_weights`` is recorded this way).
+
+        Returns:
+            True when they had changed since the last record.
+        """
+        fingerprint = weights_fingerprint(self.model)
+        if fingerprint == self._fingerprint:
+            return False
+        self._fingerprint = fingerprint
+        return True
+
+    def bump_if_changed(self, engine: VersionedEngine | None) -> bool:
+        """With no step running: record the parameters and, if they changed, bump ``engine``'s weight version.
+
+        Args:
+            engine: the engine whose version moves; None (a destroyed manager) only records.
+
+        Returns:
+            True when the weights had changed (without ``update_weights``) since the last record.
+        """
+        if not self.record():
+            return False
+        if engine is not None:
+            version = engine.bump_weight_version()
+            logger.info("the model's parameters changed without update_weights: weight version %d", version)
+        return True

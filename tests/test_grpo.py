@@ -187,6 +187,37 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
         assert_close(g, p.grad, atol=1e-4 * scale)  # fp32: padded micro-batches vs one unpadded sequence
 
 
+# ---------------------------------------------------------------------- engine memory next to training
+def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(tmp_path):
+    """Issue 13 case 4: without engine.num_blocks the cache holds the sequences in flight, but never more
+    than ``training_memory_percent`` of usable memory: 3 x the trainable bytes set aside for gradients and
+    AdamW moments (allocated only after the engine), then half of the rest, minus the logits workspace."""
+    # batch 8, prompts <= 256 tokens, 10 new tokens, block 32 on CPU; a small token budget keeps the
+    # logits workspace small enough for the tiny model's numbers below.
+    trainer = tiny_trainer(tmp_path, engine={"max_batch_tokens": 8})
+    try:
+        model = trainer.unwrapped
+        wanted = 8 * (-(-(256 + 10) // 32) + 1) + 8  # in flight x (blocks per sequence + 1) + 8 = 88
+        assert trainer.manager.engine.num_blocks == wanted  # a CPU has room for it
+        state = 3 * sum(p.numel() * 4 for p in model.parameters())
+        usable = 3 * state // 2
+        per_block = (2 * 2 * 2 * 16 * 4) * 32  # bytes per token (2 layers, 2 KV heads, dim 16, fp32) x 32
+        workspace = 8 * 256 * (4 + 32)  # token budget x vocab x (fp32 logits + 8 float32)
+        share = 0.5 * (usable - state) / usable  # 1/6: below the CPU default 0.25
+        fits = int((usable * share - workspace) // per_block)
+        assert 0 < fits < wanted
+        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == fits
+        # An explicit share replaces the training default; an explicit num_blocks is taken as is.
+        trainer.config.engine["max_memory_percent"] = 0.1
+        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == int(
+            (usable * 0.1 - workspace) // per_block
+        )
+        trainer.config.engine["num_blocks"] = 500
+        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == 500
+    finally:
+        trainer.close()
+
+
 # ---------------------------------------------------------------------- logprob parity
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_trainer_logprobs_equal_engine_logprobs(temperature):

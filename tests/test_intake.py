@@ -1,4 +1,5 @@
-"""The manager's inbox without a thread: ids, back-pressure, cancels before and after the engine has a request."""
+"""The manager's intake without a thread: the request checks (parameters, prompts, fit, seeds), then the inbox:
+ids, back-pressure, cancels before and after the engine has a request."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import threading
 
 import pytest
 
-from rollout.intake import Inbox, QueueFullError
+from rollout.intake import (
+    Inbox,
+    QueueFullError,
+    check_fits,
+    checked_batch,
+    checked_request,
+    derive_seeds,
+    request_params,
+)
 from rollout.outputs import OutputRouter
 from rollout.requests import FINISH_REASON_OF_STATUS, Request, RequestStatus
 from rollout.sampling_params import SamplingParams
@@ -30,6 +39,82 @@ class FakeEngine:
         if req is not None:
             req.status, req.error, req.finish_reason = status, error, FINISH_REASON_OF_STATUS[status]
         return req
+
+
+class FittingEngine:
+    """What the checks need of an engine: ``check_request``, refusing requests longer than ``capacity`` tokens."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self.checked: list[tuple[str | None, int, SamplingParams]] = []
+
+    def check_request(self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self.checked.append((request_id, num_prompt_tokens, params))
+        if num_prompt_tokens + params.max_new_tokens > self.capacity:
+            raise ValueError(f"request {request_id!r} needs more tokens than the cache holds")
+
+
+def test_derive_seeds_spreads_one_int_and_keeps_a_sequence() -> None:
+    assert derive_seeds(7, 3) == [7, 8, 9]
+    assert derive_seeds(None, 2) == [None, None]
+    assert derive_seeds([3, None], 2) == [3, None] and derive_seeds((1, 1), 2) == [1, 1]
+    assert derive_seeds("x", 2) == ["x", "x"]  # not an int: SamplingParams names it later
+    with pytest.raises(ValueError, match="seed holds 1 seeds for 2 inputs"):
+        derive_seeds([1], 2)
+
+
+def test_request_params_put_the_overrides_on_the_caller_s_params_or_the_defaults() -> None:
+    defaults = SamplingParams(max_new_tokens=4, temperature=0.5, do_sample=True)
+    params = request_params(defaults, None, vocab_size=16, per_request_processors=True, max_new_tokens=2, seed=3)
+    assert (params.max_new_tokens, params.temperature, params.seed) == (2, 0.5, 3)
+    mine = SamplingParams(max_new_tokens=9)
+    params = request_params(defaults, mine, vocab_size=16, per_request_processors=True, top_k=None)
+    assert params.max_new_tokens == 9 and not params.do_sample
+    with pytest.raises(ValueError, match="eos"):
+        request_params(defaults, None, vocab_size=16, per_request_processors=True, eos_token_id=16)
+
+
+def test_request_params_refuse_other_processor_values_without_per_request_processors() -> None:
+    defaults = SamplingParams(max_new_tokens=4, temperature=0.5, do_sample=True)
+    same = request_params(defaults, None, vocab_size=16, per_request_processors=False, max_new_tokens=2, seed=1)
+    assert same.max_new_tokens == 2  # max_new_tokens and seeds may still differ
+    with pytest.raises(ValueError, match="temperature=0.7: per_request_processors is False"):
+        request_params(defaults, None, vocab_size=16, per_request_processors=False, temperature=0.7)
+
+
+def test_checked_request_checks_the_prompt_the_id_and_the_fit() -> None:
+    engine = FittingEngine(capacity=8)
+    assert checked_request(engine, (5, 6), "a", PARAMS, vocab_size=16) == ("a", [5, 6], PARAMS)
+    assert engine.checked == [("a", 2, PARAMS)]
+    with pytest.raises(ValueError, match="input_ids"):
+        checked_request(engine, [5, 16], None, PARAMS, vocab_size=16)
+    with pytest.raises(ValueError, match="request_id must be a str or None, got 3"):
+        checked_request(engine, [5], 3, PARAMS, vocab_size=16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^input_ids: request 'b' needs more tokens"):
+        checked_request(engine, list(range(7)), "b", PARAMS, vocab_size=16)
+    with pytest.raises(RuntimeError, match="destroyed and accepts no request"):
+        checked_request(None, [5], None, PARAMS, vocab_size=16)
+    with pytest.raises(ValueError, match="input_ids"):  # the prompt is checked before the engine
+        checked_request(None, [], None, PARAMS, vocab_size=16)
+
+
+def test_checked_batch_sorts_by_prompt_seeds_each_request_and_names_the_bad_input() -> None:
+    engine = FittingEngine(capacity=8)
+    items, order = checked_batch(engine, [[9, 1], [2], [9, 0]], PARAMS, [None, 5, 6], vocab_size=16)
+    assert [prompt for _, prompt, _ in items] == [[2], [9, 0], [9, 1]] and order == [1, 2, 0]
+    assert [params.seed for _, _, params in items] == [5, 6, None] and items[2][2] is PARAMS
+    assert all(rid is None for rid, _, _ in items)
+    with pytest.raises(ValueError, match=r"^inputs\[1\]: request None needs more tokens"):
+        checked_batch(engine, [[1], list(range(7))], PARAMS, [None, None], vocab_size=16)
+    with pytest.raises(ValueError, match=r"inputs\[0\]"):
+        checked_batch(engine, [[99]], PARAMS, [None], vocab_size=16)
+    assert checked_batch(engine, [], PARAMS, [], vocab_size=16) == ([], [])
+
+
+def test_check_fits_names_the_argument() -> None:
+    check_fits(FittingEngine(capacity=8), "a", [1, 2], PARAMS, "x")
+    with pytest.raises(ValueError, match=r"^inputs\[3\]: request 'a'"):
+        check_fits(FittingEngine(capacity=2), "a", [1, 2], PARAMS, "inputs[3]")
 
 
 def make_inbox(max_queue_size: int = 0) -> tuple[Inbox, OutputRouter, FakeEngine]:

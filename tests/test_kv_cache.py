@@ -1,13 +1,18 @@
-"""kv_cache: the paged K/V tensors and the CPU offload pool are ordinary tensors, whatever mode builds them;
-block copies within the cache."""
+"""kv_cache: the paged K/V tensors and the CPU offload pool (ordinary tensors whatever mode builds them; exact
+pinned size; copies that land before they are read), block copies within the cache, and the sizing of the cache
+from usable memory."""
 
 from __future__ import annotations
 
+import gc
+
+import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
-from rollout.kv_cache import CacheShape, CPUOffloadPool, PagedKVCache
+import rollout
+from rollout import ContinuousBatchingConfig, Engine, RequestStatus, init_continuous_batching, kv_cache
+from rollout.kv_cache import GIB, CacheShape, CPUOffloadPool, PagedKVCache
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
 
@@ -56,3 +61,211 @@ def test_offload_works_for_a_manager_built_inside_inference_mode() -> None:
         assert manager.engine.stats.num_offloads > 0
     finally:
         manager.destroy()
+
+
+# ---------------------------------------------------------------- issue 13 case 3: the offload pool
+SHAPE = CacheShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)  # 128 bytes per token
+BS = 4
+BYTES_PER_BLOCK = 128 * BS  # 512
+
+
+def filled_cache(num_blocks: int, device: str = "cpu", shape: CacheShape = SHAPE, block_size: int = BS) -> PagedKVCache:
+    """A cache whose every K/V entry is a distinct value (so a misplaced copy shows)."""
+    cache = PagedKVCache(shape, num_blocks=num_blocks, block_size=block_size, device=torch.device(device))
+    numel = cache.key[0].numel()
+    for layer in range(shape.num_layers):
+        base = 2 * layer * numel
+        values = torch.arange(base, base + 2 * numel, device=device).to(shape.dtype)
+        cache.key[layer].copy_(values[:numel].view_as(cache.key[layer]))
+        cache.value[layer].copy_(values[numel:].view_as(cache.value[layer]))
+    return cache
+
+
+def block_contents(cache: PagedKVCache, block: int) -> torch.Tensor:
+    """[layers, 2, block_size, heads, dim]: one cache block of every layer, the pool's block layout."""
+    rows = slice(block * cache.block_size, (block + 1) * cache.block_size)
+    return torch.stack([torch.stack((cache.key[i][rows], cache.value[i][rows])) for i in range(len(cache.key))])
+
+
+def test_offload_pool_is_one_buffer_of_exactly_the_blocks_that_fit_the_space() -> None:
+    pool = CPUOffloadPool(SHAPE, space_gib=10.5 * BYTES_PER_BLOCK / GIB, block_size=BS)
+    assert pool.num_blocks == 10
+    assert pool.size_bytes == 10 * BYTES_PER_BLOCK == 5120  # not a power of two: nothing rounded up
+    assert pool.buffer.untyped_storage().nbytes() == 5120
+    assert tuple(pool.blocks.shape) == (10, 2, 2, BS, 2, 4)
+    # key/value are views of the one buffer, not separate allocations.
+    assert pool.key[1].untyped_storage().data_ptr() == pool.buffer.data_ptr()
+    assert pool.allocate(3) == [0, 1, 2]  # ascending: a request's blocks form one run
+
+
+def test_pinned_pool_page_locks_its_one_buffer_for_exactly_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's pinned allocator rounds every pin_memory=True tensor up to a power of two (5120 -> 8192);
+    # the pool pins its buffer in place instead, so the pinned bytes are what was asked.
+    locked: list[tuple[int, int]] = []
+    unlocked: list[int] = []
+    monkeypatch.setattr(kv_cache, "_page_lock", lambda t: locked.append((t.data_ptr(), t.untyped_storage().nbytes())))
+    monkeypatch.setattr(kv_cache, "_page_unlock", lambda t: unlocked.append(t.data_ptr()))
+    pool = CPUOffloadPool(SHAPE, space_gib=10.5 * BYTES_PER_BLOCK / GIB, block_size=BS, pin=True)
+    assert pool.pinned
+    assert locked == [(pool.buffer.data_ptr(), 5120)]
+    pool.close()
+    pool.close()
+    assert unlocked == [pool.buffer.data_ptr()] and not pool.pinned
+
+
+def test_store_and_load_move_every_layer_of_each_block_also_out_of_order() -> None:
+    cache = filled_cache(num_blocks=8)
+    expected = {b: block_contents(cache, b).clone() for b in range(8)}
+    pool = CPUOffloadPool(SHAPE, space_gib=6 * BYTES_PER_BLOCK / GIB, block_size=BS)
+    first = pool.allocate(3)
+    pool.store(cache, [5, 1, 3], first)
+    pool.free([first[1]])  # block 1 of the pool is free again: the next request gets 1, then 3, 4
+    second = pool.allocate(3)
+    assert second == [1, 3, 4]  # two runs: [1] and [3, 4]
+    pool.store(cache, [6, 0, 7], second)
+    held = pool.read_blocks(first[:1] + first[2:] + second)
+    want = [expected[b] for b in (5, 3, 6, 0, 7)]
+    assert torch.equal(held, torch.stack(want))
+    # Load back into other cache blocks: each receives exactly the block stored from its source.
+    cache.key[0].zero_()
+    cache.value[1].zero_()
+    pool.load(cache, second, [2, 5, 4])
+    for dst, src in zip([2, 5, 4], [6, 0, 7], strict=True):
+        assert torch.equal(block_contents(cache, dst), expected[src]), (dst, src)
+
+
+# ---------------------------------------------------------------- issue 13 case 4: memory sizing
+MIB = 1024**2
+
+
+def test_memory_report_counts_torch_cached_memory_as_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second engine, or one built after a training step, finds the memory the first one (or the step)
+    # freed in torch's caching allocator: the driver calls it used, torch hands it out first.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * GIB)
+    report = kv_cache.memory_report(torch.device("cuda", 0))
+    assert (report.free, report.cached, report.usable) == (3 * GIB, 6 * GIB, 9 * GIB)
+    assert kv_cache.usable_memory_bytes(torch.device("cuda", 0)) == 9 * GIB
+
+
+def test_logits_workspace_is_batch_tokens_times_vocab_times_the_logits_and_eight_float32() -> None:
+    assert kv_cache.logits_workspace_bytes(64, 256, torch.float32) == 64 * 256 * (4 + 32)
+    assert kv_cache.logits_workspace_bytes(2048, 49152, torch.bfloat16) == 2048 * 49152 * (2 + 32)
+
+
+def test_num_blocks_for_memory_takes_the_workspace_out_of_the_share() -> None:
+    per_block = SHAPE.bytes_per_token * BS  # 512
+    blocks = kv_cache.num_blocks_for_memory(
+        SHAPE, BS, torch.device("cpu"), 0.5, workspace_bytes=1 * MIB, usable_bytes=10 * MIB
+    )
+    assert blocks == (5 * MIB - 1 * MIB) // per_block == 8192
+    # A workspace larger than the share still leaves one block (and a warning).
+    assert kv_cache.num_blocks_for_memory(SHAPE, BS, torch.device("cpu"), 0.5, 6 * MIB, usable_bytes=10 * MIB) == 1
+
+
+def test_engine_sizes_its_cache_from_usable_memory_minus_the_logits_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_cache, "usable_memory_bytes", lambda device: 8 * MIB)
+    model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16, fp32, vocab 256
+    cfg = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_memory_percent=0.5)
+    engine = Engine(model, cfg)
+    try:
+        per_block = (2 * 2 * 2 * 16 * 4) * 4  # bytes per token x tokens per block = 2048
+        workspace = 64 * VOCAB_SIZE * (4 + 32)  # 589,824
+        assert engine.num_blocks == (4 * MIB - workspace) // per_block == 1760
+        assert rollout.num_blocks_for_model(model, cfg) == 1760
+    finally:
+        engine.close()
+
+
+def test_training_share_sets_aside_three_times_the_trainable_bytes_then_takes_half() -> None:
+    model = tiny_llama()
+    state = 3 * sum(p.numel() * 4 for p in model.parameters())
+    assert kv_cache.training_state_bytes(model) == state
+    # usable 1.5 x state: half of the remaining third is 1/6 of the usable memory.
+    assert rollout.training_memory_percent(model, usable_bytes=3 * state // 2) == pytest.approx(1 / 6)
+    # Never above the engine's own default for the device (0.25 on CPU).
+    assert rollout.training_memory_percent(model, usable_bytes=10 * state) == 0.25
+    # The state alone fills the memory: the floor, not 0 (max_memory_percent must be > 0).
+    assert rollout.training_memory_percent(model, usable_bytes=state) == kv_cache.MIN_TRAINING_MEMORY_PERCENT
+    # Frozen parameters get no gradient nor optimizer state.
+    model.model.embed_tokens.weight.requires_grad_(False)
+    frozen = 3 * model.model.embed_tokens.weight.numel() * 4
+    assert kv_cache.training_state_bytes(model) == state - frozen
+
+
+# ---------------------------------------------------------------- CUDA (run by the GPU check script)
+@pytest.mark.cuda
+def test_cuda_pool_is_pinned_exactly_and_a_read_right_after_store_sees_the_copied_blocks() -> None:
+    # Large blocks, so that the device-to-host copies are still in flight when the host reads: the
+    # old pool scattered a non-blocking copy's destination on the host before the copy landed.
+    shape = CacheShape(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    block_size = 256
+    per_block = shape.bytes_per_token * block_size  # 8 MiB
+    cache = PagedKVCache(shape, num_blocks=72, block_size=block_size, device=torch.device("cuda"))
+    for t in cache.key + cache.value:
+        t.normal_()
+    pool = CPUOffloadPool(shape, space_gib=(64 * per_block + per_block // 2) / GIB, block_size=block_size, pin=True)
+    try:
+        assert pool.num_blocks == 64 and pool.size_bytes == 64 * per_block  # not rounded up to a power of two
+        assert pool.buffer.is_pinned() and pool.pinned
+        src = list(range(3, 67))
+        ids = pool.allocate(64)
+        pool.store(cache, src, ids)
+        held = pool.read_blocks(ids)
+        want = torch.stack([block_contents(cache, b) for b in src]).cpu()
+        assert torch.equal(held, want)
+        # Restores read the pool on the device side, ordered after the stores by the event.
+        pool.load(cache, ids[:8], list(range(8)))
+        for i in range(8):
+            assert torch.equal(block_contents(cache, i).cpu(), want[i])
+    finally:
+        pool.close()
+
+
+@pytest.mark.cuda
+def test_cuda_offload_preemption_generates_what_model_generate_does() -> None:
+    model = tiny_llama().cuda()
+    prompts = random_prompts(8, VOCAB_SIZE, min_len=10, max_len=30, seed=6)
+    gen_config = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=14, safety_margin=0.0, cpu_offload_space=0.01)
+    manager = init_continuous_batching(model, gen_config, cfg)
+    assert manager.engine.offload_pool is not None and manager.engine.offload_pool.pinned
+    manager.start()
+    try:
+        outs = [manager.get_result(r, timeout=120) for r in manager.add_requests(prompts)]
+        assert [o.status for o in outs] == [RequestStatus.FINISHED] * 8, outs[0].error
+        cpu_model = tiny_llama()  # the same weights, for the reference
+        assert [o.generated_tokens for o in outs] == [reference_greedy(cpu_model, p, 16, None) for p in prompts]
+        assert manager.engine.stats.num_offloads > 0
+    finally:
+        manager.destroy()
+
+
+@pytest.mark.cuda
+def test_cuda_engine_built_after_a_destroyed_one_gets_as_many_blocks() -> None:
+    # mem_get_info does not count what the first engine's cache left in torch's caching allocator.
+    model = tiny_llama().cuda()
+    cfg = ContinuousBatchingConfig(max_memory_percent=0.3)
+    first = Engine(model, cfg)
+    n_first, cache_bytes = first.num_blocks, first.cache.size_bytes
+    first.close()
+    del first
+    gc.collect()
+    # The first cache is back in torch's allocator, which the driver still counts as used.
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 0.9 * cache_bytes
+    second = Engine(model, cfg)
+    try:
+        assert second.num_blocks >= 0.97 * n_first
+    finally:
+        second.close()
+
+
+@pytest.mark.cuda
+def test_cuda_training_share_is_half_of_what_the_training_state_leaves() -> None:
+    model = tiny_llama().cuda()
+    state = kv_cache.training_state_bytes(model)
+    usable = 100 * state
+    assert rollout.training_memory_percent(model, usable_bytes=usable) == pytest.approx(0.5 * 99 / 100)
+    measured = rollout.training_memory_percent(model)
+    assert 0.4 < measured <= 0.5  # a GPU has far more than 3 x the tiny model's bytes free

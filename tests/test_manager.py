@@ -30,7 +30,7 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
-from rollout.manager import persistent_manager_of
+from rollout.persistence import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import StepControl, reference_greedy
 

@@ -1,15 +1,25 @@
 """Sampling on hand-made logits: top-k/top-p/min-p masks, logits processors, greedy rows, per-request seeds,
-frequencies, logprob modes."""
+frequencies, logprob modes; the seeded streams, the one generator draw per step and the host staging."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from rollout.requests import SamplingParams
-from rollout.sampling import apply_logits_processors, apply_min_p, apply_top_k_top_p, sample_tokens
+from rollout.sampling import (
+    HostStaging,
+    apply_logits_processors,
+    apply_min_p,
+    apply_top_k_top_p,
+    generator_uniforms,
+    sample_tokens,
+    seeded_uniforms,
+    step_uniforms,
+)
 from tests.utils import assert_close
 
 NEG = float("-inf")
@@ -466,3 +476,105 @@ def test_temperature_and_raw_logprobs_ignore_the_processors(mode: str) -> None:
     temps = [p.temperature if (mode == "temperature" and not p.greedy) else 1.0 for p in PROC_PARAMS]
     expected = [torch.log_softmax(logits[b] / t, dim=-1)[tok].item() for b, (tok, t) in enumerate(zip(tokens, temps))]
     assert_close(logprobs, expected, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ issue 13 case 7: host work
+def test_seeded_uniforms_are_a_function_of_seed_and_position_only() -> None:
+    seeds, counters = [7, 7, 8, 2**70, -3], [0, 1, 0, 5, 5]
+    together = seeded_uniforms(seeds, counters)
+    alone = [seeded_uniforms([s], [t])[0] for s, t in zip(seeds, counters, strict=True)]
+    assert together.tolist() == alone  # a row's number does not depend on the other rows
+    assert together.tolist() == seeded_uniforms(seeds, counters).tolist()  # reproducible
+    assert len(set(together.tolist())) == 5  # position and seed both matter
+    assert seeded_uniforms([2**70], [5])[0] == seeded_uniforms([2**70 % 2**64], [5])[0]  # seeds mod 2**64
+
+
+@pytest.mark.parametrize("axis", ["neighbouring_seeds", "one_seed_positions"])
+def test_seeded_uniforms_are_uniform_and_neighbouring_streams_uncorrelated(axis: str) -> None:
+    n = 20_000
+    if axis == "neighbouring_seeds":
+        u = seeded_uniforms(list(range(n)), [0] * n)
+        v = seeded_uniforms(list(range(1, n + 1)), [0] * n)  # seed s+1 next to seed s
+    else:
+        u = seeded_uniforms([1234] * n, list(range(n)))
+        v = seeded_uniforms([1234] * n, list(range(1, n + 1)))  # position t+1 next to t
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(torch.from_numpy(u), bins=10, min=0.0, max=1.0).tolist()
+    # 9 degrees of freedom: P(chi2 > 35) ~ 6e-5; the numbers are fixed, so the test is deterministic.
+    assert sum((c - n / 10) ** 2 / (n / 10) for c in counts) < 35.0
+    # Correlation of neighbours: about N(0, 1/sqrt(n)) = 0.007 for independent streams.
+    assert abs(torch.corrcoef(torch.from_numpy(np.stack([u, v])))[0, 1].item()) < 0.03
+
+
+def test_step_uniforms_draw_the_engine_generator_once_per_step_and_never_for_seeded_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real_rand = torch.rand
+
+    def counting_rand(*args, **kwargs):
+        calls.append(args[0])
+        return real_rand(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", counting_rand)
+    seeded = [SamplingParams(do_sample=True, seed=s) for s in range(4)]
+    unseeded = [SamplingParams(do_sample=True)] * 3
+    greedy = [SamplingParams()]
+    u = step_uniforms(seeded + greedy, [3, 0, 1, 9, 0], generator(0))
+    assert calls == []  # seeded rows: no generator at all
+    assert u[:4].tolist() == seeded_uniforms([0, 1, 2, 3], [3, 0, 1, 9]).tolist() and u[4] == 0.0
+    mixed = step_uniforms(unseeded[:1] + seeded[:2] + unseeded[1:] + greedy, [0] * 6, generator(0))
+    assert calls == [3]  # the three unseeded rows share one draw
+    assert mixed[[0, 3, 4]].tolist() == torch.rand(3, dtype=torch.float64, generator=generator(0)).tolist()
+
+
+def test_generator_uniforms_draw_once_per_distinct_generator_in_row_order() -> None:
+    shared = generator(5)
+    u = generator_uniforms([shared, None, shared, shared], generator(9))
+    own = torch.rand(3, dtype=torch.float64, generator=generator(5)).tolist()
+    assert [u[0], u[2], u[3]] == own
+    assert u[1] == torch.rand(1, dtype=torch.float64, generator=generator(9)).item()
+
+
+def test_sample_tokens_with_given_uniforms_equals_the_generator_path() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(5, 40)
+    params = [
+        SamplingParams(do_sample=True, temperature=0.8, top_k=7),
+        SamplingParams(),
+        SamplingParams(do_sample=True, top_p=0.6, seed=3),
+        SamplingParams(do_sample=True, temperature=1.3, min_p=0.05),
+        SamplingParams(do_sample=True, top_k=3, top_p=0.9),
+    ]
+    tokens, logprobs = sample_tokens(
+        logits, params, [None, None, generator(3), None, None], generator(11), logprobs_mode="sampled"
+    )
+    rows = [0, 2, 3, 4]  # row 1 is greedy and draws nothing
+    uniform = np.zeros(5)
+    uniform[rows] = generator_uniforms([None, generator(3), None, None], generator(11))
+    again, again_lp = sample_tokens(logits, params, None, None, logprobs_mode="sampled", uniform=uniform)
+    assert again.tolist() == tokens.tolist()
+    assert again_lp.tolist() == logprobs.tolist()
+    with pytest.raises(ValueError, match="needs uniform numbers or generators"):
+        sample_tokens(logits, params, None, None)
+
+
+def test_top_k_with_the_largest_k_known_on_the_host_masks_the_same() -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(4, 30)
+    top_k = torch.tensor([0, 3, 45, 10])  # 0 and 45 mean all 30
+    assert torch.equal(apply_top_k_top_p(logits, top_k, None, max_k=30), apply_top_k_top_p(logits, top_k, None))
+
+
+def test_host_staging_sends_int64_and_float64_arrays_in_one_upload() -> None:
+    staging = HostStaging(torch.device("cpu"))
+    ints = np.arange(6, dtype=np.int64).reshape(2, 3)
+    floats = np.array([0.1, -2.5, 1e-300], dtype=np.float64)
+    empty = np.zeros(0, dtype=np.int64)
+    a, b, c = staging.upload(ints, floats, empty)
+    assert a.dtype == torch.int64 and a.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert b.dtype == torch.float64 and b.tolist() == [0.1, -2.5, 1e-300]  # bit-exact
+    assert c.shape == (0,)
+    assert staging.num_uploads == 1
+    with pytest.raises(TypeError, match="int64 or float64"):
+        staging.upload(np.zeros(2, dtype=np.int32))

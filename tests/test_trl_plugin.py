@@ -8,6 +8,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig
 
+import rollout
+import rollout.kv_cache
 from rollout import ContinuousBatchingConfig
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close
@@ -158,3 +160,44 @@ def test_rejects_unsupported_sampling_options(tiny_llama_dir, tmp_path):
             train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * 4}),
             processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
         )
+
+
+@pytest.mark.parametrize(
+    ("given", "expected_percent"),
+    [
+        (ContinuousBatchingConfig(page_size=4), "training"),  # nothing set: the training share
+        (ContinuousBatchingConfig(page_size=4, max_memory_percent=0.2), 0.2),  # the user's share stays
+        (ContinuousBatchingConfig(page_size=4, num_blocks=48), None),  # an explicit cache size stays
+    ],
+    ids=["default", "explicit_share", "explicit_blocks"],
+)
+def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
+    tiny_llama_dir, tmp_path, monkeypatch, given, expected_percent
+):
+    # Issue 13 case 4: the manager is built at the first generation, before gradients and optimizer
+    # state exist; the engine's default (0.9 of memory on CUDA) would leave the first backward nothing.
+    monkeypatch.setattr(rollout.kv_cache, "usable_memory_bytes", lambda device: 64 * 1024**2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, report_to="none", bf16=False,
+    )  # fmt: skip
+    trainer = RolloutGRPOTrainer(
+        model=tiny_llama_dir,
+        reward_funcs=mean_token_id_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * 4}),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        continuous_batching_config=given,
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    try:
+        manager = trainer._ensure_manager()
+        state = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if expected_percent == "training":
+            expected_percent = min(0.25, 0.5 * (64 * 1024**2 - state) / (64 * 1024**2))  # 0.25 cap on CPU
+            assert rollout.training_memory_percent(model) == expected_percent
+        assert manager.cb_config.max_memory_percent == expected_percent
+        blocks = 48 if given.num_blocks else rollout.num_blocks_for_model(model, manager.cb_config)
+        assert manager.engine.num_blocks == blocks
+    finally:
+        trainer.close_rollout_manager()

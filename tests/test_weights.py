@@ -1,4 +1,5 @@
-"""plan_weight_copy and copy_weights: everything is checked before anything is copied; tied weights keep both names."""
+"""plan_weight_copy and copy_weights: everything is checked before anything is copied; tied weights keep both names.
+WeightWatch: changes made without update_weights are noticed once, and bump the engine's weight version."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollout.weights import copy_weights, plan_weight_copy
+from rollout.weights import WeightWatch, copy_weights, plan_weight_copy
 from tests.tiny_models import VOCAB_SIZE, tiny_llama
 
 
@@ -50,3 +51,41 @@ def test_bad_tensors_are_refused(make, error: type[Exception], match: str) -> No
     model = tiny_llama()
     with pytest.raises(error, match=match):
         plan_weight_copy(model, make(model.lm_head.weight.detach()))
+
+
+class VersionCounter:
+    """What a WeightWatch needs of an engine: ``bump_weight_version``."""
+
+    def __init__(self) -> None:
+        self.weight_version = 0
+
+    def bump_weight_version(self) -> int:
+        self.weight_version += 1
+        return self.weight_version
+
+
+def test_a_watch_notices_in_place_writes_and_replaced_tensors_once() -> None:
+    model = tiny_llama()
+    watch = WeightWatch(model)
+    assert not watch.changed() and not watch.record()
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert watch.changed() and watch.changed()  # looking records nothing
+    assert watch.record() and not watch.changed() and not watch.record()
+    model.lm_head.weight.data = model.lm_head.weight.detach().clone()
+    assert watch.changed()
+
+
+def test_a_watch_bumps_the_version_only_when_the_weights_changed(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_llama()
+    watch, engine = WeightWatch(model), VersionCounter()
+    assert not watch.bump_if_changed(engine) and engine.weight_version == 0
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    with caplog.at_level("INFO", logger="rollout.weights"):
+        assert watch.bump_if_changed(engine) and engine.weight_version == 1
+    assert "changed without update_weights: weight version 1" in caplog.text
+    assert not watch.bump_if_changed(engine) and engine.weight_version == 1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert watch.bump_if_changed(None) and not watch.changed()  # no engine: only recorded

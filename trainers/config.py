@@ -122,7 +122,9 @@ class GRPOConfig:
         cpu_threads: torch threads per process on CPU; None: the CPUs this process may use
             divided by the processes on this machine.
         engine: ``rollout.ContinuousBatchingConfig`` fields. When ``num_blocks`` is not given
-            the cache is sized for the batches in flight.
+            the cache is sized for the batches in flight, capped at what fits the engine's share of
+            memory next to training (``max_memory_percent``, else
+            ``rollout.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
     """
 
     model: str = "smollm2-135m-instruct"

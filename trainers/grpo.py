@@ -248,7 +248,7 @@ class GRPOTrainer:
                 top_p=None,
                 eos_token_id=self.eos_token_ids,
             ),
-            self._engine_config(),
+            self._engine_config(self.unwrapped),
         )
         self.state = TrainerState(0, config.max_steps)
         self._pending: deque[_Batch] = deque()
@@ -287,7 +287,20 @@ class GRPOTrainer:
                         f"(columns: {sorted(columns)})"
                     )
 
-    def _engine_config(self) -> rollout.ContinuousBatchingConfig:
+    def _engine_config(
+        self, model: PreTrainedModel, usable_bytes: int | None = None
+    ) -> rollout.ContinuousBatchingConfig:
+        """The engine's settings: ``engine``, and when it sets no ``num_blocks``, a cache for the batches in flight.
+
+        That cache holds every sequence in flight at full length (plus slack), but never more than fits
+        the engine's memory share next to training: ``engine.max_memory_percent`` when set, else
+        ``rollout.training_memory_percent(model)`` (room left for the gradients and AdamW moments,
+        which exist only after the first step, then TRL's 0.5 share of the rest).
+
+        Args:
+            model: the policy, on its training device.
+            usable_bytes: the device's usable memory; None measures it.
+        """
         cfg = self.config
         if cfg.engine.get("num_blocks") is not None:
             return cfg.engine_config()
@@ -295,7 +308,22 @@ class GRPOTrainer:
         block = base.resolved_block_size(self.accelerator.device.type)
         per_seq = -(-(cfg.max_prompt_length + cfg.max_new_tokens) // block) + 1
         in_flight = (cfg.effective_prefetch + 1) * cfg.batch_size
-        return cfg.engine_config(num_blocks=in_flight * per_seq + 8)
+        wanted = in_flight * per_seq + 8
+        percent = base.max_memory_percent
+        if percent is None:
+            percent = rollout.training_memory_percent(model, usable_bytes)
+        fits = rollout.num_blocks_for_model(model, base, memory_percent=percent, usable_bytes=usable_bytes)
+        if fits < wanted:
+            logger.warning(
+                "KV cache: %d blocks hold the %d sequences in flight, %.0f%% of usable memory holds %d; using %d "
+                "(requests wait for blocks; set engine.num_blocks or engine.max_memory_percent to override)",
+                wanted,
+                in_flight,
+                100 * percent,
+                fits,
+                fits,
+            )
+        return cfg.engine_config(num_blocks=min(wanted, fits))
 
     # ------------------------------------------------------------------ data
     def _dataset_index(self, k: int) -> int:

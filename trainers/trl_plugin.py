@@ -72,6 +72,7 @@ from rollout import (
     GenerationOutput,
     RequestStatus,
     init_continuous_batching,
+    training_memory_percent,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,11 @@ class RolloutGRPOTrainer(GRPOTrainer):
         continuous_batching_config: engine settings (block size, cache size, token
             budget...). ``return_logprobs`` is forced to True; ``logprobs_mode`` must be
             ``"temperature"``; an unset ``seed`` becomes ``args.seed`` plus the process index.
+            With neither ``num_blocks`` nor ``max_memory_percent`` set, the cache takes
+            ``rollout.training_memory_percent(model)`` of the usable memory when the manager is
+            built (at the first generation, before any gradient or optimizer state exists): the
+            room of the gradients and AdamW moments (3 x the trainable parameters' bytes) set
+            aside, 0.5 of the rest, TRL's own default for its continuous-batching path.
 
     Attributes:
         rollout_summary: after the manager is destroyed, its last statistics
@@ -183,7 +189,10 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 top_p=self.top_p,
                 eos_token_id=list(self.eos_token_ids),
             )
-            manager = init_continuous_batching(model, gc, self.rollout_cb_config)
+            cb = self.rollout_cb_config
+            if cb.num_blocks is None and cb.max_memory_percent is None:
+                cb = self.rollout_cb_config = dataclasses.replace(cb, max_memory_percent=training_memory_percent(model))
+            manager = init_continuous_batching(model, gc, cb)
             manager.start()
             logger.info("rollout manager started on %s (%s)", type(model).__name__, self.rollout_cb_config)
             self._rollout_manager = manager
