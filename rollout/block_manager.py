@@ -5,8 +5,12 @@ by a hash chained over (parent block hash, the block's token ids, the weight
 version). Hits compare the stored token ids, so a hash collision can never hand a
 request the KV of other tokens. Freed blocks that carry a hash go to the tail of an
 LRU free queue and keep their hash until the block is handed out again, so the
-group of G completions of one GRPO prompt, or the next turn of a conversation,
-finds the prompt's blocks still there.
+next turn of a conversation, or a prompt sampled again later, finds its blocks still there.
+
+Only full blocks are hashed. The G samples of one prompt submitted together share more: the
+scheduler prefills the prompt once and forks the others from it (``share``: every block, the
+partial last one included; the KV cache manager copies a shared partial block before a request
+writes into it).
 """
 
 from __future__ import annotations
@@ -138,6 +142,21 @@ class BlockManager:
                 del self.free_queue[block_id]
             block.ref_count += 1
         self.num_prefix_cache_hit_blocks += len(block_ids)
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Give blocks that a request holds to one more request (a fork): ref count + 1 each.
+
+        Unlike ``acquire`` this takes held blocks only, cached or not (a fork also shares the
+        partial last block, which no hash names), and counts no prefix-cache hit.
+
+        Raises:
+            RuntimeError: a block is free (ref count 0); nothing is changed then.
+        """
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count <= 0:
+                raise RuntimeError(f"block {block_id} is free and cannot be shared")
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Release a request's blocks. Blocks whose ref count drops to 0 join the free queue.

@@ -68,6 +68,10 @@ class EngineStats:
         num_offloads: preempted requests whose KV went to the CPU pool (not recomputed).
         num_prefix_cache_hit_blocks: blocks handed to requests from the prefix cache (a block
             shared by G requests counts G times when each found it in the cache).
+        num_forks: requests forked from another's prefill of the same tokens, which they did not
+            compute (of the G samples of a prompt submitted together, G - 1).
+        num_block_copies: shared blocks copied before a request wrote into them (copy-on-write of
+            the partial last block of a forked prompt).
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
     """
@@ -79,6 +83,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_offloads: int = 0
     num_prefix_cache_hit_blocks: int = 0
+    num_forks: int = 0
+    num_block_copies: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
 
@@ -409,6 +415,8 @@ class Engine:
         stats.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
         stats.num_generated_tokens += len(runner_output.sampled_token_ids)
         stats.num_prefix_cache_hit_blocks = self.block_manager.num_prefix_cache_hit_blocks
+        stats.num_forks += len(scheduler_output.forks)
+        stats.num_block_copies = self.kv_cache_manager.num_block_copies
         if scheduler_output.is_decode_only:
             stats.decode_step_seconds.append(seconds)
             stats.decode_step_batch.append(len(scheduler_output.scheduled))

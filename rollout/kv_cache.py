@@ -333,6 +333,28 @@ class PagedKVCache:
         self.key[layer_idx].index_copy_(0, slot_mapping, key)
         self.value[layer_idx].index_copy_(0, slot_mapping, value)
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks within the cache, every layer (copy-on-write of a shared block).
+
+        Every source is read before any destination is written, so a block may be the source of
+        one pair and the destination of a later one (freed and reused in the same step).
+
+        Args:
+            pairs: (source block id, destination block id); destinations are distinct.
+        """
+        if not pairs:
+            return
+        bs = self.block_size
+        slots: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # a sharded cache: per device
+        for layer, device in enumerate(self.layer_devices):
+            if device not in slots:
+                offsets = torch.arange(bs, device=device)
+                ids = torch.tensor(pairs, dtype=torch.int64, device=device)  # [P, 2]
+                slots[device] = ((ids[:, 0:1] * bs + offsets).reshape(-1), (ids[:, 1:2] * bs + offsets).reshape(-1))
+            src, dst = slots[device]
+            for tensors in (self.key, self.value):
+                tensors[layer].index_copy_(0, dst, tensors[layer].index_select(0, src))
+
 
 def _page_lock(buffer: torch.Tensor) -> None:
     """Page-lock (pin) a CPU tensor's whole storage in place, exactly its bytes (``cudaHostRegister``).

@@ -10,12 +10,20 @@ The scheduler reasons in tokens; it asks this manager for the blocks behind them
   the safety margin where asked, cannot hold them; nothing changes on a refusal;
 - ``cache_blocks``: hash the blocks a step fills, so later requests can share them;
 - ``free`` and ``uncache``: give blocks back, drop blocks whose KV is not (or no longer) valid;
+- ``fork``: a request takes every block of another with the same tokens (prompt forking);
 - ``offload``, ``finish_restore``, ``drop_offloaded``: the CPU pool's blocks of preempted requests.
 
 The arithmetic of one step, for a request with c computed tokens that is given n more: it holds
 ``ceil((c + n) / block_size)`` blocks afterwards; of those it lacks ``ceil((c + n) / block_size) -
 len(block_table)``. A prefix-cache hit that nobody holds sits in the free queue and costs a free
 block when it is taken; a hit that another request holds costs nothing.
+
+Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n``
+sibling samples and copies a shared last block on the first append): a block that the step writes
+and that another request also holds costs one fresh block more; the request takes the fresh block
+in its place and, when the shared block already holds some of its tokens, the step copies it first
+(``take_block_copies``). After a fork only the partial last block is ever written while shared: of
+G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ class KVCacheManager:
         self.safety_margin_blocks = int(safety_margin * block_manager.num_blocks)
         self.offload_pool = offload_pool
         self.num_offloads = 0  # preempted requests whose KV went to the CPU pool
+        self.num_block_copies = 0  # copy-on-write copies of shared blocks
+        # (source block, destination block) of this step's copy-on-write, in the order decided.
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,7 +104,9 @@ class KVCacheManager:
 
         After success the request holds ``blocks_needed(num_computed_tokens +
         num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then
-        ``new_computed_blocks`` (shared prefix-cache hits), then fresh ones.
+        ``new_computed_blocks`` (shared prefix-cache hits), then fresh ones. An old block that the
+        new tokens write and that another request holds too is replaced by a fresh one
+        (copy-on-write, see the module docstring); the copy is queued for ``take_block_copies``.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are already in its blocks.
@@ -110,7 +123,10 @@ class KVCacheManager:
         """
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_fresh = -(-total // self.block_size) - len(request.block_table) - len(new_computed_blocks)
-        if num_fresh <= 0 and not new_computed_blocks:
+        # Hits and restores go to a request that holds no block yet: only a running request can
+        # write into blocks it shares.
+        shared = [] if new_computed_blocks else self._shared_blocks_written(request, num_new_tokens)
+        if num_fresh <= 0 and not new_computed_blocks and not shared:
             return True  # the blocks it holds suffice: most decode steps
         bm = self.block_manager
         # A hit nobody holds sits in the free queue: taking it costs a free block too.
@@ -118,8 +134,10 @@ class KVCacheManager:
         if new_computed_blocks:
             num_evictable_hits = sum(1 for b in new_computed_blocks if bm.blocks[b].ref_count == 0)
         margin = self.safety_margin_blocks if keep_margin else 0
-        if bm.num_free_blocks - num_evictable_hits - max(num_fresh, 0) < margin:
+        if bm.num_free_blocks - num_evictable_hits - max(num_fresh, 0) - len(shared) < margin:
             return False
+        if shared:
+            self._copy_on_write(request, shared)
         if new_computed_blocks:
             bm.acquire(new_computed_blocks)
             request.block_table.extend(new_computed_blocks)
@@ -127,6 +145,58 @@ class KVCacheManager:
         if num_fresh > 0:
             request.block_table.extend(bm.allocate(num_fresh))
         return True
+
+    def _shared_blocks_written(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices into the block table of the blocks that the next tokens write and others hold too."""
+        if num_new_tokens <= 0:
+            return []
+        bs = self.block_size
+        c = request.num_computed_tokens
+        table = request.block_table
+        blocks = self.block_manager.blocks
+        last = min(len(table), -(-(c + num_new_tokens) // bs))
+        return [i for i in range(c // bs, last) if blocks[table[i]].ref_count > 1]
+
+    def _copy_on_write(self, request: Request, indices: list[int]) -> None:
+        """Replace the shared blocks at ``indices`` of the request's table by fresh ones (enough are free)."""
+        bm = self.block_manager
+        table = request.block_table
+        fresh = bm.allocate(len(indices))
+        for i, dst in zip(indices, fresh):
+            src = table[i]
+            if i * self.block_size < request.num_computed_tokens:
+                # The block holds some of the request's computed tokens: their KV moves with it.
+                self._block_copies.append((src, dst))
+                self.num_block_copies += 1
+            bm.free([src])  # the other holders keep it
+            table[i] = dst
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies queued since the last call, in order; the queue empties.
+
+        The model runner makes them before the step's forward. A source block stays intact until
+        then: it is held by another request, or was freed in this same scheduling pass, and nothing
+        writes a block before the forward but these copies (in order) and offload restores (after).
+        """
+        copies, self._block_copies = self._block_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` every block of ``parent`` (same tokens, prefill done): shared, ref count + 1.
+
+        The idea is vLLM v0's ``n`` sampling: the prompt of a sequence group is prefilled once and
+        its sequence forked into the other samples after the first token is sampled. The full
+        blocks stay shared for good; the partial last block is copied when a holder writes into it
+        (``allocate_slots``).
+
+        Raises:
+            RuntimeError: ``child`` already holds blocks.
+        """
+        if child.block_table:
+            raise RuntimeError(f"request {child.request_id!r} holds blocks and cannot be forked")
+        self.block_manager.share(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
 
     # ------------------------------------------------------------------ prefix cache
     def cache_blocks(self, request: Request, num_tokens: int, weight_version: int) -> None:

@@ -1,9 +1,10 @@
 """The model runner: a scheduled step in, sampled tokens, logprobs and scores out.
 
 ``ModelRunner.execute`` does the device work of one step, as nano-vllm's and vLLM's runners
-do: the KV copies of offload preemption, one flattened forward of the model through the paged
-cache, then sampling and the logprobs of scoring requests. It reads requests but changes none:
-``Scheduler.update_from_output`` applies what it returns.
+do: the KV copies of offload preemption and of copy-on-write, one flattened forward of the model
+through the paged cache, then sampling (a forked request samples from its parent's logits row) and
+the logprobs of scoring requests. It reads requests but changes none: ``Scheduler.update_from_output``
+applies what it returns.
 
 Host work per step is batched so that the device runs without waiting on Python: the step's
 index tensors (token ids, positions, slots, block tables, kept rows, score targets) are built
@@ -258,19 +259,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step: the offload copies, the forward, the sampling and the scores.
+        """Run one step: the KV copies, the forward, the sampling and the scores.
 
         Args:
             scheduler_output: the step; its requests' blocks are allocated.
 
         Returns:
-            The sampled token ids and logprobs (one per sampling request, batch order) and the
-            prompt logprobs of scoring requests. Empty when nothing is scheduled.
+            The sampled token ids and logprobs (one per sampling request, batch order, then one per
+            fork of ``scheduler_output.forks``) and the prompt logprobs of scoring requests. Empty
+            when nothing is scheduled.
 
         Raises:
             Whatever the forward raises; nothing of the requests has changed then.
         """
-        self._move_offloaded_kv(scheduler_output)
+        self._move_kv(scheduler_output)
         if scheduler_output.is_empty:
             return RunnerOutput()
         logits, plan = self.run(scheduler_output.scheduled)
@@ -283,9 +285,18 @@ class ModelRunner:
         logprobs = None
         if plan.sampled:
             sampled = plan.sampled
+            sample_logits = logits[: plan.num_sample_rows]
+            if scheduler_output.forks:
+                # Each fork samples from its parent's row (the last prompt token, computed once),
+                # with its own parameters and random stream.
+                row_of = {id(req): i for i, req in enumerate(sampled)}
+                parent_rows = [row_of[id(parent)] for parent, _ in scheduler_output.forks]
+                index = torch.tensor(parent_rows, dtype=torch.int64, device=sample_logits.device)
+                sample_logits = torch.cat([sample_logits, sample_logits.index_select(0, index)])
+                sampled = sampled + [child for _, child in scheduler_output.forks]
             params = [r.params for r in sampled]
             tokens, logprobs = sample_tokens(
-                logits[: plan.num_sample_rows],
+                sample_logits,
                 params,
                 None,
                 None,
@@ -307,7 +318,7 @@ class ModelRunner:
                 result.prompt_logprobs.append((req, host[i : i + count]))
                 i += count
         if plan.sampled:
-            b = len(plan.sampled)
+            b = len(plan.sampled) + len(scheduler_output.forks)
             result.sampled_token_ids = [int(t) for t in host[i : i + b]]
             result.logprobs = host[i + b : i + 2 * b] if logprobs is not None else None
         return result
@@ -326,17 +337,22 @@ class ModelRunner:
             logits = logits.index_select(0, rows)
         return logits.float(), plan
 
-    def _move_offloaded_kv(self, scheduler_output: SchedulerOutput) -> None:
-        """Copy preempted requests' KV to the CPU pool, and restored requests' KV back.
+    def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's KV copies before its forward: offloads, copy-on-write copies, restores.
 
-        Offloads first: a victim's freed blocks may already be handed to a restored request in
-        the same step (and are written by this step's forward, after the copies).
+        Offloads first: a victim's freed blocks may already be handed to a restored request, or be
+        the destination of a copy-on-write, in the same step (and are written by this step's
+        forward, after the copies). Copies before restores: a copy's source block, freed in the
+        same pass, may be a restored request's block.
         """
         pool = self.offload_pool
+        if pool is not None:
+            for blocks, pool_ids in scheduler_output.offloads:
+                pool.store(self.cache, blocks, pool_ids)
+        if scheduler_output.block_copies:
+            self.cache.copy_blocks(scheduler_output.block_copies)
         if pool is None:
             return
-        for blocks, pool_ids in scheduler_output.offloads:
-            pool.store(self.cache, blocks, pool_ids)
         for req, blocks in scheduler_output.restores:
             assert req.offloaded is not None
             pool.load(self.cache, req.offloaded[0], blocks)

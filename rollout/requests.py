@@ -65,7 +65,8 @@ class GenerationOutput:
             request whose tokens are all computed), "cancelled", "error", or None while the
             request runs.
         created_time: ``time.perf_counter()`` seconds when the request was added.
-        num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache.
+        num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache, or from the
+            request with the same prompt that this one was forked from (then the whole prompt).
         prompt_logprobs: for scoring requests, the logprobs of the scored prompt tokens.
         lifespan: ``time.perf_counter()`` seconds (first scheduled, ended), as in transformers;
             -1 for a moment that has not come (or never came: a request cancelled while waiting).
@@ -111,6 +112,9 @@ class Request:
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
         stop_matcher: decides whether a sampled token completes one of the request's stop strings;
             set by the engine when the request is queued (None: no stop strings).
+        fork_parent: while this request waits for another request's prefill of the same tokens (a
+            "parked" fork, see ``Scheduler``), that request; None otherwise.
+        forks: the requests parked on this one; they are forked from it when its prefill completes.
     """
 
     def __init__(
@@ -149,6 +153,9 @@ class Request:
         # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
         self.offloaded: tuple[list[int], int] | None = None
         self.stop_matcher: StopStringMatcher | None = None
+        # Prompt forking (the scheduler writes both): the G samples of one prompt are prefilled once.
+        self.fork_parent: Request | None = None
+        self.forks: list[Request] = []
 
     @property
     def prefill_only(self) -> bool:

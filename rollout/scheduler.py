@@ -21,6 +21,22 @@ of the queue. With recompute, its prompt plus generated tokens are computed agai
 it is re-admitted (its full blocks may still be found in the prefix cache); with
 offload, its KV is copied to a CPU pool and copied back on re-admission.
 
+Prompt forking: a waiting request whose tokens equal those of a generation request whose prefill
+is in flight (admitted, nothing sampled since) is not prefilled again. It is parked on that request
+(``request.fork_parent``; it is then in neither queue) and, in the step that completes the parent's
+prefill, it samples its first token from the parent's logits row and takes the parent's blocks
+(``KVCacheManager.fork``: full blocks shared, the partial last block copied when first written). So
+the G samples of a prompt compute it once, whatever the block size: the prefix cache alone shares
+full blocks only, none of a prompt shorter than a block. This is vLLM v0's ``n`` sampling (one
+sequence group prefilled, then forked), found here by matching tokens, so it holds however the
+samples arrive (``num_return_sequences``, ``add_requests([p] * G)``, G calls of ``add_request``).
+Parking is tried for the head of the waiting queue only and costs no budget; like an admission it
+needs free blocks (less the safety margin): one per parked fork, the block each takes at its first
+write. Parked forks sample in their parent's step without counting against
+``max_requests_per_batch`` (they compute no token). A parent preempted or recomputed keeps its
+forks; a parent cancelled or failed hands them back to the head of the queue, where the first is
+admitted and the others park on it.
+
 The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``:
 at admission and preemption in ``schedule``, after the forward in ``update_from_output``,
 and in ``finish_request``.
@@ -65,6 +81,11 @@ class SchedulerOutput:
             the forward.
         restores: (request, device blocks) to copy the request's offloaded KV into
             (from ``request.offloaded``'s pool blocks) before the forward.
+        block_copies: (source block, destination block) device copies of copy-on-write, made
+            after the offloads and before the restores and the forward, in order.
+        forks: (parent, child): the parked requests forked in this step. The parent's prefill
+            completes (it samples); each child samples its first token from the parent's logits
+            row and takes the parent's blocks after the forward.
         total_num_scheduled_tokens: tokens computed in the step (T).
         num_scheduled_prompt_tokens: how many of those are prompt tokens.
         is_decode_only: every scheduled request computes one token and samples it.
@@ -74,6 +95,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     offloads: list[tuple[list[int], list[int]]] = field(default_factory=list)
     restores: list[tuple[Request, list[int]]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     num_scheduled_prompt_tokens: int = 0
     is_decode_only: bool = False
@@ -89,7 +112,8 @@ class RunnerOutput:
     """What the model runner returns for a step, for ``Scheduler.update_from_output`` to apply.
 
     Attributes:
-        sampled_token_ids: one token id per scheduled request with ``sample``, in batch order.
+        sampled_token_ids: one token id per scheduled request with ``sample``, in batch order,
+            then one per fork of ``SchedulerOutput.forks``, in that order.
         logprobs: one logprob per sampled token when logprobs are recorded, else None.
         prompt_logprobs: (scoring request, the logprobs of the positions it scored this step).
     """
@@ -107,6 +131,8 @@ class Scheduler:
         max_batch_tokens: token budget of one step (>= 1).
         max_requests_per_batch: most requests in one step, None for no cap.
         scheduler_type: "fifo" or "prefill_first".
+        fork_prompts: park and fork requests whose tokens equal an in-flight prefill (see the module
+            docstring); None: when block sharing (prefix caching) is on.
     """
 
     def __init__(
@@ -115,11 +141,20 @@ class Scheduler:
         max_batch_tokens: int,
         max_requests_per_batch: int | None = None,
         scheduler_type: str = "fifo",
+        fork_prompts: bool | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests_per_batch or 1 << 30
         self.scheduler_type = scheduler_type
+        if fork_prompts is None:
+            fork_prompts = kv_cache_manager.block_manager.enable_prefix_caching
+        self.fork_prompts = fork_prompts
+        # The generation requests whose prefill is in flight (admitted, nothing sampled since), by
+        # their tokens: the parents that a waiting request with the same tokens parks on; and the
+        # key of each, by id(request), so that forgetting one builds no key.
+        self._prefilling: dict[tuple[int, ...], Request] = {}
+        self._prefilling_key: dict[int, tuple[int, ...]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -151,6 +186,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
+        """True while a request waits or runs (a parked fork's parent does one or the other)."""
         return bool(self.waiting or self.running)
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
@@ -175,8 +211,19 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status in (RequestStatus.PREFILLING, RequestStatus.DECODING):
             self.running.remove(req)
+        elif req.fork_parent is not None:
+            req.fork_parent.forks.remove(req)
+            req.fork_parent = None
         else:
             self.waiting.remove(req)
+        self._forget_prefill(req)
+        if req.forks:
+            # Cancelled or failed before its prefill completed: its forks prefill for themselves
+            # (the first one admitted becomes the parent of the others), first in the queue.
+            for fork in reversed(req.forks):
+                fork.fork_parent = None
+                self.waiting.appendleft(fork)
+            req.forks = []
         del self.requests[req.request_id]
         kv = self.kv_cache_manager
         kv.free(req)
@@ -202,6 +249,64 @@ class Scheduler:
             self.waiting.appendleft(req)
         self.running.clear()
 
+    # ------------------------------------------------------------------ prompt forking
+    def _remember_prefill(self, req: Request) -> None:
+        """``req`` is admitted: requests with the same tokens queued behind it will park on it."""
+        if self.fork_prompts and not req.prefill_only and id(req) not in self._prefilling_key:
+            key = tuple(req.token_ids)
+            if key not in self._prefilling:
+                self._prefilling[key] = req
+                self._prefilling_key[id(req)] = key
+
+    def _forget_prefill(self, req: Request) -> None:
+        """``req`` samples or ends: no request parks on it from now on."""
+        key = self._prefilling_key.pop(id(req), None)
+        if key is not None:
+            del self._prefilling[key]
+
+    def _fork_parent(self, req: Request) -> Request | None:
+        """The request whose in-flight prefill of the same tokens a waiting request can park on, or None.
+
+        Only a generation request without offloaded KV parks (a scoring request needs logits of its
+        own; an offloaded one has its KV already).
+        """
+        if not self._prefilling or req.prefill_only or req.offloaded is not None:
+            return None
+        parent = self._prefilling.get(tuple(req.token_ids))
+        if parent is req:  # a preempted parent comes back through the queue itself
+            return None
+        return parent
+
+    def _room_for_one_more_fork(self) -> bool:
+        """True when the free blocks, less the safety margin while requests run, hold one block for
+        each parked fork and one more: what a fork takes at its first write (a copy of the shared
+        partial last block, or a new block). Parking, like an admission, keeps that room."""
+        kv = self.kv_cache_manager
+        margin = kv.safety_margin_blocks if self.running else 0
+        num_parked = sum(len(parent.forks) for parent in self._prefilling.values())
+        return kv.num_free_blocks - num_parked - 1 >= margin
+
+    def _list_forks(self, out: SchedulerOutput) -> None:
+        """The parked requests of the parents whose prefill this step completes, into ``out.forks``."""
+        for entry in out.scheduled:
+            parent = entry.request
+            if entry.sample and parent.forks:
+                now = time.perf_counter()
+                for child in parent.forks:
+                    out.forks.append((parent, child))
+                    if child.lifespan[0] < 0:  # first scheduled: the step that samples its first token
+                        child.lifespan = (now, -1.0)
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        """After the step that completed ``parent``'s prefill: ``child`` takes its blocks and runs."""
+        child.fork_parent = None
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if child.num_preemptions == 0:
+            child.num_cached_prompt_tokens = child.num_prompt_tokens
+        child.status = RequestStatus.DECODING
+        self.running.append(child)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Choose the requests and token counts of the next step; their blocks are allocated."""
@@ -216,6 +321,9 @@ class Scheduler:
             if not out.preempted:
                 self._admit_waiting(chosen, out)
         out.scheduled = list(chosen.values())
+        # After every preemption of the pass: a preempted parent keeps its forks parked.
+        self._list_forks(out)
+        out.block_copies = self.kv_cache_manager.take_block_copies()
         out.total_num_scheduled_tokens = self.max_batch_tokens - self._budget
         num_prompt = 0
         decode_only = True
@@ -262,11 +370,23 @@ class Scheduler:
         Request r of t tokens reuses h computed tokens (prefix-cache hits, or its offloaded KV) and
         gets ``n = min(t - h, budget)`` more. It is admitted when its blocks for ``h + n`` tokens fit
         in the free blocks less the safety margin (no margin when nothing runs, so a big request can
-        always start); otherwise admission stops, keeping arrival order.
+        always start); otherwise admission stops, keeping arrival order. A request at the head whose
+        tokens are being prefilled by another is parked on it instead, even when the budget is spent,
+        if the blocks allow (``_room_for_one_more_fork``); otherwise admission stops too.
         """
         kv = self.kv_cache_manager
-        while self.waiting and self._budget > 0 and len(chosen) < self.max_requests:
+        while self.waiting:
             req = self.waiting[0]
+            parent = self._fork_parent(req)
+            if parent is not None:
+                if not self._room_for_one_more_fork():
+                    return
+                self.waiting.popleft()
+                req.fork_parent = parent
+                parent.forks.append(req)
+                continue
+            if self._budget <= 0 or len(chosen) >= self.max_requests:
+                return
             hits, num_cached = kv.get_computed_blocks(req, self.weight_version)
             n = min(req.num_tokens - num_cached, self._budget)
             if not kv.allocate_slots(req, n, hits, num_cached, keep_margin=bool(self.running)):
@@ -281,6 +401,7 @@ class Scheduler:
             if req.lifespan[0] < 0:  # first admission (a preempted request keeps its first)
                 req.lifespan = (time.perf_counter(), -1.0)
             self.running.append(req)
+            self._remember_prefill(req)
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
             kv.cache_blocks(req, num_cached + n, self.weight_version)
             self._budget -= n
@@ -318,9 +439,12 @@ class Scheduler:
 
         Each scheduled request advances ``num_computed_tokens`` by its scheduled tokens. A
         sampling request appends its token (with logprob and weight version) and either finishes
-        (a stop token or max_new_tokens: FINISHED, blocks freed) or goes on DECODING. A scoring
-        request records its prompt logprobs and finishes, reason "scored", once all its tokens are
-        computed. Restored requests give their CPU pool blocks back.
+        (a stop token or max_new_tokens: FINISHED, blocks freed) or goes on DECODING. The forks of
+        a request whose prefill completed take its blocks and computed tokens (before it may
+        finish and free them), join the running requests and append their own token the same
+        way, right after it. A scoring request records its prompt logprobs and finishes, reason
+        "scored", once all its tokens are computed. Restored requests give their CPU pool blocks
+        back.
 
         Args:
             scheduler_output: the step as scheduled.
@@ -338,18 +462,30 @@ class Scheduler:
         logprobs = runner_output.logprobs
         version = self.weight_version
         updated: list[Request] = []
+        # The forks' tokens follow those of the scheduled requests.
+        k = sum(1 for entry in scheduler_output.scheduled if entry.sample)
+        fork_rows: dict[int, list[tuple[Request, int]]] = {}
+        for parent, child in scheduler_output.forks:
+            fork_rows.setdefault(id(parent), []).append((child, k))
+            k += 1
         k = 0
         for entry in scheduler_output.scheduled:
             req = entry.request
             req.num_computed_tokens += entry.num_scheduled_tokens
             if entry.sample:
-                req.append_token(tokens[k], logprobs[k] if logprobs is not None else None, version)
+                self._forget_prefill(req)
+                children = fork_rows.get(id(req), ())
+                for child, _ in children:
+                    req.forks.remove(child)
+                    self._fork(req, child)
+                for r, row in ((req, k), *children):
+                    r.append_token(tokens[row], logprobs[row] if logprobs is not None else None, version)
+                    if r.done:
+                        self._finish(r, RequestStatus.FINISHED)
+                    else:
+                        r.status = RequestStatus.DECODING
+                    updated.append(r)
                 k += 1
-                if req.done:
-                    self._finish(req, RequestStatus.FINISHED)
-                else:
-                    req.status = RequestStatus.DECODING
-                updated.append(req)
             elif req.prefill_only and req.num_computed_tokens == req.num_tokens:
                 req.finish_reason = FINISH_SCORED
                 self._finish(req, RequestStatus.FINISHED)

@@ -133,12 +133,21 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "reward_first5": mean("reward_mean", steps[:5]),
         "reward_last5": mean("reward_mean", last),
         "correct_last5": mean("rewards/correctness", last),
-        "format_last5": mean("rewards/format", last),
+        # Whichever format reward the variant used (format or format_if_correct).
+        "format_last5": _nanfirst(mean("rewards/format", last), mean("rewards/format_if_correct", last)),
         "len_last5": mean("completion_len_mean", last),
         "is_ratio_max": max(r.get("is_ratio_max", 0.0) for r in steps),
         "steps": len(steps),
         "minutes": float(wall.read_text()) / 60 if wall.exists() else math.nan,
     }
+
+
+def _nanfirst(*values: float) -> float:
+    return next((v for v in values if not math.isnan(v)), math.nan)
+
+
+def _after(run: dict[str, Any], name_seed: bool) -> str:
+    return _fmt(run["eval_after"]) + (f" (s{run['seed']})" if name_seed else "")
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -151,7 +160,10 @@ def _mean(values: list[float]) -> float:
 
 
 def table(results: dict[str, list[dict[str, Any]]], seeds: list[int]) -> str:
-    """One row per variant: held-out accuracy per seed and its mean change, training metrics averaged over seeds."""
+    """One row per variant: held-out accuracy per seed and its mean change, training metrics averaged over seeds.
+
+    A variant with fewer runs than ``seeds`` (``--table-only``) names the seeds it has: ``0.885 (s0)``.
+    """
     head = (
         f"| variant | what it changes | eval acc before | eval acc after (seeds {', '.join(map(str, seeds))}) | "
         "mean change | eval len after | reward steps 1-5 | reward last 5 | correctness last 5 | format last 5 | "
@@ -160,11 +172,12 @@ def table(results: dict[str, list[dict[str, Any]]], seeds: list[int]) -> str:
     )
     lines = []
     for name, runs in results.items():
-        m = {k: _mean([r[k] for r in runs]) for k in runs[0] if k != "commit"}
+        m = {k: _mean([r[k] for r in runs]) for k in runs[0] if k not in ("commit", "seed")}
         change = m["eval_after"] - m["eval_before"]
         lines.append(
             f"| {name} | {VARIANTS[name][1]} | {_fmt(m['eval_before'])} | "
-            f"{' / '.join(_fmt(r['eval_after']) for r in runs)} | {'+' if change >= 0 else ''}{_fmt(change)} | "
+            f"{' / '.join(_after(r, len(runs) < len(seeds)) for r in runs)} | "
+            f"{'+' if change >= 0 else ''}{_fmt(change)} | "
             f"{_fmt(m['eval_len_after'], 1)} | {_fmt(m['reward_first5'])} | {_fmt(m['reward_last5'])} | "
             f"{_fmt(m['correct_last5'])} | {_fmt(m['format_last5'])} | {_fmt(m['len_last5'], 1)} | "
             f"{_fmt(max(r['is_ratio_max'] for r in runs), 2)} | {_fmt(m['minutes'], 1)} |"
@@ -195,12 +208,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (default: 0)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each gets cores / parallel threads)")
     parser.add_argument("--reuse", action="store_true", help="keep the runs already complete in --runs-dir")
+    parser.add_argument(
+        "--table-only",
+        action="store_true",
+        help="run nothing: the table from the complete runs in --runs-dir (a variant lists the seeds it has)",
+    )
     parser.add_argument("--note", default="", help="a paragraph written under the header (markdown)")
     args = parser.parse_args(argv)
     names = args.only or list(VARIANTS)
     jobs = [(f"{n}_s{seed}", {**VARIANTS[n][0], "seed": seed}) for n in names for seed in args.seeds]
-    run_all(jobs, args.runs_dir, args.config, args.reuse, args.parallel)
-    results = {n: [summarize(args.runs_dir / f"{n}_s{seed}") for seed in args.seeds] for n in names}
+    if not args.table_only:
+        run_all(jobs, args.runs_dir, args.config, args.reuse, args.parallel)
+    results = {
+        n: [
+            {**summarize(args.runs_dir / f"{n}_s{seed}"), "seed": seed}
+            for seed in args.seeds
+            if _complete(args.runs_dir / f"{n}_s{seed}" / "metrics.jsonl", {**VARIANTS[n][0], "seed": seed})
+        ]
+        for n in names
+    }
+    missing = [n for n, runs in results.items() if not runs]
+    if missing:
+        print(f"error: no complete run of {', '.join(missing)} in {args.runs_dir}", file=sys.stderr)
+        return 1
     commits = sorted({r["commit"] for runs in results.values() for r in runs})
     text = (
         "# GRPO ablation: held-out accuracy of recipe variants\n\n"

@@ -1,12 +1,12 @@
 """Tests of the generation benchmark (``rollout-bench``, rollout/benchmarks/) on a tiny random Llama: the pieces
-run and the JSON has what readers expect."""
+run and the JSON has what readers expect; the prompt-forking benchmark's counts."""
 
 import json
 import re
 
 import pytest
 
-from rollout.benchmarks import generation, workloads
+from rollout.benchmarks import generation, prompt_fork, workloads
 from rollout.benchmarks.report import format_table, new_report, write_json
 from tests import tiny_models
 
@@ -144,3 +144,18 @@ def test_build_prompts_is_the_chat_template_with_the_shared_system_prompt_in_fro
     shared = workloads.build_prompts(tokenizer, ["t7 t8"], workloads.WORKLOADS["shared-prefix"])
     system_words = len(workloads.SHARED_PREFIX_SYSTEM_PROMPT.read_text().split())
     assert shared[0][0] == 3 and shared[0][-5:] == plain[0] and len(shared[0]) == system_words + 2 + 5
+
+
+def test_prompt_fork_benchmark_counts_the_prompt_tokens_with_forking_off_and_on(tmp_path):
+    path = tmp_path / "fork.json"
+    args = ["--num-samples", "3", "--prompt-len", "10", "--max-new-tokens", "3", "--block-sizes", "4", "16"]
+    args += ["--repeats", "1", "--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "256"]
+    assert prompt_fork.main([*args, "--json", str(path)]) == 0
+    rows = {(r["block_size"], r["fork"]): r for r in json.loads(path.read_text())["rows"]}
+    # Off: the prefix cache gives the 2 others the 2 full blocks of 4 (block 4) or nothing (block 16).
+    assert rows[4, False]["prompt_tokens_computed"] == 10 + 2 * 2
+    assert rows[16, False]["prompt_tokens_computed"] == 3 * 10
+    for block_size in (4, 16):
+        on = rows[block_size, True]
+        assert on["prompt_tokens_computed"] == 10 and on["forks"] == 2 and on["block_copies"] == 2
+        assert on["outputs_equal_fork_off"] and rows[block_size, False]["forks"] == 0

@@ -59,6 +59,21 @@ def test_acquire_raises_ref_count_and_block_is_free_only_after_last_release() ->
     assert bm.num_prefix_cache_hit_blocks == 2
 
 
+def test_share_raises_ref_counts_of_held_blocks_counts_no_hit_and_refuses_a_free_block() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    blocks = bm.allocate(2)
+    bm.share(blocks)
+    assert [bm.blocks[b].ref_count for b in blocks] == [2, 2]
+    assert bm.num_free_blocks == 2 and bm.num_prefix_cache_hit_blocks == 0
+    with pytest.raises(RuntimeError, match="block 3 is free"):
+        bm.share([blocks[0], 3])
+    assert [bm.blocks[b].ref_count for b in (*blocks, 3)] == [2, 2, 0]  # nothing changed
+    bm.free(blocks)
+    assert bm.num_free_blocks == 2
+    bm.free(blocks)
+    assert bm.num_free_blocks == 4
+
+
 def test_freeing_a_block_twice_raises_runtime_error() -> None:
     bm = BlockManager(num_blocks=2, block_size=BS)
     blocks = bm.allocate(1)

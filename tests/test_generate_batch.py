@@ -80,15 +80,161 @@ def test_group_samples_share_prompt_blocks() -> None:
         for g in range(G):
             engine.add_request(prompt, SamplingParams(max_new_tokens=6, do_sample=True, seed=g), request_id=f"s{g}")
         engine.step()
-        # All G admitted in one step; they share the prompt's 4 full blocks (16 tokens).
-        shared = engine.scheduler.running[0].block_table[:4]
-        assert all(r.block_table[:4] == shared for r in engine.scheduler.running)
-        assert [engine.block_manager.blocks[b].ref_count for b in shared] == [G] * 4
+        # One request computed the prompt; the 7 others were forked from it with their own first
+        # token: all 5 blocks shared (4 full, the 5th with 2 tokens), nothing computed for them.
+        running = engine.scheduler.running
+        shared = running[0].block_table
+        assert len(running) == G and len(shared) == 5
+        assert all(r.block_table == shared for r in running)
+        assert [engine.block_manager.blocks[b].ref_count for b in shared] == [G] * 5
+        assert engine.stats.num_prompt_tokens_computed == 18 and engine.stats.num_forks == G - 1
         run_engine(engine)
     finally:
         engine.close()
-    # 18 tokens once, then 2 tokens (the partial last block) for each of the 7 others.
-    assert engine.stats.num_prompt_tokens_computed == 18 + (G - 1) * 2
+    assert engine.stats.num_prompt_tokens_computed == 18
+    # The 5th block was copied by the first G - 1 to write into it; the last wrote it in place.
+    assert engine.stats.num_block_copies == G - 1
+    assert engine.block_manager.num_free_blocks == 128
+
+
+G_SAMPLES = 8
+
+
+@pytest.mark.parametrize(
+    ("block_size", "prompt_len", "max_batch_tokens"),
+    [(256, 100, 512), (32, 100, 512), (256, 300, 512), (32, 100, 48)],
+    ids=["bs256", "bs32-longer-than-a-block", "bs256-longer-than-a-block", "bs32-chunked"],
+)
+def test_group_of_8_prefills_its_prompt_once_whatever_the_block_size_and_matches_generate(
+    block_size: int, prompt_len: int, max_batch_tokens: int
+) -> None:
+    # Issue 13 case 5: with block_size 256 the prefix cache shares nothing of a 100-token prompt, and
+    # the G samples each computed it (8 x 100 prompt tokens); with 32, the 4 tokens of the partial
+    # block were computed again by each (100 + 7 x 4).
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=prompt_len, max_len=prompt_len, seed=14)[0]
+    num_blocks = 64
+    full = prompt_len // block_size  # the prompt's full blocks; the partial one follows
+    engine = Engine(
+        model, ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    )
+    bm = engine.block_manager
+    try:
+        requests = [
+            engine.add_request(prompt, SamplingParams(max_new_tokens=MAX_NEW), request_id=f"s{g}")
+            for g in range(G_SAMPLES)
+        ]
+        while any(r.num_generated_tokens == 0 for r in requests):
+            engine.step()
+        # Every sample has its first token: the prompt was computed once, by s0.
+        assert engine.stats.num_prompt_tokens_computed == prompt_len
+        assert all(r.num_generated_tokens == 1 for r in requests)
+        table = requests[0].block_table
+        assert len(table) == full + 1
+        assert all(r.block_table == table for r in requests)
+        assert [bm.blocks[b].ref_count for b in table] == [G_SAMPLES] * (full + 1)
+        assert bm.num_free_blocks == num_blocks - (full + 1)
+        assert engine.stats.num_forks == G_SAMPLES - 1
+        # The first decode: the full blocks stay shared; the partial block is copied by 7, kept by 1.
+        engine.step()
+        assert engine.stats.num_block_copies == G_SAMPLES - 1
+        assert all(r.block_table[:full] == table[:full] for r in requests)
+        assert [bm.blocks[b].ref_count for b in table[:full]] == [G_SAMPLES] * full
+        assert len({r.block_table[full] for r in requests}) == G_SAMPLES
+        assert [bm.blocks[r.block_table[full]].ref_count for r in requests] == [1] * G_SAMPLES
+        assert bm.num_free_blocks == num_blocks - full - G_SAMPLES
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    assert engine.stats.num_prompt_tokens_computed == prompt_len
+    expected = reference_greedy(model, prompt, MAX_NEW, None)
+    assert [outputs[f"s{g}"].generated_tokens for g in range(G_SAMPLES)] == [expected] * G_SAMPLES
+    assert [outputs[f"s{g}"].num_cached_prompt_tokens for g in range(G_SAMPLES)] == [0] + [prompt_len] * 7
+    assert bm.num_free_blocks == num_blocks
+
+
+def _seeded_group(model: torch.nn.Module, prompt: list[int], seeds: list[int]) -> tuple[Engine, list[list[int]]]:
+    engine = Engine(model, ContinuousBatchingConfig(page_size=256, num_blocks=16))
+    try:
+        for s in seeds:
+            params = SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, seed=s)
+            engine.add_request(prompt, params, request_id=f"seed{s}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return engine, [outputs[f"seed{s}"].generated_tokens for s in seeds]
+
+
+def test_seeded_forked_samples_are_reproducible_and_equal_each_sample_run_alone() -> None:
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=100, max_len=100, seed=15)[0]
+    seeds = [11, 12, 13, 14]
+    engine, together = _seeded_group(model, prompt, seeds)
+    assert engine.stats.num_prompt_tokens_computed == 100 and engine.stats.num_forks == 3
+    assert _seeded_group(model, prompt, seeds)[1] == together
+    # Each fork sampled its first token from the parent's logits with its own generator: the same
+    # tokens as the request alone, which computes the prompt itself.
+    assert [_seeded_group(model, prompt, [s])[1][0] for s in seeds] == together
+    assert len({tuple(t) for t in together}) > 1  # distinct seeds, distinct samples
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "offload"])
+def test_forked_groups_under_preemption_match_generate(preemption_mode: str) -> None:
+    # 2 prompts x 4 samples of 18 + 16 tokens: a group needs 4 shared + 4 x 5 own blocks of 4, the
+    # cache has 20, so forked samples (and parents) are preempted.
+    model = tiny_llama()
+    prompts = random_prompts(2, VOCAB_SIZE, min_len=18, max_len=18, seed=16)
+    cfg = ContinuousBatchingConfig(
+        page_size=4, num_blocks=20, safety_margin=0.0, preemption_mode=preemption_mode,
+        cpu_offload_space=0.01 if preemption_mode == "offload" else 0,
+    )
+    engine, out = _greedy_engine(model, [p for p in prompts for _ in range(4)], cfg, max_new=16)
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_forks >= 6
+    if preemption_mode == "offload":
+        assert engine.stats.num_offloads > 0
+    for i, p in enumerate(prompts):
+        expected = reference_greedy(model, p, 16, None)
+        assert [out[f"r{4 * i + g}"] for g in range(4)] == [expected] * 4
+    assert engine.block_manager.num_free_blocks == 20
+
+
+def test_cancelling_parked_and_forked_samples_leaves_the_others_exact() -> None:
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=40, max_len=40, seed=17)[0]
+    engine = Engine(model, ContinuousBatchingConfig(page_size=32, num_blocks=32, max_batch_tokens=16))
+    try:
+        for g in range(4):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=MAX_NEW), request_id=f"s{g}")
+        engine.step()  # 16 of 40 prompt tokens; s1..s3 parked on s0
+        assert engine.requests["s2"].fork_parent is engine.requests["s0"]
+        engine.finish_request("s2", RequestStatus.CANCELLED, "cancelled")
+        while engine.stats.num_forks == 0:
+            engine.step()
+        engine.step()
+        s1 = engine.finish_request("s1", RequestStatus.CANCELLED, "cancelled")
+        assert s1 is not None and len(s1.generated_tokens) == 2
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    expected = reference_greedy(model, prompt, MAX_NEW, None)
+    assert outputs["s0"].generated_tokens == expected and outputs["s3"].generated_tokens == expected
+    assert s1.generated_tokens == expected[:2]
+    assert engine.stats.num_prompt_tokens_computed == 40 and engine.stats.num_forks == 2
+    assert engine.block_manager.num_free_blocks == 32
+
+
+def test_num_return_sequences_forks_the_samples_of_each_prompt() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(2, VOCAB_SIZE, min_len=100, max_len=100, seed=18)
+    # transformers refuses num_return_sequences with greedy decoding; top_k=1 sampling is greedy.
+    gc = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=1, num_return_sequences=4)
+    out = generate_batch(model, prompts, gc, ContinuousBatchingConfig(page_size=256))
+    for i, p in enumerate(prompts):
+        expected = reference_greedy(model, p, 8, EOS_TOKEN_ID)
+        group = [out[f"req_{i}_{g}"] for g in range(4)]
+        assert [o.generated_tokens for o in group] == [expected] * 4
+        # The first sample computed the prompt; the 3 others were forked from it.
+        assert [o.num_cached_prompt_tokens for o in group] == [0, 100, 100, 100]
 
 
 def test_preemption_and_chunked_prefill_give_unconstrained_outputs() -> None:

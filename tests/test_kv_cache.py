@@ -1,5 +1,6 @@
 """kv_cache: the paged K/V tensors and the CPU offload pool (ordinary tensors whatever mode builds them; exact
-pinned size; copies that land before they are read), and the sizing of the cache from usable memory."""
+pinned size; copies that land before they are read), block copies within the cache, and the sizing of the cache
+from usable memory."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def test_cache_and_pool_built_under_inference_mode_are_not_inference_tensors() -
         pool = CPUOffloadPool(shape, space_gib=0.001, block_size=4)
     assert not any(t.is_inference() for t in cache.key + cache.value + pool.key + pool.value)
     pool.store(cache, [1], pool.allocate(1))  # outside inference mode, as the manager's thread does
+
+
+def test_copy_blocks_copies_every_slot_of_every_layer_and_reads_every_source_first() -> None:
+    shape = CacheShape(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache = PagedKVCache(shape, num_blocks=4, block_size=3, device=torch.device("cpu"))
+    for layer in range(2):
+        cache.key[layer].copy_(torch.arange(24, dtype=torch.float32).reshape(12, 1, 2) + 100 * layer)
+        cache.value[layer].copy_(-cache.key[layer])
+    before = [t.clone() for t in cache.key + cache.value]
+    # Block 1 is the source of the first copy and the destination of the second.
+    cache.copy_blocks([(1, 3), (0, 1)])
+    for old, new in zip(before, cache.key + cache.value):
+        assert torch.equal(new[9:12], old[3:6])  # block 3 <- block 1 as it was
+        assert torch.equal(new[3:6], old[0:3])  # block 1 <- block 0
+        assert torch.equal(new[0:3], old[0:3]) and torch.equal(new[6:9], old[6:9])  # untouched
+    cache.copy_blocks([])
 
 
 def test_offload_works_for_a_manager_built_inside_inference_mode() -> None:

@@ -5,6 +5,7 @@ Every count below is for ``block_size`` 4: a request holding t tokens has ceil(t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollout.block_manager import BlockManager
@@ -138,6 +139,73 @@ def test_cache_blocks_hashes_only_full_blocks_and_uncache_drops_them() -> None:
     assert bm.find_cached_prefix(req.token_ids, 1, max_tokens=10) == []  # another weight version
     kv.uncache(req, first_block=1)
     assert bm.find_cached_prefix(req.token_ids, 0, max_tokens=10) == req.block_table[:1]
+
+
+def fork_of(kv: KVCacheManager, parent: Request, request_id: str) -> Request:
+    """A request with the parent's tokens, forked from it after its prefill, as the scheduler does."""
+    child = make_request(request_id, list(parent.token_ids))
+    kv.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+    return child
+
+
+def test_fork_shares_every_block_and_the_first_write_copies_the_partial_one() -> None:
+    kv = make_kv(num_blocks=10)
+    bm = kv.block_manager
+    a = make_request("a", tokens(0, 10))
+    assert admit(kv, a)  # 3 blocks: 2 full (hashed), 2 tokens in the 3rd
+    a.num_computed_tokens = 10
+    b = fork_of(kv, a, "b")
+    assert b.block_table == a.block_table and b.block_hashes == a.block_hashes
+    assert [bm.blocks[x].ref_count for x in a.block_table] == [2, 2, 2]
+    assert kv.num_free_blocks == 10 - 3 and bm.num_prefix_cache_hit_blocks == 0
+    shared = a.block_table[2]
+    # a writes position 10, in the shared 3rd block: it takes a fresh block, the 2 tokens are copied.
+    assert kv.allocate_slots(a, 1)
+    assert a.block_table[:2] == b.block_table[:2] and a.block_table[2] != shared
+    assert kv.take_block_copies() == [(shared, a.block_table[2])] and kv.take_block_copies() == []
+    assert [bm.blocks[x].ref_count for x in a.block_table] == [2, 2, 1] and bm.blocks[shared].ref_count == 1
+    assert kv.num_free_blocks == 10 - 4 and kv.num_block_copies == 1
+    # b is the block's last holder: it writes in place.
+    assert kv.allocate_slots(b, 1)
+    assert b.block_table[2] == shared and kv.take_block_copies() == []
+    # 5 tokens from position 10: the 3rd block (now b's own) and a fresh 4th.
+    c = fork_of(kv, b, "c")
+    assert kv.allocate_slots(c, 5)
+    assert len(c.block_table) == 4 and c.block_table[2] != shared
+    assert kv.take_block_copies() == [(shared, c.block_table[2])]
+    assert kv.num_free_blocks == 10 - 6
+    for req in (a, b, c):
+        kv.free(req)
+    assert kv.num_free_blocks == 10
+
+
+def test_copy_on_write_is_refused_without_a_free_block_and_changes_nothing() -> None:
+    kv = make_kv(num_blocks=4, safety_margin=0.25)
+    bm = kv.block_manager
+    a = make_request("a", tokens(0, 10))
+    assert admit(kv, a)
+    a.num_computed_tokens = 10
+    b = fork_of(kv, a, "b")
+    table = list(a.block_table)
+    # 1 block free: the copy fits, but not with the margin of 1 block.
+    assert not kv.allocate_slots(a, 1, keep_margin=True)
+    assert a.block_table == table and kv.take_block_copies() == []
+    assert [bm.blocks[x].ref_count for x in table] == [2, 2, 2] and kv.num_free_blocks == 1
+    assert kv.allocate_slots(a, 1)
+    d = make_request("d", tokens(500, 4))
+    assert not kv.allocate_slots(d, 1)  # the copy took the last free block
+    assert not kv.allocate_slots(fork_of(kv, b, "c"), 1)  # b and c share the 3rd block, none is free
+    assert kv.take_block_copies() == [(table[2], a.block_table[2])]
+
+
+def test_fork_refuses_a_request_that_holds_blocks() -> None:
+    kv = make_kv(num_blocks=8)
+    a = make_request("a", tokens(0, 6))
+    b = make_request("b", tokens(0, 6))
+    assert admit(kv, a) and admit(kv, b)
+    with pytest.raises(RuntimeError, match="'b' holds blocks"):
+        kv.fork(a, b)
 
 
 def test_offload_reserves_pool_blocks_and_finish_restore_returns_them() -> None:

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, chunked prefill, policies, safety margin, block counts, preemption, prefix sharing.
+"""Scheduler: token budget, chunked prefill, policies, safety margin, block counts, preemption, prefix sharing,
+prompt forking.
 
 The tests drive a Scheduler through its own API, without a model: ``run_step`` calls ``schedule()``
 and then ``update_from_output`` with what a runner would return, a fixed token for every request
@@ -25,9 +26,11 @@ def make_scheduler(
     max_requests_per_batch: int | None = None,
     scheduler_type: str = "fifo",
     safety_margin: float = 0.0,
+    fork_prompts: bool | None = None,
+    enable_prefix_caching: bool = True,
 ) -> Scheduler:
-    kv = KVCacheManager(BlockManager(num_blocks, BS), safety_margin)
-    return Scheduler(kv, max_batch_tokens, max_requests_per_batch, scheduler_type)
+    kv = KVCacheManager(BlockManager(num_blocks, BS, enable_prefix_caching), safety_margin)
+    return Scheduler(kv, max_batch_tokens, max_requests_per_batch, scheduler_type, fork_prompts)
 
 
 def make_request(request_id: str, prompt_ids: list[int], max_new_tokens: int, score_from: int | None = None) -> Request:
@@ -39,8 +42,9 @@ def tokens(start: int, n: int) -> list[int]:
 
 
 def runner_output(out: SchedulerOutput) -> RunnerOutput:
-    """What a runner returns for ``out``: NEXT_TOKEN for every request that samples, no logprobs."""
-    return RunnerOutput(sampled_token_ids=[NEXT_TOKEN for e in out.scheduled if e.sample])
+    """What a runner returns for ``out``: NEXT_TOKEN for every request that samples and every fork, no logprobs."""
+    num_sampled = sum(1 for e in out.scheduled if e.sample) + len(out.forks)
+    return RunnerOutput(sampled_token_ids=[NEXT_TOKEN] * num_sampled)
 
 
 def run_step(sched: Scheduler) -> SchedulerOutput:
@@ -313,14 +317,16 @@ def test_last_running_request_that_needs_a_block_preempts_itself() -> None:
 # ------------------------------------------------------------------------------------ prefix sharing
 
 
-def test_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third() -> None:
-    sched = make_scheduler(num_blocks=16)
+def test_without_forking_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third() -> None:
+    # The prefix cache alone (fork_prompts=False): the sharing that forking improves on.
+    sched = make_scheduler(num_blocks=16, fork_prompts=False)
     bm = sched.block_manager
     a = make_request("a", tokens(0, 12), max_new_tokens=2)
     b = make_request("b", tokens(0, 12), max_new_tokens=2)
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
+    assert out.forks == []
     # Hits are capped at num_tokens - 1 = 11 tokens -> 2 full blocks; b computes its last 4 tokens.
     assert plan(out) == [("a", 12, True), ("b", 4, True)]
     assert b.num_computed_tokens == 8
@@ -377,6 +383,291 @@ def test_finished_prompt_blocks_are_hit_by_a_later_identical_prompt() -> None:
     assert plan(sched.schedule()) == [("b", 1, True)]
     assert b.num_computed_tokens == 8
     assert b.num_cached_prompt_tokens == 8
+
+
+def test_prompts_sharing_two_full_blocks_in_same_step_share_them_and_are_not_forked() -> None:
+    # Same first 8 tokens, different last 4: the prefix cache shares the 2 full blocks, nothing is forked.
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    a = make_request("a", tokens(0, 12), max_new_tokens=2)
+    b = make_request("b", tokens(0, 8) + tokens(500, 4), max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert plan(out) == [("a", 12, True), ("b", 4, True)] and out.forks == []
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_prompt_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    assert bm.num_free_blocks == 16 - 4
+
+
+# ------------------------------------------------------------------------------------ prompt forking
+
+
+def forked(out: SchedulerOutput) -> list[tuple[str, str]]:
+    """(parent id, child id) of each fork of a step, in order."""
+    return [(parent.request_id, child.request_id) for parent, child in out.forks]
+
+
+def test_identical_prompts_are_prefilled_once_and_forked_with_their_own_first_tokens() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    a, b, c = (make_request(rid, tokens(0, 10), max_new_tokens=3) for rid in "abc")
+    for req in (a, b, c):
+        sched.add_request(req)
+
+    # Step 1: a computes the 10 prompt tokens (3 blocks: 2 full, 2 tokens in the 3rd); b and c are
+    # parked on it, compute nothing and take no block, and sample from a's logits row.
+    out = sched.schedule()
+    assert plan(out) == [("a", 10, True)]
+    assert out.total_num_scheduled_tokens == 10 and out.num_scheduled_prompt_tokens == 10
+    assert forked(out) == [("a", "b"), ("a", "c")]
+    assert a.forks == [b, c] and b.fork_parent is a and c.fork_parent is a
+    assert list(sched.waiting) == [] and sched.running == [a]
+    assert b.status == RequestStatus.PENDING and b.block_table == []
+    assert bm.num_free_blocks == 16 - 3
+    # Tokens: a's first, then the forks' in out.forks order.
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[7, 8, 9]))
+    assert updated == [a, b, c]
+    assert [r.generated_tokens for r in (a, b, c)] == [[7], [8], [9]]
+    assert sched.running == [a, b, c] and a.forks == [] and b.fork_parent is None
+    assert all(r.status == RequestStatus.DECODING and r.num_computed_tokens == 10 for r in (a, b, c))
+    assert [r.num_cached_prompt_tokens for r in (a, b, c)] == [0, 10, 10]
+    # Every block shared three ways, the partial 3rd one included; nothing allocated for b and c.
+    assert b.block_table == a.block_table and c.block_table == a.block_table
+    assert b.block_hashes == a.block_hashes and len(a.block_hashes) == 2
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [3, 3, 3]
+    assert bm.num_free_blocks == 16 - 3
+
+    # Step 2: each writes position 10, in the shared 3rd block: a and b copy it into a fresh block
+    # first (copy-on-write); c, then its last holder, writes it in place.
+    shared = a.block_table[2]
+    out = sched.schedule()
+    assert plan(out) == [("a", 1, True), ("b", 1, True), ("c", 1, True)]
+    assert out.block_copies == [(shared, a.block_table[2]), (shared, b.block_table[2])]
+    assert c.block_table[2] == shared
+    assert len({a.block_table[2], b.block_table[2], shared}) == 3
+    assert a.block_table[:2] == b.block_table[:2] == c.block_table[:2]
+    assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [3, 3]
+    assert [bm.blocks[r.block_table[2]].ref_count for r in (a, b, c)] == [1, 1, 1]
+    assert bm.num_free_blocks == 16 - 5
+    sched.update_from_output(out, runner_output(out))
+
+    # Step 3: position 11 is in each one's own 3rd block: no copy, no new block; all finish.
+    out = run_step(sched)
+    assert out.block_copies == [] and out.forks == []
+    assert [r.generated_tokens for r in (a, b, c)] == [[7, 1, 1], [8, 1, 1], [9, 1, 1]]
+    assert not sched.has_unfinished() and bm.num_free_blocks == 16
+    assert sched.kv_cache_manager.num_block_copies == 2
+
+
+def test_prompt_of_whole_blocks_is_forked_without_a_copy() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    reqs = [make_request(rid, tokens(0, 8), max_new_tokens=2) for rid in "abc"]
+    for req in reqs:
+        sched.add_request(req)
+    out = run_step(sched)
+    assert plan(out) == [("a", 8, True)] and forked(out) == [("a", "b"), ("a", "c")]
+    assert [bm.blocks[i].ref_count for i in reqs[0].block_table] == [3, 3]
+    # Position 8 starts a 3rd block: each takes a fresh one, nothing shared is written.
+    out = sched.schedule()
+    assert plan(out) == [("a", 1, True), ("b", 1, True), ("c", 1, True)]
+    assert out.block_copies == []
+    assert all(r.block_table[:2] == reqs[0].block_table[:2] for r in reqs)
+    assert bm.num_free_blocks == 16 - 2 - 3
+
+
+def test_chunked_prompt_parks_its_samples_until_its_last_chunk_even_when_the_budget_is_spent() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=16)
+    bm = sched.block_manager
+    a = make_request("a", tokens(0, 37), max_new_tokens=2)
+    b = make_request("b", tokens(0, 37), max_new_tokens=2)
+    c = make_request("c", tokens(0, 37), max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = run_step(sched)
+    # a's first chunk takes the whole budget; b is parked all the same.
+    assert plan(out) == [("a", 16, False)] and out.forks == [] and a.forks == [b]
+    sched.add_request(c)  # arrives while a's prefill is in flight: parked too
+    out = run_step(sched)
+    assert plan(out) == [("a", 16, False)] and a.forks == [b, c] and list(sched.waiting) == []
+    out = sched.schedule()
+    assert plan(out) == [("a", 5, True)] and forked(out) == [("a", "b"), ("a", "c")]
+    sched.update_from_output(out, runner_output(out))
+    # 9 full blocks and the 10th with 1 token, all shared three ways.
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [3] * 10
+    assert bm.num_free_blocks == 16 - 10
+    outs = run_to_completion(sched)
+    assert [plan(o) for o in outs] == [[("a", 1, True), ("b", 1, True), ("c", 1, True)]]
+    assert len(outs[0].block_copies) == 2
+    assert all(r.num_generated_tokens == 2 for r in (a, b, c))
+    assert bm.num_free_blocks == 16
+
+
+def test_parking_keeps_a_free_block_for_each_parked_fork() -> None:
+    sched = make_scheduler(num_blocks=4)
+    a, b, c = (make_request(rid, tokens(0, 10), max_new_tokens=2) for rid in "abc")
+    for req in (a, b, c):
+        sched.add_request(req)
+    # a takes 3 blocks; 1 is free: room for b's first write, not for c's as well. c waits at the head.
+    out = run_step(sched)
+    assert plan(out) == [("a", 10, True)] and forked(out) == [("a", "b")]
+    assert list(sched.waiting) == [c] and c.fork_parent is None
+    # a copies the shared 3rd block into the last free block; a has sampled, c can no longer park,
+    # and its 2 cached blocks plus 1 fresh one do not fit until a and b end.
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True), ("b", 1, True)] and len(out.block_copies) == 1
+    out = sched.schedule()
+    assert plan(out) == [("c", 2, True)] and out.forks == [] and c.num_cached_prompt_tokens == 8
+
+
+def test_a_prompt_arriving_after_the_first_token_uses_the_prefix_cache() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a = make_request("a", tokens(0, 10), max_new_tokens=4)
+    sched.add_request(a)
+    run_step(sched)
+    b = make_request("b", tokens(0, 10), max_new_tokens=4)
+    sched.add_request(b)
+    out = sched.schedule()
+    # a has sampled: its tokens are no longer b's. b takes the 2 cached full blocks, computes 2 tokens.
+    assert plan(out) == [("a", 1, True), ("b", 2, True)] and out.forks == []
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_prompt_tokens == 8
+
+
+def test_no_forking_without_block_sharing_and_none_for_scoring_requests() -> None:
+    off = make_scheduler(num_blocks=16, enable_prefix_caching=False)
+    assert not off.fork_prompts
+    for rid in "ab":
+        off.add_request(make_request(rid, tokens(0, 10), max_new_tokens=2))
+    out = off.schedule()
+    assert plan(out) == [("a", 10, True), ("b", 10, True)] and out.forks == []
+
+    on = make_scheduler(num_blocks=16)
+    on.add_request(make_request("a", tokens(0, 10), max_new_tokens=2))
+    on.add_request(make_request("s", tokens(0, 10), max_new_tokens=1, score_from=1))
+    out = on.schedule()
+    # The scoring request needs the logits of every position: it computes its own.
+    assert plan(out) == [("a", 10, True), ("s", 10, False)] and out.forks == []
+
+
+def test_a_fork_may_finish_at_its_first_token_and_a_parent_at_its_own() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    a = make_request("a", tokens(0, 10), max_new_tokens=1)
+    b = Request("b", tokens(0, 10), SamplingParams(max_new_tokens=5, eos_token_ids=(8,)))
+    c = make_request("c", tokens(0, 10), max_new_tokens=3)
+    for req in (a, b, c):
+        sched.add_request(req)
+    out = sched.schedule()
+    assert forked(out) == [("a", "b"), ("a", "c")]
+    updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[7, 8, 9]))
+    assert updated == [a, b, c]
+    assert a.finish_reason == "length" and b.finish_reason == "stop" and c.status == RequestStatus.DECODING
+    # c alone holds the prompt's blocks now.
+    assert sched.running == [c] and [bm.blocks[i].ref_count for i in c.block_table] == [1, 1, 1]
+    assert bm.num_free_blocks == 16 - 3
+    out = run_step(sched)
+    assert plan(out) == [("c", 1, True)] and out.block_copies == []  # sole holder: written in place
+    run_to_completion(sched)
+    assert c.generated_tokens == [9, 1, 1] and bm.num_free_blocks == 16
+
+
+def test_cancelling_a_parked_fork_leaves_its_parent_and_the_other_forks() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=8)
+    a, b, c = (make_request(rid, tokens(0, 12), max_new_tokens=2) for rid in "abc")
+    for req in (a, b, c):
+        sched.add_request(req)
+    run_step(sched)
+    assert a.forks == [b, c]
+    assert sched.finish_request("b", RequestStatus.CANCELLED, "cancelled by the caller") is b
+    assert b.status == RequestStatus.CANCELLED and b.fork_parent is None and a.forks == [c]
+    assert "b" not in sched.requests and b.generated_tokens == []
+    outs = run_to_completion(sched)
+    assert [forked(o) for o in outs] == [[("a", "c")], []]
+    assert a.num_generated_tokens == 2 and c.num_generated_tokens == 2
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_cancelling_a_parent_hands_its_forks_back_to_the_head_of_the_queue() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=8)
+    a, b, c = (make_request(rid, tokens(0, 12), max_new_tokens=2) for rid in "abc")
+    d = make_request("d", tokens(100, 4), max_new_tokens=1)
+    for req in (a, b, c, d):
+        sched.add_request(req)
+    assert plan(run_step(sched)) == [("a", 8, False)]
+    assert a.forks == [b, c] and list(sched.waiting) == [d]  # d waits behind the spent budget
+    sched.finish_request("a", RequestStatus.CANCELLED)
+    assert list(sched.waiting) == [b, c, d] and b.fork_parent is None and c.fork_parent is None
+    assert sched.block_manager.num_free_blocks == 16
+    # b is admitted and prefills the prompt itself: the 2 full blocks a computed are in the prefix
+    # cache, b computes the last 4 tokens; c parks on b, and d fits in the rest of the budget.
+    out = sched.schedule()
+    assert plan(out) == [("b", 4, True), ("d", 4, True)] and forked(out) == [("b", "c")]
+    sched.update_from_output(out, runner_output(out))
+    run_to_completion(sched)
+    assert b.num_generated_tokens == 2 and c.num_generated_tokens == 2 and c.num_cached_prompt_tokens == 12
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_preempted_parent_keeps_its_forks_and_forks_them_after_its_recompute() -> None:
+    sched = make_scheduler(num_blocks=4, max_batch_tokens=8)
+    x = make_request("x", tokens(100, 4), max_new_tokens=6)
+    a, b, c = (make_request(rid, tokens(0, 12), max_new_tokens=2) for rid in "abc")
+    for req in (x, a, b, c):
+        sched.add_request(req)
+    # Step 1: x (1 block) and a's first chunk of 4 (1 block); b and c park on a.
+    assert plan(run_step(sched)) == [("x", 4, True), ("a", 4, False)]
+    assert a.forks == [b, c]
+    # Step 2: x takes a 2nd block; a's next 7 tokens need 2 more, 1 is free: a preempts itself.
+    out = run_step(sched)
+    assert plan(out) == [("x", 1, True)] and out.preempted == [a] and out.forks == []
+    assert list(sched.waiting) == [a] and a.forks == [b, c] and b.fork_parent is a
+    # Steps 3-6: x decodes; a (its cached first block plus 2 fresh) does not fit until x ends.
+    assert [plan(run_step(sched)) for _ in range(4)] == [[("x", 1, True)]] * 4
+    assert x.status == RequestStatus.FINISHED
+    # Step 7: a re-admitted, its first block from the prefix cache; its forks sample with it.
+    out = sched.schedule()
+    assert plan(out) == [("a", 8, True)] and forked(out) == [("a", "b"), ("a", "c")]
+    sched.update_from_output(out, runner_output(out))
+    assert [sched.block_manager.blocks[i].ref_count for i in a.block_table] == [3, 3, 3]
+    run_to_completion(sched)
+    assert [r.num_generated_tokens for r in (a, b, c)] == [2, 2, 2]
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_preempted_forks_give_back_their_shares_and_are_recomputed() -> None:
+    sched = make_scheduler(num_blocks=5)
+    bm = sched.block_manager
+    a, b, c = (make_request(rid, tokens(0, 10), max_new_tokens=6) for rid in "abc")
+    for req in (a, b, c):
+        sched.add_request(req)
+    run_step(sched)  # a's prompt: 3 blocks shared by a, b, c
+    out = run_step(sched)  # position 10: a and b copy the 3rd block, c writes it in place
+    assert len(out.block_copies) == 2 and bm.num_free_blocks == 0
+    run_step(sched)  # position 11: within each one's 3rd block
+    full = a.block_table[:2]
+    # Position 12 needs a 4th block each, none is free: c (the last admitted) is preempted, a takes
+    # c's 3rd block; b then finds none free and preempts itself.
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True)] and out.preempted == [c, b]
+    assert [bm.blocks[i].ref_count for i in full] == [1, 1]
+    assert b.block_table == [] and c.block_table == [] and list(sched.waiting) == [b, c]
+    run_to_completion(sched)
+    assert [r.num_generated_tokens for r in (a, b, c)] == [6, 6, 6]
+    assert bm.num_free_blocks == 5
+
+
+def test_recompute_all_keeps_parked_forks() -> None:
+    sched = make_scheduler(num_blocks=16, max_batch_tokens=8)
+    a, b = (make_request(rid, tokens(0, 12), max_new_tokens=2) for rid in "ab")
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    sched.recompute_all()
+    assert list(sched.waiting) == [a] and a.forks == [b] and a.num_computed_tokens == 0
+    out = sched.schedule()
+    # a's first 8 tokens are in the prefix cache under weight version 0: it computes the last 4.
+    assert plan(out) == [("a", 4, True)] and forked(out) == [("a", "b")]
 
 
 # ------------------------------------------------------------------------------------ scoring requests

@@ -9,6 +9,8 @@ Modules (each command is also a script under ``scripts/``):
   engine against padded batched forwards;
 - ``manager``: ``rollout-bench-manager`` (scripts/bench_manager.py): pause latency and the persistent
   manager's overhead over ``generate_batch``;
+- ``prompt_fork`` (scripts/bench_prompt_fork.py): the prompt tokens computed and the wall time of G
+  samples of one prompt, prompt forking on and off, on a random model;
 - ``workloads``, ``systems``, ``report``: the pieces of ``generation``: the questions and prompts of
   each workload, one runner per system, and the JSON report and summary table.
 
