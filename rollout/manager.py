@@ -2,9 +2,11 @@
 
 Threads that add, cancel or read requests never touch the engine: they put commands in an inbox
 (``intake.py``) that the loop drains between steps, and read results from the per-request handles
-of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles and
-the pause state. A request is checked once, in the caller's thread and outside the lock, before it
-is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to the engine.
+of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the
+pause (``pausing.py``: holders, the in-step flag) and the lifecycle (``lifecycle.py``: state, stop
+flags, the loop's thread). A request is checked once, in the caller's thread and outside the lock,
+before it is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to the
+engine.
 
 ``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
 the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
@@ -27,7 +29,6 @@ there instead of hanging, as transformers' ``stop`` does.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import time
@@ -39,8 +40,10 @@ from transformers import GenerationConfig, PreTrainedModel
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine, EngineStats
 from .intake import Inbox, Item, QueueFullError, checked_batch, checked_request, derive_seeds, request_params
+from .lifecycle import Lifecycle, State
 from .models import vocab_size
 from .outputs import OutputRouter, ResultCallback
+from .pausing import PauseGate
 from .persistence import persistent_manager_of, register_persistent, unregister_persistent
 from .requests import GenerationOutput, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
@@ -54,19 +57,6 @@ logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
 _IDLE_WAIT_SECONDS = 0.05
-
-_WAIT_IN_PAUSE = (
-    "{call} from inside this thread's manager.pause() would wait for the generation loop, which waits for "
-    "the pause to end; leave the `with manager.pause()` block first"
-)
-
-
-class _State(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    STOPPED = "stopped"
-    FAILED = "failed"
-    DESTROYED = "destroyed"
 
 
 class ContinuousBatchingManager:
@@ -122,17 +112,10 @@ class ContinuousBatchingManager:
             model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=tokenizer
         )
         self._cond = threading.Condition()
-        self._outputs = OutputRouter(self._cond, producing=self._producing)
+        self._life = Lifecycle(self._cond)  # state, stop flags, the loop's thread and error
+        self._pausing = PauseGate(self._cond)  # pause holders, the in-step flag
+        self._outputs = OutputRouter(self._cond, producing=self._life.producing)
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
-        self._state = _State.CREATED
-        self._stop_requested = False
-        self._hard_stop = False
-        self._keep = False
-        self._pause_count = 0
-        self._local = threading.local()  # .depth: pauses held by the current thread
-        self._in_step = False
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._final_weight_version = 0
         self._weights = WeightWatch(model)  # the parameters last recorded
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
@@ -148,17 +131,9 @@ class ContinuousBatchingManager:
             RuntimeError: the manager was destroyed or failed.
         """
         with self._cond:
-            if self._state == _State.DESTROYED:
-                raise RuntimeError("this manager was destroyed and cannot start again; create a new one")
-            if self._state == _State.FAILED:
-                raise RuntimeError(f"this manager failed and cannot start again: {self._error!r}")
-            old_thread = self._thread
-        if old_thread is not None and old_thread.is_alive():
-            with self._cond:
-                stopping = self._stop_requested
-            if not stopping:
-                return
-            old_thread.join()  # a stop(block=False) is still finishing: let it end, then restart
+            self._life.check_startable()
+        if not self._life.wait_for_stopping_loop():  # a stop(block=False) still finishing ends first
+            return
         with self._cond:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
@@ -167,20 +142,16 @@ class ContinuousBatchingManager:
                 )
                 self._engine.set_weight_version(version)
             self._check_weights()
-            self._stop_requested = False
-            self._hard_stop = False
-            self._state = _State.RUNNING
-            self._thread = threading.Thread(target=self._loop, name="rollout-manager", daemon=True)
-            self._thread.start()
+            self._life.launch(self._loop)
 
     def is_running(self) -> bool:
         """True while the background loop runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._life.is_running()
 
     @property
     def state(self) -> str:
         """The manager's state: ``created``, ``running``, ``stopped``, ``failed`` or ``destroyed``."""
-        return self._state.value
+        return self._life.state.value
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> bool:
         """Wait for the loop to end; True if it has.
@@ -194,18 +165,9 @@ class ContinuousBatchingManager:
             RuntimeError: called without a timeout from inside this thread's ``pause()`` while
                 the loop runs (it could never end).
         """
-        thread = self._thread
-        if thread is None:
-            return True
-        if timeout is None and self.holds_pause() and thread.is_alive():
-            raise RuntimeError(_WAIT_IN_PAUSE.format(call="join()"))
-        thread.join(timeout)
-        ended = not thread.is_alive()
-        if not ended:
-            logger.warning("the rollout manager's loop did not end within %s s", timeout)
-        elif stop_trigger_time is not None:
-            logger.info("the rollout manager's loop ended %.2f s after stop()", time.perf_counter() - stop_trigger_time)
-        return ended
+        if timeout is None and self._life.is_running():
+            self._pausing.refuse_if_held("join()")
+        return self._life.join(timeout, stop_trigger_time)
 
     def stop(
         self,
@@ -233,16 +195,12 @@ class ContinuousBatchingManager:
             RuntimeError: called from inside this thread's ``pause()`` (the loop could never
                 end; transformers raises the same).
         """
-        if self._state == _State.DESTROYED:
+        if self._life.state == State.DESTROYED:
             return
-        if self.holds_pause():
-            raise RuntimeError(_WAIT_IN_PAUSE.format(call="stop()"))
+        self._pausing.refuse_if_held("stop()")
         trigger = time.perf_counter()
         with self._cond:
-            self._stop_requested = True
-            self._hard_stop = self._hard_stop or hard_stop
-            self._keep = keep_for_next_session
-            self._cond.notify_all()
+            self._life.request_stop(hard_stop, keep_for_next_session)
         if keep_for_next_session:
             self.persist()
         if block:
@@ -259,15 +217,13 @@ class ContinuousBatchingManager:
         Raises:
             RuntimeError: called from inside this thread's ``pause()`` (see ``stop``).
         """
-        if self._state == _State.DESTROYED:
+        if self._life.state == State.DESTROYED:
             return
-        if self.holds_pause():
-            raise RuntimeError(_WAIT_IN_PAUSE.format(call="destroy()"))
+        self._pausing.refuse_if_held("destroy()")
         if self.is_running():
             self.stop(block=True)
         with self._cond:
-            self._stop_requested = True
-            self._state = _State.DESTROYED
+            self._life.destroy()
             engine, self._engine = self._engine, None
             message = "RuntimeError: the manager was destroyed before the request ran"
             self._inbox.fail_all(message)
@@ -299,7 +255,7 @@ class ContinuousBatchingManager:
 
     def holds_pause(self) -> bool:
         """True when the calling thread is inside this manager's ``pause()``."""
-        return getattr(self._local, "depth", 0) > 0
+        return self._pausing.held_here()
 
     def __enter__(self) -> ContinuousBatchingManager:
         self.start()
@@ -474,22 +430,14 @@ class ContinuousBatchingManager:
         timeout: float | None,
     ) -> list[str | None]:
         self._sync_weight_version()
-        refuse = _WAIT_IN_PAUSE.format(call="add_request(block=True)") if self.holds_pause() else None
+        refuse = self._pausing.refusal("add_request(block=True)")
         with self._cond:
-            if self._state == _State.FAILED:
-                raise RuntimeError(f"the manager failed and accepts no request: {self._error!r}") from self._error
-            if self._state == _State.DESTROYED:
-                raise RuntimeError("the manager was destroyed and accepts no request")
-            if self._stop_requested or self._state == _State.STOPPED:
-                logger.warning("add_request after stop(): request not added")
+            if not self._life.admits_requests():
                 return [None] * len(items)
             ids = self._inbox.put(
-                items, streaming, record_timestamps, block, timeout, self._accepting, refuse_wait=refuse
+                items, streaming, record_timestamps, block, timeout, self._life.accepting, refuse_wait=refuse
             )
             return list(ids)
-
-    def _accepting(self) -> bool:
-        return self._state not in (_State.FAILED, _State.DESTROYED) and not self._stop_requested
 
     def _num_waiting(self) -> int:
         """Requests not yet admitted: in the inbox or in the scheduler's waiting queue."""
@@ -516,7 +464,7 @@ class ContinuousBatchingManager:
             KeyError: ``request_id`` is unknown or its result was already delivered.
             RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
         """
-        return self._outputs.get_result(request_id, timeout, refuse_wait=self._refuse_wait("get_result()"))
+        return self._outputs.get_result(request_id, timeout, refuse_wait=self._pausing.refusal("get_result()"))
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         """Yield results as they finish, until none is pending and the loop idles or ends."""
@@ -537,7 +485,7 @@ class ContinuousBatchingManager:
             TimeoutError: no chunk came within ``timeout`` seconds.
             RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
         """
-        return self._outputs.stream(request_id, timeout, refuse_wait=lambda: self._refuse_wait("request_id_iter()"))
+        return self._outputs.stream(request_id, timeout, refuse_wait=lambda: self._pausing.refusal("request_id_iter()"))
 
     def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
         """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
@@ -550,36 +498,14 @@ class ContinuousBatchingManager:
         """
         self._outputs.register_handler(request_id, callback)
 
-    def _refuse_wait(self, call: str) -> str | None:
-        """The error message for a wait the calling thread's own pause would make endless, else None."""
-        return _WAIT_IN_PAUSE.format(call=call) if self.holds_pause() else None
-
-    def _producing(self) -> bool:
-        # Results may still come while the loop runs, and before the first start() (queued
-        # requests will run then).
-        return self.is_running() or self._state == _State.CREATED
-
     # ------------------------------------------------------------------ pause and weights
-    @contextlib.contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self) -> contextlib.AbstractContextManager[None]:
         """Hold the model: the loop finishes its current step and waits until every holder leaves.
 
         Re-entrant, and several threads may hold it at once. Returns within one
-        engine step. The KV cache and in-flight requests are kept.
+        engine step. The KV cache and in-flight requests are kept (see ``PauseGate.hold``).
         """
-        with self._cond:
-            self._pause_count += 1
-            self._cond.notify_all()
-            while self._in_step:
-                self._cond.wait()
-        self._local.depth = getattr(self._local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.depth -= 1
-            with self._cond:
-                self._pause_count -= 1
-                self._cond.notify_all()
+        return self._pausing.hold()
 
     def update_weights(self, named_tensors: NamedTensors | None = None, *, recompute: bool = False) -> int:
         """Copy new weights into the model in place and bump the weight version.
@@ -599,7 +525,7 @@ class ContinuousBatchingManager:
                 that is not a tensor. All are raised before anything is copied.
             RuntimeError: the manager was destroyed.
         """
-        if self._state == _State.DESTROYED:
+        if self._life.state == State.DESTROYED:
             raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
         plan = plan_weight_copy(self.model, named_tensors)
         with self.pause():
@@ -636,48 +562,39 @@ class ContinuousBatchingManager:
     def _loop(self) -> None:
         engine = self._engine
         assert engine is not None
+        life, gate = self._life, self._pausing
         try:
             # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
             engine.use_device_in_this_thread()
             while True:
                 with self._cond:
                     self._inbox.drain(engine)
-                    paused = False
-                    while self._pause_count > 0 and not self._hard_stop:
-                        paused = True
-                        self._cond.wait()
-                        self._inbox.drain(engine)
-                    if paused:  # the pause holders may have changed the weights without update_weights
-                        self._check_weights()
-                    if self._hard_stop:
+                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
+                        self._check_weights()  # the pause holders may have changed the weights by hand
+                    if life.hard_stop:
                         self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return
                     if not engine.has_unfinished():
-                        if self._stop_requested:
+                        if life.stop_requested:
                             return
                         self._cond.wait(_IDLE_WAIT_SECONDS)
                         continue
-                    self._in_step = True
+                    gate.begin_step()
                 try:
                     updated = engine.step()
                 finally:
                     with self._cond:
-                        self._in_step = False
-                        self._cond.notify_all()
+                        gate.end_step()
                 self._outputs.publish(updated)
         except BaseException as e:  # every failure must reach the readers
             logger.exception("rollout manager loop failed")
             with self._cond:
-                self._error = e
-                self._state = _State.FAILED
+                life.fail(e)
                 self._fail_all(engine, e)
         finally:
             with self._cond:
-                self._in_step = False
-                if self._state == _State.RUNNING:
-                    self._state = _State.STOPPED
-                close = self._stop_requested and not self._keep
-                self._cond.notify_all()
+                gate.end_step()
+                close = life.loop_ended()
             if close:
                 engine.close()
 

@@ -336,7 +336,7 @@ def test_pause_is_reentrant(make_manager: ManagerFactory) -> None:
     with m.pause():
         with m.pause():
             pass
-        assert m._pause_count == 1
+        assert m._pausing.holders == 1
     rid = m.add_request([5, 6])
     assert m.get_result(rid, timeout=30).status == RequestStatus.FINISHED
 
