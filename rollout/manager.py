@@ -1,12 +1,12 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
 Threads that add, cancel or read requests never touch the engine: they put commands in an inbox
-(``intake.py``) that the loop drains between steps, and read results from the per-request handles
-of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the
-pause (``pausing.py``: holders, the in-step flag) and the lifecycle (``lifecycle.py``: state, stop
-flags, the loop's thread). A request is checked once, in the caller's thread and outside the lock,
-before it is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to the
-engine.
+(``intake.py``) that the loop (``loop.py``'s ``GenerationLoop``, run in the manager's thread) drains
+between steps, and read results from the per-request handles of an ``OutputRouter``
+(``outputs.py``). One condition variable guards the inbox, the handles, the pause (``pausing.py``:
+holders, the in-step flag) and the lifecycle (``lifecycle.py``: state, stop flags, the loop's
+thread). A request is checked once, in the caller's thread and outside the lock, before it is queued
+(``intake.py``'s checks): the loop only hands checked ``Request`` objects to the engine.
 
 ``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
 the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
@@ -29,6 +29,7 @@ there instead of hanging, as transformers' ``stop`` does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -41,11 +42,12 @@ from .config import ContinuousBatchingConfig, resolve_continuous_batching_config
 from .engine import Engine, EngineStats
 from .intake import Inbox, Item, QueueFullError, checked_batch, checked_request, derive_seeds, request_params
 from .lifecycle import Lifecycle, State
+from .loop import GenerationLoop
 from .models import vocab_size
 from .outputs import OutputRouter, ResultCallback
 from .pausing import PauseGate
 from .persistence import persistent_manager_of, register_persistent, unregister_persistent
-from .requests import GenerationOutput, RequestStatus
+from .requests import GenerationOutput
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from .stop_strings import check_tokenizer
 from .weights import NamedTensors, WeightWatch, copy_weights, plan_weight_copy
@@ -54,9 +56,6 @@ from .weights import NamedTensors, WeightWatch, copy_weights, plan_weight_copy
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
-
-# How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
-_IDLE_WAIT_SECONDS = 0.05
 
 
 class ContinuousBatchingManager:
@@ -118,6 +117,7 @@ class ContinuousBatchingManager:
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._final_weight_version = 0
         self._weights = WeightWatch(model)  # the parameters last recorded
+        self._loop = GenerationLoop(self._cond, self._inbox, self._outputs, self._pausing, self._life, self._weights)
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,7 +142,7 @@ class ContinuousBatchingManager:
                 )
                 self._engine.set_weight_version(version)
             self._check_weights()
-            self._life.launch(self._loop)
+            self._life.launch(functools.partial(self._loop.run, self._engine))
 
     def is_running(self) -> bool:
         """True while the background loop runs."""
@@ -557,53 +557,3 @@ class ContinuousBatchingManager:
                 return
         with self.pause(), self._cond:
             self._check_weights()
-
-    # ------------------------------------------------------------------ loop
-    def _loop(self) -> None:
-        engine = self._engine
-        assert engine is not None
-        life, gate = self._life, self._pausing
-        try:
-            # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
-            engine.use_device_in_this_thread()
-            while True:
-                with self._cond:
-                    self._inbox.drain(engine)
-                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
-                        self._check_weights()  # the pause holders may have changed the weights by hand
-                    if life.hard_stop:
-                        self._fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
-                        return
-                    if not engine.has_unfinished():
-                        if life.stop_requested:
-                            return
-                        self._cond.wait(_IDLE_WAIT_SECONDS)
-                        continue
-                    gate.begin_step()
-                try:
-                    updated = engine.step()
-                finally:
-                    with self._cond:
-                        gate.end_step()
-                self._outputs.publish(updated)
-        except BaseException as e:  # every failure must reach the readers
-            logger.exception("rollout manager loop failed")
-            with self._cond:
-                life.fail(e)
-                self._fail_all(engine, e)
-        finally:
-            with self._cond:
-                gate.end_step()
-                close = life.loop_ended()
-            if close:
-                engine.close()
-
-    def _fail_all(self, engine: Engine, error: BaseException) -> None:
-        """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""
-        message = f"{type(error).__name__}: {error}"
-        for rid in list(engine.requests):
-            req = engine.finish_request(rid, RequestStatus.FAILED, message)
-            if req is not None:
-                self._outputs.finish(rid, req.to_output())
-        self._inbox.fail_all(message)
-        self._outputs.fail_pending(message)

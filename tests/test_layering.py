@@ -15,13 +15,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 
-# STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put
-# them: checks (the shared validation helpers), stop_strings (token spellings) and models
-# (introspection) are leaves, intake sits between outputs and the manager, weights, pausing (the pause
-# gate) and lifecycle (the state and stop flags the loop reads) are leaves of the manager, persistence
-# (the model-to-manager link) sits just below the manager that registers itself there, scoring and
-# score_cli are entry points beside api; the benchmarks (a subpackage) use all of it, the package's
-# exports included.
+# STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put them:
+# checks (the shared validation helpers), stop_strings (token spellings) and models (introspection) are
+# leaves, intake sits between outputs and the manager, weights, pausing (the pause gate) and lifecycle
+# (the state and stop flags the loop reads) are leaves of the manager, loop (what the manager's thread
+# runs) uses them with intake and outputs, persistence (the model-to-manager link) sits just below the
+# manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
+# (a subpackage) use all of it, the package's exports included.
 LAYERS = [
     "checks",
     "config",
@@ -42,6 +42,7 @@ LAYERS = [
     "intake",
     "pausing",
     "lifecycle",
+    "loop",
     "persistence",
     "manager",
     "api",

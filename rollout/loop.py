@@ -1,0 +1,112 @@
+"""The manager's generation loop: what its background thread runs for the life of one engine.
+
+Between two engine steps, with the manager's lock held, the loop hands the inbox's requests and
+cancels to the engine (``intake.Inbox.drain``), waits while anyone holds the pause
+(``pausing.PauseGate``), and reads the stop flags (``lifecycle.Lifecycle``): a hard stop fails every
+request at once; a stop ends the loop once the engine is idle. Each step runs outside the lock, marked
+in the pause gate so that a new pause waits for it, and its updated requests go to their result
+handles (``outputs.OutputRouter.publish``). Weights changed by the pause holders without
+``update_weights`` are noticed when the pause ends (``weights.WeightWatch``). Whatever the loop
+raises fails the manager and every request, so that no reader waits for ever; its end closes the
+engine unless it is kept for the next session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .engine import Engine
+from .intake import Inbox
+from .lifecycle import Lifecycle
+from .outputs import OutputRouter
+from .pausing import PauseGate
+from .requests import RequestStatus
+from .weights import WeightWatch
+
+# The loop's messages keep the logger they had in manager.py.
+logger = logging.getLogger("rollout.manager")
+
+# How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
+IDLE_WAIT_SECONDS = 0.05
+
+
+class GenerationLoop:
+    """The loop of one manager, over the pieces the manager shares with the callers' threads.
+
+    Args:
+        cond: the manager's (re-entrant) condition variable, which guards every piece below.
+        inbox: the checked requests and cancels queued by the callers.
+        outputs: the result handles.
+        pausing: the pause holders and the in-step flag.
+        life: the state and stop flags; the loop records its failure and its end there.
+        weights: the parameters last recorded, compared when a pause ends.
+    """
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        inbox: Inbox,
+        outputs: OutputRouter,
+        pausing: PauseGate,
+        life: Lifecycle,
+        weights: WeightWatch,
+    ) -> None:
+        self._cond = cond
+        self._inbox = inbox
+        self._outputs = outputs
+        self._pausing = pausing
+        self._life = life
+        self._weights = weights
+
+    def run(self, engine: Engine) -> None:
+        """Step ``engine`` until a stop ends the loop or a step raises; never raises itself.
+
+        On return the lifecycle has recorded the end (STOPPED, or FAILED with the error) and, when a
+        stop was asked without ``keep``, the engine is closed.
+        """
+        life, gate = self._life, self._pausing
+        try:
+            # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
+            engine.use_device_in_this_thread()
+            while True:
+                with self._cond:
+                    self._inbox.drain(engine)
+                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
+                        self._weights.bump_if_changed(engine)  # the holders may have changed the weights by hand
+                    if life.hard_stop:
+                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+                        return
+                    if not engine.has_unfinished():
+                        if life.stop_requested:
+                            return
+                        self._cond.wait(IDLE_WAIT_SECONDS)
+                        continue
+                    gate.begin_step()
+                try:
+                    updated = engine.step()
+                finally:
+                    with self._cond:
+                        gate.end_step()
+                self._outputs.publish(updated)
+        except BaseException as e:  # every failure must reach the readers
+            logger.exception("rollout manager loop failed")
+            with self._cond:
+                life.fail(e)
+                self.fail_all(engine, e)
+        finally:
+            with self._cond:
+                gate.end_step()
+                close = life.loop_ended()
+            if close:
+                engine.close()
+
+    def fail_all(self, engine: Engine, error: BaseException) -> None:
+        """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""
+        message = f"{type(error).__name__}: {error}"
+        for rid in list(engine.requests):
+            req = engine.finish_request(rid, RequestStatus.FAILED, message)
+            if req is not None:
+                self._outputs.finish(rid, req.to_output())
+        self._inbox.fail_all(message)
+        self._outputs.fail_pending(message)
