@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generated_tokens": summary.get("num_generated_tokens"),
         "generated_tokens_per_s": round(summary.get("num_generated_tokens", 0) / gen_s, 1) if gen_s else None,
         "prefix_cache_hit_blocks": summary.get("prefix_cache_hit_blocks"),
+        "num_forks": summary.get("num_forks"),
         "weight_version": summary.get("weight_version"),
         "reward": [round(e["reward"], 3) for e in logs],
         "importance_sampling_ratio_mean": [round(e["sampling/importance_sampling_ratio/mean"], 5) for e in logs],

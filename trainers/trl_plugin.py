@@ -115,7 +115,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
     Attributes:
         rollout_summary: after the manager is destroyed, its last statistics
             (``weight_version``, ``num_generated_tokens``, ``num_prompt_tokens_computed``,
-            ``prefix_cache_hit_blocks``, ``num_engine_steps``,
+            ``prefix_cache_hit_blocks``, ``num_forks`` (samples that took a sibling's prompt
+            instead of computing it, see the README's prompt forking), ``num_engine_steps``,
             ``generation_seconds``); None before.
 
     Raises:
@@ -234,6 +235,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 "num_generated_tokens": stats.num_generated_tokens,
                 "num_prompt_tokens_computed": stats.num_prompt_tokens_computed,
                 "prefix_cache_hit_blocks": stats.num_prefix_cache_hit_blocks,
+                "num_forks": stats.num_forks,
                 "num_engine_steps": stats.num_steps,
                 "generation_seconds": self._generation_seconds,
             }
