@@ -29,6 +29,7 @@ forwards still reach the original kernel, which sees the original name in ``modu
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
@@ -44,6 +45,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+# Reasons already logged by ``choose_flash``: one line per reason per process, not per engine.
+_LOGGED_FLASH_REASONS: set[str] = set()
 
 PAGED_PREFIX = "rollout_paged|"
 METADATA_KWARG = "rollout_batch"
@@ -150,6 +155,25 @@ def flash_support(devices: Sequence[torch.device], dtype: torch.dtype, head_dim:
             capabilities.append(torch.cuda.get_device_capability(device))
     version = _flash_attn_version if _flash_attn_varlen_func is not None else None
     return flash_unsupported_reason(version, capabilities, dtype, head_dim, page_size)
+
+
+def choose_flash(devices: Sequence[torch.device], dtype: torch.dtype, head_dim: int, page_size: int) -> bool:
+    """Whether an engine's steps run flash-attn's paged kernel (``flash_support``), else SDPA.
+
+    Only a cache entirely on CUDA GPUs is considered; when flash-attn is installed but cannot serve
+    this cache (GPU too old, fp32 cache, head dim, page size) the reason is logged as a warning, and
+    a CUDA machine without flash-attn gets an info line (each reason once per process).
+    """
+    if any(d.type != "cuda" for d in devices):
+        return False
+    reason = flash_support(devices, dtype, head_dim, page_size)
+    if reason is None:
+        return True
+    if reason not in _LOGGED_FLASH_REASONS:  # once per process: generate_batch builds an engine per call
+        _LOGGED_FLASH_REASONS.add(reason)
+        log = logger.info if not flash_attn_available() else logger.warning
+        log("paged attention uses SDPA, not flash-attn: %s", reason)
+    return False
 
 
 @dataclass

@@ -9,7 +9,6 @@ queues requests and keeps statistics; it changes no request itself. The backgrou
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -18,18 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .attention import enable_paged_attention, flash_attn_available, flash_support, restore_attention
+from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import (
-    CacheShape,
-    CPUOffloadPool,
-    PagedKVCache,
-    free_memory_bytes,
-    logits_workspace_bytes,
-    num_blocks_for_memory,
-)
+from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_model, offload_space_gib
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models import (
@@ -47,9 +39,6 @@ from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
-
-# Why engines of this process did not use flash-attn, each logged once.
-_LOGGED_FLASH_REASONS: set[str] = set()
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
 
@@ -134,20 +123,7 @@ class Engine:
         self.vocab_size = vocab_size(model)
         num_blocks = self.config.num_blocks
         if num_blocks is None:
-            # The step's logits and sampling temporaries come out of the same share as the cache, on
-            # the device of the last layer (where the head computes them); each device holds its own
-            # layers' share of every block, so the tightest device decides.
-            workspace = logits_workspace_bytes(self.config.resolved_max_batch_tokens(dev_type), self.vocab_size, dtype)
-            num_blocks = min(
-                num_blocks_for_memory(
-                    dataclasses.replace(shape, num_layers=devices.count(device)),
-                    self.block_size,
-                    device,
-                    self.config.resolved_memory_percent(device.type),
-                    workspace if device == devices[-1] else 0,
-                )
-                for device in dict.fromkeys(devices)
-            )
+            num_blocks = num_blocks_for_model(model, self.config)
             if max_tokens_hint is not None:
                 hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
                 # Each request rounds up to whole blocks; one spare block for slack.
@@ -155,10 +131,10 @@ class Engine:
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
         self._warned_context = False
-        self.use_flash = self._choose_flash(devices, shape)
+        self.use_flash = choose_flash(devices, shape.dtype, shape.head_dim, self.block_size)
         self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
         self.offload_pool: CPUOffloadPool | None = None
-        offload_gib = self._offload_space_gib()
+        offload_gib = offload_space_gib(self.config)
         if offload_gib > 0:
             self.offload_pool = CPUOffloadPool(shape, offload_gib, self.block_size, pin=dev_type == "cuda")
         self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
@@ -186,24 +162,6 @@ class Engine:
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
-    def _choose_flash(self, devices: list[torch.device], shape: CacheShape) -> bool:
-        """Whether the steps run flash-attn's paged kernel (``attention.flash_support``), else SDPA.
-
-        Only a cache entirely on CUDA GPUs is considered; when flash-attn is installed but cannot serve
-        this cache (GPU too old, fp32 cache, head dim, page size) the reason is logged as a warning, and
-        a CUDA machine without flash-attn gets an info line (each reason once per process).
-        """
-        if any(d.type != "cuda" for d in devices):
-            return False
-        reason = flash_support(devices, shape.dtype, shape.head_dim, self.block_size)
-        if reason is None:
-            return True
-        if reason not in _LOGGED_FLASH_REASONS:  # once per process: generate_batch builds an engine per call
-            _LOGGED_FLASH_REASONS.add(reason)
-            log = logger.info if not flash_attn_available() else logger.warning
-            log("paged attention uses SDPA, not flash-attn: %s", reason)
-        return False
-
     def use_device_in_this_thread(self) -> None:
         """Make the engine's CUDA device the current device of the calling thread (nothing on CPU).
 
@@ -213,27 +171,6 @@ class Engine:
         """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-
-    def _offload_space_gib(self) -> float:
-        """GiB of the CPU offload pool; 0 when preempted requests are recomputed.
-
-        Offload is on when ``preemption_mode="offload"`` or ``cpu_offload_space`` is above 0 or None
-        (transformers turns it on by the space alone); the space is capped at
-        ``cpu_offload_space_safety_threshold`` of the available RAM.
-        """
-        config = self.config
-        wanted = config.preemption_mode == "offload" or config.cpu_offload_space is None or config.cpu_offload_space > 0
-        if not wanted:
-            return 0.0
-        gib = config.resolved_cpu_offload_gib(free_memory_bytes(torch.device("cpu")))
-        if gib <= 0:
-            logger.warning(
-                "preemption_mode='offload' with cpu_offload_space=%s (safety threshold %s): no CPU pool, preempted "
-                "requests are recomputed",
-                config.cpu_offload_space,
-                config.cpu_offload_space_safety_threshold,
-            )
-        return gib
 
     # ------------------------------------------------------------------ requests
     @property

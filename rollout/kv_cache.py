@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .models import layer_kv_shapes, vocab_size
+from .models import attention_dtype, input_device, layer_devices, layer_kv_shapes, vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -167,29 +168,62 @@ def num_blocks_for_model(
     memory_percent: float | None = None,
     usable_bytes: int | None = None,
 ) -> int:
-    """The blocks an engine built now on ``model`` would size from memory (``num_blocks`` unset).
+    """The blocks an engine built now on ``model`` sizes from memory (``num_blocks`` unset).
 
-    The cache has the model's dtype; its block size, token budget and share come from ``config``
-    (``max_memory_percent``, or its device default) unless ``memory_percent`` is given.
+    The cache holds the dtype attention computes in (``models.attention_dtype``); its block size,
+    token budget and share come from ``config`` (``max_memory_percent``, or its device default) unless
+    ``memory_percent`` is given. The step's logits and sampling temporaries
+    (``logits_workspace_bytes``) come out of the same share, on the device of the last layer (where
+    the head computes them). Each device of a ``device_map``-sharded model holds its own layers'
+    share of every block, so the tightest device decides.
 
     Args:
         model: a supported decoder-only model (``check_model_supported``).
         config: the engine's settings; None: the defaults.
         memory_percent: the share to use instead of the config's, in (0, 1].
-        usable_bytes: the usable memory in bytes; None measures it on the model's device.
+        usable_bytes: the usable memory of each device in bytes; None measures it.
 
     Returns:
         The number of blocks (>= 1), as ``num_blocks_for_memory`` computes it.
     """
     config = config or ContinuousBatchingConfig()
-    param = next(model.parameters())
-    device = param.device
-    percent = config.resolved_memory_percent(device.type) if memory_percent is None else memory_percent
-    workspace = logits_workspace_bytes(config.resolved_max_batch_tokens(device.type), vocab_size(model), param.dtype)
-    shape = CacheShape.from_model(model, param.dtype)
-    return num_blocks_for_memory(
-        shape, config.resolved_page_size(device.type), device, percent, workspace, usable_bytes
+    devices = layer_devices(model)
+    dtype = attention_dtype(model)
+    dev_type = input_device(model).type
+    shape = CacheShape.from_model(model, dtype)
+    workspace = logits_workspace_bytes(config.resolved_max_batch_tokens(dev_type), vocab_size(model), dtype)
+    return min(
+        num_blocks_for_memory(
+            dataclasses.replace(shape, num_layers=devices.count(device)),
+            config.resolved_page_size(dev_type),
+            device,
+            config.resolved_memory_percent(device.type) if memory_percent is None else memory_percent,
+            workspace if device == devices[-1] else 0,
+            usable_bytes,
+        )
+        for device in dict.fromkeys(devices)
     )
+
+
+def offload_space_gib(config: ContinuousBatchingConfig) -> float:
+    """GiB of the CPU offload pool of an engine with ``config``; 0 when preempted requests are recomputed.
+
+    Offload is on when ``preemption_mode="offload"`` or ``cpu_offload_space`` is above 0 or None
+    (transformers turns it on by the space alone); the space is capped at
+    ``cpu_offload_space_safety_threshold`` of the available RAM (a warning when nothing is left).
+    """
+    wanted = config.preemption_mode == "offload" or config.cpu_offload_space is None or config.cpu_offload_space > 0
+    if not wanted:
+        return 0.0
+    gib = config.resolved_cpu_offload_gib(free_memory_bytes(torch.device("cpu")))
+    if gib <= 0:
+        logger.warning(
+            "preemption_mode='offload' with cpu_offload_space=%s (safety threshold %s): no CPU pool, preempted "
+            "requests are recomputed",
+            config.cpu_offload_space,
+            config.cpu_offload_space_safety_threshold,
+        )
+    return gib
 
 
 def training_state_bytes(model: torch.nn.Module) -> int:

@@ -261,6 +261,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--static-batch-size", type=int, default=32)
     p.add_argument("--decode-batch-size", type=int, default=32, help="B of the decode-step comparison; 0 skips it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations of every system (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
     p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
@@ -276,7 +282,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     logger.setLevel(logging.INFO)
-    model, tokenizer = rollout.load_model(args.model, dtype=torch.float32, device=args.device)
+    model, tokenizer = rollout.load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     source = args.gsm8k or SAMPLE_QUESTIONS
@@ -319,3 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``rollout-bench``: run the benchmark (see the module docstring); 0 when it ran."""
     run(parse_args(argv))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
