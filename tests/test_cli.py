@@ -112,6 +112,42 @@ def test_bad_arguments_name_the_key(argv, message):
         parse_config(argv)
 
 
+def test_a_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"--config .*nothere.yaml: no such file"):
+        parse_config(["--config", str(tmp_path / "nothere.yaml")])
+
+
+def test_a_bad_flag_is_not_blamed_on_the_config_file(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("max_steps: 3\n")
+    with pytest.raises(ConfigError) as flag_error:
+        parse_config(["--config", str(good), "--max_steps", "-1"])
+    assert str(flag_error.value) == "max_steps must be >= 1, got -1"  # no file name: the file is fine
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: -1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: max_steps must be >= 1, got -1"):
+        parse_config(["--config", str(bad)])
+
+
+def test_reward_funcs_on_the_command_line_drop_the_files_weights(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text("reward_funcs: [correctness, format]\nreward_weights: [1.0, 0.5]\n")
+    config = parse_config(["--config", str(path), "--reward_funcs", "correctness"])
+    assert (config.reward_funcs, config.reward_weights) == (["correctness"], None)
+    config = parse_config(["--config", str(path), "--set", "reward_funcs=[format]", "--set", "reward_weights=[2.0]"])
+    assert (config.reward_funcs, config.reward_weights) == (["format"], [2.0])
+    with pytest.raises(ConfigError, match=r"unknown reward 'nonsense'; known: \['correctness', 'format'"):
+        parse_config(["--config", str(path), "--reward_funcs", "nonsense"])
+
+
+def test_eval_of_a_run_saved_without_its_model_says_so(tmp_path, capsys):
+    from trainers.cli import eval_main
+
+    (tmp_path / "grpo_config.json").write_text(json.dumps({"max_steps": 1, "save_model": False}))
+    assert eval_main(["--model", str(tmp_path)]) == 2
+    assert "holds a run but no saved model (the run had save_model: false)" in capsys.readouterr().err
+
+
 def test_scientific_notation_through_the_console_script_and_accelerate_launch(tmp_path, tiny_model_dir):
     data = _gsm8k(tmp_path / "train.jsonl")
     config = tmp_path / "c.yaml"

@@ -99,3 +99,10 @@ def test_default_job_runs_with_accelerate_launch_on_the_real_model(tmp_path):
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert plot_metrics.main([str(out / "metrics.jsonl")]) == 0
     assert (out / "reward_curve.png").exists()
+
+
+def test_plot_refuses_a_file_that_is_not_metrics(tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ValueError, match=r"gsm.jsonl: not a trainer's metrics.jsonl \(rows without a 'step'\)"):
+        plot_metrics.read_metrics(data)

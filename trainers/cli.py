@@ -71,8 +71,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
 
     Raises:
         ConfigError: an unknown key or flag (with the closest known one), a bad value, a
-            malformed ``--set`` item, or a file that is not a YAML mapping.
-        FileNotFoundError: ``--config`` names no file.
+            malformed ``--set`` item, a ``--config`` that names no file, or a file that is not a
+            YAML mapping. The file's name leads the message only when the file itself is invalid.
         SystemExit: a flag whose value argparse cannot convert (argparse prints the flag).
     """
     parser = build_parser()
@@ -89,7 +89,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
     if path is None and DEFAULT_CONFIG.is_file():
         path = str(DEFAULT_CONFIG)  # the default recipe, when running from a checkout
     items = given.pop("set", [])
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"--config {path}: no such file")
     values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
+    from_file = dict(values)
     engine = dict(values.get("engine") or {})
     if "engine" in given:
         engine.update(given.pop("engine"))
@@ -105,10 +108,24 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
             values[key] = value
     if engine:
         values["engine"] = engine
+    set_keys = {item.partition("=")[0].strip() for item in items}
+    if ({"reward_funcs"} & (given.keys() | set_keys)) and not ({"reward_weights"} & (given.keys() | set_keys)):
+        # The file's weights belong to the file's reward functions, not to the ones given here.
+        values.pop("reward_weights", None)
     try:
         return config_from_dict(values)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from e
+        if path is not None and _invalid(from_file):
+            raise ConfigError(f"{path}: {e}") from e
+        raise  # the file alone is valid: a flag or --set item is at fault, not the file
+
+
+def _invalid(values: dict[str, Any]) -> bool:
+    try:
+        config_from_dict(values)
+    except ConfigError:
+        return True
+    return False
 
 
 def _close(key: str, known: list[str]) -> str:
@@ -176,6 +193,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         saved = Path(config.model).expanduser() / "grpo_config.json"
         if "--config" not in rest and saved.is_file():  # the split that run trained and evaluated on
             config = parse_config(["--config", str(saved), *rest])
+            if not (saved.parent / "config.json").is_file():
+                raise ConfigError(f"{saved.parent} holds a run but no saved model (the run had save_model: false)")
         if config.eval_size == 0:
             raise ConfigError("eval_size is 0: nothing to evaluate")
         _, heldout = build_datasets(

@@ -25,6 +25,8 @@ from transformers import SchedulerType
 
 import rollout
 
+from .rewards import REWARD_FUNCS
+
 LOSS_TYPES = ("dapo", "grpo")
 STALE_POLICIES = ("wait", "drop")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -265,6 +267,11 @@ class GRPOConfig:
             raise ConfigError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads!r}")
         if not self.reward_funcs:
             raise ConfigError("reward_funcs must name at least one reward function")
+        for spec in self.reward_funcs:
+            if isinstance(spec, str) and ":" not in spec and spec not in REWARD_FUNCS:
+                raise ConfigError(
+                    f"reward_funcs: unknown reward {spec!r}; known: {sorted(REWARD_FUNCS)} or 'module:function'"
+                )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}"

@@ -208,7 +208,8 @@ class GRPOTrainer:
                 )
                 eval_dataset = eval_dataset if eval_dataset is not None else built_eval
         except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"dataset: {e}") from e
+            message = str(e)
+            raise ConfigError(message if message.startswith("dataset: ") else f"dataset: {message}") from e
         self.dataset = train_dataset
         self.eval_dataset = eval_dataset if config.eval_size > 0 else None
         specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
@@ -822,6 +823,7 @@ class GRPOTrainer:
                         "world_size": self.world_size,
                         "device": str(acc.device),
                         "torch_threads": torch.get_num_threads(),
+                        "mixed_precision": acc.mixed_precision,  # what ran, the launcher's setting included
                         "commit": source_commit(),
                     },
                     indent=2,

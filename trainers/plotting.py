@@ -24,12 +24,14 @@ def read_metrics(path: str | Path) -> list[dict]:
     figures of the timing.jsonl beside it when there is one.
 
     Raises:
-        ValueError: the file holds no rows.
+        ValueError: the file holds no rows, or rows without a ``step`` (not a metrics file).
     """
     path = Path(path)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path}: no metrics rows")
+    if not all(isinstance(r, dict) and "step" in r for r in rows):
+        raise ValueError(f"{path}: not a trainer's metrics.jsonl (rows without a 'step')")
     timing = path.with_name("timing.jsonl")
     if timing.exists():
         by_step = {r["step"]: r for r in (json.loads(x) for x in timing.read_text().splitlines() if x.strip())}
