@@ -106,3 +106,26 @@ def test_plot_refuses_a_file_that_is_not_metrics(tmp_path):
     data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
     with pytest.raises(ValueError, match=r"gsm.jsonl: not a trainer's metrics.jsonl \(rows without a 'step'\)"):
         plot_metrics.read_metrics(data)
+
+
+def test_output_dir_holding_a_run_or_being_a_file_is_refused(tmp_path):
+    from trainers.config import ConfigError, GRPOConfig
+    from trainers.grpo import resolve_output_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert resolve_output_dir(GRPOConfig(output_dir=str(run)), 1) == run  # an empty folder is fine
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\); pass --overwrite_output_dir"):
+        resolve_output_dir(GRPOConfig(output_dir=str(run)), 1)
+    assert resolve_output_dir(GRPOConfig(output_dir=str(run), overwrite_output_dir=True), 1) == run
+    afile = tmp_path / "data.jsonl"
+    afile.write_text("{}\n")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        resolve_output_dir(GRPOConfig(output_dir=str(afile), overwrite_output_dir=True), 1)
+
+
+def test_a_model_path_that_does_not_load_is_a_config_error(tmp_path, capsys):
+    code = train_grpo.main(["--model", str(tmp_path / "nomodel"), "--output_dir", str(tmp_path / "out")])
+    assert code == 2
+    assert f"error: bad config: model: cannot load '{tmp_path / 'nomodel'}'" in capsys.readouterr().err

@@ -65,7 +65,8 @@ def resolve_output_dir(config: GRPOConfig, num_processes: int) -> Path:
     process picks the name and broadcasts it when ``num_processes`` > 1).
 
     Raises:
-        ConfigError: the folder holds an earlier run and ``overwrite_output_dir`` is False.
+        ConfigError: the path is a file, or the folder holds an earlier run and
+            ``overwrite_output_dir`` is False.
     """
     if config.output_dir is not None:
         path = Path(config.output_dir).expanduser()
@@ -74,6 +75,8 @@ def resolve_output_dir(config: GRPOConfig, num_processes: int) -> Path:
         if num_processes > 1:
             broadcast_object_list(name, from_process=0)
         path = rollout.rollout_home() / "runs" / name[0]
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir {str(path)!r} is a file, not a folder; choose another --output_dir")
     if not config.overwrite_output_dir:
         found = [f for f in RUN_FILES if (path / f).exists()]
         if found:
@@ -232,7 +235,10 @@ class GRPOTrainer:
 
         torch.manual_seed(config.seed)
         if model is None or tokenizer is None:
-            model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
+            try:
+                model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
+            except OSError as e:  # no such folder, or not a model folder: the config's fault, said as such
+                raise ConfigError(f"model: cannot load {config.model!r}: {str(e).splitlines()[0]}") from e
         self.tokenizer = tokenizer
         model.eval()  # no dropout: the engine and the trainer compute the same function
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
