@@ -385,6 +385,16 @@ def test_fp16_mixed_precision_needs_cuda(tmp_path, monkeypatch):
         GRPOTrainer(config, train_dataset=token_dataset())
 
 
+def test_fp16_from_the_launcher_is_refused_on_cpu(tmp_path, accelerate_state):
+    from accelerate import Accelerator
+
+    # What `accelerate launch --mixed_precision fp16` builds on a CPU machine.
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    config = tiny_config(tmp_path, model="/nonexistent/model")
+    with pytest.raises(ConfigError, match=r"'fp16' \(from the launcher or the accelerator\) needs a CUDA GPU"):
+        GRPOTrainer(config, train_dataset=token_dataset(), accelerator=accelerator)
+
+
 def test_train_outside_pause_runs(tmp_path):
     rows = tiny_trainer(tmp_path, max_steps=3, async_rollouts=True, max_staleness=1, train_outside_pause=True).train()
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -187,6 +187,11 @@ class GRPOTrainer:
                     f"{accelerator.mixed_precision!r}"
                 )
             self.output_dir = resolve_output_dir(config, accelerator.num_processes)
+        if accelerator.mixed_precision == "fp16" and accelerator.device.type != "cuda":
+            # accelerate takes fp16 from the launcher on CPU and then runs without autocast: say so.
+            raise ConfigError(
+                "mixed_precision 'fp16' (from the launcher or the accelerator) needs a CUDA GPU; use 'bf16' on CPU"
+            )
         if accelerator.mixed_precision != "no" and config.dtype != "float32":
             raise ConfigError(
                 f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
