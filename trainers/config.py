@@ -25,7 +25,7 @@ from transformers import SchedulerType
 
 import rollout
 
-from .rewards import REWARD_FUNCS
+from .rewards import resolve_reward_func
 
 LOSS_TYPES = ("dapo", "grpo")
 STALE_POLICIES = ("wait", "drop")
@@ -268,10 +268,11 @@ class GRPOConfig:
         if not self.reward_funcs:
             raise ConfigError("reward_funcs must name at least one reward function")
         for spec in self.reward_funcs:
-            if isinstance(spec, str) and ":" not in spec and spec not in REWARD_FUNCS:
-                raise ConfigError(
-                    f"reward_funcs: unknown reward {spec!r}; known: {sorted(REWARD_FUNCS)} or 'module:function'"
-                )
+            if isinstance(spec, str) and ":" not in spec:  # a 'module:function' is imported by the trainer
+                try:
+                    resolve_reward_func(spec)
+                except ValueError as e:  # the one message, from the function the trainer resolves with
+                    raise ConfigError(str(e)) from e
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(
                 f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}"
