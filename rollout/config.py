@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from transformers.generation import CompileConfig
 from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
 
 from .checks import check_bool, check_choice, check_int, check_number
@@ -34,6 +35,15 @@ DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
+# Padding intervals (tokens) of the static-shape path. CUDA: transformers' presets
+# (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: q 64, kv 64 blocks of 256).
+DEFAULT_Q_PADDING_CUDA = 64
+DEFAULT_KV_PADDING_CUDA = 64 * 256
+DEFAULT_Q_PADDING_CPU = 16
+DEFAULT_KV_PADDING_CPU = 64
+# transformers' fallback width of the decode fast path's block table.
+DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
+MAX_COMPILE_LEVEL = 3
 
 
 @dataclass
@@ -104,6 +114,30 @@ class ContinuousBatchingConfig:
             processor rollout does not implement (typical_p, suppress_tokens, sequence_bias,
             ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
             warning per field, False refuses the config with a ValueError naming it.
+        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its
+            own (``varlen_compile_config`` / ``decode_compile_config``, else the generation config's
+            ``compile_config``), level 1 compiles it with ``mode="default", dynamic=True``, level 2
+            with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
+            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels): a higher level
+            runs faster after a longer warmup.
+        varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen
+            path: steps with a prefill chunk or a score. None: see ``default_compile_level``.
+        decode_compile_config: the same for decode-only steps (one query token per request).
+        use_cuda_graph: capture each padded step shape in a CUDA graph and replay it: a bool for both
+            paths, a (varlen, decode) pair, or None to pick per device (see ``resolved_cuda_graphs``).
+            True on a device without CUDA is a ValueError.
+        q_padding_interval_size: the static-shape path (compile or CUDA graphs) pads a step's query
+            tokens to a multiple of this many tokens (>= 0; 0 picks the device's preset: 64 on CUDA,
+            as in transformers, 16 on CPU). Padded rows are masked out and never written to a
+            request's blocks.
+        kv_padding_interval_size: the same for the keys each request reads (>= 0; 0 picks 16384 on
+            CUDA, as in transformers, 64 on CPU).
+        max_blocks_per_request: width (blocks) of the block table of the CUDA decode fast path
+            (flash-attn's ``flash_attn_with_kvcache``); 0 turns the fast path off; None sizes it from
+            the longest request (at least 32, transformers' fallback). No effect on CPU.
+        use_async_batching: prepare step k+1's inputs while step k's forward runs (double-buffered
+            inputs; CUDA streams and events on a GPU, a worker thread on CPU); outputs are the
+            synchronous loop's. None picks per device (see ``resolved_async_batching``).
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
             it sets ``page_size`` with a ``FutureWarning``. Both set to different values
@@ -127,6 +161,14 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     per_request_processors: bool = True
     drop_unsupported_processors: bool = True
+    default_compile_level: int = 0
+    varlen_compile_config: CompileConfig | dict | None = None
+    decode_compile_config: CompileConfig | dict | None = None
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    max_blocks_per_request: int | None = None
+    use_async_batching: bool | None = None
     progress_log_interval: float = 10.0
     block_size: int | None = None
 
@@ -161,6 +203,33 @@ class ContinuousBatchingConfig:
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
         for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
             check_bool(name, getattr(self, name))
+        check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                try:
+                    value = CompileConfig(**value)
+                except TypeError as exc:
+                    raise ValueError(f"{name}: {exc}; the keys are CompileConfig's fields") from None
+                setattr(self, name, value)
+            if value is not None and not isinstance(value, CompileConfig):
+                raise ValueError(
+                    f"{name} must be None, a transformers.CompileConfig or a dict of its fields, got {value!r}"
+                )
+        graphs = self.use_cuda_graph
+        if not (
+            graphs is None
+            or isinstance(graphs, bool)
+            or (isinstance(graphs, (tuple, list)) and len(graphs) == 2 and all(isinstance(g, bool) for g in graphs))
+        ):
+            raise ValueError(f"use_cuda_graph must be None, a bool or a (varlen, decode) pair of bools, got {graphs!r}")
+        if isinstance(graphs, list):
+            self.use_cuda_graph = tuple(graphs)
+        check_int("q_padding_interval_size", self.q_padding_interval_size, minimum=0)
+        check_int("kv_padding_interval_size", self.kv_padding_interval_size, minimum=0)
+        check_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0, allow_none=True)
+        if self.use_async_batching is not None:
+            check_bool("use_async_batching", self.use_async_batching)
 
     def resolved_page_size(self, device_type: str) -> int:
         """Tokens per block for a device type (``"cpu"`` or ``"cuda"``)."""
@@ -183,6 +252,59 @@ class ContinuousBatchingConfig:
         if self.max_memory_percent is not None:
             return float(self.max_memory_percent)
         return DEFAULT_MEMORY_PERCENT_CUDA if device_type == "cuda" else DEFAULT_MEMORY_PERCENT_CPU
+
+    def resolved_compile_configs(
+        self, fallback: CompileConfig | None = None
+    ) -> tuple[CompileConfig | None, CompileConfig | None]:
+        """The (varlen, decode) compile configs: each path's own, else the level's, else ``fallback``.
+
+        Args:
+            fallback: the generation config's ``compile_config``, used by a path that has no config
+                of its own when ``default_compile_level`` is 0 (transformers' order of precedence).
+
+        Returns:
+            Two ``CompileConfig`` or None (None: that path runs eagerly).
+        """
+        level = self.default_compile_level
+        default = None
+        if level > 0:
+            mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
+            default = CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
+        chosen = default if default is not None else fallback
+        varlen = self.varlen_compile_config if self.varlen_compile_config is not None else chosen
+        decode = self.decode_compile_config if self.decode_compile_config is not None else chosen
+        return varlen, decode  # type: ignore[return-value]
+
+    def resolved_cuda_graphs(self, device_type: str) -> tuple[bool, bool]:
+        """(varlen, decode): whether each path replays CUDA graphs on a device type.
+
+        None picks (False, False) off CUDA; on CUDA see the engine's model runner, which may turn a
+        path on (this method answers False for None until then).
+
+        Raises:
+            ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
+        """
+        graphs = self.use_cuda_graph
+        if graphs is None:
+            return (False, False)
+        pair = (graphs, graphs) if isinstance(graphs, bool) else (bool(graphs[0]), bool(graphs[1]))
+        if any(pair) and device_type != "cuda":
+            raise ValueError(
+                f"use_cuda_graph={graphs!r} needs a CUDA device, but the model runs on {device_type!r}; "
+                "set use_cuda_graph to None or False"
+            )
+        return pair
+
+    def resolved_padding_intervals(self, device_type: str) -> tuple[int, int]:
+        """(query, kv) padding intervals in tokens of the static-shape path on a device type."""
+        cuda = device_type == "cuda"
+        q = self.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
+        kv = self.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
+        return q, kv
+
+    def resolved_async_batching(self, device_type: str) -> bool:
+        """Whether the engine prepares step k+1 while step k runs: the explicit value, else off."""
+        return bool(self.use_async_batching)
 
     def resolved_safety_margin(self) -> float:
         """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""

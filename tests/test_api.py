@@ -91,8 +91,8 @@ def test_a_transformers_config_is_converted_at_every_entry_point(caplog: pytest.
     scored = rollout.score(model, [[5, 6, 7]], [[8]], continuous_batching_config=theirs)
     assert scored[0].num_tokens == 1
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
-        ContinuousBatchingManager(model, GREEDY, transformers.ContinuousBatchingConfig(use_cuda_graph=True)).destroy()
-    assert "use_cuda_graph=True" in caplog.text
+        ContinuousBatchingManager(model, GREEDY, transformers.ContinuousBatchingConfig(auto_switch_to_flash=False)).destroy()
+    assert "auto_switch_to_flash=False" in caplog.text
 
 
 def test_a_config_inside_the_generation_config_is_honoured_with_a_deprecation_warning() -> None:

@@ -112,9 +112,102 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "max_queue_size",
         "per_request_processors",
         "drop_unsupported_processors",
+        "default_compile_level",
+        "varlen_compile_config",
+        "decode_compile_config",
+        "use_cuda_graph",
+        "q_padding_interval_size",
+        "kv_padding_interval_size",
+        "max_blocks_per_request",
+        "use_async_batching",
         "progress_log_interval",
         "block_size",
     ]
+
+
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [
+        (0, None),
+        (1, ("default", True)),
+        (2, ("max-autotune-no-cudagraphs", True)),
+        (3, ("max-autotune-no-cudagraphs", False)),
+    ],
+)
+def test_compile_levels_are_transformers_levels(level: int, expected: tuple[str, bool] | None) -> None:
+    varlen, decode = ContinuousBatchingConfig(default_compile_level=level).resolved_compile_configs()
+    if expected is None:
+        assert varlen is None and decode is None
+    else:
+        assert (varlen.mode, varlen.dynamic) == expected
+        assert (decode.mode, decode.dynamic) == expected
+        assert varlen.fullgraph is False
+
+
+def test_a_paths_own_compile_config_wins_over_the_level_and_the_level_over_the_fallback() -> None:
+    from transformers.generation import CompileConfig
+
+    fallback = CompileConfig(mode="default", dynamic=False)
+    config = ContinuousBatchingConfig(decode_compile_config={"mode": "max-autotune", "dynamic": False})
+    varlen, decode = config.resolved_compile_configs(fallback)
+    assert varlen is fallback
+    assert isinstance(decode, CompileConfig) and decode.mode == "max-autotune"
+    varlen, _ = ContinuousBatchingConfig(default_compile_level=1).resolved_compile_configs(fallback)
+    assert varlen.mode == "default" and varlen.dynamic is True
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("default_compile_level", 4, "default_compile_level must be an int in [0, 3]"),
+        ("varlen_compile_config", "yes", "varlen_compile_config must be None"),
+        ("decode_compile_config", {"no_such_field": 1}, "decode_compile_config:"),
+        ("use_cuda_graph", (True, 1), "use_cuda_graph must be None, a bool or a (varlen, decode) pair"),
+        ("q_padding_interval_size", -1, "q_padding_interval_size must be an int >= 0"),
+        ("kv_padding_interval_size", 1.5, "kv_padding_interval_size must be an int >= 0"),
+        ("max_blocks_per_request", -1, "max_blocks_per_request must be None or an int >= 0"),
+        ("use_async_batching", "on", "use_async_batching must be a bool"),
+    ],
+)
+def test_speed_fields_refuse_bad_values_naming_the_field(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ContinuousBatchingConfig(**{field: value})
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("graphs", [True, (False, True), (True, False)])
+def test_cuda_graphs_on_a_device_without_cuda_is_an_error_naming_the_field(graphs: Any) -> None:
+    with pytest.raises(ValueError, match="use_cuda_graph=.* needs a CUDA device"):
+        ContinuousBatchingConfig(use_cuda_graph=graphs).resolved_cuda_graphs("cpu")
+
+
+@pytest.mark.parametrize(
+    ("graphs", "expected"), [(None, (False, False)), (True, (True, True)), ([False, True], (False, True))]
+)
+def test_cuda_graph_flags_on_cuda(graphs: Any, expected: tuple[bool, bool]) -> None:
+    assert ContinuousBatchingConfig(use_cuda_graph=graphs).resolved_cuda_graphs("cuda") == expected
+
+
+@pytest.mark.parametrize(("device_type", "expected"), [("cpu", (16, 64)), ("cuda", (64, 16384))])
+def test_padding_intervals_have_device_presets_and_explicit_values_win(device_type: str, expected: tuple) -> None:
+    assert ContinuousBatchingConfig().resolved_padding_intervals(device_type) == expected
+    explicit = ContinuousBatchingConfig(q_padding_interval_size=8, kv_padding_interval_size=32)
+    assert explicit.resolved_padding_intervals(device_type) == (8, 32)
+
+
+def test_transformers_speed_fields_are_copied_not_dropped() -> None:
+    from transformers.generation import ContinuousBatchingConfig as TransformersConfig
+
+    theirs = TransformersConfig(
+        default_compile_level=2,
+        use_cuda_graph=False,
+        q_padding_interval_size=32,
+        max_blocks_per_request=0,
+        use_async_batching=True,
+    )
+    ours = ContinuousBatchingConfig.from_transformers(theirs)
+    assert (ours.default_compile_level, ours.use_cuda_graph, ours.q_padding_interval_size) == (2, False, 32)
+    assert (ours.max_blocks_per_request, ours.use_async_batching) == (0, True)
 
 
 @pytest.mark.parametrize(("device_type", "expected"), [("cpu", 32), ("cuda", 256)])
@@ -194,10 +287,10 @@ def test_a_transformers_config_converts_field_by_field(caplog: pytest.LogCapture
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
         ContinuousBatchingConfig.from_transformers(
-            TransformersConfig(use_cuda_graph=True, default_compile_level=2, auto_switch_to_flash=False)
+            TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False)
         )
     assert len(caplog.records) == 1
-    for name in ("use_cuda_graph=True", "default_compile_level=2", "auto_switch_to_flash=False"):
+    for name in ("max_cached_graphs=4", "auto_switch_to_flash=False"):
         assert name in caplog.text
     with pytest.raises(ValueError, match="scheduler_type must be one of"):
         ContinuousBatchingConfig.from_transformers(TransformersConfig(scheduler_type="lifo"))
