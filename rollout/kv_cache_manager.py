@@ -99,6 +99,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
         keep_margin: bool = False,
+        reversible: bool = False,
     ) -> bool:
         """Give a request the slots of its next tokens, or refuse.
 
@@ -116,6 +117,10 @@ class KVCacheManager:
             num_new_computed_tokens: tokens those hits (or an offloaded KV being restored) cover.
             keep_margin: leave ``safety_margin_blocks`` free after the allocation (admissions while
                 other requests run).
+            reversible: refuse, too, what ``release_tail`` could not undo exactly: a copy-on-write of a
+                shared block, or a fresh block that carries a prefix-cache hash (its hash would be
+                lost). The scheduler allocates so when it schedules a step ahead (async batching), a
+                step it may have to take back.
 
         Returns:
             True when the slots are allocated; False, changing nothing, when the free blocks cannot
@@ -135,6 +140,8 @@ class KVCacheManager:
             num_evictable_hits = sum(1 for b in new_computed_blocks if bm.blocks[b].ref_count == 0)
         margin = self.safety_margin_blocks if keep_margin else 0
         if bm.num_free_blocks - num_evictable_hits - max(num_fresh, 0) - len(shared) < margin:
+            return False
+        if reversible and (shared or new_computed_blocks or bm.allocation_evicts_cached(max(num_fresh, 0))):
             return False
         if shared:
             self._copy_on_write(request, shared)
@@ -170,6 +177,17 @@ class KVCacheManager:
                 self.num_block_copies += 1
             bm.free([src])  # the other holders keep it
             table[i] = dst
+
+    def release_tail(self, request: Request, num_blocks: int) -> None:
+        """Give back the blocks of ``request.block_table[num_blocks:]``: undo a ``reversible`` allocation.
+
+        Several requests' allocations are undone in the reverse order they were made, so that the free
+        queue is left exactly as before them (see ``BlockManager.allocation_evicts_cached``).
+        """
+        tail = request.block_table[num_blocks:]
+        if tail:
+            self.block_manager.free(tail)
+            del request.block_table[num_blocks:]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies queued since the last call, in order; the queue empties.

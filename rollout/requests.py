@@ -45,6 +45,10 @@ FINISH_CANCELLED = "cancelled"  # cancel_request, or the request was taken out o
 FINISH_ERROR = "error"  # the request failed (a failing step, a hard stop)
 # The finish reason of a request ended from outside with a final status.
 FINISH_REASON_OF_STATUS = {RequestStatus.CANCELLED: FINISH_CANCELLED, RequestStatus.FAILED: FINISH_ERROR}
+# The value held in ``Request.token_ids`` for a token that a step in flight samples (async batching): the next
+# step is scheduled before the token is known. Never a valid token id, so a placeholder that reached a forward
+# would fail loudly; the model runner feeds the sampled token instead.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -115,6 +119,9 @@ class Request:
         fork_parent: while this request waits for another request's prefill of the same tokens (a
             "parked" fork, see ``Scheduler``), that request; None otherwise.
         forks: the requests parked on this one; they are forked from it when its prefill completes.
+        pending_token: async batching only: ``token_ids[-1]`` is ``PLACEHOLDER_TOKEN``, standing for the
+            token that the step in flight samples, so that the next step can be scheduled before it is
+            known; ``append_token`` writes the real token in its place.
     """
 
     def __init__(
@@ -156,6 +163,7 @@ class Request:
         # Prompt forking (the scheduler writes both): the G samples of one prompt are prefilled once.
         self.fork_parent: Request | None = None
         self.forks: list[Request] = []
+        self.pending_token = False
 
     @property
     def prefill_only(self) -> bool:
@@ -179,9 +187,25 @@ class Request:
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 
+    def add_placeholder(self) -> None:
+        """Hold the place of the token that the step in flight samples (see ``pending_token``)."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.pending_token = True
+
+    def drop_placeholder(self) -> None:
+        """Take back ``add_placeholder`` (the step in flight failed); nothing when no token is pending."""
+        if self.pending_token:
+            self.token_ids.pop()
+            self.pending_token = False
+
     def append_token(self, token: int, logprob: float | None, weight_version: int) -> None:
-        """Record a sampled token and decide whether the request is done."""
-        self.token_ids.append(token)
+        """Record a sampled token (in the placeholder's place when one is pending) and decide whether the
+        request is done."""
+        if self.pending_token:
+            self.token_ids[-1] = token
+            self.pending_token = False
+        else:
+            self.token_ids.append(token)
         if logprob is not None:
             self.generated_logprobs.append(logprob)
         self.weight_versions.append(weight_version)
@@ -221,4 +245,3 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
-

@@ -37,9 +37,26 @@ write. Parked forks sample in their parent's step without counting against
 forks; a parent cancelled or failed hands them back to the head of the queue, where the first is
 admitted and the others park on it.
 
+Scheduling ahead (async batching, ``schedule_ahead``): while step k runs, step k + 1 is scheduled before
+step k's tokens are known. This is vLLM v1's async scheduling (``AsyncScheduler``: the requests of step k
+are advanced at once and each sampling request gets a placeholder for the token it is about to receive;
+the runner feeds step k's sampled tokens into step k + 1's inputs on the device). Here it is optimistic in
+one more way, so that the outputs stay exactly those of the synchronous loop: the CPU and GPU matmuls do
+not give a row the same bits whatever the other rows of the batch (measured: a linear layer's row differs
+between batches of 1-3, 5-7 and 9-11 rows and larger ones), so step k + 1 must be the very batch that the
+synchronous loop would build. Step k + 1 is scheduled on the assumption that no request of step k ends,
+except the ones whose end is already known (``max_new_tokens`` reached, a scoring request done), which
+are left out. When step k's results show otherwise (a stop token, a stop string), step k + 1 is taken
+back (``unschedule``) and scheduled again the synchronous way: it is never run with a row of a request
+that has ended. Scheduling ahead is tried only where taking it back is exact and cheap (``schedule_ahead``
+says why not otherwise): nothing waits for admission, no request has forks parked on it, no running
+request has logits processors (they read the token that is not known yet), and the running requests get
+their slots without preemption, copy-on-write or evicting a prefix-cache block. Blocks are hashed for the
+prefix cache only when the step is committed (``commit_ahead``), once its tokens are all known.
+
 The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``:
-at admission and preemption in ``schedule``, after the forward in ``update_from_output``,
-and in ``finish_request``.
+at admission and preemption in ``schedule``, when a step is scheduled ahead (``schedule_ahead``: counts
+advanced, a placeholder token), after the forward in ``update_from_output``, and in ``finish_request``.
 """
 
 from __future__ import annotations
@@ -62,11 +79,16 @@ class ScheduledRequest:
         num_scheduled_tokens: tokens computed this step, starting at ``request.num_computed_tokens``.
         sample: True when the step brings the request level with its tokens, so the
             logits of its last scheduled token are sampled.
+        placeholder_row: in a step scheduled ahead, when the request's one input token is the
+            placeholder of the token that the step in flight samples for it: the index of that token
+            among the step in flight's sampled tokens (the runner copies it in before the forward).
+            None when every input token is known.
     """
 
     request: Request
     num_scheduled_tokens: int
     sample: bool
+    placeholder_row: int | None = None
 
 
 @dataclass
@@ -89,6 +111,12 @@ class SchedulerOutput:
         total_num_scheduled_tokens: tokens computed in the step (T).
         num_scheduled_prompt_tokens: how many of those are prompt tokens.
         is_decode_only: every scheduled request computes one token and samples it.
+        ahead: scheduled by ``Scheduler.schedule_ahead`` while the step before it was in flight.
+        advanced: its requests' ``num_computed_tokens`` (and placeholder tokens) were advanced before its
+            results came, by the ``schedule_ahead`` of the next step; ``update_from_output`` then only
+            writes the sampled tokens.
+        allocations: a step scheduled ahead only: (request, the length of its block table before the
+            step's allocation), in allocation order: what ``Scheduler.unschedule`` gives back.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -100,6 +128,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     num_scheduled_prompt_tokens: int = 0
     is_decode_only: bool = False
+    ahead: bool = False
+    advanced: bool = False
+    allocations: list[tuple[Request, int]] = field(default_factory=list, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -324,6 +355,11 @@ class Scheduler:
         # After every preemption of the pass: a preempted parent keeps its forks parked.
         self._list_forks(out)
         out.block_copies = self.kv_cache_manager.take_block_copies()
+        self._count(out)
+        return out
+
+    def _count(self, out: SchedulerOutput) -> None:
+        """Fill in the step's token counts (before its requests' ``num_computed_tokens`` move)."""
         out.total_num_scheduled_tokens = self.max_batch_tokens - self._budget
         num_prompt = 0
         decode_only = True
@@ -334,35 +370,69 @@ class Scheduler:
             decode_only = decode_only and n == 1 and entry.sample
         out.num_scheduled_prompt_tokens = num_prompt
         out.is_decode_only = decode_only and bool(out.scheduled)
-        return out
 
-    def _schedule_running(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
+    def _schedule_running(
+        self,
+        chosen: dict[int, ScheduledRequest],
+        out: SchedulerOutput,
+        placeholder_rows: dict[int, int] | None = None,
+    ) -> bool:
         """Give each running request, in admission order, the tokens it lacks (up to the budget).
 
         Request r with c computed of t tokens gets ``n = min(t - c, budget)``. When its blocks cannot
         hold ``c + n`` tokens, the most recently admitted running request is preempted (possibly r
         itself, which then ends the pass) until they can.
+
+        Args:
+            chosen: the step's entries so far, by ``id(request)``; the pass adds to it.
+            out: the step (preemptions are recorded there).
+            placeholder_rows: scheduling ahead (``schedule_ahead``): by ``id(request)``, the row of the
+                step in flight's sampled tokens that a request's placeholder stands for. Then nothing
+                is preempted nor hashed: an allocation that is not ``reversible`` ends the pass.
+
+        Returns:
+            False when scheduling ahead met an allocation it could not make reversibly (the pass's
+            allocations are in ``out.allocations``); True otherwise.
         """
         kv = self.kv_cache_manager
+        ahead = placeholder_rows is not None
         i = 0
         while i < len(self.running):
             if self._budget <= 0 or len(chosen) >= self.max_requests:
-                return
+                return True
             req = self.running[i]
-            if id(req) in chosen:  # admitted earlier in this step (prefill_first)
+            if id(req) in chosen or self._awaits_update(req):  # admitted earlier in this step (prefill_first)
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, self._budget)
-            while not kv.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, chosen, out)
-                if victim is req:
-                    return
             c = req.num_computed_tokens
-            chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n))
-            kv.cache_blocks(req, c + n, self.weight_version)
+            if ahead:
+                num_blocks = len(req.block_table)
+                if not kv.allocate_slots(req, n, reversible=True):
+                    return False
+                out.allocations.append((req, num_blocks))
+                row = placeholder_rows.get(id(req)) if req.pending_token else None
+                chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n), row)
+            else:
+                while not kv.allocate_slots(req, n):
+                    victim = self.running[-1]
+                    self._preempt(victim, chosen, out)
+                    if victim is req:
+                        return True
+                chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n))
+                kv.cache_blocks(req, c + n, self.weight_version)
             self._budget -= n
             i += 1
+        return True
+
+    @staticmethod
+    def _awaits_update(req: Request) -> bool:
+        """True for a running request that the step in flight ends for sure (its last token is sampled, or a
+        scoring request's last position computed): it has nothing more to compute. Only after
+        ``schedule_ahead`` advanced that step; the synchronous loop has finished such a request already."""
+        if req.pending_token:
+            return req.num_generated_tokens >= req.params.max_new_tokens
+        return req.prefill_only and req.num_computed_tokens >= req.num_tokens
 
     def _admit_waiting(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         """Admit waiting requests in order while the budget, the request cap and the blocks allow.
@@ -433,6 +503,95 @@ class Scheduler:
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
+    # ------------------------------------------------------------------ scheduling ahead (async batching)
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> tuple[SchedulerOutput | None, str | None]:
+        """Schedule the step after ``in_flight`` before its results are known (see the module docstring).
+
+        When it can, it first advances ``in_flight``'s requests as ``update_from_output`` would
+        (computed tokens; a placeholder token for each sampling request, ``in_flight.advanced``), then
+        gives the running requests their next tokens under the budget, as ``schedule`` would after
+        ``in_flight``'s update if no request of it ends but those known to end. Nothing is hashed for the
+        prefix cache until ``commit_ahead``; ``unschedule`` takes the step back exactly.
+
+        Args:
+            in_flight: the step whose forward runs now (scheduled, not yet updated).
+
+        Returns:
+            (the step, None), or (None, why it was not scheduled ahead): "waiting" (requests wait for
+            admission), "forks" (a fork joins or is parked), "logits_processors" (a running request has
+            processors, which read the token not known yet), "blocks" (a slot needs a preemption, a
+            copy-on-write or a prefix-cache block; ``in_flight`` stays advanced) or "nothing" (no request
+            has anything left to compute after ``in_flight``).
+        """
+        if self.waiting:
+            return None, "waiting"
+        if in_flight.forks or any(req.forks for req in self.running):
+            return None, "forks"
+        if any(req.params.uses_logits_processors for req in self.running):
+            return None, "logits_processors"
+        placeholder_rows: dict[int, int] = {}
+        k = 0
+        for entry in in_flight.scheduled:
+            req = entry.request
+            if entry.sample:
+                placeholder_rows[id(req)] = k
+                k += 1
+            if req.status.is_final:  # ended while in flight (cancelled): its row is dropped
+                continue
+            req.num_computed_tokens += entry.num_scheduled_tokens
+            if entry.sample:
+                req.add_placeholder()
+        in_flight.advanced = True
+        out = SchedulerOutput(ahead=True)
+        self._budget = self.max_batch_tokens
+        chosen: dict[int, ScheduledRequest] = {}
+        if not self._schedule_running(chosen, out, placeholder_rows):
+            self._release(out)
+            return None, "blocks"
+        if not chosen:
+            return None, "nothing"
+        out.scheduled = list(chosen.values())
+        self._count(out)
+        return out, None
+
+    def ahead_still_valid(self, ahead: SchedulerOutput) -> bool:
+        """After the update of the step before it: True when no request of ``ahead`` has ended, so that
+        ``ahead`` is the step that ``schedule`` would build now."""
+        return not any(entry.request.status.is_final for entry in ahead.scheduled)
+
+    def commit_ahead(self, ahead: SchedulerOutput) -> None:
+        """``ahead`` will run: hash the blocks it fills for the prefix cache, its tokens being all known now."""
+        for entry in ahead.scheduled:
+            req = entry.request
+            self.kv_cache_manager.cache_blocks(
+                req, req.num_computed_tokens + entry.num_scheduled_tokens, self.weight_version
+            )
+
+    def unschedule(self, ahead: SchedulerOutput) -> None:
+        """Take back a step scheduled ahead that will not run: its allocations are given back, last first,
+        so that the free block queue is as before them. A request that ended meanwhile has freed its
+        blocks already."""
+        self._release(ahead)
+        ahead.scheduled = []
+
+    def _release(self, out: SchedulerOutput) -> None:
+        for req, num_blocks in reversed(out.allocations):
+            if not req.status.is_final:
+                self.kv_cache_manager.release_tail(req, num_blocks)
+        out.allocations = []
+
+    def undo_advance(self, in_flight: SchedulerOutput) -> None:
+        """``in_flight`` failed after ``schedule_ahead`` advanced it: move its requests' counts back and drop
+        their placeholders, as if it had never been scheduled ahead of (then ``uncache_step``)."""
+        if not in_flight.advanced:
+            return
+        for entry in in_flight.scheduled:
+            req = entry.request
+            if not req.status.is_final:
+                req.num_computed_tokens -= entry.num_scheduled_tokens
+                req.drop_placeholder()
+        in_flight.advanced = False
+
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Apply a step's results: the one place a step changes requests.
@@ -444,7 +603,9 @@ class Scheduler:
         finish and free them), join the running requests and append their own token the same
         way, right after it. A scoring request records its prompt logprobs and finishes, reason
         "scored", once all its tokens are computed. Restored requests give their CPU pool blocks
-        back.
+        back. A step that ``schedule_ahead`` advanced already only gets its tokens written (in the
+        placeholders' place). A request that ended while the step was in flight (cancelled) is skipped:
+        its row was computed and is dropped.
 
         Args:
             scheduler_output: the step as scheduled.
@@ -457,7 +618,8 @@ class Scheduler:
         for req, _ in scheduler_output.restores:
             kv.finish_restore(req)
         for req, logprobs in runner_output.prompt_logprobs:
-            req.prompt_logprobs.extend(logprobs)
+            if not req.status.is_final:
+                req.prompt_logprobs.extend(logprobs)
         tokens = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         version = self.weight_version
@@ -469,9 +631,14 @@ class Scheduler:
             fork_rows.setdefault(id(parent), []).append((child, k))
             k += 1
         k = 0
+        advanced = scheduler_output.advanced
         for entry in scheduler_output.scheduled:
             req = entry.request
-            req.num_computed_tokens += entry.num_scheduled_tokens
+            if req.status.is_final:  # cancelled or failed while the step was in flight
+                k += entry.sample
+                continue
+            if not advanced:
+                req.num_computed_tokens += entry.num_scheduled_tokens
             if entry.sample:
                 self._forget_prefill(req)
                 children = fork_rows.get(id(req), ())

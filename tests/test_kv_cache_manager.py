@@ -199,6 +199,36 @@ def test_copy_on_write_is_refused_without_a_free_block_and_changes_nothing() -> 
     assert kv.take_block_copies() == [(table[2], a.block_table[2])]
 
 
+def test_reversible_allocation_refuses_copy_on_write_and_cached_blocks_and_release_tail_undoes_it() -> None:
+    kv = make_kv(num_blocks=6)
+    bm = kv.block_manager
+    a = make_request("a", tokens(0, 10))
+    assert admit(kv, a)  # 3 blocks, 2 full and hashed
+    a.num_computed_tokens = 10
+    b = fork_of(kv, a, "b")
+    # Position 10 is in the shared 3rd block: a copy-on-write, which release_tail could not undo.
+    assert not kv.allocate_slots(a, 1, reversible=True) and kv.take_block_copies() == []
+    kv.free(b)
+    queue = list(bm.free_queue)
+    assert kv.allocate_slots(a, 3, reversible=True)  # positions 10-12: a 4th block, fresh and uncached
+    assert len(a.block_table) == 4 and a.block_table[3] == queue[0]
+    kv.release_tail(a, 3)
+    assert len(a.block_table) == 3 and list(bm.free_queue) == queue  # as before, in order
+    # Cache a finished request's full block and use up the uncached free blocks: the next fresh block of a
+    # would be the cached one, whose hash an undo would lose.
+    done = make_request("done", tokens(100, 4))
+    assert admit(kv, done)
+    cached = done.block_hashes[0]
+    kv.free(done)
+    filler = make_request("filler", tokens(200, 8))
+    assert kv.allocate_slots(filler, 8)
+    assert bm.allocation_evicts_cached(1) and kv.num_free_blocks == 1
+    assert not kv.allocate_slots(a, 3, reversible=True) and len(a.block_table) == 3
+    assert cached in bm.hash_to_block
+    assert kv.allocate_slots(a, 3)  # the synchronous allocation evicts it
+    assert cached not in bm.hash_to_block
+
+
 def test_fork_refuses_a_request_that_holds_blocks() -> None:
     kv = make_kv(num_blocks=8)
     a = make_request("a", tokens(0, 6))
