@@ -12,12 +12,27 @@ with numpy and reach the device in one copy through a pinned staging buffer, the
 per-row values in a second one, the random numbers of all sampled requests come from one
 vectorised draw (``sampling.step_uniforms``), and the results (tokens, logprobs, scores) come
 back in one device-to-host copy, the step's only host sync outside the model's forward.
+
+``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
+prepares step k + 1 while step k's forward and sampling run:
+
+- ``prepare_step``: the host work (inputs, attention metadata, sampling rows and random numbers) and the
+  staged upload of the inputs;
+- ``launch``: the KV copies, the forward and the sampling. A step scheduled ahead holds placeholders for
+  the tokens that the step before it samples (``ScheduledRequest.placeholder_row``); ``launch`` copies
+  those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
+  "carry over" of tokens between batches do the same). On CPU a worker thread runs it (torch releases
+  the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the current
+  stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a side
+  stream into two staging buffer sets used in turn and the results copied back into pinned memory;
+- ``collect``: waits for the launched step and reads its results back in one copy.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +63,79 @@ class LogitsPlan:
     # temperature of each scored row; None when nothing is scored.
     score_target_ids: torch.Tensor | None = None
     score_temperatures: torch.Tensor | None = None
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host and staged on the device (``ModelRunner.prepare_step``).
+
+    Attributes:
+        scheduler_output: the step (not empty).
+        kwargs: the forward's keyword arguments: ``input_ids`` int64 [1, T], ``position_ids`` int64 [1, T],
+            the paged-attention metadata, ``logits_to_keep``.
+        rows: int64 [R], the rows whose logits are kept.
+        plan: which kept row is for what.
+        sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
+        uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
+            ``sampling.step_uniforms``); None when nothing is sampled.
+        placeholders: int64 [2, P] on the device: row 0 the positions of ``input_ids`` that hold a
+            placeholder, row 1 the index of the token that replaces each among the previous step's
+            sampled tokens; None when every input token is known.
+        generator_state: the engine generator's state before this step drew from it, put back by
+            ``ModelRunner.discard``; None when the step did not draw, or cannot be discarded.
+        staging_slot: the input staging buffer set holding the inputs.
+    """
+
+    scheduler_output: SchedulerOutput
+    kwargs: dict
+    rows: torch.Tensor
+    plan: LogitsPlan
+    sampled: list[Request]
+    uniform: np.ndarray | None
+    placeholders: torch.Tensor | None
+    generator_state: torch.Tensor | None
+    staging_slot: int
+
+
+@dataclass
+class StepResult:
+    """What a launched step leaves on the device (and, for async CUDA steps, on its way to the host).
+
+    Attributes:
+        packed: float64 [N]: the scores, then the sampled tokens, then their logprobs (see ``collect``);
+            None when the step neither samples nor scores (a prefill chunk).
+        tokens: int64 [B] the sampled tokens on the device (the next step's placeholders read them);
+            None when nothing is sampled.
+        host: a pinned float64 [N] copy of ``packed`` being made, or None (``packed`` is read directly).
+        copied: the CUDA event of that copy.
+    """
+
+    packed: torch.Tensor | None
+    tokens: torch.Tensor | None
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling were started (``ModelRunner.launch``); ``collect`` waits for it.
+
+    Attributes:
+        prepared: the step's inputs.
+        future: the worker thread's computation (CPU), or None.
+        result: the result when computed in the calling thread (the forward enqueued on CUDA), or None.
+    """
+
+    prepared: PreparedStep
+    future: Future[StepResult] | None = None
+    result: StepResult | None = None
+
+    def wait(self) -> StepResult:
+        """The step's result, once computed (blocks on the worker thread); re-raises its error."""
+        if self.future is not None:
+            return self.future.result()
+        assert self.result is not None
+        return self.result
 
 
 def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -92,6 +180,8 @@ class ModelRunner:
             None seeds it from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
         return_logprobs: return one logprob per sampled token.
+        async_batching: ``launch`` starts a step and returns (see the module docstring): on CPU a worker
+            thread computes it, on CUDA the inputs are staged on a side stream into two buffer sets.
     """
 
     def __init__(
@@ -103,6 +193,7 @@ class ModelRunner:
         seed: int | None = None,
         logprobs_mode: str = "temperature",
         return_logprobs: bool = False,
+        async_batching: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -124,7 +215,17 @@ class ModelRunner:
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         # One staging buffer for the step's inputs and one for the sampler's per-row values: each
         # waits only for its own previous copy before it is refilled.
-        self._input_staging = HostStaging(self.device)
+        self.async_batching = async_batching
+        self._worker: ThreadPoolExecutor | None = None
+        if async_batching and self.device.type == "cuda":
+            # Step k + 1's inputs are copied on a side stream while step k's forward reads its own set.
+            copy_stream = torch.cuda.Stream(self.device)
+            self._input_staging = HostStaging(self.device, num_buffers=2, copy_stream=copy_stream)
+        else:
+            self._input_staging = HostStaging(self.device)
+            if async_batching:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-step")
+        # Per-row sampling values are staged by ``launch``, after the forward, on the current stream.
         self._sampling_staging = HostStaging(self.device)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
@@ -137,7 +238,19 @@ class ModelRunner:
             The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
             requests' last query tokens, then scored positions); and the plan of those rows.
         """
+        kwargs, rows, plan, _ = self._prepare_inputs(scheduled)
+        return kwargs, rows, plan
+
+    def _prepare_inputs(
+        self, scheduled: Sequence[ScheduledRequest]
+    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None]:
+        """``prepare``, and the placeholders of a step scheduled ahead (see ``PreparedStep.placeholders``).
+
+        A placeholder's input id is staged as 0 (a valid id) and replaced on the device by ``launch``.
+        """
         bs = self.block_size
+        placeholder_rows: list[int] = []
+        placeholder_sources: list[int] = []
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -154,6 +267,11 @@ class ModelRunner:
             c = req.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
+            if entry.placeholder_row is not None:
+                # The request's one input token is sampled by the step in flight.
+                input_ids[-1] = 0
+                placeholder_rows.append(start + n - 1)
+                placeholder_sources.append(entry.placeholder_row)
             table = req.block_table
             positions.extend(range(c, c + n))
             if n == 1:
@@ -199,7 +317,11 @@ class ModelRunner:
                 _padded(decode_tables),
             ]
         arrays += [np.asarray(table, dtype=np.int64) for _, _, _, table in gathered]
-        staged = iter(self._input_staging.upload(*arrays))
+        if placeholder_rows:
+            arrays.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
+        staged_list = self._input_staging.upload(*arrays)
+        placeholders = staged_list.pop() if placeholder_rows else None
+        staged = iter(staged_list)
         ids_t, pos_t, slot_mapping, rows, targets, temps = (next(staged) for _ in range(6))
         if plan.score_segments:
             plan.score_target_ids, plan.score_temperatures = targets, temps.float()
@@ -239,7 +361,7 @@ class ModelRunner:
         plan.num_sample_rows = len(logits_rows)
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
-        return kwargs, rows, plan
+        return kwargs, rows, plan, placeholders
 
     @staticmethod
     def _flash_arrays(scheduled: Sequence[ScheduledRequest]) -> list[np.ndarray]:
@@ -272,45 +394,155 @@ class ModelRunner:
         Raises:
             Whatever the forward raises; nothing of the requests has changed then.
         """
-        self._move_kv(scheduler_output)
         if scheduler_output.is_empty:
+            self._move_kv(scheduler_output)
             return RunnerOutput()
-        logits, plan = self.run(scheduler_output.scheduled)
-        result = RunnerOutput()
+        prepared = self.prepare_step(scheduler_output)
+        result = self._compute(prepared, None)
+        return self._unpack(prepared, result.packed.tolist() if result.packed is not None else [])
+
+    @torch.inference_mode()
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The host work of a step that is not empty: its inputs staged on the device, its sampling rows and
+        random numbers drawn (``step_uniforms``: a sampled request's counter counts a pending placeholder,
+        as the synchronous loop counts the token it stands for).
+
+        A step scheduled ahead (``scheduler_output.ahead``) keeps the generator's state from before its
+        draw, so that ``discard`` can put it back: a discarded step then draws nothing.
+        """
+        kwargs, rows, plan, placeholders = self._prepare_inputs(scheduler_output.scheduled)
+        sampled = plan.sampled + [child for _, child in scheduler_output.forks]
+        uniform = None
+        state = None
+        if sampled:
+            params = [r.params for r in sampled]
+            if scheduler_output.ahead and any(not p.greedy and p.seed is None for p in params):
+                state = self.generator.get_state()
+            uniform = step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator)
+        return PreparedStep(
+            scheduler_output, kwargs, rows, plan, sampled, uniform, placeholders, state, self._input_staging.last_slot
+        )
+
+    def discard(self, prepared: PreparedStep) -> None:
+        """Drop a prepared step that will not run: the generator's draw is taken back and its staging released."""
+        if prepared.generator_state is not None:
+            self.generator.set_state(prepared.generator_state)
+        self._input_staging.release(prepared.staging_slot)
+
+    def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Start a step's KV copies, forward and sampling; ``collect`` waits for them.
+
+        Without ``async_batching`` the step is computed before this returns. With it, on CPU the worker
+        thread computes it (one step at a time, in launch order, so a step's KV writes land before the
+        next step's forward reads or overwrites any block); on CUDA it is enqueued on the current stream.
+
+        Args:
+            prepared: the step.
+            previous: the step launched before it, whose sampled tokens fill its placeholders (needed when
+                ``prepared.placeholders`` is set; collected already, or at least launched earlier).
+
+        Raises:
+            ValueError: the step has placeholders and ``previous`` sampled nothing.
+            Whatever the forward raises when it runs in the calling thread.
+        """
+        tokens = None
+        if prepared.placeholders is not None:
+            tokens = previous.wait().tokens if previous is not None else None
+            if tokens is None:
+                raise ValueError("a step with placeholder tokens needs the previous step's sampled tokens")
+        if self._worker is not None:
+            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, tokens))
+        try:
+            return LaunchedStep(prepared, result=self._compute(prepared, tokens, readback=self.async_batching))
+        finally:
+            self._input_staging.release(prepared.staging_slot)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step and read its results back (one copy): see ``execute``'s return value.
+
+        Raises:
+            Whatever the step's forward or sampling raised.
+        """
+        result = launched.wait()
+        if result.host is not None:
+            assert result.copied is not None
+            result.copied.synchronize()
+            return self._unpack(launched.prepared, result.host.tolist())
+        return self._unpack(launched.prepared, result.packed.tolist() if result.packed is not None else [])
+
+    def close(self) -> None:
+        """Stop the worker thread (after the step it runs, if any). Idempotent."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    @torch.inference_mode()
+    def _compute(
+        self, prepared: PreparedStep, previous_tokens: torch.Tensor | None, readback: bool = False
+    ) -> StepResult:
+        """The device work of a step: KV copies, placeholders, forward, sampling, scores, packed results.
+
+        Args:
+            prepared: the step.
+            previous_tokens: int64 [B'] the previous step's sampled tokens, for the placeholders.
+            readback: start the copy of the results into pinned host memory (CUDA; ``collect`` waits for it).
+        """
+        scheduler_output = prepared.scheduler_output
+        self._move_kv(scheduler_output)
+        kwargs, plan = prepared.kwargs, prepared.plan
+        if prepared.placeholders is not None:
+            assert previous_tokens is not None
+            positions, sources = prepared.placeholders[0], prepared.placeholders[1]
+            kwargs["input_ids"][0, positions] = previous_tokens.index_select(0, sources)
+        out = self.model(**kwargs)
+        logits = out.logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits.index_select(0, prepared.rows)
+        logits = logits.float()
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
         if plan.score_segments:
             parts.append(self._score_logprobs(logits[plan.num_sample_rows :], plan).double())
-        logprobs = None
+        tokens = None
         if plan.sampled:
-            sampled = plan.sampled
+            sampled = prepared.sampled
             sample_logits = logits[: plan.num_sample_rows]
             if scheduler_output.forks:
                 # Each fork samples from its parent's row (the last prompt token, computed once),
                 # with its own parameters and random stream.
-                row_of = {id(req): i for i, req in enumerate(sampled)}
+                row_of = {id(req): i for i, req in enumerate(plan.sampled)}
                 parent_rows = [row_of[id(parent)] for parent, _ in scheduler_output.forks]
                 index = torch.tensor(parent_rows, dtype=torch.int64, device=sample_logits.device)
                 sample_logits = torch.cat([sample_logits, sample_logits.index_select(0, index)])
-                sampled = sampled + [child for _, child in scheduler_output.forks]
-            params = [r.params for r in sampled]
             tokens, logprobs = sample_tokens(
                 sample_logits,
-                params,
+                [r.params for r in sampled],
                 None,
                 None,
                 self.logprobs_mode,
                 self.return_logprobs,
                 token_ids=[r.token_ids for r in sampled],
                 num_prompt_tokens=[r.num_prompt_tokens for r in sampled],
-                uniform=step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator),
+                uniform=prepared.uniform,
                 staging=self._sampling_staging,
             )
             parts.append(tokens.double())
             if logprobs is not None:
                 parts.append(logprobs.double())
-        host = torch.cat(parts).tolist() if parts else []
+        packed = torch.cat(parts) if parts else None
+        result = StepResult(packed, tokens)
+        if readback and packed is not None and packed.is_cuda:
+            result.host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+            result.host.copy_(packed, non_blocking=True)
+            result.copied = torch.cuda.Event()
+            result.copied.record(torch.cuda.current_stream(packed.device))
+        return result
+
+    def _unpack(self, prepared: PreparedStep, host: list[float]) -> RunnerOutput:
+        """The ``RunnerOutput`` of a step from its packed results read back to the host."""
+        plan = prepared.plan
+        result = RunnerOutput()
         i = 0
         if plan.score_segments:
             result.prompt_logprobs = []
@@ -318,14 +550,14 @@ class ModelRunner:
                 result.prompt_logprobs.append((req, host[i : i + count]))
                 i += count
         if plan.sampled:
-            b = len(plan.sampled) + len(scheduler_output.forks)
+            b = len(prepared.sampled)
             result.sampled_token_ids = [int(t) for t in host[i : i + b]]
-            result.logprobs = host[i + b : i + 2 * b] if logprobs is not None else None
+            result.logprobs = host[i + b : i + 2 * b] if self.return_logprobs else None
         return result
 
     @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step (``execute`` calls it; no KV copies, no sampling).
+        """One forward of the step (no KV copies, no sampling).
 
         Returns:
             float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.

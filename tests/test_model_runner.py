@@ -10,6 +10,7 @@ debug mode.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
 from rollout.attention import METADATA_KWARG
+from rollout.model_runner import ModelRunner
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
@@ -227,6 +229,91 @@ def test_flash_inputs_are_cumulative_lengths_and_a_zero_padded_int32_block_table
     slots = [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4, 11 * 4]
     assert kwargs[METADATA_KWARG].slot_mapping.tolist() == slots
     assert rows.tolist() == [5, 6] and plan.num_sample_rows == 2
+
+
+# ---------------------------------------------------------------- prepare / launch / collect (async batching)
+def captured_input_ids(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[tuple[list[int], str]]:
+    """Records, for every forward of the engine's runner, its input ids and the thread it ran in."""
+    seen: list[tuple[list[int], str]] = []
+    model = engine.runner.model
+
+    def forward(**kwargs):
+        seen.append((kwargs["input_ids"][0].tolist(), threading.current_thread().name))
+        return model(**kwargs)
+
+    monkeypatch.setattr(engine.runner, "model", forward)
+    return seen
+
+
+def test_a_step_scheduled_ahead_gets_the_previous_steps_tokens_in_place_of_its_placeholders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=32, seed=0))
+    prompts = random_prompts(2, VOCAB_SIZE, min_len=5, max_len=7, seed=35)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=4, do_sample=True), request_id=f"r{i}")
+        seen = captured_input_ids(monkeypatch, engine)
+        runner, sched = engine.runner, engine.scheduler
+        first = sched.schedule()
+        launched = runner.launch(runner.prepare_step(first))
+        ahead, reason = sched.schedule_ahead(first)
+        assert reason is None and ahead is not None
+        prepared = runner.prepare_step(ahead)
+        assert prepared.placeholders is not None and prepared.placeholders.tolist() == [[0, 1], [0, 1]]
+        assert prepared.kwargs["input_ids"].tolist() == [[0, 0]]  # staged as 0
+        with pytest.raises(ValueError, match="previous step's sampled tokens"):
+            runner.launch(prepared)
+        result = runner.collect(launched)
+        sched.update_from_output(first, result)
+        sched.commit_ahead(ahead)
+        runner.collect(runner.launch(prepared, launched))
+    finally:
+        engine.close()
+    assert seen[-1][0] == result.sampled_token_ids  # the forward read the sampled tokens
+    assert [r.generated_tokens[0] for r in engine.requests.values()] == result.sampled_token_ids
+
+
+def test_discarding_a_step_prepared_ahead_puts_the_generators_draw_back() -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=32, seed=3))
+    prompt = random_prompts(1, VOCAB_SIZE, min_len=6, max_len=6, seed=36)[0]
+    try:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4, do_sample=True), request_id="free")
+        runner, sched = engine.runner, engine.scheduler
+        first = sched.schedule()
+        launched = runner.launch(runner.prepare_step(first))
+        ahead, _ = sched.schedule_ahead(first)
+        state = runner.generator.get_state()
+        discarded = runner.prepare_step(ahead)
+        assert not torch.equal(runner.generator.get_state(), state)  # the unseeded row drew from it
+        runner.discard(discarded)
+        assert torch.equal(runner.generator.get_state(), state)
+        again = runner.prepare_step(ahead)
+        assert again.uniform is not None and again.uniform.tolist() == discarded.uniform.tolist()
+        runner.collect(launched)
+    finally:
+        engine.close()
+
+
+def test_the_async_runner_computes_steps_in_its_worker_thread_with_the_same_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outputs = []
+    for async_batching in (False, True):
+        engine, _ = mixed_engine()
+        engine.runner = ModelRunner(
+            engine.model, engine.cache, seed=0, return_logprobs=True, async_batching=async_batching
+        )
+        seen = captured_input_ids(monkeypatch, engine)
+        try:
+            out = engine.scheduler.schedule()
+            result = engine.runner.collect(engine.runner.launch(engine.runner.prepare_step(out)))
+            outputs.append((result.sampled_token_ids, result.logprobs, [lp for _, lp in result.prompt_logprobs]))
+        finally:
+            engine.runner.close()
+            engine.close()
+        assert seen[0][1].startswith("rollout-step") is async_batching
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 5
 
 
 # ---------------------------------------------------------------- CUDA (run by the GPU check script)

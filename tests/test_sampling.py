@@ -578,3 +578,18 @@ def test_host_staging_sends_int64_and_float64_arrays_in_one_upload() -> None:
     assert staging.num_uploads == 1
     with pytest.raises(TypeError, match="int64 or float64"):
         staging.upload(np.zeros(2, dtype=np.int32))
+
+
+def test_host_staging_takes_its_buffer_sets_in_turn_and_refuses_bad_settings() -> None:
+    staging = HostStaging(torch.device("cpu"), num_buffers=2)
+    slots = []
+    for i in range(3):
+        (t,) = staging.upload(np.full(3, i, dtype=np.int64))
+        slots.append(staging.last_slot)
+        assert t.tolist() == [i] * 3
+        staging.release(staging.last_slot)  # a no-op without a copy stream
+    assert slots == [0, 1, 0] and staging.num_uploads == 3
+    with pytest.raises(ValueError, match="num_buffers must be 1 or 2"):
+        HostStaging(torch.device("cpu"), num_buffers=3)
+    with pytest.raises(ValueError, match="copy_stream needs a CUDA device"):
+        HostStaging(torch.device("cpu"), copy_stream=object())  # type: ignore[arg-type]  # checked before any use
