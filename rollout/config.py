@@ -135,9 +135,16 @@ class ContinuousBatchingConfig:
         max_blocks_per_request: width (blocks) of the block table of the CUDA decode fast path
             (flash-attn's ``flash_attn_with_kvcache``); 0 turns the fast path off; None sizes it from
             the longest request (at least 32, transformers' fallback). No effect on CPU.
-        use_async_batching: prepare step k+1's inputs while step k's forward runs (double-buffered
-            inputs; CUDA streams and events on a GPU, a worker thread on CPU); outputs are the
-            synchronous loop's. None picks per device (see ``resolved_async_batching``).
+        use_async_batching: schedule and prepare step k+1 (its batch, block tables, slot mapping,
+            sampling rows, staged input tensors) while step k's forward and sampling run: on CPU a
+            worker thread runs the steps; on CUDA the inputs are copied on a side stream into two
+            staging buffer sets used in turn, ordered by events. Step k+1 is scheduled before step k's
+            tokens are known (placeholders, filled on the device before its forward), and scheduled
+            again after step k when a request of it ended, so the outputs are the synchronous loop's,
+            token for token and logprob for logprob. Steps that cannot be scheduled ahead exactly
+            (admissions, forks, preemption, copy-on-write, logits processors that read the token
+            history) are scheduled the synchronous way; ``EngineStats`` counts both kinds. None picks
+            per device (see ``resolved_async_batching``).
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
             it sets ``page_size`` with a ``FutureWarning``. Both set to different values
@@ -303,8 +310,20 @@ class ContinuousBatchingConfig:
         return q, kv
 
     def resolved_async_batching(self, device_type: str) -> bool:
-        """Whether the engine prepares step k+1 while step k runs: the explicit value, else off."""
-        return bool(self.use_async_batching)
+        """Whether the engine prepares step k+1 while step k runs on a device type.
+
+        The explicit value, else: off on CPU, where the host work it hides is about 0.5 ms of a 130 ms
+        SmolLM2-135M decode step (fp32, 2 cores; README "Async batching"), less than the thread hand-off
+        costs; on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
+        transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the
+        host's work behind its own launch time.
+        """
+        if self.use_async_batching is not None:
+            return bool(self.use_async_batching)
+        if device_type != "cuda":
+            return False
+        graphs = self.use_cuda_graph
+        return bool(graphs) if isinstance(graphs, bool) else graphs is not None and any(graphs)
 
     def resolved_safety_margin(self) -> float:
         """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""

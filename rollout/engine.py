@@ -1,16 +1,25 @@
-"""The engine: one synchronous step loop over scheduler and model runner.
+"""The engine: the step loop over scheduler and model runner.
 
 ``Engine.step()`` is three calls, as in nano-vllm and vLLM v1: ``scheduler.schedule()`` ->
 ``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output``
 (counts, tokens, statuses, finished requests and their blocks). The engine builds the parts,
 queues requests and keeps statistics; it changes no request itself. The background manager,
-``generate_batch`` and ``score`` all drive this class; it holds no thread and no global state.
+``generate_batch`` and ``score`` all drive this class; it holds no global state.
+
+With async batching (``ContinuousBatchingConfig.use_async_batching``) a step stays in flight between two
+calls of ``step()``: each call schedules and prepares the next step while the one in flight runs
+(``Scheduler.schedule_ahead``, ``ModelRunner.prepare_step``), then waits for it, applies its results and
+launches the next (``ModelRunner.launch``; on CPU the step runs in the runner's worker thread). Where
+scheduling ahead is not safe or would not give the synchronous loop's batch, the next step is scheduled
+after the update instead; ``EngineStats`` counts both kinds. The outputs are the synchronous loop's, token
+for token and logprob for logprob (see ``scheduler``'s module docstring for why they can be).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +32,7 @@ from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
 from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_model, offload_space_gib
 from .kv_cache_manager import KVCacheManager
-from .model_runner import ModelRunner
+from .model_runner import LaunchedStep, ModelRunner, PreparedStep
 from .models import (
     UnsupportedModelError,
     attention_dtype,
@@ -61,8 +70,19 @@ class EngineStats:
             compute (of the G samples of a prompt submitted together, G - 1).
         num_block_copies: shared blocks copied before a request wrote into them (copy-on-write of
             the partial last block of a forked prompt).
-        decode_step_seconds: wall time of steps that only decoded (one token per request).
+        decode_step_seconds: wall time of steps that only decoded (one token per request). With async
+            batching, the time from the later of the step's launch and the previous step's end to the
+            step's end: the wall time the step adds.
         decode_step_batch: the batch size of each of those steps.
+        num_async_steps: async batching: steps scheduled and prepared while the step before them ran,
+            and run as prepared.
+        num_sync_steps: async batching: steps scheduled after the step before them ended (the
+            synchronous order), by reason in ``async_fallbacks``.
+        async_fallbacks: why steps were scheduled the synchronous way: "idle" (no step was in flight:
+            the first step, or after ``drain``), "waiting" (requests waited for admission), "forks",
+            "logits_processors", "blocks" (a slot needed a preemption, a copy-on-write or a
+            prefix-cache block), "nothing" (nothing was left to schedule ahead), "finished" (a request
+            of the step prepared ahead ended in the step before it, so that step was scheduled again).
     """
 
     num_steps: int = 0
@@ -76,6 +96,21 @@ class EngineStats:
     num_block_copies: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
+    num_async_steps: int = 0
+    num_sync_steps: int = 0
+    async_fallbacks: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _InFlight:
+    """The step launched and not yet collected (async batching)."""
+
+    launched: LaunchedStep
+    launched_at: float  # time.perf_counter()
+
+    @property
+    def scheduler_output(self) -> SchedulerOutput:
+        return self.launched.prepared.scheduler_output
 
 
 class Engine:
@@ -96,6 +131,11 @@ class Engine:
             (a sequence: the whole job of ``generate_batch``), memory permitting.
         tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings
             (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
+
+    With ``config.resolved_async_batching`` true, a step is in flight between calls of ``step()`` (see the
+    module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled meanwhile
+    (``finish_request``) has its row of that step computed and dropped. Weight changes
+    (``set_weight_version``, ``recompute_in_flight``) and ``close()`` finish it first.
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
@@ -147,6 +187,7 @@ class Engine:
             self.config.max_requests_per_batch,
             self.config.scheduler_type,
         )
+        self.async_batching = self.config.resolved_async_batching(dev_type)
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -155,8 +196,12 @@ class Engine:
             seed=self.config.seed,
             logprobs_mode=self.config.logprobs_mode,
             return_logprobs=self.config.return_logprobs,
+            async_batching=self.async_batching,
         )
         self.stats = EngineStats()
+        self._in_flight: _InFlight | None = None
+        self._completed: list[Request] = []  # updated by a drain, returned by the next step()
+        self._last_step_end = 0.0
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
@@ -297,7 +342,14 @@ class Engine:
         return self.scheduler.finish_request(request_id, status, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request waits or runs, a step is in flight, or a drained step's updates are not
+        returned by ``step()`` yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._completed)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a launched step is not collected (async batching: between calls of ``step()``)."""
+        return self._in_flight is not None
 
     # ------------------------------------------------------------------ weights
     @property
@@ -311,25 +363,35 @@ class Engine:
         return self.weight_version
 
     def set_weight_version(self, version: int) -> None:
-        """Set the version recorded with new tokens and new cached blocks."""
+        """Set the version recorded with new tokens and new cached blocks (after finishing the step in flight,
+        whose tokens were sampled under the old weights)."""
+        self._quiesce()
         self.scheduler.weight_version = version
 
     def recompute_in_flight(self) -> None:
-        """Drop the KV of every unfinished request so it is re-prefilled under the current weights."""
+        """Drop the KV of every unfinished request so it is re-prefilled under the current weights (after
+        finishing the step in flight)."""
+        self._quiesce()
         self.scheduler.recompute_all()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Request]:
         """Run one engine step: schedule, execute, update.
 
+        With async batching, the step that completes is the one launched by the previous call (this call
+        launches the next one, see the module docstring); the first call launches and completes the first
+        step.
+
         Returns:
-            The requests that got a new token this step, and the requests that finished (status
-            FINISHED, blocks freed), in batch order.
+            The requests that got a new token in the step that completed, and the requests that finished
+            (status FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
 
         Raises:
             Whatever the forward raises; blocks hashed for this step are dropped from the
             prefix cache first, since their KV may be incomplete.
         """
+        if self.async_batching:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         t0 = time.perf_counter()
         try:
@@ -340,6 +402,122 @@ class Engine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
         return updated
+
+    def drain(self) -> list[Request]:
+        """Finish the step in flight, if any, and apply its results; launch nothing (async batching).
+
+        The manager's loop calls it before a pause: then nothing runs on the model until the next
+        ``step()``. A no-op for a synchronous engine.
+
+        Returns:
+            The requests updated since the last ``step()`` returned, in batch order.
+
+        Raises:
+            Whatever the step's forward raised (see ``step``).
+        """
+        updated, self._completed = self._completed, []
+        if self._in_flight is not None:
+            updated += self._complete()
+        return updated
+
+    def _quiesce(self) -> None:
+        """Finish the step in flight; its updates are returned by the next ``step()``."""
+        if self._in_flight is not None:
+            self._completed = self.drain()
+
+    def _step_async(self) -> list[Request]:
+        """``step`` with async batching: schedule and prepare the next step while the one in flight runs."""
+        updated, self._completed = self._completed, []
+        if self._in_flight is None:
+            self._launch_scheduled(self.scheduler.schedule(), "idle")
+            if self._in_flight is None:
+                return updated
+        flight = self._in_flight
+        ahead, reason = self.scheduler.schedule_ahead(flight.scheduler_output)
+        prepared: PreparedStep | None = None
+        try:
+            if ahead is not None:
+                prepared = self.runner.prepare_step(ahead)  # overlaps the step in flight
+            updated += self._complete()
+        except BaseException:
+            self._abandon()
+            self._drop(ahead, prepared)
+            raise
+        if ahead is not None and prepared is not None:
+            if self.scheduler.ahead_still_valid(ahead):
+                self.scheduler.commit_ahead(ahead)
+                self._launch(prepared, flight.launched)
+                self.stats.num_async_steps += 1
+                return updated
+            # A request of it ended in the step that just completed: the synchronous loop builds another
+            # batch, and a row's results are not the same bits in another batch.
+            self._drop(ahead, prepared)
+            reason = "finished"
+        assert reason is not None
+        self._launch_scheduled(self.scheduler.schedule(), reason)
+        return updated
+
+    def _drop(self, ahead: SchedulerOutput | None, prepared: PreparedStep | None) -> None:
+        """Take back a step scheduled (and maybe prepared) ahead that will not run."""
+        if prepared is not None:
+            self.runner.discard(prepared)
+        if ahead is not None:
+            self.scheduler.unschedule(ahead)
+
+    def _launch_scheduled(self, scheduler_output: SchedulerOutput, reason: str) -> None:
+        """Prepare and launch a step scheduled after the step before it ended (async batching)."""
+        if scheduler_output.is_empty:
+            self.runner.execute(scheduler_output)  # its KV copies (offloads of preempted requests), if any
+            self._record_stats(scheduler_output, RunnerOutput(), 0.0)
+            return
+        try:
+            prepared = self.runner.prepare_step(scheduler_output)
+        except BaseException:
+            self.scheduler.uncache_step(scheduler_output)
+            raise
+        self._launch(prepared, None)
+        self.stats.num_sync_steps += 1
+        self.stats.async_fallbacks[reason] += 1
+
+    def _launch(self, prepared: PreparedStep, previous: LaunchedStep | None) -> None:
+        try:
+            launched = self.runner.launch(prepared, previous)
+        except BaseException:
+            self.scheduler.uncache_step(prepared.scheduler_output)
+            raise
+        self._in_flight = _InFlight(launched, time.perf_counter())
+
+    def _complete(self) -> list[Request]:
+        """Wait for the step in flight and apply its results (async batching)."""
+        flight = self._in_flight
+        assert flight is not None
+        scheduler_output = flight.scheduler_output
+        try:
+            runner_output = self.runner.collect(flight.launched)
+        except BaseException:
+            self._in_flight = None
+            self.scheduler.undo_advance(scheduler_output)
+            self.scheduler.uncache_step(scheduler_output)
+            raise
+        self._in_flight = None
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.perf_counter()
+        self._record_stats(scheduler_output, runner_output, now - max(flight.launched_at, self._last_step_end))
+        self._last_step_end = now
+        return updated
+
+    def _abandon(self) -> None:
+        """Wait for the step in flight and drop its results, as if it had never run (an error elsewhere)."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        self._in_flight = None
+        try:
+            flight.launched.wait()
+        except BaseException:  # noqa: BLE001 - its results are dropped either way
+            pass
+        self.scheduler.undo_advance(flight.scheduler_output)
+        self.scheduler.uncache_step(flight.scheduler_output)
 
     def _record_stats(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
         stats = self.stats
@@ -376,9 +554,15 @@ class Engine:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Restore the model's original attention implementation and unpin the offload pool. Idempotent."""
+        """Restore the model's original attention implementation and unpin the offload pool. Idempotent.
+
+        A step in flight is waited for and its results are dropped; the runner's worker thread ends.
+        """
         if not self._closed:
             self._closed = True
+            if self._in_flight is not None:
+                self._abandon()
+            self.runner.close()
             restore_attention(self.model, self._original_attn)
             if self.offload_pool is not None:
                 self.offload_pool.close()

@@ -5,10 +5,12 @@ cancels to the engine (``intake.Inbox.drain``), waits while anyone holds the pau
 (``pausing.PauseGate``), and reads the stop flags (``lifecycle.Lifecycle``): a hard stop fails every
 request at once; a stop ends the loop once the engine is idle. Each step runs outside the lock, marked
 in the pause gate so that a new pause waits for it, and its updated requests go to their result
-handles (``outputs.OutputRouter.publish``). Weights changed by the pause holders without
-``update_weights`` are noticed when the pause ends (``weights.WeightWatch``). Whatever the loop
-raises fails the manager and every request, so that no reader waits for ever; its end closes the
-engine unless it is kept for the next session.
+handles (``outputs.OutputRouter.publish``). With async batching a step stays in flight between two
+calls of ``Engine.step``: the step stays marked while one is, and a pause or a hard stop first has the
+engine finish it (``Engine.drain``), so that nothing runs on the model while a pause is held.
+Weights changed by the pause holders without ``update_weights`` are noticed when the pause ends
+(``weights.WeightWatch``). Whatever the loop raises fails the manager and every request, so that no
+reader waits for ever; its end closes the engine unless it is kept for the next session.
 """
 
 from __future__ import annotations
@@ -72,22 +74,27 @@ class GenerationLoop:
             while True:
                 with self._cond:
                     self._inbox.drain(engine)
-                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
-                        self._weights.bump_if_changed(engine)  # the holders may have changed the weights by hand
-                    if life.hard_stop:
-                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
-                        return
-                    if not engine.has_unfinished():
-                        if life.stop_requested:
+                    # A step in flight (async batching) keeps the gate's step mark: a pause or a hard stop
+                    # first has it finished, launching nothing after it.
+                    drain = engine.in_flight and (gate.holders > 0 or life.hard_stop)
+                    if not drain:
+                        if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
+                            self._weights.bump_if_changed(engine)  # the holders may have changed the weights
+                        if life.hard_stop:
+                            self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                             return
-                        self._cond.wait(IDLE_WAIT_SECONDS)
-                        continue
-                    gate.begin_step()
+                        if not engine.has_unfinished():
+                            if life.stop_requested:
+                                return
+                            self._cond.wait(IDLE_WAIT_SECONDS)
+                            continue
+                        gate.begin_step()
                 try:
-                    updated = engine.step()
+                    updated = engine.drain() if drain else engine.step()
                 finally:
                     with self._cond:
-                        gate.end_step()
+                        if not engine.in_flight:
+                            gate.end_step()
                 self._outputs.publish(updated)
         except BaseException as e:  # every failure must reach the readers
             logger.exception("rollout manager loop failed")

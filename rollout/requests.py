@@ -46,8 +46,8 @@ FINISH_ERROR = "error"  # the request failed (a failing step, a hard stop)
 # The finish reason of a request ended from outside with a final status.
 FINISH_REASON_OF_STATUS = {RequestStatus.CANCELLED: FINISH_CANCELLED, RequestStatus.FAILED: FINISH_ERROR}
 # The value held in ``Request.token_ids`` for a token that a step in flight samples (async batching): the next
-# step is scheduled before the token is known. Never a valid token id, so a placeholder that reached a forward
-# would fail loudly; the model runner feeds the sampled token instead.
+# step is scheduled before the token is known. Never a valid token id; the model runner stages 0 in its place
+# and copies the sampled token in on the device before the forward.
 PLACEHOLDER_TOKEN = -1
 
 

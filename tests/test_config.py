@@ -195,6 +195,24 @@ def test_padding_intervals_have_device_presets_and_explicit_values_win(device_ty
     assert explicit.resolved_padding_intervals(device_type) == (8, 32)
 
 
+@pytest.mark.parametrize(
+    ("device_type", "fields", "expected"),
+    [
+        ("cpu", {}, False),
+        ("cuda", {}, False),
+        ("cuda", {"use_cuda_graph": True}, True),
+        ("cuda", {"use_cuda_graph": (False, True)}, True),
+        ("cuda", {"use_cuda_graph": False}, False),
+        ("cpu", {"use_async_batching": True}, True),
+        ("cuda", {"use_cuda_graph": True, "use_async_batching": False}, False),
+    ],
+)
+def test_async_batching_is_off_on_cpu_and_follows_cuda_graphs_on_cuda_unless_set(
+    device_type: str, fields: dict, expected: bool
+) -> None:
+    assert ContinuousBatchingConfig(**fields).resolved_async_batching(device_type) is expected
+
+
 def test_transformers_speed_fields_are_copied_not_dropped() -> None:
     from transformers.generation import ContinuousBatchingConfig as TransformersConfig
 
@@ -286,9 +304,7 @@ def test_a_transformers_config_converts_field_by_field(caplog: pytest.LogCapture
     # Fields rollout does not have are named, all in one warning.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
-        ContinuousBatchingConfig.from_transformers(
-            TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False)
-        )
+        ContinuousBatchingConfig.from_transformers(TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False))
     assert len(caplog.records) == 1
     for name in ("max_cached_graphs=4", "auto_switch_to_flash=False"):
         assert name in caplog.text

@@ -1,5 +1,7 @@
 """Issue 13 on a GPU: flash-attn's paged kernel on real hardware, bf16 mixed precision through it, the manager
-thread's current device, and a model sharded over a GPU and the CPU.
+thread's current device, and a model sharded over a GPU and the CPU. Issue 11 item 4: async batching on a GPU
+(inputs staged on a side stream into two buffer sets, results read back through pinned memory) gives the
+synchronous loop's outputs, and the staging's events keep a copy from overwriting a buffer still being read.
 
 Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
 same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
@@ -11,17 +13,19 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
 from rollout.attention import flash_attn_available, flash_support
+from rollout.sampling import HostStaging
 from rollout.scoring import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
-from tests.utils import assert_close
+from tests.utils import assert_close, run_engine
 
 pytestmark = pytest.mark.cuda
 
@@ -154,3 +158,51 @@ def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside
         engine.close()
     out = generate_batch(model, prompts, GREEDY, cfg)
     assert [o.generated_tokens for o in out.values()] == expected
+
+
+# ---------------------------------------------------------------- async batching (issue 11)
+@pytest.mark.parametrize(
+    ("dtype", "page_size"), [(torch.float32, 16), (torch.bfloat16, 256)], ids=["fp32_sdpa", "bf16_flash_if_any"]
+)
+def test_async_batching_on_the_gpu_equals_the_synchronous_loop(dtype: torch.dtype, page_size: int) -> None:
+    model = tiny_llama().to(GPU, dtype)
+    prompts = random_prompts(8, VOCAB_SIZE, 5, 60, seed=8)
+    results = []
+    for async_batching in (False, True):
+        cfg = ContinuousBatchingConfig(
+            page_size=page_size, num_blocks=64, seed=1, return_logprobs=True, use_async_batching=async_batching
+        )
+        engine = Engine(model, cfg)
+        try:
+            assert (engine.runner._input_staging.copy_stream is not None) is async_batching
+            for i, prompt in enumerate(prompts):
+                # Greedy and sampled rows, seeded and not, and stop tokens that end requests early.
+                params = SamplingParams(
+                    max_new_tokens=16 + i, do_sample=i % 2 == 1, seed=i if i % 4 == 1 else None, eos_token_ids=(3, 4, 5)
+                )
+                engine.add_request(prompt, params, request_id=f"r{i}")
+            outputs = run_engine(engine)
+            stats = engine.stats
+        finally:
+            engine.close()
+        results.append({rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in outputs.items()})
+    assert results[1] == results[0]
+    assert stats.num_async_steps >= 5
+
+
+def test_host_staging_on_a_copy_stream_never_overwrites_a_buffer_still_being_read() -> None:
+    side = torch.cuda.Stream(GPU)
+    staging = HostStaging(GPU, num_buffers=2, copy_stream=side)
+    arrays = [np.full(1 << 16, i, dtype=np.int64) for i in range(3)]
+    with torch.cuda.device(GPU):
+        (a,) = staging.upload(arrays[0])
+        torch.cuda._sleep(200_000_000)  # the current stream is busy long after the next uploads are queued
+        read_a = a.sum()
+        staging.release(staging.last_slot)
+        (b,) = staging.upload(arrays[1])
+        read_b = b.sum()
+        staging.release(staging.last_slot)
+        (c,) = staging.upload(arrays[2])  # the first set again: its copy must wait for read_a
+        read_c = c.sum()
+        torch.cuda.synchronize(GPU)
+    assert [read_a.item(), read_b.item(), read_c.item()] == [0, 1 << 16, 2 << 16]

@@ -42,6 +42,13 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def in_flight(self) -> bool:  # a synchronous engine: nothing runs between two steps
+        return False
+
+    def drain(self) -> list[Request]:
+        return []
+
     def step(self) -> list[Request]:
         self.steps += 1
         if self.steps == self.fail_at_step:
@@ -149,3 +156,65 @@ def test_no_step_runs_while_a_pause_is_held_and_weights_changed_under_it_bump_th
     assert parts.engine.weight_version == 1 and parts.engine.steps == 2
     assert parts.outputs.get_result(ids[0], timeout=0).status == RequestStatus.FINISHED
     assert parts.life.state == State.STOPPED and parts.engine.closed
+
+
+class InFlightEngine(FakeEngine):
+    """A FakeEngine that keeps a step in flight between calls, as async batching does: each ``step()``
+    completes the step launched by the call before it, then launches the next; ``drain()`` only completes.
+    From its second call on, ``step()`` waits for ``go`` (so the test can take the pause meanwhile)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(tokens=tokens)
+        self._flight = False
+        self.drains = 0
+        self.calls = 0
+        self.go = threading.Event()
+        self.waiting_for_go = threading.Event()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight
+
+    def step(self) -> list[Request]:
+        self.calls += 1
+        if self.calls > 1:
+            self.waiting_for_go.set()
+            assert self.go.wait(timeout=60)
+        updated = super().step() if self._flight else []
+        self._flight = bool(self.requests)
+        return updated
+
+    def drain(self) -> list[Request]:
+        self.drains += 1
+        updated = super().step() if self._flight else []
+        self._flight = False
+        return updated
+
+
+def test_a_pause_has_the_step_in_flight_finished_before_the_holder_gets_the_model() -> None:
+    parts = Parts(InFlightEngine(tokens=4))
+    ids = parts.add([5, 6])
+    thread = threading.Thread(target=parts.loop.run, args=(parts.engine,))
+    thread.start()
+    seen: list[tuple[bool, int, int]] = []
+
+    def hold() -> None:
+        with parts.pausing.hold():
+            seen.append((parts.engine.in_flight, parts.engine.drains, parts.engine.steps))
+
+    # The loop's second step() waits for go; the first one left a step in flight.
+    assert parts.engine.waiting_for_go.wait(timeout=60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    with parts.cond:
+        assert parts.cond.wait_for(lambda: parts.pausing.holders == 1, timeout=60)
+        assert parts.pausing.in_step and not seen  # the holder waits for the step in flight
+    parts.engine.go.set()
+    holder.join(timeout=60)
+    # When the holder ran, the engine had finished its step in flight (by a drain) and launched nothing.
+    assert seen == [(False, 1, 2)]
+    parts.stop()
+    thread.join(timeout=60)
+    out = parts.outputs.get_result(ids[0], timeout=0)
+    assert out.status == RequestStatus.FINISHED and out.generated_tokens == [1] * 4
+    assert parts.life.state == State.STOPPED and not parts.pausing.in_step

@@ -524,8 +524,14 @@ def test_update_weights_with_a_full_state_dict_of_a_tied_model(make_manager: Man
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
     m = make_manager(model)
@@ -752,3 +758,68 @@ def test_join_takes_transformers_arguments(make_manager: ManagerFactory, caplog:
     with caplog.at_level(logging.INFO, logger="rollout.manager"):
         assert m.join(stop_trigger_time=time.perf_counter(), timeout=30) is True
     assert "ended" in caplog.text
+
+
+# ---------------------------------------------------------------- async batching
+class AsyncManagers:
+    """``make_manager`` with ``use_async_batching=True``: the engine keeps a step in flight between steps."""
+
+    def __init__(self, factory: ManagerFactory) -> None:
+        self.factory = factory
+
+    def __call__(self, model=None, gc=GREEDY, **cfg) -> ContinuousBatchingManager:  # noqa: ANN001
+        return self.factory(model, gc, use_async_batching=True, **cfg)
+
+    def steps(self, manager: ContinuousBatchingManager, delay: float = 0.0) -> StepControl:
+        return self.factory.steps(manager, delay)
+
+
+def test_async_manager_streams_snapshots_that_equal_generate(make_manager: ManagerFactory) -> None:
+    m = AsyncManagers(make_manager)()
+    m.start()
+    prompts = random_prompts(5, VOCAB_SIZE, 3, 20, seed=60)
+    ids = [m.add_request(p, streaming=True) for p in prompts]
+    for rid, p in zip(ids, prompts):
+        chunks = list(m.request_id_iter(rid))
+        final = chunks[-1]
+        assert final.status == RequestStatus.FINISHED
+        assert final.generated_tokens == reference_greedy(m.model, p, 8, EOS_TOKEN_ID)
+        assert [c.generated_tokens for c in chunks] == [final.generated_tokens[: i + 1] for i in range(len(chunks))]
+    assert m.engine.async_batching and m.engine.stats.num_async_steps > 0
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_async_manager_pause_finds_no_step_in_flight_and_update_weights_labels_tokens(
+    make_manager: ManagerFactory, recompute: bool
+) -> None:
+    model = tiny_llama()
+    old = copy.deepcopy(model)
+    make = AsyncManagers(make_manager)
+    m = make(model, gc=GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None))
+    make.steps(m, delay=0.005)  # the update lands within a step of the third token
+    m.start()
+    prompt = [5, 6, 7, 8, 9]
+    rid = m.add_request(prompt, streaming=True)
+    it = m.request_id_iter(rid)
+    next(it), next(it), next(it)
+    with m.pause():
+        assert not m.engine.in_flight  # the loop finished the step in flight before the pause began
+    version = m.update_weights(_perturbed(model), recompute=recompute)
+    assert version == 1
+    out = m.get_result(rid, timeout=30)
+    k = out.weight_versions.index(1)
+    assert 3 <= k < 12 and out.weight_versions == [0] * k + [1] * (12 - k)
+    # The tokens labelled with the old version were sampled under the old weights, every one of them.
+    assert out.generated_tokens[:k] == reference_greedy(old, prompt, 12, None)[:k]
+    if recompute:
+        assert out.generated_tokens[k:] == reference_greedy(model, prompt + out.generated_tokens[:k], 12 - k, None)
+    later = m.add_request(prompt)
+    assert m.get_result(later, timeout=30).generated_tokens == reference_greedy(model, prompt, 12, None)
+
+
+def test_async_manager_cancels_in_flight_and_survives_pauses_under_four_threads(make_manager: ManagerFactory) -> None:
+    test_stress_four_threads_add_cancel_read_with_pauses(AsyncManagers(make_manager))  # type: ignore[arg-type]
+
+
+def test_async_manager_step_that_raises_fails_every_request(make_manager: ManagerFactory) -> None:
+    test_step_that_raises_fails_every_request_and_unblocks_readers(AsyncManagers(make_manager))  # type: ignore[arg-type]
