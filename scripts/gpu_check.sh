@@ -39,7 +39,7 @@ timeout 360 python -m pytest -q -m cuda -rs --junitxml "$OUT/cuda_tests.xml" tes
 TESTS_RC=${PIPESTATUS[0]}
 
 timeout 240 python -m rollout.benchmarks.generation --device cuda --dtype bfloat16 \
-    --workload gsm8k-greedy gsm8k-grpo --systems rollout hf-static --json "$OUT/bench.json" \
+    --workload gsm8k-greedy gsm8k-grpo --systems rollout rollout-async hf-static --json "$OUT/bench.json" \
     > "$OUT/bench.log" 2>&1 || echo "benchmark failed (see $OUT/bench.log)"
 
 python - "$OUT" "$TESTS_RC" "$START" <<'PY'

@@ -106,6 +106,32 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
     assert w["decode_step"]["rollout/bare_time_ratio"] > 0
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_bench_rollout_async_column_equals_rollout_and_repeats_keep_the_fastest_run(tiny_llama, tmp_path, do_sample):
+    systems = ["rollout-async", "rollout"]
+    result = generation.run_workload(
+        tiny_llama,
+        PROMPTS,
+        _tiny_workload(do_sample=do_sample, num_samples=2 if do_sample else 1),
+        systems,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        decode_batch_size=0,
+        warmup=False,
+        repeats=2,
+    )
+    w = _check_report_json(result, tmp_path, systems)
+    assert set(w["ratios"]) == {"rollout-async/rollout"}
+    total = len(PROMPTS) * (2 if do_sample else 1)
+    assert w["async_match"] == {"matches": total, "total": total}
+    for summary in w["systems"].values():
+        assert len(summary["wall_s_runs"]) == 2 and summary["wall_s"] == min(summary["wall_s_runs"])
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        generation.run_workload(
+            tiny_llama, PROMPTS, _tiny_workload(), systems, eos_token_id=EOS, pad_token_id=PAD, repeats=0
+        )
+
+
 def test_truncate_at_eos_keeps_the_eos():
     assert workloads.truncate_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
     assert workloads.truncate_at_eos([5, 6, 7], {2}) == [5, 6, 7]

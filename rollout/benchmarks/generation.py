@@ -3,7 +3,8 @@ gsm8k-grpo, shared-prefix, scoring).
 
 Every system runs in the same process, on the same model object and the same prompts:
 
-- ``rollout``: ours, ``rollout.generate_batch``.
+- ``rollout-async``: ours with async batching (``use_async_batching=True``).
+- ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -16,8 +17,10 @@ original sample file shipped in ``rollout/data/``.
 Measured per system: generated tokens (up to and including EOS), wall seconds, tokens/s, mean time to
 first token, peak memory, and the tokens/s ratios between systems. Per workload also: how many greedy
 sequences of ``rollout`` and ``hf-cb`` equal ``hf-static``'s token for token (a check, not a failure),
-and the decode-step comparison: one bare forward of B decode tokens (``--decode-batch-size``, KV of the
-workload's prompts) against the mean decode-only step of ``rollout.Engine`` on the same batch.
+how many sequences of ``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their
+samples are seeded), and the decode-step comparison: one bare forward of B decode tokens
+(``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of
+``rollout.Engine`` on the same batch.
 
 Timing conventions:
     - Wall time covers the whole call a user would make (for ``hf-cb`` and ``rollout`` this includes
@@ -28,6 +31,9 @@ Timing conventions:
       ``ttft_from_submit_mean_s`` adds the time spent waiting behind earlier batches.
     - Peak memory is the process RSS sampled by a background thread on CPU (``rss_start_mb`` is the RSS
       when the run began), or ``torch.cuda.max_memory_allocated`` on CUDA.
+    - ``--repeats N`` times every system N times, the systems taking turns (round 1: each system once, in
+      SYSTEMS order; then round 2...), and keeps each system's fastest run (``wall_s_runs`` lists them all):
+      on a shared machine the load changes between runs, and the turns spread it over the systems.
 
 Example (``python scripts/bench.py`` takes the same arguments):
     rollout-bench --gsm8k /work/shared/data/gsm8k/test.jsonl --workload gsm8k-greedy \
@@ -113,6 +119,7 @@ def run_workload(
     decode_batch_size: int = 32,
     seed: int = 0,
     warmup: bool = True,
+    repeats: int = 1,
 ) -> dict:
     """Run the chosen systems on one workload's prompts and collect the numbers.
 
@@ -127,14 +134,20 @@ def run_workload(
         decode_batch_size: B of the decode-step comparison.
         seed: seed set before every run.
         warmup: run each system on two prompts and four tokens first.
+        repeats: timed runs per system, in turns (see the module docstring); the fastest is kept (>= 1).
 
     Returns:
-        A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match`` and
-        ``decode_step``.
+        A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match``,
+        ``async_match`` and ``decode_step``.
+
+    Raises:
+        ValueError: an unknown system, or ``repeats`` below 1.
     """
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     generation_config = make_generation_config(workload, eos_token_id, pad_token_id)
     warm_config = copy.deepcopy(generation_config)
     warm_config.max_new_tokens = min(4, workload.max_new_tokens)
@@ -149,6 +162,10 @@ def run_workload(
 
     # system -> (timed run, warmup run)
     plans = {
+        "rollout-async": (
+            lambda: run_rollout(model, prompts, generation_config, seed, async_batching=True),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, async_batching=True),
+        ),
         "rollout": (
             lambda: run_rollout(model, prompts, generation_config, seed),
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
@@ -164,9 +181,17 @@ def run_workload(
         "ceiling": (ceiling, lambda: bare_forwards(model, warm_prompts, pad_token_id, warm_config.max_new_tokens)),
     }
     runs: dict[str, SystemRun] = {}
-    for name in (s for s in SYSTEMS if s in systems):
-        timed, warm = plans[name]
-        runs[name] = run_system(name, timed, model.device, seed, warm if warmup else None)
+    walls: dict[str, list[float]] = {}
+    for round_ in range(repeats):
+        for name in (s for s in SYSTEMS if s in systems):
+            timed, warm = plans[name]
+            run = run_system(name, timed, model.device, seed, warm if warmup and round_ == 0 else None)
+            walls.setdefault(name, []).append(run.wall_s)
+            if name not in runs or run.wall_s < runs[name].wall_s:
+                runs[name] = run
+    if repeats > 1:
+        for name, run in runs.items():
+            run.extra["wall_s_runs"] = walls[name]
 
     result = {
         "prompts": _prompt_stats(prompts, G),
@@ -179,12 +204,15 @@ def run_workload(
         "systems": {name: run.summary() for name, run in runs.items()},
         "ratios": ratios(runs),
         "greedy_match": {},
+        "async_match": None,
         "decode_step": None,
     }
     if not workload.do_sample and "hf-static" in runs:
-        for name in ("rollout", "hf-cb"):
+        for name in ("rollout-async", "rollout", "hf-cb"):
             if name in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
+    if "rollout-async" in runs and "rollout" in runs:
+        result["async_match"] = greedy_matches(runs["rollout-async"], runs["rollout"])
     if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
         result["decode_step"] = _decode_step(model, prompts, pad_token_id, decode_batch_size, "rollout" in runs, seed)
     return result
@@ -269,6 +297,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per system, in turns; the fastest is kept (default: 1)"
+    )
     p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -310,6 +341,7 @@ def run(args: argparse.Namespace) -> dict:
             decode_batch_size=args.decode_batch_size,
             seed=args.seed,
             warmup=args.warmup,
+            repeats=args.repeats,
         )
         result["prompts"]["start_index"] = start
         report["workloads"][wname] = result

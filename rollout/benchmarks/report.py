@@ -127,6 +127,9 @@ def print_report(report: Mapping) -> None:
             print(f"{wname} ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in w["ratios"].items()))
         for k, v in w["greedy_match"].items():
             print(f"{wname} greedy match {k}: {v['matches']}/{v['total']} sequences identical")
+        if w.get("async_match"):
+            v = w["async_match"]
+            print(f"{wname} rollout-async/rollout: {v['matches']}/{v['total']} sequences identical")
         d = w.get("decode_step")
         if d:
             ratio = d["rollout/bare_time_ratio"]
@@ -140,4 +143,3 @@ def write_json(report: Mapping, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-

@@ -1,6 +1,7 @@
 """The systems the generation benchmark compares, each run on the same model object and prompts.
 
-- ``rollout``: ours, ``rollout.generate_batch``.
+- ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
+- ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -38,7 +39,7 @@ from .workloads import chunks, expand_rows, left_pad, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("rollout", "hf-cb", "hf-static", "ceiling")
+SYSTEMS = ("rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
 
 
 @dataclass
@@ -95,7 +96,6 @@ def _mean(xs: Sequence[float]) -> float | None:
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
 
 
 class PeakMemory:
@@ -155,9 +155,16 @@ def _continuous_batching_run(name: str, outputs: Mapping, t0: float, wall_s: flo
     return SystemRun(name, sum(len(s) for s in sequences), wall_s, ttft, sequences, extra)
 
 
-def run_rollout(model, prompts: Sequence[list[int]], generation_config: GenerationConfig, seed: int = 0) -> SystemRun:
-    """Our engine: ``rollout.generate_batch`` over all prompts in one call."""
-    cb_config = rollout.ContinuousBatchingConfig(seed=seed)
+def run_rollout(
+    model,
+    prompts: Sequence[list[int]],
+    generation_config: GenerationConfig,
+    seed: int = 0,
+    async_batching: bool = False,
+) -> SystemRun:
+    """Our engine: ``rollout.generate_batch`` over all prompts in one call, with async batching or without
+    (system ``rollout-async`` or ``rollout``)."""
+    cb_config = rollout.ContinuousBatchingConfig(seed=seed, use_async_batching=async_batching)
     t0 = time.perf_counter()
     outputs = rollout.generate_batch(
         model,
@@ -169,7 +176,7 @@ def run_rollout(model, prompts: Sequence[list[int]], generation_config: Generati
     _sync(model.device)
     wall = time.perf_counter() - t0
     expected = len(prompts) * (generation_config.num_return_sequences or 1)
-    return _continuous_batching_run("rollout", outputs, t0, wall, expected)
+    return _continuous_batching_run("rollout-async" if async_batching else "rollout", outputs, t0, wall, expected)
 
 
 def run_hf_cb(model, prompts: Sequence[list[int]], generation_config: GenerationConfig, seed: int = 0) -> SystemRun:
@@ -405,5 +412,3 @@ def run_system(
     run.extra["load_avg_1m"] = [load_start, os.getloadavg()[0]]
     logger.info("%s: %d tokens in %.1fs = %.1f tokens/s", name, run.num_generated, run.wall_s, run.tokens_per_s)
     return run
-
-
