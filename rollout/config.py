@@ -312,9 +312,10 @@ class ContinuousBatchingConfig:
     def resolved_async_batching(self, device_type: str) -> bool:
         """Whether the engine prepares step k+1 while step k runs on a device type.
 
-        The explicit value, else: off on CPU, where the host work it hides is about 0.5 ms of a 130 ms
-        SmolLM2-135M decode step (fp32, 2 cores; README "Async batching"), less than the thread hand-off
-        costs; on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
+        The explicit value, else: off on CPU, where the host work it hides is about 0.7 ms of a 140 ms
+        SmolLM2-135M decode step (fp32, 2 cores) while its worker thread's second OpenMP team slows every
+        kernel a little (measured 0.85x and 0.91x the synchronous loop's tokens/s; README "Async
+        batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
         transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the
         host's work behind its own launch time.
         """

@@ -338,7 +338,10 @@ class Engine:
         self._arrivals += 1
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
-        """End a request with a final status (cancel, fail), freeing its blocks. None if unknown."""
+        """End a request with a final status (cancel, fail), freeing its blocks. None if unknown.
+
+        With a step in flight (async batching), the request's row of that step is computed and dropped.
+        """
         return self.scheduler.finish_request(request_id, status, error)
 
     def has_unfinished(self) -> bool:
