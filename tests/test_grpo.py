@@ -371,9 +371,10 @@ def test_bf16_mixed_precision_trains_fp32_weights_with_bf16_rollouts(tmp_path, a
         ({"mixed_precision": "bf16", "dtype": "bfloat16"}, "dtype must be 'float32'"),
         ({"mixed_precision": "fp8"}, "mixed_precision must be one of"),
         ({"dtype": "half"}, "dtype must be one of"),
+        ({"log_with": "nothing"}, r"log_with must be null or one of \('all', .*'tensorboard'"),
     ],
 )
-def test_bad_precision_settings_fail_naming_the_key(tmp_path, values, message):
+def test_bad_precision_and_tracker_settings_fail_naming_the_key(tmp_path, values, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, **values)
 
