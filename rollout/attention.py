@@ -14,10 +14,13 @@ CPU path: torch SDPA. Decoding requests (one query token each) are attended in o
 batched call over their gathered, padded keys; the query heads that share a KV head
 are folded into the query-length axis, so grouped-query attention needs no copy of
 the keys. Each prefill chunk is one call, causal (and windowed for sliding-window
-layers) with an offset for the tokens already in the cache. CUDA path: flash-attn's
-``flash_attn_varlen_func`` over the whole flattened batch with a block table
-(vLLM's and nano-vllm's approach), used when ``flash_unsupported_reason`` finds nothing
-against it (flash-attn's version, the GPU's compute capability, dtype, head dim, page size).
+layers) with an offset for the tokens already in the cache. CUDA path, used when
+``flash_unsupported_reason`` finds nothing against it (flash-attn's version, the GPU's compute
+capability, dtype, head dim, page size): a step that only decodes (one query token per request)
+goes through flash-attn's ``flash_attn_with_kvcache`` with a fixed-width block table (the decode
+fast path, ``max_blocks_per_request`` columns; transformers' continuous batching has the same path);
+any other step through ``flash_attn_varlen_func`` over the whole flattened batch with a block table
+(vLLM's and nano-vllm's approach).
 
 The dispatcher's registered name never contains "flash" nor "/": transformers 5 treats any
 implementation name containing "flash" as a request for a flash kernel (and tries to import one
@@ -56,13 +59,16 @@ METADATA_KWARG = "rollout_batch"
 try:  # pragma: no cover - exercised on CUDA machines only
     from flash_attn import __version__ as _flash_attn_version
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
+    from flash_attn import flash_attn_with_kvcache as _flash_attn_with_kvcache
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_varlen_func = None
+    _flash_attn_with_kvcache = None
     _flash_attn_version = None
 
 # What flash-attn's paged varlen kernel needs, read from flash-attn 2.8.3 (csrc/flash_attn/flash_api.cpp,
 # mha_varlen_fwd, and flash_attn/flash_attn_interface.py):
-# - flash_attn_varlen_func takes block_table since 2.5.7 and softcap since 2.6.0;
+# - flash_attn_varlen_func takes block_table since 2.5.7 and softcap since 2.6.0 (flash_attn_with_kvcache,
+#   the decode fast path's kernel, has both by then too);
 FLASH_ATTN_MIN_VERSION = (2, 6, 0)
 # - "FlashAttention only supports Ampere GPUs or newer": compute capability major >= 8;
 FLASH_MIN_COMPUTE_CAPABILITY = 8
@@ -74,11 +80,12 @@ FLASH_MAX_HEAD_DIM = 256
 FLASH_HEAD_DIM_MULTIPLE = 8
 # - "Paged KV cache block size must be divisible by 256";
 FLASH_PAGE_MULTIPLE = 256
-# - cu_seqlens and block_table in int32, every tensor on the device of q (model_runner builds them so).
+# - cu_seqlens, cache_seqlens and block_table in int32, every tensor on the device of q (model_runner
+#   builds them so).
 
 
 def flash_attn_available() -> bool:
-    """True when flash-attn's varlen kernel can be imported."""
+    """True when flash-attn's kernels can be imported (its varlen and with_kvcache kernels import together)."""
     return _flash_attn_varlen_func is not None
 
 
@@ -221,8 +228,12 @@ class PagedAttentionMetadata:
         decode_gather: int64 [Bd, Lmax]; slots of each decoding request's keys, padded.
         decode_lengths: int64 [Bd]; keys of each decoding request (its query position + 1).
         prefills: the prefill chunks.
-        flash: CUDA varlen inputs (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            block_table) when the flash-attn path is used, else None.
+        flash: the flash-attn inputs when the engine uses flash-attn (CUDA), else None. A step that
+            takes the decode fast path has ``cache_seqlens`` (int32 [B]: keys of each request, this
+            step's included) and ``block_table`` (int32 [B, max_blocks_per_request], rows padded with
+            block 0), with row b the step's query row b; any other step has the varlen inputs
+            ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]), ``max_seqlen_q``, ``max_seqlen_k`` and
+            ``block_table`` (int32 [B, longest table]).
     """
 
     cache: PagedKVCache
@@ -361,6 +372,8 @@ def paged_attention(
     cache.write(layer, meta.slot_mapping, k_new, v_new)
 
     if meta.flash is not None:
+        if "cache_seqlens" in meta.flash:
+            return _flash_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
         return _flash_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
     dtype = _compute_dtype(query)
@@ -396,7 +409,7 @@ def paged_attention(
     return out.unsqueeze(0)
 
 
-def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
+def _flash_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -433,6 +446,50 @@ def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
         block_table=f["block_table"],
     )
     return out.to(query.dtype).unsqueeze(0)
+
+
+def _flash_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The decode fast path: flash-attn's ``flash_attn_with_kvcache`` over a fixed-width block table.
+
+    Every query row is one request's only token (row b is batch entry b, ``q`` [B, 1, H, D]). The
+    step's keys and values are already in the cache (``paged_attention`` wrote them), so the kernel
+    gets no ``k``/``v`` to append and ``cache_seqlens`` counts this step's key: it reads keys
+    0 .. cache_seqlens[b] - 1 of request b through row b of the block table. (The kernel could write
+    the new keys itself, given ``k``, ``v`` and the lengths before the step; one write path for
+    every step keeps the cache's contents independent of the kernel chosen.) With one query token,
+    flash-attn ignores ``causal`` and aligns the window to the last key, as the SDPA decode mask does.
+
+    Returns:
+        [1, B, H, D] in the query's dtype (the kernel computes in the cache's dtype, as in
+        ``_flash_paged_attention``).
+    """
+    f = meta.flash
+    assert f is not None and _flash_attn_with_kvcache is not None
+    block_size = meta.cache.block_size
+    q = query[0].transpose(0, 1).unsqueeze(1).to(k_cache.dtype)  # [B, 1, H, D]
+    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
+    vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    out = _flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=f["cache_seqlens"],
+        block_table=f["block_table"],
+        softmax_scale=scale,
+        causal=True,
+        window_size=window,
+        softcap=softcap or 0.0,
+    )
+    return out.to(query.dtype).transpose(0, 1)  # [1, B, H, D]
 
 
 class _ConfigAsOriginal:

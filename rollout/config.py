@@ -132,9 +132,12 @@ class ContinuousBatchingConfig:
             request's blocks.
         kv_padding_interval_size: the same for the keys each request reads (>= 0; 0 picks 16384 on
             CUDA, as in transformers, 64 on CPU).
-        max_blocks_per_request: width (blocks) of the block table of the CUDA decode fast path
-            (flash-attn's ``flash_attn_with_kvcache``); 0 turns the fast path off; None sizes it from
-            the longest request (at least 32, transformers' fallback). No effect on CPU.
+        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path:
+            a step in which every request decodes one token goes through flash-attn's
+            ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
+            the varlen kernel. 0 turns the fast path off; None sizes it for the longest request the
+            cache can hold (see ``resolved_max_blocks_per_request``). Used only where the engine runs
+            flash-attn (CUDA); no effect on CPU.
         use_async_batching: prepare step k+1's inputs while step k's forward runs (double-buffered
             inputs; CUDA streams and events on a GPU, a worker thread on CPU); outputs are the
             synchronous loop's. None picks per device (see ``resolved_async_batching``).
@@ -246,6 +249,27 @@ class ContinuousBatchingConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return 2048 if device_type == "cuda" else 512
+
+    def resolved_max_blocks_per_request(self, num_blocks: int, block_size: int, context_length: int | None) -> int:
+        """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
+
+        Args:
+            num_blocks: blocks in the engine's cache.
+            block_size: tokens per block.
+            context_length: the model's ``max_position_embeddings``, or None when it has none.
+
+        Returns:
+            The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
+            the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
+            least 32 (transformers' fallback width). A request past the model's context (allowed, with
+            a warning) may then be wider than the table: its steps take the varlen kernel.
+        """
+        if self.max_blocks_per_request is not None:
+            return self.max_blocks_per_request
+        longest = num_blocks
+        if context_length is not None:
+            longest = min(longest, -(-context_length // block_size))
+        return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
 
     def resolved_memory_percent(self, device_type: str) -> float:
         """Fraction of the usable memory the engine (KV cache and step workspace) may take on a device type."""

@@ -61,6 +61,8 @@ class EngineStats:
             compute (of the G samples of a prompt submitted together, G - 1).
         num_block_copies: shared blocks copied before a request wrote into them (copy-on-write of
             the partial last block of a forked prompt).
+        num_decode_fast_path_steps: steps that went through flash-attn's ``flash_attn_with_kvcache``
+            (the CUDA decode fast path, see ``ContinuousBatchingConfig.max_blocks_per_request``).
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
     """
@@ -74,6 +76,7 @@ class EngineStats:
     num_prefix_cache_hit_blocks: int = 0
     num_forks: int = 0
     num_block_copies: int = 0
+    num_decode_fast_path_steps: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
 
@@ -88,8 +91,10 @@ class Engine:
             dtype the attention computes in (``models.attention_dtype``: autocast's for a model
             prepared by accelerate with ``mixed_precision``) and keeps each layer's tensors on
             the device that layer runs on (``models.layer_devices``: a ``device_map``-sharded model
-            gets its cache sharded the same way). On CUDA the steps use flash-attn's paged kernel
-            when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line).
+            gets its cache sharded the same way). On CUDA the steps use flash-attn's paged kernels
+            when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line):
+            decode-only steps ``flash_attn_with_kvcache`` (up to ``max_blocks_per_request``), the
+            others ``flash_attn_varlen_func``.
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
             what holds this many tokens (an int), or these requests of that many tokens each
@@ -155,6 +160,9 @@ class Engine:
             seed=self.config.seed,
             logprobs_mode=self.config.logprobs_mode,
             return_logprobs=self.config.return_logprobs,
+            max_blocks_per_request=self.config.resolved_max_blocks_per_request(
+                num_blocks, self.block_size, self.context_length
+            ),
         )
         self.stats = EngineStats()
         self._arrivals = 0
@@ -354,6 +362,7 @@ class Engine:
         stats.num_prefix_cache_hit_blocks = self.block_manager.num_prefix_cache_hit_blocks
         stats.num_forks += len(scheduler_output.forks)
         stats.num_block_copies = self.kv_cache_manager.num_block_copies
+        stats.num_decode_fast_path_steps = self.runner.num_decode_fast_path_steps
         if scheduler_output.is_decode_only:
             stats.decode_step_seconds.append(seconds)
             stats.decode_step_batch.append(len(scheduler_output.scheduled))

@@ -86,7 +86,10 @@ class ModelRunner:
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: build flash-attn varlen metadata (CUDA) instead of the SDPA path.
+        use_flash: build flash-attn metadata (CUDA) instead of the SDPA path's.
+        max_blocks_per_request: with ``use_flash``, the width of the decode fast path's block table
+            (``ContinuousBatchingConfig.resolved_max_blocks_per_request``); 0 sends every step
+            through the varlen kernel.
         offload_pool: the CPU pool of offload preemption, or None.
         seed: seed of the generator of sampled requests that have no seed of their own;
             None seeds it from the OS.
@@ -103,12 +106,15 @@ class ModelRunner:
         seed: int | None = None,
         logprobs_mode: str = "temperature",
         return_logprobs: bool = False,
+        max_blocks_per_request: int = 0,
     ) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.use_flash = use_flash
+        self.max_blocks_per_request = max_blocks_per_request
+        self.num_decode_fast_path_steps = 0  # steps prepared for flash_attn_with_kvcache
         self.offload_pool = offload_pool
         self.logprobs_mode = logprobs_mode
         self.return_logprobs = return_logprobs
@@ -181,6 +187,7 @@ class ModelRunner:
             else:
                 prefill_specs.append((start, start + n, c, table))
         use_flash = self.use_flash
+        fast_decode = use_flash and self._fits_decode_fast_path(scheduled)
         gathered = [spec for spec in prefill_specs if spec[2] > 0] if not use_flash else []
         arrays: list[np.ndarray] = [
             np.asarray(input_ids, dtype=np.int64),
@@ -190,7 +197,9 @@ class ModelRunner:
             np.asarray(plan.score_targets, dtype=np.int64),
             np.asarray(score_temps, dtype=np.float64),
         ]
-        if use_flash:
+        if fast_decode:
+            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request)
+        elif use_flash:
             arrays += self._flash_arrays(scheduled)
         elif decode_rows:
             arrays += [
@@ -206,7 +215,11 @@ class ModelRunner:
         flash = None
         d_rows = d_gather = d_lengths = None
         prefills: list[PrefillSegment] = []
-        if use_flash:
+        if fast_decode:
+            seqlens_t, table_t = next(staged), next(staged)
+            flash = {"cache_seqlens": seqlens_t.to(torch.int32), "block_table": table_t.to(torch.int32)}
+            self.num_decode_fast_path_steps += 1
+        elif use_flash:
             cu_q, cu_k, table_t = next(staged), next(staged), next(staged)
             q_lens = [e.num_scheduled_tokens for e in scheduled]
             k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
@@ -240,6 +253,32 @@ class ModelRunner:
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
         return kwargs, rows, plan
+
+    def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
+        its keys (this one included) fit in ``max_blocks_per_request`` blocks. One wider request sends the
+        whole step through the varlen kernel (transformers' scheduler applies the same rule)."""
+        width = self.max_blocks_per_request
+        if width <= 0 or not scheduled:
+            return False
+        limit = width * self.block_size  # keys a table row can address
+        return all(e.num_scheduled_tokens == 1 and e.request.num_computed_tokens < limit for e in scheduled)
+
+    @staticmethod
+    def _flash_decode_arrays(scheduled: Sequence[ScheduledRequest], width: int) -> list[np.ndarray]:
+        """int64 host arrays of the decode fast path's inputs (each request computes one token).
+
+        Returns:
+            cache_seqlens [B] (the request's keys after this step's write: computed tokens + 1) and the
+            block table [B, width]: each request's first ``width`` blocks, padded with block 0 (the
+            kernel reads only the blocks its cache_seqlens covers).
+        """
+        seqlens = np.asarray([e.request.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
+        table = np.zeros((len(scheduled), width), dtype=np.int64)
+        for i, e in enumerate(scheduled):
+            row = e.request.block_table[:width]
+            table[i, : len(row)] = row
+        return [seqlens, table]
 
     @staticmethod
     def _flash_arrays(scheduled: Sequence[ScheduledRequest]) -> list[np.ndarray]:

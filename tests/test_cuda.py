@@ -1,5 +1,6 @@
 """Issue 13 on a GPU: flash-attn's paged kernel on real hardware, bf16 mixed precision through it, the manager
-thread's current device, and a model sharded over a GPU and the CPU.
+thread's current device, and a model sharded over a GPU and the CPU. Issue 11: the decode fast path
+(``flash_attn_with_kvcache``) against the varlen kernel and against SDPA, in bf16.
 
 Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
 same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
@@ -17,11 +18,11 @@ from accelerate import Accelerator
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
 from rollout.attention import flash_attn_available, flash_support
 from rollout.scoring import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
-from tests.utils import assert_close
+from tests.utils import assert_close, run_engine
 
 pytestmark = pytest.mark.cuda
 
@@ -154,3 +155,78 @@ def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside
         engine.close()
     out = generate_batch(model, prompts, GREEDY, cfg)
     assert [o.generated_tokens for o in out.values()] == expected
+
+
+def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True) -> Engine:  # noqa: ANN001
+    """An engine over a bf16 model on the GPU; ``flash=False`` puts it on the SDPA path (the engine picks flash)."""
+    config = ContinuousBatchingConfig(
+        page_size=256,
+        num_blocks=32,
+        max_batch_tokens=512,
+        return_logprobs=True,
+        max_blocks_per_request=max_blocks_per_request,
+    )
+    engine = Engine(model, config)
+    if not engine.use_flash:
+        engine.close()
+        pytest.skip("the engine does not use flash-attn on this GPU (see the log for the reason)")
+    if not flash:
+        engine.use_flash = engine.runner.use_flash = False
+    return engine
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list:
+    """Greedy outputs of the prompts (in order, no EOS stop), on an engine that is closed afterwards."""
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def _assert_greedy_agrees(actual: list, expected: list, prompts: list[list[int]], reference_model) -> None:  # noqa: ANN001
+    """Greedy tokens equal and logprobs within BF16_ATOL up to the first token where the two runs differ,
+    which must be a near-tie of the fp32 model (its logprobs of the two tokens within BF16_ATOL): two bf16
+    kernels round differently, while a wrong table, length or window flips tokens apart by nats."""
+    for prompt, a, e in zip(prompts, actual, expected):
+        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
+        assert len(tokens_a) == len(tokens_e)
+        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
+        assert_close(a.logprobs[:j], e.logprobs[:j], atol=BF16_ATOL)
+        if j < len(tokens_a):
+            logprobs = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_a[j]])[0]
+            other = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_e[j]])[0]
+            assert abs(logprobs - other) < BF16_ATOL, f"token {j}: {tokens_a[j]} vs {tokens_e[j]} are no near-tie"
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
+def test_decode_fast_path_equals_the_varlen_path_and_sdpa_in_bf16(build) -> None:
+    pytest.importorskip("flash_attn")
+    model = build().to(GPU, torch.bfloat16)
+    reference = build().to(GPU)  # fp32, the model's own (SDPA) attention
+    prompts = _prompts()
+    fast_engine = _bf16_engine(model, None)
+    varlen_engine = _bf16_engine(model, 0)
+    sdpa_engine = _bf16_engine(model, None, flash=False)
+    fast, varlen, sdpa = (_generate(e, prompts) for e in (fast_engine, varlen_engine, sdpa_engine))
+    decode_steps = len(fast_engine.stats.decode_step_batch)
+    assert fast_engine.stats.num_decode_fast_path_steps == decode_steps > 0
+    assert varlen_engine.stats.num_decode_fast_path_steps == sdpa_engine.stats.num_decode_fast_path_steps == 0
+    _assert_greedy_agrees(fast, varlen, prompts, reference)
+    _assert_greedy_agrees(fast, sdpa, prompts, reference)
+
+
+def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() -> None:
+    pytest.importorskip("flash_attn")
+    model = tiny_llama().to(GPU, torch.bfloat16)
+    long, short = random_prompts(1, VOCAB_SIZE, 250, 250, seed=3)[0], random_prompts(1, VOCAB_SIZE, 100, 100)[0]
+    # As on CPU (tests/test_flash_path.py): one prefill step, then 9 decode steps, of which the long
+    # request's positions 250..255 fit one block (6 fast-path steps) and 256..258 need a second.
+    narrow_engine = _bf16_engine(model, 1)
+    narrow = _generate(narrow_engine, [long, short])
+    varlen = _generate(_bf16_engine(model, 0), [long, short])
+    assert len(narrow_engine.stats.decode_step_batch) == 9
+    assert narrow_engine.stats.num_decode_fast_path_steps == 6
+    _assert_greedy_agrees(narrow, varlen, [long, short], tiny_llama().to(GPU))

@@ -29,9 +29,15 @@ Timing conventions:
     - Peak memory is the process RSS sampled by a background thread on CPU (``rss_start_mb`` is the RSS
       when the run began), or ``torch.cuda.max_memory_allocated`` on CUDA.
 
+``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
+``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
+else as a string.
+
 Example (``python scripts/bench.py`` takes the same arguments):
     rollout-bench --gsm8k /work/shared/data/gsm8k/test.jsonl --workload gsm8k-greedy \
         --systems hf-cb hf-static ceiling --device cpu
+    rollout-bench --device cuda --dtype bfloat16 --systems hf-cb \
+        --hf-cb-option default_compile_level=3 --hf-cb-option use_cuda_graph=true
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
@@ -113,6 +121,7 @@ def run_workload(
     decode_batch_size: int = 32,
     seed: int = 0,
     warmup: bool = True,
+    hf_cb_options: Mapping[str, Any] | None = None,
 ) -> dict:
     """Run the chosen systems on one workload's prompts and collect the numbers.
 
@@ -127,6 +136,8 @@ def run_workload(
         decode_batch_size: B of the decode-step comparison.
         seed: seed set before every run.
         warmup: run each system on two prompts and four tokens first.
+        hf_cb_options: fields of transformers' ``ContinuousBatchingConfig`` for ``hf-cb`` (see
+            ``parse_hf_cb_options``).
 
     Returns:
         A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match`` and
@@ -154,8 +165,8 @@ def run_workload(
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
         ),
         "hf-cb": (
-            lambda: run_hf_cb(model, prompts, generation_config, seed),
-            lambda: run_hf_cb(model, warm_prompts, warm_config, seed),
+            lambda: run_hf_cb(model, prompts, generation_config, seed, hf_cb_options),
+            lambda: run_hf_cb(model, warm_prompts, warm_config, seed, hf_cb_options),
         ),
         "hf-static": (
             lambda: run_hf_static(model, prompts, generation_config, static_batch_size),
@@ -246,6 +257,36 @@ def run_scoring_workload(model, tokenizer, data_path, num_prompts: int | None) -
     return report
 
 
+def parse_hf_cb_options(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as fields of transformers' ``ContinuousBatchingConfig``.
+
+    Args:
+        items: e.g. ``["default_compile_level=3", "use_cuda_graph=true"]``; a value is read as JSON when
+            it parses (numbers, ``true``/``false``, ``null``, lists), else kept as a string.
+
+    Returns:
+        The fields by name.
+
+    Raises:
+        ValueError: an item without ``=``, or a name that is not a field of that config (the message
+            lists the fields).
+    """
+    names = {f.name for f in dataclasses.fields(HFContinuousBatchingConfig)}
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in names:
+            raise ValueError(
+                f"--hf-cb-option takes KEY=VALUE with KEY a field of transformers' ContinuousBatchingConfig "
+                f"({', '.join(sorted(names))}), got {item!r}"
+            )
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -269,9 +310,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
+    p.add_argument(
+        "--hf-cb-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of transformers' ContinuousBatchingConfig for hf-cb, e.g. default_compile_level=3 (repeatable)",
+    )
     p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
     p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.hf_cb_options = parse_hf_cb_options(args.hf_cb_option)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -310,6 +363,7 @@ def run(args: argparse.Namespace) -> dict:
             decode_batch_size=args.decode_batch_size,
             seed=args.seed,
             warmup=args.warmup,
+            hf_cb_options=args.hf_cb_options,
         )
         result["prompts"]["start_index"] = start
         report["workloads"][wname] = result

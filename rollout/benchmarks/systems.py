@@ -97,7 +97,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-
 class PeakMemory:
     """Context manager measuring the peak memory of the code inside it.
 
@@ -172,24 +171,38 @@ def run_rollout(model, prompts: Sequence[list[int]], generation_config: Generati
     return _continuous_batching_run("rollout", outputs, t0, wall, expected)
 
 
-def run_hf_cb(model, prompts: Sequence[list[int]], generation_config: GenerationConfig, seed: int = 0) -> SystemRun:
+def run_hf_cb(
+    model,
+    prompts: Sequence[list[int]],
+    generation_config: GenerationConfig,
+    seed: int = 0,
+    options: Mapping[str, object] | None = None,
+) -> SystemRun:
     """transformers' continuous batching: ``model.generate_batch`` over all prompts in one call.
 
     The manager is created, sized and warmed up inside the call (``persistent_manager=False``), as a
     user calling it once per rollout batch would have it.
+
+    Args:
+        options: fields of transformers' ``ContinuousBatchingConfig`` besides the seed (e.g.
+            ``default_compile_level=3, use_cuda_graph=True`` on a GPU); recorded in the summary.
     """
+    options = dict(options or {})
     t0 = time.perf_counter()
     outputs = model.generate_batch(
         inputs=list(prompts),
         generation_config=generation_config,
-        continuous_batching_config=HFContinuousBatchingConfig(seed=seed),
+        continuous_batching_config=HFContinuousBatchingConfig(seed=seed, **options),
         record_timestamps=True,
         progress_bar=False,
     )
     _sync(model.device)
     wall = time.perf_counter() - t0
     expected = len(prompts) * (generation_config.num_return_sequences or 1)
-    return _continuous_batching_run("hf-cb", outputs, t0, wall, expected)
+    run = _continuous_batching_run("hf-cb", outputs, t0, wall, expected)
+    if options:
+        run.extra["hf_cb_options"] = options
+    return run
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -405,5 +418,3 @@ def run_system(
     run.extra["load_avg_1m"] = [load_start, os.getloadavg()[0]]
     logger.info("%s: %d tokens in %.1fs = %.1f tokens/s", name, run.num_generated, run.wall_s, run.tokens_per_s)
     return run
-
-
