@@ -230,17 +230,19 @@ class KVCacheManager:
         wanted = num_evictable_hits + sum(max(f, 0) for f in fresh) + sum(len(s) for s in shared)
         if bm.num_free_blocks - wanted < margin:
             return False
+        # Every group's hits first: a fresh block comes from the head of the free queue, which may hold
+        # another group's hit that nobody has acquired yet.
+        for g in range(self.num_groups):
+            if hits[g]:
+                bm.acquire([b for b in hits[g] if b != NULL_BLOCK])
+                tables[g].extend(hits[g])
+                request.group_block_hashes[g].extend(
+                    bm.blocks[b].block_hash if b != NULL_BLOCK else None for b in hits[g]
+                )
         for g in range(self.num_groups):
             table = tables[g]
             if shared[g]:
                 self._copy_on_write(request, g, shared[g])
-            if hits[g]:
-                real = [b for b in hits[g] if b != NULL_BLOCK]
-                bm.acquire(real)
-                table.extend(hits[g])
-                request.group_block_hashes[g].extend(
-                    bm.blocks[b].block_hash if b != NULL_BLOCK else None for b in hits[g]
-                )
             window_start = self._window_start(g, start)
             if len(table) < window_start:  # a restore into a sliding group: its window only
                 table.extend([NULL_BLOCK] * (window_start - len(table)))
