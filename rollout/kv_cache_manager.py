@@ -33,7 +33,11 @@ p blocks needs, in every full group, the blocks 0..p-1, and in a sliding group o
 query reads, ``window_start_block(W, p * block_size)``..p-1 (the evicted blocks before them are not
 needed, and the table gets ``NULL_BLOCK`` there). Block hashes are chained over the tokens, not the
 blocks, so a group finds its window's blocks whatever it evicted before them. The longest p that
-every group can serve is the hit.
+every group can serve is the hit. The rest needs nothing of its own: preemption by recompute frees
+every group's blocks and re-prefills (prefix hits included); offload copies, per group, the blocks the
+next queries read (a sliding group's window) and restores them to the same positions; a fork shares
+every group's table, ``NULL_BLOCK`` entries included; scoring requests are chunks like any other, whose
+queries read within the window.
 
 Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n``
 sibling samples and copies a shared last block on the first append): a block that the step writes
