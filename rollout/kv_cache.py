@@ -11,9 +11,9 @@ request per group, over one shared block pool). A single table shared by all gro
 sliding group gives back the blocks that left its window while the full group keeps the same
 positions. transformers' continuous batching (``cache_allocators/sliding_attention.py``) keeps a
 sliding group in a ring buffer of ``ceil(window / page)`` pages per request instead, which needs no
-table entries for evicted blocks but forbids sharing them (no prefix caching, no forks) and a block
-table for the flash kernel; rollout keeps block tables, so prefix caching, forks, copy-on-write and
-the flash path work on sliding groups unchanged.
+table entries for evicted blocks but cannot share them (prefix caching is off for the whole cache, and
+a fork copies them) nor give the flash kernel a block table; rollout keeps block tables, so prefix
+caching, forks, copy-on-write and the flash path work on sliding groups unchanged.
 
 Memory. The groups draw on one pool of block ids, so memory moves to whichever group needs it (how
 many requests a budget admits does not depend on guessing their lengths). For that, one block id must
