@@ -149,17 +149,19 @@ def test_a_cache_of_full_layers_holds_the_same_bytes_and_gives_the_same_tokens()
     [lambda: tiny_gemma4(global_head_dim=32), lambda: tiny_gemma4(global_head_dim=16, num_global_key_value_heads=1)],
     ids=["head_dim", "kv_heads"],
 )
-def test_layers_with_other_head_dims_or_kv_heads_match_generate_through_hits_and_preemption(build) -> None:
+def test_layers_with_other_head_dims_or_kv_heads_match_generate_through_hits_preemption_and_forks(build) -> None:
     model = build()
     shared = random_prompts(1, VOCAB_SIZE, 20, 20, seed=46)[0]
     prompts = [shared + t for t in random_prompts(6, VOCAB_SIZE, 5, 25, seed=47)]
+    prompts += [prompts[0]] * 2  # two more samples of the first prompt, forked from it
     config = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, safety_margin=0.0)
     engine = Engine(model, config)
     try:
-        run_and_compare(engine, prompts, 12, [f"r{i}" for i in range(6)])
+        run_and_compare(engine, prompts, 12, [f"r{i}" for i in range(8)])
     finally:
         engine.close()
-    assert engine.stats.num_preemptions > 0 and engine.stats.num_prefix_cache_hit_blocks > 0
+    stats = engine.stats
+    assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_blocks > 0 and stats.num_forks > 0
     assert len(engine.cache.groups) == 2
 
 
