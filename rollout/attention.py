@@ -234,6 +234,14 @@ class PagedAttentionMetadata:
             block 0), with row b the step's query row b; any other step has the varlen inputs
             ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]), ``max_seqlen_q``, ``max_seqlen_k`` and
             ``block_table`` (int32 [B, longest table]).
+        sliding_window: the window of the layer group these slots are for: its cache holds only the
+            keys of the last ``sliding_window`` positions of each request (None: every key).
+        groups: with several layer groups (``kv_cache.CacheLayout``), the metadata of each group, in
+            group order (this one is group 0's); empty when this metadata serves every layer.
+
+    The slots, gathers and block tables are those of one layer group; ``for_layer`` picks the group of
+    a layer. A sliding group's gathers start at the block of its window (``kv_cache.window_start_block``),
+    with the context and lengths counted from there, so its masks see the same relative positions.
     """
 
     cache: PagedKVCache
@@ -243,8 +251,27 @@ class PagedAttentionMetadata:
     decode_lengths: torch.Tensor | None
     prefills: list[PrefillSegment]
     flash: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    groups: list[PagedAttentionMetadata] = field(default_factory=list)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict)
+
+    def for_layer(self, layer: int, sliding_window: int | None) -> PagedAttentionMetadata:
+        """The metadata of the group of ``layer``, checked against the window the layer attends with.
+
+        Raises:
+            RuntimeError: the layer's group keeps only a window of keys, but the layer attends further
+                back (``sliding_window`` None or larger): the keys it would read were given back.
+        """
+        meta = self.groups[self.cache.layout.layer_group[layer]] if self.groups else self
+        kept = meta.sliding_window
+        if kept is not None and (sliding_window is None or sliding_window > kept):
+            raise RuntimeError(
+                f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
+                f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
+                "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
+            )
+        return meta
 
     def on(self, device: torch.device) -> PagedAttentionMetadata:
         """This step's metadata with every tensor on ``device``; ``self`` when they are there already.
@@ -273,6 +300,7 @@ class PagedAttentionMetadata:
                 to(self.decode_lengths),
                 [PrefillSegment(s.start, s.end, s.context, to(s.gather)) for s in self.prefills],
                 flash,
+                self.sliding_window,
             )
             self._on_device[device] = moved
         return moved
@@ -350,7 +378,7 @@ def paged_attention(
     arrive in another, e.g. under autocast); the attention itself runs in ``_compute_dtype``.
 
     Args:
-        module: the attention module (its ``layer_idx`` picks the cache layer).
+        module: the attention module (its ``layer_idx`` picks the cache layer and its group's slots).
         query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding), on the device of
             the layer's cache.
         meta: the step's metadata (moved to the layer's device when the model is sharded).
@@ -360,9 +388,13 @@ def paged_attention(
 
     Returns:
         [1, T, H, D], the layout the model's attention modules expect back, in the compute dtype.
+
+    Raises:
+        RuntimeError: the layer attends further back than its cache group keeps (``for_layer``).
     """
     layer = module.layer_idx
     cache = meta.cache
+    meta = meta.for_layer(layer, sliding_window)  # the slots of the layer's group
     k_cache, v_cache = cache.key[layer], cache.value[layer]
     meta = meta.on(k_cache.device)
     _, H, T, D = query.shape

@@ -74,6 +74,11 @@ class ContinuousBatchingConfig:
             beyond the token budget.
         allow_block_sharing: prefix caching; full prompt blocks are hashed and
             shared between requests (the G samples of a GRPO prompt share them).
+        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep
+            only the KV blocks their next queries read, giving the others back to the pool
+            (``kv_cache_manager``). False keeps every position of every layer, as full attention
+            does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback, and the baseline the
+            saving is measured against.
         scheduler_type: ``"fifo"`` (running requests first, then waiting ones in
             arrival order) or ``"prefill_first"`` (waiting requests are admitted
             before decodes get their tokens).
@@ -153,6 +158,7 @@ class ContinuousBatchingConfig:
     max_memory_percent: float | None = None
     max_requests_per_batch: int | None = None
     allow_block_sharing: bool = True
+    sliding_window_cache: bool = True
     scheduler_type: Literal["fifo", "prefill_first"] = "fifo"
     safety_margin: float | None = None
     return_logprobs: bool = False
@@ -204,7 +210,13 @@ class ContinuousBatchingConfig:
         check_number("cpu_offload_space_safety_threshold", self.cpu_offload_space_safety_threshold, 0.0, 1.0)
         check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
-        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
+        for name in (
+            "allow_block_sharing",
+            "sliding_window_cache",
+            "return_logprobs",
+            "per_request_processors",
+            "drop_unsupported_processors",
+        ):
             check_bool(name, getattr(self, name))
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)
         for name in ("varlen_compile_config", "decode_compile_config"):

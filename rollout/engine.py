@@ -21,7 +21,14 @@ from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_model, offload_space_gib
+from .kv_cache import (
+    CacheLayout,
+    CacheShape,
+    CPUOffloadPool,
+    PagedKVCache,
+    num_blocks_for_model,
+    offload_space_gib,
+)
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models import (
@@ -65,6 +72,11 @@ class EngineStats:
             (the CUDA decode fast path, see ``ContinuousBatchingConfig.max_blocks_per_request``).
         decode_step_seconds: wall time of steps that only decoded (one token per request).
         decode_step_batch: the batch size of each of those steps.
+        kv_cache_bytes: bytes of the paged KV cache's tensors, every layer group together.
+        kv_cache_capacity_tokens: per layer group (``KVCacheGroup.name``, e.g. ``"full:5"``,
+            ``"sliding64:0"``), the tokens of KV its layers can hold: every block of the pool, which the
+            groups share (a sliding group holds only a window of each request, so the pool serves more
+            requests than a cache of full layers of the same bytes).
     """
 
     num_steps: int = 0
@@ -79,6 +91,8 @@ class EngineStats:
     num_decode_fast_path_steps: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
+    kv_cache_bytes: int = 0
+    kv_cache_capacity_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -124,31 +138,48 @@ class Engine:
         dtype = attention_dtype(model)
         dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
-        shape = CacheShape.from_model(model, dtype)
+        self.max_batch_tokens = self.config.resolved_max_batch_tokens(dev_type)
+        shape = CacheShape.from_model(model, dtype, sliding_windows=self.config.sliding_window_cache)
+        layout = CacheLayout.build(shape, devices)
         self.vocab_size = vocab_size(model)
-        num_blocks = self.config.num_blocks
-        if num_blocks is None:
-            num_blocks = num_blocks_for_model(model, self.config)
-            if max_tokens_hint is not None:
-                hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
-                # Each request rounds up to whole blocks; one spare block for slack.
-                num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
+        # num_blocks counts whole-model blocks (page_size tokens in every layer); the pool of the
+        # layer groups holds the block ids that memory buys (CacheLayout.pool_blocks).
+        model_blocks = self.config.num_blocks
+        if model_blocks is None:
+            model_blocks = num_blocks_for_model(model, self.config)
+        num_blocks = layout.pool_blocks(shape, model_blocks, self.block_size)
+        if self.config.num_blocks is None and max_tokens_hint is not None:
+            if isinstance(max_tokens_hint, int):  # that many tokens in all: in every group
+                wanted = len(layout.groups) * -(-max_tokens_hint // self.block_size)
+            else:  # these requests at once: each group holds what it keeps of each
+                wanted = sum(
+                    layout.max_blocks_needed(t, self.max_batch_tokens, self.block_size) for t in max_tokens_hint
+                )
+            # One spare block for slack.
+            num_blocks = min(num_blocks, wanted + 1)
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
         self._warned_context = False
-        self.use_flash = choose_flash(devices, shape.dtype, shape.head_dim, self.block_size)
+        head_dim = max(shape.layer(i).head_dim for i in range(shape.num_layers))
+        odd = [d for d in (shape.layer(i).head_dim for i in range(shape.num_layers)) if d % 8]
+        self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
         self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
         self.offload_pool: CPUOffloadPool | None = None
         offload_gib = offload_space_gib(self.config)
         if offload_gib > 0:
-            self.offload_pool = CPUOffloadPool(shape, offload_gib, self.block_size, pin=dev_type == "cuda")
+            self.offload_pool = CPUOffloadPool(
+                shape, offload_gib, self.block_size, pin=dev_type == "cuda", layout=self.cache.layout
+            )
         self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
         self.kv_cache_manager = KVCacheManager(
-            self.block_manager, self.config.resolved_safety_margin(), self.offload_pool
+            self.block_manager,
+            self.config.resolved_safety_margin(),
+            self.offload_pool,
+            self.cache.layout.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            self.config.resolved_max_batch_tokens(dev_type),
+            self.max_batch_tokens,
             self.config.max_requests_per_batch,
             self.config.scheduler_type,
         )
@@ -164,7 +195,10 @@ class Engine:
                 num_blocks, self.block_size, self.context_length
             ),
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(
+            kv_cache_bytes=self.cache.size_bytes,
+            kv_cache_capacity_tokens={g.name: num_blocks * self.block_size for g in self.cache.groups},
+        )
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
@@ -214,7 +248,7 @@ class Engine:
                 total,
                 self.context_length,
             )
-        needed = self.kv_cache_manager.blocks_needed(total)
+        needed = self.kv_cache_manager.max_blocks_needed(total, self.max_batch_tokens)
         if needed > self.num_blocks:
             raise ValueError(
                 f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
-from .kv_cache import CPUOffloadPool, PagedKVCache
+from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -112,6 +112,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.sliding_windows = cache.layout.sliding_windows  # of each layer group, in group order
         self.use_flash = use_flash
         self.max_blocks_per_request = max_blocks_per_request
         self.num_decode_fast_path_steps = 0  # steps prepared for flash_attn_with_kvcache
@@ -137,36 +138,49 @@ class ModelRunner:
         """Build the model inputs and the attention metadata of a step.
 
         Every index tensor is built on the host with numpy and reaches the device in one copy
-        (``HostStaging``); the block-table gathers are then computed on the device.
+        (``HostStaging``); the block-table gathers are then computed on the device. Slots, gathers and
+        block tables are built per layer group of the cache (``Request.block_tables``); a sliding
+        group's gathers start at the block of its window (``kv_cache.window_start_block``).
 
         Returns:
             The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
             requests' last query tokens, then scored positions); and the plan of those rows.
         """
         bs = self.block_size
+        windows = self.sliding_windows
+        num_groups = len(windows)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         logits_rows: list[int] = []
         score_rows: list[int] = []
         score_temps: list[float] = []
         plan = LogitsPlan()
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        decode_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        decode_lengths: list[list[int]] = [[] for _ in range(num_groups)]
+        # Per group: (start, end, context counted from the first gathered block, table from that block).
+        prefill_specs: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(num_groups)]
         for entry in scheduled:
             req, n = entry.request, entry.num_scheduled_tokens
             c = req.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
-            table = req.block_table
             positions.extend(range(c, c + n))
-            if n == 1:
-                slots.append(table[c // bs] * bs + c % bs)
-            else:
-                pos = np.arange(c, c + n, dtype=np.int64)
-                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+            pos = np.arange(c, c + n, dtype=np.int64) if n > 1 else None
+            for g, window in enumerate(windows):
+                table = req.block_tables[g]
+                if pos is None:
+                    slots[g].append(table[c // bs] * bs + c % bs)
+                else:
+                    slots[g].extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+                first = window_start_block(window, c, bs)
+                kept = table if first == 0 else table[first:]
+                if n == 1:
+                    decode_tables[g].append(kept)
+                    decode_lengths[g].append(c + 1 - first * bs)
+                else:
+                    prefill_specs[g].append((start, start + n, c - first * bs, kept))
             if entry.sample:
                 logits_rows.append(start + n - 1)
                 plan.sampled.append(req)
@@ -182,66 +196,81 @@ class ModelRunner:
                     score_temps.extend([req.score_temperature] * (hi - lo))
             if n == 1:
                 decode_rows.append(start)
-                decode_tables.append(table)
-                decode_lengths.append(c + 1)
-            else:
-                prefill_specs.append((start, start + n, c, table))
         use_flash = self.use_flash
         fast_decode = use_flash and self._fits_decode_fast_path(scheduled)
-        gathered = [spec for spec in prefill_specs if spec[2] > 0] if not use_flash else []
+        gathered = [[spec for spec in specs if spec[2] > 0] for specs in prefill_specs] if not use_flash else []
         arrays: list[np.ndarray] = [
             np.asarray(input_ids, dtype=np.int64),
             np.asarray(positions, dtype=np.int64),
-            np.asarray(slots, dtype=np.int64),
             np.asarray(logits_rows + score_rows, dtype=np.int64),
             np.asarray(plan.score_targets, dtype=np.int64),
             np.asarray(score_temps, dtype=np.float64),
+            *(np.asarray(group_slots, dtype=np.int64) for group_slots in slots),
         ]
         if fast_decode:
-            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request)
+            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
         elif use_flash:
-            arrays += self._flash_arrays(scheduled)
+            arrays += self._flash_arrays(scheduled, num_groups)
         elif decode_rows:
-            arrays += [
-                np.asarray(decode_rows, dtype=np.int64),
-                np.asarray(decode_lengths, dtype=np.int64),
-                _padded(decode_tables),
-            ]
-        arrays += [np.asarray(table, dtype=np.int64) for _, _, _, table in gathered]
+            arrays.append(np.asarray(decode_rows, dtype=np.int64))
+            for g in range(num_groups):
+                arrays += [np.asarray(decode_lengths[g], dtype=np.int64), _padded(decode_tables[g])]
+        arrays += [np.asarray(spec[3], dtype=np.int64) for specs in gathered for spec in specs]
         staged = iter(self._input_staging.upload(*arrays))
-        ids_t, pos_t, slot_mapping, rows, targets, temps = (next(staged) for _ in range(6))
+        ids_t, pos_t, rows, targets, temps = (next(staged) for _ in range(5))
+        slot_mappings = [next(staged) for _ in range(num_groups)]
         if plan.score_segments:
             plan.score_target_ids, plan.score_temperatures = targets, temps.float()
-        flash = None
-        d_rows = d_gather = d_lengths = None
-        prefills: list[PrefillSegment] = []
+        metas: list[PagedAttentionMetadata] = []
         if fast_decode:
-            seqlens_t, table_t = next(staged), next(staged)
-            flash = {"cache_seqlens": seqlens_t.to(torch.int32), "block_table": table_t.to(torch.int32)}
+            seqlens_t = next(staged).to(torch.int32)
+            for g in range(num_groups):
+                flash = {"cache_seqlens": seqlens_t, "block_table": next(staged).to(torch.int32)}
+                metas.append(
+                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
+                )
             self.num_decode_fast_path_steps += 1
         elif use_flash:
-            cu_q, cu_k, table_t = next(staged), next(staged), next(staged)
+            cu_q, cu_k = next(staged), next(staged)
             q_lens = [e.num_scheduled_tokens for e in scheduled]
             k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-            flash = {
+            common = {
                 "cu_seqlens_q": cu_q.to(torch.int32),
                 "cu_seqlens_k": cu_k.to(torch.int32),
                 "max_seqlen_q": max(q_lens),
                 "max_seqlen_k": max(k_lens),
-                "block_table": table_t.to(torch.int32),
             }
+            for g in range(num_groups):
+                flash = {**common, "block_table": next(staged).to(torch.int32)}
+                metas.append(
+                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
+                )
         else:
+            d_rows = None
+            decode: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_groups
             if decode_rows:
-                d_rows, d_lengths, d_tables = next(staged), next(staged), next(staged)
-                d_gather = slots_of(d_tables, max(decode_lengths), bs)
-            tables = {id(spec): next(staged) for spec in gathered}
-            for spec in prefill_specs:
-                start, end, c, _table = spec
-                gather = None
-                if c > 0:
-                    gather = slots_of(tables[id(spec)][None, :], c + end - start, bs)[0]
-                prefills.append(PrefillSegment(start, end, c, gather))
-        meta = PagedAttentionMetadata(self.cache, slot_mapping, d_rows, d_gather, d_lengths, prefills, flash)
+                d_rows = next(staged)
+                for g in range(num_groups):
+                    d_lengths, d_tables = next(staged), next(staged)
+                    decode[g] = (slots_of(d_tables, max(decode_lengths[g]), bs), d_lengths)
+            for g in range(num_groups):
+                tables = {id(spec): next(staged) for spec in gathered[g]}
+                prefills: list[PrefillSegment] = []
+                for spec in prefill_specs[g]:
+                    start, end, context, _table = spec
+                    gather = None
+                    if context > 0:
+                        gather = slots_of(tables[id(spec)][None, :], context + end - start, bs)[0]
+                    prefills.append(PrefillSegment(start, end, context, gather))
+                d_gather, d_lengths = decode[g]
+                metas.append(
+                    PagedAttentionMetadata(
+                        self.cache, slot_mappings[g], d_rows, d_gather, d_lengths, prefills, None, windows[g]
+                    )
+                )
+        meta = metas[0]
+        if num_groups > 1:
+            meta.groups = metas
         kwargs = {
             "input_ids": ids_t[None, :],
             "position_ids": pos_t[None, :],
@@ -265,36 +294,42 @@ class ModelRunner:
         return all(e.num_scheduled_tokens == 1 and e.request.num_computed_tokens < limit for e in scheduled)
 
     @staticmethod
-    def _flash_decode_arrays(scheduled: Sequence[ScheduledRequest], width: int) -> list[np.ndarray]:
+    def _flash_decode_arrays(
+        scheduled: Sequence[ScheduledRequest], width: int, num_groups: int = 1
+    ) -> list[np.ndarray]:
         """int64 host arrays of the decode fast path's inputs (each request computes one token).
 
         Returns:
-            cache_seqlens [B] (the request's keys after this step's write: computed tokens + 1) and the
-            block table [B, width]: each request's first ``width`` blocks, padded with block 0 (the
-            kernel reads only the blocks its cache_seqlens covers).
+            cache_seqlens [B] (the request's keys after this step's write: computed tokens + 1), then the
+            block table [B, width] of each layer group: each request's first ``width`` blocks, padded with
+            block 0 (the kernel reads only the blocks its cache_seqlens covers; a sliding group's
+            ``NULL_BLOCK`` entries before its window read as block 0, which the window mask never lets a
+            query attend to, as in ``_flash_arrays``).
         """
         seqlens = np.asarray([e.request.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
-        table = np.zeros((len(scheduled), width), dtype=np.int64)
-        for i, e in enumerate(scheduled):
-            row = e.request.block_table[:width]
-            table[i, : len(row)] = row
-        return [seqlens, table]
+        tables = []
+        for g in range(num_groups):
+            table = np.zeros((len(scheduled), width), dtype=np.int64)
+            for i, e in enumerate(scheduled):
+                row = e.request.block_tables[g][:width]
+                table[i, : len(row)] = row
+            tables.append(np.maximum(table, 0))
+        return [seqlens, *tables]
 
     @staticmethod
-    def _flash_arrays(scheduled: Sequence[ScheduledRequest]) -> list[np.ndarray]:
+    def _flash_arrays(scheduled: Sequence[ScheduledRequest], num_groups: int = 1) -> list[np.ndarray]:
         """int64 host arrays of flash-attn's varlen inputs.
 
         Returns:
-            cu_seqlens_q [B+1], cu_seqlens_k [B+1] and the block table [B, W] (rows padded with 0).
+            cu_seqlens_q [B+1], cu_seqlens_k [B+1], then the block table [B, W] of each layer group (rows
+            padded with 0; a sliding group's ``NULL_BLOCK`` entries, before its window, read as block 0,
+            which the kernel's window mask never lets a query attend to).
         """
         q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
         k_lens = np.asarray([e.request.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
         zero = np.zeros(1, dtype=np.int64)
-        return [
-            np.concatenate([zero, np.cumsum(q_lens)]),
-            np.concatenate([zero, np.cumsum(k_lens)]),
-            _padded([e.request.block_table for e in scheduled]),
-        ]
+        tables = [np.maximum(_padded([e.request.block_tables[g] for e in scheduled]), 0) for g in range(num_groups)]
+        return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

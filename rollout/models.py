@@ -135,19 +135,9 @@ def check_model_supported(model: torch.nn.Module) -> None:
     layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
     if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
         raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
-    shapes = layer_kv_shapes(model)
-    if len(set(shapes)) > 1:
-        groups: dict[tuple[int, int], list[int]] = {}
-        for layer, shape in enumerate(shapes):
-            groups.setdefault(shape, []).append(layer)
-        described = "; ".join(
-            f"layers {', '.join(map(str, layers))}: {kv} KV heads x head_dim {dim}"
-            for (kv, dim), layers in groups.items()
-        )
-        raise UnsupportedModelError(
-            f"{name}: its attention layers differ in KV shape ({described}); rollout's paged cache holds one "
-            "shape for every layer, so models with per-layer head dims or KV-head counts are not supported yet"
-        )
+    # Per-layer KV shapes (head dims, KV-head counts) are supported: the cache groups layers by shape
+    # (``kv_cache.CacheLayout``). Reading them here refuses a config whose shapes cannot be read.
+    layer_kv_shapes(model)
 
 
 def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
@@ -174,6 +164,33 @@ def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
         if isinstance(layer, int) and 0 <= layer < len(shapes) and isinstance(head_dim, int) and out_features:
             shapes[layer] = (out_features // head_dim, head_dim)
     return shapes
+
+
+def layer_sliding_windows(model: PreTrainedModel) -> list[int | None]:
+    """The sliding window of each decoder layer, in layer order: keys further back than this many positions
+    are masked (a query at position i sees keys j with i - window < j <= i); None for full attention.
+
+    Read from the text config (``layer_types`` with ``sliding_window``; without ``layer_types``, a
+    ``sliding_window`` applies to every layer, as Mistral's attention passes it), then from the attention
+    modules that keep the window they pass to the attention function (``module.sliding_window``: Gemma 2/3/4,
+    Qwen2, ...), which win. A value that is not a positive int counts as no window. The paged attention
+    checks at every step that a layer attends within the window read here (``attention.paged_attention``),
+    so a model that passes another window fails loudly instead of reading evicted keys.
+    """
+    text = text_config(model.config)
+    num_layers = len(layer_kv_shapes(model))
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types and len(layer_types) == num_layers:
+        windows = [window if kind == "sliding_attention" else None for kind in layer_types]
+    else:
+        windows = [window] * num_layers
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and 0 <= layer < num_layers and hasattr(module, "sliding_window"):
+            if hasattr(module, "k_proj") or hasattr(module, "q_proj"):
+                windows[layer] = module.sliding_window
+    return [w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None for w in windows]
 
 
 def _hook_execution_device(module: torch.nn.Module) -> torch.device | None:

@@ -278,13 +278,14 @@ class Scheduler:
         return parent
 
     def _room_for_one_more_fork(self) -> bool:
-        """True when the free blocks, less the safety margin while requests run, hold one block for
-        each parked fork and one more: what a fork takes at its first write (a copy of the shared
-        partial last block, or a new block). Parking, like an admission, keeps that room."""
+        """True when the free blocks, less the safety margin while requests run, hold one block per
+        layer group for each parked fork and one more: what a fork takes at its first write (in each
+        group, a copy of the shared partial last block, or a new block). Parking, like an admission,
+        keeps that room."""
         kv = self.kv_cache_manager
         margin = kv.safety_margin_blocks if self.running else 0
         num_parked = sum(len(parent.forks) for parent in self._prefilling.values())
-        return kv.num_free_blocks - num_parked - 1 >= margin
+        return kv.num_free_blocks - (num_parked + 1) * kv.num_groups >= margin
 
     def _list_forks(self, out: SchedulerOutput) -> None:
         """The parked requests of the parents whose prefill this step completes, into ``out.forks``."""

@@ -32,6 +32,7 @@ INVALID_CONFIG_VALUES = [
     ("max_queue_size", -1),
     ("seed", "x"),
     ("allow_block_sharing", "yes"),
+    ("sliding_window_cache", 0),
     ("return_logprobs", 1),
     ("per_request_processors", None),
     ("drop_unsupported_processors", "no"),
@@ -101,6 +102,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "max_memory_percent",
         "max_requests_per_batch",
         "allow_block_sharing",
+        "sliding_window_cache",
         "scheduler_type",
         "safety_margin",
         "return_logprobs",
@@ -286,9 +288,7 @@ def test_a_transformers_config_converts_field_by_field(caplog: pytest.LogCapture
     # Fields rollout does not have are named, all in one warning.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
-        ContinuousBatchingConfig.from_transformers(
-            TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False)
-        )
+        ContinuousBatchingConfig.from_transformers(TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False))
     assert len(caplog.records) == 1
     for name in ("max_cached_graphs=4", "auto_switch_to_flash=False"):
         assert name in caplog.text

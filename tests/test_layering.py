@@ -54,8 +54,18 @@ LAYERS = [
 
 # rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
-# prompt_fork (scripts/bench_prompt_fork.py) is a leaf.
-BENCHMARK_LAYERS = ["workloads", "report", "prompt_fork", "systems", "scoring", "manager", "generation", "__init__"]
+# prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves.
+BENCHMARK_LAYERS = [
+    "workloads",
+    "report",
+    "prompt_fork",
+    "sliding_window",
+    "systems",
+    "scoring",
+    "manager",
+    "generation",
+    "__init__",
+]
 
 
 def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:
