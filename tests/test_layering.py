@@ -21,7 +21,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (the state and stop flags the loop reads) are leaves of the manager, loop (what the manager's thread
 # runs) uses them with intake and outputs, persistence (the model-to-manager link) sits just below the
 # manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
-# (a subpackage) use all of it, the package's exports included.
+# (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
+# ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
+# and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop.
 LAYERS = [
     "checks",
     "config",
@@ -34,6 +36,7 @@ LAYERS = [
     "kv_cache",
     "kv_cache_manager",
     "scheduler",
+    "distributed",
     "attention",
     "sampling",
     "model_runner",
@@ -43,6 +46,7 @@ LAYERS = [
     "pausing",
     "lifecycle",
     "loop",
+    "tp_loop",
     "persistence",
     "manager",
     "api",
