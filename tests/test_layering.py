@@ -58,8 +58,19 @@ LAYERS = [
 
 # rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
-# prompt_fork (scripts/bench_prompt_fork.py) is a leaf.
-BENCHMARK_LAYERS = ["workloads", "report", "prompt_fork", "systems", "scoring", "manager", "generation", "__init__"]
+# prompt_fork (scripts/bench_prompt_fork.py) is a leaf; tensor_parallel (scripts/bench_tp.py) uses the
+# workloads and the report.
+BENCHMARK_LAYERS = [
+    "workloads",
+    "report",
+    "prompt_fork",
+    "systems",
+    "scoring",
+    "manager",
+    "generation",
+    "tensor_parallel",
+    "__init__",
+]
 
 
 def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:

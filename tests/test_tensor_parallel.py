@@ -143,6 +143,13 @@ def test_two_ranks_manager_streams_then_pauses_and_updates_weights_as_one_proces
     assert not before & after, "the update should change the completions"
 
 
+def test_two_ranks_generate_batch_on_a_persistent_manager_equals_one_process(two_ranks) -> None:
+    ranks, single, _ = two_ranks
+    assert sorted(ranks[0]["persistent"]) == [f"req_{i}" for i in range(4)]
+    assert_outputs_equal(ranks[0]["persistent"], single["persistent"])
+    assert ranks[1]["persistent"] == {}
+
+
 def test_two_ranks_score_equals_one_process(two_ranks) -> None:
     ranks, single, _ = two_ranks
     assert_scores_equal(ranks[0]["score"], single["score"])

@@ -124,10 +124,14 @@ def run_scenario(
         time.sleep(late_pause)
         with manager.pause():
             later = manager.add_requests(prompts)
-            record["version"] = manager.update_weights(update)
+            record["version"] = manager.update_weights(update, recompute=True)
         record["later_ids"] = later
         record["later"] = _outputs({rid: manager.get_result(rid) for rid in later if rid is not None})
         manager.destroy()
+
+        # generate_batch on a persistent manager: started, used and stopped (its cache kept) by the call.
+        record["persistent"] = _outputs(rollout.generate_batch(model, prompts, gc, config, persistent_manager=True))
+        rollout.init_continuous_batching(model).destroy()
 
     completions = [[(5 * i + j) % vocab for j in range(6 + i)] for i in range(len(prompts))]
     scores = rollout.score(model, prompts, completions, include_prompt=True)
