@@ -136,7 +136,7 @@ def cpu_group(ranks: Sequence[int], timeout: float | None) -> Any:
         ranks: global ranks of the TP group, ascending.
         timeout: seconds a collective on the group may wait before it raises; None for no timeout.
     """
-    key = (id(dist.distributed_c10d._get_default_group()), tuple(ranks), timeout)
+    key = (id(dist.group.WORLD), tuple(ranks), timeout)
     with _CPU_GROUPS_LOCK:
         group = _CPU_GROUPS.get(key)
         if group is None:
