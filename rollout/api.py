@@ -31,7 +31,6 @@ from .sampling_params import SamplingParams, build_sampling_params, resolve_gene
 logger = logging.getLogger(__name__)
 
 
-
 def generate_batch(
     model: PreTrainedModel,
     inputs: Sequence[Sequence[int]],
@@ -83,9 +82,14 @@ def generate_batch(
         **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
             ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
+    Tensor parallelism: on a model loaded with a ``tp_plan`` under ``torchrun``, every rank calls this
+    with the same arguments; the driver's (TP rank 0) requests run on every rank, and only the driver
+    returns them: every other rank returns an empty dict, as in transformers.
+
     Returns:
         request id -> GenerationOutput, in input order; with G > 1 the ids are
-        ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``.
+        ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``. An empty
+        dict on a tensor-parallel rank other than the driver.
 
     Raises:
         ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
@@ -150,10 +154,12 @@ def generate_batch(
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
             engine.check_request(rid, len(prompt), params)
+        jobs = engine.from_driver(jobs)  # tensor parallelism: every rank runs the driver's requests
         requests = [Request(rid, prompt, params, record_timestamps) for rid, prompt, params in jobs]
         for req in requests:
             engine.enqueue(req)
-        bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
+        show = progress_bar and engine.is_driver
+        bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not show)
         t0 = time.perf_counter()
         try:
             while engine.has_unfinished():
@@ -161,11 +167,13 @@ def generate_batch(
                 done_now = sum(1 for r in updated if r.status == RequestStatus.FINISHED)
                 if done_now:
                     bar.update(done_now)
-                if progress_bar:
+                if show:
                     elapsed = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix(tok_s=f"{engine.stats.num_generated_tokens / elapsed:.1f}", refresh=False)
         finally:
             bar.close()
+        if not engine.is_driver:
+            return {}
         return {req.request_id: req.to_output() for req in requests}
     finally:
         engine.close()
@@ -190,7 +198,9 @@ def _generate_on_manager(
     """Run a batch on a persistent manager; keys, order and seeds as on a fresh engine.
 
     The sampling parameters go to the manager whole; with a seed, sample k (output order) gets
-    ``seed + k``, as ``generate_batch`` on a fresh engine does.
+    ``seed + k``, as ``generate_batch`` on a fresh engine does. On a tensor-parallel rank other than the
+    driver nothing is queued or read: its loop runs the driver's requests, and its ``stop`` (when this
+    call started the manager) returns once the driver's has, after the batch.
     """
     if manager.holds_pause():
         raise RuntimeError(
@@ -205,6 +215,8 @@ def _generate_on_manager(
         manager.start()
     try:
         ids = manager.add_requests(expanded, sampling_params=params, seed=seeds, record_timestamps=record_timestamps)
+        if not manager.engine.is_driver:
+            return {}
         results: dict[str, GenerationOutput] = {}
         for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
             out = manager.get_result(rid)

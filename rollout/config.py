@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -146,6 +147,18 @@ class ContinuousBatchingConfig:
         use_async_batching: prepare step k+1's inputs while step k's forward runs (double-buffered
             inputs; CUDA streams and events on a GPU, a worker thread on CPU); outputs are the
             synchronous loop's. None picks per device (see ``resolved_async_batching``).
+        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
+            graph-captured collectives running beside other collectives (transformers' meaning): rollout
+            never replays two such graphs at once, and NCCL is faster without it. NCCL reads the
+            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when its communicators start, so, as in transformers,
+            building a config with True in a multi-process launch (``WORLD_SIZE`` > 1) sets it to
+            ``"0"`` unless it is already set: build the config before ``from_pretrained(tp_plan=...)``.
+            The engine warns when TP runs on CUDA with the variable not ``"0"``. No effect on CPU.
+        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks
+            of a tensor-parallel engine share its decisions over may wait for the other ranks before
+            it raises (transformers' meaning; gloo's own default is 30 minutes). None: no timeout. A
+            manager's ranks exchange a message at least every 50 ms while idle or paused, so only a
+            stuck or dead rank runs into it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
             it sets ``page_size`` with a ``FutureWarning``. Both set to different values
@@ -178,6 +191,8 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 0
     max_blocks_per_request: int | None = None
     use_async_batching: bool | None = None
+    disable_nccl_graph_mixing: bool = True
+    cpu_group_timeout: float | None = 300.0
     progress_log_interval: float = 10.0
     block_size: int | None = None
 
@@ -245,6 +260,10 @@ class ContinuousBatchingConfig:
         check_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0, allow_none=True)
         if self.use_async_batching is not None:
             check_bool("use_async_batching", self.use_async_batching)
+        check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)
+        check_number("cpu_group_timeout", self.cpu_group_timeout, minimum=0.0, min_open=True, allow_none=True)
+        if self.disable_nccl_graph_mixing:
+            _disable_nccl_graph_mixing()
 
     def resolved_page_size(self, device_type: str) -> int:
         """Tokens per block for a device type (``"cpu"`` or ``"cuda"``)."""
@@ -376,10 +395,9 @@ class ContinuousBatchingConfig:
         A field rollout has under the same name is copied when it differs from transformers'
         default; a field left at transformers' default keeps rollout's default, which may depend
         on the device (``page_size`` 256 is transformers' default, so it reads as unset: 32 on
-        CPU, 256 on CUDA). Fields rollout does not have (CUDA graphs, compile levels, async
-        batching, flash auto-switch, TP timeouts...) are dropped; the ones set away from their
-        default are named in one warning. ``block_size`` was folded into ``page_size`` by
-        transformers itself.
+        CPU, 256 on CUDA). Fields rollout does not have (flash auto-switch, deprecated fields...) are
+        dropped; the ones set away from their default are named in one warning. ``block_size`` was
+        folded into ``page_size`` by transformers itself.
 
         Raises:
             ValueError: a copied value rollout does not accept (the message names the field).
@@ -408,6 +426,17 @@ class ContinuousBatchingConfig:
                 ", ".join(ignored),
             )
         return cls(**values)
+
+
+def _disable_nccl_graph_mixing() -> None:
+    """Set ``NCCL_GRAPH_MIXING_SUPPORT=0`` in a multi-process launch, unless the variable is already set.
+
+    NCCL reads it when a communicator starts, so it must be in the environment before the model's
+    process group starts (see ``ContinuousBatchingConfig.disable_nccl_graph_mixing``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or "1") > 1 and "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ:
+        os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"
+        logger.info("NCCL_GRAPH_MIXING_SUPPORT set to 0 (disable_nccl_graph_mixing=True, WORLD_SIZE > 1)")
 
 
 def _same(value: Any, default: Any) -> bool:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -21,6 +22,7 @@ from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
+from .distributed import TensorParallel
 from .kv_cache import (
     CacheLayout,
     CacheShape,
@@ -48,6 +50,8 @@ from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -109,6 +113,9 @@ class Engine:
             when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line):
             decode-only steps ``flash_attn_with_kvcache`` (up to ``max_blocks_per_request``), the
             others ``flash_attn_varlen_func``.
+            A model sharded by a ``tp_plan`` under ``torchrun`` runs one engine per rank in lockstep
+            (``distributed.TensorParallel``): each rank's cache holds its own KV heads, the cache size
+            is the smallest any rank measured, and the driver's sampled tokens are every rank's.
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
             what holds this many tokens (an int), or these requests of that many tokens each
@@ -119,6 +126,7 @@ class Engine:
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
             layer's weights are on the meta device with no accelerate hook saying where it runs.
+        ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size.
     """
 
     def __init__(
@@ -129,10 +137,12 @@ class Engine:
         tokenizer: object | None = None,
     ) -> None:
         check_model_supported(model)
+        self.config = config or ContinuousBatchingConfig()
+        # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
+        self.tp = TensorParallel.from_model(model, self.config)
         self.model = model
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
-        self.config = config or ContinuousBatchingConfig()
         self.device = input_device(model)
         devices = layer_devices(model)
         dtype = attention_dtype(model)
@@ -157,6 +167,10 @@ class Engine:
                 )
             # One spare block for slack.
             num_blocks = min(num_blocks, wanted + 1)
+        offload_gib = offload_space_gib(self.config)
+        if self.tp is not None:  # every rank's scheduler must see the same cache and pool
+            num_blocks = int(self.tp.agree_min(num_blocks))
+            offload_gib = self.tp.agree_min(offload_gib)
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
         self._warned_context = False
@@ -165,7 +179,6 @@ class Engine:
         self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
         self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
         self.offload_pool: CPUOffloadPool | None = None
-        offload_gib = offload_space_gib(self.config)
         if offload_gib > 0:
             self.offload_pool = CPUOffloadPool(
                 shape, offload_gib, self.block_size, pin=dev_type == "cuda", layout=self.cache.layout
@@ -213,6 +226,20 @@ class Engine:
         """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    @property
+    def is_driver(self) -> bool:
+        """True unless this is a tensor-parallel rank other than the driver (TP rank 0)."""
+        return self.tp is None or self.tp.is_driver
+
+    def from_driver(self, obj: T) -> T:
+        """The driver's ``obj`` on every rank of a tensor-parallel engine (a collective); ``obj`` itself otherwise.
+
+        ``generate_batch`` and ``score`` pass their planned requests through it, so that every rank
+        runs what the driver decided even if a caller gave its ranks different inputs.
+        """
+        return obj if self.tp is None else self.tp.broadcast_object(obj)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -376,6 +403,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
+            if self.tp is not None:
+                runner_output = self.tp.share_output(runner_output)
         except BaseException:
             self.scheduler.uncache_step(scheduler_output)
             raise

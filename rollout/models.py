@@ -140,12 +140,19 @@ def check_model_supported(model: torch.nn.Module) -> None:
     layer_kv_shapes(model)
 
 
-def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
+def layer_kv_shapes(model: PreTrainedModel, local: bool = True) -> list[tuple[int, int]]:
     """(KV heads, head dim) of each decoder layer, in layer order.
 
     Read from the text config (a heterogeneous config's ``per_layer_config`` layer by layer, since
     its global ``head_dim`` is ambiguous), then from the attention modules themselves where they
     show it (``head_dim`` and a ``k_proj`` Linear): the modules are what write the KV.
+
+    Args:
+        model: the model.
+        local: the KV heads this process computes. A model sharded by a ``tp_plan`` holds its
+            ``k_proj`` weight as a DTensor whose local shard has ``num_key_value_heads / tp_size``
+            heads' rows: that many heads reach this rank's attention and its KV cache. False: the
+            model's own count (the Linear's ``out_features``), whatever the sharding.
     """
     text = text_config(model.config)
     if getattr(text, "is_heterogeneous", False):
@@ -160,7 +167,11 @@ def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
         head_dim = getattr(module, "head_dim", None)
-        out_features = getattr(getattr(module, "k_proj", None), "out_features", None)
+        k_proj = getattr(module, "k_proj", None)
+        out_features = getattr(k_proj, "out_features", None)
+        weight = getattr(k_proj, "weight", None)
+        if local and hasattr(weight, "to_local"):  # a DTensor: its local rows are this rank's heads
+            out_features = weight.to_local().shape[0]
         if isinstance(layer, int) and 0 <= layer < len(shapes) and isinstance(head_dim, int) and out_features:
             shapes[layer] = (out_features // head_dim, head_dim)
     return shapes
@@ -328,6 +339,7 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp_plan: str | dict[str, str] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, on `device`.
 
@@ -343,7 +355,11 @@ def load_model(
     Args:
         name_or_path: a local Hugging Face model folder, an alias of the default model, or a Hub id.
         dtype: dtype of the weights after loading.
-        device: where to put the model.
+        device: where to put the model (ignored with ``tp_plan``: each rank's shard goes to the device
+            transformers picks for it, ``cuda:LOCAL_RANK`` or the CPU).
+        tp_plan: ``"auto"`` (or a plan dict) shards the weights over the processes of the ``torchrun``
+            launch by tensor parallelism, through ``from_pretrained(tp_plan=...)``; every rank must
+            call this. None loads the whole model in this process.
 
     Returns:
         (model, tokenizer): the model in eval mode on `device`; the tokenizer as saved with it.
@@ -366,14 +382,18 @@ def load_model(
     logger.info("loading %s (dtype=%s, device=%s)", source, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        if tp_plan is None:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan=tp_plan)
     except OSError as e:
         raise OSError(
             f"cannot load {name_or_path!r}: pass a local Hugging Face model folder, or "
             f"{DEFAULT_MODEL!r} for the default model ({e})"
         ) from e
-    model = model.to(device).eval()
-    return model, tokenizer
+    if tp_plan is None:
+        model = model.to(device)
+    return model.eval(), tokenizer
 
 
 def provision_default_model(cache_dir: Path | None = None) -> Path:

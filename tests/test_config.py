@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -122,9 +123,59 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "kv_padding_interval_size",
         "max_blocks_per_request",
         "use_async_batching",
+        "disable_nccl_graph_mixing",
+        "cpu_group_timeout",
         "progress_log_interval",
         "block_size",
     ]
+
+
+# ---------------------------------------------------------------- issue 12: tensor parallelism
+def test_tensor_parallel_fields_default_to_transformers_values_and_refuse_bad_ones() -> None:
+    config = ContinuousBatchingConfig()
+    theirs = TransformersConfig()
+    assert config.cpu_group_timeout == theirs.cpu_group_timeout == 300.0
+    assert config.disable_nccl_graph_mixing is theirs.disable_nccl_graph_mixing is True
+    assert ContinuousBatchingConfig(cpu_group_timeout=None).cpu_group_timeout is None
+    assert ContinuousBatchingConfig(cpu_group_timeout=0.5).cpu_group_timeout == 0.5
+    for bad in (0, -1.0, float("inf"), "60"):
+        with pytest.raises(ValueError, match=f"cpu_group_timeout must be .*> 0.*got {bad!r}"):
+            ContinuousBatchingConfig(cpu_group_timeout=bad)
+    with pytest.raises(ValueError, match="disable_nccl_graph_mixing must be a bool, got 1"):
+        ContinuousBatchingConfig(disable_nccl_graph_mixing=1)
+
+
+def test_tensor_parallel_fields_are_copied_from_a_transformers_config(caplog: pytest.LogCaptureFixture) -> None:
+    theirs = TransformersConfig(cpu_group_timeout=12.5, disable_nccl_graph_mixing=False)
+    with caplog.at_level(logging.WARNING, logger="rollout.config"):
+        ours = ContinuousBatchingConfig.from_transformers(theirs)
+    assert (ours.cpu_group_timeout, ours.disable_nccl_graph_mixing) == (12.5, False)
+    assert caplog.text == ""  # nothing dropped
+    assert (
+        ContinuousBatchingConfig.from_transformers(TransformersConfig(cpu_group_timeout=None)).cpu_group_timeout is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("world_size", "preset", "disable", "expected"),
+    [
+        ("2", None, True, "0"),  # a multi-process launch: NCCL's graph mixing is turned off
+        ("2", "1", True, "1"),  # a value set by the user is kept
+        ("2", None, False, None),  # asked to keep it
+        ("1", None, True, None),  # one process: no NCCL communicator to tune
+        (None, None, True, None),
+    ],
+)
+def test_disable_nccl_graph_mixing_sets_the_nccl_variable_in_a_multi_process_launch(
+    monkeypatch: pytest.MonkeyPatch, world_size: str | None, preset: str | None, disable: bool, expected: str | None
+) -> None:
+    for name, value in (("WORLD_SIZE", world_size), ("NCCL_GRAPH_MIXING_SUPPORT", preset)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    ContinuousBatchingConfig(disable_nccl_graph_mixing=disable)
+    assert os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == expected
 
 
 @pytest.mark.parametrize(
