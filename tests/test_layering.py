@@ -36,6 +36,7 @@ LAYERS = [
     "scheduler",
     "attention",
     "sampling",
+    "static_step",
     "model_runner",
     "engine",
     "outputs",

@@ -18,6 +18,8 @@ The families differ where an engine can go wrong:
   the test sequences.
 - gemma3 (text only): sliding and full attention layers alternating (`config.layer_types`), a
   different RoPE base for each, scaled embeddings, `query_pre_attn_scalar`, tied embeddings.
+- gemma2 (`tiny_gemma2`, not in ALL_TINY_MODELS): Gemma 2's tanh soft-capping of the attention scores,
+  with sliding and full layers alternating; "eager" attention (transformers' "sdpa" refuses softcap).
 """
 
 import itertools
@@ -26,6 +28,8 @@ from collections.abc import Callable
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -130,6 +134,31 @@ def tiny_gemma(sliding_window: int = 8, seed: int = SEED) -> Gemma3ForCausalLM:
         query_pre_attn_scalar=16,
     )
     return _build(Gemma3ForCausalLM, config, seed)
+
+
+def tiny_gemma2(softcap: float = 5.0, sliding_window: int = 8, seed: int = SEED) -> Gemma2ForCausalLM:
+    """Gemma2: 2 layers (sliding, then full attention) whose attention scores are soft-capped.
+
+    Each layer passes ``softcap=attn_logit_softcapping`` to its attention function, which computes
+    ``softcap * tanh(scores / softcap)`` before the softmax. Gemma 2's default of 50 leaves the small
+    scores of a random model unchanged; 5.0 changes the greedy completions (the final-logit softcap is
+    off). The model uses the "eager" implementation: transformers' "sdpa" refuses softcap.
+
+    Args:
+        softcap: the attention scores' cap.
+        sliding_window: window length of the sliding layer, in tokens.
+        seed: torch seed for the weights.
+    """
+    config = Gemma2Config(
+        **_COMMON,
+        num_hidden_layers=2,
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        attn_implementation="eager",
+    )
+    return _build(Gemma2ForCausalLM, config, seed)
 
 
 ALL_TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {
