@@ -490,33 +490,37 @@ class CompileCounter:
 
 
 @dataclass
-class _Graph:
+class CapturedGraph:
+    """One captured graph: the graph, its static inputs (replayed with whatever they hold) and its output."""
+
     graph: torch.cuda.CUDAGraph
     inputs: PaddedBatch
     output: torch.Tensor
 
 
-class CUDAGraphs:  # pragma: no cover - needs CUDA
+class CUDAGraphs:
     """Captured CUDA graphs of a runner's padded forwards, one per (path, shape), in an LRU.
 
     Capture (first use of a shape): the forward runs once on a side stream with static inputs cloned
     from the step's (it writes the same keys and values the replay writes again; it also compiles, when
-    the path is compiled), then is captured into a ``torch.cuda.CUDAGraph`` in the shared memory pool
+    the path is compiled), then is captured into a ``torch.cuda.CUDAGraph`` in the runner's memory pool
     (thread-local capture mode, so another thread's CUDA work cannot invalidate it), then replayed.
     A hit copies the step's inputs into the graph's static buffers and replays. The output (the kept
     logits, float32 [R, V]) lives in the pool: it is valid until the next replay, so the step samples
-    from it before the next step starts.
+    from it before the next step starts. The graphs share one pool: each graph's output stays
+    allocated while the graph is kept, so no other capture reuses its memory, and the replays of one
+    runner never overlap (one stream, one step at a time), so their temporaries may share addresses.
 
     Args:
         device: the CUDA device of the model and cache.
-        capacity: graphs kept; the least recently used is dropped beyond it.
+        capacity: graphs kept; the least recently used is dropped beyond it (``CUDA_GRAPH_CAPACITY``).
     """
 
     def __init__(self, device: torch.device, capacity: int = CUDA_GRAPH_CAPACITY) -> None:
         self.device = device
         self.capacity = capacity
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.pool: object | None = None  # created at the first capture
+        self.graphs: OrderedDict[tuple, CapturedGraph] = OrderedDict()
         self.num_captures = 0
         self.num_evictions = 0
 
@@ -524,7 +528,8 @@ class CUDAGraphs:  # pragma: no cover - needs CUDA
         """Replay the graph of ``key`` on ``batch`` (capturing it first if needed); returns its output."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(fn, batch)
+            entry = self.capture(fn, batch)
+            self.num_captures += 1
             self.graphs[key] = entry
             while len(self.graphs) > self.capacity:
                 self.graphs.popitem(last=False)
@@ -535,7 +540,12 @@ class CUDAGraphs:  # pragma: no cover - needs CUDA
         entry.graph.replay()
         return entry.output
 
-    def _capture(self, fn: Callable[[PaddedBatch], torch.Tensor], batch: PaddedBatch) -> _Graph:
+    def capture(
+        self, fn: Callable[[PaddedBatch], torch.Tensor], batch: PaddedBatch
+    ) -> CapturedGraph:  # pragma: no cover - needs CUDA
+        """Capture ``fn`` on a static copy of ``batch`` (see the class docstring); the caller replays it."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         static = batch.clone()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -546,5 +556,4 @@ class CUDAGraphs:  # pragma: no cover - needs CUDA
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = fn(static)
-        self.num_captures += 1
-        return _Graph(graph, static, output)
+        return CapturedGraph(graph, static, output)

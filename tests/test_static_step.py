@@ -24,7 +24,17 @@ from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine,
 from rollout.requests import Request
 from rollout.sampling import HostStaging
 from rollout.scheduler import ScheduledRequest
-from rollout.static_step import FORWARDS, PaddingRule, build_padded_batch, pad_to_interval, warmup_shapes
+from rollout.static_step import (
+    FORWARDS,
+    CapturedGraph,
+    CUDAGraphs,
+    PaddedBatch,
+    PaddingRule,
+    build_padded_batch,
+    pad_to_interval,
+    synthetic_batch,
+    warmup_shapes,
+)
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma2, tiny_llama, tiny_mistral
 from tests.utils import assert_close, reference_greedy, run_engine
 
@@ -316,3 +326,52 @@ def test_compile_level_1_matches_generate_and_compiles_nothing_after_warmup() ->
         assert engine.stats.num_compiles_after_warmup == 0
     finally:
         engine.close()
+
+
+class _ReplayByCalling:
+    """A stand-in for a captured CUDA graph on CPU: replay runs the forward on the static inputs again."""
+
+    def __init__(self, fn, inputs: PaddedBatch, output: torch.Tensor) -> None:  # noqa: ANN001
+        self.fn, self.inputs, self.output = fn, inputs, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn(self.inputs))
+
+
+class _CPUGraphs(CUDAGraphs):
+    def capture(self, fn, batch: PaddedBatch) -> CapturedGraph:  # noqa: ANN001
+        static = batch.clone()
+        output = fn(static)
+        return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
+
+
+def test_graph_lru_replays_with_the_steps_inputs_and_evicts_the_least_recently_used() -> None:
+    rule = PaddingRule(q_interval=4, kv_interval=4, max_batch_tokens=16, max_keys=64, block_size=4, pad_block=15)
+    graphs = _CPUGraphs(torch.device("cpu"), capacity=2)
+
+    def forward(b: PaddedBatch) -> torch.Tensor:
+        return (b.input_ids * 10 + b.positions).float()
+
+    def batch(T: int, token: int) -> PaddedBatch:
+        b = synthetic_batch("decode", (T, 2), rule, torch.device("cpu"))
+        b.input_ids.fill_(token)
+        return b
+
+    for T, token in ((4, 1), (8, 2), (4, 3), (12, 4)):
+        b = batch(T, token)
+        assert graphs.run(("decode", b.shape), forward, b).tolist() == [token * 10.0] * T
+    assert graphs.num_captures == 3 and graphs.num_evictions == 1
+    assert list(graphs.graphs) == [("decode", (4, 2)), ("decode", (12, 2))]  # (8, 2) was least recently used
+    # A hit copies the step's inputs into the graph's own buffers before replaying.
+    assert graphs.graphs[("decode", (4, 2))].inputs.input_ids.tolist() == [3] * 4
+
+
+def test_static_paths_are_refused_on_a_sharded_model_and_under_a_compile_mode_that_captures_graphs() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    with pytest.raises(ValueError, match="one device"):
+        engine_module._check_static_paths((TRACE_ONLY, None), (False, False), [cpu, meta])
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="use_cuda_graph"):
+            engine_module._check_static_paths((None, CompileConfig(mode=mode)), (False, True), [cpu])
+    engine_module._check_static_paths((CompileConfig(mode="reduce-overhead"), None), (False, True), [cpu])
+    engine_module._check_static_paths((None, CompileConfig(mode="max-autotune-no-cudagraphs")), (True, True), [cpu])
