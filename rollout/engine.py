@@ -511,7 +511,7 @@ class Engine:
         # On CUDA, on the engine's device whatever the calling thread's current device is.
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
-            self.runner.warmup(plan, bar)
+            self.runner.warmup(plan, lambda: bar.update(1))
         seconds = time.perf_counter() - t0
         self._record_compile_stats()
         self._warmed_up = True

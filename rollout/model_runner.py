@@ -17,7 +17,7 @@ back in one device-to-host copy, the step's only host sync outside the model's f
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,7 +168,7 @@ class ModelRunner:
         self.padding = padding
         self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
         self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
-        self._forwards: dict[str, object] = {}
+        self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
         for path in PATHS:
             config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
             if config is None and not graphed:
@@ -448,14 +448,16 @@ class ModelRunner:
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep)
 
         def forward(b: PaddedBatch) -> torch.Tensor:
-            return self.compile_counter.run(fn, self.model, self.cache, b, *args)  # type: ignore[arg-type]
+            return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
             return self.graphs.run((path, batch.shape), forward, batch)
         return forward(batch)
 
     @torch.inference_mode()
-    def warmup(self, shapes: Sequence[tuple[str, tuple[int, ...]]], progress: object | None = None) -> None:
+    def warmup(
+        self, shapes: Sequence[tuple[str, tuple[int, ...]]], on_shape: Callable[[], object] | None = None
+    ) -> None:
         """Run the padded forward of each (path, shape) on a synthetic batch, compiling or capturing it.
 
         The synthetic batches read and write the padding block only (``static_step.synthetic_batch``):
@@ -463,13 +465,13 @@ class ModelRunner:
 
         Args:
             shapes: (path, padded shape) pairs, for paths in ``static_paths``.
-            progress: an object with ``update(1)`` (a tqdm bar) told after each shape, or None.
+            on_shape: called after each shape (a progress bar's update), or None.
         """
         assert self.padding is not None
         for path, shape in shapes:
             self.forward_padded(synthetic_batch(path, shape, self.padding, self.device))
-            if progress is not None:
-                progress.update(1)  # type: ignore[attr-defined]
+            if on_shape is not None:
+                on_shape()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
