@@ -271,8 +271,8 @@ class ContinuousBatchingManager:
         """
         engine = self.engine
         self._warmup_wanted = True
-        if engine.warmed_up:
-            logger.debug("warmup: the engine is already warmed up")
+        if engine.warmed_up or not engine.warmup_plan():
+            engine.warmup(progress_bar)  # nothing to run: a no-op logged at debug, no pause needed
             return
         if self.is_running():
             with self.pause():

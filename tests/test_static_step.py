@@ -233,6 +233,31 @@ def test_manager_warmup_then_requests_gives_the_unwarmed_managers_tokens(padded_
     assert warm == cold
 
 
+def test_warmup_of_a_running_manager_runs_inside_its_pause_and_changes_no_result(
+    padded_uncompiled: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=6, max_len=30, seed=47)
+    manager = ContinuousBatchingManager(model, GenerationConfig(max_new_tokens=12), _config(default_compile_level=1))
+    paused: list[bool] = []
+    warmup = manager.engine.warmup
+
+    def recording_warmup(progress_bar: bool = True) -> float:
+        paused.append(manager.holds_pause())
+        return warmup(progress_bar)
+
+    monkeypatch.setattr(manager.engine, "warmup", recording_warmup)
+    try:
+        manager.start()
+        ids = manager.add_requests(prompts)
+        manager.warmup(progress_bar=False)
+        outs = [manager.get_result(rid, timeout=60) for rid in ids]
+    finally:
+        manager.destroy()
+    assert paused == [True]
+    assert [o.generated_tokens for o in outs] == [reference_greedy(model, p, 12, None) for p in prompts]
+
+
 def test_warmup_is_a_logged_no_op_when_nothing_is_compiled(caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine(tiny_llama(), _config(num_blocks=32))
     try:
