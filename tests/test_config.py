@@ -286,9 +286,7 @@ def test_a_transformers_config_converts_field_by_field(caplog: pytest.LogCapture
     # Fields rollout does not have are named, all in one warning.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
-        ContinuousBatchingConfig.from_transformers(
-            TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False)
-        )
+        ContinuousBatchingConfig.from_transformers(TransformersConfig(max_cached_graphs=4, auto_switch_to_flash=False))
     assert len(caplog.records) == 1
     for name in ("max_cached_graphs=4", "auto_switch_to_flash=False"):
         assert name in caplog.text
