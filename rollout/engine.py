@@ -39,7 +39,7 @@ from .models import (
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from .static_step import PaddingRule, warmup_shapes
+from .static_step import PaddingRule, mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
@@ -507,6 +507,15 @@ class Engine:
         if self._warmed_up:
             logger.debug("warmup: already done for this engine")
             return 0.0
+        runner = self.runner
+        assert runner.padding is not None  # a plan means a static path, which has a padding rule
+        key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
+        if warmed_before(self.model, key):
+            # dynamic=True graphs compiled by an earlier engine on this model: nothing to compile here.
+            logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
+            self._warmed_up = True
+            self.stats.warmup_seconds = 0.0
+            return 0.0
         t0 = time.perf_counter()
         # On CUDA, on the engine's device whatever the calling thread's current device is.
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -519,6 +528,7 @@ class Engine:
         self._captures_at_warmup = self.stats.num_cuda_graph_captures
         self._record_compile_stats()
         self.stats.warmup_seconds = seconds
+        mark_warmed(self.model, key)
         logger.info(
             "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
             len(plan),

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -450,6 +451,41 @@ def compiled_forward(path: str, config: CompileConfig) -> Callable[..., torch.Te
 
             _COMPILED[key] = fn
     return fn
+
+
+# Per model object: the warmups already run in this process whose compiled graphs any later engine
+# reuses as they are (see ``warm_key``).
+_WARMED: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+
+def warm_key(
+    compile_configs: dict[str, CompileConfig | None], cuda_graphs: dict[str, bool], rule: PaddingRule
+) -> tuple | None:
+    """What a warmup compiled, when another engine on the same model could skip it; else None.
+
+    Only compiled paths with ``dynamic=True`` and no CUDA graphs qualify: their graphs take every size
+    as a symbol (the cache's slots included), so an engine with the same configs and padding intervals
+    reuses them whatever its cache size. (With ``dynamic=None`` the cache size was static in the first
+    warmup, and CUDA graphs belong to one engine.)
+    """
+    if any(cuda_graphs.values()):
+        return None
+    configs = [(p, c) for p, c in compile_configs.items() if c is not None]
+    if not configs or any(c.dynamic is not True for _, c in configs):
+        return None
+    compiled = tuple((p, repr(sorted(compile_kwargs(c).items()))) for p, c in configs)
+    return (compiled, rule.q_interval, rule.kv_interval, rule.block_size, rule.max_batch_tokens, rule.subchunk_rows)
+
+
+def warmed_before(model: torch.nn.Module, key: tuple | None) -> bool:
+    """True when a warmup with this ``warm_key`` already ran on ``model`` in this process."""
+    return key is not None and key in _WARMED.get(model, ())
+
+
+def mark_warmed(model: torch.nn.Module, key: tuple | None) -> None:
+    """Record that a warmup with this ``warm_key`` ran on ``model``."""
+    if key is not None:
+        _WARMED.setdefault(model, set()).add(key)
 
 
 class CompileCounter:

@@ -328,6 +328,16 @@ def test_one_graph_per_path_without_graph_breaks_and_no_compile_after_warmup() -
             assert out.generated_tokens == reference_greedy(model, out.prompt_ids, len(out.generated_tokens), None)
     finally:
         engine.close()
+    # A second engine on the model, with another cache size, finds every graph compiled: its warmup
+    # has nothing to run (dynamic=True graphs take the cache size as a symbol) and nothing compiles.
+    second = Engine(model, _config(num_blocks=100, varlen_compile_config=TRACE_ONLY, decode_compile_config=TRACE_ONLY))
+    try:
+        assert second.warmup(progress_bar=False) == 0.0 and second.warmed_up
+        _varied_workload(second, seed=53)
+        assert second.stats.num_padded_steps == second.stats.num_steps
+        assert second.stats.num_compiles == 0
+    finally:
+        second.close()
 
 
 @pytest.mark.slow
