@@ -71,8 +71,11 @@ def generate_batch(
         persistent_manager: keep a manager on the model for the next calls: when the model has
             none, one is built with these configs (its cache sized from free memory, not for this
             batch alone), used, stopped with its cache kept and registered on the model.
-        warmup: accepted for transformers' API; there are no CUDA graphs to capture, so nothing
-            is done.
+        warmup: compile (and on CUDA capture) the step shapes before the first request when a path
+            is compiled or CUDA-graphed (``default_compile_level``, ``varlen_compile_config``,
+            ``decode_compile_config``, the generation config's ``compile_config``,
+            ``use_cuda_graph``; see ``Engine.warmup``), with a progress bar when ``progress_bar``;
+            nothing to do otherwise. Outputs are the same with or without it.
         workload_hints: transformers' ``WorkloadHints``; checked, otherwise unused here: a fresh
             engine is sized from the batch itself, and a persistent manager built here from free
             memory, since it serves later batches too.
@@ -108,6 +111,7 @@ def generate_batch(
         )
     check_bool("persistent_manager", persistent_manager)
     check_bool("record_timestamps", record_timestamps)
+    check_bool("warmup", warmup)
     workload_tokens_hint(workload_hints)  # checked only: see the docstring
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence) and not hasattr(inputs, "tolist"):
         raise ValueError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
@@ -130,6 +134,8 @@ def generate_batch(
     if manager is not None:
         if tokenizer is not None:
             manager.adopt_tokenizer(tokenizer)
+        if warmup:
+            manager.warmup(progress_bar)
         drop = manager.cb_config.drop_unsupported_processors
         base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
         seed = manager.cb_config.seed
@@ -149,11 +155,15 @@ def generate_batch(
             params = base_params if seed is None else build_sampling_params(base_params, seed=seed)
             jobs.append((next(ids), prompt, params))
     hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
-    engine = Engine(model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer)
+    engine = Engine(
+        model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer, fallback_compile_config=gc.compile_config
+    )
     try:
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
             engine.check_request(rid, len(prompt), params)
+        if warmup:
+            engine.warmup(progress_bar)
         jobs = engine.from_driver(jobs)  # tensor parallelism: every rank runs the driver's requests
         requests = [Request(rid, prompt, params, record_timestamps) for rid, prompt, params in jobs]
         for req in requests:
@@ -290,7 +300,8 @@ def continuous_batching_context_manager(
         generation_config, continuous_batching_config, workload_hints: as for the manager.
         persistent_manager: keep the manager for the next call.
         block, timeout: how ``stop`` waits on exit.
-        warmup: accepted for transformers' API (``manager.warmup()`` does nothing).
+        warmup: call ``manager.warmup()`` before starting it (compiles and captures the step shapes
+            when a path is compiled or CUDA-graphed; nothing to do otherwise).
         tokenizer: for requests with stop strings, as for the manager.
     """
     manager = init_continuous_batching(

@@ -36,12 +36,20 @@ DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
-# Padding intervals (tokens) of the static-shape path. CUDA: transformers' presets
-# (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: q 64, kv 64 blocks of 256).
+# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
+# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
+# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
+# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, 32 decoding requests of
+# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
+# decode step 4-7% slower than the eager one, to 32 (one CPU page) 0-1%; padding the query rows costs
+# little since a decode step reads every weight whatever its rows (16 rows: within 5% of 32).
+# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
+# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
+# every padded key of every decode row, so it takes 4 pages instead.
 DEFAULT_Q_PADDING_CUDA = 64
-DEFAULT_KV_PADDING_CUDA = 64 * 256
+DEFAULT_KV_PADDING_CUDA = 4 * 256
 DEFAULT_Q_PADDING_CPU = 16
-DEFAULT_KV_PADDING_CPU = 64
+DEFAULT_KV_PADDING_CPU = 32
 # transformers' fallback width of the decode fast path's block table.
 DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 MAX_COMPILE_LEVEL = 3
@@ -121,23 +129,36 @@ class ContinuousBatchingConfig:
             ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
             warning per field, False refuses the config with a ValueError naming it.
         default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its
-            own (``varlen_compile_config`` / ``decode_compile_config``, else the generation config's
-            ``compile_config``), level 1 compiles it with ``mode="default", dynamic=True``, level 2
-            with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
-            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels): a higher level
-            runs faster after a longer warmup.
+            own (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with
+            ``mode="default", dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs",
+            dynamic=True`` and level 3 with ``mode="max-autotune-no-cudagraphs", dynamic=False``
+            (transformers' levels); at level 0 the generation config's ``compile_config`` is used when
+            the user set one (transformers' ``GenerationConfig`` defaults it to None: nothing is
+            compiled). What is compiled is the step's forward (the model through the paged cache and
+            the kept logits rows; sampling stays eager), one compiled function per path, shared by
+            every engine with the same config. A compiled path runs the static-shape step (see
+            ``q_padding_interval_size``); ``warmup()`` (``generate_batch(warmup=True)``, the manager's
+            ``warmup()``) compiles it before the first request, and ``EngineStats.num_compiles`` /
+            ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False`` every padded
+            shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8,
+            per path, and runs further shapes uncompiled): level 3 suits few shapes.
         varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen
-            path: steps with a prefill chunk or a score. None: see ``default_compile_level``.
-        decode_compile_config: the same for decode-only steps (one query token per request).
-        use_cuda_graph: capture each padded step shape in a CUDA graph and replay it: a bool for both
-            paths, a (varlen, decode) pair, or None to pick per device (see ``resolved_cuda_graphs``).
-            True on a device without CUDA is a ValueError.
-        q_padding_interval_size: the static-shape path (compile or CUDA graphs) pads a step's query
-            tokens to a multiple of this many tokens (>= 0; 0 picks the device's preset: 64 on CUDA,
-            as in transformers, 16 on CPU). Padded rows are masked out and never written to a
-            request's blocks.
-        kv_padding_interval_size: the same for the keys each request reads (>= 0; 0 picks 16384 on
-            CUDA, as in transformers, 64 on CPU).
+            path: every step that is not decode-only (prefill chunks, mixed, scoring). None: see
+            ``default_compile_level``.
+        decode_compile_config: the same for decode-only steps (one query token per request, sampled).
+        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it
+            (with static input buffers; an LRU of 64 graphs per engine): a bool for both paths, a
+            (varlen, decode) pair, or None, which is off on every device for now (the capture has not
+            run on a GPU yet; see ``resolved_cuda_graphs``). True on a device without CUDA is a
+            ValueError, raised before the engine allocates anything; so is a graphed path whose compile
+            mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
+        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits
+            rows and decode rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0
+            picks the device's preset: 64 on CUDA, as in transformers, 16 on CPU). A padded row is
+            token 0 at position 0, writes a padding block no request owns and its output is dropped.
+        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole
+            blocks (>= 0; 0 picks 1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes
+            flash-attn's block-table reads, while the padded step gathers every padded key).
         max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path:
             a step in which every request decodes one token goes through flash-attn's
             ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
@@ -333,8 +354,10 @@ class ContinuousBatchingConfig:
     def resolved_cuda_graphs(self, device_type: str) -> tuple[bool, bool]:
         """(varlen, decode): whether each path replays CUDA graphs on a device type.
 
-        None picks (False, False) off CUDA; on CUDA see the engine's model runner, which may turn a
-        path on (this method answers False for None until then).
+        None picks (False, False) on every device: off CUDA there is nothing to capture, and on CUDA
+        the capture path has not yet run on a GPU (transformers turns graphs on when its attention
+        needs no mask), so it is used only when asked for. The engine calls this first, before it
+        allocates anything.
 
         Raises:
             ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
@@ -351,7 +374,8 @@ class ContinuousBatchingConfig:
         return pair
 
     def resolved_padding_intervals(self, device_type: str) -> tuple[int, int]:
-        """(query, kv) padding intervals in tokens of the static-shape path on a device type."""
+        """(query, kv) padding intervals in tokens of the static-shape path on a device type (the
+        field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
         cuda = device_type == "cuda"
         q = self.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
         kv = self.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)

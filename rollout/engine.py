@@ -9,6 +9,7 @@ queues requests and keeps statistics; it changes no request itself. The backgrou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+from transformers.generation import CompileConfig
 
 from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
@@ -45,6 +48,7 @@ from .models import (
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from .static_step import PaddingRule, mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,14 @@ class EngineStats:
             ``"sliding64:0"``), the tokens of KV its layers can hold: every block of the pool, which the
             groups share (a sliding group holds only a window of each request, so the pool serves more
             requests than a cache of full layers of the same bytes).
+        num_padded_steps: steps run on the static-shape path (a compiled or CUDA-graphed path).
+        num_compiles: dynamo compilations triggered by this engine's forwards, warmup included (0
+            when the graphs were already compiled by an earlier engine with the same config).
+        num_compiles_after_warmup: those triggered by steps after ``Engine.warmup()`` (0 when
+            warmup never ran).
+        num_cuda_graph_captures: CUDA graphs captured, warmup included.
+        num_cuda_graph_captures_after_warmup: those captured by steps after ``warmup()``.
+        warmup_seconds: wall time of ``warmup()`` (None when it never ran or had nothing to do).
     """
 
     num_steps: int = 0
@@ -97,6 +109,44 @@ class EngineStats:
     decode_step_batch: list[int] = field(default_factory=list)
     kv_cache_bytes: int = 0
     kv_cache_capacity_tokens: dict[str, int] = field(default_factory=dict)
+    num_padded_steps: int = 0
+    num_compiles: int = 0
+    num_compiles_after_warmup: int = 0
+    num_cuda_graph_captures: int = 0
+    num_cuda_graph_captures_after_warmup: int = 0
+    warmup_seconds: float | None = None
+
+
+def _check_static_paths(
+    compile_configs: tuple[CompileConfig | None, CompileConfig | None],
+    cuda_graphs: tuple[bool, bool],
+    devices: Sequence[torch.device],
+) -> None:
+    """Refuse static-shape settings the engine cannot run, before anything is allocated.
+
+    Raises:
+        ValueError: a compiled or graphed path on a model whose layers span several devices (the
+            padded step builds its metadata on one device), or a CUDA-graphed path whose compile mode
+            captures CUDA graphs itself (inductor's ``triton.cudagraphs``: "reduce-overhead",
+            "max-autotune"), which would capture inside our capture.
+    """
+    static = any(cuda_graphs) or any(c is not None for c in compile_configs)
+    if static and len(set(devices)) > 1:
+        raise ValueError(
+            "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need the "
+            f"model's layers on one device, but they span {sorted({str(d) for d in devices})}; leave them unset"
+        )
+    for path, config, graphed in zip(("varlen", "decode"), compile_configs, cuda_graphs, strict=True):
+        if not graphed or config is None:
+            continue
+        options = dict(config.options or {})
+        if config.mode is not None:
+            options.update(torch._inductor.list_mode_options(config.mode))
+        if options.get("triton.cudagraphs", False):
+            raise ValueError(
+                f"use_cuda_graph captures the {path} path, whose compile config (mode={config.mode!r}) captures CUDA "
+                "graphs itself; use mode='default' or 'max-autotune-no-cudagraphs', or set use_cuda_graph=False"
+            )
 
 
 class Engine:
@@ -122,11 +172,22 @@ class Engine:
             (a sequence: the whole job of ``generate_batch``), memory permitting.
         tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings
             (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
+        fallback_compile_config: the generation config's ``compile_config`` (None when the user set
+            none: transformers' ``GenerationConfig`` defaults it to None): compiles the paths that
+            have no compile config of their own when ``default_compile_level`` is 0.
+
+    Compiled and CUDA-graphed paths (``config.resolved_compile_configs``, ``resolved_cuda_graphs``) run
+    the static-shape step (``static_step``): the cache gets one padding block more than the block
+    manager hands out; ``warmup()`` compiles or captures before the first request.
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
             layer's weights are on the meta device with no accelerate hook saying where it runs.
-        ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size.
+        ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
+            ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that
+            captures CUDA graphs itself; a compiled or graphed path on a model whose layers span several
+            devices or whose layers need several KV layer groups of different shapes. Raised before
+            anything is allocated.
     """
 
     def __init__(
@@ -135,22 +196,45 @@ class Engine:
         config: ContinuousBatchingConfig | None = None,
         max_tokens_hint: int | Sequence[int] | None = None,
         tokenizer: object | None = None,
+        fallback_compile_config: CompileConfig | None = None,
     ) -> None:
         check_model_supported(model)
         self.config = config or ContinuousBatchingConfig()
         # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
         self.tp = TensorParallel.from_model(model, self.config)
+        self.device = input_device(model)
+        dev_type = self.device.type
+        # Checked before anything is allocated: CUDA graphs asked for off CUDA raise here.
+        cuda_graphs = self.config.resolved_cuda_graphs(dev_type)
+        compile_configs = self.config.resolved_compile_configs(fallback_compile_config)
+        devices = layer_devices(model)
+        static = any(cuda_graphs) or any(c is not None for c in compile_configs)
+        _check_static_paths(compile_configs, cuda_graphs, devices)
         self.model = model
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
-        self.device = input_device(model)
-        devices = layer_devices(model)
         dtype = attention_dtype(model)
-        dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
         self.max_batch_tokens = self.config.resolved_max_batch_tokens(dev_type)
         shape = CacheShape.from_model(model, dtype, sliding_windows=self.config.sliding_window_cache)
         layout = CacheLayout.build(shape, devices)
+        if static and (len(layout.groups) > 1 or any(w is not None for w in layout.sliding_windows)):
+            # The padded step reads every layer through one block table, from position 0: one layer
+            # group that keeps every position.
+            if self.config.sliding_window_cache:
+                logger.info(
+                    "compiled or CUDA-graphed steps read one KV layer group: sliding-window layers keep every "
+                    "position (as with sliding_window_cache=False)"
+                )
+                shape = CacheShape.from_model(model, dtype, sliding_windows=False)
+                layout = CacheLayout.build(shape, devices)
+            if len(layout.groups) > 1:
+                raise ValueError(
+                    "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need "
+                    "every layer to have the same KV heads and head dim, but this model's layers form "
+                    f"{len(layout.groups)} KV layer groups ({', '.join(g.name for g in layout.groups)}); "
+                    "leave them unset"
+                )
         self.vocab_size = vocab_size(model)
         # num_blocks counts whole-model blocks (page_size tokens in every layer); the pool of the
         # layer groups holds the block ids that memory buys (CacheLayout.pool_blocks).
@@ -177,7 +261,19 @@ class Engine:
         head_dim = max(shape.layer(i).head_dim for i in range(shape.num_layers))
         odd = [d for d in (shape.layer(i).head_dim for i in range(shape.num_layers)) if d % 8]
         self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
-        self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
+        # The static-shape path's padding block is the cache's last, past the block manager's blocks.
+        self.cache = PagedKVCache(shape, num_blocks + int(static), self.block_size, self.device, devices)
+        padding = None
+        if static:
+            q_interval, kv_interval = self.config.resolved_padding_intervals(dev_type)
+            padding = PaddingRule(
+                q_interval,
+                kv_interval,
+                self.config.resolved_max_batch_tokens(dev_type),
+                num_blocks * self.block_size,
+                self.block_size,
+                pad_block=num_blocks,
+            )
         self.offload_pool: CPUOffloadPool | None = None
         if offload_gib > 0:
             self.offload_pool = CPUOffloadPool(
@@ -207,11 +303,17 @@ class Engine:
             max_blocks_per_request=self.config.resolved_max_blocks_per_request(
                 num_blocks, self.block_size, self.context_length
             ),
+            compile_configs=compile_configs,
+            cuda_graphs=cuda_graphs,
+            padding=padding,
         )
         self.stats = EngineStats(
             kv_cache_bytes=self.cache.size_bytes,
             kv_cache_capacity_tokens={g.name: num_blocks * self.block_size for g in self.cache.groups},
         )
+        self._warmed_up = False
+        self._compiles_at_warmup = 0
+        self._captures_at_warmup = 0
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
         self._original_attn = enable_paged_attention(model)
@@ -419,6 +521,10 @@ class Engine:
         if scheduler_output.is_empty:
             return
         stats.num_steps += 1
+        if self.runner.static_paths:
+            if ModelRunner.path_of(scheduler_output.scheduled) in self.runner.static_paths:
+                stats.num_padded_steps += 1
+            self._record_compile_stats()
         stats.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
         stats.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
         stats.num_generated_tokens += len(runner_output.sampled_token_ids)
@@ -445,6 +551,88 @@ class Engine:
             self.block_manager.num_free_blocks,
         )
         self._last_log = (now, self.stats.num_generated_tokens)
+
+    # ------------------------------------------------------------------ warmup
+    def _record_compile_stats(self) -> None:
+        stats, runner = self.stats, self.runner
+        stats.num_compiles = runner.compile_counter.count
+        stats.num_cuda_graph_captures = runner.graphs.num_captures if runner.graphs is not None else 0
+        if self._warmed_up:
+            stats.num_compiles_after_warmup = stats.num_compiles - self._compiles_at_warmup
+            stats.num_cuda_graph_captures_after_warmup = stats.num_cuda_graph_captures - self._captures_at_warmup
+
+    def warmup_plan(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The (path, padded shape) pairs ``warmup`` runs: two per compiled or graphed path
+        (``static_step.warmup_shapes``); empty when every path is eager."""
+        rule = self.runner.padding
+        if rule is None:
+            return []
+        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
+
+    def warmup(self, progress_bar: bool = True) -> float:
+        """Compile (and on CUDA capture) the step shapes before the first request.
+
+        Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding
+        block (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and
+        the request counters of ``stats`` are as they were. Compilations made by later steps are
+        counted in ``stats.num_compiles_after_warmup``. A no-op (logged at debug) when no path is
+        compiled or graphed, or when it already ran. Not thread-safe against ``step()``: the manager
+        pauses its loop first.
+
+        Args:
+            progress_bar: show a tqdm bar over the shapes.
+
+        Returns:
+            The seconds it took (0.0 when there was nothing to do).
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        plan = self.warmup_plan()
+        if not plan:
+            logger.debug("warmup: no path is compiled or CUDA-graphed; nothing to do")
+            return 0.0
+        if self._warmed_up:
+            logger.debug("warmup: already done for this engine")
+            return 0.0
+        runner = self.runner
+        assert runner.padding is not None  # a plan means a static path, which has a padding rule
+        key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
+        if warmed_before(self.model, key):
+            # dynamic=True graphs compiled by an earlier engine on this model: nothing to compile here.
+            logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
+            self._warmed_up = True
+            self.stats.warmup_seconds = 0.0
+            return 0.0
+        t0 = time.perf_counter()
+        # On CUDA, on the engine's device whatever the calling thread's current device is.
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
+            self.runner.warmup(plan, lambda: bar.update(1))
+        seconds = time.perf_counter() - t0
+        self._record_compile_stats()
+        self._warmed_up = True
+        self._compiles_at_warmup = self.stats.num_compiles
+        self._captures_at_warmup = self.stats.num_cuda_graph_captures
+        self._record_compile_stats()
+        self.stats.warmup_seconds = seconds
+        mark_warmed(self.model, key)
+        logger.info(
+            "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
+            len(plan),
+            " and ".join(self.runner.static_paths),
+            seconds,
+            self.stats.num_compiles,
+            self.stats.num_cuda_graph_captures,
+        )
+        return seconds
+
+    @property
+    def warmed_up(self) -> bool:
+        """True once ``warmup()`` has run with something to compile or capture."""
+        return self._warmed_up
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -113,9 +113,15 @@ class ContinuousBatchingManager:
         check_tokenizer(self.default_params.stop_strings, self.default_params.stop, tokenizer)
         self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
+        self._fallback_compile_config = self.generation_config.compile_config
         self._engine: Engine | None = Engine(
-            model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=tokenizer
+            model,
+            self.cb_config,
+            max_tokens_hint=self._tokens_hint,
+            tokenizer=tokenizer,
+            fallback_compile_config=self._fallback_compile_config,
         )
+        self._warmup_wanted = False  # warmup() was called: an engine rebuilt by start() is warmed too
         self._cond = threading.Condition()
         self._life = Lifecycle(self._cond)  # state, stop flags, the loop's thread and error
         self._pausing = PauseGate(self._cond)  # pause holders, the in-step flag
@@ -147,9 +153,15 @@ class ContinuousBatchingManager:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
                 self._engine = Engine(
-                    self.model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=self.tokenizer
+                    self.model,
+                    self.cb_config,
+                    max_tokens_hint=self._tokens_hint,
+                    tokenizer=self.tokenizer,
+                    fallback_compile_config=self._fallback_compile_config,
                 )
                 self._engine.set_weight_version(version)
+                if self._warmup_wanted:
+                    self._engine.warmup()
             self._check_weights()
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
@@ -251,8 +263,31 @@ class ContinuousBatchingManager:
                 if self._engine is not None:
                     self._engine.tokenizer = tokenizer
 
-    def warmup(self) -> None:
-        """Accepted for transformers' API; does nothing (there are no CUDA graphs to capture yet)."""
+    def warmup(self, progress_bar: bool = True) -> None:
+        """Compile (and on CUDA capture) the engine's step shapes before the first request.
+
+        See ``Engine.warmup``: a no-op (logged at debug) when no path is compiled or CUDA-graphed, and
+        when the engine is already warmed up; the requests, the KV cache, the prefix cache, the random
+        generators and the request counters are left as they were. On a running manager the loop is
+        paused around it (the warmup waits for the current step). An engine the manager builds again
+        later (``start()`` after a ``stop()`` that closed it) is warmed up too.
+
+        Args:
+            progress_bar: show a tqdm bar over the shapes.
+
+        Raises:
+            RuntimeError: the manager was destroyed.
+        """
+        engine = self.engine
+        self._warmup_wanted = True
+        if engine.warmed_up or not engine.warmup_plan():
+            engine.warmup(progress_bar)  # nothing to run: a no-op logged at debug, no pause needed
+            return
+        if self.is_running():
+            with self.pause():
+                engine.warmup(progress_bar)
+        else:
+            engine.warmup(progress_bar)
 
     def persist(self) -> None:
         """Register as the model's persistent manager until ``destroy()``.

@@ -17,17 +17,29 @@ back in one device-to-host copy, the step's only host sync outside the model's f
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .static_step import (
+    FORWARDS,
+    PATHS,
+    CompileCounter,
+    CUDAGraphs,
+    PaddedBatch,
+    PaddingRule,
+    build_padded_batch,
+    compiled_forward,
+    synthetic_batch,
+)
 
 
 @dataclass
@@ -59,6 +71,17 @@ def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+def _scored_span(req: Request, computed: int, num_tokens: int) -> tuple[int, int]:
+    """The positions [lo, hi) of a scoring request whose logits this step records (empty when hi <= lo).
+
+    Position p's logits predict token p + 1; positions already scored (before a preemption) are not
+    recorded twice.
+    """
+    lo = max(computed, req.score_from - 1 + len(req.prompt_logprobs))
+    hi = min(computed + num_tokens, req.num_tokens - 1)
+    return lo, hi
+
+
 def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions 0..lengths_max-1 of each sequence.
 
@@ -83,6 +106,12 @@ class ModelRunner:
     ``position_ids`` [1, T] (each token's position in its own request). Only the rows
     whose logits are sampled or scored go through the LM head (``logits_to_keep``).
 
+    Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
+    other step (prefill chunks, mixed, scoring) the "varlen" path. A path that is neither compiled nor
+    CUDA-graphed runs eagerly on the exact batch (``prepare``, ``PagedAttentionMetadata``); one that is
+    runs the static-shape step of ``static_step`` (padded inputs, ``PaddedAttentionMetadata``), through
+    its compiled forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
+
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
@@ -95,6 +124,12 @@ class ModelRunner:
             None seeds it from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
         return_logprobs: return one logprob per sampled token.
+        compile_configs: the (varlen, decode) compile configs; None runs that path uncompiled.
+        cuda_graphs: (varlen, decode): replay that path's padded forward as CUDA graphs (CUDA only).
+        padding: how static-shape steps are padded; needed when a path is compiled or graphed.
+
+    Raises:
+        ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
     """
 
     def __init__(
@@ -107,6 +142,9 @@ class ModelRunner:
         logprobs_mode: str = "temperature",
         return_logprobs: bool = False,
         max_blocks_per_request: int = 0,
+        compile_configs: tuple[CompileConfig | None, CompileConfig | None] = (None, None),
+        cuda_graphs: tuple[bool, bool] = (False, False),
+        padding: PaddingRule | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -133,6 +171,22 @@ class ModelRunner:
         # waits only for its own previous copy before it is refilled.
         self._input_staging = HostStaging(self.device)
         self._sampling_staging = HostStaging(self.device)
+        # The static-shape paths: for each path, its forward (compiled or plain) when it runs padded.
+        self.padding = padding
+        self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
+        self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
+        self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
+        for path in PATHS:
+            config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
+            if config is None and not graphed:
+                continue
+            if padding is None:
+                raise ValueError(f"the {path} path is compiled or CUDA-graphed: it needs a padding rule")
+            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
+        if any(cuda_graphs) and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
+        self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
+        self.compile_counter = CompileCounter()
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
         """Build the model inputs and the attention metadata of a step.
@@ -185,10 +239,7 @@ class ModelRunner:
                 logits_rows.append(start + n - 1)
                 plan.sampled.append(req)
             if req.score_from is not None:
-                # Position p's logits predict token p + 1.
-                # Positions already scored (before a preemption) are not recorded twice.
-                lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
-                hi = min(c + n, req.num_tokens - 1)
+                lo, hi = _scored_span(req, c, n)
                 if hi > lo:
                     score_rows.extend(range(start + lo - c, start + hi - c))
                     plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
@@ -397,6 +448,16 @@ class ModelRunner:
             result.logprobs = host[i + b : i + 2 * b] if logprobs is not None else None
         return result
 
+    @property
+    def static_paths(self) -> list[str]:
+        """The paths that run padded (compiled or CUDA-graphed), in ``PATHS`` order."""
+        return [path for path in PATHS if path in self._forwards]
+
+    @staticmethod
+    def path_of(scheduled: Sequence[ScheduledRequest]) -> str:
+        """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
+        return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
+
     @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
         """One forward of the step (``execute`` calls it; no KV copies, no sampling).
@@ -404,12 +465,89 @@ class ModelRunner:
         Returns:
             float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
         """
+        if self._forwards:
+            path = self.path_of(scheduled)
+            if path in self._forwards:
+                return self._run_padded(scheduled, path)
         kwargs, rows, plan = self.prepare(scheduled)
         out = self.model(**kwargs)
         logits = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
         return logits.float(), plan
+
+    def _run_padded(self, scheduled: Sequence[ScheduledRequest], path: str) -> tuple[torch.Tensor, LogitsPlan]:
+        """The step on the static-shape path: padded inputs, the path's forward, the real logits rows."""
+        assert self.padding is not None
+        plan = LogitsPlan()
+        logits_rows: list[int] = []
+        score_rows: list[int] = []
+        score_temps: list[float] = []
+        start = 0
+        for entry in scheduled:
+            req, n = entry.request, entry.num_scheduled_tokens
+            c = req.num_computed_tokens
+            if entry.sample:
+                logits_rows.append(start + n - 1)
+                plan.sampled.append(req)
+            if req.score_from is not None:
+                lo, hi = _scored_span(req, c, n)
+                if hi > lo:
+                    score_rows.extend(range(start + lo - c, start + hi - c))
+                    plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+                    plan.score_segments.append((req, hi - lo))
+                    score_temps.extend([req.score_temperature] * (hi - lo))
+            start += n
+        rows = logits_rows + score_rows
+        extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
+        batch, (targets, temps) = build_padded_batch(
+            scheduled, rows, path == "decode", self.padding, self._input_staging, extra
+        )
+        if plan.score_segments:
+            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
+        plan.num_sample_rows = len(logits_rows)
+        logits = self.forward_padded(batch)
+        return logits[: len(rows)], plan
+
+    def forward_padded(self, batch: PaddedBatch) -> torch.Tensor:
+        """The padded forward of ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
+
+        Compilations it triggers are counted in ``compile_counter``.
+
+        Returns:
+            float32 [R, V]: the logits of ``batch.logits_rows`` (padding rows included).
+        """
+        path = batch.path
+        fn = self._forwards[path]
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep)
+
+        def forward(b: PaddedBatch) -> torch.Tensor:
+            return self.compile_counter.run(fn, self.model, self.cache, b, *args)
+
+        if self.graphs is not None and self.cuda_graph_paths[path]:
+            return self.graphs.run((path, batch.shape), forward, batch)
+        return forward(batch)
+
+    @torch.inference_mode()
+    def warmup(
+        self, shapes: Sequence[tuple[str, tuple[int, ...]]], on_shape: Callable[[], object] | None = None
+    ) -> None:
+        """Run the padded forward of each (path, shape) on a synthetic batch, compiling or capturing it.
+
+        The synthetic batches read and write the padding block only (``static_step.synthetic_batch``):
+        no request's keys, no prefix-cache block, no random generator and no counter of requests change.
+
+        Args:
+            shapes: (path, padded shape) pairs, for paths in ``static_paths``.
+            on_shape: called after each shape (a progress bar's update), or None.
+        """
+        assert self.padding is not None
+        for path, shape in shapes:
+            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device))
+            if on_shape is not None:
+                on_shape()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
         """The step's KV copies before its forward: offloads, copy-on-write copies, restores.

@@ -106,6 +106,22 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
     assert w["decode_step"]["rollout/bare_time_ratio"] > 0
 
 
+def test_bench_compiled_rollout_is_compared_with_eager_rollout_tiny_llama(tiny_llama, tmp_path, monkeypatch):
+    # The compiled system's plumbing only: its padded step runs uncompiled (tests/test_static_step.py
+    # compiles it), so this stays fast.
+    import rollout.model_runner as model_runner
+    from rollout.static_step import FORWARDS
+
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    systems = ["rollout-compile1", "rollout", "hf-static"]
+    result = _run(tiny_llama, systems, _tiny_workload())
+    w = _check_report_json(result, tmp_path, systems)
+    assert {"rollout-compile1/rollout", "rollout-compile1/hf-static", "rollout/hf-static"} <= w["ratios"].keys()
+    assert w["greedy_match"]["rollout-compile1/rollout"] == {"matches": 4, "total": 4}
+    assert w["greedy_match"]["rollout-compile1/hf-static"]["total"] == 4
+    assert w["systems"]["rollout-compile1"]["warmup_run_s"] > 0
+
+
 def test_truncate_at_eos_keeps_the_eos():
     assert workloads.truncate_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
     assert workloads.truncate_at_eos([5, 6, 7], {2}) == [5, 6, 7]

@@ -1,6 +1,8 @@
 """Issue 13 on a GPU: flash-attn's paged kernel on real hardware, bf16 mixed precision through it, the manager
 thread's current device, and a model sharded over a GPU and the CPU. Issue 11: the decode fast path
-(``flash_attn_with_kvcache``) against the varlen kernel and against SDPA, in bf16.
+(``flash_attn_with_kvcache``) against the varlen kernel and against SDPA, in bf16; CUDA graphs of the
+static-shape step (replay equals the uncaptured step and the eager path; nothing captured or compiled after
+warmup).
 
 Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
 same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
@@ -230,3 +232,72 @@ def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() 
     assert len(narrow_engine.stats.decode_step_batch) == 9
     assert narrow_engine.stats.num_decode_fast_path_steps == 6
     _assert_greedy_agrees(narrow, varlen, [long, short], tiny_llama().to(GPU))
+
+
+# Issue 11: CUDA graphs of the static-shape step. One padded shape per axis but the prefill groups (2 or 4):
+# 16-token pages, 64 blocks (1,024 keys), 64-token steps of at most 4 requests, both intervals at their caps.
+def _graph_config(**overrides: object) -> ContinuousBatchingConfig:
+    values = dict(
+        page_size=16,
+        num_blocks=64,
+        max_batch_tokens=64,
+        max_requests_per_batch=4,
+        q_padding_interval_size=64,
+        kv_padding_interval_size=1024,
+        return_logprobs=True,
+    )
+    values.update(overrides)
+    return ContinuousBatchingConfig(**values)
+
+
+def _graph_prompts() -> list[list[int]]:
+    return random_prompts(6, VOCAB_SIZE, 5, 60, seed=8)
+
+
+def test_cuda_graph_replay_matches_generate_in_fp32() -> None:
+    model = tiny_llama().to(GPU)
+    prompts = _graph_prompts()
+    out = generate_batch(model, prompts, GREEDY, _graph_config(use_cuda_graph=True))
+    for prompt, o in zip(prompts, out.values()):
+        assert o.generated_tokens == _greedy(model, prompt, 12)
+        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=1e-3)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_cuda_graph_replay_equals_the_uncaptured_step_and_the_eager_path_in_bf16(level: int, monkeypatch) -> None:
+    import rollout.model_runner as model_runner
+    from rollout.static_step import FORWARDS
+
+    model = tiny_llama().to(GPU, torch.bfloat16)
+    prompts = _graph_prompts()
+    graphed = generate_batch(model, prompts, GREEDY, _graph_config(use_cuda_graph=True, default_compile_level=level))
+    eager = generate_batch(model, prompts, GREEDY, _graph_config())
+    with monkeypatch.context() as patch:  # the same padded step, uncompiled and not captured
+        patch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+        uncaptured = generate_batch(model, prompts, GREEDY, _graph_config(default_compile_level=1))
+    for g, e, u in zip(graphed.values(), eager.values(), uncaptured.values()):
+        if level == 0:  # the captured kernels are the uncaptured ones: the same numbers
+            assert g.generated_tokens == u.generated_tokens
+            assert_close(g.logprobs, u.logprobs, atol=1e-6)
+        n = min(len(g.generated_tokens), len(e.generated_tokens))
+        assert n > 0 and g.generated_tokens[0] == e.generated_tokens[0]
+        # bf16 kernels that differ may flip a near-tie later on; before it the logprobs agree.
+        agree = next((i for i in range(n) if g.generated_tokens[i] != e.generated_tokens[i]), n)
+        assert_close(g.logprobs[:agree], e.logprobs[:agree], atol=BF16_ATOL)
+
+
+def test_no_capture_or_compilation_after_warmup() -> None:
+    model = tiny_llama().to(GPU)
+    engine = Engine(model, _graph_config(use_cuda_graph=True, default_compile_level=1))
+    try:
+        engine.warmup(progress_bar=False)
+        stats = engine.stats
+        assert stats.num_cuda_graph_captures == len(engine.warmup_plan()) == 3
+        for i, prompt in enumerate(_graph_prompts()):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=12), request_id=f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+        assert stats.num_padded_steps == stats.num_steps > 0
+        assert stats.num_cuda_graph_captures_after_warmup == 0 and stats.num_compiles_after_warmup == 0
+    finally:
+        engine.close()

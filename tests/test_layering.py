@@ -39,6 +39,7 @@ LAYERS = [
     "distributed",
     "attention",
     "sampling",
+    "static_step",
     "model_runner",
     "engine",
     "outputs",

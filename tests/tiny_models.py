@@ -22,6 +22,8 @@ The families differ where an engine can go wrong:
 Not in ``ALL_TINY_MODELS`` (built for the KV cache's layer groups): ``tiny_gemma3_5to1``, Gemma 3's own
 pattern of 5 sliding layers to 1 global layer, and ``tiny_gemma4``, whose global layers have another
 head dim or KV-head count than its sliding layers.
+- gemma2 (`tiny_gemma2`, not in ALL_TINY_MODELS): Gemma 2's tanh soft-capping of the attention scores,
+  with sliding and full layers alternating; "eager" attention (transformers' "sdpa" refuses softcap).
 """
 
 import itertools
@@ -30,6 +32,8 @@ from collections.abc import Callable
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     Gemma4ForCausalLM,
@@ -190,6 +194,29 @@ def tiny_gemma4(
         **extra,
     )
     return _build(Gemma4ForCausalLM, config, seed)
+def tiny_gemma2(softcap: float = 5.0, sliding_window: int = 8, seed: int = SEED) -> Gemma2ForCausalLM:
+    """Gemma2: 2 layers (sliding, then full attention) whose attention scores are soft-capped.
+
+    Each layer passes ``softcap=attn_logit_softcapping`` to its attention function, which computes
+    ``softcap * tanh(scores / softcap)`` before the softmax. Gemma 2's default of 50 leaves the small
+    scores of a random model unchanged; 5.0 changes the greedy completions (the final-logit softcap is
+    off). The model uses the "eager" implementation: transformers' "sdpa" refuses softcap.
+
+    Args:
+        softcap: the attention scores' cap.
+        sliding_window: window length of the sliding layer, in tokens.
+        seed: torch seed for the weights.
+    """
+    config = Gemma2Config(
+        **_COMMON,
+        num_hidden_layers=2,
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        attn_implementation="eager",
+    )
+    return _build(Gemma2ForCausalLM, config, seed)
 
 
 ALL_TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {

@@ -4,6 +4,7 @@ gsm8k-grpo, shared-prefix, scoring).
 Every system runs in the same process, on the same model object and the same prompts:
 
 - ``rollout``: ours, ``rollout.generate_batch``.
+- ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -14,8 +15,10 @@ questions come from ``--gsm8k PATH`` (a jsonl with ``question``/``answer``) or, 
 original sample file shipped in ``rollout/data/``.
 
 Measured per system: generated tokens (up to and including EOS), wall seconds, tokens/s, mean time to
-first token, peak memory, and the tokens/s ratios between systems. Per workload also: how many greedy
-sequences of ``rollout`` and ``hf-cb`` equal ``hf-static``'s token for token (a check, not a failure),
+first token, peak memory, the seconds of its warmup run (``warmup_run_s``: the cold compilation of a
+compiled system), and the tokens/s ratios between systems. Per workload also: how many greedy
+sequences of ``rollout``, the compiled runs and ``hf-cb`` equal ``hf-static``'s token for token, and
+how many of the compiled runs' equal eager ``rollout``'s (checks, not failures),
 and the decode-step comparison: one bare forward of B decode tokens (``--decode-batch-size``, KV of the
 workload's prompts) against the mean decode-only step of ``rollout.Engine`` on the same batch.
 
@@ -63,6 +66,8 @@ from trainers.prompts import eos_token_ids
 from .report import new_report, print_report, write_json
 from .scoring import bench_scoring
 from .systems import (
+    COMPILE_SYSTEMS,
+    DEFAULT_SYSTEMS,
     SYSTEMS,
     SystemRun,
     bare_forwards,
@@ -164,6 +169,13 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed),
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
         ),
+        **{
+            name: (
+                lambda level=level: run_rollout(model, prompts, generation_config, seed, level),
+                lambda level=level: run_rollout(model, warm_prompts, warm_config, seed, level),
+            )
+            for name, level in COMPILE_SYSTEMS.items()
+        },
         "hf-cb": (
             lambda: run_hf_cb(model, prompts, generation_config, seed, hf_cb_options),
             lambda: run_hf_cb(model, warm_prompts, warm_config, seed, hf_cb_options),
@@ -192,10 +204,13 @@ def run_workload(
         "greedy_match": {},
         "decode_step": None,
     }
-    if not workload.do_sample and "hf-static" in runs:
-        for name in ("rollout", "hf-cb"):
-            if name in runs:
+    if not workload.do_sample:
+        for name in (*COMPILE_SYSTEMS, "rollout", "hf-cb"):
+            if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
+        for name in COMPILE_SYSTEMS:
+            if name in runs and "rollout" in runs:
+                result["greedy_match"][f"{name}/rollout"] = greedy_matches(runs[name], runs["rollout"])
     if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
         result["decode_step"] = _decode_step(model, prompts, pad_token_id, decode_batch_size, "rollout" in runs, seed)
     return result
@@ -292,7 +307,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--workload", nargs="+", default=["gsm8k-greedy"], choices=[*WORKLOADS, *SCORING_WORKLOADS])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(DEFAULT_SYSTEMS),
+        choices=SYSTEMS,
+        help="default: %(default)s (rollout-compile2 and -compile3 compile for minutes on a CPU)",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
     p.add_argument(
         "--gsm8k", type=Path, default=None, metavar="PATH", help=f"questions jsonl (default: {SAMPLE_QUESTIONS.name})"
