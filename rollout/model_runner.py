@@ -99,6 +99,34 @@ def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> t
     return blocks * block_size + (pos % block_size)[None, :]
 
 
+def _keep_rows(
+    entry: ScheduledRequest,
+    start: int,
+    plan: LogitsPlan,
+    logits_rows: list[int],
+    score_rows: list[int],
+    score_temps: list[float],
+) -> None:
+    """Record which of a request's query rows (from row ``start`` of the step) keep their logits.
+
+    A sampled request keeps its last row (appended to ``logits_rows`` and ``plan.sampled``); a scoring
+    request its rows that predict a prompt token not yet scored (``score_rows``, with their targets and
+    segment in ``plan`` and their temperature in ``score_temps``).
+    """
+    req, n = entry.request, entry.num_scheduled_tokens
+    c = req.num_computed_tokens
+    if entry.sample:
+        logits_rows.append(start + n - 1)
+        plan.sampled.append(req)
+    if req.score_from is not None:
+        lo, hi = _scored_span(req, c, n)
+        if hi > lo:
+            score_rows.extend(range(start + lo - c, start + hi - c))
+            plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+            plan.score_segments.append((req, hi - lo))
+            score_temps.extend([req.score_temperature] * (hi - lo))
+
+
 class ModelRunner:
     """Runs the model on a flattened variable-length batch through the paged cache, then samples.
 
@@ -235,16 +263,7 @@ class ModelRunner:
                     decode_lengths[g].append(c + 1 - first * bs)
                 else:
                     prefill_specs[g].append((start, start + n, c - first * bs, kept))
-            if entry.sample:
-                logits_rows.append(start + n - 1)
-                plan.sampled.append(req)
-            if req.score_from is not None:
-                lo, hi = _scored_span(req, c, n)
-                if hi > lo:
-                    score_rows.extend(range(start + lo - c, start + hi - c))
-                    plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
-                    plan.score_segments.append((req, hi - lo))
-                    score_temps.extend([req.score_temperature] * (hi - lo))
+            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
             if n == 1:
                 decode_rows.append(start)
         use_flash = self.use_flash
@@ -485,19 +504,8 @@ class ModelRunner:
         score_temps: list[float] = []
         start = 0
         for entry in scheduled:
-            req, n = entry.request, entry.num_scheduled_tokens
-            c = req.num_computed_tokens
-            if entry.sample:
-                logits_rows.append(start + n - 1)
-                plan.sampled.append(req)
-            if req.score_from is not None:
-                lo, hi = _scored_span(req, c, n)
-                if hi > lo:
-                    score_rows.extend(range(start + lo - c, start + hi - c))
-                    plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
-                    plan.score_segments.append((req, hi - lo))
-                    score_temps.extend([req.score_temperature] * (hi - lo))
-            start += n
+            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
+            start += entry.num_scheduled_tokens
         rows = logits_rows + score_rows
         extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
         batch, (targets, temps) = build_padded_batch(
