@@ -576,8 +576,10 @@ class Engine:
         block (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and
         the request counters of ``stats`` are as they were. Compilations made by later steps are
         counted in ``stats.num_compiles_after_warmup``. A no-op (logged at debug) when no path is
-        compiled or graphed, or when it already ran. Not thread-safe against ``step()``: the manager
-        pauses its loop first.
+        compiled or graphed, when it already ran, and when an earlier engine on the same model object
+        warmed up the same ``dynamic=True`` compile configs and padding (``static_step.warm_key``: its
+        graphs serve any cache size; ``generate_batch`` builds an engine per call). Not thread-safe
+        against ``step()``: the manager pauses its loop first.
 
         Args:
             progress_bar: show a tqdm bar over the shapes.
