@@ -241,7 +241,7 @@ def test_cuda_graph_flags_on_cuda(graphs: Any, expected: tuple[bool, bool]) -> N
     assert ContinuousBatchingConfig(use_cuda_graph=graphs).resolved_cuda_graphs("cuda") == expected
 
 
-@pytest.mark.parametrize(("device_type", "expected"), [("cpu", (16, 32)), ("cuda", (64, 1024))])
+@pytest.mark.parametrize(("device_type", "expected"), [("cpu", (4, 32)), ("cuda", (64, 1024))])
 def test_padding_intervals_have_device_presets_and_explicit_values_win(device_type: str, expected: tuple) -> None:
     assert ContinuousBatchingConfig().resolved_padding_intervals(device_type) == expected
     explicit = ContinuousBatchingConfig(q_padding_interval_size=8, kv_padding_interval_size=32)
