@@ -31,7 +31,6 @@ from .sampling_params import SamplingParams, build_sampling_params, resolve_gene
 logger = logging.getLogger(__name__)
 
 
-
 def generate_batch(
     model: PreTrainedModel,
     inputs: Sequence[Sequence[int]],
@@ -72,8 +71,11 @@ def generate_batch(
         persistent_manager: keep a manager on the model for the next calls: when the model has
             none, one is built with these configs (its cache sized from free memory, not for this
             batch alone), used, stopped with its cache kept and registered on the model.
-        warmup: accepted for transformers' API; there are no CUDA graphs to capture, so nothing
-            is done.
+        warmup: compile (and on CUDA capture) the step shapes before the first request when a path
+            is compiled or CUDA-graphed (``default_compile_level``, ``varlen_compile_config``,
+            ``decode_compile_config``, the generation config's ``compile_config``,
+            ``use_cuda_graph``; see ``Engine.warmup``), with a progress bar when ``progress_bar``;
+            nothing to do otherwise. Outputs are the same with or without it.
         workload_hints: transformers' ``WorkloadHints``; checked, otherwise unused here: a fresh
             engine is sized from the batch itself, and a persistent manager built here from free
             memory, since it serves later batches too.
@@ -83,9 +85,14 @@ def generate_batch(
         **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
             ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
+    Tensor parallelism: on a model loaded with a ``tp_plan`` under ``torchrun``, every rank calls this
+    with the same arguments; the driver's (TP rank 0) requests run on every rank, and only the driver
+    returns them: every other rank returns an empty dict, as in transformers.
+
     Returns:
         request id -> GenerationOutput, in input order; with G > 1 the ids are
-        ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``.
+        ``req_{i}_{g}`` and the G samples of prompt i follow each other, else ``req_{i}``. An empty
+        dict on a tensor-parallel rank other than the driver.
 
     Raises:
         ValueError: inputs that are not a list of token-id lists, an empty prompt, a token id
@@ -104,6 +111,7 @@ def generate_batch(
         )
     check_bool("persistent_manager", persistent_manager)
     check_bool("record_timestamps", record_timestamps)
+    check_bool("warmup", warmup)
     workload_tokens_hint(workload_hints)  # checked only: see the docstring
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence) and not hasattr(inputs, "tolist"):
         raise ValueError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
@@ -126,6 +134,8 @@ def generate_batch(
     if manager is not None:
         if tokenizer is not None:
             manager.adopt_tokenizer(tokenizer)
+        if warmup:
+            manager.warmup(progress_bar)
         drop = manager.cb_config.drop_unsupported_processors
         base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
         seed = manager.cb_config.seed
@@ -145,15 +155,21 @@ def generate_batch(
             params = base_params if seed is None else build_sampling_params(base_params, seed=seed)
             jobs.append((next(ids), prompt, params))
     hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
-    engine = Engine(model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer)
+    engine = Engine(
+        model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer, fallback_compile_config=gc.compile_config
+    )
     try:
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
             engine.check_request(rid, len(prompt), params)
+        if warmup:
+            engine.warmup(progress_bar)
+        jobs = engine.from_driver(jobs)  # tensor parallelism: every rank runs the driver's requests
         requests = [Request(rid, prompt, params, record_timestamps) for rid, prompt, params in jobs]
         for req in requests:
             engine.enqueue(req)
-        bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar)
+        show = progress_bar and engine.is_driver
+        bar = tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not show)
         t0 = time.perf_counter()
         try:
             while engine.has_unfinished():
@@ -161,11 +177,13 @@ def generate_batch(
                 done_now = sum(1 for r in updated if r.status == RequestStatus.FINISHED)
                 if done_now:
                     bar.update(done_now)
-                if progress_bar:
+                if show:
                     elapsed = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix(tok_s=f"{engine.stats.num_generated_tokens / elapsed:.1f}", refresh=False)
         finally:
             bar.close()
+        if not engine.is_driver:
+            return {}
         return {req.request_id: req.to_output() for req in requests}
     finally:
         engine.close()
@@ -190,7 +208,9 @@ def _generate_on_manager(
     """Run a batch on a persistent manager; keys, order and seeds as on a fresh engine.
 
     The sampling parameters go to the manager whole; with a seed, sample k (output order) gets
-    ``seed + k``, as ``generate_batch`` on a fresh engine does.
+    ``seed + k``, as ``generate_batch`` on a fresh engine does. On a tensor-parallel rank other than the
+    driver nothing is queued or read: its loop runs the driver's requests, and its ``stop`` (when this
+    call started the manager) returns once the driver's has, after the batch.
     """
     if manager.holds_pause():
         raise RuntimeError(
@@ -205,6 +225,8 @@ def _generate_on_manager(
         manager.start()
     try:
         ids = manager.add_requests(expanded, sampling_params=params, seed=seeds, record_timestamps=record_timestamps)
+        if not manager.engine.is_driver:
+            return {}
         results: dict[str, GenerationOutput] = {}
         for key, rid in tqdm(list(zip(keys, ids)), desc="generate_batch", unit="req", disable=not progress_bar):
             out = manager.get_result(rid)
@@ -278,7 +300,8 @@ def continuous_batching_context_manager(
         generation_config, continuous_batching_config, workload_hints: as for the manager.
         persistent_manager: keep the manager for the next call.
         block, timeout: how ``stop`` waits on exit.
-        warmup: accepted for transformers' API (``manager.warmup()`` does nothing).
+        warmup: call ``manager.warmup()`` before starting it (compiles and captures the step shapes
+            when a path is compiled or CUDA-graphed; nothing to do otherwise).
         tokenizer: for requests with stop strings, as for the manager.
     """
     manager = init_continuous_batching(

@@ -14,10 +14,13 @@ CPU path: torch SDPA. Decoding requests (one query token each) are attended in o
 batched call over their gathered, padded keys; the query heads that share a KV head
 are folded into the query-length axis, so grouped-query attention needs no copy of
 the keys. Each prefill chunk is one call, causal (and windowed for sliding-window
-layers) with an offset for the tokens already in the cache. CUDA path: flash-attn's
-``flash_attn_varlen_func`` over the whole flattened batch with a block table
-(vLLM's and nano-vllm's approach), used when ``flash_unsupported_reason`` finds nothing
-against it (flash-attn's version, the GPU's compute capability, dtype, head dim, page size).
+layers) with an offset for the tokens already in the cache. CUDA path, used when
+``flash_unsupported_reason`` finds nothing against it (flash-attn's version, the GPU's compute
+capability, dtype, head dim, page size): a step that only decodes (one query token per request)
+goes through flash-attn's ``flash_attn_with_kvcache`` with a fixed-width block table (the decode
+fast path, ``max_blocks_per_request`` columns; transformers' continuous batching has the same path);
+any other step through ``flash_attn_varlen_func`` over the whole flattened batch with a block table
+(vLLM's and nano-vllm's approach).
 
 The dispatcher's registered name never contains "flash" nor "/": transformers 5 treats any
 implementation name containing "flash" as a request for a flash kernel (and tries to import one
@@ -56,13 +59,16 @@ METADATA_KWARG = "rollout_batch"
 try:  # pragma: no cover - exercised on CUDA machines only
     from flash_attn import __version__ as _flash_attn_version
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
+    from flash_attn import flash_attn_with_kvcache as _flash_attn_with_kvcache
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_varlen_func = None
+    _flash_attn_with_kvcache = None
     _flash_attn_version = None
 
 # What flash-attn's paged varlen kernel needs, read from flash-attn 2.8.3 (csrc/flash_attn/flash_api.cpp,
 # mha_varlen_fwd, and flash_attn/flash_attn_interface.py):
-# - flash_attn_varlen_func takes block_table since 2.5.7 and softcap since 2.6.0;
+# - flash_attn_varlen_func takes block_table since 2.5.7 and softcap since 2.6.0 (flash_attn_with_kvcache,
+#   the decode fast path's kernel, has both by then too);
 FLASH_ATTN_MIN_VERSION = (2, 6, 0)
 # - "FlashAttention only supports Ampere GPUs or newer": compute capability major >= 8;
 FLASH_MIN_COMPUTE_CAPABILITY = 8
@@ -74,11 +80,12 @@ FLASH_MAX_HEAD_DIM = 256
 FLASH_HEAD_DIM_MULTIPLE = 8
 # - "Paged KV cache block size must be divisible by 256";
 FLASH_PAGE_MULTIPLE = 256
-# - cu_seqlens and block_table in int32, every tensor on the device of q (model_runner builds them so).
+# - cu_seqlens, cache_seqlens and block_table in int32, every tensor on the device of q (model_runner
+#   builds them so).
 
 
 def flash_attn_available() -> bool:
-    """True when flash-attn's varlen kernel can be imported."""
+    """True when flash-attn's kernels can be imported (its varlen and with_kvcache kernels import together)."""
     return _flash_attn_varlen_func is not None
 
 
@@ -221,8 +228,20 @@ class PagedAttentionMetadata:
         decode_gather: int64 [Bd, Lmax]; slots of each decoding request's keys, padded.
         decode_lengths: int64 [Bd]; keys of each decoding request (its query position + 1).
         prefills: the prefill chunks.
-        flash: CUDA varlen inputs (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            block_table) when the flash-attn path is used, else None.
+        flash: the flash-attn inputs when the engine uses flash-attn (CUDA), else None. A step that
+            takes the decode fast path has ``cache_seqlens`` (int32 [B]: keys of each request, this
+            step's included) and ``block_table`` (int32 [B, max_blocks_per_request], rows padded with
+            block 0), with row b the step's query row b; any other step has the varlen inputs
+            ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]), ``max_seqlen_q``, ``max_seqlen_k`` and
+            ``block_table`` (int32 [B, longest table]).
+        sliding_window: the window of the layer group these slots are for: its cache holds only the
+            keys of the last ``sliding_window`` positions of each request (None: every key).
+        groups: with several layer groups (``kv_cache.CacheLayout``), the metadata of each group, in
+            group order (this one is group 0's); empty when this metadata serves every layer.
+
+    The slots, gathers and block tables are those of one layer group; ``for_layer`` picks the group of
+    a layer. A sliding group's gathers start at the block of its window (``kv_cache.window_start_block``),
+    with the context and lengths counted from there, so its masks see the same relative positions.
     """
 
     cache: PagedKVCache
@@ -232,8 +251,27 @@ class PagedAttentionMetadata:
     decode_lengths: torch.Tensor | None
     prefills: list[PrefillSegment]
     flash: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    groups: list[PagedAttentionMetadata] = field(default_factory=list)
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict)
+
+    def for_layer(self, layer: int, sliding_window: int | None) -> PagedAttentionMetadata:
+        """The metadata of the group of ``layer``, checked against the window the layer attends with.
+
+        Raises:
+            RuntimeError: the layer's group keeps only a window of keys, but the layer attends further
+                back (``sliding_window`` None or larger): the keys it would read were given back.
+        """
+        meta = self.groups[self.cache.layout.layer_group[layer]] if self.groups else self
+        kept = meta.sliding_window
+        if kept is not None and (sliding_window is None or sliding_window > kept):
+            raise RuntimeError(
+                f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
+                f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
+                "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
+            )
+        return meta
 
     def on(self, device: torch.device) -> PagedAttentionMetadata:
         """This step's metadata with every tensor on ``device``; ``self`` when they are there already.
@@ -262,6 +300,7 @@ class PagedAttentionMetadata:
                 to(self.decode_lengths),
                 [PrefillSegment(s.start, s.end, s.context, to(s.gather)) for s in self.prefills],
                 flash,
+                self.sliding_window,
             )
             self._on_device[device] = moved
         return moved
@@ -339,7 +378,7 @@ def paged_attention(
     arrive in another, e.g. under autocast); the attention itself runs in ``_compute_dtype``.
 
     Args:
-        module: the attention module (its ``layer_idx`` picks the cache layer).
+        module: the attention module (its ``layer_idx`` picks the cache layer and its group's slots).
         query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding), on the device of
             the layer's cache.
         meta: the step's metadata (moved to the layer's device when the model is sharded).
@@ -349,9 +388,13 @@ def paged_attention(
 
     Returns:
         [1, T, H, D], the layout the model's attention modules expect back, in the compute dtype.
+
+    Raises:
+        RuntimeError: the layer attends further back than its cache group keeps (``for_layer``).
     """
     layer = module.layer_idx
     cache = meta.cache
+    meta = meta.for_layer(layer, sliding_window)  # the slots of the layer's group
     k_cache, v_cache = cache.key[layer], cache.value[layer]
     meta = meta.on(k_cache.device)
     _, H, T, D = query.shape
@@ -361,6 +404,8 @@ def paged_attention(
     cache.write(layer, meta.slot_mapping, k_new, v_new)
 
     if meta.flash is not None:
+        if "cache_seqlens" in meta.flash:
+            return _flash_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
         return _flash_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
     dtype = _compute_dtype(query)
@@ -396,7 +441,7 @@ def paged_attention(
     return out.unsqueeze(0)
 
 
-def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
+def _flash_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -433,6 +478,202 @@ def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
         block_table=f["block_table"],
     )
     return out.to(query.dtype).unsqueeze(0)
+
+
+def _flash_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The decode fast path: flash-attn's ``flash_attn_with_kvcache`` over a fixed-width block table.
+
+    Every query row is one request's only token (row b is batch entry b, ``q`` [B, 1, H, D]). The
+    step's keys and values are already in the cache (``paged_attention`` wrote them), so the kernel
+    gets no ``k``/``v`` to append and ``cache_seqlens`` counts this step's key: it reads keys
+    0 .. cache_seqlens[b] - 1 of request b through row b of the block table. (The kernel could write
+    the new keys itself, given ``k``, ``v`` and the lengths before the step; one write path for
+    every step keeps the cache's contents independent of the kernel chosen.) With one query token,
+    flash-attn ignores ``causal`` and aligns the window to the last key, as the SDPA decode mask does.
+
+    Returns:
+        [1, B, H, D] in the query's dtype (the kernel computes in the cache's dtype, as in
+        ``_flash_paged_attention``).
+    """
+    f = meta.flash
+    assert f is not None and _flash_attn_with_kvcache is not None
+    block_size = meta.cache.block_size
+    q = query[0].transpose(0, 1).unsqueeze(1).to(k_cache.dtype)  # [B, 1, H, D]
+    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
+    vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    out = _flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=f["cache_seqlens"],
+        block_table=f["block_table"],
+        softmax_scale=scale,
+        causal=True,
+        window_size=window,
+        softcap=softcap or 0.0,
+    )
+    return out.to(query.dtype).transpose(0, 1)  # [1, B, H, D]
+
+
+@dataclass
+class PaddedAttentionMetadata:
+    """Per-step metadata of the static-shape ("padded") path: tensors only, every shape a padded size.
+
+    Built inside the step's (compiled or CUDA-graphed) forward; nothing here is read on the host, so
+    ``padded_paged_attention`` traces into one graph per layer. The query rows attend in groups, each
+    group over the keys of one request, read from the cache through that request's block table:
+
+    - the decode group: one query row per group (a request computing one token);
+    - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
+      Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
+
+    Shapes: T padded query rows; Bd decode groups reading Ld keys; G prefill groups of Qs rows reading
+    Lp keys. Filler groups and filler rows (there to fill a padded size) point at row T, read the
+    padding slot (the cache's extra block, never handed to a request) and are dropped. Padded query
+    rows (T real rows up to the padded T) write the padding slot and belong to no group: their
+    attention output is 0.
+
+    Attributes:
+        cache: the paged KV cache.
+        slot_mapping: int64 [T]; the cache slot each query row writes (padded rows: the padding slot).
+        decode_rows: int64 [Bd], the query row of each decode group (fillers: T), or None on the
+            decode path, where row i is decode group i (Bd = T).
+        decode_gather: int64 [Bd, Ld]; the slots of positions 0..Ld-1 of each decode group's request.
+        decode_pos: int64 [Bd]; the position of each decode row (it sees keys 0..pos; 0 for fillers and
+            padded rows, which then see the padding slot only).
+        prefill_rows: int64 [G, Qs]; the query rows of each prefill group (fillers: T), or None.
+        prefill_gather: int64 [G, Lp]; the slots of positions 0..Lp-1 of each group's request.
+        prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
+        decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
+            T - 1 (the rows whose queries they take), computed once per step rather than per layer.
+    """
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor
+    decode_rows: torch.Tensor | None
+    decode_gather: torch.Tensor
+    decode_pos: torch.Tensor
+    prefill_rows: torch.Tensor | None = None
+    prefill_gather: torch.Tensor | None = None
+    prefill_pos: torch.Tensor | None = None
+    decode_read: torch.Tensor | None = None
+    prefill_read: torch.Tensor | None = None
+
+
+def _group_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    gather: torch.Tensor,
+    q_pos: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Groups of query rows, each over its own gathered keys: row i sees key j when j <= pos_i.
+
+    Args:
+        q: [G, Qs, H, D] the groups' queries.
+        k_cache, v_cache: [slots, Hkv, D] one layer of the cache.
+        gather: int64 [G, L]; the slot of each group's key positions 0..L-1.
+        q_pos: int64 [G, Qs]; the position of each query row (its key positions 0..pos are visible,
+            those further back than ``sliding_window`` are not).
+        dtype: the compute dtype.
+        scale, sliding_window, softcap: as in ``paged_attention``.
+
+    Returns:
+        [G, Qs, H, D]. With one row per group and no softcap, the query heads of each KV head are
+        folded into the query axis (grouped-query attention reads every key once).
+    """
+    G, Qs, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    L = gather.shape[1]
+    flat = gather.reshape(-1)
+    # index_select on the flat slot list is several times faster than advanced indexing on CPU.
+    kg = k_cache.index_select(0, flat).view(G, L, Hkv, D).transpose(1, 2).to(dtype)  # [G, Hkv, L, D]
+    vg = v_cache.index_select(0, flat).view(G, L, Hkv, D).transpose(1, 2).to(dtype)
+    k_pos = torch.arange(L, device=gather.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [G, Qs, L]
+    if sliding_window is not None:
+        mask = mask & ((q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window)
+    if Qs == 1 and softcap is None:
+        qg = q.reshape(G, Hkv, H // Hkv, D)  # [G, Hkv, heads per KV head, D]
+        out = _attend(qg, kg, vg, mask[:, None], scale, softcap, is_causal=False)
+        return out.reshape(G, 1, H, D)
+    out = _attend(q.transpose(1, 2), kg, vg, mask[:, None], scale, softcap, is_causal=False)  # [G, H, Qs, D]
+    return out.transpose(1, 2)
+
+
+def padded_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PaddedAttentionMetadata,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of one layer over the paged cache, for a padded step: traceable, one graph, no host read.
+
+    The step's keys and values are written into the cache first, then every read comes from the
+    cache, group by group (see ``PaddedAttentionMetadata``): the decode groups, then the prefill
+    groups, whose outputs are scattered back to their rows.
+
+    Cost against the eager path: a decode row reads its request's keys padded to Ld (as the eager
+    decode path, plus the padding). A prefill group of Qs rows reads Lp keys, Lp the longest request
+    of the step's prefill groups (padded): about T x Lp scores where the eager path computes the
+    causal half of n_i x (context_i + n_i) per request; so as cheap when one request prefills, up to
+    about 2k times dearer for k requests of equal length in one step (each sub-chunk also re-reads
+    its request's earlier keys). Masked keys read finite values (the cache starts zeroed and every
+    write is a model's key or value) and no row is fully masked (every row sees key 0 of its group),
+    so padding can never bring NaN into a real row.
+
+    Args:
+        module: the attention module (its ``layer_idx`` picks the cache layer).
+        query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding).
+        meta: the step's padded metadata.
+        scaling: softmax scale (default D ** -0.5).
+        sliding_window: keys further back than this many positions are masked (None: all).
+        softcap: tanh soft-capping of the scores (Gemma 2), or None.
+
+    Returns:
+        [1, T, H, D] in the compute dtype (``_compute_dtype``).
+    """
+    layer = module.layer_idx
+    k_cache, v_cache = meta.cache.key[layer], meta.cache.value[layer]
+    _, H, T, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    dtype = _compute_dtype(query)
+    q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
+    args = (k_cache, v_cache)
+    rest = (dtype, scale, sliding_window, softcap)
+    if meta.decode_rows is None:  # the decode path: row i is decode group i
+        out = _group_attention(q[:, None], *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
+        return out.reshape(1, T, H, D)
+    rows_d, rows_p = meta.decode_rows, meta.prefill_rows
+    assert rows_p is not None and meta.prefill_gather is not None and meta.prefill_pos is not None
+    assert meta.decode_read is not None and meta.prefill_read is not None
+    # Filler rows (index T) read the last row; their outputs land in a scratch row T, dropped below.
+    qd = q.index_select(0, meta.decode_read)[:, None]
+    od = _group_attention(qd, *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
+    qp = q.index_select(0, meta.prefill_read.reshape(-1)).view(*rows_p.shape, H, D)
+    op = _group_attention(qp, *args, meta.prefill_gather, meta.prefill_pos, *rest)
+    out = q.new_zeros(T + 1, H, D)
+    out = out.index_copy(0, rows_d, od[:, 0]).index_copy(0, rows_p.reshape(-1), op.reshape(-1, H, D))
+    return out[:T].unsqueeze(0)
 
 
 class _ConfigAsOriginal:
@@ -508,7 +749,8 @@ def _make_dispatch(original: str) -> Callable[..., tuple[torch.Tensor, torch.Ten
             return fn(seen, query, key, value, attention_mask, **kwargs)
         if kwargs.get("s_aux") is not None:
             raise NotImplementedError("attention sinks (s_aux) are not supported by rollout's paged attention")
-        out = paged_attention(
+        attention = padded_paged_attention if isinstance(meta, PaddedAttentionMetadata) else paged_attention
+        out = attention(
             module,
             query,
             key,

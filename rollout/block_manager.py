@@ -11,6 +11,10 @@ Only full blocks are hashed. The G samples of one prompt submitted together shar
 scheduler prefills the prompt once and forks the others from it (``share``: every block, the
 partial last one included; the KV cache manager copies a shared partial block before a request
 writes into it).
+
+One pool serves every layer group of the cache (see ``kv_cache_manager``): a block id belongs to one
+group at a time, and a block's hash is chained from a root that names its group, so the same tokens
+cached by two groups are two entries (vLLM v1 keys its prefix cache by block hash and group id).
 """
 
 from __future__ import annotations
@@ -19,15 +23,20 @@ import hashlib
 import itertools
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+# The block-table entry of a block that a request no longer holds: a sliding-window group's blocks that
+# fell out of the window (see ``kv_cache_manager``). Never a block id.
+NULL_BLOCK = -1
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
     """Stable hash of a full block.
 
     Args:
-        parent_hash: hash of the previous block of the sequence, or None for the first block.
+        parent_hash: hash of the previous block of the sequence, or None for the first block (of
+            layer group 0; another group's first block is chained from ``group_root(group)``).
         token_ids: the block's token ids (block_size of them).
         weight_version: version of the weights the block's KV is computed under.
 
@@ -38,6 +47,12 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_versi
     h.update(parent_hash or b"root")
     h.update(struct.pack(f"<q{len(token_ids)}q", weight_version, *token_ids))
     return h.digest()
+
+
+def group_root(group: int) -> bytes | None:
+    """The parent hash of a layer group's first block: None for group 0 (a cache with one group hashes as
+    it always did), a 32-byte digest naming the group for the others."""
+    return None if group == 0 else hashlib.sha256(b"rollout layer group %d" % group).digest()
 
 
 @dataclass
@@ -94,7 +109,9 @@ class BlockManager:
         """
         return any(self.blocks[b].block_hash is not None for b in itertools.islice(self.free_queue, n))
 
-    def find_cached_prefix(self, token_ids: Sequence[int], weight_version: int, max_tokens: int) -> list[int]:
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], weight_version: int, max_tokens: int, group: int = 0
+    ) -> list[int]:
         """Longest run of cached full blocks that starts the sequence.
 
         Args:
@@ -102,24 +119,44 @@ class BlockManager:
             weight_version: only blocks computed under this version match.
             max_tokens: most tokens that may be covered (the caller keeps at least
                 the last token to compute, so there are logits to sample from).
+            group: the layer group whose blocks are looked up.
 
         Returns:
             Block ids of the hit blocks, in order (possibly empty). Nothing is acquired.
         """
-        if not self.enable_prefix_caching:
-            return []
         hits: list[int] = []
-        parent: bytes | None = None
-        bs = self.block_size
-        for i in range(max_tokens // bs):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, chunk, weight_version)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+        for block_id in self._lookup(token_ids, weight_version, max_tokens // self.block_size, group):
+            if block_id is None:
                 break
             hits.append(block_id)
-            parent = h
         return hits
+
+    def lookup(
+        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int = 0
+    ) -> list[int | None]:
+        """The cached block of each of the sequence's first ``num_blocks`` full blocks, None where none is.
+
+        Unlike ``find_cached_prefix`` this goes on past a miss: a block's hash is chained over the
+        tokens before it, not over the blocks, so a sliding-window group finds the blocks of its
+        window when those before it were evicted.
+
+        Returns:
+            ``num_blocks`` entries (fewer when the sequence has fewer full blocks). Nothing is acquired.
+        """
+        return list(self._lookup(token_ids, weight_version, num_blocks, group))
+
+    def _lookup(
+        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int
+    ) -> Iterator[int | None]:
+        if not self.enable_prefix_caching:
+            return
+        parent = group_root(group)
+        bs = self.block_size
+        for i in range(min(num_blocks, len(token_ids) // bs)):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, chunk, weight_version)
+            block_id = self.hash_to_block.get(parent)
+            yield block_id if block_id is not None and self.blocks[block_id].token_ids == chunk else None
 
     # ------------------------------------------------------------------ changes
     def allocate(self, n: int) -> list[int]:
@@ -192,7 +229,8 @@ class BlockManager:
         """Register a full block in the prefix cache and return its hash.
 
         If another block already holds the same hash, the table keeps that one and
-        this block stays private to its request.
+        this block stays private to its request. ``parent_hash`` of a group's first block is
+        ``group_root(group)``.
         """
         h = hash_block(parent_hash, token_ids, weight_version)
         if not self.enable_prefix_caching:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -35,12 +36,21 @@ DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
-# Padding intervals (tokens) of the static-shape path. CUDA: transformers' presets
-# (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: q 64, kv 64 blocks of 256).
+# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
+# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
+# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
+# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of
+# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
+# decode step of 32 requests 4-7% slower than the eager one, to 32 (one CPU page) 0-1%. A decode step
+# costs about 4 ms of CPU per row past 4 rows (1 row 43 ms, 4 rows 66, 8 rows 81, 16 rows 111, 32 rows
+# 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on average, not 7.5 as with 16.
+# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
+# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
+# every padded key of every decode row, so it takes 4 pages instead.
 DEFAULT_Q_PADDING_CUDA = 64
-DEFAULT_KV_PADDING_CUDA = 64 * 256
-DEFAULT_Q_PADDING_CPU = 16
-DEFAULT_KV_PADDING_CPU = 64
+DEFAULT_KV_PADDING_CUDA = 4 * 256
+DEFAULT_Q_PADDING_CPU = 4
+DEFAULT_KV_PADDING_CPU = 32
 # transformers' fallback width of the decode fast path's block table.
 DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 MAX_COMPILE_LEVEL = 3
@@ -74,6 +84,11 @@ class ContinuousBatchingConfig:
             beyond the token budget.
         allow_block_sharing: prefix caching; full prompt blocks are hashed and
             shared between requests (the G samples of a GRPO prompt share them).
+        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep
+            only the KV blocks their next queries read, giving the others back to the pool
+            (``kv_cache_manager``). False keeps every position of every layer, as full attention
+            does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback, and the baseline the
+            saving is measured against.
         scheduler_type: ``"fifo"`` (running requests first, then waiting ones in
             arrival order) or ``"prefill_first"`` (waiting requests are admitted
             before decodes get their tokens).
@@ -115,36 +130,66 @@ class ContinuousBatchingConfig:
             ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
             warning per field, False refuses the config with a ValueError naming it.
         default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its
-            own (``varlen_compile_config`` / ``decode_compile_config``, else the generation config's
-            ``compile_config``), level 1 compiles it with ``mode="default", dynamic=True``, level 2
-            with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
-            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels): a higher level
-            runs faster after a longer warmup.
+            own (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with
+            ``mode="default", dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs",
+            dynamic=True`` and level 3 with ``mode="max-autotune-no-cudagraphs", dynamic=False``
+            (transformers' levels); at level 0 the generation config's ``compile_config`` is used when
+            the user set one (transformers' ``GenerationConfig`` defaults it to None: nothing is
+            compiled). What is compiled is the step's forward (the model through the paged cache and
+            the kept logits rows; sampling stays eager), one compiled function per path, shared by
+            every engine with the same config. A compiled path runs the static-shape step (see
+            ``q_padding_interval_size``); ``warmup()`` (``generate_batch(warmup=True)``, the manager's
+            ``warmup()``) compiles it before the first request, and ``EngineStats.num_compiles`` /
+            ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False`` every padded
+            shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8,
+            per path, and runs further shapes uncompiled): level 3 suits few shapes.
         varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen
-            path: steps with a prefill chunk or a score. None: see ``default_compile_level``.
-        decode_compile_config: the same for decode-only steps (one query token per request).
-        use_cuda_graph: capture each padded step shape in a CUDA graph and replay it: a bool for both
-            paths, a (varlen, decode) pair, or None to pick per device (see ``resolved_cuda_graphs``).
-            True on a device without CUDA is a ValueError.
-        q_padding_interval_size: the static-shape path (compile or CUDA graphs) pads a step's query
-            tokens to a multiple of this many tokens (>= 0; 0 picks the device's preset: 64 on CUDA,
-            as in transformers, 16 on CPU). Padded rows are masked out and never written to a
-            request's blocks.
-        kv_padding_interval_size: the same for the keys each request reads (>= 0; 0 picks 16384 on
-            CUDA, as in transformers, 64 on CPU).
-        max_blocks_per_request: width (blocks) of the block table of the CUDA decode fast path
-            (flash-attn's ``flash_attn_with_kvcache``); 0 turns the fast path off; None sizes it from
-            the longest request (at least 32, transformers' fallback). No effect on CPU.
+            path: every step that is not decode-only (prefill chunks, mixed, scoring). None: see
+            ``default_compile_level``.
+        decode_compile_config: the same for decode-only steps (one query token per request, sampled).
+        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it
+            (with static input buffers; an LRU of 64 graphs per engine): a bool for both paths, a
+            (varlen, decode) pair, or None, which is off on every device for now (the capture has not
+            run on a GPU yet; see ``resolved_cuda_graphs``). True on a device without CUDA is a
+            ValueError, raised before the engine allocates anything; so is a graphed path whose compile
+            mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
+        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits
+            rows and decode rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0
+            picks the device's preset: 64 on CUDA, as in transformers, 4 on CPU, measured). A padded row is
+            token 0 at position 0, writes a padding block no request owns and its output is dropped.
+        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole
+            blocks (>= 0; 0 picks 1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes
+            flash-attn's block-table reads, while the padded step gathers every padded key).
+        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path:
+            a step in which every request decodes one token goes through flash-attn's
+            ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
+            the varlen kernel. 0 turns the fast path off; None sizes it for the longest request the
+            cache can hold (see ``resolved_max_blocks_per_request``). Used only where the engine runs
+            flash-attn (CUDA); no effect on CPU.
         use_async_batching: schedule and prepare step k+1 (its batch, block tables, slot mapping,
-            sampling rows, staged input tensors) while step k's forward and sampling run: on CPU a
-            worker thread runs the steps; on CUDA the inputs are copied on a side stream into two
-            staging buffer sets used in turn, ordered by events. Step k+1 is scheduled before step k's
-            tokens are known (placeholders, filled on the device before its forward), and scheduled
-            again after step k when a request of it ended, so the outputs are the synchronous loop's,
-            token for token and logprob for logprob. Steps that cannot be scheduled ahead exactly
-            (admissions, forks, preemption, copy-on-write, logits processors that read the token
-            history) are scheduled the synchronous way; ``EngineStats`` counts both kinds. None picks
-            per device (see ``resolved_async_batching``).
+            sampling rows, staged input tensors; on a compiled or CUDA-graphed path its padded inputs)
+            while step k's forward and sampling run: on CPU a worker thread runs the steps; on CUDA the
+            inputs are copied on a side stream into two staging buffer sets used in turn, ordered by
+            events. Step k+1 is scheduled before step k's tokens are known (placeholders, filled on the
+            device before its forward), and scheduled again after step k when a request of it ended, so
+            the outputs are the synchronous loop's, token for token and logprob for logprob. Steps that
+            cannot be scheduled ahead exactly (admissions, forks, preemption, copy-on-write, a fresh
+            block that would evict a prefix-cache block, logits processors that read the token history)
+            are scheduled the synchronous way; ``EngineStats`` counts both kinds. None picks per device
+            (see ``resolved_async_batching``). Not supported under tensor parallelism: True raises a
+            ValueError there before the engine allocates anything, None is off.
+        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
+            graph-captured collectives running beside other collectives (transformers' meaning): rollout
+            never replays two such graphs at once, and NCCL is faster without it. NCCL reads the
+            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when its communicators start, so, as in transformers,
+            building a config with True in a multi-process launch (``WORLD_SIZE`` > 1) sets it to
+            ``"0"`` unless it is already set: build the config before ``from_pretrained(tp_plan=...)``.
+            The engine warns when TP runs on CUDA with the variable not ``"0"``. No effect on CPU.
+        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks
+            of a tensor-parallel engine share its decisions over may wait for the other ranks before
+            it raises (transformers' meaning; gloo's own default is 30 minutes). None: no timeout. A
+            manager's ranks exchange a message at least every 50 ms while idle or paused, so only a
+            stuck or dead rank runs into it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
             it sets ``page_size`` with a ``FutureWarning``. Both set to different values
@@ -157,6 +202,7 @@ class ContinuousBatchingConfig:
     max_memory_percent: float | None = None
     max_requests_per_batch: int | None = None
     allow_block_sharing: bool = True
+    sliding_window_cache: bool = True
     scheduler_type: Literal["fifo", "prefill_first"] = "fifo"
     safety_margin: float | None = None
     return_logprobs: bool = False
@@ -176,6 +222,8 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 0
     max_blocks_per_request: int | None = None
     use_async_batching: bool | None = None
+    disable_nccl_graph_mixing: bool = True
+    cpu_group_timeout: float | None = 300.0
     progress_log_interval: float = 10.0
     block_size: int | None = None
 
@@ -208,7 +256,13 @@ class ContinuousBatchingConfig:
         check_number("cpu_offload_space_safety_threshold", self.cpu_offload_space_safety_threshold, 0.0, 1.0)
         check_number("progress_log_interval", self.progress_log_interval, minimum=0.0, min_open=True)  # seconds
         check_int("seed", self.seed, minimum=0, maximum=2**62 - 1, allow_none=True)
-        for name in ("allow_block_sharing", "return_logprobs", "per_request_processors", "drop_unsupported_processors"):
+        for name in (
+            "allow_block_sharing",
+            "sliding_window_cache",
+            "return_logprobs",
+            "per_request_processors",
+            "drop_unsupported_processors",
+        ):
             check_bool(name, getattr(self, name))
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)
         for name in ("varlen_compile_config", "decode_compile_config"):
@@ -237,6 +291,10 @@ class ContinuousBatchingConfig:
         check_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0, allow_none=True)
         if self.use_async_batching is not None:
             check_bool("use_async_batching", self.use_async_batching)
+        check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)
+        check_number("cpu_group_timeout", self.cpu_group_timeout, minimum=0.0, min_open=True, allow_none=True)
+        if self.disable_nccl_graph_mixing:
+            _disable_nccl_graph_mixing()
 
     def resolved_page_size(self, device_type: str) -> int:
         """Tokens per block for a device type (``"cpu"`` or ``"cuda"``)."""
@@ -253,6 +311,27 @@ class ContinuousBatchingConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return 2048 if device_type == "cuda" else 512
+
+    def resolved_max_blocks_per_request(self, num_blocks: int, block_size: int, context_length: int | None) -> int:
+        """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
+
+        Args:
+            num_blocks: blocks in the engine's cache.
+            block_size: tokens per block.
+            context_length: the model's ``max_position_embeddings``, or None when it has none.
+
+        Returns:
+            The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
+            the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
+            least 32 (transformers' fallback width). A request past the model's context (allowed, with
+            a warning) may then be wider than the table: its steps take the varlen kernel.
+        """
+        if self.max_blocks_per_request is not None:
+            return self.max_blocks_per_request
+        longest = num_blocks
+        if context_length is not None:
+            longest = min(longest, -(-context_length // block_size))
+        return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
 
     def resolved_memory_percent(self, device_type: str) -> float:
         """Fraction of the usable memory the engine (KV cache and step workspace) may take on a device type."""
@@ -285,8 +364,10 @@ class ContinuousBatchingConfig:
     def resolved_cuda_graphs(self, device_type: str) -> tuple[bool, bool]:
         """(varlen, decode): whether each path replays CUDA graphs on a device type.
 
-        None picks (False, False) off CUDA; on CUDA see the engine's model runner, which may turn a
-        path on (this method answers False for None until then).
+        None picks (False, False) on every device: off CUDA there is nothing to capture, and on CUDA
+        the capture path has not yet run on a GPU (transformers turns graphs on when its attention
+        needs no mask), so it is used only when asked for. The engine calls this first, before it
+        allocates anything.
 
         Raises:
             ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
@@ -303,13 +384,14 @@ class ContinuousBatchingConfig:
         return pair
 
     def resolved_padding_intervals(self, device_type: str) -> tuple[int, int]:
-        """(query, kv) padding intervals in tokens of the static-shape path on a device type."""
+        """(query, kv) padding intervals in tokens of the static-shape path on a device type (the
+        field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
         cuda = device_type == "cuda"
         q = self.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
         kv = self.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
         return q, kv
 
-    def resolved_async_batching(self, device_type: str) -> bool:
+    def resolved_async_batching(self, device_type: str, tensor_parallel: bool = False) -> bool:
         """Whether the engine prepares step k+1 while step k runs on a device type.
 
         The explicit value, else: off on CPU, where the host work it hides is about 0.7 ms of a 140 ms
@@ -317,8 +399,26 @@ class ContinuousBatchingConfig:
         kernel a little (measured 0.85x and 0.91x the synchronous loop's tokens/s; README "Async
         batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
         transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the
-        host's work behind its own launch time.
+        host's work behind its own launch time. Off under tensor parallelism: the ranks share the
+        driver's sampled tokens after each step (``distributed.TensorParallel.share_output``), while a
+        step scheduled ahead reads its rank's own tokens on the device before that.
+
+        Args:
+            device_type: the model's device type ("cpu", "cuda", ...).
+            tensor_parallel: the model is sharded by a ``tp_plan`` (the engine runs in lockstep with other
+                ranks).
+
+        Raises:
+            ValueError: ``use_async_batching=True`` under tensor parallelism.
         """
+        if tensor_parallel:
+            if self.use_async_batching:
+                raise ValueError(
+                    "use_async_batching=True is not supported under tensor parallelism (a step scheduled ahead "
+                    "would read each rank's own sampled tokens, not the driver's); set use_async_batching to "
+                    "None or False"
+                )
+            return False
         if self.use_async_batching is not None:
             return bool(self.use_async_batching)
         if device_type != "cuda":
@@ -360,10 +460,9 @@ class ContinuousBatchingConfig:
         A field rollout has under the same name is copied when it differs from transformers'
         default; a field left at transformers' default keeps rollout's default, which may depend
         on the device (``page_size`` 256 is transformers' default, so it reads as unset: 32 on
-        CPU, 256 on CUDA). Fields rollout does not have (CUDA graphs, compile levels, async
-        batching, flash auto-switch, TP timeouts...) are dropped; the ones set away from their
-        default are named in one warning. ``block_size`` was folded into ``page_size`` by
-        transformers itself.
+        CPU, 256 on CUDA). Fields rollout does not have (flash auto-switch, deprecated fields...) are
+        dropped; the ones set away from their default are named in one warning. ``block_size`` was
+        folded into ``page_size`` by transformers itself.
 
         Raises:
             ValueError: a copied value rollout does not accept (the message names the field).
@@ -392,6 +491,17 @@ class ContinuousBatchingConfig:
                 ", ".join(ignored),
             )
         return cls(**values)
+
+
+def _disable_nccl_graph_mixing() -> None:
+    """Set ``NCCL_GRAPH_MIXING_SUPPORT=0`` in a multi-process launch, unless the variable is already set.
+
+    NCCL reads it when a communicator starts, so it must be in the environment before the model's
+    process group starts (see ``ContinuousBatchingConfig.disable_nccl_graph_mixing``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or "1") > 1 and "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ:
+        os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"
+        logger.info("NCCL_GRAPH_MIXING_SUPPORT set to 0 (disable_nccl_graph_mixing=True, WORLD_SIZE > 1)")
 
 
 def _same(value: Any, default: Any) -> bool:

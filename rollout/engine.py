@@ -17,20 +17,32 @@ for token and logprob for logprob (see ``scheduler``'s module docstring for why 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+from transformers.generation import CompileConfig
 
 from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .kv_cache import CacheShape, CPUOffloadPool, PagedKVCache, num_blocks_for_model, offload_space_gib
+from .distributed import TensorParallel, tensor_parallel_mesh
+from .kv_cache import (
+    CacheLayout,
+    CacheShape,
+    CPUOffloadPool,
+    PagedKVCache,
+    num_blocks_for_model,
+    offload_space_gib,
+)
 from .kv_cache_manager import KVCacheManager
 from .model_runner import LaunchedStep, ModelRunner, PreparedStep
 from .models import (
@@ -45,11 +57,14 @@ from .models import (
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from .static_step import PaddingRule, mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,10 +85,25 @@ class EngineStats:
             compute (of the G samples of a prompt submitted together, G - 1).
         num_block_copies: shared blocks copied before a request wrote into them (copy-on-write of
             the partial last block of a forked prompt).
+        num_decode_fast_path_steps: steps that went through flash-attn's ``flash_attn_with_kvcache``
+            (the CUDA decode fast path, see ``ContinuousBatchingConfig.max_blocks_per_request``).
         decode_step_seconds: wall time of steps that only decoded (one token per request). With async
             batching, the time from the later of the step's launch and the previous step's end to the
             step's end: the wall time the step adds.
         decode_step_batch: the batch size of each of those steps.
+        kv_cache_bytes: bytes of the paged KV cache's tensors, every layer group together.
+        kv_cache_capacity_tokens: per layer group (``KVCacheGroup.name``, e.g. ``"full:5"``,
+            ``"sliding64:0"``), the tokens of KV its layers can hold: every block of the pool, which the
+            groups share (a sliding group holds only a window of each request, so the pool serves more
+            requests than a cache of full layers of the same bytes).
+        num_padded_steps: steps run on the static-shape path (a compiled or CUDA-graphed path).
+        num_compiles: dynamo compilations triggered by this engine's forwards, warmup included (0
+            when the graphs were already compiled by an earlier engine with the same config).
+        num_compiles_after_warmup: those triggered by steps after ``Engine.warmup()`` (0 when
+            warmup never ran).
+        num_cuda_graph_captures: CUDA graphs captured, warmup included.
+        num_cuda_graph_captures_after_warmup: those captured by steps after ``warmup()``.
+        warmup_seconds: wall time of ``warmup()`` (None when it never ran or had nothing to do).
         num_async_steps: async batching: steps scheduled and prepared while the step before them ran,
             and run as prepared.
         num_sync_steps: async batching: steps scheduled after the step before them ended (the
@@ -94,8 +124,17 @@ class EngineStats:
     num_prefix_cache_hit_blocks: int = 0
     num_forks: int = 0
     num_block_copies: int = 0
+    num_decode_fast_path_steps: int = 0
     decode_step_seconds: list[float] = field(default_factory=list)
     decode_step_batch: list[int] = field(default_factory=list)
+    kv_cache_bytes: int = 0
+    kv_cache_capacity_tokens: dict[str, int] = field(default_factory=dict)
+    num_padded_steps: int = 0
+    num_compiles: int = 0
+    num_compiles_after_warmup: int = 0
+    num_cuda_graph_captures: int = 0
+    num_cuda_graph_captures_after_warmup: int = 0
+    warmup_seconds: float | None = None
     num_async_steps: int = 0
     num_sync_steps: int = 0
     async_fallbacks: Counter[str] = field(default_factory=Counter)
@@ -113,6 +152,38 @@ class _InFlight:
         return self.launched.prepared.scheduler_output
 
 
+def _check_static_paths(
+    compile_configs: tuple[CompileConfig | None, CompileConfig | None],
+    cuda_graphs: tuple[bool, bool],
+    devices: Sequence[torch.device],
+) -> None:
+    """Refuse static-shape settings the engine cannot run, before anything is allocated.
+
+    Raises:
+        ValueError: a compiled or graphed path on a model whose layers span several devices (the
+            padded step builds its metadata on one device), or a CUDA-graphed path whose compile mode
+            captures CUDA graphs itself (inductor's ``triton.cudagraphs``: "reduce-overhead",
+            "max-autotune"), which would capture inside our capture.
+    """
+    static = any(cuda_graphs) or any(c is not None for c in compile_configs)
+    if static and len(set(devices)) > 1:
+        raise ValueError(
+            "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need the "
+            f"model's layers on one device, but they span {sorted({str(d) for d in devices})}; leave them unset"
+        )
+    for path, config, graphed in zip(("varlen", "decode"), compile_configs, cuda_graphs, strict=True):
+        if not graphed or config is None:
+            continue
+        options = dict(config.options or {})
+        if config.mode is not None:
+            options.update(torch._inductor.list_mode_options(config.mode))
+        if options.get("triton.cudagraphs", False):
+            raise ValueError(
+                f"use_cuda_graph captures the {path} path, whose compile config (mode={config.mode!r}) captures CUDA "
+                "graphs itself; use mode='default' or 'max-autotune-no-cudagraphs', or set use_cuda_graph=False"
+            )
+
+
 class Engine:
     """Continuous-batching engine for one model replica.
 
@@ -123,23 +194,45 @@ class Engine:
             dtype the attention computes in (``models.attention_dtype``: autocast's for a model
             prepared by accelerate with ``mixed_precision``) and keeps each layer's tensors on
             the device that layer runs on (``models.layer_devices``: a ``device_map``-sharded model
-            gets its cache sharded the same way). On CUDA the steps use flash-attn's paged kernel
-            when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line).
+            gets its cache sharded the same way). On CUDA the steps use flash-attn's paged kernels
+            when ``attention.flash_support`` finds nothing against it, else SDPA (with a log line):
+            decode-only steps ``flash_attn_with_kvcache`` (up to ``max_blocks_per_request``), the
+            others ``flash_attn_varlen_func``.
+            A model sharded by a ``tp_plan`` under ``torchrun`` runs one engine per rank in lockstep
+            (``distributed.TensorParallel``): each rank's cache holds its own KV heads, the cache size
+            is the smallest any rank measured, and the driver's sampled tokens are every rank's.
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
             what holds this many tokens (an int), or these requests of that many tokens each
             (a sequence: the whole job of ``generate_batch``), memory permitting.
         tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings
             (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
+        fallback_compile_config: the generation config's ``compile_config`` (None when the user set
+            none: transformers' ``GenerationConfig`` defaults it to None): compiles the paths that
+            have no compile config of their own when ``default_compile_level`` is 0.
+
+    Compiled and CUDA-graphed paths (``config.resolved_compile_configs``, ``resolved_cuda_graphs``) run
+    the static-shape step (``static_step``): the cache gets one padding block more than the block
+    manager hands out; ``warmup()`` compiles or captures before the first request.
 
     With ``config.resolved_async_batching`` true, a step is in flight between calls of ``step()`` (see the
     module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled meanwhile
     (``finish_request``) has its row of that step computed and dropped. Weight changes
-    (``set_weight_version``, ``recompute_in_flight``) and ``close()`` finish it first.
+    (``set_weight_version``, ``recompute_in_flight``), ``warmup()`` and ``close()`` finish it first. It
+    composes with compiled and CUDA-graphed paths (the padded batch of the next step is prepared ahead,
+    its placeholder tokens written into the batch on the device before the forward or the graph's
+    replay) and with every KV layer group (a step scheduled ahead allocates in each group's table and
+    gives back a sliding group's out-of-window blocks only once it is kept). It is off under tensor
+    parallelism (``resolved_async_batching``).
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
             layer's weights are on the meta device with no accelerate hook saying where it runs.
+        ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
+            ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that
+            captures CUDA graphs itself; a compiled or graphed path on a model whose layers span several
+            devices or whose layers need several KV layer groups of different shapes;
+            ``use_async_batching=True`` on a tensor-parallel model. Raised before anything is allocated.
     """
 
     def __init__(
@@ -148,46 +241,104 @@ class Engine:
         config: ContinuousBatchingConfig | None = None,
         max_tokens_hint: int | Sequence[int] | None = None,
         tokenizer: object | None = None,
+        fallback_compile_config: CompileConfig | None = None,
     ) -> None:
         check_model_supported(model)
+        self.config = config or ContinuousBatchingConfig()
+        self.device = input_device(model)
+        dev_type = self.device.type
+        # Before any collective: async batching asked for under tensor parallelism raises on every rank.
+        self.async_batching = self.config.resolved_async_batching(dev_type, tensor_parallel_mesh(model) is not None)
+        # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
+        self.tp = TensorParallel.from_model(model, self.config)
+        # Checked before anything is allocated: CUDA graphs asked for off CUDA raise here.
+        cuda_graphs = self.config.resolved_cuda_graphs(dev_type)
+        compile_configs = self.config.resolved_compile_configs(fallback_compile_config)
+        devices = layer_devices(model)
+        static = any(cuda_graphs) or any(c is not None for c in compile_configs)
+        _check_static_paths(compile_configs, cuda_graphs, devices)
         self.model = model
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
-        self.config = config or ContinuousBatchingConfig()
-        self.device = input_device(model)
-        devices = layer_devices(model)
         dtype = attention_dtype(model)
-        dev_type = self.device.type
         self.block_size = self.config.resolved_page_size(dev_type)
-        shape = CacheShape.from_model(model, dtype)
+        self.max_batch_tokens = self.config.resolved_max_batch_tokens(dev_type)
+        shape = CacheShape.from_model(model, dtype, sliding_windows=self.config.sliding_window_cache)
+        layout = CacheLayout.build(shape, devices)
+        if static and (len(layout.groups) > 1 or any(w is not None for w in layout.sliding_windows)):
+            # The padded step reads every layer through one block table, from position 0: one layer
+            # group that keeps every position.
+            if self.config.sliding_window_cache:
+                logger.info(
+                    "compiled or CUDA-graphed steps read one KV layer group: sliding-window layers keep every "
+                    "position (as with sliding_window_cache=False)"
+                )
+                shape = CacheShape.from_model(model, dtype, sliding_windows=False)
+                layout = CacheLayout.build(shape, devices)
+            if len(layout.groups) > 1:
+                raise ValueError(
+                    "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need "
+                    "every layer to have the same KV heads and head dim, but this model's layers form "
+                    f"{len(layout.groups)} KV layer groups ({', '.join(g.name for g in layout.groups)}); "
+                    "leave them unset"
+                )
         self.vocab_size = vocab_size(model)
-        num_blocks = self.config.num_blocks
-        if num_blocks is None:
-            num_blocks = num_blocks_for_model(model, self.config)
-            if max_tokens_hint is not None:
-                hints = [max_tokens_hint] if isinstance(max_tokens_hint, int) else list(max_tokens_hint)
-                # Each request rounds up to whole blocks; one spare block for slack.
-                num_blocks = min(num_blocks, sum(-(-t // self.block_size) for t in hints) + 1)
+        # num_blocks counts whole-model blocks (page_size tokens in every layer); the pool of the
+        # layer groups holds the block ids that memory buys (CacheLayout.pool_blocks).
+        model_blocks = self.config.num_blocks
+        if model_blocks is None:
+            model_blocks = num_blocks_for_model(model, self.config)
+        num_blocks = layout.pool_blocks(shape, model_blocks, self.block_size)
+        if self.config.num_blocks is None and max_tokens_hint is not None:
+            if isinstance(max_tokens_hint, int):  # that many tokens in all: in every group
+                wanted = len(layout.groups) * -(-max_tokens_hint // self.block_size)
+            else:  # these requests at once: each group holds what it keeps of each
+                wanted = sum(
+                    layout.max_blocks_needed(t, self.max_batch_tokens, self.block_size) for t in max_tokens_hint
+                )
+            # One spare block for slack.
+            num_blocks = min(num_blocks, wanted + 1)
+        offload_gib = offload_space_gib(self.config)
+        if self.tp is not None:  # every rank's scheduler must see the same cache and pool
+            num_blocks = int(self.tp.agree_min(num_blocks))
+            offload_gib = self.tp.agree_min(offload_gib)
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
         self._warned_context = False
-        self.use_flash = choose_flash(devices, shape.dtype, shape.head_dim, self.block_size)
-        self.cache = PagedKVCache(shape, num_blocks, self.block_size, self.device, devices)
+        head_dim = max(shape.layer(i).head_dim for i in range(shape.num_layers))
+        odd = [d for d in (shape.layer(i).head_dim for i in range(shape.num_layers)) if d % 8]
+        self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
+        # The static-shape path's padding block is the cache's last, past the block manager's blocks.
+        self.cache = PagedKVCache(shape, num_blocks + int(static), self.block_size, self.device, devices)
+        padding = None
+        if static:
+            q_interval, kv_interval = self.config.resolved_padding_intervals(dev_type)
+            padding = PaddingRule(
+                q_interval,
+                kv_interval,
+                self.config.resolved_max_batch_tokens(dev_type),
+                num_blocks * self.block_size,
+                self.block_size,
+                pad_block=num_blocks,
+            )
         self.offload_pool: CPUOffloadPool | None = None
-        offload_gib = offload_space_gib(self.config)
         if offload_gib > 0:
-            self.offload_pool = CPUOffloadPool(shape, offload_gib, self.block_size, pin=dev_type == "cuda")
+            self.offload_pool = CPUOffloadPool(
+                shape, offload_gib, self.block_size, pin=dev_type == "cuda", layout=self.cache.layout
+            )
         self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
         self.kv_cache_manager = KVCacheManager(
-            self.block_manager, self.config.resolved_safety_margin(), self.offload_pool
+            self.block_manager,
+            self.config.resolved_safety_margin(),
+            self.offload_pool,
+            self.cache.layout.sliding_windows,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            self.config.resolved_max_batch_tokens(dev_type),
+            self.max_batch_tokens,
             self.config.max_requests_per_batch,
             self.config.scheduler_type,
         )
-        self.async_batching = self.config.resolved_async_batching(dev_type)
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -196,9 +347,21 @@ class Engine:
             seed=self.config.seed,
             logprobs_mode=self.config.logprobs_mode,
             return_logprobs=self.config.return_logprobs,
+            max_blocks_per_request=self.config.resolved_max_blocks_per_request(
+                num_blocks, self.block_size, self.context_length
+            ),
+            compile_configs=compile_configs,
+            cuda_graphs=cuda_graphs,
+            padding=padding,
             async_batching=self.async_batching,
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(
+            kv_cache_bytes=self.cache.size_bytes,
+            kv_cache_capacity_tokens={g.name: num_blocks * self.block_size for g in self.cache.groups},
+        )
+        self._warmed_up = False
+        self._compiles_at_warmup = 0
+        self._captures_at_warmup = 0
         self._in_flight: _InFlight | None = None
         self._completed: list[Request] = []  # updated by a drain, returned by the next step()
         self._last_step_end = 0.0
@@ -216,6 +379,20 @@ class Engine:
         """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    @property
+    def is_driver(self) -> bool:
+        """True unless this is a tensor-parallel rank other than the driver (TP rank 0)."""
+        return self.tp is None or self.tp.is_driver
+
+    def from_driver(self, obj: T) -> T:
+        """The driver's ``obj`` on every rank of a tensor-parallel engine (a collective); ``obj`` itself otherwise.
+
+        ``generate_batch`` and ``score`` pass their planned requests through it, so that every rank
+        runs what the driver decided even if a caller gave its ranks different inputs.
+        """
+        return obj if self.tp is None else self.tp.broadcast_object(obj)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -251,7 +428,7 @@ class Engine:
                 total,
                 self.context_length,
             )
-        needed = self.kv_cache_manager.blocks_needed(total)
+        needed = self.kv_cache_manager.max_blocks_needed(total, self.max_batch_tokens)
         if needed > self.num_blocks:
             raise ValueError(
                 f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
@@ -399,6 +576,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduler_output)
+            if self.tp is not None:
+                runner_output = self.tp.share_output(runner_output)
         except BaseException:
             self.scheduler.uncache_step(scheduler_output)
             raise
@@ -529,12 +708,17 @@ class Engine:
         if scheduler_output.is_empty:
             return
         stats.num_steps += 1
+        if self.runner.static_paths:
+            if ModelRunner.path_of(scheduler_output.scheduled) in self.runner.static_paths:
+                stats.num_padded_steps += 1
+            self._record_compile_stats()
         stats.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
         stats.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
         stats.num_generated_tokens += len(runner_output.sampled_token_ids)
         stats.num_prefix_cache_hit_blocks = self.block_manager.num_prefix_cache_hit_blocks
         stats.num_forks += len(scheduler_output.forks)
         stats.num_block_copies = self.kv_cache_manager.num_block_copies
+        stats.num_decode_fast_path_steps = self.runner.num_decode_fast_path_steps
         if scheduler_output.is_decode_only:
             stats.decode_step_seconds.append(seconds)
             stats.decode_step_batch.append(len(scheduler_output.scheduled))
@@ -554,6 +738,91 @@ class Engine:
             self.block_manager.num_free_blocks,
         )
         self._last_log = (now, self.stats.num_generated_tokens)
+
+    # ------------------------------------------------------------------ warmup
+    def _record_compile_stats(self) -> None:
+        stats, runner = self.stats, self.runner
+        stats.num_compiles = runner.compile_counter.count
+        stats.num_cuda_graph_captures = runner.graphs.num_captures if runner.graphs is not None else 0
+        if self._warmed_up:
+            stats.num_compiles_after_warmup = stats.num_compiles - self._compiles_at_warmup
+            stats.num_cuda_graph_captures_after_warmup = stats.num_cuda_graph_captures - self._captures_at_warmup
+
+    def warmup_plan(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The (path, padded shape) pairs ``warmup`` runs: two per compiled or graphed path
+        (``static_step.warmup_shapes``); empty when every path is eager."""
+        rule = self.runner.padding
+        if rule is None:
+            return []
+        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
+
+    def warmup(self, progress_bar: bool = True) -> float:
+        """Compile (and on CUDA capture) the step shapes before the first request.
+
+        Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding
+        block (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and
+        the request counters of ``stats`` are as they were. Compilations made by later steps are
+        counted in ``stats.num_compiles_after_warmup``. A no-op (logged at debug) when no path is
+        compiled or graphed, when it already ran, and when an earlier engine on the same model object
+        warmed up the same ``dynamic=True`` compile configs and padding (``static_step.warm_key``: its
+        graphs serve any cache size; ``generate_batch`` builds an engine per call). Not thread-safe
+        against ``step()``: the manager pauses its loop first.
+
+        Args:
+            progress_bar: show a tqdm bar over the shapes.
+
+        Returns:
+            The seconds it took (0.0 when there was nothing to do).
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self._quiesce()  # a step in flight would run beside the warmup's forwards
+        plan = self.warmup_plan()
+        if not plan:
+            logger.debug("warmup: no path is compiled or CUDA-graphed; nothing to do")
+            return 0.0
+        if self._warmed_up:
+            logger.debug("warmup: already done for this engine")
+            return 0.0
+        runner = self.runner
+        assert runner.padding is not None  # a plan means a static path, which has a padding rule
+        key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
+        if warmed_before(self.model, key):
+            # dynamic=True graphs compiled by an earlier engine on this model: nothing to compile here.
+            logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
+            self._warmed_up = True
+            self.stats.warmup_seconds = 0.0
+            return 0.0
+        t0 = time.perf_counter()
+        # On CUDA, on the engine's device whatever the calling thread's current device is.
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
+            self.runner.warmup(plan, lambda: bar.update(1))
+        seconds = time.perf_counter() - t0
+        self._record_compile_stats()
+        self._warmed_up = True
+        self._compiles_at_warmup = self.stats.num_compiles
+        self._captures_at_warmup = self.stats.num_cuda_graph_captures
+        self._record_compile_stats()
+        self.stats.warmup_seconds = seconds
+        mark_warmed(self.model, key)
+        logger.info(
+            "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
+            len(plan),
+            " and ".join(self.runner.static_paths),
+            seconds,
+            self.stats.num_compiles,
+            self.stats.num_cuda_graph_captures,
+        )
+        return seconds
+
+    @property
+    def warmed_up(self) -> bool:
+        """True once ``warmup()`` has run with something to compile or capture."""
+        return self._warmed_up
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

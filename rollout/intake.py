@@ -164,6 +164,15 @@ class _Cancel:
     request_id: str
 
 
+@dataclass
+class _Recompute:
+    """Re-prefill every in-flight request under the current weights (a tensor-parallel driver's update)."""
+
+
+# What the loop hands to the engine, in order (a tensor-parallel driver broadcasts these to its ranks).
+InboxItem = Request | _Cancel | _Recompute
+
+
 class Inbox:
     """Requests and cancels on their way from callers to the engine.
 
@@ -185,7 +194,7 @@ class Inbox:
         self._outputs = outputs
         self.max_queue_size = max_queue_size
         self._num_waiting_in_engine = num_waiting_in_engine
-        self._items: deque[Request | _Cancel] = deque()
+        self._items: deque[InboxItem] = deque()
         self._num_requests = 0  # requests (not cancels) in the inbox
         self._id_counter = 0
 
@@ -268,22 +277,48 @@ class Inbox:
                 self._items.append(_Cancel(request_id))
                 self._cond.notify_all()
 
+    def put_recompute(self) -> None:
+        """Queue a re-prefill of every in-flight request, applied in order with the requests and cancels."""
+        with self._cond:
+            self._items.append(_Recompute())
+            self._cond.notify_all()
+
     def drain(self, engine: Engine) -> None:
         """In the loop, between steps: hand queued requests to the engine and apply cancels, in order."""
         with self._cond:
+            self.apply(engine, self.take())
+
+    def take(self) -> list[InboxItem]:
+        """Remove and return the queued items in order (requests whose handle is gone are dropped)."""
+        with self._cond:
+            items: list[InboxItem] = []
             while self._items:
                 item = self._items.popleft()
                 if isinstance(item, Request):
                     self._num_requests -= 1
                     if item.request_id not in self._outputs:
                         continue
+                items.append(item)
+            return items
+
+    def apply(self, engine: Engine, items: Sequence[InboxItem]) -> None:
+        """Hand ``take``'s items to the engine in order: enqueue requests, end cancelled ones, recompute.
+
+        A tensor-parallel rank other than the driver applies the driver's items: it has no handle for
+        them, so the outputs of failed or cancelled requests go nowhere there.
+        """
+        with self._cond:
+            for item in items:
+                if isinstance(item, Request):
                     try:
                         engine.enqueue(item)
                     except ValueError as e:  # checked at add time; only a race could land here
                         out = ended_output(item.request_id, item.prompt_ids, RequestStatus.FAILED, str(e))
                         self._outputs.finish(item.request_id, out)
-                else:
+                elif isinstance(item, _Cancel):
                     self._cancel(engine, item.request_id)
+                else:
+                    engine.recompute_in_flight()
             self._cond.notify_all()
 
     def _cancel(self, engine: Engine, request_id: str) -> None:

@@ -1,57 +1,95 @@
-"""The one owner of every request's KV blocks.
+"""The one owner of every request's KV blocks, in every layer group of the cache.
 
 The scheduler reasons in tokens; it asks this manager for the blocks behind them (vLLM v1's
-``KVCacheManager``). Only this module writes ``request.block_table``, ``request.block_hashes`` and
-``request.offloaded``:
+``KVCacheManager``). Only this module writes ``request.block_tables``, ``request.group_block_hashes``
+and ``request.offloaded``:
 
 - ``get_computed_blocks``: the prefix-cache hits of a request being admitted (or the tokens of its
   KV offloaded to CPU memory);
 - ``allocate_slots``: the blocks for n more tokens, or a refusal (False) when the free blocks, less
-  the safety margin where asked, cannot hold them; nothing changes on a refusal;
+  the safety margin where asked, cannot hold them; nothing changes on a refusal but the return of
+  blocks that fell out of a sliding window (which no query reads again);
+- ``allocate_slots(..., reversible=True)`` and ``release_tail``: an allocation that can be taken back
+  exactly, in every group (a step scheduled ahead by async batching; ``drop_out_of_window`` then gives
+  back a sliding group's out-of-window blocks once the step is kept);
 - ``cache_blocks``: hash the blocks a step fills, so later requests can share them;
 - ``free`` and ``uncache``: give blocks back, drop blocks whose KV is not (or no longer) valid;
 - ``fork``: a request takes every block of another with the same tokens (prompt forking);
 - ``offload``, ``finish_restore``, ``drop_offloaded``: the CPU pool's blocks of preempted requests.
 
-The arithmetic of one step, for a request with c computed tokens that is given n more: it holds
-``ceil((c + n) / block_size)`` blocks afterwards; of those it lacks ``ceil((c + n) / block_size) -
-len(block_table)``. A prefix-cache hit that nobody holds sits in the free queue and costs a free
-block when it is taken; a hit that another request holds costs nothing.
+Layer groups (``kv_cache.CacheLayout``). The cache's layers are grouped by attention kind and shape;
+each group has its own block table per request, all drawing on one block pool (vLLM v1's hybrid KV
+cache manager: one ``SingleTypeKVCacheManager`` per group over a shared ``BlockPool``). A request
+holds the same positions in every group except that a sliding-window group with window W keeps only
+the blocks its next queries read: from ``window_start_block(W, c)`` on, c being the tokens computed.
+Blocks before it go back to the pool as the request decodes and as its chunked prefill advances (at
+``allocate_slots``); their table entries become ``NULL_BLOCK``. A cache whose layers form one group
+(every full-attention model) is exactly one block table per request.
+
+The arithmetic of one step, for a request with c computed tokens that is given n more: in a full
+group it holds ``ceil((c + n) / block_size)`` blocks afterwards; in a sliding group the ones from
+``window_start_block(W, c)`` to that end. A prefix-cache hit that nobody holds sits in the free queue
+and costs a free block when it is taken; a hit that another request holds costs nothing.
+
+Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of
+p blocks needs, in every full group, the blocks 0..p-1, and in a sliding group only those the next
+query reads, ``window_start_block(W, p * block_size)``..p-1 (the evicted blocks before them are not
+needed, and the table gets ``NULL_BLOCK`` there). Block hashes are chained over the tokens, not the
+blocks, so a group finds its window's blocks whatever it evicted before them. The longest p that
+every group can serve is the hit. The rest needs nothing of its own: preemption by recompute frees
+every group's blocks and re-prefills (prefix hits included); offload copies, per group, the blocks the
+next queries read (a sliding group's window) and restores them to the same positions; a fork shares
+every group's table, ``NULL_BLOCK`` entries included; scoring requests are chunks like any other, whose
+queries read within the window.
 
 Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n``
 sibling samples and copies a shared last block on the first append): a block that the step writes
 and that another request also holds costs one fresh block more; the request takes the fresh block
 in its place and, when the shared block already holds some of its tokens, the step copies it first
-(``take_block_copies``). After a fork only the partial last block is ever written while shared: of
-G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
+(``take_block_copies``). After a fork only the partial last block of each group is ever written while
+shared: of G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .block_manager import BlockManager
-from .kv_cache import CPUOffloadPool
+from .block_manager import NULL_BLOCK, BlockManager, group_root, hash_block
+from .kv_cache import CPUOffloadPool, max_blocks_held, window_start_block
 from .requests import Request
 
 
 class KVCacheManager:
-    """Allocates, shares, caches and frees the blocks of requests.
+    """Allocates, shares, caches and frees the blocks of requests, one block table per layer group.
 
     Args:
-        block_manager: the block pool (ref counts, free queue, prefix hashes).
+        block_manager: the block pool (ref counts, free queue, prefix hashes) of every group.
         safety_margin: fraction [0, 1) of the cache's blocks that ``allocate_slots(...,
             keep_margin=True)`` leaves free: admissions keep room for running requests to decode.
         offload_pool: CPU memory for the KV of preempted requests (``preemption_mode="offload"``),
             or None to recompute them.
+        sliding_windows: the sliding window of each layer group, in group order (None for full
+            attention; ``CacheLayout.sliding_windows``). None: one full-attention group.
+
+    Raises:
+        ValueError: ``sliding_windows`` is empty or holds a window below 1.
     """
 
     def __init__(
-        self, block_manager: BlockManager, safety_margin: float = 0.0, offload_pool: CPUOffloadPool | None = None
+        self,
+        block_manager: BlockManager,
+        safety_margin: float = 0.0,
+        offload_pool: CPUOffloadPool | None = None,
+        sliding_windows: Sequence[int | None] | None = None,
     ) -> None:
+        windows = [None] if sliding_windows is None else list(sliding_windows)
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"sliding_windows must hold one window >= 1 (or None) per group, got {sliding_windows}")
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.num_blocks = block_manager.num_blocks
+        self.sliding_windows = windows
+        self.num_groups = len(windows)
         self.safety_margin_blocks = int(safety_margin * block_manager.num_blocks)
         self.offload_pool = offload_pool
         self.num_offloads = 0  # preempted requests whose KV went to the CPU pool
@@ -65,8 +103,28 @@ class KVCacheManager:
         return self.block_manager.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+        """Blocks that hold ``num_tokens`` tokens in one full-attention group: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, over all groups, when it is
+        computed in chunks of at most ``max_chunk`` tokens (``kv_cache.max_blocks_held``)."""
+        return sum(max_blocks_held(w, num_tokens, max_chunk, self.block_size) for w in self.sliding_windows)
+
+    def num_held_blocks(self, request: Request) -> list[int]:
+        """The blocks a request holds in each group (``NULL_BLOCK`` entries not counted)."""
+        return [sum(1 for b in table if b != NULL_BLOCK) for table in request.block_tables]
+
+    def _window_start(self, group: int, num_computed_tokens: int) -> int:
+        return window_start_block(self.sliding_windows[group], num_computed_tokens, self.block_size)
+
+    def _tables(self, request: Request) -> list[list[int]]:
+        """The request's block tables, one per group (a new request has one empty table)."""
+        tables = request.block_tables
+        while len(tables) < self.num_groups:
+            tables.append([])
+            request.group_block_hashes.append([])
+        return tables
 
     # ------------------------------------------------------------------ admission
     def get_computed_blocks(self, request: Request, weight_version: int) -> tuple[list[int], int]:
@@ -75,22 +133,52 @@ class KVCacheManager:
         A request whose KV was offloaded gets none from the prefix cache: its offloaded tokens are
         restored instead (``request.offloaded``). Otherwise the hits are capped so that at least the
         last token is computed (there must be logits to sample from) and, for a scoring request, so
-        that the first scored position is computed (its logits are the score).
+        that the first scored position is computed (its logits are the score). With several groups
+        (or a sliding one) the hit is the longest prefix of p blocks that every group can serve (see
+        the module docstring).
 
         Args:
             request: a waiting request (no blocks).
             weight_version: only blocks computed under this version match.
 
         Returns:
-            (block ids of the hits, in order; nothing is acquired yet), and the tokens they cover.
+            (the hits, nothing acquired yet: p block ids per group, groups in order, ``NULL_BLOCK``
+            where a sliding group needs no block; a single full group's are simply its p blocks), and
+            the tokens they cover, ``p * block_size``.
         """
         if request.offloaded is not None:
             return [], request.offloaded[1]
         max_hit = request.num_tokens - 1
         if request.score_from is not None:
             max_hit = min(max_hit, request.score_from - 1)
-        hits = self.block_manager.find_cached_prefix(request.token_ids, weight_version, max_hit)
-        return hits, len(hits) * self.block_size
+        bm = self.block_manager
+        bs = self.block_size
+        windows = self.sliding_windows
+        if windows == [None]:
+            hits = bm.find_cached_prefix(request.token_ids, weight_version, max_hit)
+            return hits, len(hits) * bs
+        # Full groups bound the hit from the start; sliding groups then need their window below it.
+        p = max_hit // bs
+        for g, window in enumerate(windows):
+            if window is None and p > 0:
+                p = len(bm.find_cached_prefix(request.token_ids, weight_version, p * bs, group=g))
+        found = {
+            g: bm.lookup(request.token_ids, weight_version, p, group=g)
+            for g, window in enumerate(windows)
+            if window is not None and p > 0
+        }
+        while p > 0 and not all(all(b is not None for b in found[g][self._window_start(g, p * bs) : p]) for g in found):
+            p -= 1
+        if p == 0:
+            return [], 0
+        hits: list[int] = []
+        for g, window in enumerate(windows):
+            if window is None:
+                hits += bm.find_cached_prefix(request.token_ids, weight_version, p * bs, group=g)
+            else:
+                start = self._window_start(g, p * bs)
+                hits += [NULL_BLOCK] * start + [b for b in found[g][start:p] if b is not None]
+        return hits, p * bs
 
     def allocate_slots(
         self,
@@ -103,11 +191,14 @@ class KVCacheManager:
     ) -> bool:
         """Give a request the slots of its next tokens, or refuse.
 
-        After success the request holds ``blocks_needed(num_computed_tokens +
-        num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then
-        ``new_computed_blocks`` (shared prefix-cache hits), then fresh ones. An old block that the
-        new tokens write and that another request holds too is replaced by a fresh one
-        (copy-on-write, see the module docstring); the copy is queued for ``take_block_copies``.
+        After success the request holds, in each full group, ``blocks_needed(num_computed_tokens +
+        num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then ``new_computed_blocks``
+        (shared prefix-cache hits), then fresh ones; a sliding group holds those from its window start
+        on (``NULL_BLOCK`` before it). Blocks of a sliding group that fell out of the window (before
+        ``window_start_block(W, num_computed_tokens)``) go back to the pool first, refusal or not: no
+        query reads them again. An old block that the new tokens write and that another request holds
+        too is replaced by a fresh one (copy-on-write, see the module docstring); the copy is queued
+        for ``take_block_copies``.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are already in its blocks.
@@ -118,56 +209,93 @@ class KVCacheManager:
             keep_margin: leave ``safety_margin_blocks`` free after the allocation (admissions while
                 other requests run).
             reversible: refuse, too, what ``release_tail`` could not undo exactly: a copy-on-write of a
-                shared block, or a fresh block that carries a prefix-cache hash (its hash would be
-                lost). The scheduler allocates so when it schedules a step ahead (async batching), a
-                step it may have to take back.
+                shared block, prefix-cache hits, or fresh blocks (all groups' together) of which one
+                carries a prefix-cache hash (its hash would be lost). And give back no block that fell
+                out of a sliding window: ``drop_out_of_window`` does that when the step is kept (those
+                blocks, freed now, would change the free queue's order, which a step taken back could
+                not restore; the next queries do not read them either way). The scheduler allocates so
+                when it schedules a step ahead (async batching), a step it may have to take back.
 
         Returns:
-            True when the slots are allocated; False, changing nothing, when the free blocks cannot
-            hold them.
+            True when the slots are allocated; False, changing nothing else, when the free blocks
+            cannot hold them (or, with ``reversible``, the allocation could not be undone exactly).
         """
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_fresh = -(-total // self.block_size) - len(request.block_table) - len(new_computed_blocks)
-        # Hits and restores go to a request that holds no block yet: only a running request can
-        # write into blocks it shares.
-        shared = [] if new_computed_blocks else self._shared_blocks_written(request, num_new_tokens)
-        if num_fresh <= 0 and not new_computed_blocks and not shared:
+        tables = self._tables(request)
+        bs = self.block_size
+        start = request.num_computed_tokens + num_new_computed_tokens  # computed before this step's queries
+        need = -(-(start + num_new_tokens) // bs)
+        per_group = len(new_computed_blocks) // self.num_groups
+        hits = [list(new_computed_blocks[g * per_group : (g + 1) * per_group]) for g in range(self.num_groups)]
+        fresh: list[int] = []
+        shared: list[list[int]] = []
+        for g, window in enumerate(self.sliding_windows):
+            if window is not None and not reversible:
+                self._drop_out_of_window(request, g)
+            held = len(tables[g]) + len(hits[g])
+            fresh.append(need - max(held, self._window_start(g, start)))
+            # Hits and restores go to a request that holds no block yet: only a running request can
+            # write into blocks it shares.
+            shared.append([] if new_computed_blocks else self._shared_blocks_written(request, g, num_new_tokens))
+        if all(f <= 0 for f in fresh) and not new_computed_blocks and not any(shared):
             return True  # the blocks it holds suffice: most decode steps
         bm = self.block_manager
         # A hit nobody holds sits in the free queue: taking it costs a free block too.
-        num_evictable_hits = 0
-        if new_computed_blocks:
-            num_evictable_hits = sum(1 for b in new_computed_blocks if bm.blocks[b].ref_count == 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b != NULL_BLOCK and bm.blocks[b].ref_count == 0)
         margin = self.safety_margin_blocks if keep_margin else 0
-        if bm.num_free_blocks - num_evictable_hits - max(num_fresh, 0) - len(shared) < margin:
+        num_fresh = sum(max(f, 0) for f in fresh)
+        wanted = num_evictable_hits + num_fresh + sum(len(s) for s in shared)
+        if bm.num_free_blocks - wanted < margin:
             return False
-        if reversible and (shared or new_computed_blocks or bm.allocation_evicts_cached(max(num_fresh, 0))):
+        if reversible and (any(shared) or new_computed_blocks or bm.allocation_evicts_cached(num_fresh)):
             return False
-        if shared:
-            self._copy_on_write(request, shared)
-        if new_computed_blocks:
-            bm.acquire(new_computed_blocks)
-            request.block_table.extend(new_computed_blocks)
-            request.block_hashes.extend(bm.blocks[b].block_hash for b in new_computed_blocks)  # type: ignore[misc]
-        if num_fresh > 0:
-            request.block_table.extend(bm.allocate(num_fresh))
+        # Every group's hits first: a fresh block comes from the head of the free queue, which may hold
+        # another group's hit that nobody has acquired yet.
+        for g in range(self.num_groups):
+            if hits[g]:
+                bm.acquire([b for b in hits[g] if b != NULL_BLOCK])
+                tables[g].extend(hits[g])
+                request.group_block_hashes[g].extend(
+                    bm.blocks[b].block_hash if b != NULL_BLOCK else None for b in hits[g]
+                )
+        for g in range(self.num_groups):
+            table = tables[g]
+            if shared[g]:
+                self._copy_on_write(request, g, shared[g])
+            window_start = self._window_start(g, start)
+            if len(table) < window_start:  # a restore into a sliding group: its window only
+                table.extend([NULL_BLOCK] * (window_start - len(table)))
+            if fresh[g] > 0:
+                table.extend(bm.allocate(fresh[g]))
         return True
 
-    def _shared_blocks_written(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Indices into the block table of the blocks that the next tokens write and others hold too."""
+    def _drop_out_of_window(self, request: Request, group: int) -> None:
+        """Give back a sliding group's blocks before the window of the request's next queries."""
+        table = request.block_tables[group]
+        i = min(self._window_start(group, request.num_computed_tokens), len(table)) - 1
+        dropped: list[int] = []
+        while i >= 0 and table[i] != NULL_BLOCK:  # everything before a NULL_BLOCK was dropped earlier
+            dropped.append(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
+        if dropped:
+            # Cached ones stay findable until reused: another request's window may start there.
+            self.block_manager.free(dropped[::-1])
+
+    def _shared_blocks_written(self, request: Request, group: int, num_new_tokens: int) -> list[int]:
+        """Indices into a group's block table of the blocks that the next tokens write and others hold too."""
         if num_new_tokens <= 0:
             return []
         bs = self.block_size
         c = request.num_computed_tokens
-        table = request.block_table
+        table = request.block_tables[group]
         blocks = self.block_manager.blocks
         last = min(len(table), -(-(c + num_new_tokens) // bs))
-        return [i for i in range(c // bs, last) if blocks[table[i]].ref_count > 1]
+        return [i for i in range(c // bs, last) if table[i] != NULL_BLOCK and blocks[table[i]].ref_count > 1]
 
-    def _copy_on_write(self, request: Request, indices: list[int]) -> None:
-        """Replace the shared blocks at ``indices`` of the request's table by fresh ones (enough are free)."""
+    def _copy_on_write(self, request: Request, group: int, indices: list[int]) -> None:
+        """Replace the shared blocks at ``indices`` of a group's table by fresh ones (enough are free)."""
         bm = self.block_manager
-        table = request.block_table
+        table = request.block_tables[group]
         fresh = bm.allocate(len(indices))
         for i, dst in zip(indices, fresh):
             src = table[i]
@@ -178,29 +306,46 @@ class KVCacheManager:
             bm.free([src])  # the other holders keep it
             table[i] = dst
 
-    def release_tail(self, request: Request, num_blocks: int) -> None:
-        """Give back the blocks of ``request.block_table[num_blocks:]``: undo a ``reversible`` allocation.
+    def drop_out_of_window(self, request: Request) -> None:
+        """Give back, in every sliding group, the blocks before the window of the request's next queries
+        (what ``allocate_slots`` does first, unless ``reversible``)."""
+        for g, window in enumerate(self.sliding_windows):
+            if window is not None and g < len(request.block_tables):
+                self._drop_out_of_window(request, g)
 
-        Several requests' allocations are undone in the reverse order they were made, so that the free
-        queue is left exactly as before them (see ``BlockManager.allocation_evicts_cached``).
+    def release_tail(self, request: Request, num_blocks: Sequence[int]) -> None:
+        """Undo a ``reversible`` allocation: give back ``request.block_tables[g][num_blocks[g]:]`` of each group.
+
+        The groups are undone last first, and several requests' allocations in the reverse order they were
+        made, so that the free queue is left exactly as before them: a reversible allocation took only
+        blocks without a prefix-cache hash from the head of the queue, and ``BlockManager.free`` puts such
+        blocks back at the head (see ``BlockManager.allocation_evicts_cached``).
+
+        Args:
+            request: the request.
+            num_blocks: the length of each group's block table before the allocation, groups in order.
         """
-        tail = request.block_table[num_blocks:]
-        if tail:
-            self.block_manager.free(tail)
-            del request.block_table[num_blocks:]
+        for g in reversed(range(len(num_blocks))):
+            table = request.block_tables[g]
+            tail = [b for b in table[num_blocks[g] :] if b != NULL_BLOCK]
+            if tail:
+                self.block_manager.free(tail)
+            del table[num_blocks[g] :]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies queued since the last call, in order; the queue empties.
 
-        The model runner makes them before the step's forward. A source block stays intact until
-        then: it is held by another request, or was freed in this same scheduling pass, and nothing
-        writes a block before the forward but these copies (in order) and offload restores (after).
+        The model runner makes them before the step's forward (``PagedKVCache.copy_blocks``; a block id
+        belongs to one group, so one copy per pair covers that group's layers). A source block stays
+        intact until then: it is held by another request, or was freed in this same scheduling pass,
+        and nothing writes a block before the forward but these copies (in order) and offload restores
+        (after).
         """
         copies, self._block_copies = self._block_copies, []
         return copies
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` every block of ``parent`` (same tokens, prefill done): shared, ref count + 1.
+        """Give ``child`` every block of ``parent`` (same tokens, prefill done), in every group: shared, ref count + 1.
 
         The idea is vLLM v0's ``n`` sampling: the prompt of a sequence group is prefilled once and
         its sequence forked into the other samples after the first token is sampled. The full
@@ -210,45 +355,78 @@ class KVCacheManager:
         Raises:
             RuntimeError: ``child`` already holds blocks.
         """
-        if child.block_table:
+        if any(child.block_tables):
             raise RuntimeError(f"request {child.request_id!r} holds blocks and cannot be forked")
-        self.block_manager.share(parent.block_table)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        parent_tables = self._tables(parent)
+        for table in parent_tables:
+            self.block_manager.share([b for b in table if b != NULL_BLOCK])
+        child.block_tables = [list(table) for table in parent_tables]
+        child.group_block_hashes = [list(hashes) for hashes in parent.group_block_hashes]
 
     # ------------------------------------------------------------------ prefix cache
     def cache_blocks(self, request: Request, num_tokens: int, weight_version: int) -> None:
-        """Hash the full blocks among the request's first ``num_tokens`` tokens that are not hashed yet.
+        """Hash the full blocks among the request's first ``num_tokens`` tokens that are not hashed yet, per group.
 
         Called at schedule time with the tokens the step will have computed: within each layer the
         step writes every new key and value before any attention reads the cache, so the G samples
-        of a prompt admitted in the same step already share its blocks.
+        of a prompt admitted in the same step already share its blocks. A ``NULL_BLOCK`` position of a
+        sliding group gets its hash (the chain goes on through it) but registers nothing.
         """
         bm = self.block_manager
         bs = self.block_size
-        hashes = request.block_hashes
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            tokens = request.token_ids[i * bs : (i + 1) * bs]
-            hashes.append(bm.cache_block(request.block_table[i], parent, tokens, weight_version))
+        for g, table in enumerate(self._tables(request)):
+            hashes = request.group_block_hashes[g]
+            for i in range(len(hashes), num_tokens // bs):
+                parent = self._parent_hash(request, g, i, weight_version)
+                tokens = request.token_ids[i * bs : (i + 1) * bs]
+                if table[i] == NULL_BLOCK:
+                    hashes.append(hash_block(parent, tokens, weight_version))
+                else:
+                    hashes.append(bm.cache_block(table[i], parent, tokens, weight_version))
+
+    def _parent_hash(self, request: Request, group: int, index: int, weight_version: int) -> bytes | None:
+        """The hash of block ``index - 1`` of a group (its root for block 0), computed from the tokens
+        when a prefix hit left it unknown (a ``NULL_BLOCK``)."""
+        hashes = request.group_block_hashes[group]
+        parent = hashes[index - 1] if index > 0 else group_root(group)
+        if index > 0 and parent is None:
+            bs = self.block_size
+            parent = group_root(group)
+            for i in range(index):
+                parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], weight_version)
+                hashes[i] = parent
+        return parent
 
     def uncache(self, request: Request, first_block: int = 0) -> None:
-        """Drop ``request.block_table[first_block:]`` from the prefix cache (their KV is not valid)."""
-        self.block_manager.uncache(request.block_table[first_block:])
+        """Drop every group's ``block_tables[g][first_block:]`` from the prefix cache (their KV is not valid)."""
+        for table in request.block_tables:
+            self.block_manager.uncache([b for b in table[first_block:] if b != NULL_BLOCK])
 
     def free(self, request: Request) -> None:
-        """Release the request's device blocks (cached ones stay findable until reused)."""
-        if request.block_table:
-            self.block_manager.free(request.block_table)
-        request.block_table = []
-        request.block_hashes = []
+        """Release the request's device blocks in every group (cached ones stay findable until reused)."""
+        for table in request.block_tables:
+            held = [b for b in table if b != NULL_BLOCK]
+            if held:
+                self.block_manager.free(held)
+        request.block_tables = [[] for _ in range(self.num_groups)]
+        request.group_block_hashes = [[] for _ in range(self.num_groups)]
 
     # ------------------------------------------------------------------ CPU offload
+    def _computed_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """The blocks holding the KV that queries after ``num_tokens`` tokens read, groups in order: in a
+        full group the first ``ceil(num_tokens / block_size)``, in a sliding group those from its window start."""
+        end = self.blocks_needed(num_tokens)
+        out: list[int] = []
+        for g, table in enumerate(request.block_tables):
+            out += table[self._window_start(g, num_tokens) : end]
+        return out
+
     def offload(self, request: Request) -> tuple[list[int], list[int]] | None:
         """Reserve CPU pool blocks for the computed KV of a request being preempted.
 
         Call before ``free``: the returned device blocks are the request's, and their contents stay
-        intact until the step's forward, before which the model runner copies them out.
+        intact until the step's forward, before which the model runner copies them out. A sliding
+        group offloads only its window's blocks.
 
         Returns:
             (device blocks, pool blocks) to copy, in order; None when there is no pool, nothing is
@@ -258,7 +436,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens
         if pool is None or num_tokens == 0:
             return None
-        blocks = request.block_table[: self.blocks_needed(num_tokens)]
+        blocks = self._computed_blocks(request, num_tokens)
         if not pool.can_hold(len(blocks)):
             return None
         pool_ids = pool.allocate(len(blocks))
@@ -267,9 +445,9 @@ class KVCacheManager:
         return list(blocks), pool_ids
 
     def restore_blocks(self, request: Request) -> list[int]:
-        """The device blocks that receive an admitted request's offloaded KV (its first blocks)."""
+        """The device blocks that receive an admitted request's offloaded KV, in the order ``offload`` stored it."""
         assert request.offloaded is not None
-        return request.block_table[: self.blocks_needed(request.offloaded[1])]
+        return self._computed_blocks(request, request.offloaded[1])
 
     def finish_restore(self, request: Request) -> None:
         """After the step that copied a request's KV back: free its pool blocks."""

@@ -20,6 +20,11 @@ fingerprint of the parameters (``weights.WeightWatch``) when requests are added,
 and when a pause ends, and bumps the weight version when they changed. A manager kept for the next
 session is its model's persistent manager (``persistence.py``).
 
+On a model sharded by a ``tp_plan`` (tensor parallelism under ``torchrun``) every rank runs a
+manager and calls it the same way; the loop is ``tp_loop.TensorParallelLoop``, where the driver (TP
+rank 0) decides what enters each step for every rank, and only the driver's ``add_request`` queues
+and returns an id.
+
 A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause):
 ``stop``, ``destroy`` and the calls that would wait for ever (``get_result``, ``request_id_iter``,
 ``join`` without a timeout, ``add_request(block=True)`` on a full queue) raise ``RuntimeError``
@@ -50,6 +55,7 @@ from .persistence import persistent_manager_of, register_persistent, unregister_
 from .requests import GenerationOutput
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from .stop_strings import check_tokenizer
+from .tp_loop import TensorParallelLoop
 from .weights import NamedTensors, WeightWatch, copy_weights, plan_weight_copy
 
 # derive_seeds (intake.py) and persistent_manager_of (persistence.py) stay importable from here.
@@ -107,9 +113,15 @@ class ContinuousBatchingManager:
         check_tokenizer(self.default_params.stop_strings, self.default_params.stop, tokenizer)
         self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
+        self._fallback_compile_config = self.generation_config.compile_config
         self._engine: Engine | None = Engine(
-            model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=tokenizer
+            model,
+            self.cb_config,
+            max_tokens_hint=self._tokens_hint,
+            tokenizer=tokenizer,
+            fallback_compile_config=self._fallback_compile_config,
         )
+        self._warmup_wanted = False  # warmup() was called: an engine rebuilt by start() is warmed too
         self._cond = threading.Condition()
         self._life = Lifecycle(self._cond)  # state, stop flags, the loop's thread and error
         self._pausing = PauseGate(self._cond)  # pause holders, the in-step flag
@@ -117,7 +129,10 @@ class ContinuousBatchingManager:
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._final_weight_version = 0
         self._weights = WeightWatch(model)  # the parameters last recorded
-        self._loop = GenerationLoop(self._cond, self._inbox, self._outputs, self._pausing, self._life, self._weights)
+        # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (tp_loop.py).
+        self._tp = self._engine.tp
+        loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
+        self._loop = loop_class(self._cond, self._inbox, self._outputs, self._pausing, self._life, self._weights)
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,9 +153,15 @@ class ContinuousBatchingManager:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
                 self._engine = Engine(
-                    self.model, self.cb_config, max_tokens_hint=self._tokens_hint, tokenizer=self.tokenizer
+                    self.model,
+                    self.cb_config,
+                    max_tokens_hint=self._tokens_hint,
+                    tokenizer=self.tokenizer,
+                    fallback_compile_config=self._fallback_compile_config,
                 )
                 self._engine.set_weight_version(version)
+                if self._warmup_wanted:
+                    self._engine.warmup()
             self._check_weights()
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
@@ -242,8 +263,31 @@ class ContinuousBatchingManager:
                 if self._engine is not None:
                     self._engine.tokenizer = tokenizer
 
-    def warmup(self) -> None:
-        """Accepted for transformers' API; does nothing (there are no CUDA graphs to capture yet)."""
+    def warmup(self, progress_bar: bool = True) -> None:
+        """Compile (and on CUDA capture) the engine's step shapes before the first request.
+
+        See ``Engine.warmup``: a no-op (logged at debug) when no path is compiled or CUDA-graphed, and
+        when the engine is already warmed up; the requests, the KV cache, the prefix cache, the random
+        generators and the request counters are left as they were. On a running manager the loop is
+        paused around it (the warmup waits for the current step). An engine the manager builds again
+        later (``start()`` after a ``stop()`` that closed it) is warmed up too.
+
+        Args:
+            progress_bar: show a tqdm bar over the shapes.
+
+        Raises:
+            RuntimeError: the manager was destroyed.
+        """
+        engine = self.engine
+        self._warmup_wanted = True
+        if engine.warmed_up or not engine.warmup_plan():
+            engine.warmup(progress_bar)  # nothing to run: a no-op logged at debug, no pause needed
+            return
+        if self.is_running():
+            with self.pause():
+                engine.warmup(progress_bar)
+        else:
+            engine.warmup(progress_bar)
 
     def persist(self) -> None:
         """Register as the model's persistent manager until ``destroy()``.
@@ -320,7 +364,9 @@ class ContinuousBatchingManager:
                 manager.default_params, stop=["</answer>"])``).
 
         Returns:
-            The request id, or None (with a warning) after ``stop()``.
+            The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other
+            than the driver, None: the request is checked but not queued (the driver's is run by every
+            rank), as in transformers.
 
         Raises:
             ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings
@@ -372,7 +418,8 @@ class ContinuousBatchingManager:
         in the prefix cache. Without ``block`` the batch is queued whole or not at all.
 
         The positional order is transformers' (``inputs, max_new_tokens, streaming,
-        record_timestamps``); the rest is keyword-only.
+        record_timestamps``); the rest is keyword-only. On a tensor-parallel rank other than the
+        driver the prompts are checked, nothing is queued and every id is None.
 
         Args:
             inputs: prompts, lists of token ids.
@@ -429,10 +476,11 @@ class ContinuousBatchingManager:
         block: bool,
         timeout: float | None,
     ) -> list[str | None]:
-        self._sync_weight_version()
+        if self._tp is None:  # a tensor-parallel loop notices hand-made changes itself, without a pause
+            self._sync_weight_version()
         refuse = self._pausing.refusal("add_request(block=True)")
         with self._cond:
-            if not self._life.admits_requests():
+            if not self._life.admits_requests() or (self._tp is not None and not self._tp.is_driver):
                 return [None] * len(items)
             ids = self._inbox.put(
                 items, streaming, record_timestamps, block, timeout, self._life.accepting, refuse_wait=refuse
@@ -504,6 +552,8 @@ class ContinuousBatchingManager:
 
         Re-entrant, and several threads may hold it at once. Returns within one
         engine step. The KV cache and in-flight requests are kept (see ``PauseGate.hold``).
+        Under tensor parallelism the pause is collective, as in transformers: every rank must enter it
+        (the same number of times); no rank steps until every rank has entered and left its own.
         """
         return self._pausing.hold()
 
@@ -516,6 +566,10 @@ class ContinuousBatchingManager:
                 caller changed the weights itself under ``pause()``.
             recompute: re-prefill in-flight requests under the new weights instead of
                 keeping their KV.
+
+        Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
+        own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
+        is done, and the driver's weight version and ``recompute`` are every rank's.
 
         Returns:
             The new weight version.
@@ -535,7 +589,10 @@ class ContinuousBatchingManager:
                 version = engine.bump_weight_version()
                 self._weights.record()  # this change is recorded
             if recompute:
-                engine.recompute_in_flight()
+                if self._tp is None:
+                    engine.recompute_in_flight()
+                elif self._tp.is_driver:  # every rank applies the driver's, at the same point of its loop
+                    self._inbox.put_recompute()
         return version
 
     def _check_weights(self) -> bool:

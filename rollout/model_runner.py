@@ -16,33 +16,46 @@ back in one device-to-host copy, the step's only host sync outside the model's f
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
 
-- ``prepare_step``: the host work (inputs, attention metadata, sampling rows and random numbers) and the
-  staged upload of the inputs;
+- ``prepare_step``: the host work (inputs, attention metadata or the padded batch of a compiled or
+  CUDA-graphed path, sampling rows and random numbers) and the staged upload of the inputs;
 - ``launch``: the KV copies, the forward and the sampling. A step scheduled ahead holds placeholders for
   the tokens that the step before it samples (``ScheduledRequest.placeholder_row``); ``launch`` copies
   those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
-  "carry over" of tokens between batches do the same). On CPU a worker thread runs it (torch releases
-  the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the current
-  stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a side
-  stream into two staging buffer sets used in turn and the results copied back into pinned memory;
+  "carry over" of tokens between batches do the same), into the padded batch's input ids on a static
+  path, before a CUDA graph copies them into its static inputs. On CPU a worker thread runs it (torch
+  releases the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the
+  current stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a
+  side stream into two staging buffer sets used in turn and the results copied back into pinned memory;
 - ``collect``: waits for the launched step and reads its results back in one copy.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
-from .kv_cache import CPUOffloadPool, PagedKVCache
+from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .static_step import (
+    FORWARDS,
+    PATHS,
+    CompileCounter,
+    CUDAGraphs,
+    PaddedBatch,
+    PaddingRule,
+    build_padded_batch,
+    compiled_forward,
+    synthetic_batch,
+)
 
 
 @dataclass
@@ -71,30 +84,38 @@ class PreparedStep:
 
     Attributes:
         scheduler_output: the step (not empty).
-        kwargs: the forward's keyword arguments: ``input_ids`` int64 [1, T], ``position_ids`` int64 [1, T],
-            the paged-attention metadata, ``logits_to_keep``.
-        rows: int64 [R], the rows whose logits are kept.
+        kwargs: the eager forward's keyword arguments: ``input_ids`` int64 [1, T], ``position_ids`` int64
+            [1, T], the paged-attention metadata, ``logits_to_keep``; None on a static-shape path.
+        batch: the padded inputs of a compiled or CUDA-graphed path (``static_step.PaddedBatch``); None on
+            the eager path.
+        rows: int64 [R], the rows whose logits are kept (the eager path without ``logits_to_keep`` selects
+            them after the forward); on a static path, the padded forward keeps them itself.
         plan: which kept row is for what.
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
         uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
             ``sampling.step_uniforms``); None when nothing is sampled.
-        placeholders: int64 [2, P] on the device: row 0 the positions of ``input_ids`` that hold a
-            placeholder, row 1 the index of the token that replaces each among the previous step's
-            sampled tokens; None when every input token is known.
+        placeholders: int64 [2, P] on the device: row 0 the rows of the input ids (flattened; the padded
+            batch's rows on a static path, the same indices) that hold a placeholder, row 1 the index of
+            the token that replaces each among the previous step's sampled tokens; None when every input
+            token is known.
         generator_state: the engine generator's state before this step drew from it, put back by
             ``ModelRunner.discard``; None when the step did not draw, or cannot be discarded.
         staging_slot: the input staging buffer set holding the inputs.
+        fast_decode: the step was prepared for the CUDA decode fast path (counted in
+            ``num_decode_fast_path_steps``; ``discard`` takes the count back).
     """
 
     scheduler_output: SchedulerOutput
-    kwargs: dict
-    rows: torch.Tensor
+    kwargs: dict | None
+    batch: PaddedBatch | None
+    rows: torch.Tensor | list[int]
     plan: LogitsPlan
     sampled: list[Request]
     uniform: np.ndarray | None
     placeholders: torch.Tensor | None
     generator_state: torch.Tensor | None
     staging_slot: int
+    fast_decode: bool = False
 
 
 @dataclass
@@ -147,6 +168,17 @@ def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+def _scored_span(req: Request, computed: int, num_tokens: int) -> tuple[int, int]:
+    """The positions [lo, hi) of a scoring request whose logits this step records (empty when hi <= lo).
+
+    Position p's logits predict token p + 1; positions already scored (before a preemption) are not
+    recorded twice.
+    """
+    lo = max(computed, req.score_from - 1 + len(req.prompt_logprobs))
+    hi = min(computed + num_tokens, req.num_tokens - 1)
+    return lo, hi
+
+
 def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions 0..lengths_max-1 of each sequence.
 
@@ -164,6 +196,52 @@ def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> t
     return blocks * block_size + (pos % block_size)[None, :]
 
 
+def _keep_rows(
+    entry: ScheduledRequest,
+    start: int,
+    plan: LogitsPlan,
+    logits_rows: list[int],
+    score_rows: list[int],
+    score_temps: list[float],
+) -> None:
+    """Record which of a request's query rows (from row ``start`` of the step) keep their logits.
+
+    A sampled request keeps its last row (appended to ``logits_rows`` and ``plan.sampled``); a scoring
+    request its rows that predict a prompt token not yet scored (``score_rows``, with their targets and
+    segment in ``plan`` and their temperature in ``score_temps``).
+    """
+    req, n = entry.request, entry.num_scheduled_tokens
+    c = req.num_computed_tokens
+    if entry.sample:
+        logits_rows.append(start + n - 1)
+        plan.sampled.append(req)
+    if req.score_from is not None:
+        lo, hi = _scored_span(req, c, n)
+        if hi > lo:
+            score_rows.extend(range(start + lo - c, start + hi - c))
+            plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+            plan.score_segments.append((req, hi - lo))
+            score_temps.extend([req.score_temperature] * (hi - lo))
+
+
+def _placeholders(scheduled: Sequence[ScheduledRequest]) -> tuple[list[int], list[int]]:
+    """Where a step scheduled ahead holds placeholders (see ``ScheduledRequest.placeholder_row``).
+
+    Returns:
+        The flattened input rows that hold one (a request's last query row), and for each the index of
+        the token that replaces it among the previous step's sampled tokens; both empty when none.
+    """
+    rows: list[int] = []
+    sources: list[int] = []
+    end = 0
+    for entry in scheduled:
+        end += entry.num_scheduled_tokens
+        if entry.placeholder_row is not None:
+            rows.append(end - 1)
+            sources.append(entry.placeholder_row)
+    return rows, sources
+
+
 class ModelRunner:
     """Runs the model on a flattened variable-length batch through the paged cache, then samples.
 
@@ -171,17 +249,32 @@ class ModelRunner:
     ``position_ids`` [1, T] (each token's position in its own request). Only the rows
     whose logits are sampled or scored go through the LM head (``logits_to_keep``).
 
+    Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
+    other step (prefill chunks, mixed, scoring) the "varlen" path. A path that is neither compiled nor
+    CUDA-graphed runs eagerly on the exact batch (``prepare``, ``PagedAttentionMetadata``); one that is
+    runs the static-shape step of ``static_step`` (padded inputs, ``PaddedAttentionMetadata``), through
+    its compiled forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
+
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: build flash-attn varlen metadata (CUDA) instead of the SDPA path.
+        use_flash: build flash-attn metadata (CUDA) instead of the SDPA path's.
+        max_blocks_per_request: with ``use_flash``, the width of the decode fast path's block table
+            (``ContinuousBatchingConfig.resolved_max_blocks_per_request``); 0 sends every step
+            through the varlen kernel.
         offload_pool: the CPU pool of offload preemption, or None.
         seed: seed of the generator of sampled requests that have no seed of their own;
             None seeds it from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
         return_logprobs: return one logprob per sampled token.
+        compile_configs: the (varlen, decode) compile configs; None runs that path uncompiled.
+        cuda_graphs: (varlen, decode): replay that path's padded forward as CUDA graphs (CUDA only).
+        padding: how static-shape steps are padded; needed when a path is compiled or graphed.
         async_batching: ``launch`` starts a step and returns (see the module docstring): on CPU a worker
             thread computes it, on CUDA the inputs are staged on a side stream into two buffer sets.
+
+    Raises:
+        ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
     """
 
     def __init__(
@@ -193,13 +286,20 @@ class ModelRunner:
         seed: int | None = None,
         logprobs_mode: str = "temperature",
         return_logprobs: bool = False,
+        max_blocks_per_request: int = 0,
+        compile_configs: tuple[CompileConfig | None, CompileConfig | None] = (None, None),
+        cuda_graphs: tuple[bool, bool] = (False, False),
+        padding: PaddingRule | None = None,
         async_batching: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.sliding_windows = cache.layout.sliding_windows  # of each layer group, in group order
         self.use_flash = use_flash
+        self.max_blocks_per_request = max_blocks_per_request
+        self.num_decode_fast_path_steps = 0  # steps prepared for flash_attn_with_kvcache
         self.offload_pool = offload_pool
         self.logprobs_mode = logprobs_mode
         self.return_logprobs = return_logprobs
@@ -227,130 +327,164 @@ class ModelRunner:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-step")
         # Per-row sampling values are staged by ``launch``, after the forward, on the current stream.
         self._sampling_staging = HostStaging(self.device)
+        # The static-shape paths: for each path, its forward (compiled or plain) when it runs padded.
+        self.padding = padding
+        self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
+        self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
+        self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
+        for path in PATHS:
+            config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
+            if config is None and not graphed:
+                continue
+            if padding is None:
+                raise ValueError(f"the {path} path is compiled or CUDA-graphed: it needs a padding rule")
+            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
+        if any(cuda_graphs) and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
+        self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
+        self.compile_counter = CompileCounter()
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
         """Build the model inputs and the attention metadata of a step.
 
         Every index tensor is built on the host with numpy and reaches the device in one copy
-        (``HostStaging``); the block-table gathers are then computed on the device.
+        (``HostStaging``); the block-table gathers are then computed on the device. Slots, gathers and
+        block tables are built per layer group of the cache (``Request.block_tables``); a sliding
+        group's gathers start at the block of its window (``kv_cache.window_start_block``).
 
         Returns:
             The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
             requests' last query tokens, then scored positions); and the plan of those rows.
         """
-        kwargs, rows, plan, _ = self._prepare_inputs(scheduled)
+        kwargs, rows, plan, _, _ = self._prepare_inputs(scheduled)
         return kwargs, rows, plan
 
     def _prepare_inputs(
         self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None]:
-        """``prepare``, and the placeholders of a step scheduled ahead (see ``PreparedStep.placeholders``).
-
-        A placeholder's input id is staged as 0 (a valid id) and replaced on the device by ``launch``.
-        """
+    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None, bool]:
+        """``prepare``, the placeholders of a step scheduled ahead (see ``PreparedStep.placeholders``; a
+        placeholder's input id is staged as 0, a valid id, and replaced on the device by ``launch``), and
+        whether the step takes the CUDA decode fast path."""
         bs = self.block_size
-        placeholder_rows: list[int] = []
-        placeholder_sources: list[int] = []
+        windows = self.sliding_windows
+        num_groups = len(windows)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         logits_rows: list[int] = []
         score_rows: list[int] = []
         score_temps: list[float] = []
         plan = LogitsPlan()
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        decode_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        decode_lengths: list[list[int]] = [[] for _ in range(num_groups)]
+        # Per group: (start, end, context counted from the first gathered block, table from that block).
+        prefill_specs: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(num_groups)]
+        placeholder_rows, placeholder_sources = _placeholders(scheduled)
         for entry in scheduled:
             req, n = entry.request, entry.num_scheduled_tokens
             c = req.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
             if entry.placeholder_row is not None:
-                # The request's one input token is sampled by the step in flight.
-                input_ids[-1] = 0
-                placeholder_rows.append(start + n - 1)
-                placeholder_sources.append(entry.placeholder_row)
-            table = req.block_table
+                input_ids[-1] = 0  # the request's one input token is sampled by the step in flight
             positions.extend(range(c, c + n))
-            if n == 1:
-                slots.append(table[c // bs] * bs + c % bs)
-            else:
-                pos = np.arange(c, c + n, dtype=np.int64)
-                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
-            if entry.sample:
-                logits_rows.append(start + n - 1)
-                plan.sampled.append(req)
-            if req.score_from is not None:
-                # Position p's logits predict token p + 1.
-                # Positions already scored (before a preemption) are not recorded twice.
-                lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
-                hi = min(c + n, req.num_tokens - 1)
-                if hi > lo:
-                    score_rows.extend(range(start + lo - c, start + hi - c))
-                    plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
-                    plan.score_segments.append((req, hi - lo))
-                    score_temps.extend([req.score_temperature] * (hi - lo))
+            pos = np.arange(c, c + n, dtype=np.int64) if n > 1 else None
+            for g, window in enumerate(windows):
+                table = req.block_tables[g]
+                if pos is None:
+                    slots[g].append(table[c // bs] * bs + c % bs)
+                else:
+                    slots[g].extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+                first = window_start_block(window, c, bs)
+                kept = table if first == 0 else table[first:]
+                if n == 1:
+                    decode_tables[g].append(kept)
+                    decode_lengths[g].append(c + 1 - first * bs)
+                else:
+                    prefill_specs[g].append((start, start + n, c - first * bs, kept))
+            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
             if n == 1:
                 decode_rows.append(start)
-                decode_tables.append(table)
-                decode_lengths.append(c + 1)
-            else:
-                prefill_specs.append((start, start + n, c, table))
         use_flash = self.use_flash
-        gathered = [spec for spec in prefill_specs if spec[2] > 0] if not use_flash else []
+        fast_decode = use_flash and self._fits_decode_fast_path(scheduled)
+        gathered = [[spec for spec in specs if spec[2] > 0] for specs in prefill_specs] if not use_flash else []
         arrays: list[np.ndarray] = [
             np.asarray(input_ids, dtype=np.int64),
             np.asarray(positions, dtype=np.int64),
-            np.asarray(slots, dtype=np.int64),
             np.asarray(logits_rows + score_rows, dtype=np.int64),
             np.asarray(plan.score_targets, dtype=np.int64),
             np.asarray(score_temps, dtype=np.float64),
+            *(np.asarray(group_slots, dtype=np.int64) for group_slots in slots),
         ]
-        if use_flash:
-            arrays += self._flash_arrays(scheduled)
+        if fast_decode:
+            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
+        elif use_flash:
+            arrays += self._flash_arrays(scheduled, num_groups)
         elif decode_rows:
-            arrays += [
-                np.asarray(decode_rows, dtype=np.int64),
-                np.asarray(decode_lengths, dtype=np.int64),
-                _padded(decode_tables),
-            ]
-        arrays += [np.asarray(table, dtype=np.int64) for _, _, _, table in gathered]
+            arrays.append(np.asarray(decode_rows, dtype=np.int64))
+            for g in range(num_groups):
+                arrays += [np.asarray(decode_lengths[g], dtype=np.int64), _padded(decode_tables[g])]
+        arrays += [np.asarray(spec[3], dtype=np.int64) for specs in gathered for spec in specs]
         if placeholder_rows:
             arrays.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
         staged_list = self._input_staging.upload(*arrays)
         placeholders = staged_list.pop() if placeholder_rows else None
         staged = iter(staged_list)
-        ids_t, pos_t, slot_mapping, rows, targets, temps = (next(staged) for _ in range(6))
+        ids_t, pos_t, rows, targets, temps = (next(staged) for _ in range(5))
+        slot_mappings = [next(staged) for _ in range(num_groups)]
         if plan.score_segments:
             plan.score_target_ids, plan.score_temperatures = targets, temps.float()
-        flash = None
-        d_rows = d_gather = d_lengths = None
-        prefills: list[PrefillSegment] = []
-        if use_flash:
-            cu_q, cu_k, table_t = next(staged), next(staged), next(staged)
+        metas: list[PagedAttentionMetadata] = []
+        if fast_decode:
+            seqlens_t = next(staged).to(torch.int32)
+            for g in range(num_groups):
+                flash = {"cache_seqlens": seqlens_t, "block_table": next(staged).to(torch.int32)}
+                metas.append(
+                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
+                )
+            self.num_decode_fast_path_steps += 1
+        elif use_flash:
+            cu_q, cu_k = next(staged), next(staged)
             q_lens = [e.num_scheduled_tokens for e in scheduled]
             k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-            flash = {
+            common = {
                 "cu_seqlens_q": cu_q.to(torch.int32),
                 "cu_seqlens_k": cu_k.to(torch.int32),
                 "max_seqlen_q": max(q_lens),
                 "max_seqlen_k": max(k_lens),
-                "block_table": table_t.to(torch.int32),
             }
+            for g in range(num_groups):
+                flash = {**common, "block_table": next(staged).to(torch.int32)}
+                metas.append(
+                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
+                )
         else:
+            d_rows = None
+            decode: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_groups
             if decode_rows:
-                d_rows, d_lengths, d_tables = next(staged), next(staged), next(staged)
-                d_gather = slots_of(d_tables, max(decode_lengths), bs)
-            tables = {id(spec): next(staged) for spec in gathered}
-            for spec in prefill_specs:
-                start, end, c, _table = spec
-                gather = None
-                if c > 0:
-                    gather = slots_of(tables[id(spec)][None, :], c + end - start, bs)[0]
-                prefills.append(PrefillSegment(start, end, c, gather))
-        meta = PagedAttentionMetadata(self.cache, slot_mapping, d_rows, d_gather, d_lengths, prefills, flash)
+                d_rows = next(staged)
+                for g in range(num_groups):
+                    d_lengths, d_tables = next(staged), next(staged)
+                    decode[g] = (slots_of(d_tables, max(decode_lengths[g]), bs), d_lengths)
+            for g in range(num_groups):
+                tables = {id(spec): next(staged) for spec in gathered[g]}
+                prefills: list[PrefillSegment] = []
+                for spec in prefill_specs[g]:
+                    start, end, context, _table = spec
+                    gather = None
+                    if context > 0:
+                        gather = slots_of(tables[id(spec)][None, :], context + end - start, bs)[0]
+                    prefills.append(PrefillSegment(start, end, context, gather))
+                d_gather, d_lengths = decode[g]
+                metas.append(
+                    PagedAttentionMetadata(
+                        self.cache, slot_mappings[g], d_rows, d_gather, d_lengths, prefills, None, windows[g]
+                    )
+                )
+        meta = metas[0]
+        if num_groups > 1:
+            meta.groups = metas
         kwargs = {
             "input_ids": ids_t[None, :],
             "position_ids": pos_t[None, :],
@@ -361,23 +495,55 @@ class ModelRunner:
         plan.num_sample_rows = len(logits_rows)
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
-        return kwargs, rows, plan, placeholders
+        return kwargs, rows, plan, placeholders, fast_decode
+
+    def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
+        its keys (this one included) fit in ``max_blocks_per_request`` blocks. One wider request sends the
+        whole step through the varlen kernel (transformers' scheduler applies the same rule)."""
+        width = self.max_blocks_per_request
+        if width <= 0 or not scheduled:
+            return False
+        limit = width * self.block_size  # keys a table row can address
+        return all(e.num_scheduled_tokens == 1 and e.request.num_computed_tokens < limit for e in scheduled)
 
     @staticmethod
-    def _flash_arrays(scheduled: Sequence[ScheduledRequest]) -> list[np.ndarray]:
+    def _flash_decode_arrays(
+        scheduled: Sequence[ScheduledRequest], width: int, num_groups: int = 1
+    ) -> list[np.ndarray]:
+        """int64 host arrays of the decode fast path's inputs (each request computes one token).
+
+        Returns:
+            cache_seqlens [B] (the request's keys after this step's write: computed tokens + 1), then the
+            block table [B, width] of each layer group: each request's first ``width`` blocks, padded with
+            block 0 (the kernel reads only the blocks its cache_seqlens covers; a sliding group's
+            ``NULL_BLOCK`` entries before its window read as block 0, which the window mask never lets a
+            query attend to, as in ``_flash_arrays``).
+        """
+        seqlens = np.asarray([e.request.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
+        tables = []
+        for g in range(num_groups):
+            table = np.zeros((len(scheduled), width), dtype=np.int64)
+            for i, e in enumerate(scheduled):
+                row = e.request.block_tables[g][:width]
+                table[i, : len(row)] = row
+            tables.append(np.maximum(table, 0))
+        return [seqlens, *tables]
+
+    @staticmethod
+    def _flash_arrays(scheduled: Sequence[ScheduledRequest], num_groups: int = 1) -> list[np.ndarray]:
         """int64 host arrays of flash-attn's varlen inputs.
 
         Returns:
-            cu_seqlens_q [B+1], cu_seqlens_k [B+1] and the block table [B, W] (rows padded with 0).
+            cu_seqlens_q [B+1], cu_seqlens_k [B+1], then the block table [B, W] of each layer group (rows
+            padded with 0; a sliding group's ``NULL_BLOCK`` entries, before its window, read as block 0,
+            which the kernel's window mask never lets a query attend to).
         """
         q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
         k_lens = np.asarray([e.request.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
         zero = np.zeros(1, dtype=np.int64)
-        return [
-            np.concatenate([zero, np.cumsum(q_lens)]),
-            np.concatenate([zero, np.cumsum(k_lens)]),
-            _padded([e.request.block_table for e in scheduled]),
-        ]
+        tables = [np.maximum(_padded([e.request.block_tables[g] for e in scheduled]), 0) for g in range(num_groups)]
+        return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -403,14 +569,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """The host work of a step that is not empty: its inputs staged on the device, its sampling rows and
-        random numbers drawn (``step_uniforms``: a sampled request's counter counts a pending placeholder,
-        as the synchronous loop counts the token it stands for).
+        """The host work of a step that is not empty: its inputs staged on the device (the padded batch on
+        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``: a
+        sampled request's counter counts a pending placeholder, as the synchronous loop counts the token
+        it stands for).
 
         A step scheduled ahead (``scheduler_output.ahead``) keeps the generator's state from before its
         draw, so that ``discard`` can put it back: a discarded step then draws nothing.
         """
-        kwargs, rows, plan, placeholders = self._prepare_inputs(scheduler_output.scheduled)
+        scheduled = scheduler_output.scheduled
+        batch = None
+        kwargs = None
+        fast_decode = False
+        path = self.path_of(scheduled) if self._forwards else None
+        if path in self._forwards:
+            batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
+        else:
+            kwargs, rows, plan, placeholders, fast_decode = self._prepare_inputs(scheduled)
         sampled = plan.sampled + [child for _, child in scheduler_output.forks]
         uniform = None
         state = None
@@ -420,13 +595,26 @@ class ModelRunner:
                 state = self.generator.get_state()
             uniform = step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator)
         return PreparedStep(
-            scheduler_output, kwargs, rows, plan, sampled, uniform, placeholders, state, self._input_staging.last_slot
+            scheduler_output,
+            kwargs,
+            batch,
+            rows,
+            plan,
+            sampled,
+            uniform,
+            placeholders,
+            state,
+            self._input_staging.last_slot,
+            fast_decode,
         )
 
     def discard(self, prepared: PreparedStep) -> None:
-        """Drop a prepared step that will not run: the generator's draw is taken back and its staging released."""
+        """Drop a prepared step that will not run: the generator's draw and the fast-path count are taken
+        back and its staging released."""
         if prepared.generator_state is not None:
             self.generator.set_state(prepared.generator_state)
+        if prepared.fast_decode:
+            self.num_decode_fast_path_steps -= 1
         self._input_staging.release(prepared.staging_slot)
 
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -489,16 +677,20 @@ class ModelRunner:
         """
         scheduler_output = prepared.scheduler_output
         self._move_kv(scheduler_output)
-        kwargs, plan = prepared.kwargs, prepared.plan
+        plan = prepared.plan
         if prepared.placeholders is not None:
             assert previous_tokens is not None
-            positions, sources = prepared.placeholders[0], prepared.placeholders[1]
-            kwargs["input_ids"][0, positions] = previous_tokens.index_select(0, sources)
-        out = self.model(**kwargs)
-        logits = out.logits[0]
-        if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, prepared.rows)
-        logits = logits.float()
+            rows, sources = prepared.placeholders[0], prepared.placeholders[1]
+            ids = prepared.batch.input_ids if prepared.batch is not None else prepared.kwargs["input_ids"][0]
+            ids[rows] = previous_tokens.index_select(0, sources)
+        if prepared.batch is not None:
+            logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
+        else:
+            assert prepared.kwargs is not None
+            logits = self.model(**prepared.kwargs).logits[0]
+            if not self.supports_logits_to_keep:
+                logits = logits.index_select(0, prepared.rows)
+            logits = logits.float()
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
@@ -555,19 +747,102 @@ class ModelRunner:
             result.logprobs = host[i + b : i + 2 * b] if self.return_logprobs else None
         return result
 
+    @property
+    def static_paths(self) -> list[str]:
+        """The paths that run padded (compiled or CUDA-graphed), in ``PATHS`` order."""
+        return [path for path in PATHS if path in self._forwards]
+
+    @staticmethod
+    def path_of(scheduled: Sequence[ScheduledRequest]) -> str:
+        """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
+        return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
+
     @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step (no KV copies, no sampling).
+        """One forward of the step (no KV copies, no sampling; every input token known).
 
         Returns:
             float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
         """
+        if self._forwards:
+            path = self.path_of(scheduled)
+            if path in self._forwards:
+                batch, rows, plan, _ = self._prepare_padded(scheduled, path)
+                return self.forward_padded(batch)[: len(rows)], plan
         kwargs, rows, plan = self.prepare(scheduled)
         out = self.model(**kwargs)
         logits = out.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
         return logits.float(), plan
+
+    def _prepare_padded(
+        self, scheduled: Sequence[ScheduledRequest], path: str
+    ) -> tuple[PaddedBatch, list[int], LogitsPlan, torch.Tensor | None]:
+        """The inputs of a step on the static-shape path: the padded batch (one staged upload), the real
+        logits rows, their plan, and the placeholders of a step scheduled ahead (see
+        ``PreparedStep.placeholders``: the padded batch keeps the real rows first, at the same indices)."""
+        assert self.padding is not None
+        plan = LogitsPlan()
+        logits_rows: list[int] = []
+        score_rows: list[int] = []
+        score_temps: list[float] = []
+        start = 0
+        for entry in scheduled:
+            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
+            start += entry.num_scheduled_tokens
+        rows = logits_rows + score_rows
+        extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
+        placeholder_rows, placeholder_sources = _placeholders(scheduled)
+        if placeholder_rows:
+            extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
+        batch, staged = build_padded_batch(scheduled, rows, path == "decode", self.padding, self._input_staging, extra)
+        targets, temps = staged[0], staged[1]
+        placeholders = staged[2] if placeholder_rows else None
+        if plan.score_segments:
+            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
+        plan.num_sample_rows = len(logits_rows)
+        return batch, rows, plan, placeholders
+
+    def forward_padded(self, batch: PaddedBatch) -> torch.Tensor:
+        """The padded forward of ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
+
+        Compilations it triggers are counted in ``compile_counter``.
+
+        Returns:
+            float32 [R, V]: the logits of ``batch.logits_rows`` (padding rows included).
+        """
+        path = batch.path
+        fn = self._forwards[path]
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep)
+
+        def forward(b: PaddedBatch) -> torch.Tensor:
+            return self.compile_counter.run(fn, self.model, self.cache, b, *args)
+
+        if self.graphs is not None and self.cuda_graph_paths[path]:
+            return self.graphs.run((path, batch.shape), forward, batch)
+        return forward(batch)
+
+    @torch.inference_mode()
+    def warmup(
+        self, shapes: Sequence[tuple[str, tuple[int, ...]]], on_shape: Callable[[], object] | None = None
+    ) -> None:
+        """Run the padded forward of each (path, shape) on a synthetic batch, compiling or capturing it.
+
+        The synthetic batches read and write the padding block only (``static_step.synthetic_batch``):
+        no request's keys, no prefix-cache block, no random generator and no counter of requests change.
+
+        Args:
+            shapes: (path, padded shape) pairs, for paths in ``static_paths``.
+            on_shape: called after each shape (a progress bar's update), or None.
+        """
+        assert self.padding is not None
+        for path, shape in shapes:
+            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device))
+            if on_shape is not None:
+                on_shape()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
         """The step's KV copies before its forward: offloads, copy-on-write copies, restores.

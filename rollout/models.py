@@ -135,27 +135,24 @@ def check_model_supported(model: torch.nn.Module) -> None:
     layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
     if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
         raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
-    shapes = layer_kv_shapes(model)
-    if len(set(shapes)) > 1:
-        groups: dict[tuple[int, int], list[int]] = {}
-        for layer, shape in enumerate(shapes):
-            groups.setdefault(shape, []).append(layer)
-        described = "; ".join(
-            f"layers {', '.join(map(str, layers))}: {kv} KV heads x head_dim {dim}"
-            for (kv, dim), layers in groups.items()
-        )
-        raise UnsupportedModelError(
-            f"{name}: its attention layers differ in KV shape ({described}); rollout's paged cache holds one "
-            "shape for every layer, so models with per-layer head dims or KV-head counts are not supported yet"
-        )
+    # Per-layer KV shapes (head dims, KV-head counts) are supported: the cache groups layers by shape
+    # (``kv_cache.CacheLayout``). Reading them here refuses a config whose shapes cannot be read.
+    layer_kv_shapes(model)
 
 
-def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
+def layer_kv_shapes(model: PreTrainedModel, local: bool = True) -> list[tuple[int, int]]:
     """(KV heads, head dim) of each decoder layer, in layer order.
 
     Read from the text config (a heterogeneous config's ``per_layer_config`` layer by layer, since
     its global ``head_dim`` is ambiguous), then from the attention modules themselves where they
     show it (``head_dim`` and a ``k_proj`` Linear): the modules are what write the KV.
+
+    Args:
+        model: the model.
+        local: the KV heads this process computes. A model sharded by a ``tp_plan`` holds its
+            ``k_proj`` weight as a DTensor whose local shard has ``num_key_value_heads / tp_size``
+            heads' rows: that many heads reach this rank's attention and its KV cache. False: the
+            model's own count (the Linear's ``out_features``), whatever the sharding.
     """
     text = text_config(model.config)
     if getattr(text, "is_heterogeneous", False):
@@ -170,10 +167,41 @@ def layer_kv_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
         head_dim = getattr(module, "head_dim", None)
-        out_features = getattr(getattr(module, "k_proj", None), "out_features", None)
+        k_proj = getattr(module, "k_proj", None)
+        out_features = getattr(k_proj, "out_features", None)
+        weight = getattr(k_proj, "weight", None)
+        if local and hasattr(weight, "to_local"):  # a DTensor: its local rows are this rank's heads
+            out_features = weight.to_local().shape[0]
         if isinstance(layer, int) and 0 <= layer < len(shapes) and isinstance(head_dim, int) and out_features:
             shapes[layer] = (out_features // head_dim, head_dim)
     return shapes
+
+
+def layer_sliding_windows(model: PreTrainedModel) -> list[int | None]:
+    """The sliding window of each decoder layer, in layer order: keys further back than this many positions
+    are masked (a query at position i sees keys j with i - window < j <= i); None for full attention.
+
+    Read from the text config (``layer_types`` with ``sliding_window``; without ``layer_types``, a
+    ``sliding_window`` applies to every layer, as Mistral's attention passes it), then from the attention
+    modules that keep the window they pass to the attention function (``module.sliding_window``: Gemma 2/3/4,
+    Qwen2, ...), which win. A value that is not a positive int counts as no window. The paged attention
+    checks at every step that a layer attends within the window read here (``attention.paged_attention``),
+    so a model that passes another window fails loudly instead of reading evicted keys.
+    """
+    text = text_config(model.config)
+    num_layers = len(layer_kv_shapes(model))
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types and len(layer_types) == num_layers:
+        windows = [window if kind == "sliding_attention" else None for kind in layer_types]
+    else:
+        windows = [window] * num_layers
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and 0 <= layer < num_layers and hasattr(module, "sliding_window"):
+            if hasattr(module, "k_proj") or hasattr(module, "q_proj"):
+                windows[layer] = module.sliding_window
+    return [w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None for w in windows]
 
 
 def _hook_execution_device(module: torch.nn.Module) -> torch.device | None:
@@ -311,6 +339,7 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp_plan: str | dict[str, str] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, on `device`.
 
@@ -326,7 +355,11 @@ def load_model(
     Args:
         name_or_path: a local Hugging Face model folder, an alias of the default model, or a Hub id.
         dtype: dtype of the weights after loading.
-        device: where to put the model.
+        device: where to put the model (ignored with ``tp_plan``: each rank's shard goes to the device
+            transformers picks for it, ``cuda:LOCAL_RANK`` or the CPU).
+        tp_plan: ``"auto"`` (or a plan dict) shards the weights over the processes of the ``torchrun``
+            launch by tensor parallelism, through ``from_pretrained(tp_plan=...)``; every rank must
+            call this. None loads the whole model in this process.
 
     Returns:
         (model, tokenizer): the model in eval mode on `device`; the tokenizer as saved with it.
@@ -349,14 +382,18 @@ def load_model(
     logger.info("loading %s (dtype=%s, device=%s)", source, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        if tp_plan is None:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan=tp_plan)
     except OSError as e:
         raise OSError(
             f"cannot load {name_or_path!r}: pass a local Hugging Face model folder, or "
             f"{DEFAULT_MODEL!r} for the default model ({e})"
         ) from e
-    model = model.to(device).eval()
-    return model, tokenizer
+    if tp_plan is None:
+        model = model.to(device)
+    return model.eval(), tokenizer
 
 
 def provision_default_model(cache_dir: Path | None = None) -> Path:

@@ -32,12 +32,15 @@ class PauseGate:
 
     Attributes:
         holders: pauses held now, over every thread (a re-entrant hold counts once per level).
+        entered: holds entered since the gate was built, over every thread and level (a tensor-parallel
+            loop compares it across ranks: a pause lasts until every rank has entered its own).
         in_step: True while the loop runs a step (set between ``begin_step`` and ``end_step``).
     """
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
         self.holders = 0
+        self.entered = 0
         self.in_step = False
         self._local = threading.local()  # .depth: the holds of the current thread
 
@@ -49,6 +52,7 @@ class PauseGate:
         """
         with self._cond:
             self.holders += 1
+            self.entered += 1
             self._cond.notify_all()
             while self.in_step:
                 self._cond.wait()

@@ -109,8 +109,13 @@ class Request:
         params: sampling parameters.
         token_ids: prompt followed by the generated tokens.
         num_computed_tokens: tokens whose KV is in this request's blocks.
-        block_table: physical block ids, in sequence order.
-        block_hashes: prefix-cache hashes of the request's full blocks, in order.
+        block_tables: one block table per layer group of the cache (``kv_cache.CacheLayout``): the
+            physical block ids, in sequence order; a sliding-window group has ``NULL_BLOCK`` where a
+            block fell out of its window.
+        block_table: ``block_tables[0]``, the only table of a cache whose layers form one group.
+        group_block_hashes: per layer group, the prefix-cache hashes of the request's full blocks, in
+            order (None for a ``NULL_BLOCK`` taken from a prefix hit).
+        block_hashes: ``group_block_hashes[0]``.
         score_from: for a scoring request, the index of the first token whose logprob is
             wanted (>= 1); None for a generation request.
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
@@ -144,8 +149,8 @@ class Request:
         self.record_timestamps = record_timestamps
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
-        self.block_hashes: list[bytes] = []
+        self.block_tables: list[list[int]] = [[]]
+        self.group_block_hashes: list[list[bytes | None]] = [[]]
         self.status = RequestStatus.PENDING
         self.generated_logprobs: list[float] = []
         self.timestamps: list[float] = []
@@ -164,6 +169,24 @@ class Request:
         self.fork_parent: Request | None = None
         self.forks: list[Request] = []
         self.pending_token = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of layer group 0 (the only one of a cache whose layers form one group)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def block_hashes(self) -> list[bytes | None]:
+        """The block hashes of layer group 0."""
+        return self.group_block_hashes[0]
+
+    @block_hashes.setter
+    def block_hashes(self, hashes: list[bytes | None]) -> None:
+        self.group_block_hashes[0] = hashes
 
     @property
     def prefill_only(self) -> bool:
@@ -243,5 +266,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens}, blocks={'/'.join(str(len(t)) for t in self.block_tables)})"
         )

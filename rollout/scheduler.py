@@ -51,8 +51,12 @@ back (``unschedule``) and scheduled again the synchronous way: it is never run w
 that has ended. Scheduling ahead is tried only where taking it back is exact and cheap (``schedule_ahead``
 says why not otherwise): nothing waits for admission, no request has forks parked on it, no running
 request has logits processors (they read the token that is not known yet), and the running requests get
-their slots without preemption, copy-on-write or evicting a prefix-cache block. Blocks are hashed for the
-prefix cache only when the step is committed (``commit_ahead``), once its tokens are all known.
+their slots without preemption, copy-on-write or evicting a prefix-cache block. With layer groups, every
+group's table of a request is allocated (and taken back) so, all groups' fresh blocks together. Blocks are
+hashed for the prefix cache, and a sliding-window group's blocks that left the window are given back, only
+when the step is committed (``commit_ahead``), once its tokens are all known and the step before it is
+updated: in the order ``schedule`` would, so the prefix cache and the free queue stay the synchronous
+loop's (up to which uncached block is where).
 
 The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``:
 at admission and preemption in ``schedule``, when a step is scheduled ahead (``schedule_ahead``: counts
@@ -115,8 +119,9 @@ class SchedulerOutput:
         advanced: its requests' ``num_computed_tokens`` (and placeholder tokens) were advanced before its
             results came, by the ``schedule_ahead`` of the next step; ``update_from_output`` then only
             writes the sampled tokens.
-        allocations: a step scheduled ahead only: (request, the length of its block table before the
-            step's allocation), in allocation order: what ``Scheduler.unschedule`` gives back.
+        allocations: a step scheduled ahead only: (request, the length of each of its block tables
+            before the step's allocation, layer groups in order), in allocation order: what
+            ``Scheduler.unschedule`` gives back.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -130,7 +135,7 @@ class SchedulerOutput:
     is_decode_only: bool = False
     ahead: bool = False
     advanced: bool = False
-    allocations: list[tuple[Request, int]] = field(default_factory=list, repr=False)
+    allocations: list[tuple[Request, list[int]]] = field(default_factory=list, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -309,13 +314,14 @@ class Scheduler:
         return parent
 
     def _room_for_one_more_fork(self) -> bool:
-        """True when the free blocks, less the safety margin while requests run, hold one block for
-        each parked fork and one more: what a fork takes at its first write (a copy of the shared
-        partial last block, or a new block). Parking, like an admission, keeps that room."""
+        """True when the free blocks, less the safety margin while requests run, hold one block per
+        layer group for each parked fork and one more: what a fork takes at its first write (in each
+        group, a copy of the shared partial last block, or a new block). Parking, like an admission,
+        keeps that room."""
         kv = self.kv_cache_manager
         margin = kv.safety_margin_blocks if self.running else 0
         num_parked = sum(len(parent.forks) for parent in self._prefilling.values())
-        return kv.num_free_blocks - num_parked - 1 >= margin
+        return kv.num_free_blocks - (num_parked + 1) * kv.num_groups >= margin
 
     def _list_forks(self, out: SchedulerOutput) -> None:
         """The parked requests of the parents whose prefill this step completes, into ``out.forks``."""
@@ -407,7 +413,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, self._budget)
             c = req.num_computed_tokens
             if ahead:
-                num_blocks = len(req.block_table)
+                num_blocks = [len(table) for table in req.block_tables]
                 if not kv.allocate_slots(req, n, reversible=True):
                     return False
                 out.allocations.append((req, num_blocks))
@@ -560,12 +566,14 @@ class Scheduler:
         return not any(entry.request.status.is_final for entry in ahead.scheduled)
 
     def commit_ahead(self, ahead: SchedulerOutput) -> None:
-        """``ahead`` will run: hash the blocks it fills for the prefix cache, its tokens being all known now."""
+        """``ahead`` will run: give back its requests' blocks that left a sliding window, and hash the blocks
+        it fills for the prefix cache, its tokens being all known now; request by request in batch order,
+        as ``schedule`` does after the update (``allocate_slots(..., reversible=True)`` left both undone)."""
+        kv = self.kv_cache_manager
         for entry in ahead.scheduled:
             req = entry.request
-            self.kv_cache_manager.cache_blocks(
-                req, req.num_computed_tokens + entry.num_scheduled_tokens, self.weight_version
-            )
+            kv.drop_out_of_window(req)
+            kv.cache_blocks(req, req.num_computed_tokens + entry.num_scheduled_tokens, self.weight_version)
 
     def unschedule(self, ahead: SchedulerOutput) -> None:
         """Take back a step scheduled ahead that will not run: its allocations are given back, last first,

@@ -33,6 +33,11 @@ and status 2.
 Example (``rollout-score`` is the same as ``python scripts/score_dataset.py``):
     rollout-score --dataset data.jsonl --prompt-column prompt \
         --completion-column completion --output scored.parquet --chat-template
+
+Tensor parallelism: under ``torchrun --nproc_per_node N``, ``--tp`` loads the model with
+``tp_plan="auto"`` (each rank holds 1/N of the weights and of the KV heads, which must divide by N);
+every rank reads and tokenizes the file, and rank 0 alone writes the output and prints:
+    torchrun --nproc_per_node 2 scripts/score_dataset.py --tp --dataset data.jsonl ...
 """
 
 from __future__ import annotations
@@ -41,13 +46,16 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
+import torch.distributed as dist
 import transformers
 
+from .distributed import is_driver_rank
 from .models import load_model, model_context_length
 from .scoring import ScoreOutput, score
 
@@ -299,14 +307,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-too-long", action="store_true", help="write nulls for rows longer than the context")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="divide the logits by this (default 1)")
     p.add_argument("--device", default="cpu", help="torch device of the model (default cpu)")
+    p.add_argument(
+        "--tp",
+        action="store_true",
+        help="shard the model over the processes of a torchrun launch (tp_plan='auto'; --device is then ignored)",
+    )
     args = p.parse_args(argv)
+    if args.tp and int(os.environ.get("WORLD_SIZE", "1") or "1") < 2:
+        p.error(
+            "--tp shards the model over the processes of a torchrun launch: run it under torchrun --nproc_per_node N"
+        )
     if args.output.suffix.lower() not in OUTPUT_FORMATS:
         p.error(f"--output must end with one of {', '.join(OUTPUT_FORMATS)}, got {str(args.output)!r}")
     return args
 
 
-def run(args: argparse.Namespace) -> int:
-    """Read, tokenize, score and write; returns the number of rows written.
+def run(args: argparse.Namespace) -> int | None:
+    """Read, tokenize, score and write; returns the number of rows written (None on a tensor-parallel rank
+    other than rank 0, which writes nothing).
 
     Raises:
         ScoreDatasetError, ValueError, OSError, RuntimeError: reported by ``main`` as one line.
@@ -315,7 +333,9 @@ def run(args: argparse.Namespace) -> int:
     check_columns(ds.column_names, [args.prompt_column, args.completion_column], args.dataset)
     prompts = _texts(ds[args.prompt_column], args.prompt_column)
     completions = _texts(ds[args.completion_column], args.completion_column, null_is_empty=True)
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, tp_plan="auto" if args.tp else None)
+    if not is_driver_rank(model):  # a tensor-parallel rank other than rank 0 computes, but says nothing
+        logging.getLogger().setLevel(logging.ERROR)
     if not args.chat_template and not args.separator:
         warn_if_joined_without_space(prompts, completions)
     prompt_ids, completion_ids, fallback = tokenize_rows(
@@ -346,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
         skip_too_long=args.skip_too_long,
         progress_bar=True,
     )
+    if not is_driver_rank(model):  # rank 0 of a tensor-parallel launch has the scores and writes them
+        return None
     num_skipped = sum(r.skipped for r in results)
     if num_skipped:
         logger.warning("%d rows longer than the model's context were skipped (null scores)", num_skipped)
@@ -373,5 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             transformers.utils.logging.enable_progress_bar()
         if ds_bars:
             datasets.enable_progress_bars()
-    print(f"wrote {n} rows to {args.output}", file=sys.stderr)
+        if args.tp and dist.is_initialized():  # an orderly end: gloo aborts a process that exits with open groups
+            dist.destroy_process_group()
+    if n is not None:
+        print(f"wrote {n} rows to {args.output}", file=sys.stderr)
     return 0

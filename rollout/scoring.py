@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config
+from .distributed import is_driver_rank
 from .engine import Engine
 from .models import model_context_length, vocab_size
 from .requests import Request, RequestStatus
@@ -214,8 +215,8 @@ def score_with_engine(
     """Score rows on an existing engine, whose prefix cache and ``stats`` then show the work done.
 
     Same arguments, results and errors as ``score`` (the engine's own configuration replaces
-    ``batch_tokens`` and ``continuous_batching_config``). The engine must hold no unfinished
-    request; it is stepped until the rows are done and is left open.
+    ``batch_tokens`` and ``continuous_batching_config``), tensor parallelism included. The engine must
+    hold no unfinished request; it is stepped until the rows are done and is left open.
 
     Raises:
         ValueError: see ``score``.
@@ -228,7 +229,25 @@ def score_with_engine(
     if engine.has_unfinished():
         raise RuntimeError("score_with_engine needs an engine with no unfinished requests")
     jobs, row_group = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
-    return _run(engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
+    return _run_on_ranks(engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, temperature, progress_bar)
+
+
+def _run_on_ranks(
+    engine: Engine,
+    jobs: list[_Job],
+    row_group: list[int],
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    skipped: list[bool],
+    include_prompt: bool,
+    temperature: float,
+    progress_bar: bool,
+) -> list[ScoreOutput]:
+    """``_run`` on every rank of a tensor-parallel engine with the driver's rows; [] except on the driver."""
+    plan = engine.from_driver((jobs, row_group, prompts, completions, skipped))
+    driver = engine.is_driver
+    results = _run(engine, *plan, include_prompt, float(temperature), progress_bar and driver)
+    return results if driver else []
 
 
 def _run(
@@ -358,9 +377,14 @@ def score(
             rollout's or a ``transformers.ContinuousBatchingConfig`` (converted). When its
             ``num_blocks`` is None the cache is sized for a few steps of rows, not for the whole input.
 
+    Tensor parallelism: on a model loaded with a ``tp_plan`` under ``torchrun`` every rank calls this
+    with the same rows; every rank computes the driver's rows, and only the driver (TP rank 0) returns
+    their scores (an empty list elsewhere, the rule of ``generate_batch``).
+
     Returns:
         N ``ScoreOutput`` in input order: ``completion_logprobs`` float [len(completions[i])] in nats,
-        ``prompt_logprobs`` float [len(prompts[i]) - 1] or None, ``logprob_sum``, ``num_tokens``.
+        ``prompt_logprobs`` float [len(prompts[i]) - 1] or None, ``logprob_sum``, ``num_tokens``. An
+        empty list on a tensor-parallel rank other than the driver.
 
     Raises:
         ValueError: prompts and completions differ in length; an empty prompt; a token id outside
@@ -377,6 +401,8 @@ def score(
         config = dataclasses.replace(config, max_batch_tokens=batch_tokens)
     jobs, row_group = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
     if not jobs:  # empty completions and skipped rows only: no forward needed
+        if not is_driver_rank(model):
+            return []
         return _run(None, [], row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
     device_type = next(model.parameters()).device.type
     hint = _cache_tokens_hint(
@@ -384,6 +410,8 @@ def score(
     )
     engine = Engine(model, config, max_tokens_hint=hint)
     try:
-        return _run(engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
+        return _run_on_ranks(
+            engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, temperature, progress_bar
+        )
     finally:
         engine.close()

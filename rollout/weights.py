@@ -70,9 +70,26 @@ def plan_weight_copy(
 
 @torch.no_grad()
 def copy_weights(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each new tensor into its destination in place (across devices if needed)."""
+    """Copy each new tensor into its destination in place (across devices if needed).
+
+    A destination sharded by tensor parallelism (a DTensor of a ``tp_plan`` model) takes a full tensor
+    too: each rank keeps its own shard of it (``distribute_tensor`` with ``src_data_rank=None`` slices
+    locally, without communication, so every rank must pass the same full tensor). A DTensor source
+    is copied as it is.
+    """
     for target, tensor in plan:
+        if _is_dtensor(target) and not _is_dtensor(tensor):
+            from torch.distributed.tensor import distribute_tensor
+
+            tensor = distribute_tensor(
+                tensor.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            )
         target.copy_(tensor)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (the weights of a model loaded with a ``tp_plan``)."""
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")
 
 
 def weights_fingerprint(model: torch.nn.Module) -> tuple[int, ...]:
@@ -83,15 +100,19 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[int, ...]:
     tensor (``param.data = ...``, ``model.to(...)``) changes its storage address. The fingerprint is
     the pair (storage address, version) of every parameter, in order: a few microseconds per hundred
     parameters, no tensor is read. Buffers are left out: some models rewrite theirs in their own
-    forward (dynamic RoPE), and no training step changes them.
+    forward (dynamic RoPE), and no training step changes them. A tensor-parallel shard (DTensor)
+    reports no storage of its own (``data_ptr()`` is 0): its local tensor's address is taken, with the
+    DTensor's version, which in-place ops on the DTensor bump.
 
     Returns:
         A tuple of ints to compare with ``==``.
     """
     out: list[int] = []
-    for param in model.parameters():
-        out.append(param.data_ptr())
-        out.append(param._version)
+    with torch.no_grad():  # to_local() of a parameter would otherwise record an autograd node
+        for param in model.parameters():
+            storage = param.to_local() if _is_dtensor(param) else param
+            out.append(storage.data_ptr())
+            out.append(param._version)
     return tuple(out)
 
 

@@ -7,13 +7,20 @@ of Hk (query head h reads KV head h // (H / Hk)); the causal mask is aligned to 
 unbounded), i the query's position counted from the bottom right; ``softcap`` > 0 caps the scores as
 softcap * tanh(scores / softcap). The result is computed in fp32 and returned in q's dtype.
 
-Rules (csrc/flash_attn/flash_api.cpp, ``mha_fwd`` and ``mha_varlen_fwd``) enforced with a
-``FlashRuleError`` naming the rule: q, k and v of one dtype, fp16 or bf16; head dim at most 256 and a
-multiple of 8 (the kernel's own check: the Python wrapper pads other head dims, which for a paged
+Rules (csrc/flash_attn/flash_api.cpp, ``mha_fwd``, ``mha_varlen_fwd`` and ``mha_fwd_kvcache``) enforced
+with a ``FlashRuleError`` naming the rule: q, k and v of one dtype, fp16 or bf16; head dim at most 256 and
+a multiple of 8 (the kernel's own check: the Python wrapper pads other head dims, which for a paged
 cache would copy the whole cache at every call, so rollout must never rely on it); contiguous last
-dimensions; ``cu_seqlens_*`` and ``block_table`` int32; a paged cache's block size a multiple of 256;
-every tensor on q's device. The real kernels also need a CUDA device of compute capability 8.0 or more,
-which no CPU test can have: these checks stand for everything else.
+dimensions; ``cu_seqlens_*``, ``cache_seqlens`` and ``block_table`` int32; a paged cache's block size a
+multiple of 256; every tensor on q's device. The real kernels also need a CUDA device of compute
+capability 8.0 or more, which no CPU test can have: these checks stand for everything else.
+
+``flash_attn_with_kvcache`` (the decode fast path's kernel): q [B, Sq, H, D]; with ``block_table``
+[B, max_blocks] the cache is paged, [num_blocks, page, Hk, D], and sequence b's keys are its first
+``cache_seqlens[b]`` positions read through row b of the table. The kernel does not check that those
+positions fit in the table's width (it would read past the row): the reference refuses it, as it
+refuses what rollout does not use (appending ``k``/``v``, rotary, ALiBi, ``cache_batch_idx``, left
+padding) rather than stand in for it untested.
 """
 
 from __future__ import annotations
@@ -157,3 +164,71 @@ def flash_attn_func(
     return torch.stack(
         [reference_attention(q[b], k[b], v[b], softmax_scale, causal, window_size, softcap) for b in range(q.shape[0])]
     )
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_with_kvcache`` over a paged cache: q [B, Sq, H, D]; k_cache, v_cache
+    [num_blocks, page, Hk, D]; cache_seqlens int32 [B]; block_table int32 [B, max_blocks]. Returns
+    [B, Sq, H, D]: query i of sequence b attends to its keys 0 .. cache_seqlens[b] - 1, with the causal
+    mask and the window aligned to the last key.
+
+    Raises:
+        FlashRuleError: an input the kernel refuses (see the module docstring), a page size that is not a
+            multiple of 256, a table or lengths of the wrong shape, a length past the table's width or a
+            block id outside the cache, or a feature the reference does not implement.
+    """
+    _check(block_table is not None, "the reference implements the paged cache only (block_table)")
+    _check(isinstance(cache_seqlens, torch.Tensor), "the reference takes cache_seqlens as an int32 tensor")
+    assert block_table is not None and isinstance(cache_seqlens, torch.Tensor)
+    for name, value in (
+        ("k", k),
+        ("v", v),
+        ("rotary_cos", rotary_cos),
+        ("rotary_sin", rotary_sin),
+        ("cache_leftpad", cache_leftpad),
+        ("alibi_slopes", alibi_slopes),
+    ):
+        _check(value is None, f"the reference does not implement {name}")
+    _check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
+    _check(not return_softmax_lse, "the reference does not return the softmax lse")
+    check_flash_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    _check(q.dim() == 4, f"q is [batch, seqlen_q, heads, head_dim], got {tuple(q.shape)}")
+    _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "a paged cache is [num_blocks, page, Hk, D]")
+    batch, num_blocks, page = q.shape[0], k_cache.shape[0], k_cache.shape[1]
+    _check(batch > 0, "batch size must be positive")
+    _check(page % 256 == 0, f"Paged KV cache block size must be divisible by 256, got {page}")
+    _check(block_table.dim() == 2 and block_table.shape[0] == batch, f"block_table must be [{batch}, max_blocks]")
+    _check(tuple(cache_seqlens.shape) == (batch,), f"cache_seqlens must be [{batch}], got {tuple(cache_seqlens.shape)}")
+    _check(cache_seqlens.is_contiguous(), "cache_seqlens must be contiguous")
+    width = block_table.shape[1]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        length = int(cache_seqlens[b])
+        _check(length > 0, f"cache_seqlens[{b}] is {length}: the reference attends to at least one key")
+        _check(length <= width * page, f"cache_seqlens[{b}] = {length} is past the table's {width} blocks")
+        blocks = block_table[b, : -(-length // page)].long()
+        _check(bool(((blocks >= 0) & (blocks < num_blocks)).all()), f"block_table row {b} names a missing block")
+        kb = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]
+        vb = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
+        out[b] = reference_attention(q[b], kb, vb, softmax_scale, causal, window_size, softcap)
+    return out

@@ -91,7 +91,9 @@ def test_a_transformers_config_is_converted_at_every_entry_point(caplog: pytest.
     scored = rollout.score(model, [[5, 6, 7]], [[8]], continuous_batching_config=theirs)
     assert scored[0].num_tokens == 1
     with caplog.at_level(logging.WARNING, logger="rollout.config"):
-        ContinuousBatchingManager(model, GREEDY, transformers.ContinuousBatchingConfig(auto_switch_to_flash=False)).destroy()
+        ContinuousBatchingManager(
+            model, GREEDY, transformers.ContinuousBatchingConfig(auto_switch_to_flash=False)
+        ).destroy()
     assert "auto_switch_to_flash=False" in caplog.text
 
 

@@ -6,7 +6,13 @@ asserts equal tokens, logprobs (float equality, not a tolerance), finish reasons
 logprobs and cached prompt tokens; and that the async engine did schedule steps ahead (``num_async_steps``)
 and took the synchronous order where it must (``async_fallbacks``), so that no test passes by never
 scheduling ahead. Greedy cases are also checked against ``model.generate``. On CPU the steps run in the
-runner's worker thread; the CUDA path is in ``test_cuda.py``.
+runner's worker thread; the CUDA path (CUDA graphs included) is in ``test_cuda.py``.
+
+Async batching composes with the KV cache per layer group (models with sliding-window layers: a step
+scheduled ahead allocates in every group and gives back a sliding group's out-of-window blocks only when it
+is kept, so the prefix cache and the free queue follow the synchronous loop's) and with the static-shape
+step of compiled paths (the padded batch prepared ahead, its placeholder tokens written on the device). It
+is refused under tensor parallelism (``test_tensor_parallel.py`` checks it on two ranks).
 """
 
 from __future__ import annotations
@@ -14,9 +20,23 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from transformers.generation import CompileConfig
 
+import rollout.engine as engine_module
+import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, EngineStats, GenerationOutput, RequestStatus, SamplingParams
-from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_byte_level_tokenizer, tiny_llama
+from rollout.block_manager import NULL_BLOCK
+from rollout.static_step import FORWARDS
+from tests.tiny_models import (
+    VOCAB_SIZE,
+    random_prompts,
+    tiny_byte_level_tokenizer,
+    tiny_gemma,
+    tiny_gemma3_5to1,
+    tiny_gemma4,
+    tiny_llama,
+    tiny_mistral,
+)
 from tests.utils import reference_greedy, run_engine
 
 # (request id, prompt, sampling parameters, add_request keyword arguments)
@@ -254,3 +274,198 @@ def test_async_batching_is_off_by_default_on_cpu(model) -> None:  # noqa: ANN001
         assert engine.async_batching is False and engine.runner._worker is None
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- KV cache per layer group
+def _sliding_jobs(model, seed: int) -> tuple[list[Job], dict[str, list[int]]]:  # noqa: ANN001
+    """Six prompts, three of them sharing a 17-token prefix (prefix-cache hits in every group), each longer
+    than a window of 8 or 16 with its generation; each stops on a token of its plain completion or at its
+    ``max_new_tokens``. Returns the jobs and each request's expected tokens (``model.generate``'s, cut)."""
+    shared = random_prompts(1, VOCAB_SIZE, min_len=17, max_len=17, seed=seed)[0]
+    tails = random_prompts(3, VOCAB_SIZE, min_len=2, max_len=9, seed=seed + 1)
+    prompts = [shared + t for t in tails] + random_prompts(3, VOCAB_SIZE, min_len=10, max_len=30, seed=seed + 2)
+    plain = plain_completions(model, prompts, 24)
+    jobs: list[Job] = []
+    expected = {}
+    for i, (prompt, full) in enumerate(zip(prompts, plain)):
+        max_new = 14 + 2 * i
+        stop = full[3 * i + 4] if i % 2 else -1  # odd requests stop early, even ones run to max_new
+        eos = (stop,) if stop >= 0 else ()
+        cut = full[: full.index(stop) + 1] if stop >= 0 else full
+        jobs.append((f"r{i}", prompt, SamplingParams(max_new_tokens=max_new, eos_token_ids=eos), {}))
+        expected[f"r{i}"] = cut[:max_new]
+    return jobs, expected
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: tiny_gemma(sliding_window=8), lambda: tiny_gemma3_5to1(sliding_window=16), tiny_gemma4],
+    ids=["gemma3_alternating_window8", "gemma3_5to1_window16", "gemma4_per_layer_head_dims"],
+)
+def test_sliding_window_layer_groups_equal_sync_with_stops_chunked_prefill_and_prefix_hits(build) -> None:  # noqa: ANN001
+    model = build()
+    jobs, expected = _sliding_jobs(model, seed=60)
+    # 4-token pages: a window of 8 or 16 drops a block every 4 decode steps; 16 tokens a step: chunked prefill.
+    out, stats = sync_and_async(model, jobs, page_size=4, max_batch_tokens=16)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+    assert sum(o.num_cached_prompt_tokens > 0 for o in out.values()) >= 1  # a prefix hit
+    assert stats.num_async_steps >= 10 and stats.async_fallbacks["finished"] >= 1
+
+
+def test_sliding_window_layer_groups_equal_sync_through_preemption() -> None:
+    model = tiny_gemma3_5to1(sliding_window=16)
+    jobs, expected = _sliding_jobs(model, seed=61)
+    # 6 groups; 16 whole-model blocks are 96 block ids, where the longest request holds up to 13 full and
+    # 5 x 9 sliding blocks: requests are preempted, and steps that need a preemption go the synchronous way.
+    out, stats = sync_and_async(model, jobs, page_size=4, num_blocks=16, max_batch_tokens=16, safety_margin=0.0)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+    assert stats.num_preemptions > 0 and stats.num_async_steps >= 5
+    assert stats.async_fallbacks["blocks"] + stats.async_fallbacks["waiting"] >= 1
+
+
+def _cache_state(engine: Engine) -> tuple:
+    """What of the block pool decides later steps' results: the free queue as the hash of each free block (None
+    for an uncached one: which uncached block is where does not matter), every request's tables as the
+    positions they hold (``NULL_BLOCK`` where a sliding group gave a block back) and their block hashes."""
+    bm = engine.block_manager
+    queue = [bm.blocks[b].block_hash for b in bm.free_queue]
+    tables = {
+        r.request_id: ([[b == NULL_BLOCK for b in t] for t in r.block_tables], r.group_block_hashes)
+        for r in engine.scheduler.running
+    }
+    return queue, tables, sorted(bm.hash_to_block)
+
+
+def test_steps_scheduled_ahead_on_sliding_groups_leave_the_block_pool_as_the_synchronous_loop_does() -> None:
+    # Two engines in lockstep over the scheduler and runner: one schedules each step the synchronous way,
+    # the other schedules it ahead of the step before it and, in turn, keeps it (commit_ahead) or takes it
+    # back (unschedule, then schedule). After each scheduling, the batches and the block pools must agree.
+    model = tiny_gemma3_5to1(sliding_window=16)
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=6, max_len=14, seed=62)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=16)
+    sync, ahead = Engine(model, config), Engine(model, config)
+    try:
+        for engine in (sync, ahead):
+            for i, p in enumerate(prompts):
+                engine.add_request(p, SamplingParams(max_new_tokens=12 + 4 * i), request_id=f"r{i}")
+        s_out = sync.scheduler.schedule()
+        a_out = ahead.scheduler.schedule()
+        a_launched = ahead.runner.launch(ahead.runner.prepare_step(a_out))
+        kept = taken_back = 0
+        while True:
+            s_result = sync.runner.execute(s_out)
+            next_ahead, reason = ahead.scheduler.schedule_ahead(a_out)
+            prepared = ahead.runner.prepare_step(next_ahead) if next_ahead is not None else None
+            if next_ahead is not None:  # nothing dropped or hashed yet: every held block still held
+                assert all(NULL_BLOCK not in t[-2:] for r in ahead.scheduler.running for t in r.block_tables)
+            sync.scheduler.update_from_output(s_out, s_result)
+            ahead.scheduler.update_from_output(a_out, ahead.runner.collect(a_launched))
+            if not sync.has_unfinished():
+                assert not ahead.has_unfinished()
+                break
+            s_out = sync.scheduler.schedule()
+            if (
+                next_ahead is not None
+                and ahead.scheduler.ahead_still_valid(next_ahead)
+                and (kept + taken_back) % 2 == 0
+            ):
+                ahead.scheduler.commit_ahead(next_ahead)
+                a_launched, a_out = ahead.runner.launch(prepared, a_launched), next_ahead
+                kept += 1
+            else:
+                if next_ahead is not None:
+                    ahead.runner.discard(prepared)
+                    ahead.scheduler.unschedule(next_ahead)
+                    taken_back += 1
+                a_out = ahead.scheduler.schedule()
+                a_launched = ahead.runner.launch(ahead.runner.prepare_step(a_out))
+            shape = [(e.request.request_id, e.num_scheduled_tokens, e.sample) for e in a_out.scheduled]
+            assert shape == [(e.request.request_id, e.num_scheduled_tokens, e.sample) for e in s_out.scheduled]
+            assert _cache_state(ahead) == _cache_state(sync)
+        assert kept >= 5 and taken_back >= 5
+        assert ahead.block_manager.num_free_blocks == ahead.num_blocks
+    finally:
+        sync.close()
+        ahead.close()
+
+
+# ---------------------------------------------------------------- compiled (static-shape) steps
+@pytest.fixture
+def padded_uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled path runs its padded forward uncompiled: the static-shape step alone (as in test_static_step)."""
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_mistral], ids=["llama", "mistral_sliding_window"])
+def test_the_padded_step_of_a_compiled_path_prepared_ahead_equals_sync(build, padded_uncompiled: None) -> None:  # noqa: ANN001
+    model = build()
+    prompts = random_prompts(6, VOCAB_SIZE, min_len=5, max_len=30, seed=63)
+    plain = plain_completions(model, prompts, 20)
+    jobs: list[Job] = []
+    for i, (prompt, full) in enumerate(zip(prompts, plain)):
+        # Greedy and seeded sampled rows; the greedy ones stop on a token of their plain completion.
+        do_sample = i % 3 == 2
+        eos = () if do_sample else (full[2 * i + 3],)
+        params = SamplingParams(max_new_tokens=10 + 2 * i, do_sample=do_sample, seed=i, eos_token_ids=eos)
+        jobs.append((f"r{i}", prompt, params, {"score_from": 3} if i == 5 else {}))
+    jobs[5] = ("r5", prompts[5], SamplingParams(max_new_tokens=1), {"score_from": 3})  # a scoring request
+    out, stats = sync_and_async(model, jobs, page_size=4, max_batch_tokens=16, default_compile_level=1)
+    assert stats.num_padded_steps == stats.num_steps and stats.num_async_steps >= 5
+    assert stats.async_fallbacks["finished"] >= 1
+    assert len(out["r5"].prompt_logprobs) == len(prompts[5]) - 3
+    for i in (0, 1, 3, 4):
+        stop = plain[i][2 * i + 3]
+        assert out[f"r{i}"].generated_tokens == plain[i][: plain[i].index(stop) + 1][: 10 + 2 * i]
+
+
+def test_async_steps_through_dynamo_in_the_worker_thread_compile_nothing_after_warmup() -> None:
+    # Dynamo's eager backend with fullgraph=True traces what inductor would compile, without compiling it;
+    # the steps' forwards run in the runner's worker thread, where compilations are counted too.
+    trace_only = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=True)
+    model = tiny_llama()
+    prompts = random_prompts(5, VOCAB_SIZE, min_len=5, max_len=20, seed=64)
+    config = ContinuousBatchingConfig(
+        page_size=4,
+        num_blocks=128,
+        max_batch_tokens=16,
+        return_logprobs=True,
+        varlen_compile_config=trace_only,
+        decode_compile_config=trace_only,
+    )
+    outputs, stats = {}, {}
+    for async_batching in (False, True):
+        engine = Engine(model, dataclasses.replace(config, use_async_batching=async_batching))
+        try:
+            engine.warmup(progress_bar=False)
+            for i, p in enumerate(prompts):
+                engine.add_request(p, SamplingParams(max_new_tokens=8 + i), request_id=f"r{i}")
+            outputs[async_batching] = {rid: fields(o) for rid, o in run_engine(engine).items()}
+            stats[async_batching] = engine.stats
+        finally:
+            engine.close()
+    assert outputs[True] == outputs[False]
+    assert stats[True].num_padded_steps == stats[True].num_steps and stats[True].num_async_steps >= 5
+    assert stats[True].num_compiles_after_warmup == 0 and stats[True].num_cuda_graph_captures == 0
+
+
+# ---------------------------------------------------------------- tensor parallelism
+def test_async_batching_under_tensor_parallelism_is_refused_before_any_collective(model, monkeypatch) -> None:  # noqa: ANN001
+    # A stand-in mesh makes the model look TP-sharded; the real two-rank check is in test_tensor_parallel.py.
+    joined = []
+
+    def from_model(model, config):  # noqa: ANN001, ANN202
+        joined.append(config.use_async_batching)
+        return None  # run on as one process
+
+    monkeypatch.setattr(engine_module, "tensor_parallel_mesh", lambda m: object())
+    monkeypatch.setattr(engine_module.TensorParallel, "from_model", staticmethod(from_model))
+    with pytest.raises(ValueError, match="use_async_batching=True is not supported under tensor parallelism"):
+        Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=16, use_async_batching=True))
+    assert joined == []  # raised before the CPU group was joined
+    for value in (None, False):
+        engine = Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=16, use_async_batching=value))
+        try:
+            assert engine.async_batching is False and engine.runner._worker is None
+        finally:
+            engine.close()
+    assert joined == [None, False]

@@ -132,6 +132,22 @@ def test_bench_rollout_async_column_equals_rollout_and_repeats_keep_the_fastest_
         )
 
 
+def test_bench_compiled_rollout_is_compared_with_eager_rollout_tiny_llama(tiny_llama, tmp_path, monkeypatch):
+    # The compiled system's plumbing only: its padded step runs uncompiled (tests/test_static_step.py
+    # compiles it), so this stays fast.
+    import rollout.model_runner as model_runner
+    from rollout.static_step import FORWARDS
+
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    systems = ["rollout-compile1", "rollout", "hf-static"]
+    result = _run(tiny_llama, systems, _tiny_workload())
+    w = _check_report_json(result, tmp_path, systems)
+    assert {"rollout-compile1/rollout", "rollout-compile1/hf-static", "rollout/hf-static"} <= w["ratios"].keys()
+    assert w["greedy_match"]["rollout-compile1/rollout"] == {"matches": 4, "total": 4}
+    assert w["greedy_match"]["rollout-compile1/hf-static"]["total"] == 4
+    assert w["systems"]["rollout-compile1"]["warmup_run_s"] > 0
+
+
 def test_truncate_at_eos_keeps_the_eos():
     assert workloads.truncate_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
     assert workloads.truncate_at_eos([5, 6, 7], {2}) == [5, 6, 7]
@@ -185,3 +201,41 @@ def test_prompt_fork_benchmark_counts_the_prompt_tokens_with_forking_off_and_on(
         on = rows[block_size, True]
         assert on["prompt_tokens_computed"] == 10 and on["forks"] == 2 and on["block_copies"] == 2
         assert on["outputs_equal_fork_off"] and rows[block_size, False]["forks"] == 0
+
+
+def test_hf_cb_options_are_parsed_as_json_and_checked_against_transformers_config() -> None:
+    assert generation.parse_hf_cb_options(
+        ["default_compile_level=3", "use_cuda_graph=true", "scheduler_type=fifo"]
+    ) == {
+        "default_compile_level": 3,
+        "use_cuda_graph": True,
+        "scheduler_type": "fifo",
+    }
+    with pytest.raises(ValueError, match="got 'compile_level=3'"):
+        generation.parse_hf_cb_options(["compile_level=3"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        generation.parse_hf_cb_options(["use_cuda_graph"])
+    assert generation.parse_args(["--hf-cb-option", "max_batch_tokens=64"]).hf_cb_options == {"max_batch_tokens": 64}
+
+
+def test_hf_cb_runs_with_the_options_given(tiny_llama, monkeypatch) -> None:
+    seen = []
+    generate_batch = tiny_llama.generate_batch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["continuous_batching_config"])
+        return generate_batch(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_llama, "generate_batch", spy)
+    result = generation.run_workload(
+        tiny_llama,
+        PROMPTS,
+        _tiny_workload(),
+        ["hf-cb"],
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        decode_batch_size=0,
+        hf_cb_options={"max_batch_tokens": 16},
+    )
+    assert len(seen) == 2 and all(c.max_batch_tokens == 16 and c.seed == 0 for c in seen)  # warmup, timed run
+    assert result["systems"]["hf-cb"]["hf_cb_options"] == {"max_batch_tokens": 16}

@@ -360,3 +360,23 @@ def test_disabled_prefix_caching_never_hits() -> None:
 def test_constructor_rejects_empty_pool_or_zero_block_size(num_blocks: int, block_size: int) -> None:
     with pytest.raises(ValueError):
         BlockManager(num_blocks=num_blocks, block_size=block_size)
+
+
+def test_lookup_goes_on_past_an_evicted_block_and_each_layer_group_has_its_own_chain() -> None:
+    # A sliding-window group evicts the start of a sequence and still finds its window's blocks
+    # (kv_cache_manager): the hashes chain over the tokens, not over the blocks present.
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    ids = bm.allocate(3)
+    seq = tokens(0, 3 * BS)
+    cache_sequence(bm, ids, seq)
+    bm.uncache([ids[0]])
+    assert bm.find_cached_prefix(seq, 0, max_tokens=3 * BS) == []
+    assert bm.lookup(seq, 0, 3) == [None, ids[1], ids[2]]
+    assert bm.lookup(seq, 0, 2) == [None, ids[1]]
+    # Group 1's first block is chained from its own root: group 0's blocks are not its hits.
+    assert bm.lookup(seq, 0, 3, group=1) == [None, None, None]
+    other = bm.allocate(1)
+    bm.cache_block(other[0], block_manager_module.group_root(1), seq[:BS], 0)
+    assert bm.find_cached_prefix(seq, 0, max_tokens=BS, group=1) == other
+    roots = [block_manager_module.group_root(g) for g in range(3)]
+    assert roots[0] is None and roots[1] != roots[2]

@@ -1,7 +1,10 @@
 """Issue 13 on a GPU: flash-attn's paged kernel on real hardware, bf16 mixed precision through it, the manager
-thread's current device, and a model sharded over a GPU and the CPU. Issue 11 item 4: async batching on a GPU
-(inputs staged on a side stream into two buffer sets, results read back through pinned memory) gives the
-synchronous loop's outputs, and the staging's events keep a copy from overwriting a buffer still being read.
+thread's current device, and a model sharded over a GPU and the CPU. Issue 11: the decode fast path
+(``flash_attn_with_kvcache``) against the varlen kernel and against SDPA, in bf16; CUDA graphs of the
+static-shape step (replay equals the uncaptured step and the eager path; nothing captured or compiled after
+warmup). Issue 11 item 4: async batching on a GPU (inputs staged on a side stream into two buffer sets,
+results read back through pinned memory) gives the synchronous loop's outputs, also with CUDA graphs, and the
+staging's events keep a copy from overwriting a buffer still being read.
 
 Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
 same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
@@ -11,6 +14,7 @@ table, cu_seqlens or window would be off by whole nats.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -160,12 +164,157 @@ def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside
     assert [o.generated_tokens for o in out.values()] == expected
 
 
+def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True) -> Engine:  # noqa: ANN001
+    """An engine over a bf16 model on the GPU; ``flash=False`` puts it on the SDPA path (the engine picks flash)."""
+    config = ContinuousBatchingConfig(
+        page_size=256,
+        num_blocks=32,
+        max_batch_tokens=512,
+        return_logprobs=True,
+        max_blocks_per_request=max_blocks_per_request,
+    )
+    engine = Engine(model, config)
+    if not engine.use_flash:
+        engine.close()
+        pytest.skip("the engine does not use flash-attn on this GPU (see the log for the reason)")
+    if not flash:
+        engine.use_flash = engine.runner.use_flash = False
+    return engine
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list:
+    """Greedy outputs of the prompts (in order, no EOS stop), on an engine that is closed afterwards."""
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def _assert_greedy_agrees(actual: list, expected: list, prompts: list[list[int]], reference_model) -> None:  # noqa: ANN001
+    """Greedy tokens equal and logprobs within BF16_ATOL up to the first token where the two runs differ,
+    which must be a near-tie of the fp32 model (its logprobs of the two tokens within BF16_ATOL): two bf16
+    kernels round differently, while a wrong table, length or window flips tokens apart by nats."""
+    for prompt, a, e in zip(prompts, actual, expected):
+        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
+        assert len(tokens_a) == len(tokens_e)
+        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
+        assert_close(a.logprobs[:j], e.logprobs[:j], atol=BF16_ATOL)
+        if j < len(tokens_a):
+            logprobs = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_a[j]])[0]
+            other = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_e[j]])[0]
+            assert abs(logprobs - other) < BF16_ATOL, f"token {j}: {tokens_a[j]} vs {tokens_e[j]} are no near-tie"
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
+def test_decode_fast_path_equals_the_varlen_path_and_sdpa_in_bf16(build) -> None:
+    pytest.importorskip("flash_attn")
+    model = build().to(GPU, torch.bfloat16)
+    reference = build().to(GPU)  # fp32, the model's own (SDPA) attention
+    prompts = _prompts()
+    fast_engine = _bf16_engine(model, None)
+    varlen_engine = _bf16_engine(model, 0)
+    sdpa_engine = _bf16_engine(model, None, flash=False)
+    fast, varlen, sdpa = (_generate(e, prompts) for e in (fast_engine, varlen_engine, sdpa_engine))
+    decode_steps = len(fast_engine.stats.decode_step_batch)
+    assert fast_engine.stats.num_decode_fast_path_steps == decode_steps > 0
+    assert varlen_engine.stats.num_decode_fast_path_steps == sdpa_engine.stats.num_decode_fast_path_steps == 0
+    _assert_greedy_agrees(fast, varlen, prompts, reference)
+    _assert_greedy_agrees(fast, sdpa, prompts, reference)
+
+
+def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() -> None:
+    pytest.importorskip("flash_attn")
+    model = tiny_llama().to(GPU, torch.bfloat16)
+    long, short = random_prompts(1, VOCAB_SIZE, 250, 250, seed=3)[0], random_prompts(1, VOCAB_SIZE, 100, 100)[0]
+    # As on CPU (tests/test_flash_path.py): one prefill step, then 9 decode steps, of which the long
+    # request's positions 250..255 fit one block (6 fast-path steps) and 256..258 need a second.
+    narrow_engine = _bf16_engine(model, 1)
+    narrow = _generate(narrow_engine, [long, short])
+    varlen = _generate(_bf16_engine(model, 0), [long, short])
+    assert len(narrow_engine.stats.decode_step_batch) == 9
+    assert narrow_engine.stats.num_decode_fast_path_steps == 6
+    _assert_greedy_agrees(narrow, varlen, [long, short], tiny_llama().to(GPU))
+
+
+# Issue 11: CUDA graphs of the static-shape step. One padded shape per axis but the prefill groups (2 or 4):
+# 16-token pages, 64 blocks (1,024 keys), 64-token steps of at most 4 requests, both intervals at their caps.
+def _graph_config(**overrides: object) -> ContinuousBatchingConfig:
+    values = dict(
+        page_size=16,
+        num_blocks=64,
+        max_batch_tokens=64,
+        max_requests_per_batch=4,
+        q_padding_interval_size=64,
+        kv_padding_interval_size=1024,
+        return_logprobs=True,
+    )
+    values.update(overrides)
+    return ContinuousBatchingConfig(**values)
+
+
+def _graph_prompts() -> list[list[int]]:
+    return random_prompts(6, VOCAB_SIZE, 5, 60, seed=8)
+
+
+def test_cuda_graph_replay_matches_generate_in_fp32() -> None:
+    model = tiny_llama().to(GPU)
+    prompts = _graph_prompts()
+    out = generate_batch(model, prompts, GREEDY, _graph_config(use_cuda_graph=True))
+    for prompt, o in zip(prompts, out.values()):
+        assert o.generated_tokens == _greedy(model, prompt, 12)
+        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=1e-3)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_cuda_graph_replay_equals_the_uncaptured_step_and_the_eager_path_in_bf16(level: int, monkeypatch) -> None:
+    import rollout.model_runner as model_runner
+    from rollout.static_step import FORWARDS
+
+    model = tiny_llama().to(GPU, torch.bfloat16)
+    prompts = _graph_prompts()
+    graphed = generate_batch(model, prompts, GREEDY, _graph_config(use_cuda_graph=True, default_compile_level=level))
+    eager = generate_batch(model, prompts, GREEDY, _graph_config())
+    with monkeypatch.context() as patch:  # the same padded step, uncompiled and not captured
+        patch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+        uncaptured = generate_batch(model, prompts, GREEDY, _graph_config(default_compile_level=1))
+    for g, e, u in zip(graphed.values(), eager.values(), uncaptured.values()):
+        if level == 0:  # the captured kernels are the uncaptured ones: the same numbers
+            assert g.generated_tokens == u.generated_tokens
+            assert_close(g.logprobs, u.logprobs, atol=1e-6)
+        n = min(len(g.generated_tokens), len(e.generated_tokens))
+        assert n > 0 and g.generated_tokens[0] == e.generated_tokens[0]
+        # bf16 kernels that differ may flip a near-tie later on; before it the logprobs agree.
+        agree = next((i for i in range(n) if g.generated_tokens[i] != e.generated_tokens[i]), n)
+        assert_close(g.logprobs[:agree], e.logprobs[:agree], atol=BF16_ATOL)
+
+
+def test_no_capture_or_compilation_after_warmup() -> None:
+    model = tiny_llama().to(GPU)
+    engine = Engine(model, _graph_config(use_cuda_graph=True, default_compile_level=1))
+    try:
+        engine.warmup(progress_bar=False)
+        stats = engine.stats
+        assert stats.num_cuda_graph_captures == len(engine.warmup_plan()) == 3
+        for i, prompt in enumerate(_graph_prompts()):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=12), request_id=f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+        assert stats.num_padded_steps == stats.num_steps > 0
+        assert stats.num_cuda_graph_captures_after_warmup == 0 and stats.num_compiles_after_warmup == 0
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------- async batching (issue 11)
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding_groups"])
 @pytest.mark.parametrize(
     ("dtype", "page_size"), [(torch.float32, 16), (torch.bfloat16, 256)], ids=["fp32_sdpa", "bf16_flash_if_any"]
 )
-def test_async_batching_on_the_gpu_equals_the_synchronous_loop(dtype: torch.dtype, page_size: int) -> None:
-    model = tiny_llama().to(GPU, dtype)
+def test_async_batching_on_the_gpu_equals_the_synchronous_loop(build, dtype: torch.dtype, page_size: int) -> None:  # noqa: ANN001
+    model = build().to(GPU, dtype)
     prompts = random_prompts(8, VOCAB_SIZE, 5, 60, seed=8)
     results = []
     for async_batching in (False, True):
@@ -188,6 +337,34 @@ def test_async_batching_on_the_gpu_equals_the_synchronous_loop(dtype: torch.dtyp
         results.append({rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in outputs.items()})
     assert results[1] == results[0]
     assert stats.num_async_steps >= 5
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_async_batching_with_cuda_graphs_equals_the_synchronous_loop(level: int) -> None:
+    # With use_cuda_graph, None turns async batching on (transformers' rule): the padded batch of each step is
+    # prepared ahead, its placeholder tokens written into the batch before the graph copies its inputs.
+    model = tiny_llama().to(GPU)
+    prompts = _graph_prompts()
+    results = []
+    for async_batching in (False, None):
+        config = _graph_config(use_cuda_graph=True, default_compile_level=level, seed=1)
+        engine = Engine(model, dataclasses.replace(config, use_async_batching=async_batching))
+        try:
+            assert engine.async_batching is (async_batching is None)
+            engine.warmup(progress_bar=False)
+            for i, prompt in enumerate(prompts):
+                params = SamplingParams(
+                    max_new_tokens=12 + i, do_sample=i % 2 == 1, seed=i if i % 4 == 1 else None, eos_token_ids=(3, 4, 5)
+                )
+                engine.add_request(prompt, params, request_id=f"r{i}")
+            outputs = run_engine(engine)
+            stats = engine.stats
+        finally:
+            engine.close()
+        results.append({rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in outputs.items()})
+    assert results[1] == results[0]
+    assert stats.num_padded_steps == stats.num_steps and stats.num_async_steps >= 5
+    assert stats.num_cuda_graph_captures_after_warmup == 0
 
 
 def test_host_staging_on_a_copy_stream_never_overwrites_a_buffer_still_being_read() -> None:

@@ -1,12 +1,13 @@
-"""The CUDA flash-attn path's glue (varlen metadata, block table, window, softcap), checked on CPU.
+"""The CUDA flash-attn path's glue (varlen metadata, the decode fast path's fixed-width block table, window,
+softcap), checked on CPU.
 
-flash-attn needs a GPU, so these tests swap ``flash_attn_varlen_func`` for the reference in
-``tests/flash_reference.py``, written from flash-attn's documented semantics (paged KV through
-``block_table``, causal masks aligned to the bottom right, ``window_size=(left, right)``) and refusing
-what the real kernel refuses (page size, dtype, head dim, device, int32 indices). The engine on that
-path must compute the logprobs the SDPA path computes, for decode steps and for prefills: a wrong
-cu_seqlens, block table or window would change them by whole nats, and an input the kernel would
-refuse fails the test.
+flash-attn needs a GPU, so these tests swap ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` for
+the references in ``tests/flash_reference.py``, written from flash-attn's documented semantics (paged KV
+through ``block_table``, causal masks aligned to the bottom right, ``window_size=(left, right)``) and
+refusing what the real kernels refuse (page size, dtype, head dim, device, int32 indices). The engine on
+that path must compute the logprobs the SDPA path computes, for decode steps and for prefills: a wrong
+cu_seqlens, cache_seqlens, block table or window would change them by whole nats, and an input the kernel
+would refuse fails the test.
 
 Issue 13, case 8: the reference used to accept a 4-token page and fp32 keys, so the test ran the flash
 path on a cache the real kernel refuses.
@@ -16,13 +17,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import rollout.attention as attention
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout.attention import METADATA_KWARG
+from rollout.requests import Request
+from rollout.scheduler import ScheduledRequest
 from rollout.scoring import score_with_engine
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
-from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
+from tests.tiny_models import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    VOCAB_SIZE,
+    random_prompts,
+    tiny_gemma,
+    tiny_llama,
+)
 from tests.utils import assert_close, run_engine
 
 PAGE = 256  # the smallest page flash-attn's paged kernel accepts
@@ -31,14 +44,85 @@ PAGE = 256  # the smallest page flash-attn's paged kernel accepts
 ATOL = 0.02
 
 
-def _engine(model, flash: bool, monkeypatch: pytest.MonkeyPatch) -> Engine:  # noqa: ANN001
-    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=32, max_batch_tokens=96, return_logprobs=True)
+def _engine(
+    model,  # noqa: ANN001
+    flash: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    max_blocks_per_request: int | None = None,
+    max_batch_tokens: int = 96,
+) -> Engine:
+    config = ContinuousBatchingConfig(
+        page_size=PAGE,
+        num_blocks=32,
+        max_batch_tokens=max_batch_tokens,
+        return_logprobs=True,
+        max_blocks_per_request=max_blocks_per_request,
+    )
     engine = Engine(model, config)
     assert engine.cache.dtype == torch.float16 and engine.block_size == PAGE
     if flash:
         monkeypatch.setattr(attention, "_flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
+        monkeypatch.setattr(attention, "_flash_attn_with_kvcache", flash_reference.flash_attn_with_kvcache)
         engine.use_flash = engine.runner.use_flash = True
     return engine
+
+
+def tiny_gemma2_softcap(seed: int = 0) -> Gemma2ForCausalLM:
+    """Gemma 2: 2 layers (sliding window 8, then full), attention scores soft-capped at 2.0 (scores of these
+    weights run past 2, so the cap changes them), GQA 4/2, head_dim 16; the tiny models' other shapes."""
+    config = Gemma2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(config).eval()
+
+
+def _assert_greedy_agrees(actual: list, expected: list, prompts: list[list[int]], reference_model) -> None:  # noqa: ANN001
+    """Greedy tokens equal, and logprobs within ATOL, up to the first token where the two differ, which must
+    be a near-tie: the fp32 model's logprobs of the two tokens there within ATOL of each other.
+
+    Two attention kernels in half precision round differently, and a random model has the odd near-tie
+    (tiny_models' docstring); a wrong table, length or window flips tokens the fp32 model tells apart by
+    nats, and fails.
+    """
+    for prompt, a, e in zip(prompts, actual, expected):
+        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
+        assert len(tokens_a) == len(tokens_e)
+        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
+        assert_close(a.logprobs[:j], e.logprobs[:j], atol=ATOL)
+        if j < len(tokens_a):
+            with torch.no_grad():
+                logits = reference_model(torch.tensor([prompt + tokens_a[:j]])).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, -1)
+            gap = abs(logprobs[tokens_a[j]].item() - logprobs[tokens_e[j]].item())
+            assert gap < ATOL, f"token {j} differs ({tokens_a[j]} vs {tokens_e[j]}) by {gap:.3f} nats in fp32"
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list:
+    """Greedy outputs of the prompts (in order) on an engine, which is closed afterwards."""
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
@@ -69,6 +153,100 @@ def test_flash_path_computes_what_the_sdpa_path_computes(build, monkeypatch: pyt
         expected = sdpa_scores[i].completion_logprobs
         assert_close(generated[f"r{i}"].logprobs, expected, atol=ATOL)
         assert_close(flash_scores[i].completion_logprobs, expected, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "build", [tiny_llama, tiny_gemma, tiny_gemma2_softcap], ids=["llama_gqa", "gemma3_sliding", "gemma2_softcap"]
+)
+def test_decode_fast_path_generates_what_the_varlen_and_sdpa_paths_generate(build, monkeypatch) -> None:  # noqa: ANN001
+    model = build().to(torch.float16)
+    reference_model = build()  # the same weights in fp32
+    # Prompts over one page (two-block table rows), chunked prefills, decode steps of 7 requests.
+    prompts = random_prompts(7, VOCAB_SIZE, 20, 300, seed=23)
+    fast_engine = _engine(model, flash=True, monkeypatch=monkeypatch)  # max_blocks_per_request None: 32
+    varlen_engine = _engine(model, flash=True, monkeypatch=monkeypatch, max_blocks_per_request=0)
+    sdpa_engine = _engine(model, flash=False, monkeypatch=monkeypatch)
+    fast = _generate(fast_engine, prompts)
+    varlen = _generate(varlen_engine, prompts)
+    sdpa = _generate(sdpa_engine, prompts)
+    # Every decode-only step took the fast path (no request is wider than 32 blocks); with 0, none did.
+    assert fast_engine.runner.max_blocks_per_request == 32
+    assert fast_engine.stats.num_decode_fast_path_steps == len(fast_engine.stats.decode_step_batch) >= 9
+    assert varlen_engine.stats.num_decode_fast_path_steps == 0 and sdpa_engine.stats.num_decode_fast_path_steps == 0
+    for f, v in zip(fast, varlen):
+        assert len(f.generated_tokens) == 10
+        # The two flash kernels read the same keys in the same order: the same numbers, bit for bit.
+        assert f.generated_tokens == v.generated_tokens and f.logprobs == v.logprobs
+    _assert_greedy_agrees(fast, sdpa, prompts, reference_model)
+
+
+def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(monkeypatch) -> None:  # noqa: ANN001
+    model = tiny_llama().to(torch.float16)
+    long, short = random_prompts(1, VOCAB_SIZE, 250, 250, seed=3)[0], random_prompts(1, VOCAB_SIZE, 100, 100)[0]
+    # One step prefills both prompts and samples their first tokens, then 9 decode steps. The long request
+    # decodes positions 250..258: its keys fit one 256-token block up to position 255 (6 steps); from 256
+    # it needs a second block, wider than max_blocks_per_request=1, and those 3 steps take the varlen kernel.
+    narrow = _engine(model, True, monkeypatch, max_blocks_per_request=1, max_batch_tokens=512)
+    off = _engine(model, True, monkeypatch, max_blocks_per_request=0, max_batch_tokens=512)
+    sdpa = _engine(model, False, monkeypatch, max_batch_tokens=512)
+    outputs = [_generate(engine, [long, short]) for engine in (narrow, off, sdpa)]
+    assert narrow.stats.num_steps == 10 and len(narrow.stats.decode_step_batch) == 9
+    assert narrow.stats.num_decode_fast_path_steps == 6
+    assert off.stats.num_decode_fast_path_steps == 0
+    for n, o in zip(outputs[0], outputs[1]):
+        assert n.generated_tokens == o.generated_tokens and n.logprobs == o.logprobs
+    _assert_greedy_agrees(outputs[0], outputs[2], [long, short], tiny_llama())
+
+
+def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table() -> None:
+    model = tiny_llama()
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_blocks_per_request=3)
+    engine = Engine(model, config)
+    try:
+        engine.runner.use_flash = True
+        a = Request("a", list(range(3, 12)), SamplingParams())  # decoding position 8: 9 keys in 3 blocks
+        a.num_computed_tokens, a.block_table = 8, [7, 2, 9]
+        b = Request("b", [5, 6, 7, 8, 9], SamplingParams())  # decoding position 4: 5 keys in 2 blocks
+        b.num_computed_tokens, b.block_table = 4, [4, 11]
+        decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]
+        flash = engine.runner.prepare(decode)[0][METADATA_KWARG].flash
+        assert set(flash) == {"cache_seqlens", "block_table"}
+        assert flash["cache_seqlens"].dtype == flash["block_table"].dtype == torch.int32
+        assert flash["cache_seqlens"].tolist() == [9, 5]
+        assert flash["block_table"].tolist() == [[7, 2, 9], [4, 11, 0]]
+        assert engine.runner.num_decode_fast_path_steps == 1
+        # 13 keys need a 4th block: the step takes the varlen kernel, whose table is as wide as the longest row.
+        a.num_computed_tokens, a.block_table = 12, [7, 2, 9, 5]
+        flash = engine.runner.prepare(decode)[0][METADATA_KWARG].flash
+        assert "cache_seqlens" not in flash and flash["block_table"].tolist() == [[7, 2, 9, 5], [4, 11, 0, 0]]
+        # A prefill chunk in the step: varlen as well.
+        a.num_computed_tokens, a.block_table = 3, [7, 2, 9]
+        flash = engine.runner.prepare([ScheduledRequest(a, 6, True), decode[1]])[0][METADATA_KWARG].flash
+        assert flash["cu_seqlens_q"].tolist() == [0, 6, 7]
+        assert engine.runner.num_decode_fast_path_steps == 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "num_blocks", "context", "width"),
+    [
+        (None, 16, 512, 32),  # short cache and context: transformers' fallback width
+        (None, 1000, 65536, 256),  # the model's context (65536 / 256) is the longest request
+        (None, 100, 65536, 100),  # the cache (100 blocks) is
+        (None, 100, None, 100),  # no context length: the cache
+        (0, 1000, 65536, 0),  # off
+        (5, 1000, 65536, 5),  # explicit
+    ],
+)
+def test_max_blocks_per_request_resolves_to_the_longest_request_at_least_32(value, num_blocks, context, width) -> None:  # noqa: ANN001
+    config = ContinuousBatchingConfig(max_blocks_per_request=value)
+    assert config.resolved_max_blocks_per_request(num_blocks, 256, context) == width
+
+
+def test_max_blocks_per_request_refuses_a_negative_width() -> None:
+    with pytest.raises(ValueError, match="max_blocks_per_request"):
+        ContinuousBatchingConfig(max_blocks_per_request=-1)
 
 
 def _paged_inputs(**change):  # noqa: ANN003, ANN202
@@ -145,3 +323,81 @@ def test_reference_reads_keys_through_the_block_table() -> None:
     v_rep = values.float().repeat_interleave(2, 1)[:3]
     probs = torch.softmax(torch.einsum("hd,lhd->hl", q0, k_rep) * 16**-0.5, -1)
     torch.testing.assert_close(out[0].float(), torch.einsum("hl,lhd->hd", probs, v_rep), atol=1e-2, rtol=0)
+
+
+def _kvcache_inputs(**change):  # noqa: ANN003, ANN202
+    """Valid decode inputs: 2 sequences of one query token over 5 and 300 keys in a 3-block paged cache."""
+    g = torch.Generator().manual_seed(1)
+    args = dict(
+        q=torch.randn(2, 1, 4, 16, generator=g).to(torch.bfloat16),
+        k_cache=torch.randn(3, PAGE, 2, 16, generator=g).to(torch.bfloat16),
+        v_cache=torch.randn(3, PAGE, 2, 16, generator=g).to(torch.bfloat16),
+        cache_seqlens=torch.tensor([5, 300], dtype=torch.int32),
+        block_table=torch.tensor([[2, 0], [0, 1]], dtype=torch.int32),
+        causal=True,
+    )
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        (
+            {
+                "k_cache": torch.zeros(12, 64, 2, 16, dtype=torch.bfloat16),
+                "v_cache": torch.zeros(12, 64, 2, 16, dtype=torch.bfloat16),
+            },
+            "divisible by 256",
+        ),
+        ({"q": torch.zeros(2, 1, 4, 16)}, "fp16 and bf16"),
+        ({"k_cache": torch.zeros(3, PAGE, 2, 16, dtype=torch.float16)}, "share a dtype"),
+        ({"q": torch.zeros(2, 1, 4, 12, dtype=torch.bfloat16)}, "multiple of 8"),
+        ({"block_table": torch.tensor([[2, 0], [0, 1]])}, "int32"),
+        ({"cache_seqlens": torch.tensor([5, 300])}, "int32"),
+        ({"q": torch.zeros(2, 1, 16, 4, dtype=torch.bfloat16).transpose(2, 3)}, "contiguous last dimension"),
+        ({"block_table": torch.tensor([[2, 0]], dtype=torch.int32)}, r"block_table must be \[2, max_blocks\]"),
+        ({"cache_seqlens": torch.tensor([5, 600], dtype=torch.int32)}, "past the table's 2 blocks"),
+        ({"block_table": torch.tensor([[3, 0], [0, 1]], dtype=torch.int32)}, "missing block"),
+        ({"k": torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16)}, "does not implement k"),
+        ({"cache_batch_idx": torch.tensor([0, 1], dtype=torch.int32)}, "cache_batch_idx"),
+        ({"block_table": None}, "paged cache only"),
+    ],
+    ids=[
+        "page_size",
+        "fp32",
+        "mixed_dtypes",
+        "head_dim_12",
+        "int64_table",
+        "int64_seqlens",
+        "strided",
+        "table_rows",
+        "past_the_table",
+        "missing_block",
+        "append",
+        "batch_idx",
+        "unpaged",
+    ],
+)
+def test_kvcache_reference_refuses_what_the_kernel_refuses(change: dict, rule: str) -> None:
+    with pytest.raises(FlashRuleError, match=rule):
+        flash_reference.flash_attn_with_kvcache(**_kvcache_inputs(**change))
+
+
+def test_kvcache_reference_reads_each_sequence_through_its_table_row_up_to_its_length() -> None:
+    args = _kvcache_inputs()
+    k, v = args["k_cache"], args["v_cache"]
+    out = flash_reference.flash_attn_with_kvcache(**args)
+    assert out.shape == (2, 1, 4, 16) and out.dtype == torch.bfloat16
+    # Sequence 0: keys 0..4 of block 2. Sequence 1: block 0, then 44 keys of block 1.
+    keys = [k[2, :5], torch.cat([k[0], k[1, :44]])]
+    values = [v[2, :5], torch.cat([v[0], v[1, :44]])]
+    for b in range(2):
+        q = args["q"][b, 0].float()  # [H, D]; query head h reads KV head h // 2
+        k_rep, v_rep = keys[b].float().repeat_interleave(2, 1), values[b].float().repeat_interleave(2, 1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q, k_rep) * 16**-0.5, -1)
+        torch.testing.assert_close(out[b, 0].float(), torch.einsum("hl,lhd->hd", probs, v_rep), atol=1e-2, rtol=0)
+    # A window of (2, 0) keeps the last 3 keys; a softcap of 0.5 bounds every score.
+    windowed = flash_reference.flash_attn_with_kvcache(**_kvcache_inputs(window_size=(2, 0), softcap=0.5))
+    expected = flash_reference.reference_attention(args["q"][0], k[2, 2:5], v[2, 2:5], None, False, (-1, -1), 0.5)
+    assert torch.equal(windowed[0], expected)

@@ -16,7 +16,7 @@ from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
-from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared
+from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
 from trainers.loss import (
     aggregate_loss,
     completion_logprobs,
@@ -371,9 +371,10 @@ def test_bf16_mixed_precision_trains_fp32_weights_with_bf16_rollouts(tmp_path, a
         ({"mixed_precision": "bf16", "dtype": "bfloat16"}, "dtype must be 'float32'"),
         ({"mixed_precision": "fp8"}, "mixed_precision must be one of"),
         ({"dtype": "half"}, "dtype must be one of"),
+        ({"log_with": "nothing"}, r"log_with must be null or one of \('all', .*'tensorboard'"),
     ],
 )
-def test_bad_precision_settings_fail_naming_the_key(tmp_path, values, message):
+def test_bad_precision_and_tracker_settings_fail_naming_the_key(tmp_path, values, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, **values)
 
@@ -547,3 +548,18 @@ def test_all_equal_rewards_get_exactly_zero_advantage():
     mixed = torch.cat([torch.full((4,), 0.2), torch.tensor([0.0, 1.0, 0.0, 1.0])])
     assert zero_spread_groups(mixed.view(2, 4)).tolist() == [True, False]  # what frac_reward_zero_std averages
     assert torch.equal(group_advantages(mixed, 4)[:4], torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "expected"),
+    [
+        (1, "reward_mean 0.100 (steps 1-1) -> 0.100 (steps 1-1)"),
+        (3, "reward_mean 0.100 (steps 1-1) -> 0.300 (steps 3-3)"),
+        (8, "reward_mean 0.250 (steps 1-4) -> 0.650 (steps 5-8)"),
+        (30, "reward_mean 0.300 (steps 1-5) -> 2.800 (steps 26-30)"),
+    ],
+)
+def test_summary_compares_reward_windows_that_do_not_overlap(tmp_path, num_steps: int, expected: str) -> None:
+    rows = [{"step": s, "reward_mean": s / 10} for s in range(1, num_steps + 1)]
+    text = summary(rows, tmp_path, seconds=60.0, saved=False)
+    assert expected in text

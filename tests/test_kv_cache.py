@@ -269,6 +269,8 @@ def test_cuda_training_share_is_half_of_what_the_training_state_leaves() -> None
     assert rollout.training_memory_percent(model, usable_bytes=usable) == pytest.approx(0.5 * 99 / 100)
     measured = rollout.training_memory_percent(model)
     assert 0.4 < measured <= 0.5  # a GPU has far more than 3 x the tiny model's bytes free
+
+
 def test_keys_and_values_in_another_dtype_are_cast_on_write() -> None:
     # Issue 13, case 2: under autocast a layer's keys (fp32 rotary embedding) and values (bf16 projection)
     # arrive in different dtypes; index_copy_ refused both into a cache of a third.
@@ -301,3 +303,95 @@ def test_each_layer_lives_on_its_own_device_and_offload_copies_per_layer() -> No
     pool.store(cache, [1], ids)
     pool.load(cache, ids, [3])
     assert [float(cache.key[layer][12:16].mean()) for layer in range(3)] == [1.0, 2.0, 3.0]
+
+
+# ---------------------------------------------------------------- layer groups (issue 12, item 3)
+def _gemma3_shape(window: int = 64) -> CacheShape:
+    """Gemma 3's pattern: 5 sliding layers then 1 global layer, 2 KV heads of dim 16, fp32."""
+    layers = tuple(kv_cache.LayerKV(2, 16, window) for _ in range(5)) + (kv_cache.LayerKV(2, 16, None),)
+    return CacheShape(6, 2, 16, torch.float32, layers)
+
+
+def test_gemma3_pattern_is_six_one_layer_groups_sharing_one_tensor_slot() -> None:
+    shape = _gemma3_shape()
+    layout = kv_cache.CacheLayout.build(shape, [torch.device("cpu")] * 6)
+    assert [g.name for g in layout.groups] == [f"sliding64:{i}" for i in range(5)] + ["full:5"]
+    assert layout.layer_group == (0, 1, 2, 3, 4, 5) and layout.layer_slot == (0,) * 6
+    assert layout.num_slots == 1 and layout.row_shape == (2, 16)
+    # A whole-model block (4 tokens of 6 layers) is the bytes of 6 block ids of one slot.
+    assert layout.pool_blocks(shape, 10, 4) == 60
+    cache = PagedKVCache(shape, num_blocks=60, block_size=4, device=torch.device("cpu"))
+    assert cache.size_bytes == 10 * 4 * shape.bytes_per_token == 2 * 60 * 4 * 2 * 16 * 4
+    assert all(cache.key[i].data_ptr() == cache.slot_key[0].data_ptr() for i in range(6))
+    assert all(cache.value[i].data_ptr() == cache.slot_value[0].data_ptr() for i in range(6))
+
+
+def test_alternating_layers_are_two_groups_of_two_over_two_slots() -> None:
+    # tiny_gemma's pattern: sliding, full, sliding, full. gcd(2, 2) = 2 layers per group.
+    layers = tuple(kv_cache.LayerKV(2, 16, 8 if i % 2 == 0 else None) for i in range(4))
+    layout = kv_cache.CacheLayout.build(CacheShape(4, 2, 16, torch.float32, layers), [torch.device("cpu")] * 4)
+    assert [(g.name, g.layers) for g in layout.groups] == [("sliding8:0,2", (0, 2)), ("full:1,3", (1, 3))]
+    assert layout.layer_group == (0, 1, 0, 1) and layout.layer_slot == (0, 0, 1, 1)
+
+
+def test_a_model_whose_layers_share_one_kind_keeps_one_slot_per_layer() -> None:
+    layout = kv_cache.CacheLayout.build(SHAPE, [torch.device("cpu")] * 2)
+    assert [g.name for g in layout.groups] == ["full:0,1"]
+    assert layout.layer_slot == (0, 1) and layout.pool_blocks(SHAPE, 7, BS) == 7
+
+
+def test_layers_with_other_shapes_share_slots_padded_to_the_widest_row() -> None:
+    # Gemma-4 style: sliding layers 2 x 16, global layers 2 x 32 (64 elements per token row).
+    layers = tuple(kv_cache.LayerKV(2, 16, 8) if i % 2 == 0 else kv_cache.LayerKV(2, 32, None) for i in range(4))
+    shape = CacheShape(4, 2, 16, torch.float32, layers)
+    assert shape.bytes_per_token == 2 * (32 + 64 + 32 + 64) * 4
+    layout = kv_cache.CacheLayout.build(shape, [torch.device("cpu")] * 4)
+    assert [g.name for g in layout.groups] == ["sliding8:0,2:2x16", "full:1,3:2x32"]
+    assert layout.row_shape == (1, 64)
+    # 12 whole-model blocks (192 elements per token) buy 12 * 192 / 128 = 18 block ids of 2 padded slots.
+    assert layout.pool_blocks(shape, 12, 4) == 18
+    cache = PagedKVCache(shape, num_blocks=18, block_size=4, device=torch.device("cpu"))
+    assert [tuple(k.shape) for k in cache.key] == [(72, 2, 16), (72, 2, 32), (72, 2, 16), (72, 2, 32)]
+    key = torch.arange(32, dtype=torch.float32).view(1, 2, 16)
+    cache.write(2, torch.tensor([5]), key, -key)  # layer 2 is slot 1's narrow layer
+    assert torch.equal(cache.slot_key[1][5, 0, :32], key.flatten()) and cache.slot_key[1][5, 0, 32:].abs().sum() == 0
+    assert torch.equal(cache.key[2][5], key[0]) and cache.slot_key[0].abs().sum() == 0
+
+
+def test_a_group_split_over_devices_gets_a_slot_on_each() -> None:
+    # "meta" stands in for a second GPU: layers 0-2 on the CPU, 3-5 there.
+    shape = _gemma3_shape()
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    layout = kv_cache.CacheLayout.build(shape, [cpu] * 3 + [meta] * 3)
+    assert layout.layer_slot == (0, 0, 0, 1, 1, 1) and layout.slot_devices == (cpu, meta)
+    # Each device holds 3 layers of a whole-model block and 1 slot of a block id: 3 ids per whole-model block.
+    assert layout.pool_blocks(shape, 10, 4) == 30
+
+
+def test_offload_of_a_grouped_cache_moves_every_slot_of_each_block() -> None:
+    shape = _gemma3_shape()
+    cache = PagedKVCache(shape, num_blocks=12, block_size=BS, device=torch.device("cpu"))
+    cache.slot_key[0].copy_(torch.arange(cache.slot_key[0].numel(), dtype=torch.float32).view_as(cache.slot_key[0]))
+    cache.slot_value[0].copy_(-cache.slot_key[0])
+    pool = CPUOffloadPool(shape, space_gib=4 * 2 * BS * 32 * 4 / GIB, block_size=BS, layout=cache.layout)
+    assert pool.num_blocks == 4 and tuple(pool.blocks.shape) == (4, 1, 2, BS, 2, 16)
+    ids = pool.allocate(2)
+    pool.store(cache, [7, 2], ids)
+    expected = [cache.key[5][b * BS : (b + 1) * BS].clone() for b in (7, 2)]
+    pool.load(cache, ids, [0, 11])
+    assert torch.equal(cache.key[0][0:BS], expected[0]) and torch.equal(cache.key[3][11 * BS :], expected[1])
+    assert torch.equal(cache.value[1][0:BS], -expected[0])
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 9])
+@pytest.mark.parametrize("chunk", [1, 3, 10])
+def test_max_blocks_held_is_the_most_a_sliding_request_holds(window: int, chunk: int) -> None:
+    # Brute force over every position a chunk of n <= chunk tokens can start at: the blocks of positions
+    # [max(0, c - window + 1), c + n) that a request holds while the chunk is computed.
+    bs = 4
+    held = max(
+        -(-(c + n) // bs) - kv_cache.window_start_block(window, c, bs) for c in range(200) for n in range(1, chunk + 1)
+    )
+    assert kv_cache.max_blocks_held(window, 1000, chunk, bs) == held
+    assert kv_cache.max_blocks_held(None, 1000, chunk, bs) == 250
+    assert kv_cache.max_blocks_held(window, 6, chunk, bs) == min(2, held)  # never more than the full blocks

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.block_manager import BlockManager
+from rollout.block_manager import NULL_BLOCK, BlockManager
 from rollout.kv_cache import GIB, CacheShape, CPUOffloadPool
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.requests import Request
@@ -212,7 +212,7 @@ def test_reversible_allocation_refuses_copy_on_write_and_cached_blocks_and_relea
     queue = list(bm.free_queue)
     assert kv.allocate_slots(a, 3, reversible=True)  # positions 10-12: a 4th block, fresh and uncached
     assert len(a.block_table) == 4 and a.block_table[3] == queue[0]
-    kv.release_tail(a, 3)
+    kv.release_tail(a, [3])
     assert len(a.block_table) == 3 and list(bm.free_queue) == queue  # as before, in order
     # Cache a finished request's full block and use up the uncached free blocks: the next fresh block of a
     # would be the cached one, whose hash an undo would lose.
@@ -269,3 +269,215 @@ def test_offload_falls_back_to_recompute_when_the_pool_is_full() -> None:
     assert kv.offload(req) is None  # needs 3 pool blocks
     assert req.offloaded is None and kv.num_offloads == 0
     assert make_kv(num_blocks=8).offload(req) is None  # no pool at all
+
+
+# ---------------------------------------------------------------- layer groups (issue 12, item 3)
+# Two groups over one pool: group 0 a sliding window of 8 tokens, group 1 full attention. A query at
+# position p reads keys p - 7 .. p, so after c computed tokens the sliding group needs the blocks from
+# (c - 7) // 4 on (window_start_block); the ones before it are NULL_BLOCK in its table.
+def make_grouped(num_blocks: int = 40, offload_blocks: int = 0) -> KVCacheManager:
+    pool = None
+    if offload_blocks:
+        shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+        pool = CPUOffloadPool(shape, offload_blocks * shape.bytes_per_token * BS / GIB, BS)
+    return KVCacheManager(BlockManager(num_blocks, BS), 0.0, pool, sliding_windows=[8, None])
+
+
+def test_a_sliding_group_gives_back_the_blocks_that_leave_the_window_while_decoding() -> None:
+    kv = make_grouped(num_blocks=30)
+    req = make_request("a", tokens(0, 10))
+    assert kv.allocate_slots(req, 10)  # ceil(10 / 4) = 3 blocks in each group
+    assert kv.num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
+    first = req.block_tables[0][0]
+    req.num_computed_tokens = 10  # position 10 reads 3..10: blocks 0..2, all kept
+    assert kv.allocate_slots(req, 1)
+    assert kv.num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
+    req.num_computed_tokens = 11  # position 11 reads 4..11: block 0 goes back
+    assert kv.allocate_slots(req, 1)
+    assert req.block_tables[0][0] == NULL_BLOCK and kv.num_held_blocks(req) == [2, 3] and kv.num_free_blocks == 25
+    assert kv.block_manager.blocks[first].ref_count == 0
+    req.num_computed_tokens = 12  # position 12 reads 5..12 (blocks 1..3); 13 tokens: a 4th block in each group
+    assert kv.allocate_slots(req, 1)
+    assert kv.num_held_blocks(req) == [3, 4] and kv.num_free_blocks == 23
+    kv.free(req)
+    assert kv.num_free_blocks == 30 and req.block_tables == [[], []]
+
+
+def test_a_sliding_group_gives_back_blocks_as_chunked_prefill_advances() -> None:
+    kv = make_grouped(num_blocks=30)
+    req = make_request("a", tokens(0, 30))
+    assert kv.allocate_slots(req, 12)  # positions 0..11
+    assert kv.num_held_blocks(req) == [3, 3]
+    req.num_computed_tokens = 12  # the chunk 12..23 reads from 5 on: block 0 goes back; 6 blocks in all
+    assert kv.allocate_slots(req, 12)
+    assert kv.num_held_blocks(req) == [5, 6] and kv.num_free_blocks == 30 - 11
+    req.num_computed_tokens = 24  # the chunk 24..29 reads from 17 on: blocks 1..3 go back; 8 blocks in all
+    assert kv.allocate_slots(req, 6)
+    assert req.block_tables[0][:4] == [NULL_BLOCK] * 4
+    assert kv.num_held_blocks(req) == [4, 8] and kv.num_free_blocks == 30 - 12
+
+
+def test_a_reversible_allocation_takes_every_group_s_blocks_keeps_the_window_and_release_tail_undoes_it() -> None:
+    # Async batching schedules a step ahead with reversible allocations: fresh blocks in every group, the
+    # sliding group's out-of-window block kept until drop_out_of_window (when the step is kept).
+    def setup(kv: KVCacheManager) -> Request:
+        req = make_request("a", tokens(0, 12))
+        assert kv.allocate_slots(req, 12)  # 3 + 3 blocks
+        kv.cache_blocks(req, 12, weight_version=0)  # full blocks: hashed, so a dropped one keeps its hash
+        req.num_computed_tokens = 12  # position 12 reads 5..12: sliding block 0 leaves the window
+        return req
+
+    kv = make_grouped(num_blocks=31)
+    bm = kv.block_manager
+    req = setup(kv)
+    tables, queue = [list(t) for t in req.block_tables], list(bm.free_queue)
+    assert kv.allocate_slots(req, 1, reversible=True)  # 13 tokens: a 4th block in each group
+    assert req.block_tables == [tables[0] + [queue[0]], tables[1] + [queue[1]]]  # group 0's first
+    assert kv.num_held_blocks(req) == [4, 4] and kv.num_free_blocks == 31 - 8  # block 0 still held
+    kv.release_tail(req, [3, 3])
+    assert req.block_tables == tables and list(bm.free_queue) == queue  # as before, in order
+    assert kv.allocate_slots(req, 1, reversible=True)
+    kv.drop_out_of_window(req)
+    assert req.block_tables[0][0] == NULL_BLOCK and kv.num_held_blocks(req) == [3, 4]
+    # The same as the synchronous allocation (drop first, then the fresh blocks), block for block.
+    twin = make_grouped(num_blocks=31)
+    twin_req = setup(twin)
+    assert twin.allocate_slots(twin_req, 1)
+    assert twin_req.block_tables == req.block_tables
+    assert list(twin.block_manager.free_queue) == list(bm.free_queue)
+    dropped = tables[0][0]
+    assert bm.hash_to_block[bm.blocks[dropped].block_hash] == dropped  # still findable, at the tail
+    # One uncached free block is left before the dropped one: the next step's two fresh blocks (one per
+    # group) would evict its hash, which a reversible allocation refuses, changing nothing.
+    filler = make_request("filler", tokens(100, 44))
+    assert kv.allocate_slots(filler, 44) and list(bm.free_queue)[1:] == [dropped]
+    req.num_computed_tokens = 16
+    before = [list(t) for t in req.block_tables]
+    assert not kv.allocate_slots(req, 1, reversible=True)
+    assert req.block_tables == before and kv.num_free_blocks == 2
+    assert kv.allocate_slots(req, 1)  # the synchronous one evicts it
+    assert bm.blocks[dropped].block_hash is None
+
+
+def test_out_of_window_blocks_go_back_even_when_the_allocation_is_refused() -> None:
+    kv = make_grouped(num_blocks=8)
+    req = make_request("a", tokens(0, 16))
+    assert kv.allocate_slots(req, 16)  # 4 + 4 blocks: the pool is full
+    req.num_computed_tokens = 16
+    # The chunk 16..20 reads from 9 on: sliding blocks 0, 1 go back. 21 tokens need 2 more blocks in each
+    # group, 4 in all, and only those 2 are free: refused, the rest unchanged.
+    assert not kv.allocate_slots(req, 5)
+    assert req.block_tables[0][:2] == [NULL_BLOCK] * 2 and [len(t) for t in req.block_tables] == [4, 4]
+    assert kv.num_held_blocks(req) == [2, 4] and kv.num_free_blocks == 2
+    assert kv.take_block_copies() == []
+
+
+def test_a_prefix_hit_takes_the_full_prefix_and_only_the_window_of_the_sliding_group() -> None:
+    kv = make_grouped(num_blocks=40)
+    bm = kv.block_manager
+    a = make_request("a", tokens(0, 24))
+    assert admit(kv, a)  # 6 full blocks in each group, hashed
+    sliding, full = list(a.block_tables[0]), list(a.block_tables[1])
+    a.num_computed_tokens = 24
+    assert kv.allocate_slots(a, 1)  # decoding at 24 reads 17..24: sliding blocks 0..3 go back (still cached)
+    kv.free(a)
+    # b: the same 24 tokens and one more. Hit of 6 blocks: the full group's 0..5, the sliding group's 4, 5
+    # (position 24 reads 17..24); NULL_BLOCK before them.
+    b = make_request("b", tokens(0, 25))
+    hits, num_cached = kv.get_computed_blocks(b, 0)
+    assert num_cached == 24 and hits == [NULL_BLOCK] * 4 + sliding[4:6] + full[:6]
+    # Without sliding block 5 in the cache, the hit is 5 blocks: position 20 reads 13..20, blocks 3, 4.
+    bm.uncache([sliding[5]])
+    hits, num_cached = kv.get_computed_blocks(b, 0)
+    assert num_cached == 20 and hits == [NULL_BLOCK] * 3 + sliding[3:5] + full[:5]
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots(b, 5, hits, num_cached)  # 25 tokens: 7 blocks per group, 2 fresh in each
+    b.num_computed_tokens = num_cached
+    assert b.block_tables[0][:5] == [NULL_BLOCK] * 3 + sliding[3:5] and b.block_tables[1][:5] == full[:5]
+    assert kv.num_held_blocks(b) == [4, 7]
+    assert kv.num_free_blocks == free_before - 7 - 4  # the hits sat in the free queue: they cost a block each
+    assert bm.num_prefix_cache_hit_blocks == 7
+    kv.cache_blocks(b, 25, weight_version=0)  # the chain goes on through the NULL_BLOCK positions
+    assert len(b.group_block_hashes[0]) == len(b.group_block_hashes[1]) == 6
+    assert b.group_block_hashes[0][5] == bm.blocks[b.block_tables[0][5]].block_hash is not None
+
+
+def test_groups_hash_the_same_tokens_apart() -> None:
+    kv = make_grouped(num_blocks=20)
+    a = make_request("a", tokens(0, 8))
+    assert admit(kv, a)
+    assert a.group_block_hashes[0] != a.group_block_hashes[1]
+    assert kv.block_manager.find_cached_prefix(a.token_ids, 0, 8, group=1) == a.block_tables[1]
+    assert kv.block_manager.find_cached_prefix(a.token_ids, 0, 8, group=0) == a.block_tables[0]
+
+
+def test_offload_of_a_sliding_group_stores_and_restores_its_window_only() -> None:
+    kv = make_grouped(num_blocks=40, offload_blocks=10)
+    req = make_request("a", tokens(0, 22))
+    assert kv.allocate_slots(req, 22)  # 6 blocks in each group
+    req.num_computed_tokens = 22
+    assert kv.allocate_slots(req, 1)  # reads from 15: sliding blocks 0..2 go back
+    req.num_computed_tokens = 23
+    sliding, full = list(req.block_tables[0]), list(req.block_tables[1])
+    copy = kv.offload(req)
+    assert copy is not None
+    blocks, pool_ids = copy
+    # Queries from 23 on read 16..: sliding blocks 4, 5; the full group's 6 blocks.
+    assert blocks == sliding[4:6] + full[:6] and len(pool_ids) == 8 and req.offloaded == (pool_ids, 23)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    assert kv.num_free_blocks == 40
+    assert kv.get_computed_blocks(req, 0) == ([], 23)
+    assert kv.allocate_slots(req, 1, (), 23)  # 24 tokens: the window's 2 blocks and 6 full ones
+    assert req.block_tables[0][:4] == [NULL_BLOCK] * 4 and kv.num_held_blocks(req) == [2, 6]
+    assert kv.restore_blocks(req) == req.block_tables[0][4:6] + req.block_tables[1][:6]
+    kv.finish_restore(req)
+    assert req.offloaded is None and len(kv.offload_pool.free_blocks) == 10
+
+
+def test_fork_shares_every_group_and_each_group_copies_its_partial_block() -> None:
+    kv = make_grouped(num_blocks=40)
+    bm = kv.block_manager
+    a = make_request("a", tokens(0, 22))
+    assert admit(kv, a)  # 6 blocks in each group; 2 tokens in each 6th block
+    a.num_computed_tokens = 22
+    b = fork_of(kv, a, "b")
+    assert b.block_tables == a.block_tables and kv.num_free_blocks == 40 - 12
+    s5, f5 = a.block_tables[0][5], a.block_tables[1][5]
+    # a decodes at 22: its sliding blocks 0..2 leave its window (b still holds them), and the shared
+    # 6th block of each group is copied before a writes into it.
+    assert kv.allocate_slots(a, 1)
+    assert a.block_tables[0][:3] == [NULL_BLOCK] * 3 and b.block_tables[0][:3] != [NULL_BLOCK] * 3
+    assert kv.take_block_copies() == [(s5, a.block_tables[0][5]), (f5, a.block_tables[1][5])]
+    assert kv.num_free_blocks == 40 - 14 and kv.num_block_copies == 2
+    assert kv.allocate_slots(b, 1)  # b's sliding blocks 0..2 go back to the pool; b writes its 6th blocks in place
+    assert b.block_tables[0][5] == s5 and b.block_tables[1][5] == f5 and kv.take_block_copies() == []
+    assert kv.num_free_blocks == 40 - 11
+    assert [bm.blocks[x].ref_count for x in b.block_tables[1][:5]] == [2] * 5
+
+
+def test_max_blocks_needed_counts_each_group_s_most() -> None:
+    kv = make_grouped()
+    # 100 tokens in chunks of 16: the full group 25 blocks; the sliding group 1 + ceil((8 + 16 - 2) / 4) = 7.
+    assert kv.max_blocks_needed(100, 16) == 32
+    assert make_kv().max_blocks_needed(100, 16) == 25
+
+
+def test_a_group_s_fresh_block_never_evicts_another_group_s_hit() -> None:
+    # Two groups over a pool of 6. a's 8 tokens (2 full blocks per group) are freed first, c's after: the
+    # free queue is a's group-0 blocks, a's group-1 blocks, then c's. b = a's tokens and one more hits a's
+    # 4 blocks and needs 1 fresh block per group: the fresh ones must be c's, not a group-1 hit still in
+    # the queue when group 0 allocates (it was: group 1 then shared its hit with group 0's fresh block).
+    kv = KVCacheManager(BlockManager(6, BS), sliding_windows=[None, None])
+    a, c = make_request("a", tokens(0, 8)), make_request("c", tokens(100, 4))
+    assert admit(kv, a) and admit(kv, c)
+    hit_tables = [list(t) for t in a.block_tables]
+    kv.free(a)
+    kv.free(c)
+    b = make_request("b", tokens(0, 9))
+    hits, num_cached = kv.get_computed_blocks(b, 0)
+    assert hits == hit_tables[0] + hit_tables[1] and num_cached == 8
+    assert kv.allocate_slots(b, 1, hits, num_cached)
+    assert [t[:2] for t in b.block_tables] == hit_tables
+    held = b.block_tables[0] + b.block_tables[1]
+    assert len(set(held)) == 6 and all(kv.block_manager.blocks[x].ref_count == 1 for x in held)

@@ -21,7 +21,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (the state and stop flags the loop reads) are leaves of the manager, loop (what the manager's thread
 # runs) uses them with intake and outputs, persistence (the model-to-manager link) sits just below the
 # manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
-# (a subpackage) use all of it, the package's exports included.
+# (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
+# ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
+# and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop.
 LAYERS = [
     "checks",
     "config",
@@ -34,8 +36,10 @@ LAYERS = [
     "kv_cache",
     "kv_cache_manager",
     "scheduler",
+    "distributed",
     "attention",
     "sampling",
+    "static_step",
     "model_runner",
     "engine",
     "outputs",
@@ -43,6 +47,7 @@ LAYERS = [
     "pausing",
     "lifecycle",
     "loop",
+    "tp_loop",
     "persistence",
     "manager",
     "api",
@@ -54,8 +59,20 @@ LAYERS = [
 
 # rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
-# prompt_fork (scripts/bench_prompt_fork.py) is a leaf.
-BENCHMARK_LAYERS = ["workloads", "report", "prompt_fork", "systems", "scoring", "manager", "generation", "__init__"]
+# prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves;
+# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report.
+BENCHMARK_LAYERS = [
+    "workloads",
+    "report",
+    "prompt_fork",
+    "sliding_window",
+    "systems",
+    "scoring",
+    "manager",
+    "generation",
+    "tensor_parallel",
+    "__init__",
+]
 
 
 def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:

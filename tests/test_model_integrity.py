@@ -11,6 +11,7 @@ from transformers import BertConfig, BertForMaskedLM, GenerationConfig, LlamaCon
 import rollout
 from rollout import ContinuousBatchingConfig, Engine, UnsupportedModelError, generate_batch
 from tests.tiny_models import ALL_TINY_MODELS, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
+from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 
 
 def _training_step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -75,8 +76,14 @@ def test_attention_restored_after_generate_batch_raised(monkeypatch: pytest.Monk
 def test_eager_model_keeps_its_eager_attention() -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="eager",
     )
     model = LlamaForCausalLM(config).eval()
     fresh = copy.deepcopy(model)
@@ -158,30 +165,30 @@ def _tiny_gemma4(**per_layer: int):  # noqa: ANN202
 
 
 @pytest.mark.parametrize(
-    ("per_layer", "described"),
+    ("per_layer", "groups"),
     [
-        ({"global_head_dim": 32}, "layers 0, 2: 2 KV heads x head_dim 16; layers 1, 3: 2 KV heads x head_dim 32"),
+        ({"global_head_dim": 32}, ["sliding8:0,2:2x16", "full:1,3:2x32"]),
         (
             {"global_head_dim": 16, "num_global_key_value_heads": 1, "attention_k_eq_v": True},
-            "layers 0, 2: 2 KV heads x head_dim 16; layers 1, 3: 1 KV heads x head_dim 16",
+            ["sliding8:0,2:2x16", "full:1,3:1x16"],
         ),
     ],
     ids=["head_dim", "kv_heads"],
 )
-def test_layers_with_different_kv_shapes_are_refused_up_front(per_layer: dict, described: str) -> None:
-    # Issue 10, case 5: a Gemma-4 style config (a separate global head dim or KV-head count) used to
-    # fail in the cache-shape code with a transformers error, and with that worked around, mid-step.
+def test_layers_with_different_kv_shapes_run_like_plain_forwards(per_layer: dict, groups: list[str]) -> None:
+    # Issue 10, case 5 was refused up front; issue 12 supports it: a Gemma-4 style config (a separate
+    # global head dim or KV-head count) gets a KV cache group per shape, through every entry point.
     model = _tiny_gemma4(**per_layer)
-    for call in (
-        lambda: generate_batch(model, [[5, 6]], GC),
-        lambda: Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=8)),
-        lambda: rollout.init_continuous_batching(model, GC),
-        lambda: rollout.score(model, [[5, 6]], [[7]]),
-    ):
-        with pytest.raises(UnsupportedModelError, match="differ in KV shape") as info:
-            call()
-        assert described in str(info.value)
-    assert model.config._attn_implementation != "rollout_paged|sdpa"  # refused before anything was switched
+    prompts = random_prompts(3, VOCAB_SIZE, 5, 20, seed=7)
+    outs = generate_batch(model, prompts, GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None))
+    assert [o.generated_tokens for o in outs.values()] == [reference_greedy(model, p, 6, None) for p in prompts]
+    engine = Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=8))
+    assert [g.name for g in engine.cache.groups] == groups
+    engine.close()
+    rollout.init_continuous_batching(model, GC).destroy()
+    [scored] = rollout.score(model, [prompts[0]], [[7, 8]])
+    assert_close(scored.completion_logprobs, teacher_forced_logprobs(model, prompts[0], [7, 8]), atol=1e-4)
+    assert model.config._attn_implementation == "sdpa"  # every engine put the original back
 
 
 def test_duplicate_request_id_is_refused() -> None:

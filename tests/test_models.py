@@ -208,3 +208,20 @@ def test_attention_dtype_is_the_layers_weights_dtype_or_accelerate_autocast(acce
     prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(tiny_llama())
     assert all(p.dtype == torch.float32 for p in prepared.parameters())
     assert models.attention_dtype(prepared) == torch.bfloat16  # fp32 weights, bf16 autocast forward
+
+
+def test_layer_sliding_windows_follow_layer_types_the_config_and_the_attention_modules() -> None:
+    from rollout.models import layer_sliding_windows
+    from tests.tiny_models import tiny_gemma, tiny_gemma3_5to1, tiny_gemma4, tiny_llama, tiny_mistral, tiny_qwen2
+
+    assert layer_sliding_windows(tiny_gemma(sliding_window=8)) == [8, None, 8, None]  # layer_types
+    assert layer_sliding_windows(tiny_gemma3_5to1(64)) == [64] * 5 + [None]
+    assert layer_sliding_windows(tiny_gemma4()) == [8, None, 8, None]
+    assert layer_sliding_windows(tiny_mistral(sliding_window=8)) == [8, 8]  # no layer_types: every layer
+    assert layer_sliding_windows(tiny_mistral(sliding_window=None)) == [None, None]
+    assert layer_sliding_windows(tiny_llama()) == [None, None]
+    qwen2 = tiny_qwen2()
+    # Without layer_types a config window would apply to every layer (Mistral's rule), but Qwen2's attention
+    # modules keep the window they pass (None: use_sliding_window=False), and the modules win.
+    qwen2.config.layer_types, qwen2.config.sliding_window = None, 16
+    assert layer_sliding_windows(qwen2) == [None, None]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +202,32 @@ def test_bad_output_extension_exits_2(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
         score_dataset.main(_argv(model_dir, tmp_path / "in.jsonl", tmp_path / "o.csv"))
     assert info.value.code == 2
+
+
+def test_tp_needs_a_torchrun_launch(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as info:
+        score_dataset.main(_argv(model_dir, tmp_path / "in.jsonl", tmp_path / "o.jsonl", "--tp"))
+    assert info.value.code == 2
+
+
+def test_tp_under_torchrun_matches_teacher_forcing_and_rank_0_alone_writes(
+    model_dir: Path, model, tmp_path: Path
+) -> None:
+    dataset = _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    output = tmp_path / "scored.jsonl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    launch += ["--master_port", str(port), str(SCRIPT), "--tp", *_argv(model_dir, dataset, output)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stderr.count("wrote 4 rows to") == 1
+    rows = _read_jsonl(output)
+    assert [r["id"] for r in rows] == ["a", "b", "c", "d"]
+    _check_scores(model, rows, TOKENS)
 
 
 def test_script_runs_from_checkout_and_prints_no_traceback(model_dir: Path, tmp_path: Path) -> None:

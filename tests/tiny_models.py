@@ -18,6 +18,12 @@ The families differ where an engine can go wrong:
   the test sequences.
 - gemma3 (text only): sliding and full attention layers alternating (`config.layer_types`), a
   different RoPE base for each, scaled embeddings, `query_pre_attn_scalar`, tied embeddings.
+
+Not in ``ALL_TINY_MODELS`` (built for the KV cache's layer groups): ``tiny_gemma3_5to1``, Gemma 3's own
+pattern of 5 sliding layers to 1 global layer, and ``tiny_gemma4``, whose global layers have another
+head dim or KV-head count than its sliding layers.
+- gemma2 (`tiny_gemma2`, not in ALL_TINY_MODELS): Gemma 2's tanh soft-capping of the attention scores,
+  with sliding and full layers alternating; "eager" attention (transformers' "sdpa" refuses softcap).
 """
 
 import itertools
@@ -26,8 +32,12 @@ from collections.abc import Callable
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -130,6 +140,83 @@ def tiny_gemma(sliding_window: int = 8, seed: int = SEED) -> Gemma3ForCausalLM:
         query_pre_attn_scalar=16,
     )
     return _build(Gemma3ForCausalLM, config, seed)
+
+
+def tiny_gemma3_5to1(sliding_window: int = 64, seed: int = SEED) -> Gemma3ForCausalLM:
+    """Gemma3 text model with Gemma 3's layer pattern: 5 sliding-window layers, then 1 global layer.
+
+    Layers 0-4 are ``"sliding_attention"`` (window ``sliding_window``), layer 5 ``"full_attention"``;
+    otherwise as ``tiny_gemma``, with ``max_position_embeddings`` 2048 so that 1,000-token prompts stay
+    inside the model's context.
+
+    Args:
+        sliding_window: window length of the sliding layers, in tokens.
+        seed: torch seed for the weights.
+    """
+    config = Gemma3TextConfig(
+        **{**_COMMON, "max_position_embeddings": 2048},
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=16,
+    )
+    return _build(Gemma3ForCausalLM, config, seed)
+
+
+def tiny_gemma4(
+    global_head_dim: int = 32,
+    num_global_key_value_heads: int | None = None,
+    sliding_window: int = 8,
+    seed: int = SEED,
+) -> Gemma4ForCausalLM:
+    """Gemma4 text model whose layers differ in KV shape: 4 layers, sliding and full alternating.
+
+    The sliding layers (0, 2) have 2 KV heads of head dim 16; the full layers (1, 3) have head dim
+    ``global_head_dim`` and, when ``num_global_key_value_heads`` is given, that many KV heads (Gemma 4
+    then reuses the keys as values, ``attention_k_eq_v``). Per-layer input embeddings of width 16.
+
+    Args:
+        global_head_dim: head dim of the full-attention layers.
+        num_global_key_value_heads: KV heads of the full-attention layers (None: 2, as the others).
+        sliding_window: window length of the sliding layers, in tokens.
+        seed: torch seed for the weights.
+    """
+    extra: dict = {"global_head_dim": global_head_dim}
+    if num_global_key_value_heads is not None:
+        extra.update(num_global_key_value_heads=num_global_key_value_heads, attention_k_eq_v=True)
+    config = Gemma4TextConfig(
+        **_COMMON,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=sliding_window,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        hidden_size_per_layer_input=16,
+        **extra,
+    )
+    return _build(Gemma4ForCausalLM, config, seed)
+def tiny_gemma2(softcap: float = 5.0, sliding_window: int = 8, seed: int = SEED) -> Gemma2ForCausalLM:
+    """Gemma2: 2 layers (sliding, then full attention) whose attention scores are soft-capped.
+
+    Each layer passes ``softcap=attn_logit_softcapping`` to its attention function, which computes
+    ``softcap * tanh(scores / softcap)`` before the softmax. Gemma 2's default of 50 leaves the small
+    scores of a random model unchanged; 5.0 changes the greedy completions (the final-logit softcap is
+    off). The model uses the "eager" implementation: transformers' "sdpa" refuses softcap.
+
+    Args:
+        softcap: the attention scores' cap.
+        sliding_window: window length of the sliding layer, in tokens.
+        seed: torch seed for the weights.
+    """
+    config = Gemma2Config(
+        **_COMMON,
+        num_hidden_layers=2,
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        attn_implementation="eager",
+    )
+    return _build(Gemma2ForCausalLM, config, seed)
 
 
 ALL_TINY_MODELS: dict[str, Callable[[], PreTrainedModel]] = {

@@ -265,6 +265,13 @@ class GRPOConfig:
             raise ConfigError(f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads!r}")
+        if self.log_with is not None:
+            # accelerate's own list: an unknown name would fail only after the model and engine are built.
+            from accelerate.utils import LoggerType
+
+            trackers = tuple(t.value for t in LoggerType)
+            if self.log_with not in trackers:
+                raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
         if not self.reward_funcs:
             raise ConfigError("reward_funcs must name at least one reward function")
         for spec in self.reward_funcs:

@@ -897,8 +897,9 @@ def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, save
     evals = [r for r in rows if "eval_accuracy" in r]
     lines = [f"done: {len(steps)} steps in {seconds / 60:.1f} min"]
     if steps:
-        first = steps[: min(5, len(steps))]
-        last = steps[-min(5, len(steps)) :]
+        # Two windows of up to 5 steps that never overlap: a 3-step run compares step 1 with step 3.
+        width = max(1, min(5, len(steps) // 2))
+        first, last = steps[:width], steps[-width:]
         r_first = sum(r["reward_mean"] for r in first) / len(first)
         r_last = sum(r["reward_mean"] for r in last) / len(last)
         lines.append(

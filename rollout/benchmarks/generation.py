@@ -5,6 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
+- ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -15,10 +16,12 @@ questions come from ``--gsm8k PATH`` (a jsonl with ``question``/``answer``) or, 
 original sample file shipped in ``rollout/data/``.
 
 Measured per system: generated tokens (up to and including EOS), wall seconds, tokens/s, mean time to
-first token, peak memory, and the tokens/s ratios between systems. Per workload also: how many greedy
-sequences of ``rollout`` and ``hf-cb`` equal ``hf-static``'s token for token (a check, not a failure),
-how many sequences of ``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their
-samples are seeded), and the decode-step comparison: one bare forward of B decode tokens
+first token, peak memory, the seconds of its warmup run (``warmup_run_s``: the cold compilation of a
+compiled system), and the tokens/s ratios between systems. Per workload also: how many greedy
+sequences of ``rollout``, ``rollout-async``, the compiled runs and ``hf-cb`` equal ``hf-static``'s token
+for token, how many of the compiled runs' equal eager ``rollout``'s, how many sequences of
+``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their samples are seeded;
+checks, not failures), and the decode-step comparison: one bare forward of B decode tokens
 (``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of
 ``rollout.Engine`` on the same batch.
 
@@ -35,9 +38,15 @@ Timing conventions:
       SYSTEMS order; then round 2...), and keeps each system's fastest run (``wall_s_runs`` lists them all):
       on a shared machine the load changes between runs, and the turns spread it over the systems.
 
+``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
+``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
+else as a string.
+
 Example (``python scripts/bench.py`` takes the same arguments):
     rollout-bench --gsm8k /work/shared/data/gsm8k/test.jsonl --workload gsm8k-greedy \
         --systems hf-cb hf-static ceiling --device cpu
+    rollout-bench --device cuda --dtype bfloat16 --systems hf-cb \
+        --hf-cb-option default_compile_level=3 --hf-cb-option use_cuda_graph=true
 """
 
 from __future__ import annotations
@@ -51,8 +60,10 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
@@ -61,6 +72,8 @@ from trainers.prompts import eos_token_ids
 from .report import new_report, print_report, write_json
 from .scoring import bench_scoring
 from .systems import (
+    COMPILE_SYSTEMS,
+    DEFAULT_SYSTEMS,
     SYSTEMS,
     SystemRun,
     bare_forwards,
@@ -120,6 +133,7 @@ def run_workload(
     seed: int = 0,
     warmup: bool = True,
     repeats: int = 1,
+    hf_cb_options: Mapping[str, Any] | None = None,
 ) -> dict:
     """Run the chosen systems on one workload's prompts and collect the numbers.
 
@@ -135,6 +149,8 @@ def run_workload(
         seed: seed set before every run.
         warmup: run each system on two prompts and four tokens first.
         repeats: timed runs per system, in turns (see the module docstring); the fastest is kept (>= 1).
+        hf_cb_options: fields of transformers' ``ContinuousBatchingConfig`` for ``hf-cb`` (see
+            ``parse_hf_cb_options``).
 
     Returns:
         A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match``,
@@ -170,9 +186,16 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed),
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
         ),
+        **{
+            name: (
+                lambda level=level: run_rollout(model, prompts, generation_config, seed, level),
+                lambda level=level: run_rollout(model, warm_prompts, warm_config, seed, level),
+            )
+            for name, level in COMPILE_SYSTEMS.items()
+        },
         "hf-cb": (
-            lambda: run_hf_cb(model, prompts, generation_config, seed),
-            lambda: run_hf_cb(model, warm_prompts, warm_config, seed),
+            lambda: run_hf_cb(model, prompts, generation_config, seed, hf_cb_options),
+            lambda: run_hf_cb(model, warm_prompts, warm_config, seed, hf_cb_options),
         ),
         "hf-static": (
             lambda: run_hf_static(model, prompts, generation_config, static_batch_size),
@@ -182,16 +205,19 @@ def run_workload(
     }
     runs: dict[str, SystemRun] = {}
     walls: dict[str, list[float]] = {}
+    warm_s: dict[str, float | None] = {}
     for round_ in range(repeats):
         for name in (s for s in SYSTEMS if s in systems):
             timed, warm = plans[name]
             run = run_system(name, timed, model.device, seed, warm if warmup and round_ == 0 else None)
             walls.setdefault(name, []).append(run.wall_s)
+            warm_s.setdefault(name, run.extra.get("warmup_run_s"))
             if name not in runs or run.wall_s < runs[name].wall_s:
                 runs[name] = run
     if repeats > 1:
         for name, run in runs.items():
             run.extra["wall_s_runs"] = walls[name]
+            run.extra["warmup_run_s"] = warm_s[name]  # only round 1 warms up
 
     result = {
         "prompts": _prompt_stats(prompts, G),
@@ -207,10 +233,13 @@ def run_workload(
         "async_match": None,
         "decode_step": None,
     }
-    if not workload.do_sample and "hf-static" in runs:
-        for name in ("rollout-async", "rollout", "hf-cb"):
-            if name in runs:
+    if not workload.do_sample:
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "hf-cb"):
+            if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
+        for name in COMPILE_SYSTEMS:
+            if name in runs and "rollout" in runs:
+                result["greedy_match"][f"{name}/rollout"] = greedy_matches(runs[name], runs["rollout"])
     if "rollout-async" in runs and "rollout" in runs:
         result["async_match"] = greedy_matches(runs["rollout-async"], runs["rollout"])
     if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
@@ -274,12 +303,48 @@ def run_scoring_workload(model, tokenizer, data_path, num_prompts: int | None) -
     return report
 
 
+def parse_hf_cb_options(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as fields of transformers' ``ContinuousBatchingConfig``.
+
+    Args:
+        items: e.g. ``["default_compile_level=3", "use_cuda_graph=true"]``; a value is read as JSON when
+            it parses (numbers, ``true``/``false``, ``null``, lists), else kept as a string.
+
+    Returns:
+        The fields by name.
+
+    Raises:
+        ValueError: an item without ``=``, or a name that is not a field of that config (the message
+            lists the fields).
+    """
+    names = {f.name for f in dataclasses.fields(HFContinuousBatchingConfig)}
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in names:
+            raise ValueError(
+                f"--hf-cb-option takes KEY=VALUE with KEY a field of transformers' ContinuousBatchingConfig "
+                f"({', '.join(sorted(names))}), got {item!r}"
+            )
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--workload", nargs="+", default=["gsm8k-greedy"], choices=[*WORKLOADS, *SCORING_WORKLOADS])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(DEFAULT_SYSTEMS),
+        choices=SYSTEMS,
+        help="default: %(default)s (rollout-compile2 and -compile3 compile for minutes on a CPU)",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
     p.add_argument(
         "--gsm8k", type=Path, default=None, metavar="PATH", help=f"questions jsonl (default: {SAMPLE_QUESTIONS.name})"
@@ -300,9 +365,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=1, help="timed runs per system, in turns; the fastest is kept (default: 1)"
     )
+    p.add_argument(
+        "--hf-cb-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of transformers' ContinuousBatchingConfig for hf-cb, e.g. default_compile_level=3 (repeatable)",
+    )
     p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
     p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.hf_cb_options = parse_hf_cb_options(args.hf_cb_option)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -342,6 +419,7 @@ def run(args: argparse.Namespace) -> dict:
             seed=args.seed,
             warmup=args.warmup,
             repeats=args.repeats,
+            hf_cb_options=args.hf_cb_options,
         )
         result["prompts"]["start_index"] = start
         report["workloads"][wname] = result

@@ -2,6 +2,10 @@
 
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
+- ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
+  ``default_compile_level`` 1, 2 or 3 (``generate_batch(..., warmup=True)``: the engine's warmup is part of
+  the timed call; the first, cold compilation happens in the benchmark's warmup run, whose seconds go
+  to ``warmup_run_s``).
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -39,7 +43,12 @@ from .workloads import chunks, expand_rows, left_pad, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
+# Run (and compared) in this order: each ratio is a system's tokens/s over a later one's, so the compiled
+# runs come first (``rollout-compile1/rollout`` is the speed-up of compilation).
+COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compile1": 1}
+SYSTEMS = (*COMPILE_SYSTEMS, "rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
+# What a run compares unless told otherwise: levels 2 and 3 add minutes of compilation on a CPU.
+DEFAULT_SYSTEMS = ("rollout-compile1", "rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
 
 
 @dataclass
@@ -160,11 +169,18 @@ def run_rollout(
     prompts: Sequence[list[int]],
     generation_config: GenerationConfig,
     seed: int = 0,
+    compile_level: int = 0,
     async_batching: bool = False,
 ) -> SystemRun:
-    """Our engine: ``rollout.generate_batch`` over all prompts in one call, with async batching or without
-    (system ``rollout-async`` or ``rollout``)."""
-    cb_config = rollout.ContinuousBatchingConfig(seed=seed, use_async_batching=async_batching)
+    """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
+    compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
+    (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``)."""
+    cb_config = rollout.ContinuousBatchingConfig(
+        seed=seed, default_compile_level=compile_level, use_async_batching=async_batching
+    )
+    name = "rollout" if compile_level == 0 else f"rollout-compile{compile_level}"
+    if async_batching:
+        name = name.replace("rollout", "rollout-async", 1)
     t0 = time.perf_counter()
     outputs = rollout.generate_batch(
         model,
@@ -172,31 +188,46 @@ def run_rollout(
         generation_config=generation_config,
         continuous_batching_config=cb_config,
         record_timestamps=True,
+        warmup=True,
     )
     _sync(model.device)
     wall = time.perf_counter() - t0
     expected = len(prompts) * (generation_config.num_return_sequences or 1)
-    return _continuous_batching_run("rollout-async" if async_batching else "rollout", outputs, t0, wall, expected)
+    return _continuous_batching_run(name, outputs, t0, wall, expected)
 
 
-def run_hf_cb(model, prompts: Sequence[list[int]], generation_config: GenerationConfig, seed: int = 0) -> SystemRun:
+def run_hf_cb(
+    model,
+    prompts: Sequence[list[int]],
+    generation_config: GenerationConfig,
+    seed: int = 0,
+    options: Mapping[str, object] | None = None,
+) -> SystemRun:
     """transformers' continuous batching: ``model.generate_batch`` over all prompts in one call.
 
     The manager is created, sized and warmed up inside the call (``persistent_manager=False``), as a
     user calling it once per rollout batch would have it.
+
+    Args:
+        options: fields of transformers' ``ContinuousBatchingConfig`` besides the seed (e.g.
+            ``default_compile_level=3, use_cuda_graph=True`` on a GPU); recorded in the summary.
     """
+    options = dict(options or {})
     t0 = time.perf_counter()
     outputs = model.generate_batch(
         inputs=list(prompts),
         generation_config=generation_config,
-        continuous_batching_config=HFContinuousBatchingConfig(seed=seed),
+        continuous_batching_config=HFContinuousBatchingConfig(seed=seed, **options),
         record_timestamps=True,
         progress_bar=False,
     )
     _sync(model.device)
     wall = time.perf_counter() - t0
     expected = len(prompts) * (generation_config.num_return_sequences or 1)
-    return _continuous_batching_run("hf-cb", outputs, t0, wall, expected)
+    run = _continuous_batching_run("hf-cb", outputs, t0, wall, expected)
+    if options:
+        run.extra["hf_cb_options"] = options
+    return run
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -398,16 +429,20 @@ def run_system(
         seed: set before the warmup and before the run.
         warmup_fn: a short run of the same system, or None for no warmup.
     """
+    warmup_s = None
     if warmup_fn is not None:
         set_seed(seed)
         t = time.perf_counter()
         warmup_fn()
-        logger.info("%s: warmup %.1fs", name, time.perf_counter() - t)
+        warmup_s = time.perf_counter() - t
+        logger.info("%s: warmup %.1fs", name, warmup_s)
     set_seed(seed)
     load_start = os.getloadavg()[0]
     with PeakMemory(device) as memory:
         run = fn()
     run.peak_mem_mb, run.rss_start_mb, run.mem_kind = (memory.peak_mb, memory.start_mb, memory.kind)
+    # The warmup run's seconds: for a compiled system, the cold compilation of its step shapes.
+    run.extra["warmup_run_s"] = warmup_s
     # Other processes on the machine skew CPU numbers: keep the 1-minute load average around the run
     run.extra["load_avg_1m"] = [load_start, os.getloadavg()[0]]
     logger.info("%s: %d tokens in %.1fs = %.1f tokens/s", name, run.num_generated, run.wall_s, run.tokens_per_s)

@@ -1,0 +1,100 @@
+"""The manager's generation loop on a tensor-parallel model: every rank's loop runs the same steps.
+
+Each rank runs its own manager and loop on its shard of the model; the steps' collectives need every
+rank in the same step. The loop therefore goes in rounds, each opened by one collective
+(``TensorParallel.agree``, a MAX all-reduce of a few ints over the CPU group) that settles, for all
+ranks at once:
+
+- what enters the engine: the driver (TP rank 0) takes its inbox (requests, cancels, a recompute
+  asked by ``update_weights(recompute=True)``) and broadcasts it; the other ranks' ``add_request``
+  queue nothing, so the driver's order is every rank's order;
+- the weight version: the driver's, adopted by every rank (it enters prefix-cache hashes, so the
+  ranks' cache hits, hence their schedules, must agree);
+- whether a step may run: not while any rank holds a pause, nor while the ranks have entered
+  different numbers of pauses (a rank whose ``update_weights`` has not started yet would otherwise
+  step with old weights beside ranks with new ones). A pause is collective, as in transformers:
+  every rank calls ``pause()`` / ``update_weights`` the same number of times;
+- stopping: the driver's stop (a stop asked on another rank waits for the driver's, so a rank that
+  stops first cannot end the loop before the driver's requests ran); a hard stop from any rank.
+
+A rank marks a step as running (``PauseGate.begin_step``) when it sends its state without a pause
+held, so a pause asked after that waits for the round (and its step) to end; in a pause round the
+mark is lifted and the loop polls every ``POLL_SECONDS``, so ranks exchange a message at least that
+often and a long pause never runs into ``cpu_group_timeout``. Sources of the design: transformers'
+``ContinuousBatchProcessor._update_tp_group_state`` (one all-reduce of the payload size, the stop
+status and the pause request, then a broadcast of the driver's payload).
+"""
+
+from __future__ import annotations
+
+from .engine import Engine
+from .loop import GenerationLoop, logger
+
+# Seconds between rounds while idle or paused (the loop is woken early by local commands).
+POLL_SECONDS = 0.05
+
+
+class TensorParallelLoop(GenerationLoop):
+    """``GenerationLoop`` for an engine with ``engine.tp`` set; same arguments and guarantees."""
+
+    def run(self, engine: Engine) -> None:
+        """Step ``engine`` in lockstep with the other ranks until a stop or a failure; never raises.
+
+        Every rank's loop ends in the same round (a stop once idle, or a hard stop). A step that raises
+        on one rank fails that rank's manager; the others fail when their next collective times out
+        (``cpu_group_timeout``).
+        """
+        tp = engine.tp
+        assert tp is not None, "TensorParallelLoop needs a tensor-parallel engine"
+        life, gate = self._life, self._pausing
+        try:
+            engine.use_device_in_this_thread()
+            was_paused = False
+            while True:
+                with self._cond:
+                    items = self._inbox.take() if tp.is_driver else []
+                    holding = gate.holders > 0
+                    if not holding:
+                        gate.begin_step()  # committed to this round: a new pause waits for its end
+                        if tp.is_driver and (items or was_paused):
+                            # Weights changed by hand in the pause (or before these requests) get a new version.
+                            self._weights.bump_if_changed(engine)
+                    stop, hard, entered = life.stop_requested, life.hard_stop, gate.entered
+                    version = engine.weight_version
+                state = tp.agree(len(items), stop, hard, holding, entered, version)
+                if state.num_items:
+                    items = tp.broadcast_object(items)
+                with self._cond:
+                    self._inbox.apply(engine, items)
+                    if not tp.is_driver and not state.paused:
+                        # Adopted only between pauses: in one, the driver's may already count an update
+                        # this rank has still to make (its update_weights then returns the same number).
+                        engine.set_weight_version(state.weight_version)
+                    if state.hard_stop:
+                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+                        return
+                    was_paused = state.paused
+                    idle = state.paused or not engine.has_unfinished()
+                    if idle:
+                        gate.end_step()
+                        if not state.paused and state.stop:
+                            return
+                        self._cond.wait(POLL_SECONDS)
+                        continue
+                try:
+                    updated = engine.step()
+                finally:
+                    with self._cond:
+                        gate.end_step()
+                self._outputs.publish(updated)
+        except BaseException as e:  # every failure must reach the readers
+            logger.exception("rollout manager loop failed (tensor-parallel rank %d)", tp.tp_rank)
+            with self._cond:
+                life.fail(e)
+                self.fail_all(engine, e)
+        finally:
+            with self._cond:
+                gate.end_step()
+                close = life.loop_ended()
+            if close:
+                engine.close()
