@@ -506,9 +506,10 @@ def _flash_attention(
 class PaddedAttentionMetadata:
     """Per-step metadata of the static-shape ("padded") path: tensors only, every shape a padded size.
 
-    Built inside the step's (compiled or CUDA-graphed) forward; nothing here is read on the host, so
-    ``padded_paged_attention`` traces into one graph per layer. The query rows attend in groups, each
-    group over the keys of one request, read from the cache through that request's block table:
+    Built by ``from_tables`` inside the step's (compiled or CUDA-graphed) forward; nothing here is read on
+    the host, so ``padded_paged_attention`` traces into one graph per layer. The query rows attend in
+    groups, each group over the keys of one request, read from the cache through that request's block
+    table:
 
     - the decode group: one query row per group (a request computing one token);
     - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
@@ -545,6 +546,55 @@ class PaddedAttentionMetadata:
     prefill_pos: torch.Tensor | None = None
     decode_read: torch.Tensor | None = None
     prefill_read: torch.Tensor | None = None
+
+    @classmethod
+    def from_tables(
+        cls,
+        cache: PagedKVCache,
+        block_size: int,
+        slot_mapping: torch.Tensor,
+        decode_rows: torch.Tensor | None,
+        decode_tables: torch.Tensor,
+        decode_pos: torch.Tensor,
+        prefill_rows: torch.Tensor | None = None,
+        prefill_tables: torch.Tensor | None = None,
+        prefill_pos: torch.Tensor | None = None,
+    ) -> PaddedAttentionMetadata:
+        """The metadata of a padded step from its block tables (traceable: no host read).
+
+        Args:
+            cache: the paged KV cache.
+            block_size: tokens per block.
+            slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos: as the attributes.
+            decode_tables: int64 [Bd, Wd]; each decode group's block table, padded with the padding
+                block; its gather is [Bd, Ld = Wd * block_size].
+            prefill_tables: int64 [G, Wp]; each prefill group's block table (None on the decode path);
+                its gather is [G, Lp = Wp * block_size].
+        """
+        prefill_gather = decode_read = prefill_read = None
+        if decode_rows is not None:
+            assert prefill_tables is not None and prefill_rows is not None
+            prefill_gather = _gather(prefill_tables, block_size)
+            last = slot_mapping.shape[0] - 1  # T - 1: slot_mapping has one entry per query row
+            decode_read, prefill_read = decode_rows.clamp(max=last), prefill_rows.clamp(max=last)
+        return cls(
+            cache,
+            slot_mapping,
+            decode_rows,
+            _gather(decode_tables, block_size),
+            decode_pos,
+            prefill_rows,
+            prefill_gather,
+            prefill_pos,
+            decode_read,
+            prefill_read,
+        )
+
+
+def _gather(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [B, W * block_size]: the slots of positions 0.. of each row's block table [B, W]."""
+    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+    return tables[:, pos // block_size] * block_size + (pos % block_size)[None, :]
 
 
 def _group_attention(
