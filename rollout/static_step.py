@@ -377,6 +377,9 @@ def _padded_forward(
     return logits.float()
 
 
+# Two defs with one body, on purpose: dynamo keeps its compiled graphs, their guards and its recompile limit
+# per code object, and functions made from one def (a closure, a functools.partial) share that def's code
+# object, so the two paths would share one cache, each path's graphs tried and guarded against the other's.
 def forward_varlen(
     model: torch.nn.Module,
     cache: PagedKVCache,
