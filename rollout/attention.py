@@ -404,9 +404,7 @@ def paged_attention(
     cache.write(layer, meta.slot_mapping, k_new, v_new)
 
     if meta.flash is not None:
-        if "cache_seqlens" in meta.flash:
-            return _flash_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
-        return _flash_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return _flash_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
     dtype = _compute_dtype(query)
     q = query[0].to(dtype)  # [H, T, D]
@@ -441,7 +439,7 @@ def paged_attention(
     return out.unsqueeze(0)
 
 
-def _flash_paged_attention(
+def _flash_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -450,19 +448,47 @@ def _flash_paged_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """flash-attn varlen over the whole batch, keys read through the block table.
+    """flash-attn over the paged cache: the decode fast path when ``meta.flash`` has ``cache_seqlens``, else varlen.
 
-    The kernel needs q in the cache's dtype (fp16 or bf16, checked when the engine chose this path);
-    a query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is
-    returned in the query's dtype, which the model's output projection expects.
+    Both kernels read the keys through ``meta.flash["block_table"]`` and take the same scale, causal
+    mask, window and softcap; they differ in how the query rows map to requests:
+
+    - varlen (``flash_attn_varlen_func``): the whole flattened batch, ``q`` [T, H, D], split by
+      ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``);
+    - decode fast path (``flash_attn_with_kvcache``): every query row is one request's only token (row b
+      is batch entry b, ``q`` [B, 1, H, D]). The step's keys and values are already in the cache
+      (``paged_attention`` wrote them), so the kernel gets no ``k``/``v`` to append and ``cache_seqlens``
+      counts this step's key: it reads keys 0 .. cache_seqlens[b] - 1 of request b through row b of the
+      block table. (The kernel could write the new keys itself, given ``k``, ``v`` and the lengths
+      before the step; one write path for every step keeps the cache's contents independent of the
+      kernel chosen.) With one query token, flash-attn ignores ``causal`` and aligns the window to the
+      last key, as the SDPA decode mask does.
+
+    The kernels need q in the cache's dtype (fp16 or bf16, checked when the engine chose this path); a
+    query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is returned
+    in the query's dtype, which the model's output projection expects.
+
+    Returns:
+        [1, T, H, D] (T = B on the decode fast path).
     """
     f = meta.flash
-    assert f is not None and _flash_attn_varlen_func is not None
+    assert f is not None
     block_size = meta.cache.block_size
     q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
-    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])
+    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
     vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
-    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    shared: dict[str, Any] = dict(
+        block_table=f["block_table"],
+        softmax_scale=scale,
+        causal=True,
+        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
+        softcap=softcap or 0.0,
+    )
+    if "cache_seqlens" in f:
+        assert _flash_attn_with_kvcache is not None
+        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=f["cache_seqlens"], **shared)
+        return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
+    assert _flash_attn_varlen_func is not None
     out = _flash_attn_varlen_func(
         q,
         kc,
@@ -471,66 +497,19 @@ def _flash_paged_attention(
         cu_seqlens_k=f["cu_seqlens_k"],
         max_seqlen_q=f["max_seqlen_q"],
         max_seqlen_k=f["max_seqlen_k"],
-        softmax_scale=scale,
-        causal=True,
-        window_size=window,
-        softcap=softcap or 0.0,
-        block_table=f["block_table"],
+        **shared,
     )
     return out.to(query.dtype).unsqueeze(0)
-
-
-def _flash_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """The decode fast path: flash-attn's ``flash_attn_with_kvcache`` over a fixed-width block table.
-
-    Every query row is one request's only token (row b is batch entry b, ``q`` [B, 1, H, D]). The
-    step's keys and values are already in the cache (``paged_attention`` wrote them), so the kernel
-    gets no ``k``/``v`` to append and ``cache_seqlens`` counts this step's key: it reads keys
-    0 .. cache_seqlens[b] - 1 of request b through row b of the block table. (The kernel could write
-    the new keys itself, given ``k``, ``v`` and the lengths before the step; one write path for
-    every step keeps the cache's contents independent of the kernel chosen.) With one query token,
-    flash-attn ignores ``causal`` and aligns the window to the last key, as the SDPA decode mask does.
-
-    Returns:
-        [1, B, H, D] in the query's dtype (the kernel computes in the cache's dtype, as in
-        ``_flash_paged_attention``).
-    """
-    f = meta.flash
-    assert f is not None and _flash_attn_with_kvcache is not None
-    block_size = meta.cache.block_size
-    q = query[0].transpose(0, 1).unsqueeze(1).to(k_cache.dtype)  # [B, 1, H, D]
-    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
-    vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
-    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
-    out = _flash_attn_with_kvcache(
-        q,
-        kc,
-        vc,
-        cache_seqlens=f["cache_seqlens"],
-        block_table=f["block_table"],
-        softmax_scale=scale,
-        causal=True,
-        window_size=window,
-        softcap=softcap or 0.0,
-    )
-    return out.to(query.dtype).transpose(0, 1)  # [1, B, H, D]
 
 
 @dataclass
 class PaddedAttentionMetadata:
     """Per-step metadata of the static-shape ("padded") path: tensors only, every shape a padded size.
 
-    Built inside the step's (compiled or CUDA-graphed) forward; nothing here is read on the host, so
-    ``padded_paged_attention`` traces into one graph per layer. The query rows attend in groups, each
-    group over the keys of one request, read from the cache through that request's block table:
+    Built by ``from_tables`` inside the step's (compiled or CUDA-graphed) forward; nothing here is read on
+    the host, so ``padded_paged_attention`` traces into one graph per layer. The query rows attend in
+    groups, each group over the keys of one request, read from the cache through that request's block
+    table:
 
     - the decode group: one query row per group (a request computing one token);
     - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
@@ -567,6 +546,55 @@ class PaddedAttentionMetadata:
     prefill_pos: torch.Tensor | None = None
     decode_read: torch.Tensor | None = None
     prefill_read: torch.Tensor | None = None
+
+    @classmethod
+    def from_tables(
+        cls,
+        cache: PagedKVCache,
+        block_size: int,
+        slot_mapping: torch.Tensor,
+        decode_rows: torch.Tensor | None,
+        decode_tables: torch.Tensor,
+        decode_pos: torch.Tensor,
+        prefill_rows: torch.Tensor | None = None,
+        prefill_tables: torch.Tensor | None = None,
+        prefill_pos: torch.Tensor | None = None,
+    ) -> PaddedAttentionMetadata:
+        """The metadata of a padded step from its block tables (traceable: no host read).
+
+        Args:
+            cache: the paged KV cache.
+            block_size: tokens per block.
+            slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos: as the attributes.
+            decode_tables: int64 [Bd, Wd]; each decode group's block table, padded with the padding
+                block; its gather is [Bd, Ld = Wd * block_size].
+            prefill_tables: int64 [G, Wp]; each prefill group's block table (None on the decode path);
+                its gather is [G, Lp = Wp * block_size].
+        """
+        prefill_gather = decode_read = prefill_read = None
+        if decode_rows is not None:
+            assert prefill_tables is not None and prefill_rows is not None
+            prefill_gather = _gather(prefill_tables, block_size)
+            last = slot_mapping.shape[0] - 1  # T - 1: slot_mapping has one entry per query row
+            decode_read, prefill_read = decode_rows.clamp(max=last), prefill_rows.clamp(max=last)
+        return cls(
+            cache,
+            slot_mapping,
+            decode_rows,
+            _gather(decode_tables, block_size),
+            decode_pos,
+            prefill_rows,
+            prefill_gather,
+            prefill_pos,
+            decode_read,
+            prefill_read,
+        )
+
+
+def _gather(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [B, W * block_size]: the slots of positions 0.. of each row's block table [B, W]."""
+    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+    return tables[:, pos // block_size] * block_size + (pos % block_size)[None, :]
 
 
 def _group_attention(

@@ -92,6 +92,26 @@ class _Job:
     group: int
 
 
+@dataclass
+class _Plan:
+    """A scoring call's checked rows and the jobs that answer them (what the driver sends to every rank).
+
+    Attributes:
+        jobs: the jobs in submission order.
+        row_group: int [N]; the prompt group of each row (-1 if skipped).
+        prompts, completions: the N rows as int lists (``validate_rows``).
+        skipped: bool [N]; True for a row too long for the context, skipped.
+        include_prompt: the prompts' logprobs are asked for too.
+    """
+
+    jobs: list[_Job]
+    row_group: list[int]
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    skipped: list[bool]
+    include_prompt: bool
+
+
 def validate_rows(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -153,7 +173,7 @@ def _check_temperature(temperature: Any) -> None:
 
 def _plan_jobs(
     prompts: list[list[int]], completions: list[list[int]], skipped: list[bool], include_prompt: bool
-) -> tuple[list[_Job], list[int]]:
+) -> _Plan:
     """Group rows by prompt (in order of first appearance) and make one job per distinct row.
 
     The jobs of one prompt follow each other, so the later ones find the prompt's blocks in the
@@ -162,7 +182,7 @@ def _plan_jobs(
     empty gets one prompt-only job for them.
 
     Returns:
-        The jobs in submission order, and int [N]: the prompt group of each row (-1 if skipped).
+        The plan: the jobs in submission order and the prompt group of each row, with the rows.
     """
     groups: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
     row_group = [-1] * len(prompts)
@@ -186,7 +206,7 @@ def _plan_jobs(
                 rows = by_completion[()]
                 group_jobs.append(_Job(f"score_{rows[0]}", list(prompt), n, 1, [], g))
         jobs.extend(group_jobs)
-    return jobs, row_group
+    return _Plan(jobs, row_group, prompts, completions, skipped, include_prompt)
 
 
 def _cache_tokens_hint(jobs: list[_Job], max_batch_tokens: int, block_size: int) -> int:
@@ -228,40 +248,21 @@ def score_with_engine(
         raise RuntimeError("the engine is closed")
     if engine.has_unfinished():
         raise RuntimeError("score_with_engine needs an engine with no unfinished requests")
-    jobs, row_group = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
-    return _run_on_ranks(engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, temperature, progress_bar)
+    plan = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
+    return _run_on_ranks(engine, plan, temperature, progress_bar)
 
 
-def _run_on_ranks(
-    engine: Engine,
-    jobs: list[_Job],
-    row_group: list[int],
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    skipped: list[bool],
-    include_prompt: bool,
-    temperature: float,
-    progress_bar: bool,
-) -> list[ScoreOutput]:
-    """``_run`` on every rank of a tensor-parallel engine with the driver's rows; [] except on the driver."""
-    plan = engine.from_driver((jobs, row_group, prompts, completions, skipped))
+def _run_on_ranks(engine: Engine, plan: _Plan, temperature: float, progress_bar: bool) -> list[ScoreOutput]:
+    """``_run`` on every rank of a tensor-parallel engine with the driver's plan; [] except on the driver."""
+    plan = engine.from_driver(plan)
     driver = engine.is_driver
-    results = _run(engine, *plan, include_prompt, float(temperature), progress_bar and driver)
+    results = _run(engine, plan, float(temperature), progress_bar and driver)
     return results if driver else []
 
 
-def _run(
-    engine: Engine | None,
-    jobs: list[_Job],
-    row_group: list[int],
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    skipped: list[bool],
-    include_prompt: bool,
-    temperature: float,
-    progress_bar: bool,
-) -> list[ScoreOutput]:
-    """Queue the jobs in a bounded window, step the engine until all are done, assemble the results."""
+def _run(engine: Engine | None, plan: _Plan, temperature: float, progress_bar: bool) -> list[ScoreOutput]:
+    """Queue the plan's jobs in a bounded window, step the engine until all are done, assemble the results."""
+    jobs, row_group, completions, skipped = plan.jobs, plan.row_group, plan.completions, plan.skipped
     params = SamplingParams(max_new_tokens=1)
     if jobs:
         assert engine is not None
@@ -271,11 +272,11 @@ def _run(
             except ValueError as e:
                 raise ValueError(f"row {job.request_id.removeprefix('score_')}: {e}") from e
 
-    n = len(prompts)
+    n = len(plan.prompts)
     results: list[ScoreOutput | None] = [None] * n
     for i in range(n):
         if skipped[i] or not completions[i]:
-            results[i] = ScoreOutput(prompt_logprobs=[] if include_prompt else None, skipped=skipped[i])
+            results[i] = ScoreOutput(prompt_logprobs=[] if plan.include_prompt else None, skipped=skipped[i])
     group_prompt_lp: dict[int, list[float]] = {}
 
     bar = tqdm(total=n, desc="score", unit="row", disable=not progress_bar)
@@ -320,7 +321,7 @@ def _run(
         if engine is not None:
             for rid in in_flight:  # an error left requests behind: take them out of the engine
                 engine.finish_request(rid, RequestStatus.CANCELLED)
-    if include_prompt:
+    if plan.include_prompt:
         for i, result in enumerate(results):
             if not skipped[i]:
                 result.prompt_logprobs = list(group_prompt_lp.get(row_group[i], []))  # type: ignore[union-attr]
@@ -399,19 +400,17 @@ def score(
     config = resolve_continuous_batching_config(continuous_batching_config)
     if batch_tokens is not None:
         config = dataclasses.replace(config, max_batch_tokens=batch_tokens)
-    jobs, row_group = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
-    if not jobs:  # empty completions and skipped rows only: no forward needed
+    plan = _plan_jobs(rows_p, rows_c, skipped, include_prompt)
+    if not plan.jobs:  # empty completions and skipped rows only: no forward needed
         if not is_driver_rank(model):
             return []
-        return _run(None, [], row_group, rows_p, rows_c, skipped, include_prompt, float(temperature), progress_bar)
+        return _run(None, plan, float(temperature), progress_bar)
     device_type = next(model.parameters()).device.type
     hint = _cache_tokens_hint(
-        jobs, config.resolved_max_batch_tokens(device_type), config.resolved_page_size(device_type)
+        plan.jobs, config.resolved_max_batch_tokens(device_type), config.resolved_page_size(device_type)
     )
     engine = Engine(model, config, max_tokens_hint=hint)
     try:
-        return _run_on_ranks(
-            engine, jobs, row_group, rows_p, rows_c, skipped, include_prompt, temperature, progress_bar
-        )
+        return _run_on_ranks(engine, plan, temperature, progress_bar)
     finally:
         engine.close()

@@ -347,12 +347,6 @@ def build_padded_batch(
     return batch, t[num:]
 
 
-def _gather(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int64 [B, W * block_size]: the slots of positions 0.. of each row's block table [B, W]."""
-    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-    return tables[:, pos // block_size] * block_size + (pos % block_size)[None, :]
-
-
 def _padded_forward(
     model: torch.nn.Module,
     cache: PagedKVCache,
@@ -362,23 +356,16 @@ def _padded_forward(
     logits_to_keep: bool,
 ) -> torch.Tensor:
     """The model's forward on a padded batch, then its kept logits rows in float32 [R, V]."""
-    prefill_gather = decode_read = prefill_read = None
-    if batch.decode_rows is not None:
-        assert batch.prefill_tables is not None and batch.prefill_rows is not None
-        prefill_gather = _gather(batch.prefill_tables, block_size)
-        last = batch.input_ids.shape[0] - 1
-        decode_read, prefill_read = batch.decode_rows.clamp(max=last), batch.prefill_rows.clamp(max=last)
-    meta = PaddedAttentionMetadata(
+    meta = PaddedAttentionMetadata.from_tables(
         cache,
+        block_size,
         batch.slot_mapping,
         batch.decode_rows,
-        _gather(batch.decode_tables, block_size),
+        batch.decode_tables,
         batch.decode_pos,
         batch.prefill_rows,
-        prefill_gather,
+        batch.prefill_tables,
         batch.prefill_pos,
-        decode_read,
-        prefill_read,
     )
     kwargs = {
         "input_ids": batch.input_ids[None, :],
@@ -395,6 +382,9 @@ def _padded_forward(
     return logits.float()
 
 
+# Two defs with one body, on purpose: dynamo keeps its compiled graphs, their guards and its recompile limit
+# per code object, and functions made from one def (a closure, a functools.partial) share that def's code
+# object, so the two paths would share one cache, each path's graphs tried and guarded against the other's.
 def forward_varlen(
     model: torch.nn.Module,
     cache: PagedKVCache,

@@ -29,7 +29,14 @@ from rollout.attention import flash_attn_available, flash_support
 from rollout.sampling import HostStaging
 from rollout.scoring import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
-from tests.utils import assert_close, run_engine
+from tests.utils import (
+    assert_close,
+    assert_greedy_agrees,
+    generate_in_order,
+    reference_greedy,
+    run_engine,
+    teacher_forced_logprobs,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -40,29 +47,6 @@ GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False)
 # (tests/test_flash_path.py); bf16 keeps 3 fewer mantissa bits. A wrong block table is off by ~8 nats.
 FP16_ATOL = 0.05
 BF16_ATOL = 0.25
-
-
-def _logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:  # noqa: ANN001
-    """log_softmax of each completion token under one plain forward (the model's own attention)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt + completion], device=device)
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
-
-
-def _greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def _prompts() -> list[list[int]]:
@@ -97,13 +81,13 @@ def test_flash_path_scores_and_generates_like_the_model_itself(build) -> None:
     finally:
         engine.close()
     for prompt, completion, row in zip(prompts, completions, scored):
-        assert_close(row.completion_logprobs, _logprobs(model, prompt, completion), atol=FP16_ATOL)
+        assert_close(row.completion_logprobs, teacher_forced_logprobs(model, prompt, completion), atol=FP16_ATOL)
     # Decoding: each sampled token's logprob (the engine's) against a plain forward over the same tokens.
     cfg = ContinuousBatchingConfig(page_size=256, num_blocks=32, max_batch_tokens=128, return_logprobs=True)
     out = generate_batch(model, prompts, GREEDY, cfg)
     for prompt, o in zip(prompts, out.values()):
         assert o.generated_tokens and len(o.logprobs) == len(o.generated_tokens)
-        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=FP16_ATOL)
+        assert_close(o.logprobs, teacher_forced_logprobs(model, prompt, o.generated_tokens), atol=FP16_ATOL)
 
 
 def test_bf16_mixed_precision_on_gpu(accelerate_state) -> None:
@@ -121,7 +105,7 @@ def test_bf16_mixed_precision_on_gpu(accelerate_state) -> None:
     out = generate_batch(model, prompts, GREEDY, cfg)
     for prompt, o in zip(prompts, out.values()):
         assert o.generated_tokens
-        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=BF16_ATOL)
+        assert_close(o.logprobs, teacher_forced_logprobs(model, prompt, o.generated_tokens), atol=BF16_ATOL)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -142,7 +126,7 @@ def test_the_manager_thread_launches_on_the_model_gpu() -> None:
     finally:
         manager.destroy()
     assert seen and set(seen) == {GPU.index}
-    assert out.generated_tokens == _greedy(model, prompt, 12)
+    assert out.generated_tokens == reference_greedy(model, prompt, 12, EOS_TOKEN_ID)
 
 
 def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside_it() -> None:
@@ -152,7 +136,7 @@ def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside
     model.model.layers[1].to("cpu")
     add_hook_to_module(model.model.layers[1], AlignDevicesHook(execution_device="cpu", io_same_device=True))
     prompts = random_prompts(4, VOCAB_SIZE, 5, 40, seed=7)
-    expected = [_greedy(model, p, 12) for p in prompts]
+    expected = [reference_greedy(model, p, 12, EOS_TOKEN_ID) for p in prompts]
     cfg = ContinuousBatchingConfig(page_size=16, num_blocks=64)
     engine = Engine(model, cfg)
     try:
@@ -182,32 +166,6 @@ def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True) 
     return engine
 
 
-def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list:
-    """Greedy outputs of the prompts (in order, no EOS stop), on an engine that is closed afterwards."""
-    try:
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
-        outputs = run_engine(engine)
-    finally:
-        engine.close()
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
-
-
-def _assert_greedy_agrees(actual: list, expected: list, prompts: list[list[int]], reference_model) -> None:  # noqa: ANN001
-    """Greedy tokens equal and logprobs within BF16_ATOL up to the first token where the two runs differ,
-    which must be a near-tie of the fp32 model (its logprobs of the two tokens within BF16_ATOL): two bf16
-    kernels round differently, while a wrong table, length or window flips tokens apart by nats."""
-    for prompt, a, e in zip(prompts, actual, expected):
-        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
-        assert len(tokens_a) == len(tokens_e)
-        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
-        assert_close(a.logprobs[:j], e.logprobs[:j], atol=BF16_ATOL)
-        if j < len(tokens_a):
-            logprobs = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_a[j]])[0]
-            other = _logprobs(reference_model, prompt + tokens_a[:j], [tokens_e[j]])[0]
-            assert abs(logprobs - other) < BF16_ATOL, f"token {j}: {tokens_a[j]} vs {tokens_e[j]} are no near-tie"
-
-
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
 def test_decode_fast_path_equals_the_varlen_path_and_sdpa_in_bf16(build) -> None:
     pytest.importorskip("flash_attn")
@@ -217,12 +175,12 @@ def test_decode_fast_path_equals_the_varlen_path_and_sdpa_in_bf16(build) -> None
     fast_engine = _bf16_engine(model, None)
     varlen_engine = _bf16_engine(model, 0)
     sdpa_engine = _bf16_engine(model, None, flash=False)
-    fast, varlen, sdpa = (_generate(e, prompts) for e in (fast_engine, varlen_engine, sdpa_engine))
+    fast, varlen, sdpa = (generate_in_order(e, prompts) for e in (fast_engine, varlen_engine, sdpa_engine))
     decode_steps = len(fast_engine.stats.decode_step_batch)
     assert fast_engine.stats.num_decode_fast_path_steps == decode_steps > 0
     assert varlen_engine.stats.num_decode_fast_path_steps == sdpa_engine.stats.num_decode_fast_path_steps == 0
-    _assert_greedy_agrees(fast, varlen, prompts, reference)
-    _assert_greedy_agrees(fast, sdpa, prompts, reference)
+    assert_greedy_agrees(fast, varlen, prompts, reference, BF16_ATOL)
+    assert_greedy_agrees(fast, sdpa, prompts, reference, BF16_ATOL)
 
 
 def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() -> None:
@@ -232,11 +190,11 @@ def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() 
     # As on CPU (tests/test_flash_path.py): one prefill step, then 9 decode steps, of which the long
     # request's positions 250..255 fit one block (6 fast-path steps) and 256..258 need a second.
     narrow_engine = _bf16_engine(model, 1)
-    narrow = _generate(narrow_engine, [long, short])
-    varlen = _generate(_bf16_engine(model, 0), [long, short])
+    narrow = generate_in_order(narrow_engine, [long, short])
+    varlen = generate_in_order(_bf16_engine(model, 0), [long, short])
     assert len(narrow_engine.stats.decode_step_batch) == 9
     assert narrow_engine.stats.num_decode_fast_path_steps == 6
-    _assert_greedy_agrees(narrow, varlen, [long, short], tiny_llama().to(GPU))
+    assert_greedy_agrees(narrow, varlen, [long, short], tiny_llama().to(GPU), BF16_ATOL)
 
 
 # Issue 11: CUDA graphs of the static-shape step. One padded shape per axis but the prefill groups (2 or 4):
@@ -264,8 +222,8 @@ def test_cuda_graph_replay_matches_generate_in_fp32() -> None:
     prompts = _graph_prompts()
     out = generate_batch(model, prompts, GREEDY, _graph_config(use_cuda_graph=True))
     for prompt, o in zip(prompts, out.values()):
-        assert o.generated_tokens == _greedy(model, prompt, 12)
-        assert_close(o.logprobs, _logprobs(model, prompt, o.generated_tokens), atol=1e-3)
+        assert o.generated_tokens == reference_greedy(model, prompt, 12, EOS_TOKEN_ID)
+        assert_close(o.logprobs, teacher_forced_logprobs(model, prompt, o.generated_tokens), atol=1e-3)
 
 
 @pytest.mark.parametrize("level", [0, 1])

@@ -36,7 +36,7 @@ from tests.tiny_models import (
     tiny_gemma,
     tiny_llama,
 )
-from tests.utils import assert_close, run_engine
+from tests.utils import assert_close, assert_greedy_agrees, generate_in_order, run_engine
 
 PAGE = 256  # the smallest page flash-attn's paged kernel accepts
 # Two kernels in half precision round differently: a greedy token can flip at a near-tie, so the paths are
@@ -93,38 +93,6 @@ def tiny_gemma2_softcap(seed: int = 0) -> Gemma2ForCausalLM:
     return Gemma2ForCausalLM(config).eval()
 
 
-def _assert_greedy_agrees(actual: list, expected: list, prompts: list[list[int]], reference_model) -> None:  # noqa: ANN001
-    """Greedy tokens equal, and logprobs within ATOL, up to the first token where the two differ, which must
-    be a near-tie: the fp32 model's logprobs of the two tokens there within ATOL of each other.
-
-    Two attention kernels in half precision round differently, and a random model has the odd near-tie
-    (tiny_models' docstring); a wrong table, length or window flips tokens the fp32 model tells apart by
-    nats, and fails.
-    """
-    for prompt, a, e in zip(prompts, actual, expected):
-        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
-        assert len(tokens_a) == len(tokens_e)
-        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
-        assert_close(a.logprobs[:j], e.logprobs[:j], atol=ATOL)
-        if j < len(tokens_a):
-            with torch.no_grad():
-                logits = reference_model(torch.tensor([prompt + tokens_a[:j]])).logits[0, -1].float()
-            logprobs = torch.log_softmax(logits, -1)
-            gap = abs(logprobs[tokens_a[j]].item() - logprobs[tokens_e[j]].item())
-            assert gap < ATOL, f"token {j} differs ({tokens_a[j]} vs {tokens_e[j]}) by {gap:.3f} nats in fp32"
-
-
-def _generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list:
-    """Greedy outputs of the prompts (in order) on an engine, which is closed afterwards."""
-    try:
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
-        outputs = run_engine(engine)
-    finally:
-        engine.close()
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama", "gemma_sliding"])
 def test_flash_path_computes_what_the_sdpa_path_computes(build, monkeypatch: pytest.MonkeyPatch) -> None:
     model = build().to(torch.float16)  # the kernel reads only fp16/bf16
@@ -166,9 +134,9 @@ def test_decode_fast_path_generates_what_the_varlen_and_sdpa_paths_generate(buil
     fast_engine = _engine(model, flash=True, monkeypatch=monkeypatch)  # max_blocks_per_request None: 32
     varlen_engine = _engine(model, flash=True, monkeypatch=monkeypatch, max_blocks_per_request=0)
     sdpa_engine = _engine(model, flash=False, monkeypatch=monkeypatch)
-    fast = _generate(fast_engine, prompts)
-    varlen = _generate(varlen_engine, prompts)
-    sdpa = _generate(sdpa_engine, prompts)
+    fast = generate_in_order(fast_engine, prompts)
+    varlen = generate_in_order(varlen_engine, prompts)
+    sdpa = generate_in_order(sdpa_engine, prompts)
     # Every decode-only step took the fast path (no request is wider than 32 blocks); with 0, none did.
     assert fast_engine.runner.max_blocks_per_request == 32
     assert fast_engine.stats.num_decode_fast_path_steps == len(fast_engine.stats.decode_step_batch) >= 9
@@ -177,7 +145,7 @@ def test_decode_fast_path_generates_what_the_varlen_and_sdpa_paths_generate(buil
         assert len(f.generated_tokens) == 10
         # The two flash kernels read the same keys in the same order: the same numbers, bit for bit.
         assert f.generated_tokens == v.generated_tokens and f.logprobs == v.logprobs
-    _assert_greedy_agrees(fast, sdpa, prompts, reference_model)
+    assert_greedy_agrees(fast, sdpa, prompts, reference_model, ATOL)
 
 
 def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(monkeypatch) -> None:  # noqa: ANN001
@@ -189,13 +157,13 @@ def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(mon
     narrow = _engine(model, True, monkeypatch, max_blocks_per_request=1, max_batch_tokens=512)
     off = _engine(model, True, monkeypatch, max_blocks_per_request=0, max_batch_tokens=512)
     sdpa = _engine(model, False, monkeypatch, max_batch_tokens=512)
-    outputs = [_generate(engine, [long, short]) for engine in (narrow, off, sdpa)]
+    outputs = [generate_in_order(engine, [long, short]) for engine in (narrow, off, sdpa)]
     assert narrow.stats.num_steps == 10 and len(narrow.stats.decode_step_batch) == 9
     assert narrow.stats.num_decode_fast_path_steps == 6
     assert off.stats.num_decode_fast_path_steps == 0
     for n, o in zip(outputs[0], outputs[1]):
         assert n.generated_tokens == o.generated_tokens and n.logprobs == o.logprobs
-    _assert_greedy_agrees(outputs[0], outputs[2], [long, short], tiny_llama())
+    assert_greedy_agrees(outputs[0], outputs[2], [long, short], tiny_llama(), ATOL)
 
 
 def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from rollout import Engine, GenerationOutput, RequestStatus
+from rollout import Engine, GenerationOutput, RequestStatus, SamplingParams
 
 
 def assert_close(actual: Sequence[float] | torch.Tensor, expected: Sequence[float] | torch.Tensor, atol: float) -> None:
@@ -19,11 +19,16 @@ def assert_close(actual: Sequence[float] | torch.Tensor, expected: Sequence[floa
     )
 
 
+def _ids(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """int64 [1, len(tokens)] on the device of the model's first parameter (a GPU model in test_cuda)."""
+    return torch.tensor([tokens], device=next(model.parameters()).device)
+
+
 def reference_greedy(
     model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None
 ) -> list[int]:
     """``model.generate`` greedy on one prompt (no padding), generated tokens only."""
-    ids = torch.tensor([prompt])
+    ids = _ids(model, prompt)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -55,7 +60,7 @@ def teacher_forced_logprobs(
     model: PreTrainedModel, prompt: list[int], completion: list[int], temperature: float = 1.0
 ) -> list[float]:
     """log_softmax(logits / T) of each completion token under one plain forward of prompt + completion."""
-    ids = torch.tensor([prompt + completion])
+    ids = _ids(model, prompt + completion)
     with torch.no_grad():
         logits = model(ids).logits[0].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
@@ -72,6 +77,45 @@ def run_engine(engine: Engine, max_steps: int = 10_000) -> dict[str, GenerationO
             if req.status == RequestStatus.FINISHED:
                 outputs[req.request_id] = req.to_output()
     raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def generate_in_order(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 10) -> list[GenerationOutput]:
+    """Greedy outputs of the prompts (in order, no stop but ``max_new_tokens``'s), on an engine that is
+    closed afterwards."""
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens), request_id=f"r{i}")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_greedy_agrees(
+    actual: list[GenerationOutput],
+    expected: list[GenerationOutput],
+    prompts: list[list[int]],
+    reference_model: PreTrainedModel,
+    atol: float,
+) -> None:
+    """Greedy tokens equal, and logprobs within ``atol``, up to the first token where the two differ, which must
+    be a near-tie: the fp32 ``reference_model``'s logprobs of the two tokens there within ``atol`` of each other.
+
+    Two attention kernels in half precision round differently, and a random model has the odd near-tie
+    (tiny_models' docstring); a wrong table, length or window flips tokens the fp32 model tells apart by
+    nats, and fails.
+    """
+    for prompt, a, e in zip(prompts, actual, expected):
+        tokens_a, tokens_e = a.generated_tokens, e.generated_tokens
+        assert len(tokens_a) == len(tokens_e)
+        j = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_e)) if x != y), len(tokens_a))
+        assert_close(a.logprobs[:j], e.logprobs[:j], atol=atol)
+        if j < len(tokens_a):
+            with torch.no_grad():
+                logits = reference_model(_ids(reference_model, prompt + tokens_a[:j])).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, -1)
+            gap = abs(logprobs[tokens_a[j]].item() - logprobs[tokens_e[j]].item())
+            assert gap < atol, f"token {j} differs ({tokens_a[j]} vs {tokens_e[j]}) by {gap:.3f} nats in fp32"
 
 
 class StepControl:
