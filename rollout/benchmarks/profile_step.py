@@ -261,18 +261,20 @@ def rollout_decode(
     model: torch.nn.Module, prompts: Sequence[list[int]], level: int, decode_offset: int, warmup: int, repeats: int
 ) -> StepResult:
     """A decode-only step of ``len(prompts)`` requests, ``decode_offset`` tokens into their generation."""
-    total_steps = decode_offset + warmup + 2 * repeats + 1
-    params = rollout.SamplingParams(max_new_tokens=total_steps + 1)  # greedy, no EOS: every request runs on
+    budget = rollout.ContinuousBatchingConfig().resolved_max_batch_tokens(model.device.type)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    # Greedy, no EOS: every request runs on through the measured steps. Those whose prompt is done
+    # first decode during the others' prefill steps (at most one per half budget of prompt tokens).
+    total_steps = decode_offset + warmup + 2 * repeats + 1 + num_prompt_tokens // (budget // 2) + 2
+    params = rollout.SamplingParams(max_new_tokens=total_steps)
     engine = _engine(model, level, [len(p) + params.max_new_tokens for p in prompts])
     try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(prompt, params, f"profile_{i}")
-        while (
-            engine.stats.num_prompt_tokens_computed < sum(len(p) for p in prompts) or not engine.stats.decode_step_batch
-        ):
+        requests = [engine.add_request(prompt, params, f"profile_{i}") for i, prompt in enumerate(prompts)]
+        while engine.stats.num_prompt_tokens_computed < num_prompt_tokens or not engine.stats.decode_step_batch:
             engine.step()
         for _ in range(decode_offset + warmup):
             engine.step()
+        context = statistics.fmean(r.num_computed_tokens for r in requests)
         walls = _timed(engine.step, repeats)
         profiler = StepProfiler()
         with forward_scope(engine.runner, "run"):
@@ -285,8 +287,7 @@ def rollout_decode(
         extra = {"num_compiles": stats.num_compiles, "num_compiles_after_warmup": stats.num_compiles_after_warmup}
     finally:
         engine.close()
-    context = statistics.fmean(len(p) for p in prompts) + decode_offset
-    batch = {"requests": len(prompts), "query_tokens": len(prompts), "mean_context": context}
+    batch = {"requests": len(prompts), "query_tokens": len(prompts), "mean_context": round(context, 1)}
     return summarize(_rollout_name(level), "decode", batch, walls, profiler, extra)
 
 
