@@ -54,3 +54,4 @@ def test_profile_of_a_tiny_model_has_every_category_and_shares_that_sum_to_one(t
     assert loaded["results"][1]["categories"]["sampling"]["ms"] > 0  # the argmax after the forward
     text = markdown(loaded)
     assert "## decode step" in text and "## prefill step" in text and "| hf-generate |" in text
+    assert "- decode, rollout: " in text and "- prefill, hf-forward: " in text  # what bounds each step

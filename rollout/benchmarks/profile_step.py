@@ -597,6 +597,7 @@ def markdown(report: dict) -> str:
             )
         lines.append("")
     lines += ["Categories:", ""] + [f"- `{c}`: {d}" for c, d in CATEGORIES.items()] + [""]
+    lines += ["## What bounds each step", "", *bounds(report["results"]), ""]
     if report.get("linear_microbench"):
         lines += [
             "## Linear layers: MKL against oneDNN",
@@ -621,6 +622,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def bounds(results: Sequence[dict]) -> list[str]:
+    """One line per (step, system): its categories from the largest down to 5% of the step, in ms and %."""
+    lines = []
+    for r in results:
+        ranked = sorted(r["categories"].items(), key=lambda kv: -kv[1]["share"])
+        parts = [f"{c} {v['ms']:.1f} ms ({100 * v['share']:.0f}%)" for c, v in ranked if v["share"] >= 0.05]
+        lines.append(f"- {r['step']}, {r['system']}: " + ", ".join(parts))
+    return lines
+
+
 def _batch_line(rows: Sequence[dict]) -> str:
     parts = [f"{r['system']}: " + ", ".join(f"{k} {v:g}" for k, v in r["batch"].items()) for r in rows]
     return "Batches: " + "; ".join(parts) + "."
@@ -642,6 +653,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linear-microbench", action="store_true", help="also time each linear shape, MKL and oneDNN")
     p.add_argument("--json", type=Path, default=Path("bench_results/profile_step.json"), dest="json_path")
     p.add_argument("--markdown", type=Path, default=None, help="also write the tables as markdown (docs/profile.md)")
+    p.add_argument(
+        "--from-json", type=Path, default=None, metavar="PATH", help="only render the markdown of an earlier report"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     args.command = shlex.join(["python", "scripts/profile_step.py", *(sys.argv[1:] if argv is None else argv)])
@@ -690,6 +704,14 @@ def run(args: argparse.Namespace, model: torch.nn.Module | None = None, tokenize
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/profile_step.py``: profile the steps (see the module docstring); 0 when it ran."""
-    run(parse_args(argv))
+    """``scripts/profile_step.py``: profile the steps (see the module docstring), or with ``--from-json``
+    render an earlier report's markdown again (``--markdown``, else stdout); 0 when it ran."""
+    args = parse_args(argv)
+    if args.from_json is not None:
+        text = markdown(json.loads(args.from_json.read_text(encoding="utf-8")))
+        if args.markdown is not None:
+            args.markdown.write_text(text, encoding="utf-8")
+        print(text)
+        return 0
+    run(args)
     return 0
