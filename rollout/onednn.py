@@ -31,6 +31,11 @@ MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 # only the aten linear layers it sees).
 ONEDNN_LINEAR = MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1") != "0"
 
+try:  # a tensor-parallel shard keeps its own linear (the op takes plain tensors)
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed
+    DTensor = None
+
 
 @torch.library.custom_op("rollout::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,8 +68,8 @@ def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class OneDNNLinear(TorchFunctionMode):
     """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs ``rollout::onednn_linear``.
 
-    Anything else (other functions, other devices or dtypes, a tensor that needs a gradient) runs as
-    it would without the mode.
+    Anything else (other functions, other devices or dtypes, a tensor that needs a gradient, a
+    tensor-parallel ``DTensor``) runs as it would without the mode.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -76,6 +81,7 @@ class OneDNNLinear(TorchFunctionMode):
                 x.device.type == "cpu"
                 and x.dtype == torch.float32
                 and weight.dtype == torch.float32
+                and not (DTensor is not None and (isinstance(x, DTensor) or isinstance(weight, DTensor)))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             ):
                 return onednn_linear(x, weight, bias)
