@@ -33,6 +33,7 @@ one memory pool; a hit copies the step's inputs into the buffers and replays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -48,6 +49,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PaddedAttentionMetadata
 from .kv_cache import PagedKVCache
+from .onednn import ONEDNN_LINEAR, OneDNNLinear
 from .sampling import HostStaging
 from .scheduler import ScheduledRequest
 
@@ -376,7 +378,10 @@ def _padded_forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = batch.logits_rows
-    logits = model(**kwargs).logits[0]
+    # On CPU the float32 linear layers run oneDNN rather than MKL: about twice as fast (rollout/onednn.py).
+    onednn = ONEDNN_LINEAR and batch.input_ids.device.type == "cpu"
+    with OneDNNLinear() if onednn else contextlib.nullcontext():
+        logits = model(**kwargs).logits[0]
     if not logits_to_keep:
         logits = logits.index_select(0, batch.logits_rows)
     return logits.float()

@@ -23,7 +23,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
-# and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop.
+# and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
+# step's CPU linear layers) sits just below static_step, its one user.
 LAYERS = [
     "checks",
     "config",
@@ -39,6 +40,7 @@ LAYERS = [
     "distributed",
     "attention",
     "sampling",
+    "onednn",
     "static_step",
     "model_runner",
     "engine",
@@ -59,13 +61,15 @@ LAYERS = [
 
 # rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
-# prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves;
+# prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves,
+# profile_step (scripts/profile_step.py) uses the workloads and the report;
 # tensor_parallel (scripts/bench_tp.py) uses the workloads and the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "report",
     "prompt_fork",
     "sliding_window",
+    "profile_step",
     "systems",
     "scoring",
     "manager",

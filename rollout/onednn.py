@@ -1,0 +1,88 @@
+"""The static-shape step's linear layers through oneDNN on CPU (float32).
+
+On the 2-core AMD EPYC the project measures on, ``torch.nn.functional.linear`` in float32 runs MKL's
+sgemm, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same unpacked weight
+takes about half its time (``scripts/profile_step.py --linear-microbench``, docs/profile.md). The
+linear layers are most of a step (76% of a compiled decode step of 32 requests), so the compiled step
+calls them through oneDNN: ``OneDNNLinear`` is a ``TorchFunctionMode`` that dynamo traces, mapping each
+float32 CPU ``F.linear`` to the custom op ``rollout::onednn_linear``.
+
+Why a custom op: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
+(``torch._inductor.config.freezing``, which folds the parameters in as constants, so an in-place
+weight update would go unseen); the custom op is opaque to inductor, reads the live parameter at every
+call, and costs one Python dispatch per layer. ``ROLLOUT_ONEDNN_LINEAR=0`` in the environment turns the
+mapping off (``ONEDNN_LINEAR``). The results equal ``F.linear``'s up to float32
+rounding (another summation order), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# Read once: dynamo does not trace ``torch.backends`` (a call inside a compiled step breaks its graph).
+MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
+# Whether the static-shape step maps its CPU linear layers to oneDNN: on unless the environment sets
+# ROLLOUT_ONEDNN_LINEAR=0 at import (to compare with MKL, or with inductor's freezing, which prepacks
+# only the aten linear layers it sees).
+ONEDNN_LINEAR = MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1") != "0"
+
+try:  # a tensor-parallel shard keeps its own linear (the op takes plain tensors)
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed
+    DTensor = None
+
+
+@torch.library.custom_op("rollout::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN's inner product.
+
+    Args:
+        x: float32 [..., K] on the CPU.
+        weight: float32 [N, K], a plain (unpacked) tensor: the model's live parameter.
+        bias: float32 [N] or None.
+
+    Returns:
+        float32 [..., N], a new tensor.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``OneDNNLinear`` maps linear layers on this device and dtype: float32 on a CPU with oneDNN.
+
+    (bfloat16 and float16 ``F.linear`` on CPU already run oneDNN; CUDA keeps cuBLAS.)
+    """
+    return device.type == "cpu" and dtype == torch.float32 and MKLDNN_AVAILABLE
+
+
+class OneDNNLinear(TorchFunctionMode):
+    """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs ``rollout::onednn_linear``.
+
+    Anything else (other functions, other devices or dtypes, a tensor that needs a gradient, a
+    tensor-parallel ``DTensor``) runs as it would without the mode.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (
+                x.device.type == "cpu"
+                and x.dtype == torch.float32
+                and weight.dtype == torch.float32
+                and not (DTensor is not None and (isinstance(x, DTensor) or isinstance(weight, DTensor)))
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            ):
+                return onednn_linear(x, weight, bias)
+        return func(*args, **kwargs)
