@@ -64,6 +64,8 @@ CATEGORIES = {
 }
 FORWARD_SCOPE = "profile_step.forward"
 STEP_SCOPE = "profile_step.step"
+# The runner's methods that run the model: the eager forward and the padded (compiled) one.
+RUNNER_FORWARDS = ("_eager_forward", "forward_padded")
 STEPS = ("decode", "prefill")
 MATMUL_OPS = {
     "aten::mm",
@@ -151,6 +153,8 @@ def breakdown(events: Sequence, wall_s: float) -> dict[str, float]:
     """
     step = next(e for e in events if e.name == STEP_SCOPE)
     forwards = [e.time_range for e in events if e.name == FORWARD_SCOPE and e.thread == step.thread]
+    if not forwards:  # the forward ran elsewhere: every op would read as sampling
+        raise RuntimeError(f"no {FORWARD_SCOPE} range in the step's thread: see RUNNER_FORWARDS")
     out = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
         category = op_category(e.name) if e.thread == step.thread else None
@@ -225,19 +229,23 @@ def summarize(
 
 
 @contextlib.contextmanager
-def forward_scope(obj: object, name: str) -> Iterator[None]:
-    """Wrap ``obj.<name>`` (looked up on the instance) in the ``FORWARD_SCOPE`` range while inside."""
-    original = getattr(obj, name)
+def forward_scope(obj: object, *names: str) -> Iterator[None]:
+    """Wrap each ``obj.<name>`` (looked up on the instance) in the ``FORWARD_SCOPE`` range while inside."""
 
-    def scoped(*args: object, **kwargs: object) -> object:
-        with record_function(FORWARD_SCOPE):
-            return original(*args, **kwargs)
+    def scoped(original: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            with record_function(FORWARD_SCOPE):
+                return original(*args, **kwargs)
 
-    setattr(obj, name, scoped)
+        return call
+
+    for name in names:
+        setattr(obj, name, scoped(getattr(obj, name)))
     try:
         yield
     finally:
-        delattr(obj, name)
+        for name in names:
+            delattr(obj, name)
 
 
 def _engine(model: torch.nn.Module, level: int, hint: list[int]) -> rollout.Engine:
@@ -277,7 +285,7 @@ def rollout_decode(
         context = statistics.fmean(r.num_computed_tokens for r in requests)
         walls = _timed(engine.step, repeats)
         profiler = StepProfiler()
-        with forward_scope(engine.runner, "run"):
+        with forward_scope(engine.runner, *RUNNER_FORWARDS):
             for _ in range(repeats):
                 with profiler.step():
                     engine.step()
@@ -318,7 +326,7 @@ def rollout_prefill(
         before = engine.stats.num_prompt_tokens_computed
         walls = _timed(engine.step, repeats)
         profiler = StepProfiler()
-        with forward_scope(engine.runner, "run"):
+        with forward_scope(engine.runner, *RUNNER_FORWARDS):
             for _ in range(repeats):
                 with profiler.step():
                     engine.step()
