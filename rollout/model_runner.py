@@ -44,7 +44,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
-from .onednn import ONEDNN_LINEAR, OneDNNLinear
+from .onednn import OneDNNLinear, onednn_linear_enabled
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -315,7 +315,7 @@ class ModelRunner:
         self.supports_logits_to_keep = "logits_to_keep" in params
         # On CPU the eager step's float32 linear layers run oneDNN rather than MKL, as the padded
         # step's do: measured 1.4x the tokens/s of the whole engine (rollout/onednn.py).
-        self._onednn = ONEDNN_LINEAR and self.device.type == "cpu"
+        self._onednn = onednn_linear_enabled() and self.device.type == "cpu"
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

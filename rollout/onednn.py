@@ -1,11 +1,14 @@
-"""The static-shape step's linear layers through oneDNN on CPU (float32).
+"""The engine's float32 CPU linear layers through oneDNN, in the eager step and the static-shape one.
 
 On the 2-core AMD EPYC the project measures on, ``torch.nn.functional.linear`` in float32 runs MKL's
 sgemm, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same unpacked weight
 takes about half its time (``scripts/profile_step.py --linear-microbench``, docs/profile.md). The
-linear layers are most of a step (76% of a compiled decode step of 32 requests), so the compiled step
-calls them through oneDNN: ``OneDNNLinear`` is a ``TorchFunctionMode`` that dynamo traces, mapping each
-float32 CPU ``F.linear`` to the custom op ``rollout::onednn_linear``.
+linear layers are most of a step (64% of an eager decode step of 32 requests, 90% of a prefill step),
+so both the eager step (``ModelRunner._eager_forward``) and the compiled one call them through oneDNN:
+``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) mapping each float32 CPU ``F.linear``
+to the custom op ``rollout::onednn_linear``. Measured on gsm8k-greedy (SmolLM2, 32 prompts): eager
+rollout 1.40x the tokens/s it had with MKL, every sequence identical. Only the engine's own forwards run
+inside the mode: training and ``model.generate`` keep MKL.
 
 Why a custom op: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
 (``torch._inductor.config.freezing``, which folds the parameters in as constants, so an in-place
@@ -26,10 +29,20 @@ from torch.overrides import TorchFunctionMode
 
 # Read once: dynamo does not trace ``torch.backends`` (a call inside a compiled step breaks its graph).
 MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
-# Whether the static-shape step maps its CPU linear layers to oneDNN: on unless the environment sets
-# ROLLOUT_ONEDNN_LINEAR=0 at import (to compare with MKL, or with inductor's freezing, which prepacks
-# only the aten linear layers it sees).
-ONEDNN_LINEAR = MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1") != "0"
+
+
+def onednn_linear_enabled() -> bool:
+    """Whether an engine built now maps its CPU linear layers to oneDNN: oneDNN is available and the
+    environment does not set ``ROLLOUT_ONEDNN_LINEAR=0`` (to compare with MKL: the benchmark's
+    ``rollout-mkl`` system; or with inductor's freezing, which prepacks only the aten linear layers it
+    sees). Each ``ModelRunner`` reads it once, at construction.
+    """
+    return MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1") != "0"
+
+
+# The compiled step's choice, read at import: a module constant is one guard for dynamo, where an
+# environment read inside the traced step would be re-read at every call.
+ONEDNN_LINEAR = onednn_linear_enabled()
 
 try:  # a tensor-parallel shard keeps its own linear (the op takes plain tensors)
     from torch.distributed.tensor import DTensor

@@ -2,11 +2,14 @@
 run and the JSON has what readers expect; the prompt-forking benchmark's counts."""
 
 import json
+import os
 import re
 
 import pytest
+from transformers import GenerationConfig
 
 from rollout.benchmarks import generation, prompt_fork, workloads
+from rollout.benchmarks import systems as systems_module
 from rollout.benchmarks.report import format_table, new_report, write_json
 from tests import tiny_models
 
@@ -104,6 +107,28 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
     assert w["greedy_match"]["rollout/hf-static"]["total"] == 4
     assert w["decode_step"]["rollout_decode_step_s"] > 0
     assert w["decode_step"]["rollout/bare_time_ratio"] > 0
+
+
+def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, tmp_path, monkeypatch):
+    from rollout import model_runner
+
+    entered: list[str] = []
+
+    class CountingMode(model_runner.OneDNNLinear):
+        def __enter__(self):  # noqa: ANN204
+            entered.append("onednn")
+            return super().__enter__()
+
+    monkeypatch.setattr(model_runner, "OneDNNLinear", CountingMode)
+    systems = ["rollout-mkl", "hf-static"]
+    w = _check_report_json(_run(tiny_llama, systems, _tiny_workload()), tmp_path, systems)
+    assert entered == []  # every forward of rollout-mkl ran MKL
+    assert w["greedy_match"]["rollout-mkl/hf-static"] == {"matches": 4, "total": 4}
+    assert os.environ.get("ROLLOUT_ONEDNN_LINEAR") is None  # restored after the run
+    _run(tiny_llama, ["rollout"], _tiny_workload())
+    assert len(entered) > 0
+    with pytest.raises(ValueError, match="rollout-mkl only"):
+        systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), 0, 1, onednn=False)
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])

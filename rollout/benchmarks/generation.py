@@ -5,6 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
+- ``rollout-mkl``: ``rollout`` with MKL linear layers (as transformers runs them) instead of oneDNN.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
@@ -18,8 +19,8 @@ original sample file shipped in ``rollout/data/``.
 Measured per system: generated tokens (up to and including EOS), wall seconds, tokens/s, mean time to
 first token, peak memory, the seconds of its warmup run (``warmup_run_s``: the cold compilation of a
 compiled system), and the tokens/s ratios between systems. Per workload also: how many greedy
-sequences of ``rollout``, ``rollout-async``, the compiled runs and ``hf-cb`` equal ``hf-static``'s token
-for token, how many of the compiled runs' equal eager ``rollout``'s, how many sequences of
+sequences of ``rollout``, ``rollout-async``, ``rollout-mkl``, the compiled runs and ``hf-cb`` equal
+``hf-static``'s token for token, how many of the compiled runs' equal eager ``rollout``'s, how many sequences of
 ``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their samples are seeded;
 checks, not failures), and the decode-step comparison: one bare forward of B decode tokens
 (``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of
@@ -186,6 +187,10 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed),
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
         ),
+        "rollout-mkl": (
+            lambda: run_rollout(model, prompts, generation_config, seed, onednn=False),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, onednn=False),
+        ),
         **{
             name: (
                 lambda level=level: run_rollout(model, prompts, generation_config, seed, level),
@@ -234,7 +239,7 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "hf-cb"):
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "hf-cb"):
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
         for name in COMPILE_SYSTEMS:

@@ -2,6 +2,9 @@
 
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
+- ``rollout-mkl``: ``rollout`` with its float32 CPU linear layers on MKL, as transformers runs them, rather
+  than oneDNN (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``): how much of
+  rollout's lead over ``hf-static`` is the linear kernel.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
   ``default_compile_level`` 1, 2 or 3 (``generate_batch(..., warmup=True)``: the engine's warmup is part of
   the timed call; the first, cold compilation happens in the benchmark's warmup run, whose seconds go
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Self
+from unittest import mock
 
 import psutil
 import torch
@@ -46,9 +50,9 @@ logger = logging.getLogger(__name__)
 # Run (and compared) in this order: each ratio is a system's tokens/s over a later one's, so the compiled
 # runs come first (``rollout-compile1/rollout`` is the speed-up of compilation).
 COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compile1": 1}
-SYSTEMS = (*COMPILE_SYSTEMS, "rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
+SYSTEMS = (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "hf-cb", "hf-static", "ceiling")
 # What a run compares unless told otherwise: levels 2 and 3 add minutes of compilation on a CPU.
-DEFAULT_SYSTEMS = ("rollout-compile1", "rollout-async", "rollout", "hf-cb", "hf-static", "ceiling")
+DEFAULT_SYSTEMS = ("rollout-compile1", "rollout-async", "rollout", "rollout-mkl", "hf-cb", "hf-static", "ceiling")
 
 
 @dataclass
@@ -171,25 +175,32 @@ def run_rollout(
     seed: int = 0,
     compile_level: int = 0,
     async_batching: bool = False,
+    onednn: bool = True,
 ) -> SystemRun:
     """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
     compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
-    (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``)."""
+    (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
+    layers (system ``rollout-mkl``, eager only)."""
+    if not onednn and (compile_level or async_batching):
+        raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
     cb_config = rollout.ContinuousBatchingConfig(
         seed=seed, default_compile_level=compile_level, use_async_batching=async_batching
     )
     name = "rollout" if compile_level == 0 else f"rollout-compile{compile_level}"
     if async_batching:
         name = name.replace("rollout", "rollout-async", 1)
+    if not onednn:
+        name = "rollout-mkl"
     t0 = time.perf_counter()
-    outputs = rollout.generate_batch(
-        model,
-        list(prompts),
-        generation_config=generation_config,
-        continuous_batching_config=cb_config,
-        record_timestamps=True,
-        warmup=True,
-    )
+    with mock.patch.dict(os.environ, {} if onednn else {"ROLLOUT_ONEDNN_LINEAR": "0"}):
+        outputs = rollout.generate_batch(
+            model,
+            list(prompts),
+            generation_config=generation_config,
+            continuous_batching_config=cb_config,
+            record_timestamps=True,
+            warmup=True,
+        )
     _sync(model.device)
     wall = time.perf_counter() - t0
     expected = len(prompts) * (generation_config.num_return_sequences or 1)
