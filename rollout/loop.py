@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .engine import Engine
 from .intake import Inbox
 from .lifecycle import Lifecycle
 from .outputs import OutputRouter
 from .pausing import PauseGate
-from .requests import RequestStatus
+from .requests import Request, RequestStatus
 from .weights import WeightWatch
 
 # The loop's messages keep the logger they had in manager.py.
@@ -67,46 +68,59 @@ class GenerationLoop:
         On return the lifecycle has recorded the end (STOPPED, or FAILED with the error) and, when a
         stop was asked without ``keep``, the engine is closed.
         """
-        life, gate = self._life, self._pausing
         try:
             # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
             engine.use_device_in_this_thread()
-            while True:
-                with self._cond:
-                    self._inbox.drain(engine)
-                    # A step in flight (async batching) keeps the gate's step mark: a pause or a hard stop
-                    # first has it finished, launching nothing after it.
-                    drain = engine.in_flight and (gate.holders > 0 or life.hard_stop)
-                    if not drain:
-                        if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
-                            self._weights.bump_if_changed(engine)  # the holders may have changed the weights
-                        if life.hard_stop:
-                            self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
-                            return
-                        if not engine.has_unfinished():
-                            if life.stop_requested:
-                                return
-                            self._cond.wait(IDLE_WAIT_SECONDS)
-                            continue
-                        gate.begin_step()
-                try:
-                    updated = engine.drain() if drain else engine.step()
-                finally:
-                    with self._cond:
-                        if not engine.in_flight:
-                            gate.end_step()
-                self._outputs.publish(updated)
+            self._rounds(engine)
         except BaseException as e:  # every failure must reach the readers
-            logger.exception("rollout manager loop failed")
+            logger.exception("rollout manager loop failed%s", self._where(engine))
             with self._cond:
-                life.fail(e)
+                self._life.fail(e)
                 self.fail_all(engine, e)
         finally:
             with self._cond:
-                gate.end_step()
-                close = life.loop_ended()
+                self._pausing.end_step()
+                close = self._life.loop_ended()
             if close:
                 engine.close()
+
+    def _where(self, engine: Engine) -> str:
+        """What the failure log adds after "loop failed" (the TP rank in ``TensorParallelLoop``)."""
+        return ""
+
+    def _rounds(self, engine: Engine) -> None:
+        """The loop proper: returns when a stop ends it; raises what a step raises."""
+        life, gate = self._life, self._pausing
+        while True:
+            with self._cond:
+                self._inbox.drain(engine)
+                # A step in flight (async batching) keeps the gate's step mark: a pause or a hard stop
+                # first has it finished, launching nothing after it.
+                drain = engine.in_flight and (gate.holders > 0 or life.hard_stop)
+                if not drain:
+                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
+                        self._weights.bump_if_changed(engine)  # the holders may have changed the weights
+                    if life.hard_stop:
+                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+                        return
+                    if not engine.has_unfinished():
+                        if life.stop_requested:
+                            return
+                        self._cond.wait(IDLE_WAIT_SECONDS)
+                        continue
+                    gate.begin_step()
+            self._step(engine, engine.drain if drain else engine.step)
+
+    def _step(self, engine: Engine, step: Callable[[], list[Request]]) -> None:
+        """Run ``step`` outside the lock, then lift the gate's step mark (unless a step stays in flight)
+        and publish the updated requests."""
+        try:
+            updated = step()
+        finally:
+            with self._cond:
+                if not engine.in_flight:
+                    self._pausing.end_step()
+        self._outputs.publish(updated)
 
     def fail_all(self, engine: Engine, error: BaseException) -> None:
         """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""

@@ -28,7 +28,7 @@ status and the pause request, then a broadcast of the driver's payload).
 from __future__ import annotations
 
 from .engine import Engine
-from .loop import GenerationLoop, logger
+from .loop import GenerationLoop
 
 # Seconds between rounds while idle or paused (the loop is woken early by local commands).
 POLL_SECONDS = 0.05
@@ -37,8 +37,12 @@ POLL_SECONDS = 0.05
 class TensorParallelLoop(GenerationLoop):
     """``GenerationLoop`` for an engine with ``engine.tp`` set; same arguments and guarantees."""
 
-    def run(self, engine: Engine) -> None:
-        """Step ``engine`` in lockstep with the other ranks until a stop or a failure; never raises.
+    def _where(self, engine: Engine) -> str:
+        assert engine.tp is not None
+        return f" (tensor-parallel rank {engine.tp.tp_rank})"
+
+    def _rounds(self, engine: Engine) -> None:
+        """Step ``engine`` in lockstep with the other ranks until a stop; raises what a step raises.
 
         Every rank's loop ends in the same round (a stop once idle, or a hard stop). A step that raises
         on one rank fails that rank's manager; the others fail when their next collective times out
@@ -47,54 +51,36 @@ class TensorParallelLoop(GenerationLoop):
         tp = engine.tp
         assert tp is not None, "TensorParallelLoop needs a tensor-parallel engine"
         life, gate = self._life, self._pausing
-        try:
-            engine.use_device_in_this_thread()
-            was_paused = False
-            while True:
-                with self._cond:
-                    items = self._inbox.take() if tp.is_driver else []
-                    holding = gate.holders > 0
-                    if not holding:
-                        gate.begin_step()  # committed to this round: a new pause waits for its end
-                        if tp.is_driver and (items or was_paused):
-                            # Weights changed by hand in the pause (or before these requests) get a new version.
-                            self._weights.bump_if_changed(engine)
-                    stop, hard, entered = life.stop_requested, life.hard_stop, gate.entered
-                    version = engine.weight_version
-                state = tp.agree(len(items), stop, hard, holding, entered, version)
-                if state.num_items:
-                    items = tp.broadcast_object(items)
-                with self._cond:
-                    self._inbox.apply(engine, items)
-                    if not tp.is_driver and not state.paused:
-                        # Adopted only between pauses: in one, the driver's may already count an update
-                        # this rank has still to make (its update_weights then returns the same number).
-                        engine.set_weight_version(state.weight_version)
-                    if state.hard_stop:
-                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+        was_paused = False
+        while True:
+            with self._cond:
+                items = self._inbox.take() if tp.is_driver else []
+                holding = gate.holders > 0
+                if not holding:
+                    gate.begin_step()  # committed to this round: a new pause waits for its end
+                    if tp.is_driver and (items or was_paused):
+                        # Weights changed by hand in the pause (or before these requests) get a new version.
+                        self._weights.bump_if_changed(engine)
+                stop, hard, entered = life.stop_requested, life.hard_stop, gate.entered
+                version = engine.weight_version
+            state = tp.agree(len(items), stop, hard, holding, entered, version)
+            if state.num_items:
+                items = tp.broadcast_object(items)
+            with self._cond:
+                self._inbox.apply(engine, items)
+                if not tp.is_driver and not state.paused:
+                    # Adopted only between pauses: in one, the driver's may already count an update
+                    # this rank has still to make (its update_weights then returns the same number).
+                    engine.set_weight_version(state.weight_version)
+                if state.hard_stop:
+                    self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+                    return
+                was_paused = state.paused
+                idle = state.paused or not engine.has_unfinished()
+                if idle:
+                    gate.end_step()
+                    if not state.paused and state.stop:
                         return
-                    was_paused = state.paused
-                    idle = state.paused or not engine.has_unfinished()
-                    if idle:
-                        gate.end_step()
-                        if not state.paused and state.stop:
-                            return
-                        self._cond.wait(POLL_SECONDS)
-                        continue
-                try:
-                    updated = engine.step()
-                finally:
-                    with self._cond:
-                        gate.end_step()
-                self._outputs.publish(updated)
-        except BaseException as e:  # every failure must reach the readers
-            logger.exception("rollout manager loop failed (tensor-parallel rank %d)", tp.tp_rank)
-            with self._cond:
-                life.fail(e)
-                self.fail_all(engine, e)
-        finally:
-            with self._cond:
-                gate.end_step()
-                close = life.loop_ended()
-            if close:
-                engine.close()
+                    self._cond.wait(POLL_SECONDS)
+                    continue
+            self._step(engine, engine.step)
