@@ -314,7 +314,7 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
         # On CPU the eager step's float32 linear layers run oneDNN rather than MKL, as the padded
-        # step's do: measured 1.4x the tokens/s of the whole engine (rollout/onednn.py).
+        # step's do: 1.6x the tokens/s of the whole engine (rollout-bench: rollout / rollout-mkl).
         self._onednn = onednn_linear_enabled() and self.device.type == "cpu"
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.

@@ -6,15 +6,15 @@ takes about half its time (``scripts/profile_step.py --linear-microbench``, docs
 linear layers are most of a step (64% of an eager decode step of 32 requests, 90% of a prefill step),
 so both the eager step (``ModelRunner._eager_forward``) and the compiled one call them through oneDNN:
 ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) mapping each float32 CPU ``F.linear``
-to the custom op ``rollout::onednn_linear``. Measured on gsm8k-greedy (SmolLM2, 32 prompts): eager
-rollout 1.40x the tokens/s it had with MKL, every sequence identical. Only the engine's own forwards run
-inside the mode: training and ``model.generate`` keep MKL.
+to the custom op ``rollout::onednn_linear``. ``rollout-bench`` compares eager rollout with
+``rollout-mkl`` (the same engine on MKL): 1.61x the tokens/s on gsm8k-greedy (README, Benchmarks).
+Only the engine's own forwards run inside the mode: training and ``model.generate`` keep MKL.
 
 Why a custom op: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
 (``torch._inductor.config.freezing``, which folds the parameters in as constants, so an in-place
 weight update would go unseen); the custom op is opaque to inductor, reads the live parameter at every
 call, and costs one Python dispatch per layer. ``ROLLOUT_ONEDNN_LINEAR=0`` in the environment turns the
-mapping off (``ONEDNN_LINEAR``). The results equal ``F.linear``'s up to float32
+mapping off (``onednn_linear_enabled``). The results equal ``F.linear``'s up to float32
 rounding (another summation order), not bit for bit.
 """
 
