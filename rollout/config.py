@@ -394,14 +394,14 @@ class ContinuousBatchingConfig:
     def resolved_async_batching(self, device_type: str, tensor_parallel: bool = False) -> bool:
         """Whether the engine prepares step k+1 while step k runs on a device type.
 
-        The explicit value, else: off on CPU, where the host work it hides is about 0.7 ms of a 140 ms
-        SmolLM2-135M decode step (fp32, 2 cores) while its worker thread's second OpenMP team slows every
-        kernel a little (measured 0.85x and 0.91x the synchronous loop's tokens/s; README "Async
+        The explicit value, else: off on CPU, where the host work it hides is a few tenths of a millisecond of a
+        SmolLM2-135M decode step of 75 ms or more (fp32, 2 cores) while its worker thread's second OpenMP team
+        slows every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; README "Async
         batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
-        transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the
-        host's work behind its own launch time. Off under tensor parallelism: the ranks share the
-        driver's sampled tokens after each step (``distributed.TensorParallel.share_output``), while a
-        step scheduled ahead reads its rank's own tokens on the device before that.
+        transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
+        work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
+        tokens after each step (``distributed.TensorParallel.share_output``), while a step scheduled ahead reads
+        its rank's own tokens on the device before that.
 
         Args:
             device_type: the model's device type ("cpu", "cuda", ...).
