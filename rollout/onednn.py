@@ -82,7 +82,7 @@ class OneDNNLinear(TorchFunctionMode):
     """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs ``rollout::onednn_linear``.
 
     Anything else (other functions, other devices or dtypes, a tensor that needs a gradient, a
-    tensor-parallel ``DTensor``) runs as it would without the mode.
+    tensor-parallel ``DTensor``, any call while CPU autocast is on) runs as it would without the mode.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -96,6 +96,8 @@ class OneDNNLinear(TorchFunctionMode):
                 and weight.dtype == torch.float32
                 and not (DTensor is not None and (isinstance(x, DTensor) or isinstance(weight, DTensor)))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                # Under autocast F.linear computes in autocast's dtype; the custom op would stay float32.
+                and not torch.is_autocast_enabled("cpu")
             ):
                 return onednn_linear(x, weight, bias)
         return func(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""onednn: the static-shape step's float32 CPU linear layers through oneDNN (issue 11)."""
+"""onednn: the engine's float32 CPU linear layers (eager and static-shape steps) through oneDNN (issue 11)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def test_the_mode_maps_float32_cpu_linear_only() -> None:
     names = [e.name for e in prof.events()]
     assert names.count("rollout::onednn_linear") == 1
     assert names.count("aten::linear") == 1
+
+
+def test_under_cpu_autocast_linear_keeps_autocasts_dtype() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+        with OneDNNLinear():
+            out = layer(x)
+    assert expected.dtype == out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
 
 
 def test_a_weight_updated_in_place_after_compile_is_seen_by_the_next_step() -> None:
