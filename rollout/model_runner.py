@@ -313,8 +313,8 @@ class ModelRunner:
             self.generator.seed()
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
-        # On CPU the eager step's float32 linear layers run oneDNN rather than MKL, as the padded
-        # step's do: 1.6x the tokens/s of the whole engine (rollout-bench: rollout / rollout-mkl).
+        # On CPU the step's float32 linear layers (eager and padded) run oneDNN rather than MKL: 1.6x the
+        # tokens/s of the whole engine (rollout-bench: rollout / rollout-mkl).
         self._onednn = onednn_linear_enabled() and self.device.type == "cpu"
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.
@@ -824,7 +824,7 @@ class ModelRunner:
         """
         path = batch.path
         fn = self._forwards[path]
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep)
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn)
 
         def forward(b: PaddedBatch) -> torch.Tensor:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)

@@ -2,20 +2,23 @@
 
 On the 2-core AMD EPYC the project measures on, ``torch.nn.functional.linear`` in float32 runs MKL's
 sgemm, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same unpacked weight
-takes about half its time (``scripts/profile_step.py --linear-microbench``, docs/profile.md). The
-linear layers are most of a step (64% of an eager decode step of 32 requests, 90% of a prefill step),
-so both the eager step (``ModelRunner._eager_forward``) and the compiled one call them through oneDNN:
-``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) mapping each float32 CPU ``F.linear``
-to the custom op ``rollout::onednn_linear``. ``rollout-bench`` compares eager rollout with
-``rollout-mkl`` (the same engine on MKL): 1.61x the tokens/s on gsm8k-greedy (README, Benchmarks).
+is 1.1-2.7x faster on the model's shapes at 32 and 512 rows (``scripts/profile_step.py
+--linear-microbench``, docs/profile.md; at a few rows some shapes are slower). The linear layers are
+most of a step on MKL (67% of a bare transformers decode forward of 32 requests, 86% of a 512-token
+prefill: docs/profile.md), so both the eager step (``ModelRunner._eager_forward``) and the compiled one
+call them through oneDNN: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) mapping
+each float32 CPU ``F.linear`` to the custom op ``rollout::onednn_linear``. ``rollout-bench`` compares
+eager rollout with ``rollout-mkl`` (the same engine on MKL): 1.61x the tokens/s on gsm8k-greedy
+(README, Benchmarks).
 Only the engine's own forwards run inside the mode: training and ``model.generate`` keep MKL.
 
 Why a custom op: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
 (``torch._inductor.config.freezing``, which folds the parameters in as constants, so an in-place
 weight update would go unseen); the custom op is opaque to inductor, reads the live parameter at every
 call, and costs one Python dispatch per layer. ``ROLLOUT_ONEDNN_LINEAR=0`` in the environment turns the
-mapping off (``onednn_linear_enabled``). The results equal ``F.linear``'s up to float32
-rounding (another summation order), not bit for bit.
+mapping off for the engines built after it is set, eager and compiled steps alike
+(``onednn_linear_enabled``). The results equal ``F.linear``'s up to float32 rounding (another summation
+order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -31,18 +34,18 @@ from torch.overrides import TorchFunctionMode
 MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
 
+# The values of ROLLOUT_ONEDNN_LINEAR that turn the mapping off (case-insensitive).
+OFF_VALUES = ("0", "false", "off", "no")
+
+
 def onednn_linear_enabled() -> bool:
     """Whether an engine built now maps its CPU linear layers to oneDNN: oneDNN is available and the
-    environment does not set ``ROLLOUT_ONEDNN_LINEAR=0`` (to compare with MKL: the benchmark's
+    environment does not set ``ROLLOUT_ONEDNN_LINEAR`` to 0, false, off or no (to compare with MKL: the benchmark's
     ``rollout-mkl`` system; or with inductor's freezing, which prepacks only the aten linear layers it
     sees). Each ``ModelRunner`` reads it once, at construction.
     """
-    return MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1") != "0"
+    return MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1").strip().lower() not in OFF_VALUES
 
-
-# The compiled step's choice, read at import: a module constant is one guard for dynamo, where an
-# environment read inside the traced step would be re-read at every call.
-ONEDNN_LINEAR = onednn_linear_enabled()
 
 try:  # a tensor-parallel shard keeps its own linear (the op takes plain tensors)
     from torch.distributed.tensor import DTensor
@@ -62,6 +65,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         float32 [..., N], a new tensor.
     """
+    # oneDNN reads the bias as dense memory: a strided or expanded view would be read wrongly.
+    bias = bias.contiguous() if bias is not None else None
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -49,7 +49,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PaddedAttentionMetadata
 from .kv_cache import PagedKVCache
-from .onednn import ONEDNN_LINEAR, OneDNNLinear
+from .onednn import OneDNNLinear
 from .sampling import HostStaging
 from .scheduler import ScheduledRequest
 
@@ -356,8 +356,13 @@ def _padded_forward(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
+    onednn: bool,
 ) -> torch.Tensor:
-    """The model's forward on a padded batch, then its kept logits rows in float32 [R, V]."""
+    """The model's forward on a padded batch, then its kept logits rows in float32 [R, V].
+
+    ``onednn``: run the float32 CPU linear layers on oneDNN (``rollout/onednn.py``; the runner's choice,
+    a constant to dynamo).
+    """
     meta = PaddedAttentionMetadata.from_tables(
         cache,
         block_size,
@@ -378,8 +383,6 @@ def _padded_forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = batch.logits_rows
-    # On CPU the float32 linear layers run oneDNN rather than MKL: about twice as fast (rollout/onednn.py).
-    onednn = ONEDNN_LINEAR and batch.input_ids.device.type == "cpu"
     with OneDNNLinear() if onednn else contextlib.nullcontext():
         logits = model(**kwargs).logits[0]
     if not logits_to_keep:
@@ -397,9 +400,10 @@ def forward_varlen(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
+    onednn: bool,
 ) -> torch.Tensor:
     """The varlen path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep)
+    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, onednn)
 
 
 def forward_decode(
@@ -409,9 +413,10 @@ def forward_decode(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
+    onednn: bool,
 ) -> torch.Tensor:
     """The decode path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep)
+    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, onednn)
 
 
 FORWARDS: dict[str, Callable[..., torch.Tensor]] = {"varlen": forward_varlen, "decode": forward_decode}

@@ -255,6 +255,9 @@ def test_bench_scoring_agrees_with_padded_forwards_on_tiny_model(tmp_path: Path)
     )
     report = bench.bench_scoring(tiny_llama(), tokenizer, gsm8k, num_questions=3, batch_tokens=16, padded_batch_size=3)
     assert report["num_rows"] == 12 and report["agree"] and report["max_abs_diff"] <= ATOL
+    # Across linear kernels (oneDNN in the engine, MKL in the timed padded forward) the logprobs still
+    # agree closely on a tiny model; the check itself is on one kernel.
+    assert 0.0 <= report["max_abs_diff_across_kernels"] <= ATOL
     # Prompts of 34 tokens: a question's later completions reuse its first block (32 tokens), and
     # rows whose tokens are identical (unknown words all map to token 0) are computed once.
     assert report["rollout_tokens_computed"] <= report["row_tokens"] - 3 * 32
