@@ -282,19 +282,28 @@ def test_async_batching_on_the_gpu_equals_the_synchronous_loop(build, dtype: tor
         engine = Engine(model, cfg)
         try:
             assert (engine.runner._input_staging.copy_stream is not None) is async_batching
-            for i, prompt in enumerate(prompts):
-                # Greedy and sampled rows, seeded and not, and stop tokens that end requests early.
-                params = SamplingParams(
-                    max_new_tokens=16 + i, do_sample=i % 2 == 1, seed=i if i % 4 == 1 else None, eos_token_ids=(3, 4, 5)
-                )
-                engine.add_request(prompt, params, request_id=f"r{i}")
-            outputs = run_engine(engine)
+            results.append(_run_mixed_requests(engine, prompts, first_max_new_tokens=16))
             stats = engine.stats
         finally:
             engine.close()
-        results.append({rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in outputs.items()})
     assert results[1] == results[0]
     assert stats.num_async_steps >= 5
+
+
+def _run_mixed_requests(
+    engine: Engine, prompts: list[list[int]], first_max_new_tokens: int
+) -> dict[str, tuple[list[int], list[float] | None, str | None]]:
+    """Greedy and sampled rows, seeded and not, with stop tokens that end requests early: each request's
+    tokens, logprobs and finish reason."""
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            max_new_tokens=first_max_new_tokens + i,
+            do_sample=i % 2 == 1,
+            seed=i if i % 4 == 1 else None,
+            eos_token_ids=(3, 4, 5),
+        )
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    return {rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in run_engine(engine).items()}
 
 
 @pytest.mark.parametrize("level", [0, 1])
@@ -310,16 +319,10 @@ def test_async_batching_with_cuda_graphs_equals_the_synchronous_loop(level: int)
         try:
             assert engine.async_batching is (async_batching is None)
             engine.warmup(progress_bar=False)
-            for i, prompt in enumerate(prompts):
-                params = SamplingParams(
-                    max_new_tokens=12 + i, do_sample=i % 2 == 1, seed=i if i % 4 == 1 else None, eos_token_ids=(3, 4, 5)
-                )
-                engine.add_request(prompt, params, request_id=f"r{i}")
-            outputs = run_engine(engine)
+            results.append(_run_mixed_requests(engine, prompts, first_max_new_tokens=12))
             stats = engine.stats
         finally:
             engine.close()
-        results.append({rid: (o.generated_tokens, o.logprobs, o.finish_reason) for rid, o in outputs.items()})
     assert results[1] == results[0]
     assert stats.num_padded_steps == stats.num_steps and stats.num_async_steps >= 5
     assert stats.num_cuda_graph_captures_after_warmup == 0
