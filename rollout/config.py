@@ -394,9 +394,9 @@ class ContinuousBatchingConfig:
     def resolved_async_batching(self, device_type: str, tensor_parallel: bool = False) -> bool:
         """Whether the engine prepares step k+1 while step k runs on a device type.
 
-        The explicit value, else: off on CPU, where the host work it hides is a few tenths of a millisecond of a
-        SmolLM2-135M decode step of 75 ms or more (fp32, 2 cores) while its worker thread's second OpenMP team
-        slows every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; README "Async
+        The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
+        decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
+        every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; README "Async
         batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
         transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
         work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
