@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_engine
-from rollout.onednn import OneDNNLinear, onednn_linear_enabled
+from rollout.onednn import OneDNNLinear, onednn_linear_enabled, onednn_linear_supported
 from trainers.prompts import encode_prompt
 
 from .workloads import SAMPLE_QUESTIONS
@@ -270,7 +270,7 @@ def bench_scoring(
     # on MKL: another summation order, up to ~1e-4 over SmolLM2's 30 layers. The agreement check compares
     # the engine with the padded forward on the engine's kernel (untimed), so it tests the engine's
     # batching, attention and prefix reuse; the difference across kernels is reported beside it.
-    if onednn_linear_enabled() and model.device.type == "cpu" and model.dtype == torch.float32:
+    if onednn_linear_enabled() and onednn_linear_supported(model.device, model.dtype):
         with OneDNNLinear():
             theirs, _ = padded_logprobs(model, prompts, completions, padded_batch_size, pad_id)
     diff = _max_abs_diff(ours, theirs)
