@@ -693,10 +693,7 @@ class ModelRunner:
             logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
         else:
             assert prepared.kwargs is not None
-            logits = self._eager_forward(prepared.kwargs)
-            if not self.supports_logits_to_keep:
-                logits = logits.index_select(0, prepared.rows)
-            logits = logits.float()
+            logits = self._eager_forward(prepared.kwargs, prepared.rows)
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
@@ -763,10 +760,17 @@ class ModelRunner:
         """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
         return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
 
-    def _eager_forward(self, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The model's forward on the flattened batch: its logits [T or R, V] in the model's dtype."""
+    def _eager_forward(self, kwargs: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward on the flattened batch, then its kept logits rows in float32 [R, V].
+
+        ``rows``: int64 [R], the kept rows among the T tokens, picked here when the model has no
+        ``logits_to_keep`` (which computes only those rows).
+        """
         with OneDNNLinear() if self._onednn else contextlib.nullcontext():
-            return self.model(**kwargs).logits[0]
+            logits = self.model(**kwargs).logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits.index_select(0, rows)
+        return logits.float()
 
     @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
@@ -781,10 +785,7 @@ class ModelRunner:
                 batch, rows, plan, _ = self._prepare_padded(scheduled, path)
                 return self.forward_padded(batch)[: len(rows)], plan
         kwargs, rows, plan = self.prepare(scheduled)
-        logits = self._eager_forward(kwargs)
-        if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, rows)
-        return logits.float(), plan
+        return self._eager_forward(kwargs, rows), plan
 
     def _prepare_padded(
         self, scheduled: Sequence[ScheduledRequest], path: str
