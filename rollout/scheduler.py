@@ -30,7 +30,9 @@ the G samples of a prompt compute it once, whatever the block size: the prefix c
 full blocks only, none of a prompt shorter than a block. This is vLLM v0's ``n`` sampling (one
 sequence group prefilled, then forked), found here by matching tokens, so it holds however the
 samples arrive (``num_return_sequences``, ``add_requests([p] * G)``, G calls of ``add_request``).
-Parking is tried for the head of the waiting queue only and costs no budget; like an admission it
+A request parks only on a prefill computed under the current weight version (after a weight update
+without recompute, a prefill in flight holds KV of the old weights; the prefix cache keys blocks by
+version for the same reason). Parking is tried for the head of the waiting queue only and costs no budget; like an admission it
 needs free blocks (less the safety margin): one per parked fork, the block each takes at its first
 write. Parked forks sample in their parent's step without counting against
 ``max_requests_per_batch`` (they compute no token). A parent preempted or recomputed keeps its
@@ -186,11 +188,13 @@ class Scheduler:
         if fork_prompts is None:
             fork_prompts = kv_cache_manager.block_manager.enable_prefix_caching
         self.fork_prompts = fork_prompts
-        # The generation requests whose prefill is in flight (admitted, nothing sampled since), by
-        # their tokens: the parents that a waiting request with the same tokens parks on; and the
-        # key of each, by id(request), so that forgetting one builds no key.
-        self._prefilling: dict[tuple[int, ...], Request] = {}
-        self._prefilling_key: dict[int, tuple[int, ...]] = {}
+        # The generation requests whose prefill is in flight (admitted, nothing sampled since), by the
+        # weight version their KV is computed under and their tokens: the parents that a waiting request
+        # with the same tokens parks on while the version is the same (the prefix cache keys blocks by
+        # version for the same reason); and the key of each, by id(request), so that forgetting one
+        # builds no key.
+        self._prefilling: dict[tuple[int, tuple[int, ...]], Request] = {}
+        self._prefilling_key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -286,13 +290,27 @@ class Scheduler:
         self.running.clear()
 
     # ------------------------------------------------------------------ prompt forking
-    def _remember_prefill(self, req: Request) -> None:
-        """``req`` is admitted: requests with the same tokens queued behind it will park on it."""
-        if self.fork_prompts and not req.prefill_only and id(req) not in self._prefilling_key:
-            key = tuple(req.token_ids)
-            if key not in self._prefilling:
-                self._prefilling[key] = req
-                self._prefilling_key[id(req)] = key
+    def _remember_prefill(self, req: Request, recomputed: bool) -> None:
+        """``req`` is admitted: requests with the same tokens queued behind it, under the same weight
+        version, will park on it.
+
+        Args:
+            req: the admitted request.
+            recomputed: its KV is computed from scratch at this admission (not restored from the CPU
+                pool), so under the current weight version even if it was first admitted under another
+                (``recompute_all`` after a weight update).
+        """
+        if not self.fork_prompts or req.prefill_only:
+            return
+        old = self._prefilling_key.get(id(req))
+        if old is not None:
+            if not recomputed or old[0] == self.weight_version:
+                return
+            self._forget_prefill(req)
+        key = (self.weight_version, tuple(req.token_ids))
+        if key not in self._prefilling:
+            self._prefilling[key] = req
+            self._prefilling_key[id(req)] = key
 
     def _forget_prefill(self, req: Request) -> None:
         """``req`` samples or ends: no request parks on it from now on."""
@@ -308,7 +326,7 @@ class Scheduler:
         """
         if not self._prefilling or req.prefill_only or req.offloaded is not None:
             return None
-        parent = self._prefilling.get(tuple(req.token_ids))
+        parent = self._prefilling.get((self.weight_version, tuple(req.token_ids)))
         if parent is req:  # a preempted parent comes back through the queue itself
             return None
         return parent
@@ -468,7 +486,8 @@ class Scheduler:
             if not kv.allocate_slots(req, n, hits, num_cached, keep_margin=bool(self.running)):
                 return
             self.waiting.popleft()
-            if req.offloaded is not None:
+            recomputed = req.offloaded is None
+            if not recomputed:
                 out.restores.append((req, kv.restore_blocks(req)))
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -477,7 +496,7 @@ class Scheduler:
             if req.lifespan[0] < 0:  # first admission (a preempted request keeps its first)
                 req.lifespan = (time.perf_counter(), -1.0)
             self.running.append(req)
-            self._remember_prefill(req)
+            self._remember_prefill(req, recomputed)
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
             kv.cache_blocks(req, num_cached + n, self.weight_version)
             self._budget -= n

@@ -24,15 +24,17 @@ import rollout
 from rollout import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
+    Engine,
     QueueFullError,
     RequestStatus,
+    SamplingParams,
     continuous_batching_context_manager,
     generate_batch,
     init_continuous_batching,
 )
 from rollout.persistence import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
-from tests.utils import StepControl, reference_greedy
+from tests.utils import StepControl, assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
 
@@ -823,3 +825,35 @@ def test_async_manager_cancels_in_flight_and_survives_pauses_under_four_threads(
 
 def test_async_manager_step_that_raises_fails_every_request(make_manager: ManagerFactory) -> None:
     test_step_that_raises_fails_every_request_and_unblocks_readers(AsyncManagers(make_manager))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_request_added_after_a_weight_update_is_not_forked_from_an_old_weights_prefill(recompute: bool) -> None:
+    # A 200-token prompt prefills in 64-token chunks. After its first chunk the weights change; a request
+    # with the same prompt added now must be computed under the new weights, not forked from the prefill
+    # in flight (whose first chunk's KV is the old weights'): the prefix cache keys blocks by weight
+    # version, and forking must too (issue 22, item 1).
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, 200, 200, seed=31)[0]
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=64, return_logprobs=True)
+    engine = Engine(model, config)
+    try:
+        params = SamplingParams(max_new_tokens=6)
+        engine.add_request(prompt, params, request_id="old")
+        engine.step()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(_perturbed(model).get(name, p))
+        engine.bump_weight_version()
+        if recompute:
+            engine.recompute_in_flight()
+        engine.add_request(prompt, params, request_id="new")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    new = outputs["new"]
+    assert new.generated_tokens == reference_greedy(model, prompt, 6, None)
+    assert_close(new.logprobs, teacher_forced_logprobs(model, prompt, new.generated_tokens), atol=1e-4)
+    if recompute:  # recomputed under the new weights: the old request is exact too, and the new one forks
+        assert outputs["old"].generated_tokens == new.generated_tokens
+        assert engine.stats.num_forks == 1
