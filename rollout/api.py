@@ -242,7 +242,7 @@ def _generate_on_manager(
 
 def init_continuous_batching(
     model: PreTrainedModel,
-    generation_config: GenerationConfig | None = None,
+    generation_config: GenerationConfig | SamplingParams | None = None,
     continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     workload_hints: Any = None,
     tokenizer: Any | None = None,
@@ -278,7 +278,7 @@ def init_continuous_batching(
 @contextlib.contextmanager
 def continuous_batching_context_manager(
     model: PreTrainedModel,
-    generation_config: GenerationConfig | None = None,
+    generation_config: GenerationConfig | SamplingParams | None = None,
     continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     persistent_manager: bool = False,
     block: bool = True,

@@ -74,7 +74,11 @@ class ContinuousBatchingManager:
         generation_config: default sampling values of requests (max_new_tokens,
             do_sample, temperature, top_k, top_p, eos_token_id, the logits processors and
             stop strings of ``SamplingParams``); per-request arguments of ``add_request``
-            override them. Unset values come from the model's.
+            override them. A ``GenerationConfig`` is completed by the model's
+            ``generation_config`` (transformers' rule: a field left unset, None, takes the model's
+            value, so a checkpoint's ``top_k 20`` or ``repetition_penalty 1.05`` apply). A
+            ``SamplingParams`` is taken exactly as it is, the model's generation config unread:
+            what a trainer passes, whose rollouts must follow its own config and nothing else.
         continuous_batching_config: engine configuration: rollout's, or a
             ``transformers.ContinuousBatchingConfig`` (converted, see
             ``ContinuousBatchingConfig.from_transformers``); None takes the one the
@@ -96,17 +100,22 @@ class ContinuousBatchingManager:
     def __init__(
         self,
         model: PreTrainedModel,
-        generation_config: GenerationConfig | None = None,
+        generation_config: GenerationConfig | SamplingParams | None = None,
         continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
         workload_hints: Any = None,
         tokenizer: object | None = None,
     ) -> None:
         self.model = model
-        self.generation_config = resolve_generation_config(model, generation_config)
+        exact = generation_config if isinstance(generation_config, SamplingParams) else None
+        # With exact parameters the model's generation config gives no sampling value (nor a nested
+        # engine or compile config): the transformers defaults stand in for it.
+        self.generation_config = (
+            GenerationConfig() if exact is not None else resolve_generation_config(model, generation_config)
+        )
         self.cb_config = resolve_continuous_batching_config(continuous_batching_config, self.generation_config)
         self._vocab_size = vocab_size(model)
         self.default_params = build_sampling_params(
-            self.generation_config,
+            exact if exact is not None else self.generation_config,
             vocab_size=self._vocab_size,
             drop_unsupported_processors=self.cb_config.drop_unsupported_processors,
         )

@@ -32,9 +32,9 @@ sequence group prefilled, then forked), found here by matching tokens, so it hol
 samples arrive (``num_return_sequences``, ``add_requests([p] * G)``, G calls of ``add_request``).
 A request parks only on a prefill computed under the current weight version (after a weight update
 without recompute, a prefill in flight holds KV of the old weights; the prefix cache keys blocks by
-version for the same reason). Parking is tried for the head of the waiting queue only and costs no budget; like an admission it
-needs free blocks (less the safety margin): one per parked fork, the block each takes at its first
-write. Parked forks sample in their parent's step without counting against
+version for the same reason). Parking is tried for the head of the waiting queue only and costs no
+budget; like an admission it needs free blocks (less the safety margin): one per parked fork, the
+block each takes at its first write. Parked forks sample in their parent's step without counting against
 ``max_requests_per_batch`` (they compute no token). A parent preempted or recomputed keeps its
 forks; a parent cancelled or failed hands them back to the head of the queue, where the first is
 admitted and the others park on it.

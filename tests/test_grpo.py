@@ -563,3 +563,22 @@ def test_summary_compares_reward_windows_that_do_not_overlap(tmp_path, num_steps
     rows = [{"step": s, "reward_mean": s / 10} for s in range(1, num_steps + 1)]
     text = summary(rows, tmp_path, seconds=60.0, saved=False)
     assert expected in text
+
+
+def test_the_model_s_generation_config_does_not_reach_the_rollouts(tmp_path):
+    # Issue 22, item 1: a checkpoint carrying sampling values (Qwen2.5-Instruct ships these) must not
+    # change what the trainer samples from: exactly its config's temperature, no top-k, top-p or penalty.
+    model = tiny_llama()
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    trainer = GRPOTrainer(
+        tiny_config(tmp_path, max_steps=1, temperature=1.0),
+        model=model,
+        tokenizer=tiny_tokenizer(),
+        train_dataset=token_dataset(),
+        reward_funcs=[low_token_reward],
+    )
+    assert trainer.manager.default_params == rollout.SamplingParams(
+        max_new_tokens=10, do_sample=True, temperature=1.0, eos_token_ids=tuple(trainer.eos_token_ids)
+    )
+    (row,) = trainer.train()
+    assert abs(row["is_ratio_max"] - 1) < 1e-4 and abs(row["is_ratio_min"] - 1) < 1e-4

@@ -202,3 +202,47 @@ def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
         assert manager.engine.num_blocks == blocks
     finally:
         trainer.close_rollout_manager()
+
+
+# Sampling values a checkpoint's generation_config.json may carry (Qwen2.5-Instruct ships these).
+CHECKPOINT_SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+
+
+def test_the_model_s_generation_config_does_not_reach_trl_s_sampling(tmp_path):
+    # Issue 22, item 1 (TRL 5783): TRL sends top_k 0, top_p 1.0 and no repetition penalty; the checkpoint's
+    # top_k 20, top_p 0.8 and repetition_penalty 1.05 must not be merged in, or the importance-sampling
+    # ratio compares the policy with a distribution it was not sampled from.
+    path = tmp_path / "tiny-llama-sampling"
+    model = tiny_llama()
+    model.generation_config.update(**CHECKPOINT_SAMPLING)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=12, temperature=1.0, report_to="none", bf16=False,
+    )  # fmt: skip
+    trainer = RolloutGRPOTrainer(
+        model=str(path),
+        reward_funcs=mean_token_id_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * 4}),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=64),
+    )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert policy.generation_config.top_k == 20  # the checkpoint's values are loaded...
+    try:
+        manager = trainer._ensure_manager()
+        # ...and none of them reaches the requests: exactly TRL's values (top_k 0: all tokens).
+        assert manager.default_params == rollout.SamplingParams(
+            max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            eos_token_ids=tuple(trainer.eos_token_ids),
+        )  # fmt: skip
+        prompt = [5, 6, 7, 8, 5, 6, 7, 8]
+        outs = trainer.rollout_generate([prompt] * 4, seed=3)
+    finally:
+        trainer.close_rollout_manager()
+    for out in outs:
+        expected = teacher_forced_logprobs(policy, prompt, out.generated_tokens, 1.0)
+        ratio = torch.exp(expected - torch.tensor(out.logprobs))
+        assert_close(ratio, torch.ones(len(out.generated_tokens)), atol=1e-4)

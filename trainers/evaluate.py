@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import GenerationConfig
-
 import rollout
 
 from .prompts import encode_prompt, eos_token_ids
@@ -151,9 +149,9 @@ def evaluate_model(
         block = config.resolved_block_size(next(model.parameters()).device.type)
         blocks = sum(-(-(len(p) + max_new_tokens) // block) for p in prompts) + 8
         config = dataclasses.replace(config, num_blocks=blocks)
-    manager = rollout.ContinuousBatchingManager(
-        model, GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos), config
-    )
+    # Plain greedy, as the trainer's own evaluation: no processor of the model's generation config.
+    params = rollout.SamplingParams(max_new_tokens=max_new_tokens, do_sample=False, eos_token_ids=tuple(eos))
+    manager = rollout.ContinuousBatchingManager(model, params, config)
     manager.start()
     try:
         return evaluate_greedy(

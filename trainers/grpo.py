@@ -35,7 +35,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 import rollout
 
@@ -270,13 +270,14 @@ class GRPOTrainer:
 
         self.manager = rollout.ContinuousBatchingManager(
             self.unwrapped,
-            GenerationConfig(
+            # Exactly the config's sampling: the model's generation config (a checkpoint's top_k,
+            # top_p or repetition_penalty) must not reach the rollouts, or the policy trained on is
+            # not the one sampled from.
+            rollout.SamplingParams(
                 max_new_tokens=config.max_new_tokens,
                 do_sample=True,
                 temperature=config.temperature,
-                top_k=None,
-                top_p=None,
-                eos_token_id=self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,
             ),
             self._engine_config(self.unwrapped),
         )

@@ -61,7 +61,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from transformers import GenerationConfig, TrainerCallback
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
@@ -71,6 +71,7 @@ from rollout import (
     ContinuousBatchingManager,
     GenerationOutput,
     RequestStatus,
+    SamplingParams,
     init_continuous_batching,
     training_memory_percent,
 )
@@ -182,13 +183,16 @@ class RolloutGRPOTrainer(GRPOTrainer):
     def _ensure_manager(self) -> ContinuousBatchingManager:
         if self._rollout_manager is None:
             model = self.accelerator.unwrap_model(self.model)
-            gc = GenerationConfig(
+            # Exactly TRL's sampling values: the model's generation config (a checkpoint's top_k, top_p
+            # or repetition_penalty) must not reach the rollouts, or TRL's importance-sampling ratio
+            # compares the policy with a distribution it was not sampled from.
+            gc = SamplingParams(
                 max_new_tokens=self.max_completion_length,
                 do_sample=True,
                 temperature=self.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
-                eos_token_id=list(self.eos_token_ids),
+                eos_token_ids=tuple(self.eos_token_ids),
             )
             cb = self.rollout_cb_config
             if cb.num_blocks is None and cb.max_memory_percent is None:
