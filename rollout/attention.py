@@ -830,7 +830,7 @@ def register_paged_attention(original: str) -> str:
         ValueError: ``original`` is itself a paged implementation, has no mask function, or its
             dispatcher name is already taken by another original.
     """
-    if original.startswith(PAGED_PREFIX) or original.startswith("paged|"):
+    if original.startswith(PAGED_PREFIX) or original.startswith(TRANSFORMERS_PAGED_PREFIX):
         raise ValueError(f"original attention must not be a paged implementation, got {original!r}")
     name = dispatcher_name(original)
     with _REGISTER_LOCK:
@@ -849,11 +849,24 @@ def register_paged_attention(original: str) -> str:
     return name
 
 
+# transformers' own paged implementations: "paged|eager" and "paged|sdpa" are how its continuous-batching
+# guide keeps generation off flash attention (transformers 5.24 loads "paged|sdpa" as "sdpa" with a
+# deprecation warning, keeps "paged|eager", and a later ``set_attn_implementation`` may set either).
+TRANSFORMERS_PAGED_PREFIX = "paged|"
+
+
 def original_implementation(model: torch.nn.Module) -> str:
-    """The attention implementation the model had before the engine switched it."""
+    """The attention kernel the engine falls back to for the model's forwards without engine metadata.
+
+    That is the implementation the model had before the engine switched it; for one of transformers'
+    paged implementations (``"paged|sdpa"``, ``"paged|eager"``), the kernel it names underneath (its
+    paging is what rollout's dispatcher replaces). ``restore_attention`` puts back what the model had.
+    """
     impl = model.config._attn_implementation or "eager"
     entry = _DISPATCHERS.get(impl)
-    return entry[0] if entry is not None else impl.removeprefix(PAGED_PREFIX)
+    if entry is not None:
+        return entry[0]
+    return impl.removeprefix(PAGED_PREFIX).removeprefix(TRANSFORMERS_PAGED_PREFIX)
 
 
 def _implementation_configs(model: torch.nn.Module) -> list[tuple[PretrainedConfig, Any]]:

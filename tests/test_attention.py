@@ -12,6 +12,8 @@ flash-attn's paged kernel, and the step metadata of a model sharded over devices
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers.modeling_flash_attention_utils as fa_utils
@@ -332,3 +334,25 @@ def test_metadata_moves_to_a_layer_device_once_per_step() -> None:
     assert moved.flash["max_seqlen_q"] == 5 and moved.flash["cu_seqlens_q"].dtype == torch.int32
     assert moved.prefills[0] is not segment and (moved.prefills[0].start, moved.prefills[0].context) == (2, 3)
     assert moved.cache is cache and meta.slot_mapping.device.type == "cpu"
+
+
+@pytest.mark.parametrize("loaded_as", ["paged|sdpa", "paged|eager"])
+def test_a_model_loaded_with_transformers_paged_attention_matches_generate(tmp_path, loaded_as: str) -> None:
+    # Issue 22, item 2: transformers' continuous-batching guide loads models with attn_implementation
+    # "paged|sdpa" or "paged|eager" to keep off flash attention. rollout runs the named kernel underneath
+    # and puts back what the user loaded when the last engine closes.
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=loaded_as.removeprefix("paged|"))
+    with pytest.warns(FutureWarning) if loaded_as == "paged|sdpa" else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=loaded_as)
+    as_loaded = model.config._attn_implementation  # transformers 5.24 keeps "paged|eager", maps "paged|sdpa"
+    prompts = random_prompts(3, VOCAB_SIZE, 5, 40, seed=5)
+    outs = generate_batch(
+        model, prompts, GenerationConfig(max_new_tokens=8, do_sample=False), cfg(return_logprobs=True)
+    ).values()
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == reference_greedy(reference, prompt, 8, EOS_TOKEN_ID)
+        assert_close(out.logprobs, teacher_forced_logprobs(reference, prompt, out.generated_tokens), atol=1e-4)
+    assert model.config._attn_implementation == as_loaded and num_paged_users(model) == 0
