@@ -304,7 +304,6 @@ class Engine:
             offload_gib = self.tp.agree_min(offload_gib)
         self.num_blocks = num_blocks
         self.context_length = model_context_length(model)
-        self._warned_context = False
         head_dim = max(shape.layer(i).head_dim for i in range(shape.num_layers))
         odd = [d for d in (shape.layer(i).head_dim for i in range(shape.num_layers)) if d % 8]
         self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
@@ -400,33 +399,42 @@ class Engine:
         """Every unfinished request, by id (the scheduler's; do not change it)."""
         return self.scheduler.requests
 
-    def check_request(self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_request(
+        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
+    ) -> None:
         """Raise ValueError if this engine can never run a request; changes nothing.
 
         The prompt and parameters are trusted (they were checked at the public boundary); this
-        adds what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the cache.
-        A request past the model's context only warns (once per engine): ``model.generate`` does
-        not refuse it either, and RoPE models run past it with degraded output.
+        adds what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the model's
+        context (``max_position_embeddings``) and the cache. Past the context a RoPE model runs on with
+        degraded output for as long as it is asked (``model.generate`` only warns); rollout refuses, as
+        vLLM refuses a request past ``max_model_len``.
 
         Args:
             request_id: named in the message.
             num_prompt_tokens: the prompt's length.
             params: the request's sampling parameters (``max_new_tokens`` counts).
+            scoring: a scoring request (it generates nothing: the prompt alone must fit the context).
 
         Raises:
-            ValueError: the request needs more blocks than the cache has, or it has stop strings and
-                the engine no tokenizer.
+            ValueError: the prompt plus ``max_new_tokens`` is past the model's context (the message
+                names ``max_new_tokens``, the prompt's length and the context), the request needs more
+                blocks than the cache has, or it has stop strings and the engine no tokenizer.
         """
         if params.needs_tokenizer:
             self.stop_matcher(params)
         total = num_prompt_tokens + params.max_new_tokens
-        if self.context_length is not None and total > self.context_length and not self._warned_context:
-            self._warned_context = True
-            logger.warning(
-                "request %r: prompt plus max_new_tokens (%d tokens) exceeds the model's max_position_embeddings (%d)",
-                request_id,
-                total,
-                self.context_length,
+        context = self.context_length
+        if context is not None and (num_prompt_tokens if scoring else total) > context:
+            if scoring or num_prompt_tokens >= context:
+                fix = f"shorten the prompt to at most {context - (0 if scoring else 1)} tokens"
+            else:
+                fix = f"lower max_new_tokens to at most {context - num_prompt_tokens} or shorten the prompt"
+            what = "" if scoring else f"max_new_tokens: request {request_id!r}: "
+            raise ValueError(
+                f"{what}prompt ({num_prompt_tokens} tokens)"
+                + ("" if scoring else f" plus max_new_tokens ({params.max_new_tokens})")
+                + f" is past the model's context of {context} tokens (max_position_embeddings); {fix}"
             )
         needed = self.kv_cache_manager.max_blocks_needed(total, self.max_batch_tokens)
         if needed > self.num_blocks:

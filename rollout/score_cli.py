@@ -301,7 +301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--separator",
         default="",
         help="text between prompt and completion, scored as part of the completion (default: none, the texts "
-        "are joined as they are)",
+        "are joined as they are); not with --chat-template",
     )
     p.add_argument("--batch-tokens", type=_positive_int, default=None, help="token budget of one engine step")
     p.add_argument("--skip-too-long", action="store_true", help="write nulls for rows longer than the context")
@@ -316,6 +316,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.tp and int(os.environ.get("WORLD_SIZE", "1") or "1") < 2:
         p.error(
             "--tp shards the model over the processes of a torchrun launch: run it under torchrun --nproc_per_node N"
+        )
+    if args.chat_template and args.separator:
+        # The chat template decides what lies between the prompt and the assistant's reply (the opened
+        # assistant turn); a separator on top would be scored as the start of every reply.
+        p.error(
+            "--separator and --chat-template cannot be combined: with --chat-template the completion follows "
+            "the opened assistant turn as it is; drop --separator"
         )
     if args.output.suffix.lower() not in OUTPUT_FORMATS:
         p.error(f"--output must end with one of {', '.join(OUTPUT_FORMATS)}, got {str(args.output)!r}")

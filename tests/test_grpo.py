@@ -582,3 +582,12 @@ def test_the_model_s_generation_config_does_not_reach_the_rollouts(tmp_path):
     )
     (row,) = trainer.train()
     assert abs(row["is_ratio_max"] - 1) < 1e-4 and abs(row["is_ratio_min"] - 1) < 1e-4
+
+
+def test_completions_past_the_model_context_are_refused_before_any_work(tmp_path):
+    # Issue 22, item 3: --max_new_tokens 100000 was accepted, and every request refused at the first step.
+    with pytest.raises(ConfigError, match=r"max_new_tokens: .* \(256 tokens\) plus max_new_tokens \(100000\) .* 512"):
+        tiny_trainer(tmp_path, max_new_tokens=100000)
+    with pytest.raises(ConfigError, match=r"eval_max_new_tokens: .*lower eval_max_new_tokens to at most 256"):
+        tiny_trainer(tmp_path, eval_max_new_tokens=257)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

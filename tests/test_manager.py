@@ -120,7 +120,11 @@ def test_add_request_after_stop_warns_and_returns_none(
     m.stop()
     with caplog.at_level(logging.WARNING):
         assert m.add_request([5, 6]) is None
+        assert m.add_requests([[5, 6], [7]]) == [None, None]
     assert "after stop" in caplog.text
+    m.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):  # documented apart from stop() (README, docstring)
+        m.add_request([5, 6])
 
 
 def test_hard_stop_fails_requests_and_keeps_partial_tokens(make_manager: ManagerFactory) -> None:

@@ -9,7 +9,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import rollout
-from rollout import ContinuousBatchingConfig, Engine, UnsupportedModelError, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, UnsupportedModelError, generate_batch
 from tests.tiny_models import ALL_TINY_MODELS, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 
@@ -236,9 +236,23 @@ def test_bad_sample_counts_and_temperatures_raise(gc: GenerationConfig) -> None:
         generate_batch(tiny_llama(), [[5]], gc)
 
 
-def test_request_past_the_model_context_warns(caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="rollout.engine"):
-        generate_batch(tiny_llama(), [[5] * 500], GenerationConfig(max_new_tokens=20, do_sample=False))
-    assert "exceeds the model's max_position_embeddings (512)" in caplog.text
+def test_a_request_past_the_model_context_is_refused_before_any_work() -> None:
+    # Issue 22, item 3: it used to warn and generate on past the context (for minutes, degraded).
+    model = tiny_llama()  # max_position_embeddings 512
+    greedy = GenerationConfig(max_new_tokens=20, do_sample=False)
+    message = (
+        r"max_new_tokens: request 'req_0': prompt \(500 tokens\) plus max_new_tokens \(20\) is past the model's "
+        r"context of 512 tokens \(max_position_embeddings\); lower max_new_tokens to at most 12"
+    )
+    with pytest.raises(ValueError, match=message):
+        generate_batch(model, [[5] * 500], greedy)
+    manager = ContinuousBatchingManager(model, greedy, ContinuousBatchingConfig(num_blocks=256))
+    try:
+        with pytest.raises(ValueError, match="input_ids: max_new_tokens: .* past the model's context of 512"):
+            manager.add_request([5] * 500)
+        with pytest.raises(ValueError, match=r"inputs\[1\]: max_new_tokens: .*shorten the prompt to at most 511"):
+            manager.add_requests([[5] * 10, [5] * 512])
+        assert not manager.engine.has_unfinished()  # nothing of the refused batch was queued
+    finally:
+        manager.destroy()
+    assert len(generate_batch(model, [[5] * 492], greedy)["req_0"].generated_tokens) == 20  # exactly the context

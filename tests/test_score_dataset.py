@@ -190,12 +190,20 @@ def test_unreadable_dataset_is_one_line_error(
 
 @pytest.mark.parametrize(
     "extra",
-    [["--batch-tokens", "0"], ["--temperature", "-1"], ["--temperature", "nan"], ["--bogus"]],
+    [
+        ["--batch-tokens", "0"],
+        ["--temperature", "-1"],
+        ["--temperature", "nan"],
+        ["--bogus"],
+        ["--chat-template", "--separator", " "],
+    ],
 )
-def test_bad_flags_exit_2(model_dir: Path, tmp_path: Path, extra: list[str]) -> None:
+def test_bad_flags_exit_2(model_dir: Path, tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         score_dataset.main(_argv(model_dir, tmp_path / "in.jsonl", tmp_path / "o.jsonl", *extra))
     assert info.value.code == 2
+    flag = next(arg for arg in reversed(extra) if arg.startswith("--"))
+    assert flag in capsys.readouterr().err  # the message names the flag
 
 
 def test_bad_output_extension_exits_2(model_dir: Path, tmp_path: Path) -> None:

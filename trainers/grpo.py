@@ -250,6 +250,7 @@ class GRPOTrainer:
         if self.pad_token_id is None:
             self.pad_token_id = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self._check_context(rollout.model_context_length(model))
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
         optimizer = torch.optim.AdamW(
@@ -291,6 +292,26 @@ class GRPOTrainer:
         self._logged_metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ setup helpers
+    def _check_context(self, context: int | None) -> None:
+        """Refuse completions that cannot fit the model's context (``max_position_embeddings``) after the
+        longest prompt, before any work: the engine would refuse every such request at the first step.
+
+        Raises:
+            ConfigError: naming ``max_new_tokens`` (or ``eval_max_new_tokens``), the longest prompt
+                (``max_prompt_length``) and the context.
+        """
+        cfg = self.config
+        if context is None:
+            return
+        for name in ("max_new_tokens", "eval_max_new_tokens"):
+            value = getattr(cfg, name)
+            if cfg.max_prompt_length + value > context:
+                raise ConfigError(
+                    f"{name}: a prompt of max_prompt_length ({cfg.max_prompt_length} tokens) plus {name} "
+                    f"({value}) is past the model's context of {context} tokens; lower {name} to at most "
+                    f"{context - cfg.max_prompt_length} or max_prompt_length"
+                )
+
     def _set_cpu_threads(self) -> None:
         threads = self.config.cpu_threads
         if threads is None:
