@@ -58,7 +58,9 @@ def client(srv: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
 
 
-def _post(srv: RunningServer, path: str, body: dict | None = None, timeout: float = 120.0, **kw: object) -> httpx.Response:
+def _post(
+    srv: RunningServer, path: str, body: dict | None = None, timeout: float = 120.0, **kw: object
+) -> httpx.Response:
     return httpx.post(f"{srv.url}{path}", json=body, timeout=timeout, **kw)
 
 
@@ -280,7 +282,9 @@ def test_update_weights_from_disk_bumps_the_weight_version(
     finally:
         restored = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "old")}).json()
     assert restored["weight_version"] == 2
-    assert _post(srv, "/v1/completions", body).json()["choices"][0]["token_ids"] == reference_greedy(model, prompt, 8, None)
+    assert _post(srv, "/v1/completions", body).json()["choices"][0]["token_ids"] == reference_greedy(
+        model, prompt, 8, None
+    )
 
 
 def test_reset_prefix_cache_forgets_every_cached_block(srv: RunningServer) -> None:
@@ -427,7 +431,9 @@ def test_chat_greedy_applies_the_template_and_streams_the_same_text(
     choice = out.choices[0]
     assert choice.token_ids == reference_greedy(model, prompt, 10, None)
     assert choice.message.role == "assistant" and choice.message.content.split() == [f"t{t}" for t in choice.token_ids]
-    assert_close([c.logprob for c in choice.logprobs.content], teacher_forced_logprobs(model, prompt, choice.token_ids), 1e-4)
+    assert_close(
+        [c.logprob for c in choice.logprobs.content], teacher_forced_logprobs(model, prompt, choice.token_ids), 1e-4
+    )
     streamed = ""
     for chunk in client.chat.completions.create(
         model=MODEL, messages=messages, tools=tools, max_tokens=10, temperature=0, stream=True,
@@ -451,6 +457,9 @@ def test_hermes_tool_calls_are_parsed_out_of_the_text() -> None:
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
-    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    two = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    )
     content, calls = parse_tool_calls(two)
     assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]

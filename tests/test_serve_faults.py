@@ -35,7 +35,9 @@ def test_api_key_guards_v1_and_control_routes_and_control_is_off_by_default() ->
             refused = httpx.request(method, f"{srv.url}{path}", json={"prompt": [5]})
             assert refused.status_code == 401, path
             assert refused.json()["error"]["code"] == "invalid_api_key"
-            wrong = httpx.request(method, f"{srv.url}{path}", json={"prompt": [5]}, headers={"Authorization": "Bearer x"})
+            wrong = httpx.request(
+                method, f"{srv.url}{path}", json={"prompt": [5]}, headers={"Authorization": "Bearer x"}
+            )
             assert wrong.status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -57,7 +59,9 @@ def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns
         answers: list[httpx.Response] = []
         body = {"prompt": [5, 6, 7], "max_tokens": 5}
         callers = [
-            threading.Thread(target=lambda: answers.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)))
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60))
+            )
             for _ in range(3)
         ]
         for t in callers:
@@ -72,7 +76,9 @@ def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns
 
 
 def test_engine_flags_are_config_fields_and_the_server_turns_logprobs_on() -> None:
-    args = build_parser().parse_args(["--max-batch-tokens", "64", "--allow-block-sharing", "false", "--max-queue-size", "7"])
+    args = build_parser().parse_args(
+        ["--max-batch-tokens", "64", "--allow-block-sharing", "false", "--max-queue-size", "7"]
+    )
     config = config_from_args(args)
     assert (config.max_batch_tokens, config.allow_block_sharing, config.max_queue_size) == (64, False, 7)
     assert config.return_logprobs is True
