@@ -389,6 +389,7 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
         ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
         ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),
         ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [5, 6], "n": MAX_QUEUE_SIZE + 1}, 400, "n"),
     ],
 )
 def test_bad_input_is_refused_naming_the_field_before_any_work(

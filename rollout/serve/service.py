@@ -216,6 +216,11 @@ class GenerationService:
         if not self.accepting:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         expanded = [p for p in job.prompts for _ in range(job.n)]
+        limit = self.manager.cb_config.max_queue_size
+        if limit and len(expanded) > limit:  # it would never fit: a 503 would invite endless retries
+            raise APIError(
+                400, f"n: {len(expanded)} requests (prompts x n) exceed the server's --max-queue-size {limit}", "n"
+            )
         try:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
         except QueueFullError as e:
