@@ -324,6 +324,11 @@ class ContinuousBatchingManager:
         return self._engine.weight_version if self._engine is not None else self._final_weight_version
 
     @property
+    def error(self) -> BaseException | None:
+        """What the loop raised once the manager is ``failed``; None otherwise."""
+        return self._life.error
+
+    @property
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
         """The engine configuration (transformers' attribute name; the same object as ``cb_config``)."""
         return self.cb_config
@@ -603,6 +608,18 @@ class ContinuousBatchingManager:
                 elif self._tp.is_driver:  # every rank applies the driver's, at the same point of its loop
                     self._inbox.put_recompute()
         return version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache block: later requests compute their prompts again.
+
+        Blocks held by running requests stay theirs; only the hashes that let other requests reuse them
+        go. Runs under a pause (at most one step's wait), so no step reads the hashes meanwhile.
+
+        Raises:
+            RuntimeError: the manager was destroyed.
+        """
+        with self.pause(), self._cond:
+            self.engine.block_manager.reset_prefix_cache()
 
     def _check_weights(self) -> bool:
         """With the lock held and no step running: bump the weight version if the parameters changed.

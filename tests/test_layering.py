@@ -56,6 +56,7 @@ LAYERS = [
     "scoring",
     "score_cli",
     "__init__",
+    "serve",
     "benchmarks",
 ]
 

@@ -1,0 +1,223 @@
+"""The FastAPI application: routes that only translate.
+
+A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``translate.py``), hands it to
+the ``GenerationService`` (which alone talks to the manager) and writes the outputs back in OpenAI's
+shapes, as one JSON body or as server-sent events. Errors are OpenAI's error body (``errors.py``).
+
+Every ``/v1`` route and every control route needs ``Authorization: Bearer KEY`` when the server has an
+API key; ``/health``, ``/version`` and ``/metrics`` never do (probes and scrapers carry no key, as with
+vLLM). Control routes answer 404 unless the server was started with ``--enable-control``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+import rollout
+
+from . import metrics, translate
+from .errors import APIError, install_handlers, sse_error
+from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
+from .service import GenerationService, Submission
+from .translate import ChoiceView, Job
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streamed call checks that its client is still connected (seconds).
+DISCONNECT_POLL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The options of the HTTP layer.
+
+    Attributes:
+        api_key: the Bearer key every ``/v1`` and control route needs; None for none.
+        enable_control: serve the control routes (pause, resume, weight updates...).
+        shutdown_timeout: seconds the manager gets to finish its requests when the server stops.
+    """
+
+    api_key: str | None = None
+    enable_control: bool = False
+    shutdown_timeout: float = 30.0
+
+
+def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
+    """The application serving ``service``; its shutdown stops and destroys the service's manager.
+
+    Args:
+        service: the server's generation service (its manager started).
+        settings: the HTTP options.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(service.shutdown, settings.shutdown_timeout)
+
+    app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan)
+    app.state.service = service
+    install_handlers(app)
+    info = service.info
+
+    async def authorized(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    async def control(request: Request) -> None:
+        await authorized(request)
+        if not settings.enable_control:
+            raise APIError(404, f"{request.url.path} is a control route: start the server with --enable-control")
+
+    # ------------------------------------------------------------------ open routes
+    @app.get("/health")
+    async def health() -> Response:
+        error = service.error
+        if error is not None:
+            return JSONResponse(APIError(503, error).body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": rollout.__version__}
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        text = metrics.render(service.manager, info.name, dict(service.finished))
+        return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ /v1
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "rollout",
+                    "root": info.name,
+                    "parent": None,
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        job = translate.completion_job(body, info)
+        return await _answer(job, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        job = translate.chat_job(body, info)
+        return await _answer(job, request)
+
+    async def _answer(job: Job, request: Request) -> Response:
+        prompt_logprobs = await service.prompt_logprobs(job.prompts) if job.scores_prompt else None
+        submission = await service.submit(job)
+        if job.stream:
+            return StreamingResponse(_events(job, submission), media_type="text/event-stream")
+        outputs = await _until_disconnect(_collect(job, submission), request)
+        if outputs is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        if job.chat:
+            return JSONResponse(translate.chat_response(job, outputs, info))
+        return JSONResponse(translate.completion_response(job, outputs, prompt_logprobs, info))
+
+    async def _collect(job: Job, submission: Submission) -> list[Any]:
+        outputs: list[Any] = [None] * job.num_choices
+        async for index, out in submission:
+            if out.is_finished():
+                outputs[index] = out
+        return outputs
+
+    async def _events(job: Job, submission: Submission) -> AsyncIterator[str]:
+        views = [ChoiceView(job, info.tokenizer, job.prompt_of(i)) for i in range(job.num_choices)]
+        finals: list[Any] = [None] * job.num_choices
+        chunk = translate.chat_chunk if job.chat else translate.completion_chunk
+        choice_of = translate.chat_chunk_choice if job.chat else translate.completion_chunk_choice
+        try:
+            async for index, out in submission:
+                choice = choice_of(job, views[index], index, out)
+                if out.is_finished():
+                    finals[index] = out
+                if choice is not None:
+                    yield f"data: {json.dumps(chunk(job, info, [choice]))}\n\n"
+            if job.include_usage:
+                yield f"data: {json.dumps(chunk(job, info, [], translate.usage(job, finals)))}\n\n"
+        except APIError as e:  # the status line is sent: the error goes in the stream, as vLLM does
+            yield sse_error(e)
+        finally:
+            submission.close()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ control
+    @app.post("/pause", dependencies=[Depends(control)])
+    async def pause(mode: str = "keep") -> dict[str, Any]:
+        await service.pause(mode)
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/resume", dependencies=[Depends(control)])
+    async def resume() -> dict[str, Any]:
+        await service.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused", dependencies=[Depends(control)])
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": service.paused}
+
+    @app.post("/reset_prefix_cache", dependencies=[Depends(control)])
+    async def reset_prefix_cache() -> dict[str, bool]:
+        await service.reset_prefix_cache()
+        return {"success": True}
+
+    @app.post("/abort_requests", dependencies=[Depends(control)])
+    async def abort_requests(body: AbortRequest | None = None) -> dict[str, int]:
+        return {"num_aborted": service.abort(body.request_ids if body is not None else None)}
+
+    @app.post("/update_weights_from_disk", dependencies=[Depends(control)])
+    async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
+        version = await service.update_weights_from_disk(body.model_path, body.recompute)
+        return {"success": True, "weight_version": version}
+
+    return app
+
+
+async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:
+    """Await ``work``; cancel it (its requests are cancelled in the engine) if the client disconnects first.
+
+    Returns:
+        ``work``'s result, or None when the client went away.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                logger.info("client of %s disconnected: its requests are cancelled", request.url.path)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    finally:
+        if not task.done():  # the route itself was cancelled (shutdown)
+            task.cancel()

@@ -1,0 +1,113 @@
+"""Errors as OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a route can meet becomes an ``APIError`` with its HTTP status, the field it is about
+(``param``) and OpenAI's ``type``; the handlers installed by ``install_handlers`` write the body, so
+the ``openai`` client raises its usual exception (``BadRequestError`` for 400, ...) with the message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's error types by HTTP status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    422: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body.
+
+    Args:
+        status: the HTTP status.
+        message: what went wrong and, where there is one, the fix.
+        param: the request field it is about, dotted for nested ones (``"stream_options.include_usage"``).
+        code: OpenAI's machine-readable code (``"model_not_found"``...), or None.
+        headers: extra response headers (``Retry-After`` on a 503).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body for ``status``."""
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None) -> APIError:
+    """A 400 about ``param``."""
+    return APIError(400, message, param)
+
+
+def sse_error(error: APIError) -> str:
+    """A server-sent event carrying the error body: how a stream that already started reports a failure."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+def _field_of(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "stream_options", "include_usage")`` -> ``"stream_options.include_usage"``."""
+    parts = [str(p) for p in loc[1:] if not isinstance(p, int) or p >= 0]
+    # pydantic names the union member it tried (``list[int]``...) inside a union's location: drop those.
+    parts = [p for p in parts if "[" not in p and p not in ("str", "int", "function-after")]
+    return ".".join(parts) or None
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Answer ``APIError`` and FastAPI's validation errors with OpenAI's body.
+
+    A body that is not JSON answers 422; a JSON body with a bad field 400 naming the field (OpenAI and
+    vLLM answer 400 there, where FastAPI would answer 422).
+    """
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(
+            e.get("type") in ("json_invalid", "model_attributes_type") and len(e.get("loc", ())) <= 2 for e in errors
+        ):
+            first = errors[0]
+            return JSONResponse(error_body(422, f"the body is not a JSON object: {first.get('msg')}"), status_code=422)
+        first = errors[0]
+        param = _field_of(tuple(first.get("loc", ())))
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        if first.get("type") == "extra_forbidden":
+            message = f"{param}: unknown field; docs/serving.md lists the supported ones"
+        elif first.get("type") == "missing":
+            message = f"{param}: field required"
+        return JSONResponse(error_body(400, message, param), status_code=400)

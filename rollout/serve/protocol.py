@@ -1,0 +1,150 @@
+"""The HTTP API's request bodies, with OpenAI's and vLLM's field names.
+
+Each request model checks what pydantic can check alone (ranges, types, no unknown field), so a bad
+value is refused with a 400 naming the field before any work. What needs the model or the tokenizer
+(token ids in the vocabulary, the context length, the template) is checked in ``translate.py``.
+
+Unknown fields are refused (``extra="forbid"``): a field the server does not know would otherwise be
+ignored silently. Fields OpenAI or vLLM define that the engine cannot honour are declared here and
+refused in ``translate.check_supported`` when set to anything but their no-op value; docs/serving.md
+lists them.
+
+Responses are plain dicts in the ``openai`` package's shapes (``openai.types.Completion``,
+``ChatCompletion`` and their chunks), with vLLM's extra fields; ``translate.py`` builds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# A prompt: a text, a list of texts, a list of token ids, or a list of such lists (OpenAI's four shapes).
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage and no choice."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields that completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user tag: only recorded, never changes the output
+    # OpenAI fields the engine does not implement: refused unless at their no-op value.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: OpenAI's legacy completions API with vLLM's extras.
+
+    Attributes:
+        prompt: a text, a list of texts, a list of token ids or a list of token-id lists.
+        logprobs: None for none; 0 for the sampled token's logprob only (what RL clients ask for).
+            Top-N alternatives (N >= 1) are not supported: a 400 says so.
+        echo: prepend the prompt to each choice's text (and its logprobs, when asked for).
+        prompt_logprobs: vLLM's: 0 adds the logprob of every prompt token after the first.
+    """
+
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ToolFunction(BaseModel):
+    """A function a chat request offers the model (OpenAI's ``tools[i].function``)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: only ``type: "function"`` exists in OpenAI's API."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: OpenAI's chat API with vLLM's extras.
+
+    Attributes:
+        messages: the conversation; each message a dict with ``role`` and ``content`` (and the tool
+            fields the chat template reads), passed to the tokenizer's chat template as it is.
+        tools: functions offered to the model, passed to the chat template.
+        tool_choice: "auto" or "none" (None: "auto" with tools); forcing a tool is not supported.
+        logprobs: return the sampled tokens' logprobs.
+        top_logprobs: alternatives per token; only 0 is supported.
+        max_completion_tokens: OpenAI's newer name of ``max_tokens``.
+        add_generation_prompt: append the assistant turn's opening (the template's own flag).
+        chat_template_kwargs: extra variables of the chat template (``enable_thinking``...).
+    """
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+
+
+class UpdateWeightsRequest(BaseModel):
+    """``POST /update_weights_from_disk`` (SGLang's shape): a folder of safetensors files.
+
+    Attributes:
+        model_path: a folder whose ``*.safetensors`` files hold tensors named as in
+            ``model.named_parameters()`` (a ``save_pretrained`` folder of the same architecture).
+        recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    recompute: bool = False
+
+
+class AbortRequest(BaseModel):
+    """``POST /abort_requests``: the ids to abort (the ``id`` of a response); none aborts every request."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_ids: list[str] | None = None

@@ -1,0 +1,382 @@
+"""The server's one persistent manager, seen from asyncio: submit, stream, cancel, pause, update, score.
+
+``GenerationService`` owns the ``ContinuousBatchingManager`` of the server and is the only code that
+calls it. A job's requests are queued with one ``add_requests`` call (the ``n`` samples of a prompt
+next to each other, so the engine forks them from one prefill; a ``seed`` s gives sample k of the job
+the seed s + k, the manager's rule), and their outputs come back through result handlers that the
+manager runs in the server's event loop. A request whose reader goes away (a closed stream, an
+abandoned call, a task cancelled at shutdown) is cancelled in the engine, which frees its KV blocks.
+
+The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is a context held by one thread:
+``PauseHolder`` holds it in a thread of its own until ``/resume``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from rollout import (
+    ContinuousBatchingManager,
+    GenerationOutput,
+    QueueFullError,
+    RequestStatus,
+    model_context_length,
+    score,
+)
+
+from .errors import APIError
+from .translate import Job, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+# Retry-After (seconds) of a 503 for a full queue.
+RETRY_AFTER_SECONDS = 1
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) -> ModelInfo:
+    """What the request checks need to know of the manager's model.
+
+    ``max_model_len`` is the model's context (``max_position_embeddings``), lowered to the tokens the KV
+    cache can hold when it holds fewer: a longer request could never run.
+
+    Args:
+        manager: the server's manager.
+        tokenizer: the model's tokenizer (its eos id joins the generation config's, as TRL does).
+        name: the served model name.
+    """
+    engine = manager.engine
+    capacity = engine.num_blocks * engine.block_size
+    context = model_context_length(manager.model)
+    eos = list(manager.default_params.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return ModelInfo(
+        name=name,
+        max_model_len=min(context, capacity) if context is not None else capacity,
+        vocab_size=manager.model.get_input_embeddings().num_embeddings,
+        eos_token_ids=tuple(eos),
+        tokenizer=tokenizer,
+        logprobs=manager.cb_config.return_logprobs,
+    )
+
+
+class PauseHolder:
+    """Holds ``manager.pause()`` in a thread of its own between ``hold`` and ``release``.
+
+    Args:
+        manager: the manager to pause.
+    """
+
+    def __init__(self, manager: ContinuousBatchingManager) -> None:
+        self._manager = manager
+        self._thread: threading.Thread | None = None
+        self._release = threading.Event()
+
+    @property
+    def held(self) -> bool:
+        """True between ``hold`` and ``release``."""
+        return self._thread is not None
+
+    def hold(self) -> None:
+        """Enter the pause (blocking: returns once the step in progress has ended); a no-op when held."""
+        if self._thread is not None:
+            return
+        entered = threading.Event()
+        self._release.clear()
+
+        def run() -> None:
+            with self._manager.pause():
+                entered.set()
+                self._release.wait()
+
+        self._thread = threading.Thread(target=run, name="rollout-serve-pause", daemon=True)
+        self._thread.start()
+        entered.wait()
+
+    def release(self) -> None:
+        """Leave the pause (the loop steps again); a no-op when not held."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._release.set()
+            thread.join()
+
+
+class Submission:
+    """The requests of one job in the engine, read as an async iterator of (choice index, output).
+
+    Each choice's outputs come in order; its last one is final. Without streaming only final outputs come.
+    Leaving the iteration early (a closed stream, an exception, a cancelled task) cancels every request
+    that has not ended; so does ``close``.
+
+    Args:
+        service: the service that queued the requests.
+        request_ids: the engine's request id of each choice, in choice order.
+        job_id: the response's ``id``.
+    """
+
+    def __init__(self, service: GenerationService, request_ids: list[str], job_id: str) -> None:
+        self._service = service
+        self.job_id = job_id
+        self.request_ids = request_ids
+        self._pending = set(request_ids)
+        self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+
+    def deliver(self, index: int, out: GenerationOutput) -> None:
+        """The manager's result handler (run in the event loop): queue a choice's new output."""
+        self._queue.put_nowait((index, out))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        """Yield (choice index, output) until every choice ended.
+
+        Raises:
+            APIError: 500 when the engine failed a request (the message is the engine's error).
+        """
+        try:
+            while self._pending:
+                index, out = await self._queue.get()
+                rid = self.request_ids[index]
+                if out.is_finished():
+                    if rid not in self._pending:
+                        continue
+                    self._pending.discard(rid)
+                    self._service._done(rid, out)
+                    if out.status == RequestStatus.FAILED:
+                        raise APIError(500, f"the engine failed while generating: {out.error}")
+                yield index, out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the requests that have not ended (their KV blocks are freed); idempotent."""
+        for rid in list(self._pending):
+            self._service.manager.cancel_request(rid)
+            self._service.finished["abort"] += 1
+            self._service._forget(rid)
+        self._pending.clear()
+        self._service._jobs.pop(self.job_id, None)
+
+
+class GenerationService:
+    """The server's manager behind coroutines.
+
+    Args:
+        manager: a started ``ContinuousBatchingManager`` (the service stops and destroys it in ``shutdown``).
+        info: the served model's name, context, vocabulary, eos ids and tokenizer.
+
+    Attributes:
+        finished: how many choices ended, by OpenAI finish reason (``stop``, ``length``, ``abort``, ``error``).
+        accepting: False once shutdown began: new jobs get a 503.
+    """
+
+    def __init__(self, manager: ContinuousBatchingManager, info: ModelInfo) -> None:
+        self.manager = manager
+        self.info = info
+        self.finished: Counter[str] = Counter()
+        self.accepting = True
+        self._in_flight: set[str] = set()  # engine request ids
+        self._jobs: dict[str, list[str]] = {}  # a response's id -> its engine request ids, while it runs
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._admit = asyncio.Event()  # cleared by pause(mode="wait"): new jobs wait before being queued
+        self._admit.set()
+        self._pause = PauseHolder(manager)
+        self._pause_mode: str | None = None
+        self._model_lock = threading.Lock()  # one scoring pass or weight copy on the model at a time
+
+    # ------------------------------------------------------------------ health
+    @property
+    def error(self) -> str | None:
+        """Why the server cannot generate (the manager failed or stopped), or None when it can."""
+        state = self.manager.state
+        if state == "failed":
+            return f"the engine failed: {self.manager.error!r}"
+        if state != "running":
+            return f"the engine is {state}"
+        return None
+
+    # ------------------------------------------------------------------ generation
+    async def submit(self, job: Job) -> Submission:
+        """Queue a job's requests; read their outputs from the returned ``Submission``.
+
+        Waits while a ``pause(mode="wait")`` holds new requests back.
+
+        Raises:
+            APIError: 503 with Retry-After when the queue is full or the server shuts down; 400 when a request
+                can never fit the KV cache; 500 when the engine failed. Nothing is queued then.
+        """
+        await self._admit.wait()
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        expanded = [p for p in job.prompts for _ in range(job.n)]
+        limit = self.manager.cb_config.max_queue_size
+        if limit and len(expanded) > limit:  # it would never fit: a 503 would invite endless retries
+            raise APIError(
+                400, f"n: {len(expanded)} requests (prompts x n) exceed the server's --max-queue-size {limit}", "n"
+            )
+        try:
+            ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
+        except QueueFullError as e:
+            raise APIError(503, f"the queue is full: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
+        except ValueError as e:  # the engine's own check: the request can never fit the KV cache
+            raise APIError(400, f"max_tokens: {e}", "max_tokens") from e
+        except RuntimeError as e:
+            raise APIError(500, f"the engine cannot take requests: {e}") from e
+        if any(rid is None for rid in ids):
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        self._in_flight.update(ids)
+        self._idle.clear()
+        submission = Submission(self, ids, job.request_id)
+        self._jobs[job.request_id] = ids
+        for index, rid in enumerate(ids):
+            self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
+        return submission
+
+    async def collect(self, job: Job) -> list[GenerationOutput]:
+        """The final output of every choice of a job, in choice order (see ``submit``)."""
+        submission = await self.submit(job)
+        outputs: list[GenerationOutput | None] = [None] * job.num_choices
+        async for index, out in submission:
+            if out.is_finished():
+                outputs[index] = out
+        return outputs  # type: ignore[return-value]
+
+    def _done(self, rid: str, out: GenerationOutput) -> None:
+        reason = (
+            "error"
+            if out.status == RequestStatus.FAILED
+            else {"cancelled": "abort"}.get(out.finish_reason or "", out.finish_reason or "error")
+        )
+        self.finished[reason] += 1
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._in_flight.discard(rid)
+        if not self._in_flight:
+            self._idle.set()
+
+    async def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The logprob of every prompt token after the first, by ``rollout.score`` under a pause of the engine.
+
+        Returns:
+            Per prompt, float [len(prompt) - 1] in nats (log_softmax of the raw logits).
+        """
+
+        def run() -> list[list[float]]:
+            with self._model_lock, self.manager.pause():
+                scores = score(self.manager.model, prompts, [[] for _ in prompts], include_prompt=True)
+            return [list(s.prompt_logprobs or []) for s in scores]
+
+        return await asyncio.to_thread(run)
+
+    def abort(self, request_ids: list[str] | None = None) -> int:
+        """Cancel in-flight requests; they end with finish reason ``abort`` and their partial tokens.
+
+        Args:
+            request_ids: the ``id`` of the responses to abort (every choice of each); None aborts all.
+
+        Returns:
+            How many engine requests were asked to cancel.
+        """
+        if request_ids is None:
+            targets = list(self._in_flight)
+        else:
+            targets = [rid for job_id in request_ids for rid in self._jobs.get(job_id, []) if rid in self._in_flight]
+        for rid in targets:
+            self.manager.cancel_request(rid)
+        return len(targets)
+
+    # ------------------------------------------------------------------ control
+    @property
+    def paused(self) -> bool:
+        """True between ``pause`` and ``resume``."""
+        return self._pause_mode is not None
+
+    async def pause(self, mode: str) -> None:
+        """Pause generation.
+
+        Args:
+            mode: ``keep``: in-flight requests stay frozen with their KV; ``abort``: they end now with finish
+                reason ``abort`` and their partial tokens; ``wait``: returns once they have finished, new
+                ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``.
+
+        Raises:
+            APIError: 400 for another mode.
+        """
+        if mode not in PAUSE_MODES:
+            raise APIError(400, f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+        self._pause_mode = mode
+        if mode == "wait":
+            self._admit.clear()
+            await self._idle.wait()
+        elif mode == "abort":
+            self.abort()
+        await asyncio.to_thread(self._pause.hold)
+
+    async def resume(self) -> None:
+        """End the pause: the engine steps again and waiting requests are queued."""
+        await asyncio.to_thread(self._pause.release)
+        self._pause_mode = None
+        self._admit.set()
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks of running requests stay theirs)."""
+        await asyncio.to_thread(self.manager.reset_prefix_cache)
+
+    async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
+        """Copy the tensors of a folder's ``*.safetensors`` files into the live weights, in place.
+
+        Returns:
+            The new weight version.
+
+        Raises:
+            APIError: 400 (param ``model_path``) for a missing folder, no safetensors file, an unknown
+                tensor name or a shape or dtype mismatch; nothing is copied then.
+        """
+        folder = Path(model_path).expanduser()
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            raise APIError(400, f"model_path: {model_path!r} is not a folder holding *.safetensors files", "model_path")
+
+        def run() -> int:
+            from safetensors.torch import load_file
+
+            tensors: dict[str, Any] = {}
+            for f in files:
+                tensors.update(load_file(str(f)))
+            with self._model_lock:
+                return self.manager.update_weights(tensors, recompute=recompute)
+
+        try:
+            return await asyncio.to_thread(run)
+        except (KeyError, ValueError, TypeError) as e:
+            raise APIError(400, f"model_path: {e}", "model_path") from e
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_shutdown(self, abort: bool) -> None:
+        """Stop taking jobs (503); with ``abort``, end the in-flight requests now (finish reason ``abort``).
+
+        Safe to call from a signal handler in the event loop's thread.
+        """
+        self.accepting = False
+        self._admit.set()  # jobs waiting on a pause(wait) get their 503
+        if abort:
+            self.abort()
+
+    def shutdown(self, timeout: float) -> None:
+        """End the pause, stop the manager (finishing its requests, at most ``timeout`` seconds) and destroy it."""
+        self.accepting = False
+        self._pause.release()
+        self.manager.stop(block=True, timeout=timeout)
+        if self.manager.is_running():
+            logger.warning("requests still ran %.0f s after shutdown began: failing them", timeout)
+            self.manager.stop(block=True, timeout=timeout, hard_stop=True)
+        if not self.manager.is_running():
+            self.manager.destroy()

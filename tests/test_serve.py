@@ -1,0 +1,466 @@
+"""rollout-serve against a real uvicorn server, driven by the ``openai`` client and httpx as users drive it.
+
+One server (a tiny random Llama, its word-level tokenizer) serves the whole module; tests that pause it
+resume it before they end. References come from the same model object: ``model.generate`` for greedy
+tokens, a teacher-forced forward for logprobs, ``rollout.score`` for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout import ContinuousBatchingConfig, score
+from rollout.serve.chat import parse_tool_calls
+from tests.serve_utils import TINY_CHAT_TEMPLATE, RunningServer, engine_idle, running_server, wait_until
+from tests.tiny_models import EOS_TOKEN_ID, random_prompts, tiny_llama, tiny_tokenizer
+from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
+
+MODEL = "tiny"
+NUM_BLOCKS = 256
+PAGE_SIZE = 16
+MAX_QUEUE_SIZE = 100
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> object:
+    tok = tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def srv(model: torch.nn.Module, tokenizer: object) -> Iterator[RunningServer]:
+    config = ContinuousBatchingConfig(
+        num_blocks=NUM_BLOCKS, page_size=PAGE_SIZE, return_logprobs=True, max_queue_size=MAX_QUEUE_SIZE
+    )
+    with running_server(model, tokenizer, config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(srv: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+
+
+def _post(
+    srv: RunningServer, path: str, body: dict | None = None, timeout: float = 120.0, **kw: object
+) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body, timeout=timeout, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+def test_health_models_version_and_metrics(srv: RunningServer) -> None:
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{srv.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 512  # the tiny models' max_position_embeddings, below the cache's
+    assert httpx.get(f"{srv.url}/version").json()["version"] == "0.1.0"
+    page = httpx.get(f"{srv.url}/metrics")
+    assert page.headers["content-type"].startswith("text/plain")
+    for name in ("num_requests_running", "num_requests_waiting", "generation_tokens_total", "kv_cache_usage_perc"):
+        assert f"rollout:{name}{{" in page.text
+    assert 'rollout:weight_version{model_name="tiny"} 0' in page.text
+
+
+def test_greedy_token_ids_equal_generate_and_logprobs_equal_teacher_forcing(
+    srv: RunningServer, client: openai.OpenAI, model: torch.nn.Module
+) -> None:
+    prompts = random_prompts(3, seed=11)
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=12, temperature=0, logprobs=0, extra_body={"return_token_ids": True}
+    )
+    assert len(out.choices) == 3
+    for prompt, choice in zip(prompts, out.choices):
+        ids = choice.token_ids
+        assert ids == reference_greedy(model, prompt, 12, EOS_TOKEN_ID)
+        assert choice.prompt_token_ids == prompt
+        assert_close(choice.logprobs.token_logprobs, teacher_forced_logprobs(model, prompt, ids), atol=1e-4)
+        assert choice.finish_reason == ("stop" if ids[-1] == EOS_TOKEN_ID else "length")
+        assert choice.weight_versions == [0] * len(ids)
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
+
+
+def test_n4_with_a_seed_gives_distinct_samples_identical_across_calls(client: openai.OpenAI) -> None:
+    def sample() -> list[list[int]]:
+        out = client.completions.create(
+            model=MODEL, prompt=[5, 6, 7, 8], n=4, seed=123, max_tokens=10, temperature=1.0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        return [c.token_ids for c in out.choices]
+
+    first, second = sample(), sample()
+    assert len(first) == 4 and all(len(ids) == 10 for ids in first)
+    assert len({tuple(ids) for ids in first}) == 4
+    assert first == second
+
+
+def test_stream_concatenation_equals_the_non_streamed_answer(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="t5 t17 t33 t60", max_tokens=15, temperature=0, logprobs=0)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    full = client.completions.create(**kwargs, extra_body=extra)
+    text, ids, logprobs, usage = "", [], [], None
+    for chunk in client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}, extra_body=extra
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.text
+            ids += choice.token_ids
+            logprobs += choice.logprobs.token_logprobs
+    assert text == full.choices[0].text and text.startswith(" t")  # spelled in context: a leading space
+    assert ids == full.choices[0].token_ids and len(ids) == 15
+    assert_close(logprobs, full.choices[0].logprobs.token_logprobs, atol=1e-6)
+    assert usage is not None and usage.completion_tokens == 15 and usage.prompt_tokens == 4
+
+
+def test_prompt_logprobs_equal_rollout_score(srv: RunningServer, model: torch.nn.Module) -> None:
+    prompt = random_prompts(1, seed=5, min_len=9, max_len=9)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 0, "temperature": 0}
+    choice = _post(srv, "/v1/completions", body).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    got = [entries[i][str(tok)]["logprob"] for i, tok in enumerate(prompt) if i > 0]
+    expected = score(model, [prompt], [[]], include_prompt=True)[0].prompt_logprobs
+    assert_close(got, expected, atol=1e-5)
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(srv: RunningServer, model: torch.nn.Module) -> None:
+    body = {"prompt": "t5 t6 t7", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
+    choice = _post(srv, "/v1/completions", body).json()["choices"][0]
+    assert choice["text"].startswith("t5 t6 t7 t")
+    lps = choice["logprobs"]["token_logprobs"]
+    assert lps[0] is None and len(lps) == 6
+    assert_close(lps[1:3], teacher_forced_logprobs(model, [5], [6, 7]), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- pause and control
+def _stream_tokens(srv: RunningServer, body: dict, first_chunk: threading.Event, result: dict) -> None:
+    ids: list[int] = []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk["choices"]:
+                ids += choice["token_ids"]
+                result["finish_reason"] = choice["finish_reason"] or result.get("finish_reason")
+            first_chunk.set()
+    result["ids"] = ids
+
+
+def test_pause_keep_and_resume_leave_a_greedy_request_unchanged(srv: RunningServer, model: torch.nn.Module) -> None:
+    prompt = random_prompts(1, seed=21)[0]
+    body = {"prompt": prompt, "max_tokens": 80, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    assert _post(srv, "/pause", params={"mode": "keep"}).json()["status"] == "paused"
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": True}
+    generated = srv.manager.engine.stats.num_generated_tokens
+    time.sleep(0.3)
+    assert srv.manager.engine.stats.num_generated_tokens == generated  # frozen, KV kept
+    assert srv.manager.engine.requests  # still in the engine
+    assert _post(srv, "/resume").json() == {"status": "resumed"}
+    reader.join(120)
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+    assert result["ids"] == reference_greedy(model, prompt, 80, None)
+    assert result["finish_reason"] == "length"
+
+
+def test_pause_abort_ends_in_flight_requests_with_their_partial_tokens(srv: RunningServer) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    _post(srv, "/pause", params={"mode": "abort"}).raise_for_status()
+    reader.join(60)
+    _post(srv, "/resume").raise_for_status()
+    assert result["finish_reason"] == "abort"
+    assert 0 < len(result["ids"]) < 400
+    wait_until(lambda: engine_idle(srv.manager))
+
+
+def test_pause_wait_returns_once_in_flight_requests_finished_and_holds_new_ones(srv: RunningServer) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    _post(srv, "/pause", params={"mode": "wait"}).raise_for_status()
+    reader.join(1)  # the stream ended before the pause returned
+    assert len(result["ids"]) == 40 and result["finish_reason"] == "length"
+    late = {}
+    waiter = threading.Thread(target=lambda: late.update(r=_post(srv, "/v1/completions", {**body, "stream": False})))
+    waiter.start()
+    time.sleep(0.3)
+    assert "r" not in late and not srv.manager.engine.requests  # held back, not queued
+    _post(srv, "/resume").raise_for_status()
+    waiter.join(60)
+    assert late["r"].json()["choices"][0]["token_ids"] == result["ids"]
+
+
+def test_trl_vllm_client_health_models_pause_and_resume(srv: RunningServer) -> None:
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    PartialState()  # VLLMClient logs through accelerate, which the trainer has initialised
+    trl_client = VLLMClient(srv.url, server_timeout=10)
+    trl_client.wait_for_server_ready(poll_interval_s=0.1)
+    assert trl_client.get_max_model_len() == 512
+    trl_client.pause()
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": True}
+    trl_client.resume()
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+
+
+def test_trl_async_rollout_worker_payload(srv: RunningServer, model: torch.nn.Module) -> None:
+    prompt = random_prompts(1, seed=31)[0]
+    # _AsyncRolloutLoop._generate_one_turn's payload (trl/experimental/async_grpo/async_rollout_worker.py),
+    # with AsyncGRPOConfig's defaults.
+    payload = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+        "n": 1,
+        "return_token_ids": True,
+        "logprobs": 0,
+        "seed": 2**62 + 12345,
+    }
+    response = _post(srv, "/v1/completions", payload)
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert 0 < len(ids) == len(lps) <= 16
+    assert_close(lps, teacher_forced_logprobs(model, prompt, ids), atol=1e-4)
+    again = _post(srv, "/v1/completions", payload).json()["choices"][0]
+    assert again["token_ids"] == ids  # the per-request seed makes it reproducible
+
+
+def test_update_weights_from_disk_bumps_the_weight_version(
+    srv: RunningServer, model: torch.nn.Module, tmp_path: Path
+) -> None:
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    other = tiny_llama(seed=1)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "new" / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in original.items()}, str(tmp_path / "old" / "model.safetensors"))
+    prompt = [5, 6, 7, 8, 9]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    try:
+        answer = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "new")}).json()
+        assert answer["success"] and answer["weight_version"] == 1
+        choice = _post(srv, "/v1/completions", body).json()["choices"][0]
+        assert choice["token_ids"] == reference_greedy(other, prompt, 8, None)
+        assert choice["weight_versions"] == [1] * 8
+        bad = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
+    finally:
+        restored = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "old")}).json()
+    assert restored["weight_version"] == 2
+    assert _post(srv, "/v1/completions", body).json()["choices"][0]["token_ids"] == reference_greedy(
+        model, prompt, 8, None
+    )
+
+
+def test_reset_prefix_cache_forgets_every_cached_block(srv: RunningServer) -> None:
+    _post(srv, "/v1/completions", {"prompt": list(range(3, 40)), "max_tokens": 2}).raise_for_status()
+    assert srv.manager.engine.block_manager.hash_to_block  # the prompt's full blocks are cached
+    assert _post(srv, "/reset_prefix_cache").json() == {"success": True}
+    assert not srv.manager.engine.block_manager.hash_to_block
+
+
+def test_abort_requests_by_response_id(srv: RunningServer) -> None:
+    body = {"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True, "request_id": "cmpl-to-abort", "stream": False}
+    answer = {}
+    caller = threading.Thread(target=lambda: answer.update(r=_post(srv, "/v1/completions", body)))
+    caller.start()
+    wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 0 and srv.manager.engine.requests)
+    assert _post(srv, "/abort_requests", {"request_ids": ["cmpl-to-abort"]}).json() == {"num_aborted": 1}
+    caller.join(60)
+    choice = answer["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and answer["r"].json()["id"] == "cmpl-to-abort"
+
+
+# ---------------------------------------------------------------------------------------------- load and faults
+def test_64_concurrent_streaming_clients_get_every_token_once(srv: RunningServer, model: torch.nn.Module) -> None:
+    prompts = random_prompts(64, seed=41, min_len=4, max_len=12)
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str]:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True}
+        ids, text = [], ""
+        async with http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        ids += choice["token_ids"]
+                        text += choice["text"]
+        return ids, text
+
+    async def run() -> list[tuple[list[int], str]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(one(http, p) for p in prompts))
+
+    results = asyncio.run(run())
+    for prompt, (ids, text) in zip(prompts, results):
+        assert ids == reference_greedy(model, prompt, 12, EOS_TOKEN_ID)
+        assert text.split() == [f"t{t}" for t in ids if t > EOS_TOKEN_ID]  # special tokens are not spelled
+
+
+def test_a_closed_stream_cancels_its_request_and_frees_its_blocks(srv: RunningServer) -> None:
+    aborted = srv.service.finished["abort"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert srv.manager.engine.requests
+    wait_until(lambda: engine_idle(srv.manager))
+    assert srv.service.finished["abort"] == aborted + 1
+
+
+def test_an_abandoned_call_cancels_its_request_and_frees_its_blocks(srv: RunningServer) -> None:
+    aborted = srv.service.finished["abort"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(srv, "/v1/completions", body, timeout=0.5)
+    wait_until(lambda: engine_idle(srv.manager))
+    assert srv.service.finished["abort"] == aborted + 1
+
+
+def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
+    _post(srv, "/pause", params={"mode": "keep"}).raise_for_status()
+    first = {}
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "n": 60}
+    caller = threading.Thread(target=lambda: first.update(r=_post(srv, "/v1/completions", body)))
+    try:
+        caller.start()
+        wait_until(lambda: len(srv.service._in_flight) == 60)
+        refused = _post(srv, "/v1/completions", body)
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert "queue is full" in refused.json()["error"]["message"]
+    finally:
+        _post(srv, "/resume").raise_for_status()
+    caller.join(60)
+    assert len(first["r"].json()["choices"]) == 60
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": [5, 6], "temperature": -0.5}, 400, "temperature"),
+        ({"prompt": [5, 6], "top_p": 0}, 400, "top_p"),
+        ({"prompt": [5, 6], "top_p": 1.5}, 400, "top_p"),
+        ({"prompt": [5, 6], "max_tokens": 511}, 400, "max_tokens"),
+        ({"prompt": [5, 256]}, 400, "prompt"),
+        ({"prompt": [[5, 6], [-1]]}, 400, "prompt.1"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": [5, 6], "n": 0}, 400, "n"),
+        ({"prompt": [5, 6], "model": "gpt-4"}, 404, "model"),
+        ({"prompt": [5, 6], "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": [5, 6], "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
+        ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [5, 6], "n": MAX_QUEUE_SIZE + 1}, 400, "n"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field_before_any_work(
+    srv: RunningServer, body: dict, status: int, param: str
+) -> None:
+    generated = srv.manager.engine.stats.num_generated_tokens
+    response = _post(srv, "/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(param.split(".")[0])
+    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
+
+
+def test_malformed_json_answers_422(srv: RunningServer) -> None:
+    response = httpx.post(
+        f"{srv.url}/v1/completions", content=b'{"prompt": [5,', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_openai_client_raises_bad_request_with_the_message(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt=[5], top_p=2.0)
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def test_chat_greedy_applies_the_template_and_streams_the_same_text(
+    srv: RunningServer, client: openai.OpenAI, model: torch.nn.Module, tokenizer: object
+) -> None:
+    messages = [{"role": "user", "content": "t5 t6 t7"}]
+    tools = [{"type": "function", "function": {"name": "t12", "parameters": {"type": "object"}}}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=10, temperature=0, logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    prompt = [3, 12, 4, 5, 6, 7, 9]  # "t3 t12 t4 t5 t6 t7 t9": the tool list, the message, the generation prompt
+    assert out.model_extra["prompt_token_ids"] == prompt
+    choice = out.choices[0]
+    assert choice.token_ids == reference_greedy(model, prompt, 10, None)
+    assert choice.message.role == "assistant" and choice.message.content.split() == [f"t{t}" for t in choice.token_ids]
+    assert_close(
+        [c.logprob for c in choice.logprobs.content], teacher_forced_logprobs(model, prompt, choice.token_ids), 1e-4
+    )
+    streamed = ""
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=10, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        streamed += chunk.choices[0].delta.content or ""
+    assert streamed == choice.message.content
+
+
+def test_chat_top_logprobs_are_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "t5"}], logprobs=True, top_logprobs=2
+        )
+
+
+def test_hermes_tool_calls_are_parsed_out_of_the_text() -> None:
+    text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    two = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    )
+    content, calls = parse_tool_calls(two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]

@@ -1,0 +1,133 @@
+"""rollout-serve's guards and failures, each on a server of its own: the API key, control routes off by
+default, an engine that fails, and the console entry point stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rollout import ContinuousBatchingConfig
+from rollout.serve import ServerSettings
+from rollout.serve.cli import build_parser, config_from_args
+from tests.serve_utils import free_port, running_server, wait_until
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16, return_logprobs=True)
+
+
+def test_api_key_guards_v1_and_control_routes_and_control_is_off_by_default() -> None:
+    settings = ServerSettings(api_key="sekret", enable_control=False)
+    with running_server(tiny_llama(), tiny_tokenizer(), CONFIG, settings) as srv:
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # probes carry no key
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/pause")]:
+            refused = httpx.request(method, f"{srv.url}{path}", json={"prompt": [5]})
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            wrong = httpx.request(
+                method, f"{srv.url}{path}", json={"prompt": [5]}, headers={"Authorization": "Bearer x"}
+            )
+            assert wrong.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, temperature=0).choices[0].text
+        gated = httpx.post(f"{srv.url}/pause", headers={"Authorization": "Bearer sekret"})
+        assert gated.status_code == 404 and "--enable-control" in gated.json()["error"]["message"]
+
+
+def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns_unhealthy() -> None:
+    model = tiny_llama()
+    with running_server(model, tiny_tokenizer(), CONFIG) as srv:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated device fault")
+
+        model.model.layers[0].mlp.forward = broken
+        answers: list[httpx.Response] = []
+        body = {"prompt": [5, 6, 7], "max_tokens": 5}
+        callers = [
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60))
+            )
+            for _ in range(3)
+        ]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+        assert [a.status_code for a in answers] == [500, 500, 500]
+        assert all("simulated device fault" in a.json()["error"]["message"] for a in answers)
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "simulated device fault" in health.json()["error"]["message"]
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 500
+
+
+def test_engine_flags_are_config_fields_and_the_server_turns_logprobs_on() -> None:
+    args = build_parser().parse_args(
+        ["--max-batch-tokens", "64", "--allow-block-sharing", "false", "--max-queue-size", "7"]
+    )
+    config = config_from_args(args)
+    assert (config.max_batch_tokens, config.allow_block_sharing, config.max_queue_size) == (64, False, 7)
+    assert config.return_logprobs is True
+    assert config_from_args(build_parser().parse_args(["--return-logprobs", "false"])).return_logprobs is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--scheduler-type", "lifo"])
+
+
+def test_python_m_rollout_serve_serves_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
+    model, tokenizer = tiny_llama(), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "rollout.serve", "--model", str(tmp_path / "model"), "--served-model-name", "tiny",
+        "--host", "0.0.0.0", "--port", str(port), "--num-blocks", "64", "--shutdown-timeout", "20",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                return False
+
+        wait_until(up, timeout=120, interval=0.2)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        ids: list[int] = []
+        finish = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if not ids:  # in flight: stop the server now; the stream must still complete
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.2)
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice["token_ids"]
+                    finish.append(choice["finish_reason"])
+        assert len(ids) == 200 and finish[-1] == "length"
+        # uvicorn re-raises the signal once it has shut down, so the exit status is SIGTERM's.
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read() if proc.stdout else ""
+    assert "without --api-key" in output  # bound to 0.0.0.0 with no key: warned
+    assert "Application shutdown complete" in output  # the lifespan ran: the manager was stopped and destroyed
