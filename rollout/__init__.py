@@ -1,6 +1,7 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
 from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
+from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
@@ -33,6 +34,9 @@ __all__ = [
     "generate_batch",
     "score",
     "score_with_engine",
+    "RolloutClient",
+    "RolloutServerError",
+    "RolloutWeightTransfer",
     "num_blocks_for_model",
     "training_memory_percent",
 ]

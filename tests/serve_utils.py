@@ -17,7 +17,7 @@ import uvicorn
 from transformers import PreTrainedModel
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager
-from rollout.serve import GenerationService, ServerSettings, build_app, model_info
+from rollout.serve import GenerationService, ServerSettings, TransferSettings, build_app, model_info
 
 # A chat template for the tiny word-level tokenizer: tools are listed by name, each message is "t4 CONTENT".
 TINY_CHAT_TEMPLATE = (
@@ -51,11 +51,12 @@ def running_server(
     config: ContinuousBatchingConfig,
     settings: ServerSettings | None = None,
     name: str = "tiny",
+    transfer: TransferSettings | None = None,
 ) -> Iterator[RunningServer]:
     """Start a manager and uvicorn on 127.0.0.1; stop both (the manager destroyed) on exit."""
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
     manager.start()
-    service = GenerationService(manager, model_info(manager, tokenizer, name))
+    service = GenerationService(manager, model_info(manager, tokenizer, name), transfer)
     app = build_app(service, settings or ServerSettings(enable_control=True, shutdown_timeout=10))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -24,7 +24,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
 # and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
-# step's CPU linear layers) sits just below static_step, its one user.
+# step's CPU linear layers) sits just below static_step, its one user. weight_transfer (the trainer-to-server
+# transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
+# the trainer's side of the transfer) is an entry point beside api.
 LAYERS = [
     "checks",
     "config",
@@ -33,6 +35,7 @@ LAYERS = [
     "requests",
     "models",
     "weights",
+    "weight_transfer",
     "block_manager",
     "kv_cache",
     "kv_cache_manager",
@@ -55,6 +58,7 @@ LAYERS = [
     "api",
     "scoring",
     "score_cli",
+    "client",
     "__init__",
     "serve",
     "benchmarks",

@@ -8,6 +8,6 @@ from asyncio), ``metrics`` (Prometheus text), ``errors`` (OpenAI's error body), 
 
 from .app import ServerSettings, build_app
 from .cli import main
-from .service import GenerationService, model_info
+from .service import GenerationService, TransferSettings, model_info
 
-__all__ = ["GenerationService", "ServerSettings", "build_app", "main", "model_info"]
+__all__ = ["GenerationService", "ServerSettings", "TransferSettings", "build_app", "main", "model_info"]

@@ -28,7 +28,15 @@ import rollout
 
 from . import metrics, translate
 from .errors import APIError, install_handlers, sse_error
-from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
+from .protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InitWeightTransferRequest,
+    StartWeightUpdateRequest,
+    UpdateWeightsFromTrainerRequest,
+    UpdateWeightsRequest,
+)
 from .service import GenerationService, Submission
 from .translate import ChoiceView, Job
 
@@ -196,6 +204,45 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
         version = await service.update_weights_from_disk(body.model_path, body.recompute)
         return {"success": True, "weight_version": version}
+
+    # vLLM's weight transfer from a trainer: init once, then start, update (one or more), finish per version.
+    @app.post("/init_weight_transfer_engine", dependencies=[Depends(control)])
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
+        await service.init_weight_transfer(body.init_info)
+        return {"success": True}
+
+    @app.post("/start_weight_update", dependencies=[Depends(control)])
+    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, Any]:
+        if body is not None and not body.is_checkpoint_format:
+            raise APIError(
+                400,
+                "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
+                "is_checkpoint_format",
+            )
+        service.start_weight_update()
+        return {"success": True}
+
+    @app.post("/update_weights", dependencies=[Depends(control)])
+    async def update_weights(body: UpdateWeightsFromTrainerRequest) -> dict[str, Any]:
+        return {"success": True, **await service.update_weights(body.update_info)}
+
+    @app.post("/finish_weight_update", dependencies=[Depends(control)])
+    async def finish_weight_update() -> dict[str, Any]:
+        return {"success": True, "weight_version": await service.finish_weight_update()}
+
+    @app.get("/weight_transfer", dependencies=[Depends(control)])
+    async def weight_transfer() -> dict[str, Any]:
+        return service.transfer_status()
+
+    @app.get("/get_world_size", dependencies=[Depends(control)])
+    async def get_world_size() -> dict[str, int]:
+        return {"world_size": 1}  # the workers that join a transfer group: this server has one
+
+    @app.get("/server_info", dependencies=[Depends(control)])
+    async def server_info() -> dict[str, Any]:
+        # The part of vLLM's /server_info that TRL's VLLMClient reads (get_dtype): the weights' dtype.
+        dtype = service.weights_dtype()
+        return {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": info.max_model_len}}}
 
     return app
 

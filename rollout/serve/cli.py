@@ -25,7 +25,7 @@ import uvicorn
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
 
 from .app import ServerSettings, build_app
-from .service import GenerationService, model_info
+from .service import GenerationService, TransferSettings, model_info
 
 logger = logging.getLogger("rollout.serve")
 
@@ -86,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and control routes")
     server.add_argument(
         "--enable-control", action="store_true", help="serve /pause, /resume, /update_weights_from_disk and the like"
+    )
+    server.add_argument(
+        "--weight-transfer-mode",
+        choices=["atomic", "in_place"],
+        default="atomic",
+        help="weights streamed by a trainer: atomic (staged, copied at /finish_weight_update; a failed transfer "
+        "keeps the old weights; one more copy in memory) or in_place (each bucket copied as it arrives)",
+    )
+    server.add_argument(
+        "--weight-transfer-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the transfer group's rendezvous and each broadcast wait for the trainer before failing",
     )
     server.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype of the weights")
     server.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:1...)")
@@ -177,7 +190,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
     manager.warmup(progress_bar=False)
     manager.start()
-    service = GenerationService(manager, model_info(manager, tokenizer, args.served_model_name or args.model))
+    service = GenerationService(
+        manager,
+        model_info(manager, tokenizer, args.served_model_name or args.model),
+        TransferSettings(mode=args.weight_transfer_mode, timeout=args.weight_transfer_timeout),
+    )
     settings = ServerSettings(
         api_key=args.api_key, enable_control=args.enable_control, shutdown_timeout=args.shutdown_timeout
     )

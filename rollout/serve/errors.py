@@ -24,6 +24,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     422: "invalid_request_error",
+    409: "conflict_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }

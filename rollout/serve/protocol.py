@@ -148,3 +148,65 @@ class AbortRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     request_ids: list[str] | None = None
+
+
+class InitInfo(BaseModel):
+    """vLLM's ``NCCLInitInfo``: where the trainer's transfer group meets, and this server's rank in it.
+
+    Attributes:
+        master_address: the trainer's address; it serves the group's ``TCPStore`` there.
+        master_port: the store's port on the trainer.
+        rank_offset: the rank of this server's (single) worker; the trainer is rank 0.
+        world_size: the trainer plus every receiving worker (2 for one server).
+        packed: the default of ``update_info.packed`` (vLLM >= 0.28 moved it here).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(1, ge=1)
+    world_size: int = Field(2, ge=2)
+    packed: bool | None = None
+
+
+class InitWeightTransferRequest(BaseModel):
+    """``POST /init_weight_transfer_engine``: ``{"init_info": {...}}`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_info: InitInfo
+
+
+class StartWeightUpdateRequest(BaseModel):
+    """``POST /start_weight_update`` (vLLM's body; ``is_checkpoint_format`` must be true: rollout loads tensors
+    named as ``model.named_parameters()``, which is the checkpoint's format for transformers models)."""
+
+    model_config = ConfigDict(extra="forbid")
+    is_checkpoint_format: bool = True
+
+
+class UpdateInfo(BaseModel):
+    """vLLM's ``NCCLUpdateInfo``: the tensors the trainer is about to broadcast, in order.
+
+    Attributes:
+        names: parameter names, as in ``model.named_parameters()``.
+        dtype_names: ``"float32"``, ``"bfloat16"``... one per name; each must be the parameter's dtype.
+        shapes: one shape per name; each must be the parameter's shape.
+        packed: tensors concatenated into buckets, one broadcast each (True), or one broadcast per tensor;
+            None takes ``init_info.packed`` (else False, vLLM's default).
+        packed_buffer_size_bytes: the sender's bucket bound (rollout's field; vLLM fixes 1 GiB on both sides,
+            the default here too).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = Field(None, ge=1)
+
+
+class UpdateWeightsFromTrainerRequest(BaseModel):
+    """``POST /update_weights``: ``{"update_info": {...}}`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    update_info: UpdateInfo

@@ -1,0 +1,222 @@
+"""Weights streamed from a trainer into a running rollout-serve (``rollout.weight_transfer``, ``rollout.client``,
+the four control routes): the tokens and logprobs after a transfer are the sender's model's, a bad announcement
+is a 400 naming the field, and a sender killed or stalled mid-transfer fails the transfer in bounded time while
+the server keeps its last complete weights (atomic mode) or says it holds partial ones (in-place mode).
+
+Servers run in the test process (uvicorn on 127.0.0.1, a free port); the killed and stalled senders are
+processes of their own (tests/weight_sender.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rollout import ContinuousBatchingConfig, RolloutClient, RolloutServerError
+from rollout.serve import TransferSettings
+from rollout.weight_transfer import TensorMeta, TransferGroup, describe, plan_buckets, receive, send, update_info
+from tests.serve_utils import RunningServer, free_port, running_server, wait_until
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = ContinuousBatchingConfig(num_blocks=128, page_size=16, return_logprobs=True)
+BUCKET_BYTES = 20_000  # the tiny Llama's 427 kB in about 20 buckets
+PROMPT = [5, 6, 7, 8, 9, 10]
+GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+
+
+@contextlib.contextmanager
+def server(mode: str = "atomic", timeout: float = 60.0) -> Iterator[RunningServer]:
+    """A server on a fresh tiny Llama (seed 0) with the given transfer settings."""
+    with running_server(tiny_llama(), tiny_tokenizer(), CONFIG, transfer=TransferSettings(mode, timeout)) as srv:
+        yield srv
+
+
+def greedy(srv: RunningServer) -> dict:
+    response = httpx.post(f"{srv.url}/v1/completions", json={**GREEDY, "ignore_eos": True}, timeout=60)
+    response.raise_for_status()
+    return response.json()["choices"][0]
+
+
+def status(srv: RunningServer) -> dict:
+    return httpx.get(f"{srv.url}/weight_transfer", timeout=10).json()
+
+
+# ---------------------------------------------------------------------------------------------- packing
+def test_plan_buckets_closes_a_bucket_once_it_exceeds_the_bound_as_vllm_does() -> None:
+    metas = [TensorMeta(f"t{i}", torch.float32, (1,)) for i in range(4)]  # 4 bytes each
+    assert plan_buckets(metas, 6) == [[0, 1], [2, 3]]
+    assert plan_buckets(metas, 8) == [[0, 1, 2], [3]]
+    assert plan_buckets(metas, 1) == [[0], [1], [2], [3]]
+    assert plan_buckets(metas, 1 << 30) == [[0, 1, 2, 3]]
+
+
+def test_send_and_receive_in_one_process_round_trip_mixed_dtypes() -> None:
+    """An odd number of bfloat16 values before a float32 tensor puts it at an offset that is no multiple of 4."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(3, 5, generator=g)),
+        ("b", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("c", torch.randn(2, 2, generator=g)),
+        ("d", torch.arange(7)),
+        ("e", torch.tensor(2.5)),
+        ("f", torch.zeros(0, 4)),
+    ]
+    metas = describe(tensors)
+    port = free_port()
+    got: list[tuple[str, torch.Tensor]] = []
+    joined: dict[str, TransferGroup] = {}
+    joiner = threading.Thread(target=lambda: joined.update(g=TransferGroup("127.0.0.1", port, 1, 2, timeout=30)))
+    joiner.start()
+    sender = TransferGroup("127.0.0.1", port, 0, 2, timeout=30)
+    joiner.join()
+    receiver = threading.Thread(target=lambda: receive(joined["g"], metas, got.extend, 40, True))
+    receiver.start()
+    assert send(sender, metas, iter(tensors), 40, True) == sum(m.nbytes for m in metas)
+    receiver.join(30)
+    assert [n for n, _ in got] == [n for n, _ in tensors]
+    for (_, want), (_, have) in zip(tensors, got):
+        assert have.dtype == want.dtype and have.shape == want.shape
+        assert torch.equal(have, want)
+
+
+# ---------------------------------------------------------------------------------------------- transfer
+@pytest.mark.parametrize("mode", ["atomic", "in_place"])
+def test_streamed_weights_give_the_senders_greedy_tokens_and_logprobs(mode: str) -> None:
+    trained = tiny_llama(seed=1)  # the "trainer's" weights: another random init of the same architecture
+    with server(mode) as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        before = greedy(srv)
+        assert before["weight_versions"] == [0] * 8
+        client.init_weight_transfer()
+        assert client.send_weights(trained.named_parameters()) == 1
+        after = greedy(srv)
+        assert after["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+        assert after["token_ids"] != before["token_ids"]
+        assert_close(
+            after["logprobs"]["token_logprobs"], teacher_forced_logprobs(trained, PROMPT, after["token_ids"]), 1e-4
+        )
+        assert after["weight_versions"] == [1] * 8
+        state = status(srv)
+        assert state["weights"] == "complete" and state["weight_version"] == 1 and state["last_error"] is None
+        assert state["tensors_received"] == len(list(trained.parameters()))
+        # A second version over the same group, unpacked this time (one broadcast per tensor).
+        assert client.send_weights(tiny_llama().named_parameters(), packed=False) == 2
+        assert greedy(srv)["token_ids"] == before["token_ids"]
+
+
+def test_a_paused_request_keeps_its_kv_and_continues_under_the_new_weights() -> None:
+    """TRL's order: pause(keep), send, resume; the request in flight reports both weight versions."""
+    trained = tiny_llama(seed=1)
+    with server() as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        client.init_weight_transfer()
+        answer: dict = {}
+        body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
+        caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
+        caller.start()
+        wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+        client.pause("keep")
+        client.send_weights(trained.named_parameters())
+        client.resume()
+        caller.join(60)
+        versions = answer["r"]["choices"][0]["weight_versions"]
+        assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+
+
+def test_a_bad_announcement_is_a_400_naming_the_field_before_any_byte() -> None:
+    with server() as srv, RolloutClient(srv.url, timeout=30) as client:
+        no_group = httpx.post(f"{srv.url}/update_weights", json={"update_info": update_info([])}, timeout=10)
+        assert no_group.status_code == 400 and no_group.json()["error"]["param"] == "init_info"
+        client.init_weight_transfer()
+        meta = TensorMeta("model.embed_tokens.weight", torch.float32, (256, 64))
+        cases = {
+            "update_info.names": TensorMeta("model.nope.weight", torch.float32, (2,)),
+            "update_info.shapes": TensorMeta(meta.name, torch.float32, (256, 63)),
+            "update_info.dtype_names": TensorMeta(meta.name, torch.bfloat16, (256, 64)),
+        }
+        for param, bad in cases.items():
+            response = httpx.post(f"{srv.url}/update_weights", json={"update_info": update_info([bad])}, timeout=10)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == param
+        unknown_dtype = {**update_info([meta]), "dtype_names": ["float33"]}
+        response = httpx.post(f"{srv.url}/update_weights", json={"update_info": unknown_dtype}, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "update_info.dtype_names"
+        bad_rank = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 2, "world_size": 2}
+        response = httpx.post(f"{srv.url}/init_weight_transfer_engine", json={"init_info": bad_rank}, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "init_info.rank_offset"
+        assert status(srv)["weight_version"] == 0 and status(srv)["initialized"]
+
+
+def _start_sender(srv: RunningServer, stall_after: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.weight_sender", srv.url, str(stall_after), str(BUCKET_BYTES)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "JOINED"
+    assert proc.stdout.readline().strip() == "STALLED"
+    wait_until(lambda: status(srv)["tensors_received"] > 0, timeout=30)  # some buckets arrived
+    return proc
+
+
+def test_a_killed_sender_fails_the_transfer_at_once_and_the_server_keeps_its_weights() -> None:
+    with server("atomic", timeout=60) as srv:
+        before = greedy(srv)
+        proc = _start_sender(srv, stall_after=8)
+        try:
+            assert status(srv)["receiving"]
+            t0 = time.monotonic()
+            proc.kill()
+            wait_until(lambda: not status(srv)["receiving"], timeout=30)
+            failed_after = time.monotonic() - t0
+        finally:
+            proc.kill()
+            proc.wait(10)
+        assert failed_after < 10  # the closed connection, not the 60 s timeout
+        state = status(srv)
+        assert "the weight transfer failed after" in state["last_error"]
+        assert "keeps its weights of version 0" in state["last_error"]
+        assert not state["initialized"] and state["weights"] == "complete" and state["weight_version"] == 0
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert greedy(srv) == before
+        # A new trainer can init and send again.
+        with RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+            assert client.send_weights(tiny_llama(seed=1).named_parameters()) == 1
+        assert greedy(srv)["token_ids"] == reference_greedy(tiny_llama(seed=1), PROMPT, 8, None)
+
+
+def test_a_stalled_sender_times_out_and_in_place_partial_weights_are_reported_until_a_full_update() -> None:
+    with server("in_place", timeout=2.0) as srv:
+        proc = _start_sender(srv, stall_after=8)
+        try:
+            t0 = time.monotonic()
+            wait_until(lambda: not status(srv)["receiving"], timeout=30)
+            failed_after = time.monotonic() - t0
+            state = status(srv)
+        finally:
+            proc.kill()
+            proc.wait(10)
+        assert failed_after < 10  # the 2 s timeout, bounded
+        assert state["weights"] == "partial" and "holds partial weights" in state["last_error"]
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "partial" in health.json()["error"]["message"]
+        refused = httpx.post(f"{srv.url}/v1/completions", json=GREEDY, timeout=10)
+        assert refused.status_code == 503 and "partial" in refused.json()["error"]["message"]
+        with RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+            with pytest.raises(RolloutServerError):
+                client.generate(PROMPT, max_tokens=2)
+            partial_version = client.weight_version()  # the partial copy may count as a version of its own
+            assert client.send_weights(tiny_llama(seed=1).named_parameters()) == partial_version + 1
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert greedy(srv)["token_ids"] == reference_greedy(tiny_llama(seed=1), PROMPT, 8, None)
