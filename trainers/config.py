@@ -136,6 +136,13 @@ class GRPOConfig:
             the cache is sized for the batches in flight, capped at what fits the engine's share of
             memory next to training (``max_memory_percent``, else
             ``rollout.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
+
+    Remote rollouts:
+        rollout_server: the URL of a ``rollout-serve --enable-control`` on the same model; rollouts are
+            generated there over HTTP and the weights are streamed to it after every optimizer step
+            (``trainers.remote``). None: the engine runs in the trainer's process on the trained model.
+        rollout_api_key: the server's ``--api-key``.
+        weight_sync_bucket_mb: bucket size of the weight stream, in MiB (docs/weight_sync.md).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -190,6 +197,9 @@ class GRPOConfig:
     log_completions: int = 0
     cpu_threads: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
+    rollout_server: str | None = None
+    rollout_api_key: str | None = None
+    weight_sync_bucket_mb: int = 256
 
     def __post_init__(self) -> None:
         if self.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` (accelerate's spelling) as false
@@ -261,6 +271,10 @@ class GRPOConfig:
             raise ConfigError(f"prefetch_batches must be >= 0 or null, got {self.prefetch_batches!r}")
         if self.eval_steps is not None and self.eval_steps < 1:
             raise ConfigError(f"eval_steps must be >= 1 or null, got {self.eval_steps!r}")
+        if self.weight_sync_bucket_mb < 1:
+            raise ConfigError(f"weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb!r}")
+        if self.rollout_server is not None and not self.rollout_server.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout_server must be an http:// or https:// URL, got {self.rollout_server!r}")
         if self.eval_max_new_tokens < 1:
             raise ConfigError(f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -43,6 +43,7 @@ from .config import ConfigError, GRPOConfig
 from .evaluate import EvalResult, evaluate_greedy
 from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
 from .prompts import encode_prompt, eos_token_ids
+from .remote import RemoteRollouts
 from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
 from .tasks import build_datasets
 
@@ -269,18 +270,22 @@ class GRPOTrainer:
             num_training_steps=config.max_steps,
         )
 
-        self.manager = rollout.ContinuousBatchingManager(
-            self.unwrapped,
-            # Exactly the config's sampling: the model's generation config (a checkpoint's top_k,
-            # top_p or repetition_penalty) must not reach the rollouts, or the policy trained on is
-            # not the one sampled from.
-            rollout.SamplingParams(
-                max_new_tokens=config.max_new_tokens,
-                do_sample=True,
-                temperature=config.temperature,
-                eos_token_ids=self.eos_token_ids,
-            ),
-            self._engine_config(self.unwrapped),
+        self.manager = (
+            self._remote_rollouts()
+            if config.rollout_server
+            else rollout.ContinuousBatchingManager(
+                self.unwrapped,
+                # Exactly the config's sampling: the model's generation config (a checkpoint's top_k,
+                # top_p or repetition_penalty) must not reach the rollouts, or the policy trained on is
+                # not the one sampled from.
+                rollout.SamplingParams(
+                    max_new_tokens=config.max_new_tokens,
+                    do_sample=True,
+                    temperature=config.temperature,
+                    eos_token_ids=self.eos_token_ids,
+                ),
+                self._engine_config(self.unwrapped),
+            )
         )
         self.state = TrainerState(0, config.max_steps)
         self._pending: deque[_Batch] = deque()
@@ -292,6 +297,22 @@ class GRPOTrainer:
         self._logged_metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ setup helpers
+    def _remote_rollouts(self) -> RemoteRollouts:
+        """The rollout-serve at ``config.rollout_server`` in place of a local manager (``trainers.remote``)."""
+        acc, cfg = self.accelerator, self.config
+
+        def share_version(version: int) -> int:
+            return int(broadcast_object_list([version])[0]) if acc.num_processes > 1 else version
+
+        return RemoteRollouts(
+            str(cfg.rollout_server),
+            self.unwrapped,
+            api_key=cfg.rollout_api_key,
+            bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+            is_sender=acc.is_main_process,
+            share_version=share_version,
+        )
+
     def _check_context(self, context: int | None) -> None:
         """Refuse completions that cannot fit the model's context (``max_position_embeddings``) after the
         longest prompt, before any work: the engine would refuse every such request at the first step.

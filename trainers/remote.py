@@ -1,0 +1,207 @@
+"""The trainer's rollouts on a ``rollout-serve`` in another process or on another machine.
+
+``RemoteRollouts`` stands in for the trainer's local ``ContinuousBatchingManager``: it offers the part of
+the manager's interface that ``GRPOTrainer`` and ``trainers.evaluate`` use (``start``, ``add_request``,
+``add_requests``, ``get_result``, ``pause``, ``weight_version``, ``update_weights``, ``stop``, ``destroy``),
+so the trainer's step is the same code against either backend.
+
+- Each request is one ``/v1/completions`` call with the prompt's token ids, the request's own seed,
+  ``logprobs: 0`` and ``return_token_ids``, run by a pool of threads; the answer becomes a
+  ``GenerationOutput`` with the sampled token ids, their logprobs and weight versions.
+- ``update_weights`` streams the trainer's parameters into the server (``RolloutClient.send_weights``:
+  the transfer group, packed buckets) and returns the new version; ``start`` sends them once first, so the
+  server generates from exactly the trainer's weights.
+- Weight versions are counted from that first send (the server's version then is version 0 here), so the
+  trainer's staleness arithmetic (``version now - version of a token``, ``max_staleness``) reads in steps
+  as with a local manager. Under data parallelism the main process sends and every process learns the
+  version from it (``share_version``).
+- ``pause()`` holds nothing: the server keeps generating while the trainer trains (its weights change only
+  through ``update_weights``, in one pause of its own).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+import rollout
+
+logger = logging.getLogger(__name__)
+
+# Requests in flight at once from one trainer process (the server batches them continuously).
+MAX_IN_FLIGHT = 64
+
+
+class RemoteRollouts:
+    """A ``rollout-serve`` (started with ``--enable-control``) as the trainer's rollout engine.
+
+    Args:
+        url: the server's base URL.
+        model: the policy whose ``named_parameters()`` are streamed (the unwrapped model).
+        api_key: the server's ``--api-key``.
+        bucket_bytes: the transfer's bucket bound.
+        is_sender: this process sends the weights (the main process; the others only generate).
+        share_version: called with the sender's new version on every process (collectively), returns it
+            everywhere; identity for one process.
+        timeout: seconds an HTTP call or a weight send may take.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: torch.nn.Module,
+        api_key: str | None = None,
+        bucket_bytes: int = 256 << 20,
+        is_sender: bool = True,
+        share_version: Callable[[int], int] = lambda v: v,
+        timeout: float = 600.0,
+    ) -> None:
+        self.url = url
+        self.client = rollout.RolloutClient(url, api_key=api_key, timeout=timeout, bucket_bytes=bucket_bytes)
+        self.model = model
+        self.is_sender = is_sender
+        self._share_version = share_version
+        self._base = 0  # the server's version when this run's weights first arrived
+        self._version = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="rollout-remote")
+        self._futures: dict[str, concurrent.futures.Future[rollout.GenerationOutput]] = {}
+        self._count = 0
+        self.state = "created"
+        self.sync_seconds: list[float] = []
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Wait for the server, open the transfer group and send the current weights (version 0 of this run).
+
+        Raises:
+            TimeoutError: the server was not healthy within the client's timeout.
+            rollout.RolloutServerError, RuntimeError: the first weight send failed.
+        """
+        self.client.wait_until_ready(timeout=self.client.timeout)
+        server_version = 0
+        if self.is_sender:
+            self.client.init_weight_transfer()
+            server_version = self._send()
+        self._base = self._share_version(server_version)
+        self._version = 0
+        self.state = "running"
+
+    def stop(self, hard_stop: bool = False, **_: Any) -> None:
+        """Stop taking requests; with ``hard_stop`` drop the ones not answered yet."""
+        for future in self._futures.values():
+            if hard_stop:
+                future.cancel()
+        self.state = "stopped"
+
+    def destroy(self) -> None:
+        """Close the transfer group, the threads and the connections."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+        self.state = "destroyed"
+
+    def is_running(self) -> bool:
+        """True between ``start`` and ``stop``."""
+        return self.state == "running"
+
+    def pause(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to hold: the server's weights move only through ``update_weights``."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def weight_version(self) -> int:
+        """Weight updates sent since ``start`` (the version the server's next tokens report, counted from 0)."""
+        return self._version
+
+    def _send(self) -> int:
+        t0 = time.perf_counter()
+        # References to the live parameters, no copy: the send packs them into buckets as it goes.
+        version = self.client.send_weights([(name, p.detach()) for name, p in self.model.named_parameters()])
+        self.sync_seconds.append(time.perf_counter() - t0)
+        return version
+
+    def update_weights(self, named_tensors: Any = None, **_: Any) -> int:
+        """Send the model's parameters to the server (called after each optimizer step, on every process).
+
+        Args:
+            named_tensors: ignored: the model's current parameters are sent (the local manager's
+                ``update_weights(None)`` records the same change).
+
+        Returns:
+            The new weight version, counted from ``start``.
+        """
+        server_version = self._send() if self.is_sender else 0
+        self._version = self._share_version(server_version) - self._base
+        return self._version
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        do_sample: bool = True,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        record_timestamps: bool = False,
+        **_: Any,
+    ) -> str:
+        """Send one request; returns its id at once (``get_result`` waits for the answer)."""
+        if request_id is None:
+            self._count += 1
+            request_id = f"remote_{self._count}"
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        body: dict[str, Any] = {
+            "prompt": list(input_ids),
+            "temperature": (temperature if temperature is not None else 1.0) if do_sample else 0.0,
+            "top_p": 1.0,
+            "stop_token_ids": eos,
+        }
+        if max_new_tokens is not None:
+            body["max_tokens"] = max_new_tokens
+        if seed is not None:
+            body["seed"] = seed
+        self._futures[request_id] = self._pool.submit(self._run, request_id, list(input_ids), body, record_timestamps)
+        return request_id
+
+    def add_requests(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
+        """``add_request`` for each prompt, in order."""
+        return [self.add_request(p, **kwargs) for p in prompts]
+
+    def _run(self, rid: str, prompt: list[int], body: dict[str, Any], timestamps: bool) -> rollout.GenerationOutput:
+        try:
+            choice = self.client.generate(**body)["choices"][0]
+        except (rollout.RolloutServerError, httpx.HTTPError) as e:
+            return rollout.GenerationOutput(rid, prompt, status=rollout.RequestStatus.FAILED, error=str(e))
+        tokens = list(choice["token_ids"])
+        reason = choice["finish_reason"]
+        now = time.perf_counter()
+        return rollout.GenerationOutput(
+            request_id=rid,
+            prompt_ids=prompt,
+            generated_tokens=tokens,
+            logprobs=list(choice["logprobs"]["token_logprobs"]),
+            status=rollout.RequestStatus.CANCELLED if reason == "abort" else rollout.RequestStatus.FINISHED,
+            weight_versions=[v - self._base for v in choice["weight_versions"]],
+            finish_reason="cancelled" if reason == "abort" else reason,
+            timestamps=[now] * len(tokens) if timestamps else [],
+        )
+
+    def get_result(self, request_id: str, timeout: float | None = None) -> rollout.GenerationOutput | None:
+        """The answer to a request (blocking); None when it was dropped by ``stop(hard_stop=True)``."""
+        future = self._futures.pop(request_id)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.CancelledError:
+            return None
+
+    def __iter__(self) -> Iterator[rollout.GenerationOutput]:
+        raise NotImplementedError("RemoteRollouts answers get_result(request_id) only")
