@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, RolloutClient, RolloutServerError
+from rollout import ContinuousBatchingConfig, RolloutClient, RolloutServerError, RolloutWeightTransfer
 from rollout.serve import TransferSettings
 from rollout.weight_transfer import TensorMeta, TransferGroup, describe, plan_buckets, receive, send, update_info
 from tests.serve_utils import RunningServer, free_port, running_server, wait_until
@@ -220,3 +220,62 @@ def test_a_stalled_sender_times_out_and_in_place_partial_weights_are_reported_un
             assert client.send_weights(tiny_llama(seed=1).named_parameters()) == partial_version + 1
         assert httpx.get(f"{srv.url}/health").status_code == 200
         assert greedy(srv)["token_ids"] == reference_greedy(tiny_llama(seed=1), PROMPT, 8, None)
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+def test_trl_vllm_client_drives_the_four_calls_with_rollouts_transfer_group() -> None:
+    """TRL's own HTTP client (trl/experimental/async_grpo/vllm_client.py) makes the calls its
+    ``WeightTransferClient`` makes, in its order (pause, start, update while rank 0 broadcasts, finish, resume),
+    with rollout's transfer group as the NCCL-free rank 0; AsyncGRPOTrainer itself cannot train on a CPU
+    (docs/serving.md, "Weight transfer")."""
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    PartialState()  # VLLMClient logs through accelerate
+    trained = tiny_llama(seed=1)
+    pairs = [(n, p.detach()) for n, p in trained.named_parameters()]
+    metas = describe(pairs)
+    with server() as srv:
+        trl = VLLMClient(srv.url, server_timeout=10)
+        trl.wait_for_server_ready(poll_interval_s=0.1)
+        assert trl.get_dtype() == "torch.float32" and trl.get_world_size() == 1
+        port = free_port()
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "packed": True}
+        joined: dict[str, TransferGroup] = {}
+        joiner = threading.Thread(target=lambda: joined.update(g=TransferGroup("127.0.0.1", port, 0, 2, timeout=30)))
+        joiner.start()
+        trl.init_weight_transfer_engine(init, timeout=30)
+        joiner.join(30)
+        trl.pause(timeout=30)
+        trl.start_weight_update(timeout=30)
+        sender = threading.Thread(target=lambda: send(joined["g"], metas, iter(pairs), 1 << 30, True))
+        sender.start()
+        trl.update_weights({k: v for k, v in update_info(metas).items() if k != "packed_buffer_size_bytes"}, timeout=30)
+        sender.join(30)
+        trl.finish_weight_update(timeout=30)
+        trl.resume(timeout=30)
+        choice = greedy(srv)
+        assert choice["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+        assert choice["weight_versions"] == [1] * 8
+
+
+def test_rollout_weight_transfer_satisfies_trls_weight_transfer_protocol() -> None:
+    """The calls AsyncGRPOTrainer makes on its ``weight_transfer`` (init once; per sync pause, send_weights with
+    TRL's lazy iterator, resume; destroy at the end), with the names, dtypes and shapes given up front as TRL does."""
+    from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol
+
+    trained = tiny_llama(seed=1)
+    info = update_info(describe(trained.named_parameters()))
+    with server() as srv:
+        transfer = RolloutWeightTransfer(srv.url, weight_update_info=info, bucket_bytes=BUCKET_BYTES, timeout=60)
+        for name in ("init_weight_transfer", "pause", "send_weights", "resume", "destroy"):
+            assert callable(getattr(transfer, name)) and hasattr(WeightTransferProtocol, name)
+        transfer.init_weight_transfer()
+        for expected_version in (1, 2):
+            transfer.pause()
+            transfer.send_weights((n, p.detach()) for n, p in trained.named_parameters())
+            transfer.resume()
+            assert transfer.weight_version == expected_version
+        transfer.destroy()
+        assert greedy(srv)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+        assert not httpx.get(f"{srv.url}/is_paused").json()["is_paused"]

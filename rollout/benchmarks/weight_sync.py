@@ -1,0 +1,147 @@
+"""Weight sync time from a trainer process to a ``rollout-serve`` process: streamed over the transfer group
+(``RolloutClient.send_weights``) against the bucket size, and reloaded from disk (``/update_weights_from_disk``).
+
+The server is a process of its own (``python -m rollout.serve --enable-control``) on the same model; this
+process plays the trainer, holding the model's fp32 weights. Each configuration is timed ``repeats`` times
+after one warm-up; the table reports the median and the spread (min-max) in seconds, with the throughput of
+the median. A sync time counts the whole call as a trainer sees it: the HTTP calls, the broadcasts, the
+server's copy into its live weights and its version bump. The disk row counts ``save_pretrained``'s
+safetensors write by the trainer plus the server's load and copy (the write alone is given too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rollout import RolloutClient, load_model
+
+from .report import machine_info
+
+DEFAULT_BUCKETS_MB = (16, 64, 256, 1024)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: str, threads: int) -> Iterator[str]:
+    """A ``rollout-serve`` subprocess on 127.0.0.1 with control routes; yields its URL, stops it at the end."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.serve", "--model", model, "--port", str(port), "--enable-control",
+         "--log-level", "warning"],
+        env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = RolloutClient(url)
+        deadline = time.monotonic() + 600
+        while not client.health():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(1)
+        client.close()
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up: first-touch of buffers, connections
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(model_name: str, buckets_mb: Sequence[int], repeats: int, threads: int) -> dict:
+    """Time every configuration; returns the rows and the machine."""
+    torch.set_num_threads(threads)
+    model, _ = load_model(model_name, dtype=torch.float32)
+    params = [(n, p.detach()) for n, p in model.named_parameters()]
+    nbytes = sum(p.numel() * p.element_size() for _, p in params)
+    rows = []
+    with serve(model_name, threads) as url:
+        for mb in buckets_mb:
+            client = RolloutClient(url, bucket_bytes=mb << 20)
+            client.init_weight_transfer()
+            times = _timed(lambda c=client: c.send_weights(params), repeats)
+            rows.append({"method": f"stream, packed, {mb} MiB buckets", "times": times})
+            client.close()
+        client = RolloutClient(url)
+        client.init_weight_transfer()
+        times = _timed(lambda: client.send_weights(params, packed=False), repeats)
+        rows.append({"method": f"stream, unpacked ({len(params)} broadcasts)", "times": times})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp)
+
+            def write() -> None:
+                save_file({n: p.contiguous() for n, p in params}, str(path / "model.safetensors"))
+
+            def disk() -> None:
+                write()
+                client.update_weights_from_disk(str(path))
+
+            rows.append({"method": "safetensors write only (trainer side)", "times": _timed(write, repeats)})
+            rows.append({"method": "/update_weights_from_disk (write + load + copy)", "times": _timed(disk, repeats)})
+        client.close()
+    return {"rows": rows, "bytes": nbytes, "tensors": len(params), "machine": machine_info("cpu")}
+
+
+def markdown(result: dict, model_name: str, repeats: int, threads: int) -> str:
+    """The table of docs/weight_sync.md."""
+    m = result["machine"]
+    lines = [
+        "| method | median s | min-max s | GB/s at the median |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in result["rows"]:
+        t = row["times"]
+        med = statistics.median(t)
+        lines.append(f"| {row['method']} | {med:.3f} | {min(t):.3f}-{max(t):.3f} | {result['bytes'] / med / 1e9:.2f} |")
+    head = (
+        f"{model_name}, fp32: {result['tensors']} tensors, {result['bytes'] / 1e6:.0f} MB; trainer and server "
+        f"on one machine over 127.0.0.1 (gloo), {threads} torch thread(s) each; {repeats} timed runs after a "
+        f"warm-up. Commit {m['git_commit']}; {m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']}."
+    )
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--buckets-mb", type=int, nargs="+", default=list(DEFAULT_BUCKETS_MB))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each process")
+    parser.add_argument("--out", default=None, help="write the table (markdown) here too")
+    args = parser.parse_args(argv)
+    result = measure(args.model, args.buckets_mb, args.repeats, args.threads)
+    table = markdown(result, args.model, args.repeats, args.threads)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
