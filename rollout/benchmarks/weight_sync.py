@@ -5,8 +5,8 @@ The server is a process of its own (``python -m rollout.serve --enable-control``
 process plays the trainer, holding the model's fp32 weights. Each configuration is timed ``repeats`` times
 after one warm-up; the table reports the median and the spread (min-max) in seconds, with the throughput of
 the median. A sync time counts the whole call as a trainer sees it: the HTTP calls, the broadcasts, the
-server's copy into its live weights and its version bump. The disk row counts ``save_pretrained``'s
-safetensors write by the trainer plus the server's load and copy (the write alone is given too).
+server's copy into its live weights and its version bump. The disk path is given in its two parts (the
+trainer's safetensors write, the server's load and copy) and as their sum.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from rollout import RolloutClient, load_model
 
 from .report import machine_info
 
-DEFAULT_BUCKETS_MB = (16, 64, 256, 1024)
+DEFAULT_BUCKETS_MB = (4, 16, 64, 256, 1024)
 
 
 def _free_port() -> int:
@@ -68,47 +68,45 @@ def serve(model: str, threads: int) -> Iterator[str]:
             proc.kill()
 
 
-def _timed(fn, repeats: int) -> list[float]:
-    fn()  # warm-up: first-touch of buffers, connections
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def measure(model_name: str, buckets_mb: Sequence[int], repeats: int, threads: int) -> dict:
-    """Time every configuration; returns the rows and the machine."""
+    """Time every configuration; returns the rows and the machine.
+
+    The configurations run round-robin, one run each per round after a warm-up round, so that a change of
+    the machine's load (other processes share it) touches every configuration alike.
+    """
     torch.set_num_threads(threads)
     model, _ = load_model(model_name, dtype=torch.float32)
     params = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
-    rows = []
-    with serve(model_name, threads) as url:
-        for mb in buckets_mb:
-            client = RolloutClient(url, bucket_bytes=mb << 20)
-            client.init_weight_transfer()
-            times = _timed(lambda c=client: c.send_weights(params), repeats)
-            rows.append({"method": f"stream, packed, {mb} MiB buckets", "times": times})
-            client.close()
+    with serve(model_name, threads) as url, tempfile.TemporaryDirectory() as tmp:
         client = RolloutClient(url)
         client.init_weight_transfer()
-        times = _timed(lambda: client.send_weights(params, packed=False), repeats)
-        rows.append({"method": f"stream, unpacked ({len(params)} broadcasts)", "times": times})
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp)
+        path = Path(tmp)
 
-            def write() -> None:
-                save_file({n: p.contiguous() for n, p in params}, str(path / "model.safetensors"))
+        def packed(mb: int) -> None:
+            client.bucket_bytes = mb << 20
+            client.send_weights(params)
 
-            def disk() -> None:
-                write()
-                client.update_weights_from_disk(str(path))
+        def write() -> None:
+            save_file({n: p.contiguous() for n, p in params}, str(path / "model.safetensors"))
 
-            rows.append({"method": "safetensors write only (trainer side)", "times": _timed(write, repeats)})
-            rows.append({"method": "/update_weights_from_disk (write + load + copy)", "times": _timed(disk, repeats)})
+        configs = [(f"stream, packed, {mb} MiB buckets", lambda mb=mb: packed(mb)) for mb in buckets_mb]
+        configs += [
+            (f"stream, unpacked ({len(params)} broadcasts)", lambda: client.send_weights(params, packed=False)),
+            ("safetensors write of the weights (trainer side)", write),
+            ("/update_weights_from_disk: load + copy (server side)", lambda: client.update_weights_from_disk(tmp)),
+        ]
+        times: dict[str, list[float]] = {label: [] for label, _ in configs}
+        for round_ in range(repeats + 1):
+            for label, fn in configs:
+                t0 = time.perf_counter()
+                fn()
+                if round_:  # round 0 warms up: first touch of buffers, connections, the page cache
+                    times[label].append(time.perf_counter() - t0)
         client.close()
+    rows = [{"method": label, "times": t} for label, t in times.items()]
+    disk = [w + r for w, r in zip(times[configs[-2][0]], times[configs[-1][0]])]
+    rows.append({"method": "disk round trip: write + load + copy", "times": disk})
     return {"rows": rows, "bytes": nbytes, "tensors": len(params), "machine": machine_info("cpu")}
 
 
@@ -125,8 +123,9 @@ def markdown(result: dict, model_name: str, repeats: int, threads: int) -> str:
         lines.append(f"| {row['method']} | {med:.3f} | {min(t):.3f}-{max(t):.3f} | {result['bytes'] / med / 1e9:.2f} |")
     head = (
         f"{model_name}, fp32: {result['tensors']} tensors, {result['bytes'] / 1e6:.0f} MB; trainer and server "
-        f"on one machine over 127.0.0.1 (gloo), {threads} torch thread(s) each; {repeats} timed runs after a "
-        f"warm-up. Commit {m['git_commit']}; {m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']}."
+        f"on one machine over 127.0.0.1 (gloo, atomic mode), {threads} torch thread(s) each; {repeats} timed "
+        f"rounds (every configuration once per round) after a warm-up round. Commit {m['git_commit']}; "
+        f"{m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']}."
     )
     return head + "\n\n" + "\n".join(lines) + "\n"
 
