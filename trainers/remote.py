@@ -58,7 +58,7 @@ class RemoteRollouts:
         url: str,
         model: torch.nn.Module,
         api_key: str | None = None,
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = 16 << 20,
         is_sender: bool = True,
         share_version: Callable[[int], int] = lambda v: v,
         timeout: float = 600.0,
