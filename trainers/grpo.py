@@ -604,7 +604,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         with self.manager.pause():
             yield
-        self._pauses.append((t0, time.perf_counter()))
+        if self.config.rollout_server is None:  # a remote server is not paused: it keeps generating
+            self._pauses.append((t0, time.perf_counter()))
 
     def _rollout_throughput(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> float:
         """Generated tokens per second of this process's engine over the last batches.
