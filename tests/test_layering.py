@@ -64,7 +64,8 @@ LAYERS = [
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
 # prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves,
 # profile_step (scripts/profile_step.py) uses the workloads and the report;
-# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report.
+# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report; serving (rollout-bench-serve) uses the
+# workloads and the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "report",
@@ -75,6 +76,7 @@ BENCHMARK_LAYERS = [
     "scoring",
     "manager",
     "generation",
+    "serving",
     "tensor_parallel",
     "__init__",
 ]
