@@ -304,6 +304,8 @@ class TensorParallel:
         values: list[float] = [v for _, lps in output.prompt_logprobs for v in lps]
         values += [float(t) for t in output.sampled_token_ids]
         values += output.logprobs or []
+        for ids, lps in output.top_logprobs or []:
+            values += [float(t) for t in ids] + lps
         if not values:
             return output
         t = torch.tensor(values, dtype=torch.float64)
@@ -318,5 +320,16 @@ class TensorParallel:
             i += len(lps)
         b = len(output.sampled_token_ids)
         tokens = [int(v) for v in host[i : i + b]]
-        logprobs = host[i + b : i + 2 * b] if output.logprobs is not None else None
-        return RunnerOutput(tokens, logprobs, prompt_logprobs)
+        i += b
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = host[i : i + b]
+            i += b
+        top = None
+        if output.top_logprobs is not None:
+            top = []
+            for ids, _ in output.top_logprobs:
+                n = len(ids)
+                top.append(([int(t) for t in host[i : i + n]], host[i + n : i + 2 * n]))
+                i += 2 * n
+        return RunnerOutput(tokens, logprobs, prompt_logprobs, top)

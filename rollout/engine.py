@@ -419,8 +419,14 @@ class Engine:
         Raises:
             ValueError: the prompt plus ``max_new_tokens`` is past the model's context (the message
                 names ``max_new_tokens``, the prompt's length and the context), the request needs more
-                blocks than the cache has, or it has stop strings and the engine no tokenizer.
+                blocks than the cache has, it has stop strings and the engine no tokenizer, or it asks for
+                top logprobs (``num_top_logprobs``) from an engine that records no logprobs.
         """
+        if params.num_top_logprobs > 0 and not self.config.return_logprobs:
+            raise ValueError(
+                f"num_top_logprobs: request {request_id!r} asks for {params.num_top_logprobs} top logprobs per "
+                "token, but the engine records no logprobs; pass ContinuousBatchingConfig(return_logprobs=True)"
+            )
         if params.needs_tokenizer:
             self.stop_matcher(params)
         total = num_prompt_tokens + params.max_new_tokens

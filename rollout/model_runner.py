@@ -126,7 +126,8 @@ class StepResult:
     """What a launched step leaves on the device (and, for async CUDA steps, on its way to the host).
 
     Attributes:
-        packed: float64 [N]: the scores, then the sampled tokens, then their logprobs (see ``collect``);
+        packed: float64 [N]: the scores, then the sampled tokens, then their logprobs, then the top
+            logprobs' ids and values (R x K each, row-major: ``sampling.TopLogprobs``; see ``collect``);
             None when the step neither samples nor scores (a prefill chunk).
         tokens: int64 [B] the sampled tokens on the device (the next step's placeholders read them);
             None when nothing is sampled.
@@ -160,6 +161,35 @@ class LaunchedStep:
             return self.future.result()
         assert self.result is not None
         return self.result
+
+
+def unpack_top_logprobs(counts: Sequence[int], host: Sequence[float]) -> list[tuple[list[int], list[float]]] | None:
+    """Each sampled row's top logprobs from the tail of a step's packed results.
+
+    Args:
+        counts: each sampled row's ``num_top_logprobs`` (0: none), in row order.
+        host: the ids then the logprobs of ``sampling.TopLogprobs``, R x K each, row-major, for the R rows
+            whose count is > 0 (K, the widest count capped at the vocabulary, follows from the length).
+
+    Returns:
+        Per sampled row: (ids, logprobs) of its first ``counts[row]`` alternatives, most likely first, or
+        ``([], [])`` for a row that asked for none; None when no row asked.
+    """
+    asked = sum(1 for c in counts if c > 0)
+    if not asked:
+        return None
+    k = len(host) // (2 * asked)
+    ids, values = host[: asked * k], host[asked * k : 2 * asked * k]
+    out: list[tuple[list[int], list[float]]] = []
+    j = 0
+    for c in counts:
+        if c > 0:
+            n = min(c, k)
+            out.append(([int(t) for t in ids[j * k : j * k + n]], list(values[j * k : j * k + n])))
+            j += 1
+        else:
+            out.append(([], []))
+    return out
 
 
 def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -710,7 +740,7 @@ class ModelRunner:
                 parent_rows = [row_of[id(parent)] for parent, _ in scheduler_output.forks]
                 index = torch.tensor(parent_rows, dtype=torch.int64, device=sample_logits.device)
                 sample_logits = torch.cat([sample_logits, sample_logits.index_select(0, index)])
-            tokens, logprobs = sample_tokens(
+            tokens, logprobs, top = sample_tokens(
                 sample_logits,
                 [r.params for r in sampled],
                 None,
@@ -725,6 +755,8 @@ class ModelRunner:
             parts.append(tokens.double())
             if logprobs is not None:
                 parts.append(logprobs.double())
+            if top is not None:
+                parts += [top.token_ids.flatten().double(), top.logprobs.flatten().double()]
         packed = torch.cat(parts) if parts else None
         result = StepResult(packed, tokens)
         if readback and packed is not None and packed.is_cuda:
@@ -747,7 +779,11 @@ class ModelRunner:
         if plan.sampled:
             b = len(prepared.sampled)
             result.sampled_token_ids = [int(t) for t in host[i : i + b]]
-            result.logprobs = host[i + b : i + 2 * b] if self.return_logprobs else None
+            i += b
+            if self.return_logprobs:
+                result.logprobs = host[i : i + b]
+                i += b
+            result.top_logprobs = unpack_top_logprobs([r.params.num_top_logprobs for r in prepared.sampled], host[i:])
         return result
 
     @property

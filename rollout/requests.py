@@ -72,6 +72,10 @@ class GenerationOutput:
         num_cached_prompt_tokens: prompt tokens whose KV came from the prefix cache, or from the
             request with the same prompt that this one was forked from (then the whole prompt).
         prompt_logprobs: for scoring requests, the logprobs of the scored prompt tokens.
+        top_token_ids: with ``SamplingParams.num_top_logprobs`` = N > 0, per generated token the ids of
+            the N most likely tokens at its position, most likely first (the sampled token may or may
+            not be among them); else empty.
+        top_logprobs: their logprobs, N floats per generated token, in the distribution of ``logprobs``.
         lifespan: ``time.perf_counter()`` seconds (first scheduled, ended), as in transformers;
             -1 for a moment that has not come (or never came: a request cancelled while waiting).
     """
@@ -89,6 +93,8 @@ class GenerationOutput:
     num_cached_prompt_tokens: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)
     lifespan: tuple[float, float] = (-1.0, -1.0)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
     def is_finished(self) -> bool:
         """True once the request reached a final status."""
@@ -153,6 +159,9 @@ class Request:
         self.group_block_hashes: list[list[bytes | None]] = [[]]
         self.status = RequestStatus.PENDING
         self.generated_logprobs: list[float] = []
+        # With params.num_top_logprobs > 0: per generated token, the top ids and their logprobs.
+        self.top_token_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
         self.timestamps: list[float] = []
         self.weight_versions: list[int] = []
         self.error: str | None = None
@@ -221,9 +230,16 @@ class Request:
             self.token_ids.pop()
             self.pending_token = False
 
-    def append_token(self, token: int, logprob: float | None, weight_version: int) -> None:
-        """Record a sampled token (in the placeholder's place when one is pending) and decide whether the
-        request is done."""
+    def append_token(
+        self,
+        token: int,
+        logprob: float | None,
+        weight_version: int,
+        top: tuple[list[int], list[float]] | None = None,
+    ) -> None:
+        """Record a sampled token (in the placeholder's place when one is pending), its logprob, weight
+        version and top logprobs ((ids, logprobs); ignored for a request with ``num_top_logprobs`` 0), and
+        decide whether the request is done."""
         if self.pending_token:
             self.token_ids[-1] = token
             self.pending_token = False
@@ -231,6 +247,9 @@ class Request:
             self.token_ids.append(token)
         if logprob is not None:
             self.generated_logprobs.append(logprob)
+        if top is not None and self.params.num_top_logprobs > 0:
+            self.top_token_ids.append(top[0])
+            self.top_logprobs.append(top[1])
         self.weight_versions.append(weight_version)
         if self.record_timestamps:
             self.timestamps.append(time.perf_counter())
@@ -261,6 +280,8 @@ class Request:
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             prompt_logprobs=list(self.prompt_logprobs),
             lifespan=self.lifespan,
+            top_token_ids=list(self.top_token_ids),
+            top_logprobs=list(self.top_logprobs),
         )
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -435,6 +436,30 @@ def apply_top_k_top_p(
     return out
 
 
+class TopLogprobs(NamedTuple):
+    """The most likely tokens of the rows that asked for them (``SamplingParams.num_top_logprobs`` > 0).
+
+    Attributes:
+        rows: the batch rows that asked, ascending (host ints).
+        token_ids: int64 [len(rows), K] on the logits' device, K the largest count asked for (at most V);
+            row j holds the K most likely token ids of batch row ``rows[j]``, most likely first. A row that
+            asked for fewer reads its first ``num_top_logprobs`` columns.
+        logprobs: float32 [len(rows), K], their logprobs, in the distribution of the sampled token's logprob.
+    """
+
+    rows: list[int]
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+class SampleOutput(NamedTuple):
+    """What ``sample_tokens`` returns: tokens [B], logprobs [B] or None, top logprobs or None (see fields)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    top: TopLogprobs | None
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -446,8 +471,8 @@ def sample_tokens(
     num_prompt_tokens: Sequence[int] | None = None,
     uniform: np.ndarray | None = None,
     staging: HostStaging | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick one token per row and its logprob.
+) -> SampleOutput:
+    """Pick one token per row, its logprob, and the top logprobs of the rows that ask for them.
 
     Args:
         logits: float32 [B, V], raw; row b belongs to the request with ``params[b]``.
@@ -460,7 +485,7 @@ def sample_tokens(
             probability of the token in the distribution it was drawn from: after the logits
             processors, temperature, top-k, top-p and min-p (greedy rows: log_softmax of the
             processed logits, which is the raw logprob for a request without processors).
-        return_logprobs: compute the logprobs at all.
+        return_logprobs: compute the sampled tokens' logprobs at all.
         token_ids: each row's sequence so far (prompt then generated tokens), read by the logits
             processors; None is allowed when no row has any.
         num_prompt_tokens: each row's prompt length, with ``token_ids``.
@@ -470,7 +495,10 @@ def sample_tokens(
             uses a fresh one.
 
     Returns:
-        int64 [B] tokens, and float32 [B] logprobs (or None), on the logits' device; nothing is read
+        ``SampleOutput``: int64 [B] tokens; float32 [B] logprobs (None without ``return_logprobs``); and
+        ``TopLogprobs`` of the rows with ``num_top_logprobs`` > 0 (None when no row asks; then nothing
+        is computed for it), taken by ``torch.topk`` of the same log-distribution (``logprobs_mode``)
+        as the logprob, whatever ``return_logprobs`` says. All on the logits' device; nothing is read
         back to the host.
 
     Raises:
@@ -483,12 +511,18 @@ def sample_tokens(
     device = logits.device
     tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    need_temps = bool(sampled_rows) or (return_logprobs and logprobs_mode == "temperature")
-    if not need_temps:
-        return tokens, (_logprobs(raw, logits, None, tokens, logprobs_mode) if return_logprobs else None)
+    top_rows = [i for i, p in enumerate(params) if p.num_top_logprobs > 0]
+    need_logprobs = return_logprobs or bool(top_rows)
+    need_temps = bool(sampled_rows) or (need_logprobs and logprobs_mode == "temperature")
+    if not need_temps and not top_rows:
+        if not return_logprobs:
+            return SampleOutput(tokens, None, None)
+        return SampleOutput(tokens, _token_logprobs(_log_distribution(raw, logits, None, logprobs_mode), tokens), None)
     # Every per-row value the device needs, gathered on the host and sent in one copy.
     temps = np.array([p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params], dtype=np.float64)
     arrays = [temps]
+    if top_rows and len(top_rows) < B:
+        arrays.append(np.array(top_rows, dtype=np.int64))
     sub_params = [params[i] for i in sampled_rows]
     use_top_k = any(p.top_k for p in sub_params)
     use_top_p = any(p.top_p is not None and p.top_p < 1.0 for p in sub_params)
@@ -512,7 +546,8 @@ def sample_tokens(
             arrays.append(np.array([p.min_p or 0.0 for p in sub_params], dtype=np.float64))
     staged = iter((staging or HostStaging(device)).upload(*arrays))
     temps_t = next(staged).float()
-    processed_logprobs: torch.Tensor | None = None
+    top_index = next(staged) if top_rows and len(top_rows) < B else None
+    processed: torch.Tensor | None = None  # "sampled" mode: the sampled rows' log-distribution [S, V]
     rows: torch.Tensor | None = None
     if sampled_rows:
         rows, u_t = next(staged), next(staged)
@@ -530,28 +565,44 @@ def sample_tokens(
         cdf = torch.cumsum(probs.double(), dim=-1)
         chosen = torch.searchsorted(cdf, (u_t * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
         tokens[rows] = chosen
-        if return_logprobs and logprobs_mode == "sampled":
-            processed_logprobs = torch.log_softmax(scaled, dim=-1).gather(1, chosen[:, None])[:, 0]
-    if not return_logprobs:
-        return tokens, None
-    logprobs = _logprobs(raw, logits, temps_t, tokens, logprobs_mode)
-    if processed_logprobs is not None:
-        logprobs[rows] = processed_logprobs
-    return tokens, logprobs
+        if need_logprobs and logprobs_mode == "sampled":
+            processed = torch.log_softmax(scaled, dim=-1)
+    if not need_logprobs:
+        return SampleOutput(tokens, None, None)
+    dist = _log_distribution(raw, logits, temps_t, logprobs_mode)
+    logprobs = None
+    if return_logprobs:
+        logprobs = _token_logprobs(dist, tokens)
+        if processed is not None:
+            logprobs[rows] = processed.gather(1, tokens[rows][:, None])[:, 0]
+    top = None
+    if top_rows:
+        if processed is not None:
+            # The sampled rows' logprobs come from the distribution they were drawn from: so do their
+            # alternatives (an out-of-place copy, made only when a row asks for alternatives).
+            dist = dist.index_copy(0, rows, processed)
+        k = min(max(params[i].num_top_logprobs for i in top_rows), V)
+        values, ids = (dist if top_index is None else dist.index_select(0, top_index)).topk(k, dim=-1)
+        top = TopLogprobs(top_rows, ids, values)
+    return SampleOutput(tokens, logprobs, top)
 
 
-def _logprobs(
-    raw: torch.Tensor, processed: torch.Tensor, temps: torch.Tensor | None, tokens: torch.Tensor, mode: str
+def _log_distribution(
+    raw: torch.Tensor, processed: torch.Tensor, temps: torch.Tensor | None, mode: str
 ) -> torch.Tensor:
-    """float32 [B]: each row's logprob of its token in ``mode`` (see ``sample_tokens``).
+    """float32 [B, V]: each row's log-distribution in ``mode`` (see ``sample_tokens``), before the
+    "sampled" mode's temperature and filters (the caller puts those rows in).
 
     ``temps`` (float32 [B]) is needed by the "temperature" mode only.
     """
     if mode == "temperature":
         assert temps is not None
-        lp = torch.log_softmax(raw / temps[:, None], dim=-1)
-    elif mode == "raw":
-        lp = torch.log_softmax(raw, dim=-1)
-    else:  # "sampled": greedy rows drew from their processed logits
-        lp = torch.log_softmax(processed, dim=-1)
-    return lp.gather(1, tokens[:, None])[:, 0]
+        return torch.log_softmax(raw / temps[:, None], dim=-1)
+    if mode == "raw":
+        return torch.log_softmax(raw, dim=-1)
+    return torch.log_softmax(processed, dim=-1)  # "sampled": greedy rows drew from their processed logits
+
+
+def _token_logprobs(dist: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """float32 [B]: ``dist`` [B, V] at each row's token (int64 [B])."""
+    return dist.gather(1, tokens[:, None])[:, 0]

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # transformers' default when neither the model's nor the caller's generation config sets max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 20
+# Most alternatives a request may ask for per token (vLLM's default ``max_logprobs``): each costs a top-k
+# over the vocabulary and two floats per token on the way back to the host.
+MAX_TOP_LOGPROBS = 20
 
 # The fields that shape or draw the next-token distribution. With
 # ``ContinuousBatchingConfig(per_request_processors=False)`` a request may not change them (transformers:
@@ -138,6 +141,12 @@ class SamplingParams:
             the text may start in the prompt. Needs the engine's tokenizer. A str is one string.
         stop: vLLM-style per-request stop strings: the same test on the generated tokens' text only.
             The token that completes a stop string is kept in the output, for both.
+        num_top_logprobs: in [0, ``MAX_TOP_LOGPROBS``]; for each generated token, also record the
+            ids and logprobs of the this-many most likely tokens, most likely first, from the same
+            distribution as the sampled token's logprob (``ContinuousBatchingConfig.logprobs_mode``).
+            vLLM's ``SamplingParams.logprobs``, renamed: rollout's ``logprobs`` already means the
+            sampled token's own logprob (``GenerationOutput.logprobs``). Needs
+            ``ContinuousBatchingConfig(return_logprobs=True)``. 0 costs nothing.
 
     Raises:
         ValueError: a value out of its range; the message starts with the field's name.
@@ -158,6 +167,7 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     stop_strings: tuple[str, ...] = ()
     stop: tuple[str, ...] = ()
+    num_top_logprobs: int = 0
     # True when a logits processor that reads the sequence may change this request's logits
     # (set at construction; the sampler skips every other request at no cost).
     uses_logits_processors: bool = field(default=False, init=False, repr=False, compare=False)
@@ -229,6 +239,7 @@ class SamplingParams:
         check_number("min_p", self.min_p, 0, 1, allow_none=True)
         check_int("min_new_tokens", self.min_new_tokens, minimum=0)
         check_int("min_length", self.min_length, minimum=0)
+        check_int("num_top_logprobs", self.num_top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
         for name in ("stop_strings", "stop"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
@@ -355,6 +366,7 @@ def build_sampling_params(
     bad_words_ids: Sequence[Sequence[int]] | None = None,
     stop_strings: str | Sequence[str] | None = None,
     stop: str | Sequence[str] | None = None,
+    num_top_logprobs: int | None = None,
 ) -> SamplingParams:
     """Build validated ``SamplingParams`` from defaults and per-request overrides.
 
@@ -374,6 +386,7 @@ def build_sampling_params(
             stop token, ``stop_strings=[]`` none). A temperature given without ``do_sample`` implies
             ``do_sample = temperature > 0``.
         stop: vLLM-style stop strings of the request (see ``SamplingParams.stop``).
+        num_top_logprobs: alternatives recorded per generated token (see ``SamplingParams.num_top_logprobs``).
 
     Returns:
         The parameters; ``base`` itself when it is a ``SamplingParams`` and nothing overrides it.
@@ -398,6 +411,7 @@ def build_sampling_params(
         "bad_words_ids": bad_words_ids,
         "stop_strings": stop_strings,
         "stop": stop,
+        "num_top_logprobs": num_top_logprobs,
     }
     if isinstance(base, GenerationConfig):
         values = _from_generation_config(base, drop_unsupported_processors)

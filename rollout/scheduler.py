@@ -154,11 +154,15 @@ class RunnerOutput:
             then one per fork of ``SchedulerOutput.forks``, in that order.
         logprobs: one logprob per sampled token when logprobs are recorded, else None.
         prompt_logprobs: (scoring request, the logprobs of the positions it scored this step).
+        top_logprobs: per sampled token, (ids, logprobs) of its request's ``num_top_logprobs`` most likely
+            tokens, most likely first (empty lists for a request that asks for none); None when no request
+            of the step asks.
     """
 
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     prompt_logprobs: list[tuple[Request, list[float]]] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 class Scheduler:
@@ -624,7 +628,7 @@ class Scheduler:
         """Apply a step's results: the one place a step changes requests.
 
         Each scheduled request advances ``num_computed_tokens`` by its scheduled tokens. A
-        sampling request appends its token (with logprob and weight version) and either finishes
+        sampling request appends its token (with logprob, top logprobs and weight version) and either finishes
         (a stop token or max_new_tokens: FINISHED, blocks freed) or goes on DECODING. The forks of
         a request whose prefill completed take its blocks and computed tokens (before it may
         finish and free them), join the running requests and append their own token the same
@@ -649,6 +653,7 @@ class Scheduler:
                 req.prompt_logprobs.extend(logprobs)
         tokens = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
+        top = runner_output.top_logprobs
         version = self.weight_version
         updated: list[Request] = []
         # The forks' tokens follow those of the scheduled requests.
@@ -673,7 +678,12 @@ class Scheduler:
                     req.forks.remove(child)
                     self._fork(req, child)
                 for r, row in ((req, k), *children):
-                    r.append_token(tokens[row], logprobs[row] if logprobs is not None else None, version)
+                    r.append_token(
+                        tokens[row],
+                        logprobs[row] if logprobs is not None else None,
+                        version,
+                        top[row] if top is not None else None,
+                    )
                     if r.done:
                         self._finish(r, RequestStatus.FINISHED)
                     else:

@@ -264,3 +264,59 @@ def test_hf_cb_runs_with_the_options_given(tiny_llama, monkeypatch) -> None:
     )
     assert len(seen) == 2 and all(c.max_batch_tokens == 16 and c.seed == 0 for c in seen)  # warmup, timed run
     assert result["systems"]["hf-cb"]["hf_cb_options"] == {"max_batch_tokens": 16}
+
+
+def test_serving_benchmark_runs_a_real_server_and_both_systems_generate_the_same_tokens(tiny_llama, tmp_path):
+    from rollout import ContinuousBatchingConfig
+    from rollout.benchmarks import serving
+
+    tiny_llama.save_pretrained(tmp_path / "model")
+    tiny_models.tiny_tokenizer().save_pretrained(tmp_path / "model")
+    # Sampled, G = 2 choices per request: the seeds must make the server's samples equal the manager's.
+    workload = _tiny_workload(do_sample=True, temperature=1.0, num_samples=2)
+    config = ContinuousBatchingConfig(return_logprobs=True, num_blocks=64, page_size=16)
+    result = serving.run_serve_workload(
+        tiny_llama,
+        str(tmp_path / "model"),
+        PROMPTS,
+        workload,
+        eos=[EOS],
+        concurrency=[1, 3],
+        rounds=2,
+        requests_per_client=2,
+        config=config,
+        engine_flags=["--num-blocks", "64", "--page-size", "16"],
+        threads=1,
+    )
+    assert list(result["levels"]) == ["1", "3"]
+    for c, level in result["levels"].items():
+        assert level["requests"] == 2 * int(c)
+        assert level["same_tokens"] is True
+        for system in ("manager", "serve"):
+            s = level[system]
+            assert len(s["tokens_per_s_rounds"]) == 2 and all(t > 0 for t in s["tokens_per_s_rounds"])
+            assert s["tokens"][0] == s["tokens"][1] > 0  # seeded: every round generates the same tokens
+            assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
+            assert 0 < s["itl_p50_s"] <= s["itl_p99_s"]
+        assert level["manager"]["tokens"] == level["serve"]["tokens"]
+        ratio = level["ratio_serve_manager"]
+        assert len(ratio["rounds"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+        expected = [
+            s / m for m, s in zip(level["manager"]["tokens_per_s_rounds"], level["serve"]["tokens_per_s_rounds"])
+        ]
+        assert ratio["rounds"] == pytest.approx(expected)
+    report = {"model": "tiny", "machine": {}, "workloads": {"tiny": result}}
+    table = serving.markdown_table(report).splitlines()
+    assert len(table) == 2 + 2 and table[2].startswith("| tiny | 1 |") and table[3].endswith("| yes |")
+
+
+def test_serving_benchmark_percentiles_and_jobs():
+    from rollout.benchmarks import serving
+
+    assert serving.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert serving.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert serving.percentile([], 50) is None
+    jobs = serving.make_jobs(PROMPTS, _tiny_workload(do_sample=True, num_samples=3), 6, seed=10)
+    assert [j.prompt for j in jobs] == PROMPTS + PROMPTS[:2]
+    assert [j.seed for j in jobs] == [10, 13, 16, 19, 22, 25]  # G seeds per request: s + k for its k-th copy
+    assert {j.seed for j in serving.make_jobs(PROMPTS, _tiny_workload(), 2, seed=10)} == {None}

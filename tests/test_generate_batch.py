@@ -424,3 +424,37 @@ def test_cpu_offload_space_alone_turns_offload_on(space: float | None) -> None:
     no_pool = Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=14, cpu_offload_space=0.0))
     assert no_pool.offload_pool is None
     no_pool.close()
+
+
+@pytest.mark.parametrize(("mode", "temperature"), [("raw", 1.0), ("temperature", 0.7)])
+def test_top_logprobs_equal_topk_of_a_teacher_forced_log_softmax(mode: str, temperature: float) -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, min_len=3, max_len=20, seed=12)
+    # Requests 0 and 2 sample and ask for 5 and 3 alternatives; 1 and 3 are greedy, 3 asks for 1, 1 for none.
+    asked = [5, 0, 3, 1]
+    cfg = ContinuousBatchingConfig(page_size=4, seed=3, return_logprobs=True, logprobs_mode=mode)
+    engine = Engine(model, cfg)
+    for i, (prompt, n) in enumerate(zip(prompts, asked)):
+        params = SamplingParams(max_new_tokens=8, do_sample=i % 2 == 0, temperature=temperature, num_top_logprobs=n)
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    outputs = run_engine(engine)
+    for i, (prompt, n) in enumerate(zip(prompts, asked)):
+        out = outputs[f"r{i}"]
+        if n == 0:
+            assert out.top_token_ids == [] and out.top_logprobs == []
+            continue
+        t = temperature if (mode == "temperature" and i % 2 == 0) else 1.0
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.generated_tokens])).logits[0].float()
+        dist = torch.log_softmax(logits[len(prompt) - 1 : -1] / t, dim=-1)  # row k predicts token k
+        values, ids = torch.topk(dist, n, dim=-1)
+        assert len(out.top_token_ids) == len(out.top_logprobs) == len(out.generated_tokens)
+        assert out.top_token_ids == ids.tolist()
+        assert_close([v for row in out.top_logprobs for v in row], values.flatten(), atol=1e-4)
+
+
+def test_top_logprobs_without_return_logprobs_are_refused_naming_the_field() -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4))
+    with pytest.raises(ValueError, match=r"^num_top_logprobs: .*return_logprobs=True"):
+        engine.add_request([5, 6], SamplingParams(num_top_logprobs=2))
+    assert not engine.requests

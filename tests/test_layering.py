@@ -68,8 +68,8 @@ LAYERS = [
 # workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
 # prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves,
 # profile_step (scripts/profile_step.py) uses the workloads and the report;
-# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report; weight_sync
-# (scripts/bench_weight_sync.py) uses the report.
+# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report; serving (rollout-bench-serve) uses the
+# workloads and the report; weight_sync (scripts/bench_weight_sync.py) uses the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "report",
@@ -80,6 +80,7 @@ BENCHMARK_LAYERS = [
     "scoring",
     "manager",
     "generation",
+    "serving",
     "tensor_parallel",
     "weight_sync",
     "__init__",

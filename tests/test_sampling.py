@@ -3,6 +3,7 @@ frequencies, logprob modes; the seeded streams, the one generator draw per step 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -109,7 +110,7 @@ def test_greedy_rows_equal_argmax_also_next_to_sampled_rows() -> None:
         SamplingParams(do_sample=True, temperature=2.0, top_k=1),
     ]
     gens = [None, generator(1), None, None, None, None]
-    tokens, _ = sample_tokens(logits, params, gens, generator(0), return_logprobs=False)
+    tokens, _, _ = sample_tokens(logits, params, gens, generator(0), return_logprobs=False)
     argmax = logits.argmax(dim=-1)
     greedy_rows = [0, 2, 4, 5]
     assert tokens[greedy_rows].tolist() == argmax[greedy_rows].tolist()
@@ -119,7 +120,7 @@ def test_top_k_one_equals_greedy_on_every_row() -> None:
     torch.manual_seed(1)
     logits = torch.randn(64, 100)
     params = [SamplingParams(do_sample=True, temperature=1.5, top_k=1)] * 64
-    tokens, _ = sample_tokens(logits, params, [None] * 64, generator(0), return_logprobs=False)
+    tokens, _, _ = sample_tokens(logits, params, [None] * 64, generator(0), return_logprobs=False)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -134,7 +135,7 @@ def test_same_seed_gives_same_tokens_whatever_the_other_rows() -> None:
         gens = [own if i == index else (generator(7) if p.seed is not None else None) for i, p in enumerate(params)]
         out = []
         for _ in range(20):
-            tokens, _ = sample_tokens(batch_logits, params, gens, generator(other_seed), return_logprobs=False)
+            tokens, _, _ = sample_tokens(batch_logits, params, gens, generator(other_seed), return_logprobs=False)
             out.append(int(tokens[index]))
         return out
 
@@ -195,7 +196,7 @@ def test_sampled_frequencies_match_softmax_of_logits_over_temperature(
     logits = torch.tensor([FREQ_LOGITS] * NUM_DRAWS)
     params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)] * NUM_DRAWS
     gens = [generator(321)] * NUM_DRAWS if own_generator else [None] * NUM_DRAWS
-    tokens, _ = sample_tokens(logits, params, gens, generator(123), return_logprobs=False)
+    tokens, _, _ = sample_tokens(logits, params, gens, generator(123), return_logprobs=False)
     counts = torch.bincount(tokens, minlength=4).tolist()
     assert [counts[i] for i in range(4) if i not in keep] == [0] * (4 - len(keep))
     assert chi2(counts, expected_frequencies(temperature, keep)) < CHI2_BOUND
@@ -219,7 +220,9 @@ def lp_logits() -> torch.Tensor:
 
 
 def draw_with_logprobs(mode: str) -> tuple[list[int], list[float]]:
-    tokens, logprobs = sample_tokens(lp_logits(), LP_PARAMS, [None] * len(LP_PARAMS), generator(5), logprobs_mode=mode)
+    tokens, logprobs, _ = sample_tokens(
+        lp_logits(), LP_PARAMS, [None] * len(LP_PARAMS), generator(5), logprobs_mode=mode
+    )
     assert logprobs is not None and logprobs.dtype == torch.float32 and logprobs.shape == (len(LP_PARAMS),)
     return tokens.tolist(), logprobs.tolist()
 
@@ -280,10 +283,50 @@ def test_logprobs_mode_does_not_change_the_sampled_tokens() -> None:
 
 def test_return_logprobs_false_returns_none_and_same_tokens() -> None:
     logits = lp_logits()
-    tokens, logprobs = sample_tokens(logits, LP_PARAMS, [None] * len(LP_PARAMS), generator(5), return_logprobs=False)
+    tokens, logprobs, _ = sample_tokens(logits, LP_PARAMS, [None] * len(LP_PARAMS), generator(5), return_logprobs=False)
     assert logprobs is None
     assert tokens.dtype == torch.int64
     assert tokens.tolist() == draw_with_logprobs("temperature")[0]
+
+
+@pytest.mark.parametrize("mode", ["raw", "temperature", "sampled"])
+def test_top_logprobs_are_topk_of_the_distribution_of_the_sampled_tokens_logprob(mode: str) -> None:
+    # Rows 0 and 2 ask for alternatives (5 and 3); rows 1 and 3 ask for none and get none.
+    params = [
+        dataclasses.replace(LP_PARAMS[0], num_top_logprobs=5),
+        LP_PARAMS[1],
+        dataclasses.replace(LP_PARAMS[2], num_top_logprobs=3),
+        LP_PARAMS[3],
+    ]
+    logits = lp_logits()
+    tokens, logprobs, top = sample_tokens(logits, params, [None] * 4, generator(5), logprobs_mode=mode)
+    assert tokens.tolist() == draw_with_logprobs(mode)[0]  # asking for alternatives changes no token
+    assert_close(logprobs, draw_with_logprobs(mode)[1], atol=1e-6)
+    assert top is not None and top.rows == [0, 2]
+    assert top.token_ids.shape == top.logprobs.shape == (2, 5) and top.token_ids.dtype == torch.int64
+    temps = {"raw": [1.0, 1.0], "temperature": [1.0, 1.3], "sampled": [1.0, 1.3]}[mode]
+    for j, (row, t, n) in enumerate(zip([0, 2], temps, [5, 3])):
+        dist = torch.log_softmax(logits[row] / t, dim=-1)
+        if mode == "sampled" and row == 2:  # drawn from the top-3 set, renormalised: the rest is -inf
+            dist = torch.log_softmax(apply_top_k_top_p(logits[row : row + 1] / t, torch.tensor([3]), None)[0], -1)
+        values, ids = torch.topk(dist, n)
+        assert top.token_ids[j, :n].tolist() == ids.tolist()
+        assert_close(top.logprobs[j, :n], values, atol=1e-6)
+        # The sampled token's logprob is the same distribution's value at the token.
+        assert_close([logprobs[row].item()], [dist[tokens[row]].item()], atol=1e-6)
+
+
+def test_no_row_asking_for_top_logprobs_gives_none() -> None:
+    assert sample_tokens(lp_logits(), LP_PARAMS, [None] * 4, generator(5)).top is None
+    assert sample_tokens(lp_logits(), LP_PARAMS, [None] * 4, generator(5), return_logprobs=False).top is None
+
+
+def test_top_logprobs_wider_than_the_vocabulary_are_capped_at_it() -> None:
+    params = [SamplingParams(num_top_logprobs=20)]
+    logits = torch.tensor([[0.5, 2.0, -1.0]])
+    top = sample_tokens(logits, params, None, None, logprobs_mode="raw").top
+    assert top is not None and top.token_ids.tolist() == [[1, 0, 2]]
+    assert_close(top.logprobs[0], torch.log_softmax(logits[0], -1)[[1, 0, 2]], atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------ logits processors
@@ -375,7 +418,7 @@ def test_min_p_keeps_tokens_with_at_least_min_p_times_the_top_probability() -> N
 def test_greedy_takes_the_argmax_of_the_processed_logits() -> None:
     logits = torch.tensor([[1.0, 0.9, 0.1], [1.0, 0.9, 0.1]])
     params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
-    tokens, _ = sample_tokens(
+    tokens, _, _ = sample_tokens(
         logits, params, [None, None], generator(0), token_ids=[[0], [0]], num_prompt_tokens=[1, 1]
     )
     assert tokens.tolist() == [1, 0]  # 1.0 / 2 < 0.9 on the first row only
@@ -385,7 +428,7 @@ def test_sampled_rows_never_draw_a_banned_token() -> None:
     logits = torch.zeros(500, 6)
     params = [SamplingParams(do_sample=True, bad_words_ids=[[0], [4, 5]], no_repeat_ngram_size=2)] * 500
     histories = [[4, 1, 3, 4]] * 500  # bans 0, 5 (after 4) and 1 (4 was followed by 1)
-    tokens, _ = sample_tokens(
+    tokens, _, _ = sample_tokens(
         logits, params, [None] * 500, generator(0), token_ids=histories, num_prompt_tokens=[1] * 500
     )
     assert set(tokens.tolist()) == {2, 3, 4}
@@ -444,7 +487,7 @@ def test_sampled_logprobs_equal_the_hand_computed_processed_distribution() -> No
     torch.manual_seed(4)
     logits = torch.randn(len(PROC_PARAMS), 10) * 2
     for seed in range(5):
-        tokens, logprobs = sample_tokens(
+        tokens, logprobs, _ = sample_tokens(
             logits,
             PROC_PARAMS,
             [None] * len(PROC_PARAMS),
@@ -464,7 +507,7 @@ def test_sampled_logprobs_equal_the_hand_computed_processed_distribution() -> No
 def test_temperature_and_raw_logprobs_ignore_the_processors(mode: str) -> None:
     torch.manual_seed(4)
     logits = torch.randn(len(PROC_PARAMS), 10) * 2
-    tokens, logprobs = sample_tokens(
+    tokens, logprobs, _ = sample_tokens(
         logits,
         PROC_PARAMS,
         [None] * len(PROC_PARAMS),
@@ -546,13 +589,13 @@ def test_sample_tokens_with_given_uniforms_equals_the_generator_path() -> None:
         SamplingParams(do_sample=True, temperature=1.3, min_p=0.05),
         SamplingParams(do_sample=True, top_k=3, top_p=0.9),
     ]
-    tokens, logprobs = sample_tokens(
+    tokens, logprobs, _ = sample_tokens(
         logits, params, [None, None, generator(3), None, None], generator(11), logprobs_mode="sampled"
     )
     rows = [0, 2, 3, 4]  # row 1 is greedy and draws nothing
     uniform = np.zeros(5)
     uniform[rows] = generator_uniforms([None, generator(3), None, None], generator(11))
-    again, again_lp = sample_tokens(logits, params, None, None, logprobs_mode="sampled", uniform=uniform)
+    again, again_lp, _ = sample_tokens(logits, params, None, None, logprobs_mode="sampled", uniform=uniform)
     assert again.tolist() == tokens.tolist()
     assert again_lp.tolist() == logprobs.tolist()
     with pytest.raises(ValueError, match="needs uniform numbers or generators"):

@@ -47,6 +47,9 @@ INVALID_SAMPLING_PARAMS = [
     ("stop_strings", {"stop_strings": ("",)}),
     ("stop_strings", {"stop_strings": 5}),
     ("stop", {"stop": ("</answer>", None)}),
+    ("num_top_logprobs", {"num_top_logprobs": -1}),
+    ("num_top_logprobs", {"num_top_logprobs": 21}),  # past MAX_TOP_LOGPROBS
+    ("num_top_logprobs", {"num_top_logprobs": 2.0}),
 ]
 
 

@@ -97,6 +97,41 @@ def test_greedy_token_ids_equal_generate_and_logprobs_equal_teacher_forcing(
     assert out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
 
 
+def _teacher_forced_topk(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], n: int, temperature: float = 1.0
+) -> tuple[list[list[float]], list[list[int]]]:
+    """torch.topk of log_softmax(logits / T) at each completion position under one plain forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    values, ids = torch.topk(torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1), n, dim=-1)
+    return values.tolist(), ids.tolist()
+
+
+def test_top5_logprobs_equal_topk_of_a_teacher_forced_log_softmax_streamed_or_not(
+    srv: RunningServer, client: openai.OpenAI, model: torch.nn.Module, tokenizer: object
+) -> None:
+    prompt = random_prompts(1, seed=13)[0]
+    # Sampled at T = 0.8: the server's logprobs_mode is "temperature", so the alternatives are log_softmax(l / T).
+    body = {"max_tokens": 8, "temperature": 0.8, "seed": 4, "logprobs": 5}
+    out = client.completions.create(model=MODEL, prompt=prompt, extra_body={"return_token_ids": True}, **body)
+    choice = out.choices[0]
+    values, ids = _teacher_forced_topk(model, prompt, choice.token_ids, 5, temperature=0.8)
+    tops = choice.logprobs.top_logprobs
+    assert len(tops) == len(choice.token_ids)
+    for k, (top, row_ids, row_values) in enumerate(zip(tops, ids, values)):
+        # The five most likely, most likely first, then the sampled token when it is not among them (vLLM).
+        expected = [tokenizer.decode([t]) for t in row_ids]
+        sampled = choice.logprobs.tokens[k]
+        assert list(top) == expected + ([sampled] if choice.token_ids[k] not in row_ids else [])
+        assert_close([top[s] for s in expected], row_values, atol=1e-4)
+        assert_close([top[sampled]], [choice.logprobs.token_logprobs[k]], atol=1e-6)
+    streamed: list[dict] = []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **body):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.top_logprobs
+    assert streamed == tops
+
+
 def test_n4_with_a_seed_gives_distinct_samples_identical_across_calls(client: openai.OpenAI) -> None:
     def sample() -> list[list[int]]:
         out = client.completions.create(
@@ -384,7 +419,9 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
         ({"prompt": []}, 400, "prompt"),
         ({"prompt": [5, 6], "n": 0}, 400, "n"),
         ({"prompt": [5, 6], "model": "gpt-4"}, 404, "model"),
-        ({"prompt": [5, 6], "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": [5, 6], "logprobs": 21}, 400, "logprobs"),
+        ({"prompt": [5, 6], "logprobs": 2, "echo": True}, 400, "logprobs"),
+        ({"prompt": [5, 6], "prompt_logprobs": 2}, 400, "prompt_logprobs"),
         ({"prompt": [5, 6], "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
         ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),
@@ -444,11 +481,25 @@ def test_chat_greedy_applies_the_template_and_streams_the_same_text(
     assert streamed == choice.message.content
 
 
-def test_chat_top_logprobs_are_refused(client: openai.OpenAI) -> None:
+def test_chat_top_logprobs_equal_topk_of_a_teacher_forced_log_softmax(
+    client: openai.OpenAI, model: torch.nn.Module, tokenizer: object
+) -> None:
+    messages = [{"role": "user", "content": "t5 t6 t7"}]
+    prompt = [4, 5, 6, 7, 9]  # "t4 t5 t6 t7 t9": the message, the generation prompt
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    values, ids = _teacher_forced_topk(model, prompt, choice.token_ids, 3)
+    assert len(choice.logprobs.content) == len(choice.token_ids)
+    for entry, row_ids, row_values in zip(choice.logprobs.content, ids, values):
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in row_ids]
+        assert_close([t.logprob for t in entry.top_logprobs], row_values, atol=1e-4)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the most likely
+        assert entry.top_logprobs[0].bytes == list(entry.token.encode())
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "t5"}], logprobs=True, top_logprobs=2
-        )
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)  # without logprobs=true
 
 
 def test_hermes_tool_calls_are_parsed_out_of_the_text() -> None:

@@ -11,6 +11,8 @@ Modules (each command is also a script under ``scripts/``):
   manager's overhead over ``generate_batch``;
 - ``prompt_fork`` (scripts/bench_prompt_fork.py): the prompt tokens computed and the wall time of G
   samples of one prompt, prompt forking on and off, on a random model;
+- ``serving``: ``rollout-bench-serve``: ``rollout-serve`` over HTTP (a subprocess, 1 to 64 streaming
+  clients) against the in-process manager on the gsm8k workloads: tokens/s, TTFT and ITL, ratios per round;
 - ``tensor_parallel`` (scripts/bench_tp.py): ``generate_batch`` tokens/s in one process or on the ranks
   of a ``torchrun`` launch with the model loaded with ``tp_plan="auto"``;
 - ``workloads``, ``systems``, ``report``: the pieces of ``generation``: the questions and prompts of

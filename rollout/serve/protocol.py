@@ -68,10 +68,11 @@ class CompletionRequest(SamplingFields):
 
     Attributes:
         prompt: a text, a list of texts, a list of token ids or a list of token-id lists.
-        logprobs: None for none; 0 for the sampled token's logprob only (what RL clients ask for).
-            Top-N alternatives (N >= 1) are not supported: a 400 says so.
-        echo: prepend the prompt to each choice's text (and its logprobs, when asked for).
-        prompt_logprobs: vLLM's: 0 adds the logprob of every prompt token after the first.
+        logprobs: None for none; 0 for the sampled token's logprob only (what RL clients ask for); N in
+            [1, 20] adds the N most likely tokens of each position to ``top_logprobs``.
+        echo: prepend the prompt to each choice's text (and its logprobs, when asked for: only with logprobs=0).
+        prompt_logprobs: vLLM's: 0 adds the logprob of every prompt token after the first; N > 0 (their
+            alternatives) is not supported: a 400 says so.
     """
 
     prompt: Prompt
@@ -109,7 +110,7 @@ class ChatCompletionRequest(SamplingFields):
         tools: functions offered to the model, passed to the chat template.
         tool_choice: "auto" or "none" (None: "auto" with tools); forcing a tool is not supported.
         logprobs: return the sampled tokens' logprobs.
-        top_logprobs: alternatives per token; only 0 is supported.
+        top_logprobs: the N most likely tokens of each position (0 to 20; needs ``logprobs``).
         max_completion_tokens: OpenAI's newer name of ``max_tokens``.
         add_generation_prompt: append the assistant turn's opening (the template's own flag).
         chat_template_kwargs: extra variables of the chat template (``enable_thinking``...).

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout import GenerationOutput, SamplingParams, build_sampling_params
+from rollout.sampling_params import MAX_TOP_LOGPROBS
 
 from .chat import TOOL_CALL_OPEN, chat_prompt_ids, parse_tool_calls
 from .errors import APIError, bad_request
@@ -43,6 +44,7 @@ API_NAMES = {
     "repetition_penalty": "repetition_penalty",
     "seed": "seed",
     "stop": "stop",
+    "num_top_logprobs": "logprobs",
 }
 
 
@@ -149,15 +151,21 @@ def check_supported(req: SamplingFields) -> None:
             "stream_options.continuous_usage_stats: not supported", "stream_options.continuous_usage_stats"
         )
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None and req.logprobs > 0:
+        if req.logprobs is not None and req.logprobs > MAX_TOP_LOGPROBS:
             raise bad_request(
-                f"logprobs: top-{req.logprobs} alternatives are not supported; rollout returns the sampled token's "
-                "logprob only: pass logprobs=0",
+                f"logprobs: {req.logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS} (vLLM's max_logprobs)",
+                "logprobs",
+            )
+        if req.logprobs and req.echo:
+            raise bad_request(
+                "logprobs: alternatives of the prompt tokens (echo with logprobs > 0) are not supported: pass "
+                "logprobs=0 with echo, or echo=false",
                 "logprobs",
             )
         if req.prompt_logprobs is not None and req.prompt_logprobs > 0:
             raise bad_request(
-                "prompt_logprobs: top alternatives are not supported: pass prompt_logprobs=0", "prompt_logprobs"
+                "prompt_logprobs: top alternatives of the prompt tokens are not supported: pass prompt_logprobs=0",
+                "prompt_logprobs",
             )
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of: not supported (only equal to n)", "best_of")
@@ -166,10 +174,11 @@ def check_supported(req: SamplingFields) -> None:
         if req.stream and req.echo:
             raise bad_request("echo: not supported with stream=true", "echo")
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs:
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs=true (OpenAI's rule)", "top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > MAX_TOP_LOGPROBS:
             raise bad_request(
-                "top_logprobs: alternatives are not supported; rollout returns the sampled token's logprob only "
-                "(logprobs=true, top_logprobs=0)",
+                f"top_logprobs: {req.top_logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS}",
                 "top_logprobs",
             )
         if req.prompt_logprobs is not None:
@@ -239,8 +248,10 @@ def _max_tokens(
     return max_tokens
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0) -> SamplingParams:
     """The request's ``SamplingParams``: OpenAI's defaults (temperature 1, top_p 1), the model's eos ids.
+
+    ``top_logprobs`` is the alternatives asked for per generated token (``num_top_logprobs``).
 
     Raises:
         APIError: 400 naming the field of a value ``SamplingParams`` refuses.
@@ -266,6 +277,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo) -> Sa
             repetition_penalty=req.repetition_penalty,
             min_new_tokens=req.min_tokens,
             stop=stop or None,
+            num_top_logprobs=top_logprobs,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0].rstrip(":")
@@ -289,7 +301,8 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     prompts = completion_prompts(req, info)
     max_tokens = _max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, info, "prompt")
-    params = sampling_params(req, max_tokens, info)
+    top_logprobs = req.logprobs or 0
+    params = sampling_params(req, max_tokens, info, top_logprobs)
     return Job(
         request_id=_new_id("cmpl", req),
         prompts=prompts,
@@ -335,7 +348,8 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     )
     prompts = [_check_ids(ids, info, "messages")]
     max_tokens = _max_tokens(req.max_completion_tokens or req.max_tokens, None, prompts, info, "messages")
-    params = sampling_params(req, max_tokens, info)
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    params = sampling_params(req, max_tokens, info, top_logprobs)
     return Job(
         request_id=_new_id("chatcmpl", req),
         prompts=prompts,
@@ -434,14 +448,24 @@ class ChoiceView:
         return new, first, end_tok
 
 
+# JSON has no -inf: an alternative outside the support of the distribution (logprobs_mode "sampled" after
+# top-k) is shown as vLLM shows it.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(
     view: ChoiceView,
     tokens: list[int],
     logprobs: list[float],
     offset: int,
     prompt: tuple[list[int], list[float]] | None,
+    top: tuple[list[list[int]], list[list[float]]] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's completion ``logprobs``: tokens, token_logprobs, top_logprobs (the sampled token), text_offset.
+    """OpenAI's completion ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
 
     Args:
         view: the choice's view (its tokenizer).
@@ -450,6 +474,9 @@ def completion_logprobs(
         offset: the text offset of the first token.
         prompt: with echo, (prompt ids, logprobs of prompt tokens 1..end): the prompt's entries come first,
             the first token's logprob None.
+        top: (ids, logprobs) of each generated token's N alternatives, most likely first (``logprobs=N``); each
+            ``top_logprobs`` entry is then ``{text: logprob}`` of those N, most likely first, then the sampled
+            token when it is not among them (vLLM's shape: N or N + 1 entries). None: the sampled token alone.
     """
     ids, lps = list(tokens), list(logprobs)
     values: list[float | None] = list(lps)
@@ -461,21 +488,48 @@ def completion_logprobs(
     for s in strings:
         offsets.append(offset)
         offset += len(s)
-    return {
-        "tokens": strings,
-        "token_logprobs": values,
-        "top_logprobs": [None if v is None else {s: v} for s, v in zip(strings, values)],
-        "text_offset": offsets,
-    }
+    tops: list[dict[str, float] | None] = [None if v is None else {s: v} for s, v in zip(strings, values)]
+    if top is not None:
+        first = len(ids) - len(tokens)  # the generated tokens' entries follow the prompt's
+        for k, (alt_ids, alt_lps) in enumerate(zip(*top)):
+            entry = dict(zip(view.token_strings(alt_ids), map(_finite, alt_lps)))
+            sampled, lp = strings[first + k], values[first + k]
+            if tokens[k] not in alt_ids and lp is not None:
+                entry.setdefault(sampled, lp)
+            tops[first + k] = entry
+    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(view: ChoiceView, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}``."""
+def _top_of(out: GenerationOutput, first: int, end: int) -> tuple[list[list[int]], list[list[float]]] | None:
+    """The alternatives of generated tokens ``first:end`` of an output; None when none were asked for."""
+    if not out.top_token_ids:
+        return None
+    return out.top_token_ids[first:end], out.top_logprobs[first:end]
+
+
+def chat_logprobs(
+    view: ChoiceView,
+    tokens: list[int],
+    logprobs: list[float],
+    top: tuple[list[list[int]], list[list[float]]] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``.
+
+    ``top``: (ids, logprobs) of each token's N alternatives, most likely first (``top_logprobs=N``), shown as
+    ``[{"token", "logprob", "bytes"}]``; None gives empty lists.
+    """
     strings = view.token_strings(tokens)
+    alternatives: list[list[dict[str, Any]]] = [[] for _ in tokens]
+    if top is not None:
+        for k, (alt_ids, alt_lps) in enumerate(zip(*top)):
+            alternatives[k] = [
+                {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+                for s, lp in zip(view.token_strings(alt_ids), alt_lps)
+            ]
     return {
         "content": [
-            {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-            for s, lp in zip(strings, logprobs)
+            {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": alt}
+            for s, lp, alt in zip(strings, logprobs, alternatives)
         ],
         "refusal": None,
     }
@@ -533,7 +587,8 @@ def completion_response(
         logprobs = None
         if job.logprobs:
             echo_part = (prompt, p_lps) if job.echo and p_lps is not None else None
-            logprobs = completion_logprobs(view, out.generated_tokens, out.logprobs, 0, echo_part)
+            top = _top_of(out, 0, len(out.generated_tokens))
+            logprobs = completion_logprobs(view, out.generated_tokens, out.logprobs, 0, echo_part, top)
         choices.append(
             {
                 "index": i,
@@ -584,7 +639,11 @@ def completion_chunk_choice(job: Job, view: ChoiceView, index: int, out: Generat
     return {
         "index": index,
         "text": text,
-        "logprobs": completion_logprobs(view, new_tokens, out.logprobs[first:end], 0, None) if job.logprobs else None,
+        "logprobs": (
+            completion_logprobs(view, new_tokens, out.logprobs[first:end], 0, None, _top_of(out, first, end))
+            if job.logprobs
+            else None
+        ),
         "finish_reason": reason,
         "stop_reason": None,
         "token_ids": list(new_tokens) if job.return_token_ids else None,
@@ -614,7 +673,11 @@ def chat_response(job: Job, outputs: list[GenerationOutput], info: ModelInfo) ->
             {
                 "index": i,
                 "message": message,
-                "logprobs": chat_logprobs(view, out.generated_tokens, out.logprobs) if job.logprobs else None,
+                "logprobs": (
+                    chat_logprobs(view, out.generated_tokens, out.logprobs, _top_of(out, 0, len(out.generated_tokens)))
+                    if job.logprobs
+                    else None
+                ),
                 "finish_reason": reason,
                 "stop_reason": None,
                 "token_ids": list(out.generated_tokens) if job.return_token_ids else None,
@@ -666,7 +729,9 @@ def chat_chunk_choice(job: Job, view: ChoiceView, index: int, out: GenerationOut
     return {
         "index": index,
         "delta": delta,
-        "logprobs": chat_logprobs(view, new_tokens, out.logprobs[first:end]) if job.logprobs else None,
+        "logprobs": (
+            chat_logprobs(view, new_tokens, out.logprobs[first:end], _top_of(out, first, end)) if job.logprobs else None
+        ),
         "finish_reason": reason,
         "token_ids": list(new_tokens) if job.return_token_ids else None,
         "weight_versions": list(out.weight_versions[first:end]),
