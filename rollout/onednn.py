@@ -4,7 +4,8 @@
 (``torch.ops.mkldnn._linear_pointwise``) computes the same on the same unpacked weight. Which one is faster
 depends on the CPU, the shape and the number of rows, so the engine does not assume either:
 ``LinearKernels`` times both, interleaved, the first time a (weight shape, row bucket) reaches a step, and keeps
-oneDNN only when it is clearly faster (``prefer_onednn``: MKL's median at least ``MARGIN`` times oneDNN's).
+oneDNN only when it is clearly faster (``prefer_onednn``: MKL's time at least ``MARGIN`` times oneDNN's, each
+the fastest of a few calls: ``measure_linear`` says why not the median).
 The table is per process (``KERNELS``), so each shape is measured once for every engine and step after it.
 
 Why not always oneDNN: on the 2-core Zen 4 EPYC (AVX-512) the project measures on, oneDNN dispatches its
@@ -32,8 +33,8 @@ margin may go either way in another process, so two processes can differ by that
 from __future__ import annotations
 
 import bisect
+import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,14 +61,15 @@ AUTO, ONEDNN, MKL = "auto", "onednn", "mkl"
 # decode steps of a full batch and prefill chunks fall in different buckets, and the measured ratio changes
 # between them (oneDNN lost at 1-8 rows and won at 512 on the same projection, issue 22).
 ROW_BUCKET_BOUNDS = (2, 8, 32, 128)
-# oneDNN is kept only when MKL's median is at least this many times oneDNN's: MKL is what ``F.linear`` and
+# oneDNN is kept only when MKL's time is at least this many times oneDNN's: MKL is what ``F.linear`` and
 # ``model.generate`` run (bit-equal logits), so a near tie, within the noise of a shared 2-core machine, keeps it.
 MARGIN = 1.15
-# Interleaved rounds per measurement; the shapes whose first call takes over ``COSTLY_CALL_S`` (the lm_head at
-# many rows) get ``COSTLY_ROUNDS``, which keeps the whole table for SmolLM2 near a second.
+# Interleaved rounds per measurement: at least ``MIN_ROUNDS``, and no more once ``BUDGET_S`` has passed (the
+# lm_head at many rows, or a busy machine where every call waits for a descheduled thread), so that the whole
+# table of SmolLM2 takes about a second on an idle machine.
 ROUNDS = 7
-COSTLY_ROUNDS = 3
-COSTLY_CALL_S = 5e-3
+MIN_ROUNDS = 3
+BUDGET_S = 0.15
 # Rows of the measuring input at most (a prefix of the step's rows, in the same bucket): a 4,096-row scoring
 # chunk through a 49,152-wide lm_head would take seconds to time.
 MAX_MEASURED_ROWS = 256
@@ -142,36 +144,54 @@ def prefer_onednn(mkl_s: float, onednn_s: float, margin: float = MARGIN) -> bool
 
 
 def time_interleaved(
-    kernels: Sequence[Callable[[], object]], rounds: int, timer: Callable[[], float] = time.perf_counter
-) -> list[float]:
-    """The median time of each kernel over ``rounds`` interleaved rounds.
+    kernels: Sequence[Callable[[], object]],
+    rounds: int,
+    timer: Callable[[], float] = time.perf_counter,
+    min_rounds: int | None = None,
+    budget_s: float = math.inf,
+) -> list[list[float]]:
+    """Time each kernel over interleaved rounds.
 
     Each kernel runs once untimed first (oneDNN builds its primitive on a shape's first call). Round r runs
     the kernels in order when r is even and in reverse when odd, so that a slow spell of a shared machine
-    falls on both, and the median drops the rounds a descheduled thread stretched.
+    falls on both.
 
     Args:
         kernels: callables, each one call of a kernel.
-        rounds: timed calls per kernel (>= 1).
+        rounds: timed calls per kernel at most (>= 1).
         timer: seconds, monotonic (``time.perf_counter``; a fake clock in tests).
+        min_rounds: rounds always run (default ``rounds``); after them, rounds stop once ``budget_s``
+            seconds have passed since the first timed call.
+        budget_s: see ``min_rounds``.
 
     Returns:
-        Per kernel, in the order given, the median seconds of its timed calls.
+        Per kernel, in the order given, the seconds of its timed calls in round order.
     """
     for kernel in kernels:
         kernel()
     samples: list[list[float]] = [[] for _ in kernels]
+    start = timer()
     for r in range(rounds):
+        if r >= (rounds if min_rounds is None else min_rounds) and timer() - start > budget_s:
+            break
         order = range(len(kernels)) if r % 2 == 0 else reversed(range(len(kernels)))
         for i in order:
             t0 = timer()
             kernels[i]()
             samples[i].append(timer() - t0)
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def measure_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
-    """Median seconds of one MKL call and one oneDNN call of this linear (``time_interleaved``).
+    """The fastest of ``ROUNDS`` interleaved calls of MKL and of oneDNN on this linear (``time_interleaved``).
+
+    The minimum, not the median: with two OpenMP threads on two shared cores, a call whose second thread is
+    descheduled waits whole scheduler slices (measured on this project's machine at load 4: a 2-row
+    576x576 projection took 24-42 ms on MKL and 10-28 ms on oneDNN in every one of 15 calls, against
+    0.03-0.04 ms idle). A stall only adds time, so the fastest call is the nearest to the kernel's own cost,
+    which stays true after the load is gone; the median would make a process-long choice from the load of
+    the moment, in favour of the kernel that synchronises its threads less often. (Under a load that
+    stalls every call, the minimum too measures the stalls.)
 
     Args:
         x: float32 [..., K]; at most ``MAX_MEASURED_ROWS`` of its rows are used (the same row bucket).
@@ -179,14 +199,16 @@ def measure_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         bias: float32 [N] or None.
 
     Returns:
-        (MKL seconds, oneDNN seconds).
+        (MKL seconds, oneDNN seconds) per call.
     """
     x = x.reshape(-1, x.shape[-1])[:MAX_MEASURED_ROWS]
-    t0 = time.perf_counter()
-    _mkl(x, weight, bias)
-    rounds = COSTLY_ROUNDS if time.perf_counter() - t0 > COSTLY_CALL_S else ROUNDS
-    mkl_s, onednn_s = time_interleaved([lambda: _mkl(x, weight, bias), lambda: _onednn(x, weight, bias)], rounds)
-    return mkl_s, onednn_s
+    mkl, onednn = time_interleaved(
+        [lambda: _mkl(x, weight, bias), lambda: _onednn(x, weight, bias)],
+        ROUNDS,
+        min_rounds=MIN_ROUNDS,
+        budget_s=BUDGET_S,
+    )
+    return min(mkl), min(onednn)
 
 
 @dataclass(frozen=True)
@@ -198,7 +220,7 @@ class KernelChoice:
         bias: whether the layer has a bias.
         bucket: the row bucket (``row_bucket``); ``rows``: the rows measured (the first call's, capped).
         threads: ``torch.get_num_threads()`` when measured.
-        mkl_s, onednn_s: median seconds per call.
+        mkl_s, onednn_s: seconds per call (``measure_linear``).
         onednn: the choice (``prefer_onednn``).
     """
 

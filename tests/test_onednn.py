@@ -150,11 +150,11 @@ def test_onednn_is_preferred_only_by_the_margin() -> None:
     assert prefer_onednn(1.05, 1.0, margin=1.0)
 
 
-def test_time_interleaved_alternates_the_kernels_and_takes_medians_on_a_fake_clock() -> None:
+def test_time_interleaved_alternates_the_kernels_on_a_fake_clock_and_stops_at_the_budget() -> None:
     clock = [0.0]
     order: list[str] = []
     # kernel a costs 2 s, b 1 s; a's second timed call is stretched to 50 s (a descheduled thread).
-    costs = {"a": iter([2.0, 2.0, 50.0, 2.0]), "b": iter([1.0] * 4)}
+    costs = {"a": iter([2.0, 2.0, 50.0, 2.0, 2.0]), "b": iter([1.0] * 5)}
 
     def kernel(name: str):
         def run() -> None:
@@ -163,9 +163,14 @@ def test_time_interleaved_alternates_the_kernels_and_takes_medians_on_a_fake_clo
 
         return run
 
-    medians = time_interleaved([kernel("a"), kernel("b")], rounds=3, timer=lambda: clock[0])
+    samples = time_interleaved([kernel("a"), kernel("b")], rounds=3, timer=lambda: clock[0])
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # untimed first calls, then a b / b a / a b
-    assert medians == [2.0, 1.0]
+    assert samples == [[2.0, 50.0, 2.0], [1.0, 1.0, 1.0]]
+    # At most 5 rounds, at least 2, none started after 3 s: rounds 1 and 2 take 3 s each.
+    order.clear()
+    costs = {"a": iter([2.0] * 6), "b": iter([1.0] * 6)}
+    samples = time_interleaved([kernel("a"), kernel("b")], 5, lambda: clock[0], min_rounds=2, budget_s=3.0)
+    assert samples == [[2.0, 2.0], [1.0, 1.0]]
 
 
 def test_the_kernel_is_chosen_per_shape_and_row_bucket_from_the_measured_table() -> None:
