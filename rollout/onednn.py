@@ -68,7 +68,7 @@ MARGIN = 1.15
 # lm_head at many rows, or a busy machine where every call waits for a descheduled thread), so that the whole
 # table of SmolLM2 takes about a second on an idle machine.
 ROUNDS = 7
-MIN_ROUNDS = 3
+MIN_ROUNDS = 2
 BUDGET_S = 0.15
 # Rows of the measuring input at most (a prefix of the step's rows, in the same bucket): a 4,096-row scoring
 # chunk through a 49,152-wide lm_head would take seconds to time.
