@@ -5,7 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
-- ``rollout-mkl``: ``rollout`` with MKL linear layers (as transformers runs them) instead of oneDNN.
+- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not chosen per shape.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
