@@ -222,6 +222,7 @@ class KernelChoice:
         threads: ``torch.get_num_threads()`` when measured.
         mkl_s, onednn_s: seconds per call (``measure_linear``).
         onednn: the choice (``prefer_onednn``).
+        measure_s: wall seconds the measurement took (what the choice cost the step that made it).
     """
 
     in_features: int
@@ -233,6 +234,7 @@ class KernelChoice:
     mkl_s: float
     onednn_s: float
     onednn: bool
+    measure_s: float
 
 
 class LinearKernels:
@@ -267,6 +269,7 @@ class LinearKernels:
             with self._lock:
                 choice = self._table.get(key)
                 if choice is None:
+                    t0 = time.perf_counter()
                     mkl_s, onednn_s = self.measure(x, weight, bias)
                     choice = KernelChoice(
                         k,
@@ -278,6 +281,7 @@ class LinearKernels:
                         mkl_s,
                         onednn_s,
                         prefer_onednn(mkl_s, onednn_s, self.margin),
+                        time.perf_counter() - t0,
                     )
                     self._table[key] = choice
         return choice.onednn

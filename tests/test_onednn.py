@@ -202,6 +202,7 @@ def test_the_kernel_is_chosen_per_shape_and_row_bucket_from_the_measured_table()
     assert sorted(calls) == sorted(table)  # each (shape, bucket) measured once: rows 8 and 17 reuse 4's and 32's
     entries = {(e["in_features"], e["out_features"], e["bucket"]): e for e in kernels.table()}
     assert entries[(*head, 2)]["rows"] == 32 and entries[(*head, 2)]["onednn"] and not entries[(*qo, 2)]["bias"]
+    assert entries[(*head, 2)]["mkl_s"] == 64.0 and entries[(*head, 2)]["measure_s"] >= 0
     kernels.clear()
     kernels.use_onednn(torch.zeros(4, 576), torch.zeros(576, 576), None)
     assert len(calls) == len(table) + 1
