@@ -64,12 +64,12 @@ ROW_BUCKET_BOUNDS = (2, 8, 32, 128)
 # oneDNN is kept only when MKL's time is at least this many times oneDNN's: MKL is what ``F.linear`` and
 # ``model.generate`` run (bit-equal logits), so a near tie, within the noise of a shared 2-core machine, keeps it.
 MARGIN = 1.15
-# Interleaved rounds per measurement: at least ``MIN_ROUNDS``, and no more once ``BUDGET_S`` has passed (the
-# lm_head at many rows, or a busy machine where every call waits for a descheduled thread), so that the whole
-# table of SmolLM2 takes about a second on an idle machine.
+# Interleaved rounds per measurement: at least ``MIN_ROUNDS``, and no more once ``BUDGET_S`` has passed: a
+# shape whose calls are slow (the lm_head at many rows, or any shape on a busy machine where every call waits
+# for a descheduled thread) stops early, since the lm_head's calls are most of what the table costs.
 ROUNDS = 7
 MIN_ROUNDS = 2
-BUDGET_S = 0.15
+BUDGET_S = 0.05
 # Rows of the measuring input at most (a prefix of the step's rows, in the same bucket): a 4,096-row scoring
 # chunk through a 49,152-wide lm_head would take seconds to time.
 MAX_MEASURED_ROWS = 256
