@@ -28,6 +28,7 @@ SYSTEM_KEYS = {
     "mem_kind",
     "load_avg_1m",
     "wall_s_runs",
+    "load_avg_1m_runs",
     "tokens_per_s_rounds",
     "tokens_per_s_median",
     "tokens_per_s_min",
@@ -81,6 +82,7 @@ def _check_report_json(result, tmp_path, systems):
         assert summary["tokens_per_s"] > 0
         assert summary["peak_mem_mb"] > 0
         assert len(summary["tokens_per_s_rounds"]) == len(summary["wall_s_runs"]) == w["rounds"]
+        assert len(summary["load_avg_1m_runs"]) == w["rounds"] and summary["load_avg_1m_runs"][0] is not None
         assert summary["tokens_per_s_min"] <= summary["tokens_per_s_median"] <= summary["tokens_per_s_max"]
         assert summary["tokens_per_s"] in summary["tokens_per_s_rounds"]  # the median round's run
     for name, r in w["ratios"].items():

@@ -254,6 +254,8 @@ def run_workload(
         tokens_per_s = [r.tokens_per_s for r in runs_of]
         summary["warmup_run_s"] = runs_of[0].extra.get("warmup_run_s")  # only round 1 warms up
         summary["wall_s_runs"] = [r.wall_s for r in runs_of]
+        # The load of the machine per round ([start, end] of each run): what a range is read against.
+        summary["load_avg_1m_runs"] = [r.extra.get("load_avg_1m") for r in runs_of]
         summary["tokens_per_s_rounds"] = tokens_per_s
         summary["tokens_per_s_median"] = statistics.median(tokens_per_s)
         summary["tokens_per_s_min"] = min(tokens_per_s)
