@@ -44,7 +44,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
-from .onednn import OneDNNLinear, onednn_linear_enabled
+from .onednn import MKL, OneDNNLinear, linear_kernel_policy
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -343,9 +343,9 @@ class ModelRunner:
             self.generator.seed()
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
-        # On CPU the step's float32 linear layers (eager and padded) run oneDNN rather than MKL: 1.6x the
-        # tokens/s of the whole engine (rollout-bench: rollout / rollout-mkl).
-        self._onednn = onednn_linear_enabled() and self.device.type == "cpu"
+        # On CPU the step's float32 linear layers (eager and padded) run MKL or oneDNN, whichever is faster
+        # per shape on this CPU (rollout/onednn.py: the gain depends on the CPU; issue 22).
+        self._linear_policy = linear_kernel_policy() if self.device.type == "cpu" else MKL
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -802,7 +802,7 @@ class ModelRunner:
         ``rows``: int64 [R], the kept rows among the T tokens, picked here when the model has no
         ``logits_to_keep`` (which computes only those rows).
         """
-        with OneDNNLinear() if self._onednn else contextlib.nullcontext():
+        with contextlib.nullcontext() if self._linear_policy == MKL else OneDNNLinear(self._linear_policy):
             logits = self.model(**kwargs).logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
@@ -861,7 +861,7 @@ class ModelRunner:
         """
         path = batch.path
         fn = self._forwards[path]
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn)
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
 
         def forward(b: PaddedBatch) -> torch.Tensor:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)

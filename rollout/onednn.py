@@ -1,29 +1,48 @@
-"""The engine's float32 CPU linear layers through oneDNN, in the eager step and the static-shape one.
+"""The engine's float32 CPU linear layers: MKL or oneDNN, chosen per weight shape and row count by measuring both.
 
-On the 2-core AMD EPYC the project measures on, ``torch.nn.functional.linear`` in float32 runs MKL's
-sgemm, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``) on the same unpacked weight
-is 1.1-2.7x faster on the model's shapes at 32 and 512 rows (``scripts/profile_step.py
---linear-microbench``, docs/profile.md; at a few rows some shapes are slower). The linear layers are
-most of a step on MKL (67% of a bare transformers decode forward of 32 requests, 86% of a 512-token
-prefill: docs/profile.md), so both the eager step (``ModelRunner._eager_forward``) and the compiled one
-call them through oneDNN: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) mapping
-each float32 CPU ``F.linear`` to the custom op ``rollout::onednn_linear``. ``rollout-bench`` compares
-eager rollout with ``rollout-mkl`` (the same engine on MKL): 1.61x the tokens/s on gsm8k-greedy
-(README, Benchmarks).
-Only the engine's own forwards run inside the mode: training and ``model.generate`` keep MKL.
+``torch.nn.functional.linear`` in float32 on a CPU runs MKL's sgemm; oneDNN's inner product
+(``torch.ops.mkldnn._linear_pointwise``) computes the same on the same unpacked weight. Which one is faster
+depends on the CPU, the shape and the number of rows, so the engine does not assume either:
+``LinearKernels`` times both, interleaved, the first time a (weight shape, row bucket) reaches a step, and keeps
+oneDNN only when it is clearly faster (``prefer_onednn``: MKL's time at least ``MARGIN`` times oneDNN's, each
+the fastest of a few calls: ``measure_linear`` says why not the median).
+The table is per process (``KERNELS``), so each shape is measured once for every engine and step after it.
 
-Why a custom op: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
-(``torch._inductor.config.freezing``, which folds the parameters in as constants, so an in-place
-weight update would go unseen); the custom op is opaque to inductor, reads the live parameter at every
-call, and costs one Python dispatch per layer. ``ROLLOUT_ONEDNN_LINEAR=0`` in the environment turns the
-mapping off for the engines built after it is set, eager and compiled steps alike
-(``onednn_linear_enabled``). The results equal ``F.linear``'s up to float32 rounding (another summation
-order), not bit for bit.
+Why not always oneDNN: on the 2-core Zen 4 EPYC (AVX-512) the project measures on, oneDNN dispatches its
+AVX-512 kernels (``brg_matmul:avx512_core``) while MKL keeps its AVX2 code on an AMD CPU (its timings do not
+move under ``MKL_ENABLE_INSTRUCTIONS=AVX2``); there oneDNN was 1.1-2.7x faster at 32 and 512 rows (docs/profile.md).
+On a 2-core EPYC with AVX2 only (issue 22), both run AVX2 kernels and oneDNN is slower on every projection at
+1-8 rows and on k/v at 32 rows, faster only on the lm_head; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces that
+profile here. At few rows both kernels take tens of microseconds, where oneDNN's per-call overhead shows.
+The load matters too: with two OpenMP threads on two shared cores, a call waits whenever one of its threads
+is descheduled, and on this machine MKL's calls wait about twice as long as oneDNN's (``measure_linear``), so
+figures taken on a busy machine favour oneDNN. A process that measures while every call waits keeps the
+choice that load made (nothing measures again later).
+
+How each forward gets there: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) around the
+engine's forwards, eager and compiled. In eager steps it calls the chosen kernel directly; in a compiled step it
+maps each float32 CPU ``F.linear`` to the custom op ``rollout::cpu_linear``, which looks the choice up at run time
+(a row bucket need not be constant to dynamo). Custom ops rather than inductor's own oneDNN lowering: inductor
+lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph (``torch._inductor.config.freezing``),
+so an in-place weight update would go unseen; the ops are opaque to inductor and read the live parameter at
+every call. Only the engine's own forwards run inside the mode: training and ``model.generate`` keep MKL.
+
+``ROLLOUT_ONEDNN_LINEAR`` in the environment, read when an engine is built (``linear_kernel_policy``): unset
+or ``auto``: measure and choose; ``1``/``true``/``on``/``yes``: oneDNN for every shape (``rollout::onednn_linear``);
+``0``/``false``/``off``/``no``: MKL for every shape (the mode is not entered). oneDNN's results equal
+``F.linear``'s up to float32 rounding (another summation order), not bit for bit; a shape measured near the
+margin may go either way in another process, so two processes can differ by that rounding.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,24 +52,69 @@ from torch.overrides import TorchFunctionMode
 # Read once: dynamo does not trace ``torch.backends`` (a call inside a compiled step breaks its graph).
 MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
-
-# The values of ROLLOUT_ONEDNN_LINEAR that turn the mapping off (case-insensitive).
+ENV_VAR = "ROLLOUT_ONEDNN_LINEAR"
+# The values of ROLLOUT_ONEDNN_LINEAR (case-insensitive) for each policy.
 OFF_VALUES = ("0", "false", "off", "no")
+ON_VALUES = ("1", "true", "on", "yes")
+AUTO_VALUES = ("", "auto")
+
+# The policies: measure per shape, oneDNN everywhere, MKL everywhere.
+AUTO, ONEDNN, MKL = "auto", "onednn", "mkl"
+
+# Row buckets (upper bounds, inclusive): 1-2, 3-8, 9-32, 33-128 and more rows. Decode steps of a few requests,
+# decode steps of a full batch and prefill chunks fall in different buckets, and the measured ratio changes
+# between them (oneDNN lost at 1-8 rows and won at 512 on the same projection, issue 22).
+ROW_BUCKET_BOUNDS = (2, 8, 32, 128)
+# oneDNN is kept only when MKL's time is at least this many times oneDNN's: MKL is what ``F.linear`` and
+# ``model.generate`` run (bit-equal logits), so a near tie, within the noise of a shared 2-core machine, keeps it.
+MARGIN = 1.15
+# Interleaved rounds per measurement: at least ``MIN_ROUNDS``, and no more once ``BUDGET_S`` has passed: a
+# shape whose calls are slow (the lm_head at many rows, or any shape on a busy machine where every call waits
+# for a descheduled thread) stops early, since the lm_head's calls are most of what the table costs.
+ROUNDS = 7
+MIN_ROUNDS = 2
+BUDGET_S = 0.05
+# Rows of the measuring input at most (a prefix of the step's rows, in the same bucket): a 4,096-row scoring
+# chunk through a 49,152-wide lm_head would take seconds to time.
+MAX_MEASURED_ROWS = 256
 
 
-def onednn_linear_enabled() -> bool:
-    """Whether an engine built now maps its CPU linear layers to oneDNN: oneDNN is available and the
-    environment does not set ``ROLLOUT_ONEDNN_LINEAR`` to 0, false, off or no (to compare with MKL: the benchmark's
-    ``rollout-mkl`` system; or with inductor's freezing, which prepacks only the aten linear layers it
-    sees). Each ``ModelRunner`` reads it once, at construction.
+def linear_kernel_policy() -> str:
+    """The linear kernel policy of an engine built now, from ``ROLLOUT_ONEDNN_LINEAR``.
+
+    Returns:
+        ``"auto"`` (unset, empty or ``auto``: measure per shape), ``"onednn"`` (``1``, ``true``, ``on``, ``yes``)
+        or ``"mkl"`` (``0``, ``false``, ``off``, ``no``, or oneDNN missing from this torch build).
+
+    Raises:
+        ValueError: any other value (the message names the variable and the values it takes).
     """
-    return MKLDNN_AVAILABLE and os.environ.get("ROLLOUT_ONEDNN_LINEAR", "1").strip().lower() not in OFF_VALUES
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value not in (*OFF_VALUES, *ON_VALUES, *AUTO_VALUES):
+        raise ValueError(
+            f"{ENV_VAR} must be one of auto, {', '.join(ON_VALUES)} (oneDNN) or {', '.join(OFF_VALUES)} (MKL); "
+            f"got {os.environ[ENV_VAR]!r}"
+        )
+    if not MKLDNN_AVAILABLE or value in OFF_VALUES:
+        return MKL
+    return ONEDNN if value in ON_VALUES else AUTO
 
 
 try:  # a tensor-parallel shard keeps its own linear (the op takes plain tensors)
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without distributed
     DTensor = None
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN reads the bias as dense memory: a strided or expanded view would be read wrongly.
+    bias = bias.contiguous() if bias is not None else None
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _mkl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # The aten op, not F.linear: inside ``OneDNNLinear`` F.linear would be mapped again.
+    return torch.ops.aten.linear.default(x, weight, bias)
 
 
 @torch.library.custom_op("rollout::onednn_linear", mutates_args=())
@@ -65,13 +129,197 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         float32 [..., N], a new tensor.
     """
-    # oneDNN reads the bias as dense memory: a strided or expanded view would be read wrongly.
-    bias = bias.contiguous() if bias is not None else None
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _onednn(x, weight, bias)
 
 
 @onednn_linear.register_fake
 def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def row_bucket(rows: int) -> int:
+    """The bucket of a linear call with ``rows`` rows: 0 for 1-2, 1 for 3-8, 2 for 9-32, 3 for 33-128, 4 above."""
+    return bisect.bisect_left(ROW_BUCKET_BOUNDS, rows)
+
+
+def prefer_onednn(mkl_s: float, onednn_s: float, margin: float = MARGIN) -> bool:
+    """Whether oneDNN wins by the margin: ``mkl_s >= margin * onednn_s`` (any unit, the same for both)."""
+    return mkl_s >= margin * onednn_s
+
+
+def time_interleaved(
+    kernels: Sequence[Callable[[], object]],
+    rounds: int,
+    timer: Callable[[], float] = time.perf_counter,
+    min_rounds: int | None = None,
+    budget_s: float = math.inf,
+) -> list[list[float]]:
+    """Time each kernel over interleaved rounds.
+
+    Each kernel runs once untimed first (oneDNN builds its primitive on a shape's first call). Round r runs
+    the kernels in order when r is even and in reverse when odd, so that a slow spell of a shared machine
+    falls on both.
+
+    Args:
+        kernels: callables, each one call of a kernel.
+        rounds: timed calls per kernel at most (>= 1).
+        timer: seconds, monotonic (``time.perf_counter``; a fake clock in tests).
+        min_rounds: rounds always run (default ``rounds``); after them, rounds stop once ``budget_s``
+            seconds have passed since the first timed call.
+        budget_s: see ``min_rounds``.
+
+    Returns:
+        Per kernel, in the order given, the seconds of its timed calls in round order.
+    """
+    for kernel in kernels:
+        kernel()
+    samples: list[list[float]] = [[] for _ in kernels]
+    start = timer()
+    for r in range(rounds):
+        if r >= (rounds if min_rounds is None else min_rounds) and timer() - start > budget_s:
+            break
+        order = range(len(kernels)) if r % 2 == 0 else reversed(range(len(kernels)))
+        for i in order:
+            t0 = timer()
+            kernels[i]()
+            samples[i].append(timer() - t0)
+    return samples
+
+
+def measure_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
+    """The fastest of ``ROUNDS`` interleaved calls of MKL and of oneDNN on this linear (``time_interleaved``).
+
+    The minimum, not the median: with two OpenMP threads on two shared cores, a call whose second thread is
+    descheduled waits whole scheduler slices (measured on this project's machine at load 4: a 2-row
+    576x576 projection took 24-42 ms on MKL and 10-28 ms on oneDNN in every one of 15 calls, against
+    0.03-0.04 ms idle). A stall only adds time, so the fastest call is the nearest to the kernel's own cost,
+    which stays true after the load is gone; the median would make a process-long choice from the load of
+    the moment, in favour of the kernel that synchronises its threads less often. (Under a load that
+    stalls every call, the minimum too measures the stalls.)
+
+    Args:
+        x: float32 [..., K]; at most ``MAX_MEASURED_ROWS`` of its rows are used (the same row bucket).
+        weight: float32 [N, K].
+        bias: float32 [N] or None.
+
+    Returns:
+        (MKL seconds, oneDNN seconds) per call.
+    """
+    x = x.reshape(-1, x.shape[-1])[:MAX_MEASURED_ROWS]
+    mkl, onednn = time_interleaved(
+        [lambda: _mkl(x, weight, bias), lambda: _onednn(x, weight, bias)],
+        ROUNDS,
+        min_rounds=MIN_ROUNDS,
+        budget_s=BUDGET_S,
+    )
+    return min(mkl), min(onednn)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One measured entry of ``LinearKernels``.
+
+    Attributes:
+        in_features, out_features: the weight's K and N.
+        bias: whether the layer has a bias.
+        bucket: the row bucket (``row_bucket``); ``rows``: the rows measured (the first call's, capped).
+        threads: ``torch.get_num_threads()`` when measured.
+        mkl_s, onednn_s: seconds per call (``measure_linear``).
+        onednn: the choice (``prefer_onednn``).
+        measure_s: wall seconds the measurement took (what the choice cost the step that made it).
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool
+    bucket: int
+    rows: int
+    threads: int
+    mkl_s: float
+    onednn_s: float
+    onednn: bool
+    measure_s: float
+
+
+class LinearKernels:
+    """The process's choice of MKL or oneDNN per linear shape, measured the first time each shape is seen.
+
+    The key is (K, N, bias or not, row bucket, torch threads): a row bucket's first call is timed on both
+    kernels (``measure``), and every later call in that bucket, of any engine or layer of that shape, reuses
+    the choice. Thread-safe (an async step runs on a worker thread).
+
+    Args:
+        measure: (x, weight, bias) -> (MKL seconds, oneDNN seconds); ``measure_linear``, or a table in tests.
+        margin: see ``prefer_onednn``.
+    """
+
+    def __init__(
+        self,
+        measure: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[float, float]] = measure_linear,
+        margin: float = MARGIN,
+    ) -> None:
+        self.measure = measure
+        self.margin = margin
+        self._table: dict[tuple[int, int, bool, int, int], KernelChoice] = {}
+        self._lock = threading.Lock()
+
+    def use_onednn(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this call runs oneDNN (measuring its shape and bucket first when they are new)."""
+        k, n = weight.shape[1], weight.shape[0]
+        rows = x.numel() // k if k else 0
+        key = (k, n, bias is not None, row_bucket(rows), torch.get_num_threads())
+        choice = self._table.get(key)
+        if choice is None:
+            with self._lock:
+                choice = self._table.get(key)
+                if choice is None:
+                    t0 = time.perf_counter()
+                    mkl_s, onednn_s = self.measure(x, weight, bias)
+                    choice = KernelChoice(
+                        k,
+                        n,
+                        bias is not None,
+                        key[3],
+                        min(rows, MAX_MEASURED_ROWS),
+                        key[4],
+                        mkl_s,
+                        onednn_s,
+                        prefer_onednn(mkl_s, onednn_s, self.margin),
+                        time.perf_counter() - t0,
+                    )
+                    self._table[key] = choice
+        return choice.onednn
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` on the chosen kernel (shapes as ``onednn_linear``)."""
+        return (_onednn if self.use_onednn(x, weight, bias) else _mkl)(x, weight, bias)
+
+    def table(self) -> list[dict[str, Any]]:
+        """The measured entries as dicts (for a benchmark's JSON), in the order they were measured."""
+        return [vars(c).copy() for c in list(self._table.values())]
+
+    def clear(self) -> None:
+        """Forget every measurement (the next call of each shape measures again)."""
+        with self._lock:
+            self._table.clear()
+
+
+# The process's table, shared by every engine and both step kinds.
+KERNELS = LinearKernels()
+
+
+@torch.library.custom_op("rollout::cpu_linear", mutates_args=())
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the kernel ``KERNELS`` chose for this shape and row bucket.
+
+    The compiled step's form of the choice: opaque to dynamo and inductor, so the row bucket is looked up
+    (and measured, on a first call) when the graph runs. Shapes and dtypes as ``onednn_linear``.
+    """
+    return KERNELS.linear(x, weight, bias)
+
+
+@cpu_linear.register_fake
+def _cpu_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -84,11 +332,24 @@ def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class OneDNNLinear(TorchFunctionMode):
-    """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs ``rollout::onednn_linear``.
+    """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs the kernel the policy names.
+
+    Args:
+        policy: ``"auto"`` (default): ``KERNELS``'s choice per shape and row bucket (directly in eager code,
+            through ``rollout::cpu_linear`` under dynamo); ``"onednn"``: ``rollout::onednn_linear`` always.
 
     Anything else (other functions, other devices or dtypes, a tensor that needs a gradient, a
     tensor-parallel ``DTensor``, any call while CPU autocast is on) runs as it would without the mode.
+
+    Raises:
+        ValueError: another policy (``"mkl"`` means not entering the mode).
     """
+
+    def __init__(self, policy: str = AUTO) -> None:
+        super().__init__()
+        if policy not in (AUTO, ONEDNN):
+            raise ValueError(f"OneDNNLinear policy must be {AUTO!r} or {ONEDNN!r}, got {policy!r}")
+        self.policy = policy
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -104,5 +365,11 @@ class OneDNNLinear(TorchFunctionMode):
                 # Under autocast F.linear computes in autocast's dtype; the custom op would stay float32.
                 and not torch.is_autocast_enabled("cpu")
             ):
-                return onednn_linear(x, weight, bias)
+                if self.policy == ONEDNN:
+                    return onednn_linear(x, weight, bias)
+                if torch.compiler.is_compiling():
+                    return cpu_linear(x, weight, bias)
+                # Eager: no custom-op dispatch per layer; an MKL choice is the plain F.linear.
+                if KERNELS.use_onednn(x, weight, bias):
+                    return _onednn(x, weight, bias)
         return func(*args, **kwargs)

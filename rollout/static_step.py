@@ -49,7 +49,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PaddedAttentionMetadata
 from .kv_cache import PagedKVCache
-from .onednn import OneDNNLinear
+from .onednn import MKL, OneDNNLinear
 from .sampling import HostStaging
 from .scheduler import ScheduledRequest
 
@@ -356,12 +356,12 @@ def _padded_forward(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
-    onednn: bool,
+    linear_policy: str,
 ) -> torch.Tensor:
     """The model's forward on a padded batch, then its kept logits rows in float32 [R, V].
 
-    ``onednn``: run the float32 CPU linear layers on oneDNN (``rollout/onednn.py``; the runner's choice,
-    a constant to dynamo).
+    ``linear_policy``: the kernel of the float32 CPU linear layers (``rollout/onednn.py``: ``"mkl"``, ``"onednn"``
+    or ``"auto"``, measured per shape; the runner's, a constant to dynamo).
     """
     meta = PaddedAttentionMetadata.from_tables(
         cache,
@@ -383,7 +383,7 @@ def _padded_forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = batch.logits_rows
-    with OneDNNLinear() if onednn else contextlib.nullcontext():
+    with contextlib.nullcontext() if linear_policy == MKL else OneDNNLinear(linear_policy):
         logits = model(**kwargs).logits[0]
     if not logits_to_keep:
         logits = logits.index_select(0, batch.logits_rows)
@@ -400,10 +400,10 @@ def forward_varlen(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
-    onednn: bool,
+    linear_policy: str,
 ) -> torch.Tensor:
     """The varlen path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, onednn)
+    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, linear_policy)
 
 
 def forward_decode(
@@ -413,10 +413,10 @@ def forward_decode(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
-    onednn: bool,
+    linear_policy: str,
 ) -> torch.Tensor:
     """The decode path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, onednn)
+    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, linear_policy)
 
 
 FORWARDS: dict[str, Callable[..., torch.Tensor]] = {"varlen": forward_varlen, "decode": forward_decode}

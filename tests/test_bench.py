@@ -6,11 +6,13 @@ import os
 import re
 
 import pytest
+import torch
 from transformers import GenerationConfig
 
 from rollout.benchmarks import generation, prompt_fork, workloads
 from rollout.benchmarks import systems as systems_module
-from rollout.benchmarks.report import format_table, new_report, write_json
+from rollout.benchmarks.report import format_ratio, format_table, new_report, write_json
+from rollout.benchmarks.systems import SystemRun
 from tests import tiny_models
 
 EOS, PAD = tiny_models.EOS_TOKEN_ID, tiny_models.PAD_TOKEN_ID
@@ -25,6 +27,12 @@ SYSTEM_KEYS = {
     "rss_start_mb",
     "mem_kind",
     "load_avg_1m",
+    "wall_s_runs",
+    "load_avg_1m_runs",
+    "tokens_per_s_rounds",
+    "tokens_per_s_median",
+    "tokens_per_s_min",
+    "tokens_per_s_max",
 }
 
 
@@ -59,14 +67,31 @@ def _check_report_json(result, tmp_path, systems):
     write_json(report, out)
     loaded = json.loads(out.read_text())
     assert {"model", "machine", "args", "question_source", "workloads"} <= loaded.keys()
-    assert {"torch", "transformers", "device", "torch_num_threads"} <= loaded["machine"].keys()
+    machine = loaded["machine"]
+    assert {"torch", "transformers", "device", "torch_num_threads", "cpu_model", "git_commit"} <= machine.keys()
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert machine["torch"] == torch.__version__ and machine["torch_num_threads"] == torch.get_num_threads()
+    if os.path.exists("/proc/cpuinfo") and "avx2" in open("/proc/cpuinfo").read():
+        assert "avx2" in machine["cpu_flags"]
+    assert all(f.startswith(("avx", "fma", "amx", "sse4", "f16c")) for f in machine["cpu_flags"])
     w = loaded["workloads"]["tiny"]
-    assert {"prompts", "generation", "systems", "ratios", "greedy_match", "decode_step"} <= w.keys()
+    assert {"prompts", "generation", "systems", "ratios", "greedy_match", "decode_step", "linear_kernels"} <= w.keys()
     assert set(w["systems"]) == set(systems)
     for summary in w["systems"].values():
         assert SYSTEM_KEYS <= summary.keys()
         assert summary["tokens_per_s"] > 0
         assert summary["peak_mem_mb"] > 0
+        assert len(summary["tokens_per_s_rounds"]) == len(summary["wall_s_runs"]) == w["rounds"]
+        assert len(summary["load_avg_1m_runs"]) == w["rounds"] and summary["load_avg_1m_runs"][0] is not None
+        assert summary["tokens_per_s_min"] <= summary["tokens_per_s_median"] <= summary["tokens_per_s_max"]
+        assert summary["tokens_per_s"] in summary["tokens_per_s_rounds"]  # the median round's run
+    for name, r in w["ratios"].items():
+        a, b = name.split("/")
+        per_round = [
+            x / y for x, y in zip(w["systems"][a]["tokens_per_s_rounds"], w["systems"][b]["tokens_per_s_rounds"])
+        ]
+        assert r["rounds"] == pytest.approx(per_round)
+        assert r["min"] == min(per_round) and r["max"] == max(per_round)
     assert len(format_table(loaded)) == len(systems)
     return w
 
@@ -132,7 +157,7 @@ def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, t
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
-def test_bench_rollout_async_column_equals_rollout_and_repeats_keep_the_fastest_run(tiny_llama, tmp_path, do_sample):
+def test_bench_rollout_async_column_equals_rollout_over_two_rounds(tiny_llama, tmp_path, do_sample):
     systems = ["rollout-async", "rollout"]
     result = generation.run_workload(
         tiny_llama,
@@ -146,11 +171,14 @@ def test_bench_rollout_async_column_equals_rollout_and_repeats_keep_the_fastest_
         repeats=2,
     )
     w = _check_report_json(result, tmp_path, systems)
-    assert set(w["ratios"]) == {"rollout-async/rollout"}
+    assert set(w["ratios"]) == {"rollout-async/rollout"} and w["rounds"] == 2
+    assert len(w["ratios"]["rollout-async/rollout"]["rounds"]) == 2
     total = len(PROMPTS) * (2 if do_sample else 1)
     assert w["async_match"] == {"matches": total, "total": total}
     for summary in w["systems"].values():
-        assert len(summary["wall_s_runs"]) == 2 and summary["wall_s"] == min(summary["wall_s_runs"])
+        # two rounds: the median run is the slower one
+        assert summary["tokens_per_s"] == summary["tokens_per_s_min"]
+        assert summary["wall_s"] in summary["wall_s_runs"]
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         generation.run_workload(
             tiny_llama, PROMPTS, _tiny_workload(), systems, eos_token_id=EOS, pad_token_id=PAD, repeats=0
@@ -171,6 +199,28 @@ def test_bench_compiled_rollout_is_compared_with_eager_rollout_tiny_llama(tiny_l
     assert w["greedy_match"]["rollout-compile1/rollout"] == {"matches": 4, "total": 4}
     assert w["greedy_match"]["rollout-compile1/hf-static"]["total"] == 4
     assert w["systems"]["rollout-compile1"]["warmup_run_s"] > 0
+
+
+def _runs(name: str, tokens_per_s: list[float]) -> list[SystemRun]:
+    """Runs of 100 tokens each whose wall seconds give these tokens/s."""
+    return [SystemRun(name, 100, 100 / t, []) for t in tokens_per_s]
+
+
+def test_ratios_are_taken_within_each_round_and_reported_as_median_and_range():
+    # Round 2 of hf-static is slow (a busy machine): a best-of-rounds ratio would say 300/300 = 1.00x; the
+    # per-round ratios are 2.0, 1.0 and 1.5.
+    rounds = {"rollout": _runs("rollout", [100, 300, 150]), "hf-static": _runs("hf-static", [50, 300, 100])}
+    r = generation.ratios(rounds)
+    assert set(r) == {"rollout/hf-static"}
+    assert r["rollout/hf-static"]["rounds"] == pytest.approx([2.0, 1.0, 1.5])
+    assert r["rollout/hf-static"]["median"] == pytest.approx(1.5)
+    assert (r["rollout/hf-static"]["min"], r["rollout/hf-static"]["max"]) == pytest.approx((1.0, 2.0))
+    assert format_ratio(r["rollout/hf-static"]) == "1.50x (1.00-2.00)"
+    assert format_ratio(generation.spread([1.234])) == "1.23x"
+    assert generation.median_run(rounds["rollout"]).tokens_per_s == pytest.approx(150)
+    assert generation.median_run(_runs("a", [10, 40, 20, 30])).tokens_per_s == pytest.approx(20)
+    with pytest.raises(ValueError):  # rounds must pair up
+        generation.ratios({"rollout": _runs("rollout", [1, 2]), "hf-static": _runs("hf-static", [1])})
 
 
 def test_truncate_at_eos_keeps_the_eos():

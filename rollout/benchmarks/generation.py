@@ -5,7 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
-- ``rollout-mkl``: ``rollout`` with MKL linear layers (as transformers runs them) instead of oneDNN.
+- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not chosen per shape.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
@@ -35,9 +35,16 @@ Timing conventions:
       ``ttft_from_submit_mean_s`` adds the time spent waiting behind earlier batches.
     - Peak memory is the process RSS sampled by a background thread on CPU (``rss_start_mb`` is the RSS
       when the run began), or ``torch.cuda.max_memory_allocated`` on CUDA.
-    - ``--repeats N`` times every system N times, the systems taking turns (round 1: each system once, in
-      SYSTEMS order; then round 2...), and keeps each system's fastest run (``wall_s_runs`` lists them all):
-      on a shared machine the load changes between runs, and the turns spread it over the systems.
+    - ``--repeats N`` runs N rounds, the systems alternating (round 1: each system once, in SYSTEMS order,
+      A B C; then round 2, A B C, ...): on a shared machine the load changes between runs, and the turns
+      spread it over the systems. Each ratio is taken within a round (a system's tokens/s over a peer's
+      in the same round) and reported as the median and min-max over rounds (``ratios``); each system
+      reports its tokens/s per round, median, min and max, and its other numbers come from its median
+      round (for an even N, the slower of the two middle rounds). One round, one run: its ratio's range
+      is a point, and a claim should quote a range from several rounds.
+    - The JSON records the machine (CPU model and SIMD flags, torch's CPU capability, torch version, threads,
+      commit: ``report.machine_info``) and, per workload, the linear kernel rollout chose per shape and row
+      bucket in this process (``linear_kernels``: ``rollout/onednn.py``).
 
 ``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
 ``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
@@ -68,6 +75,7 @@ from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
+from rollout.onednn import KERNELS
 from trainers.prompts import eos_token_ids
 
 from .report import new_report, print_report, write_json
@@ -110,15 +118,35 @@ def greedy_matches(run: SystemRun, reference: SystemRun) -> dict:
     return {"matches": sum(a == b for a, b in pairs), "total": len(reference.sequences)}
 
 
-def ratios(runs: Mapping[str, SystemRun]) -> dict[str, float]:
-    """tokens/s of each system over each system after it in SYSTEMS order, e.g. ``rollout/hf-cb``."""
-    names = [s for s in SYSTEMS if s in runs]
-    return {
-        f"{a}/{b}": runs[a].tokens_per_s / runs[b].tokens_per_s
-        for i, a in enumerate(names)
-        for b in names[i + 1 :]
-        if runs[b].tokens_per_s > 0
-    }
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "rounds"}`` of per-round values (``rounds``: the values in round order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": list(values)}
+
+
+def ratios(rounds: Mapping[str, Sequence[SystemRun]]) -> dict[str, dict[str, Any]]:
+    """tokens/s of each system over each system after it in SYSTEMS order (e.g. ``rollout/hf-cb``), round by round.
+
+    Args:
+        rounds: per system, its runs in round order (the same number of rounds for every system).
+
+    Returns:
+        Per pair, ``spread`` of the per-round ratios (each ratio from two runs of the same round). A pair
+        whose later system produced no tokens in some round is left out.
+    """
+    names = [s for s in SYSTEMS if s in rounds]
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            pairs = list(zip(rounds[a], rounds[b], strict=True))
+            if all(rb.tokens_per_s > 0 for _, rb in pairs):
+                out[f"{a}/{b}"] = spread([ra.tokens_per_s / rb.tokens_per_s for ra, rb in pairs])
+    return out
+
+
+def median_run(runs: Sequence[SystemRun]) -> SystemRun:
+    """The run of median tokens/s (for an even count, the slower of the two middle runs)."""
+    ordered = sorted(runs, key=lambda r: r.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def run_workload(
@@ -149,13 +177,15 @@ def run_workload(
         decode_batch_size: B of the decode-step comparison.
         seed: seed set before every run.
         warmup: run each system on two prompts and four tokens first.
-        repeats: timed runs per system, in turns (see the module docstring); the fastest is kept (>= 1).
+        repeats: rounds; each system runs once per round, in turns (see the module docstring) (>= 1).
         hf_cb_options: fields of transformers' ``ContinuousBatchingConfig`` for ``hf-cb`` (see
             ``parse_hf_cb_options``).
 
     Returns:
-        A JSON-ready dict: ``prompts``, ``systems`` (per system summary), ``ratios``, ``greedy_match``,
-        ``async_match`` and ``decode_step``.
+        A JSON-ready dict: ``prompts``, ``systems`` (per system: the summary of its median round, with
+        ``tokens_per_s_rounds``, ``_median``, ``_min``, ``_max`` and ``wall_s_runs``), ``ratios`` (per pair:
+        median, min, max and per-round values), ``greedy_match``, ``async_match``, ``decode_step`` and
+        ``linear_kernels`` (``rollout.onednn.KERNELS.table()`` after the runs).
 
     Raises:
         ValueError: an unknown system, or ``repeats`` below 1.
@@ -208,21 +238,29 @@ def run_workload(
         ),
         "ceiling": (ceiling, lambda: bare_forwards(model, warm_prompts, pad_token_id, warm_config.max_new_tokens)),
     }
+    # The ceiling replays hf-static's steps from ``runs`` (the latest run of each system so far).
     runs: dict[str, SystemRun] = {}
-    walls: dict[str, list[float]] = {}
-    warm_s: dict[str, float | None] = {}
+    rounds: dict[str, list[SystemRun]] = {}
     for round_ in range(repeats):
         for name in (s for s in SYSTEMS if s in systems):
             timed, warm = plans[name]
             run = run_system(name, timed, model.device, seed, warm if warmup and round_ == 0 else None)
-            walls.setdefault(name, []).append(run.wall_s)
-            warm_s.setdefault(name, run.extra.get("warmup_run_s"))
-            if name not in runs or run.wall_s < runs[name].wall_s:
-                runs[name] = run
-    if repeats > 1:
-        for name, run in runs.items():
-            run.extra["wall_s_runs"] = walls[name]
-            run.extra["warmup_run_s"] = warm_s[name]  # only round 1 warms up
+            rounds.setdefault(name, []).append(run)
+            runs[name] = run
+    summaries = {}
+    for name, runs_of in rounds.items():
+        runs[name] = median_run(runs_of)
+        summary = runs[name].summary()
+        tokens_per_s = [r.tokens_per_s for r in runs_of]
+        summary["warmup_run_s"] = runs_of[0].extra.get("warmup_run_s")  # only round 1 warms up
+        summary["wall_s_runs"] = [r.wall_s for r in runs_of]
+        # The load of the machine per round ([start, end] of each run): what a range is read against.
+        summary["load_avg_1m_runs"] = [r.extra.get("load_avg_1m") for r in runs_of]
+        summary["tokens_per_s_rounds"] = tokens_per_s
+        summary["tokens_per_s_median"] = statistics.median(tokens_per_s)
+        summary["tokens_per_s_min"] = min(tokens_per_s)
+        summary["tokens_per_s_max"] = max(tokens_per_s)
+        summaries[name] = summary
 
     result = {
         "prompts": _prompt_stats(prompts, G),
@@ -232,8 +270,9 @@ def run_workload(
             "temperature": workload.temperature if workload.do_sample else None,
             "num_samples": G,
         },
-        "systems": {name: run.summary() for name, run in runs.items()},
-        "ratios": ratios(runs),
+        "rounds": repeats,
+        "systems": summaries,
+        "ratios": ratios(rounds),
         "greedy_match": {},
         "async_match": None,
         "decode_step": None,
@@ -249,6 +288,7 @@ def run_workload(
         result["async_match"] = greedy_matches(runs["rollout-async"], runs["rollout"])
     if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
         result["decode_step"] = _decode_step(model, prompts, pad_token_id, decode_batch_size, "rollout" in runs, seed)
+    result["linear_kernels"] = KERNELS.table()
     return result
 
 
@@ -368,7 +408,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
     p.add_argument(
-        "--repeats", type=int, default=1, help="timed runs per system, in turns; the fastest is kept (default: 1)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds: each system once per round, in turns; ratios are reported as median and min-max over "
+        "rounds (default: 1)",
     )
     p.add_argument(
         "--hf-cb-option",

@@ -96,8 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch.set_num_threads; 1 (default) is least disturbed by other "
-        "processes on a shared machine, 0 keeps torch's default"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 1 (default) is least disturbed by other "
+        "processes on a shared machine, 0 keeps torch's default",
     )
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args(argv)

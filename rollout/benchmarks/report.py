@@ -18,8 +18,22 @@ import transformers
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
+# The /proc/cpuinfo flags that decide which kernels MKL and oneDNN dispatch (SIMD width, FMA, AMX, VNNI).
+KERNEL_FLAG_PREFIXES = ("avx", "fma", "amx", "sse4", "f16c")
+# Environment variables that change which linear kernel runs.
+KERNEL_ENV_VARS = ("ROLLOUT_ONEDNN_LINEAR", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_info(device) -> dict:
-    """Versions, threads and hardware the numbers were measured on."""
+    """Versions, threads and hardware the numbers were measured on.
+
+    Returns:
+        A dict with python, torch and transformers versions, the device, torch's intra- and inter-op
+        threads, ``OMP_NUM_THREADS``, CPU count, ``cpu_model``, ``cpu_flags`` (the SIMD flags of
+        /proc/cpuinfo that the linear kernels dispatch on: ``KERNEL_FLAG_PREFIXES``), ``cpu_capability``
+        (``torch.backends.cpu.get_cpu_capability()``: what torch's own kernels use), ``kernel_env`` (the
+        variables of ``KERNEL_ENV_VARS`` that are set), RAM, platform and the commit (``git describe``).
+    """
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -28,7 +42,11 @@ def machine_info(device) -> dict:
         "torch_num_threads": torch.get_num_threads(),
         "torch_num_interop_threads": torch.get_num_interop_threads(),
         "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_env": {k: os.environ[k] for k in KERNEL_ENV_VARS if k in os.environ},
         "ram_gib": psutil.virtual_memory().total / 2**30,
         "platform": platform.platform(),
         "git_commit": _git_commit(),
@@ -61,6 +79,18 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(KERNEL_FLAG_PREFIXES))
+    except OSError:
+        pass
+    return []
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -75,6 +105,22 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _tokens_per_s(summary: Mapping) -> str:
+    """The median tokens/s with its min-max over rounds when there was more than one."""
+    rounds = summary.get("tokens_per_s_rounds") or []
+    if len(rounds) < 2:
+        return _fmt(summary["tokens_per_s"], ".1f")
+    low, high = summary["tokens_per_s_min"], summary["tokens_per_s_max"]
+    return f"{summary['tokens_per_s_median']:.1f} ({low:.1f}-{high:.1f})"
+
+
+def format_ratio(r: Mapping) -> str:
+    """A ratio's median and, over more than one round, its min-max: ``1.52x (1.41-1.60)``."""
+    if len(r["rounds"]) < 2:
+        return f"{r['median']:.2f}x"
+    return f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
+
 def format_table(report: Mapping) -> list[list[str]]:
     """The rows of the summary table: one per (workload, system)."""
     rows = []
@@ -87,7 +133,7 @@ def format_table(report: Mapping) -> list[list[str]]:
                     str(s["num_sequences"]),
                     str(s["generated_tokens"]),
                     _fmt(s["wall_s"], ".1f"),
-                    _fmt(s["tokens_per_s"], ".1f"),
+                    _tokens_per_s(s),
                     _fmt(s["ttft_mean_s"], ".2f"),
                     _fmt(s["peak_mem_mb"], ".0f"),
                 ]
@@ -95,7 +141,7 @@ def format_table(report: Mapping) -> list[list[str]]:
     return rows
 
 
-TABLE_HEADER = ["workload", "system", "seqs", "tokens", "wall s", "tokens/s", "TTFT s", "peak MB"]
+TABLE_HEADER = ["workload", "system", "seqs", "tokens", "wall s", "tokens/s (range)", "TTFT s", "peak MB"]
 
 
 def print_report(report: Mapping) -> None:
@@ -124,7 +170,9 @@ def print_report(report: Mapping) -> None:
             print(f"{wname} ratio rollout/padded (row tokens/s): {w['ratio']:.2f}, logprobs {agree}")
             continue
         if w["ratios"]:
-            print(f"{wname} ratios (tokens/s): " + ", ".join(f"{k} {v:.2f}" for k, v in w["ratios"].items()))
+            rounds = w.get("rounds", 1)
+            head = f"{wname} ratios (tokens/s, median and min-max over {rounds} round(s)): "
+            print(head + ", ".join(f"{k} {format_ratio(v)}" for k, v in w["ratios"].items()))
         for k, v in w["greedy_match"].items():
             print(f"{wname} greedy match {k}: {v['matches']}/{v['total']} sequences identical")
         if w.get("async_match"):

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_engine
-from rollout.onednn import OneDNNLinear, onednn_linear_enabled, onednn_linear_supported
+from rollout.onednn import MKL, OneDNNLinear, linear_kernel_policy, onednn_linear_supported
 from trainers.prompts import encode_prompt
 
 from .workloads import SAMPLE_QUESTIONS
@@ -236,8 +236,8 @@ def bench_scoring(
         ``ratio`` (rollout / padded), the same for completion tokens, wall seconds (best and all runs),
         process CPU seconds and their ratio (``cpu_time_ratio``, less sensitive to a shared machine), token counts
         (row, completion, padded forward positions, tokens rollout computed), ``max_abs_diff`` (against
-        the padded forward on the engine's linear kernel: oneDNN on a float32 CPU model, see
-        ``rollout/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels``
+        the padded forward under the engine's linear kernel policy: MKL or oneDNN per shape on a float32 CPU
+        model, see ``rollout/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels``
         (against the timed padded forward, MKL).
 
     Raises:
@@ -266,12 +266,15 @@ def bench_scoring(
         padded_s.append(t)
         padded_cpu.append(cpu)
     kernel_diff = _max_abs_diff(ours, theirs)
-    # The engine runs its float32 CPU linear layers on oneDNN and the padded forward (as a trainer runs it)
-    # on MKL: another summation order, up to ~1e-4 over SmolLM2's 30 layers. The agreement check compares
-    # the engine with the padded forward on the engine's kernel (untimed), so it tests the engine's
-    # batching, attention and prefix reuse; the difference across kernels is reported beside it.
-    if onednn_linear_enabled() and onednn_linear_supported(model.device, model.dtype):
-        with OneDNNLinear():
+    # The engine runs its float32 CPU linear layers on MKL or oneDNN per shape and row bucket (measured,
+    # rollout/onednn.py) and the padded forward (as a trainer runs it) on MKL: another summation order on
+    # some layers, up to ~1e-4 over SmolLM2's 30 layers. The agreement check compares the engine with the
+    # padded forward under the same per-shape choice (untimed; its row counts may fall in other buckets, so
+    # the kernels can still differ on a layer), so it tests the engine's batching, attention and prefix
+    # reuse; the difference against MKL alone is reported beside it.
+    policy = linear_kernel_policy()
+    if policy != MKL and onednn_linear_supported(model.device, model.dtype):
+        with OneDNNLinear(policy):
             theirs, _ = padded_logprobs(model, prompts, completions, padded_batch_size, pad_id)
     diff = _max_abs_diff(ours, theirs)
     best_r, best_p = min(rollout_s), min(padded_s)

@@ -2,9 +2,9 @@
 
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
-- ``rollout-mkl``: ``rollout`` with its float32 CPU linear layers on MKL, as transformers runs them, rather
-  than oneDNN (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``): how much of
-  rollout's lead over ``hf-static`` is the linear kernel.
+- ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
+  than MKL or oneDNN per shape as measured (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built;
+  ``rollout/onednn.py``): how much of rollout's lead over ``hf-static`` is the linear kernel.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
   ``default_compile_level`` 1, 2 or 3 (``generate_batch(..., warmup=True)``: the engine's warmup is part of
   the timed call; the first, cold compilation happens in the benchmark's warmup run, whose seconds go
