@@ -44,7 +44,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
 from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
-from .onednn import MKL, OneDNNLinear, linear_kernel_policy
+from .onednn import AUTO, MKL, OneDNNLinear, is_dtensor, linear_kernel_policy
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -346,6 +346,10 @@ class ModelRunner:
         # On CPU the step's float32 linear layers (eager and padded) run MKL or oneDNN, whichever is faster
         # per shape on this CPU (rollout/onednn.py: the gain depends on the CPU; issue 22).
         self._linear_policy = linear_kernel_policy() if self.device.type == "cpu" else MKL
+        if self._linear_policy == AUTO and any(is_dtensor(p) for p in model.parameters()):
+            # Tensor parallelism: sharded layers keep their own linear, and each rank would measure the
+            # replicated ones apart (a choice per rank, so logits rounded differently per rank).
+            self._linear_policy = MKL
         # A prepared 4D mask makes transformers skip building its own masks: the
         # paged attention masks each request itself.
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

@@ -106,6 +106,11 @@ except ImportError:  # a torch build without distributed
     DTensor = None
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a tensor-parallel ``DTensor`` shard (False where torch has no distributed)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # oneDNN reads the bias as dense memory: a strided or expanded view would be read wrongly.
     bias = bias.contiguous() if bias is not None else None
@@ -360,7 +365,7 @@ class OneDNNLinear(TorchFunctionMode):
                 x.device.type == "cpu"
                 and x.dtype == torch.float32
                 and weight.dtype == torch.float32
-                and not (DTensor is not None and (isinstance(x, DTensor) or isinstance(weight, DTensor)))
+                and not (is_dtensor(x) or is_dtensor(weight))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 # Under autocast F.linear computes in autocast's dtype; the custom op would stay float32.
                 and not torch.is_autocast_enabled("cpu")

@@ -79,6 +79,15 @@ def assert_scores_equal(actual: list[dict[str, Any]], expected: list[dict[str, A
         assert_close(got["prompt"], want["prompt"], atol=ATOL)
 
 
+def one_process_on_mkl(model: torch.nn.Module, eos: int, **kwargs: Any) -> dict[str, Any]:
+    """``run_scenario`` in this process with every CPU linear layer on MKL: what the ranks run (a sharded layer
+    keeps its own linear, and a tensor-parallel engine does not measure kernels; rollout/model_runner.py), so
+    the comparison is of the sharding, not of two kernels' rounding."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROLLOUT_ONEDNN_LINEAR", "0")
+        return run_scenario(model, eos, **kwargs)
+
+
 def kv3_llama() -> LlamaForCausalLM:
     """A tiny Llama with 6 heads and 3 KV heads: its KV heads do not split over 2 ranks."""
     torch.manual_seed(0)
@@ -104,7 +113,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, 
     kv3_llama().save_pretrained(bad_dir)
     ranks = launch(2, model_dir, tmp / "out", "--kv-error", str(bad_dir), eos=EOS_TOKEN_ID)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    single = run_scenario(model, EOS_TOKEN_ID)
+    single = one_process_on_mkl(model, EOS_TOKEN_ID)
     return ranks, single, model_dir
 
 
@@ -209,7 +218,7 @@ def test_three_ranks_smollm2_equal_one_process(tmp_path: Path) -> None:
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     ranks = launch(3, model_dir, tmp_path / "out", "--quick", eos=eos)
-    single = run_scenario(model, eos, quick=True)
+    single = one_process_on_mkl(model, eos, quick=True)
     assert_outputs_equal(ranks[0]["generate_batch"], single["generate_batch"])
     assert_scores_equal(ranks[0]["score"], single["score"])
     assert [r["local_kv_heads"] for r in ranks] == [1, 1, 1]
