@@ -15,16 +15,11 @@ docs/grpo_trainer.md.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import json
 import logging
 import math
 import os
-import random
-import subprocess
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,64 +28,21 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 import rollout
 
 from .config import ConfigError, GRPOConfig
-from .evaluate import EvalResult, evaluate_greedy
+from .evaluate import evaluate_sharded
 from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
 from .prompts import encode_prompt, eos_token_ids
 from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
+from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
+from .runs import TIMING_KEYS, RunFolder, flat_config, nanstd, resolve_output_dir, sample_seed, source_commit, summary
 from .tasks import build_datasets
 
 logger = logging.getLogger(__name__)
-
-THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
-# Wall-clock metrics: they vary from run to run, so they go to timing.jsonl, not metrics.jsonl.
-TIMING_KEYS = frozenset(
-    {"step_time_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
-)
-
-
-RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
-
-
-def resolve_output_dir(config: GRPOConfig, num_processes: int) -> Path:
-    """The run's output folder, the same on every process.
-
-    ``config.output_dir`` when set, else ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>`` (the main
-    process picks the name and broadcasts it when ``num_processes`` > 1).
-
-    Raises:
-        ConfigError: the path is a file, or the folder holds an earlier run and
-            ``overwrite_output_dir`` is False.
-    """
-    if config.output_dir is not None:
-        path = Path(config.output_dir).expanduser()
-    else:
-        name = [time.strftime("grpo-%Y%m%d-%H%M%S", time.gmtime())]
-        if num_processes > 1:
-            broadcast_object_list(name, from_process=0)
-        path = rollout.rollout_home() / "runs" / name[0]
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"output_dir {str(path)!r} is a file, not a folder; choose another --output_dir")
-    if not config.overwrite_output_dir:
-        found = [f for f in RUN_FILES if (path / f).exists()]
-        if found:
-            raise ConfigError(
-                f"output_dir {str(path)!r} already holds a run ({', '.join(found)}); pass --overwrite_output_dir "
-                "to replace it, or choose another --output_dir"
-            )
-    return path
-
-
-def sample_seed(*parts: int) -> int:
-    """A stable 31-bit seed from integers (sampling seed of one request)."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------------- the trainer
@@ -100,18 +52,6 @@ class TrainerState:
 
     global_step: int = 0
     max_steps: int = 0
-
-
-@dataclass
-class _Batch:
-    """One process's share of a step's prompts, submitted to the manager."""
-
-    index: int
-    rows: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
-    request_ids: list[str]  # prompt-major: the G samples of prompt i are [i*G, (i+1)*G)
-    submit_version: int
-    submit_time: float
 
 
 @dataclass
@@ -283,12 +223,27 @@ class GRPOTrainer:
             self._engine_config(self.unwrapped),
         )
         self.state = TrainerState(0, config.max_steps)
-        self._pending: deque[_Batch] = deque()
-        self._next_batch = 0
-        self._orders: dict[int, list[int]] = {}
-        self._pauses: list[tuple[float, float]] = []
-        self._busy_until = 0.0
-        self._throughput: deque[tuple[int, float]] = deque(maxlen=THROUGHPUT_WINDOW)
+        self._sampler = PromptSampler(self.dataset, config.prompts_per_batch, config.seed, self.rank, self.world_size)
+        self.queue = RolloutQueue(
+            self.manager,
+            # Through the method, so a subclass that overrides _rows_for_batch is honoured.
+            rows_for_batch=lambda j: self._rows_for_batch(j),
+            encode=lambda row: self.encode_prompt(row[config.prompt_column]),
+            samples_per_prompt=config.num_generations,
+            max_steps=config.max_steps,
+            prefetch=config.effective_prefetch,
+            max_staleness=config.max_staleness,
+            stale_policy=config.stale_policy,
+            request_kwargs=dict(
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                do_sample=True,
+                eos_token_id=self.eos_token_ids,
+            ),
+            seed=lambda j, i, g: sample_seed(config.seed, self.rank, j, i, g),
+            id_prefix="grpo",
+        )
+        self.run_folder = RunFolder(self.output_dir, "grpo", acc.is_main_process)
         self._logged_metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ setup helpers
@@ -378,79 +333,18 @@ class GRPOTrainer:
         return cfg.engine_config(num_blocks=min(wanted, fits))
 
     # ------------------------------------------------------------------ data
-    def _dataset_index(self, k: int) -> int:
-        n = len(self.dataset)
-        epoch, pos = divmod(k, n)
-        if epoch not in self._orders:
-            order = list(range(n))
-            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}
-        return self._orders[epoch][pos]
-
     def _rows_for_batch(self, j: int) -> list[dict[str, Any]]:
-        P = self.config.prompts_per_batch
-        start = (j * self.world_size + self.rank) * P
-        return [self.dataset[self._dataset_index(k)] for k in range(start, start + P)]
+        return self._sampler.rows(j)
 
     def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt (``trainers.prompts.encode_prompt``), truncated to ``max_prompt_length``."""
         return encode_prompt(self.tokenizer, prompt, self.config.max_prompt_length)
 
-    # ------------------------------------------------------------------ rollouts
-    def _submit(self, j: int) -> None:
-        cfg = self.config
-        rows = self._rows_for_batch(j)
-        prompt_ids = [self.encode_prompt(r[cfg.prompt_column]) for r in rows]
-        request_ids = []
-        # Queued under a pause, the batch reaches the engine in one go: in synchronous mode the
-        # steps, and so the samples and metrics, do not depend on thread timing.
-        with self.manager.pause():
-            for i, ids in enumerate(prompt_ids):
-                for g in range(cfg.num_generations):
-                    rid = self.manager.add_request(
-                        ids,
-                        request_id=f"grpo_b{j}_p{i}_g{g}",
-                        max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature,
-                        do_sample=True,
-                        seed=sample_seed(cfg.seed, self.rank, j, i, g),
-                        eos_token_id=self.eos_token_ids,
-                        record_timestamps=True,
-                    )
-                    if rid is None:
-                        raise RuntimeError("the rollout manager stopped and accepts no request")
-                    request_ids.append(rid)
-        self._pending.append(_Batch(j, rows, prompt_ids, request_ids, self.manager.weight_version, time.perf_counter()))
-        self._next_batch = j + 1
-
-    def _may_submit(self, j: int, current: int) -> bool:
-        cfg = self.config
-        if j >= cfg.max_steps or j > current + cfg.effective_prefetch:
-            return False
-        if j == current or cfg.stale_policy == "drop":
-            return True
-        return self.manager.weight_version >= j - cfg.max_staleness
-
-    def _fill(self, current: int) -> None:
-        """Submit every batch that may run now (batch ``current`` always)."""
-        while self._may_submit(self._next_batch, current):
-            self._submit(self._next_batch)
-
-    def _collect(self, batch: _Batch) -> list[rollout.GenerationOutput]:
-        outputs = []
-        for rid in batch.request_ids:
-            out = self.manager.get_result(rid)
-            if out is None or out.status != rollout.RequestStatus.FINISHED:
-                error = out.error if out is not None else "the manager ended before it finished"
-                raise RuntimeError(f"rollout request {rid} did not finish: {error}")
-            outputs.append(out)
-        return outputs
-
     # ------------------------------------------------------------------ scoring
     def _log_metric(self, name: str, value: float) -> None:
         self._logged_metrics.setdefault(name, []).append(float(value))
 
-    def _prepare(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> _Prepared:
+    def _prepare(self, batch: RolloutBatch, outputs: list[rollout.GenerationOutput]) -> _Prepared:
         cfg = self.config
         G = cfg.num_generations
         rows = [row for row in batch.rows for _ in range(G)]
@@ -471,9 +365,7 @@ class GRPOTrainer:
             log_metric=self._log_metric,
         )
         advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps)
-        version = self.manager.weight_version
-        staleness = [[version - v for v in o.weight_versions] for o in outputs]
-        too_old = torch.tensor([max(s) > cfg.max_staleness for s in staleness], dtype=torch.bool)
+        staleness, too_old = self.queue.staleness(outputs)
         if too_old.any() and cfg.stale_policy == "wait":
             logger.warning(
                 "%d samples are older than max_staleness under stale_policy 'wait'; dropping them", int(too_old.sum())
@@ -578,45 +470,14 @@ class GRPOTrainer:
         version = self.manager.update_weights(None)  # re-entrant: still inside the caller's pause
         return float(grad_norm) if grad_norm is not None else float("nan"), lr, version
 
-    @contextlib.contextmanager
-    def _paused(self):
-        t0 = time.perf_counter()
-        with self.manager.pause():
-            yield
-        self._pauses.append((t0, time.perf_counter()))
-
-    def _rollout_throughput(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> float:
-        """Generated tokens per second of this process's engine over the last batches.
-
-        The engine is busy from a batch's submission to its last token, except while paused.
-        Batch k is charged the part of its busy interval not already charged to earlier batches
-        (the measure of the union is exact since batches are submitted in order), so the
-        overlapping batches of async mode are not counted twice; the rate is taken over the last
-        ``THROUGHPUT_WINDOW`` batches, since a batch generated alongside the previous one may be
-        charged almost no time of its own.
-        """
-        finish = max((o.timestamps[-1] for o in outputs if o.timestamps), default=batch.submit_time)
-        start = max(batch.submit_time, self._busy_until)
-        end = max(finish, start)
-        paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
-        self._busy_until = end
-        self._pauses = [(s, e) for s, e in self._pauses if e > end]
-        tokens = sum(len(o.generated_tokens) for o in outputs)
-        self._throughput.append((tokens, max(0.0, end - start - paused)))
-        busy = sum(b for _, b in self._throughput)
-        return sum(t for t, _ in self._throughput) / busy if busy > 0 else float("nan")
-
     def train_step(self, step: int) -> dict[str, float]:
         """One step: collect batch ``step``, score it, and update the weights. Returns the metrics row."""
         cfg = self.config
         acc = self.accelerator
         t0 = time.perf_counter()
-        self._fill(step)
-        batch = self._pending.popleft()
-        assert batch.index == step
-        outputs = self._collect(batch)
+        batch, outputs = self.queue.take(step)
         t_collected = time.perf_counter()
-        tokens_per_s = self._rollout_throughput(batch, outputs)
+        tokens_per_s = self.queue.throughput(batch, outputs)
         self.state.global_step = step
         self._logged_metrics = {}
         prep = self._prepare(batch, outputs)
@@ -625,10 +486,10 @@ class GRPOTrainer:
         if cfg.train_outside_pause:
             sums = self._forward_backward(prep)
             t_fb = time.perf_counter()
-            with self._paused():
+            with self.queue.paused():
                 grad_norm, lr, version = self._optimizer_step()
         else:
-            with self._paused():
+            with self.queue.paused():
                 sums = self._forward_backward(prep)
                 t_fb = time.perf_counter()
                 grad_norm, lr, version = self._optimizer_step()
@@ -674,7 +535,7 @@ class GRPOTrainer:
             "step": step + 1,
             "loss": float(totals[0]) / self.world_size,  # each process's part carries a factor world_size
             "reward_mean": float(torch.nanmean(rewards)),
-            "reward_std": float(_nanstd(rewards)),
+            "reward_std": float(nanstd(rewards)),
             "completion_len_mean": float(lengths.mean()),
             "completion_len_max": float(lengths.max()),
             "truncated_fraction": float(truncated.mean()),
@@ -706,22 +567,19 @@ class GRPOTrainer:
         return row
 
     def _write_completions(self, step: int, prep: _Prepared) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with (self.output_dir / "completions.jsonl").open("a") as f:
-            for i in range(min(self.config.log_completions, len(prep.texts))):
-                prompt = prep.prompts[i]
-                f.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "prompt": prompt if isinstance(prompt, str) else prompt[-1].get("content", ""),
-                            "completion": prep.texts[i],
-                            "reward": float(prep.rewards[i]),
-                            "advantage": float(prep.advantages[i]),
-                        }
-                    )
-                    + "\n"
-                )
+        records = []
+        for i in range(min(self.config.log_completions, len(prep.texts))):
+            prompt = prep.prompts[i]
+            records.append(
+                {
+                    "step": step,
+                    "prompt": prompt if isinstance(prompt, str) else prompt[-1].get("content", ""),
+                    "completion": prep.texts[i],
+                    "reward": float(prep.rewards[i]),
+                    "advantage": float(prep.advantages[i]),
+                }
+            )
+        self.run_folder.append("completions.jsonl", records)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy held-out accuracy of the current weights (all processes; each takes a shard).
@@ -734,29 +592,17 @@ class GRPOTrainer:
         if self.eval_dataset is None:
             return {}
         cfg = self.config
-        acc = self.accelerator
-        shard = self.eval_dataset.select(range(self.rank, len(self.eval_dataset), self.world_size))
-        result = evaluate_greedy(
+        total, samples = evaluate_sharded(
             self.manager,
             self.tokenizer,
-            [self.encode_prompt(p) for p in shard[cfg.prompt_column]],
-            shard["answer"],
+            self.accelerator,
+            self.eval_dataset,
+            self.encode_prompt,
+            cfg.prompt_column,
             cfg.eval_max_new_tokens,
             self.eos_token_ids,
-            questions=shard["question"] if "question" in shard.column_names else None,
         )
-        totals = acc.reduce(
-            torch.tensor(
-                [result.num_correct, result.num_problems, result.num_tokens], dtype=torch.float64, device=acc.device
-            ),
-            reduction="sum",
-        )
-        total = EvalResult(int(totals[0]), int(totals[1]), int(totals[2]))
-        samples = gather_object(result.samples) if self.world_size > 1 else result.samples
-        if acc.is_main_process:
-            with (self.output_dir / "eval_completions.jsonl").open("a") as f:
-                for sample in samples:
-                    f.write(json.dumps({"step": step, **sample}) + "\n")
+        self.run_folder.append("eval_completions.jsonl", [{"step": step, **sample} for sample in samples])
         return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}
 
     def _eval_due(self, step: int) -> bool:
@@ -775,28 +621,14 @@ class GRPOTrainer:
         cfg = self.config
         acc = self.accelerator
         main = acc.is_main_process
-        metrics_path = self.output_dir / "metrics.jsonl"
-        timing_path = self.output_dir / "timing.jsonl"
-        if main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("metrics.jsonl", "timing.jsonl"):
-                (self.output_dir / name).write_text("")
-            for name in ("completions.jsonl", "eval_completions.jsonl"):
-                (self.output_dir / name).unlink(missing_ok=True)
-            (self.output_dir / "grpo_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self.run_folder.start(cfg.to_dict())
         if cfg.log_with:
-            acc.init_trackers("grpo", config=_flat_config(cfg))
+            acc.init_trackers("grpo", config=flat_config(cfg.to_dict()))
         rows: list[dict[str, float]] = []
 
         def record(row: dict[str, float]) -> None:
             rows.append(row)
-            if main:
-                learning = {k: v for k, v in row.items() if k not in TIMING_KEYS}
-                timing = {k: v for k, v in row.items() if k in TIMING_KEYS or k == "step"}
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(learning) + "\n")
-                with timing_path.open("a") as f:
-                    f.write(json.dumps(timing) + "\n")
+            self.run_folder.record(row)
             if cfg.log_with:
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
@@ -843,25 +675,15 @@ class GRPOTrainer:
         if cfg.log_with:
             acc.end_training()
         wall = time.perf_counter() - self._t_created
-        if main:
-            evals = [r for r in rows if "eval_accuracy" in r]
-            (self.output_dir / "summary.json").write_text(
-                json.dumps(
-                    {
-                        "steps": cfg.max_steps,
-                        "wall_time_s": wall,
-                        "train_time_s": time.perf_counter() - t_start,
-                        "eval_accuracy_before": evals[0]["eval_accuracy"] if evals else None,
-                        "eval_accuracy_after": evals[-1]["eval_accuracy"] if evals else None,
-                        "world_size": self.world_size,
-                        "device": str(acc.device),
-                        "torch_threads": torch.get_num_threads(),
-                        "mixed_precision": acc.mixed_precision,  # what ran, the launcher's setting included
-                        "commit": source_commit(),
-                    },
-                    indent=2,
-                )
-            )
+        self.run_folder.write_summary(
+            rows,
+            steps=cfg.max_steps,
+            wall_s=wall,
+            train_s=time.perf_counter() - t_start,
+            world_size=self.world_size,
+            device=str(acc.device),
+            mixed_precision=acc.mixed_precision,
+        )
         self._log(summary(rows, self.output_dir, wall, cfg.save_model))
         return rows
 
@@ -897,66 +719,18 @@ class GRPOTrainer:
         acc.wait_for_everyone()
 
 
-def source_commit() -> str | None:
-    """The git commit of the checkout this package runs from (an editable install), or None."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, saved: bool) -> str:
-    """The closing lines of a run: steps, wall time (seconds, model load included), reward and held-out
-    accuracy before and after, outputs."""
-    steps = [r for r in rows if r["step"] > 0]
-    evals = [r for r in rows if "eval_accuracy" in r]
-    lines = [f"done: {len(steps)} steps in {seconds / 60:.1f} min"]
-    if steps:
-        # Two windows of up to 5 steps that never overlap: a 3-step run compares step 1 with step 3.
-        width = max(1, min(5, len(steps) // 2))
-        first, last = steps[:width], steps[-width:]
-        r_first = sum(r["reward_mean"] for r in first) / len(first)
-        r_last = sum(r["reward_mean"] for r in last) / len(last)
-        lines.append(
-            f"  reward_mean {r_first:.3f} (steps {first[0]['step']}-{first[-1]['step']}) -> "
-            f"{r_last:.3f} (steps {last[0]['step']}-{last[-1]['step']})"
-        )
-    if len(evals) >= 2:
-        a, b = evals[0], evals[-1]
-        lines.append(
-            f"  held-out eval_accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> {b['eval_accuracy']:.3f} "
-            f"(step {b['step']}); completions {a['eval_completion_len']:.1f} -> {b['eval_completion_len']:.1f} tokens"
-        )
-    files = "metrics.jsonl, timing.jsonl, summary.json" + (", eval_completions.jsonl" if evals else "")
-    files += ", the model (save_pretrained)" if saved else ""
-    lines.append(f"  outputs in {output_dir}: {files}")
-    lines.append(f"  plot: rollout-plot {output_dir / 'metrics.jsonl'}")
-    return "\n".join(lines)
-
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    x = x[~torch.isnan(x)]
-    return x.std() if x.numel() > 1 else torch.tensor(0.0)
-
-
-def _flat_config(cfg: GRPOConfig) -> dict[str, Any]:
-    """Tracker-friendly config: scalars as they are, everything else as a string."""
-    out: dict[str, Any] = {}
-    for k, v in cfg.to_dict().items():
-        out[k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
-    return out
-
-
 def train_grpo(config: GRPOConfig, **kwargs: Any) -> list[dict[str, float]]:
     """Build a GRPOTrainer and run it (the script's entry point)."""
     return GRPOTrainer(config, **kwargs).train()
 
 
-__all__ = ["GRPOTrainer", "TrainerState", "resolve_output_dir", "sample_seed", "summary", "train_grpo"]
+__all__ = [
+    "TIMING_KEYS",
+    "GRPOTrainer",
+    "TrainerState",
+    "resolve_output_dir",
+    "sample_seed",
+    "source_commit",
+    "summary",
+    "train_grpo",
+]
