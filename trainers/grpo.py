@@ -18,7 +18,6 @@ import contextlib
 import inspect
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,20 +26,20 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 import rollout
 
-from .config import ConfigError, GRPOConfig
+from .config import GRPOConfig
 from .evaluate import evaluate_sharded
 from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
-from .prompts import encode_prompt, eos_token_ids
-from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
+from .prompts import encode_prompt
+from .rewards import RewardFunc, compute_rewards
 from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
 from .runs import TIMING_KEYS, RunFolder, flat_config, nanstd, resolve_output_dir, sample_seed, source_commit, summary
-from .tasks import build_datasets
+from .setup import engine_config_for, setup_accelerator, setup_data, setup_policy
 
 logger = logging.getLogger(__name__)
 
@@ -110,87 +109,15 @@ class GRPOTrainer:
     ) -> None:
         self._t_created = time.perf_counter()  # the run's wall time counts the model load
         self.config = config
-        if accelerator is None:
-            # The output folder is the trackers' logging folder, so it is resolved before the Accelerator.
-            cpu = not torch.cuda.is_available()
-            if cpu and config.mixed_precision == "fp16":
-                raise ConfigError("mixed_precision 'fp16' needs a CUDA GPU (autocast to float16); use 'bf16' on CPU")
-            self.output_dir = resolve_output_dir(config, PartialState(cpu=cpu).num_processes)
-            log_dir = str(self.output_dir) if config.log_with else None
-            accelerator = Accelerator(
-                cpu=cpu, mixed_precision=config.mixed_precision, log_with=config.log_with, project_dir=log_dir
-            )
-        else:
-            if config.mixed_precision is not None and config.mixed_precision != accelerator.mixed_precision:
-                raise ConfigError(
-                    f"mixed_precision is {config.mixed_precision!r} but the given accelerator's is "
-                    f"{accelerator.mixed_precision!r}"
-                )
-            self.output_dir = resolve_output_dir(config, accelerator.num_processes)
-        if accelerator.mixed_precision == "fp16" and accelerator.device.type != "cuda":
-            # accelerate takes fp16 from the launcher on CPU and then runs without autocast: say so.
-            raise ConfigError(
-                "mixed_precision 'fp16' (from the launcher or the accelerator) needs a CUDA GPU; use 'bf16' on CPU"
-            )
-        if accelerator.mixed_precision != "no" and config.dtype != "float32":
-            raise ConfigError(
-                f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
-                f"dtype must be 'float32', got {config.dtype!r}"
-            )
-        self.accelerator = acc = accelerator
-        acc.wait_for_everyone()  # every process checked the folder before the main one writes to it
+        acc, self.output_dir = setup_accelerator(config, accelerator, "grpo")
+        self.accelerator = acc
         self.rank, self.world_size = acc.process_index, acc.num_processes
-        if acc.device.type == "cpu":
-            self._set_cpu_threads()
-
         # Data and rewards first: a bad column fails before the model loads.
-        try:
-            if train_dataset is None:
-                train_dataset, built_eval = build_datasets(
-                    config.dataset,
-                    config.dataset_size,
-                    config.dataset_seed,
-                    config.eval_dataset,
-                    config.eval_size,
-                    config.eval_seed,
-                )
-                eval_dataset = eval_dataset if eval_dataset is not None else built_eval
-        except (ValueError, FileNotFoundError) as e:
-            message = str(e)
-            raise ConfigError(message if message.startswith("dataset: ") else f"dataset: {message}") from e
-        self.dataset = train_dataset
-        self.eval_dataset = eval_dataset if config.eval_size > 0 else None
-        specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
-        try:
-            self.reward_funcs = [resolve_reward_func(s) for s in specs]
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        self.reward_names = [reward_name(f) for f in self.reward_funcs]
-        self.reward_weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(specs)
-        if len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward functions"
-            )
-        self._check_columns()
-        if len(self.dataset) < config.prompts_per_batch * self.world_size:
-            raise ConfigError(
-                f"dataset: {len(self.dataset)} prompts cannot fill one step of "
-                f"{config.prompts_per_batch} prompts x {self.world_size} processes"
-            )
-
+        self.dataset, self.eval_dataset, self.reward_funcs, self.reward_names, self.reward_weights = setup_data(
+            config, train_dataset, eval_dataset, reward_funcs, self.world_size
+        )
         torch.manual_seed(config.seed)
-        if model is None or tokenizer is None:
-            try:
-                model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
-            except OSError as e:  # no such folder, or not a model folder: the config's fault, said as such
-                raise ConfigError(f"model: cannot load {config.model!r}: {str(e).splitlines()[0]}") from e
-        self.tokenizer = tokenizer
-        model.eval()  # no dropout: the engine and the trainer compute the same function
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = 0
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self._check_context(rollout.model_context_length(model))
+        model, self.tokenizer, self.pad_token_id, self.eos_token_ids = setup_policy(config, model, tokenizer)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
         optimizer = torch.optim.AdamW(
@@ -247,90 +174,16 @@ class GRPOTrainer:
         self._logged_metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ setup helpers
-    def _check_context(self, context: int | None) -> None:
-        """Refuse completions that cannot fit the model's context (``max_position_embeddings``) after the
-        longest prompt, before any work: the engine would refuse every such request at the first step.
-
-        Raises:
-            ConfigError: naming ``max_new_tokens`` (or ``eval_max_new_tokens``), the longest prompt
-                (``max_prompt_length``) and the context.
-        """
-        cfg = self.config
-        if context is None:
-            return
-        for name in ("max_new_tokens", "eval_max_new_tokens"):
-            value = getattr(cfg, name)
-            if cfg.max_prompt_length + value > context:
-                raise ConfigError(
-                    f"{name}: a prompt of max_prompt_length ({cfg.max_prompt_length} tokens) plus {name} "
-                    f"({value}) is past the model's context of {context} tokens; lower {name} to at most "
-                    f"{context - cfg.max_prompt_length} or max_prompt_length"
-                )
-
-    def _set_cpu_threads(self) -> None:
-        threads = self.config.cpu_threads
-        if threads is None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            threads = max(1, len(os.sched_getaffinity(0)) // max(local, 1))
-        torch.set_num_threads(threads)
-
-    def _check_columns(self) -> None:
-        if self.eval_dataset is not None:
-            for col in (self.config.prompt_column, "answer"):
-                if col not in self.eval_dataset.column_names:
-                    raise ConfigError(
-                        f"eval_dataset: no column {col!r} (columns: {sorted(self.eval_dataset.column_names)})"
-                    )
-        columns = set(self.dataset.column_names)
-        if self.config.prompt_column not in columns:
-            raise ConfigError(
-                f"prompt_column: the dataset has no column {self.config.prompt_column!r} (columns: {sorted(columns)})"
-            )
-        for fn, name in zip(self.reward_funcs, self.reward_names):
-            for col in required_columns(fn):
-                if col not in columns:
-                    raise ConfigError(
-                        f"reward_funcs: {name!r} needs the dataset column {col!r}, which the dataset lacks "
-                        f"(columns: {sorted(columns)})"
-                    )
-
     def _engine_config(
         self, model: PreTrainedModel, usable_bytes: int | None = None
     ) -> rollout.ContinuousBatchingConfig:
-        """The engine's settings: ``engine``, and when it sets no ``num_blocks``, a cache for the batches in flight.
-
-        That cache holds every sequence in flight at full length (plus slack), but never more than fits
-        the engine's memory share next to training: ``engine.max_memory_percent`` when set, else
-        ``rollout.training_memory_percent(model)`` (room left for the gradients and AdamW moments,
-        which exist only after the first step, then TRL's 0.5 share of the rest).
+        """The engine's settings (``trainers.setup.engine_config_for``).
 
         Args:
             model: the policy, on its training device.
             usable_bytes: the device's usable memory; None measures it.
         """
-        cfg = self.config
-        if cfg.engine.get("num_blocks") is not None:
-            return cfg.engine_config()
-        base = cfg.engine_config()
-        block = base.resolved_block_size(self.accelerator.device.type)
-        per_seq = -(-(cfg.max_prompt_length + cfg.max_new_tokens) // block) + 1
-        in_flight = (cfg.effective_prefetch + 1) * cfg.batch_size
-        wanted = in_flight * per_seq + 8
-        percent = base.max_memory_percent
-        if percent is None:
-            percent = rollout.training_memory_percent(model, usable_bytes)
-        fits = rollout.num_blocks_for_model(model, base, memory_percent=percent, usable_bytes=usable_bytes)
-        if fits < wanted:
-            logger.warning(
-                "KV cache: %d blocks hold the %d sequences in flight, %.0f%% of usable memory holds %d; using %d "
-                "(requests wait for blocks; set engine.num_blocks or engine.max_memory_percent to override)",
-                wanted,
-                in_flight,
-                100 * percent,
-                fits,
-                fits,
-            )
-        return cfg.engine_config(num_blocks=min(wanted, fits))
+        return engine_config_for(self.config, model, self.accelerator.device.type, usable_bytes)
 
     # ------------------------------------------------------------------ data
     def _rows_for_batch(self, j: int) -> list[dict[str, Any]]:
