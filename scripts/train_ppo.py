@@ -1,4 +1,4 @@
-"""Train a policy with PPO (value model + GAE) on rollout's continuous-batching rollouts (same as ``rollout-train-ppo``).
+"""Train a policy with PPO (value model + GAE) on rollout's continuous-batching rollouts (``rollout-train-ppo``).
 
     accelerate launch --config_file configs/accelerate/one_process.yaml scripts/train_ppo.py   # the default recipe
     accelerate launch scripts/train_ppo.py --max_steps 3 --output_dir /tmp/ppo

@@ -90,17 +90,17 @@ class PPOConfig:
     micro_batch_size: int = 8
 
     value_model: Literal["head", "critic"] = "head"
-    value_learning_rate: float = 1e-4
+    value_learning_rate: float = 1e-3
     vf_coef: float = 0.1
     cliprange_value: float = 0.2
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 1.0
     whiten_advantages: bool = True
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_target: float | None = None
     kl_horizon: int = 10000
-    ppo_epochs: int = 2
+    ppo_epochs: int = 1
     num_mini_batches: int = 2
     epsilon: float = 0.2
     entropy_coef: float = 0.0
