@@ -11,6 +11,7 @@ commit and date of the report are those of the checkout it is written from.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -200,6 +201,32 @@ def write_report(run: Path, out: Path | None, figure: Path | None, command: str,
     if out is not None:
         out.write_text(text)
     return text
+
+
+COMMANDS = {
+    algo: "accelerate launch --config_file configs/accelerate/one_process.yaml "
+    f"scripts/train_{algo}.py --output_dir RUN"
+    for algo in ("grpo", "ppo")
+}
+
+
+def report_main(argv: list[str] | None = None, script: str = "scripts/run_report.py") -> int:
+    """Command line of ``scripts/run_report.py`` and ``scripts/grpo_report.py``: RUN [--out] [--figure] [--command].
+    Returns the exit code (2 for a folder that holds no run)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="the run's output folder")
+    parser.add_argument("--out", type=Path, help="markdown file (default: print)")
+    parser.add_argument("--figure", type=Path, help="PNG to draw (trainers.plotting), beside --out")
+    parser.add_argument("--command", help="the command that made the run, quoted in the report")
+    args = parser.parse_args(argv)
+    try:
+        command = args.command or COMMANDS[run_algo(args.run)]
+    except FileNotFoundError as e:
+        print(f"error: {e}")
+        return 2
+    text = write_report(args.run, args.out, args.figure, command, script)
+    print(f"wrote {args.out}" if args.out else text)
+    return 0
 
 
 # ---------------------------------------------------------------------- side by side
