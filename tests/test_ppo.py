@@ -28,6 +28,7 @@ from trainers.ppo_loss import (
     value_loss,
     whiten,
 )
+from trainers.report import report
 from trainers.value_model import PolicyWithValue, load_policy_with_value
 
 
@@ -296,6 +297,10 @@ def test_training_run_writes_the_run_folder_and_the_policy_reloads(tmp_path):
         _, v_trained = trainer.unwrapped(ids, mask, torch.arange(4)[None], 4)
     assert float(v_trained.abs().max()) > 0
     assert_close(v_saved, v_trained, atol=1e-5)
+    text = report(out, None, "CMD")
+    assert text.startswith("# PPO on the default task") and "value model `head`" in text
+    per_step = text.split("## Per step")[1].strip().splitlines()[2:]
+    assert [line.split("|")[1].strip() for line in per_step] == ["1", "2", "3"]
 
 
 def test_saved_run_reloads_and_evaluates_with_the_eval_command(tmp_path):
