@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--grpo-report", type=Path, help="a GRPO report written by scripts/grpo_report.py")
     parser.add_argument("--out", type=Path, help="markdown file (default: print)")
     parser.add_argument("--figure", type=Path, help="PNG of both training rewards against training time")
+    parser.add_argument("--note", help="a paragraph under the table: conditions the runs' files do not record")
     args = parser.parse_args(argv)
-    text = compare(args.ppo, args.grpo, args.grpo_report, args.figure)
+    text = compare(args.ppo, args.grpo, args.grpo_report, args.figure, args.note)
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")

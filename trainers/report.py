@@ -94,8 +94,11 @@ def _setup_line(algo: str, c: dict[str, Any]) -> str:
     )
 
 
-def report(run: Path, figure: Path | None, command: str, script: str = "scripts/run_report.py") -> str:
-    """The markdown text of the report of ``run`` (a GRPO or PPO run folder)."""
+def report(
+    run: Path, figure: Path | None, command: str, script: str = "scripts/run_report.py", note: str | None = None
+) -> str:
+    """The markdown text of the report of ``run`` (a GRPO or PPO run folder); ``note``, when given, is a
+    paragraph placed under the setup (conditions of the run the files do not record)."""
     algo = run_algo(run)
     title = TITLES[algo]
     config = json.loads((run / f"{algo}_config.json").read_text())
@@ -119,6 +122,8 @@ def report(run: Path, figure: Path | None, command: str, script: str = "scripts/
         _setup_line(algo, config),
         "",
     ]
+    if note:
+        lines += [note, ""]
     if summary:
         lines += [
             f"Wall time of the whole job (model load, evaluations, training, saving): "
@@ -192,12 +197,14 @@ def report(run: Path, figure: Path | None, command: str, script: str = "scripts/
     return "\n".join(lines) + "\n"
 
 
-def write_report(run: Path, out: Path | None, figure: Path | None, command: str, script: str) -> str:
+def write_report(
+    run: Path, out: Path | None, figure: Path | None, command: str, script: str, note: str | None = None
+) -> str:
     """Draw ``figure`` (when given) and return the report's text, written to ``out`` when given."""
     if figure is not None:
         algo = run_algo(run)
         plot(read_metrics(run / "metrics.jsonl"), figure, title=f"{TITLES[algo]}, default recipe")
-    text = report(run, figure, command, script)
+    text = report(run, figure, command, script, note)
     if out is not None:
         out.write_text(text)
     return text
@@ -218,13 +225,14 @@ def report_main(argv: list[str] | None = None, script: str = "scripts/run_report
     parser.add_argument("--out", type=Path, help="markdown file (default: print)")
     parser.add_argument("--figure", type=Path, help="PNG to draw (trainers.plotting), beside --out")
     parser.add_argument("--command", help="the command that made the run, quoted in the report")
+    parser.add_argument("--note", help="a paragraph under the setup: conditions the run's files do not record")
     args = parser.parse_args(argv)
     try:
         command = args.command or COMMANDS[run_algo(args.run)]
     except FileNotFoundError as e:
         print(f"error: {e}")
         return 2
-    text = write_report(args.run, args.out, args.figure, command, script)
+    text = write_report(args.run, args.out, args.figure, command, script, args.note)
     print(f"wrote {args.out}" if args.out else text)
     return 0
 
@@ -261,7 +269,9 @@ def _run_figures(rows: list[dict[str, float]], completions_per_step: int) -> dic
     return {"train": train, "cum_time": cum, "tokens": tokens}
 
 
-def compare(ppo_run: Path, grpo_run: Path | None, grpo_report: Path | None, figure: Path | None) -> str:
+def compare(
+    ppo_run: Path, grpo_run: Path | None, grpo_report: Path | None, figure: Path | None, note: str | None = None
+) -> str:
     """Markdown side-by-side of a PPO run and a GRPO run (a run folder, or its report when the folder is gone).
 
     The wall time of each whole job (model load, both evaluations, training, saving), the held-out
@@ -326,6 +336,8 @@ def compare(ppo_run: Path, grpo_run: Path | None, grpo_report: Path | None, figu
         "",
         *table,
     ]
+    if note:
+        lines += ["", note]
     if figure is not None:
         lines += ["", f"![training reward against training time]({figure.name})"]
     return "\n".join(lines) + "\n"
