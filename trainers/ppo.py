@@ -482,7 +482,7 @@ class PPOTrainer:
             The metrics row (learning figures and wall-clock figures; ``train`` splits them).
         """
         acc = self.accelerator
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch, outputs = self.queue.take(step)
         t_collected = time.perf_counter()
         tokens_per_s = self.queue.throughput(batch, outputs)
@@ -504,6 +504,7 @@ class PPOTrainer:
         row.update(
             {
                 "step_time_s": t_end - t0,
+                "step_cpu_s": time.process_time() - c0,
                 "wait_rollout_s": t_collected - t0,
                 "prepare_s": t_prepared - t_collected,
                 "train_s": t_end - t_prepared,

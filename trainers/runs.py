@@ -25,7 +25,7 @@ from .config import ConfigError
 
 # Wall-clock metrics: they vary from run to run, so they go to timing.jsonl, not metrics.jsonl.
 TIMING_KEYS = frozenset(
-    {"step_time_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
+    {"step_time_s", "step_cpu_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
 )
 RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
 
@@ -158,6 +158,9 @@ class RunFolder:
                     "world_size": world_size,
                     "device": device,
                     "torch_threads": torch.get_num_threads(),
+                    # CPU seconds of this process, all threads: on a machine shared with other jobs the
+                    # wall time says little, this says what the run itself cost.
+                    "process_cpu_time_s": time.process_time(),
                     "mixed_precision": mixed_precision,  # what ran, the launcher's setting included
                     "commit": source_commit(),
                     **extra,
