@@ -327,7 +327,7 @@ class GRPOTrainer:
         """One step: collect batch ``step``, score it, and update the weights. Returns the metrics row."""
         cfg = self.config
         acc = self.accelerator
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch, outputs = self.queue.take(step)
         t_collected = time.perf_counter()
         tokens_per_s = self.queue.throughput(batch, outputs)
@@ -407,6 +407,7 @@ class GRPOTrainer:
             "learning_rate": lr,
             "weight_version": version,
             "step_time_s": t_end - t0,
+            "step_cpu_s": time.process_time() - c0,
             "wait_rollout_s": t_collected - t0,
             "prepare_s": t_prepared - t_collected,
             "train_s": t_fb - t_prepared,
