@@ -98,6 +98,8 @@ class RunFolder:
         self.path = path
         self.algo = algo
         self.main = main
+        # Read now: a checkout that moves on while the run trains must not be recorded as its code.
+        self.commit = source_commit() if main else None
 
     def start(self, config: dict[str, Any]) -> None:
         """Create the folder, empty the metric files, drop an earlier run's samples, save the config."""
@@ -162,7 +164,7 @@ class RunFolder:
                     # wall time says little, this says what the run itself cost.
                     "process_cpu_time_s": time.process_time(),
                     "mixed_precision": mixed_precision,  # what ran, the launcher's setting included
-                    "commit": source_commit(),
+                    "commit": self.commit,
                     **extra,
                 },
                 indent=2,
