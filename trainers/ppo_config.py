@@ -21,7 +21,7 @@ KL_ESTIMATORS = ("k1", "k3")
 
 @dataclass
 class PPOConfig:
-    """Settings of a PPO run (defaults = ``configs/ppo_default.yaml``, the measured recipe).
+    """Settings of a PPO run (the defaults are ``configs/ppo_default.yaml``, the recipe of docs/ppo_run.md).
 
     Model, data, evaluation, generation, optimisation, asynchronous rollouts and run: the fields of
     the same names in ``trainers.config.GRPOConfig`` (see its docstring), with these differences:
