@@ -83,8 +83,8 @@ class PPOTrajectory:
         mask: float32 [N, L].
         old_logprobs: float32 [N, L]; the engine's logprobs (the behaviour policy: PPO's pi_old).
         trainer_logprobs: float32 [N, L]; the trainer's logprobs of the same tokens at the weights
-            the step starts from (equal to ``old_logprobs`` up to kernel rounding for tokens sampled
-            under those weights).
+            the step starts from (equal to ``old_logprobs`` up to kernel rounding for sequences sampled
+            wholly under those weights; metric ``logprob_diff_max``).
         values: float32 [N, L]; V(s_t) at the weights the step starts from.
         ref_logprobs: float32 [N, L] under the reference policy, or None without a KL penalty.
         kl: float32 [N, L] per-token KL estimate to the reference, or None.
@@ -529,10 +529,9 @@ class PPOTrainer:
         truncated = acc.gather(traj.truncated.to(device))
         trained = m.bool()
         diff = (traj.trainer_logprobs - traj.old_logprobs).abs()
-        fresh = torch.zeros_like(m, dtype=torch.bool)
-        for b, s in enumerate(traj.staleness):
-            fresh[b, : len(s)] = torch.tensor([x == 0 for x in s], device=device)
-        fresh &= trained
+        # Sequences sampled wholly under the current weights: a token sampled after an update mid-sequence
+        # still attends to KV the old weights computed, so its engine logprob is not the trainer's.
+        fresh = trained & torch.tensor([max(s, default=0) == 0 for s in traj.staleness], device=device)[:, None]
         seq_kl = traj.kl.sum(dim=1) if traj.kl is not None else None
         local = torch.tensor(
             [
