@@ -1,7 +1,7 @@
 """Held-out accuracy of a model on the GRPO trainer's evaluation split (same as ``rollout-eval-grpo``).
 
-    python scripts/eval_grpo.py                      # the base model, default task
-    python scripts/eval_grpo.py --model RUN_DIR      # a trained model; RUN_DIR/grpo_config.json picks the split
+python scripts/eval_grpo.py                      # the base model, default task
+python scripts/eval_grpo.py --model RUN_DIR      # a trained model; RUN_DIR/grpo_config.json picks the split
 """
 
 import sys

@@ -31,15 +31,29 @@ logger = logging.getLogger(__name__)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "grpo_default.yaml"
+PPO_DEFAULT_CONFIG = REPO_CONFIGS / "ppo_default.yaml"
+# The fields of a run's config that select its held-out split (shared by GRPO and PPO runs).
+EVAL_SPLIT_KEYS = (
+    "dataset",
+    "dataset_size",
+    "dataset_seed",
+    "prompt_column",
+    "eval_size",
+    "eval_dataset",
+    "eval_seed",
+    "eval_max_new_tokens",
+    "max_prompt_length",
+    "engine",
+)
 
 
-def build_parser() -> HfArgumentParser:
-    """A parser with one flag per GRPOConfig field, ``--config`` and ``--set``.
+def build_parser(cls: type = GRPOConfig, default_config: Path = DEFAULT_CONFIG) -> HfArgumentParser:
+    """A parser with one flag per field of ``cls`` (GRPOConfig, PPOConfig), ``--config`` and ``--set``.
 
     Flags that are not given stay out of the parsed namespace (their default is
     ``argparse.SUPPRESS``), so a flag overrides the file only when it is on the command line.
     """
-    parser = HfArgumentParser(GRPOConfig, allow_abbrev=False, description=__doc__)
+    parser = HfArgumentParser(cls, allow_abbrev=False, description=__doc__)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     for action in parser._actions:
         if action.dest == "help":
@@ -53,7 +67,7 @@ def build_parser() -> HfArgumentParser:
             action.metavar = "YAML_MAPPING"
     parser.add_argument(
         "--config",
-        help=f"YAML file of GRPOConfig fields (default: {DEFAULT_CONFIG} when it exists, else the built-ins)",
+        help=f"YAML file of {cls.__name__} fields (default: {default_config} when it exists, else the built-ins)",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key (YAML value)")
     return parser
@@ -66,8 +80,10 @@ def _yaml_mapping(text: str) -> dict[str, Any]:
     return value
 
 
-def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
-    """The run's config: the YAML file, then the flags, then ``--set`` items.
+def parse_config(
+    argv: Sequence[str] | None = None, cls: type = GRPOConfig, default_config: Path = DEFAULT_CONFIG
+) -> Any:
+    """The run's config (a ``cls``): the YAML file (default ``default_config``), then the flags, then ``--set`` items.
 
     Raises:
         ConfigError: an unknown key or flag (with the closest known one), a bad value, a
@@ -75,7 +91,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
             YAML mapping. The file's name leads the message only when the file itself is invalid.
         SystemExit: a flag whose value argparse cannot convert (argparse prints the flag).
     """
-    parser = build_parser()
+    parser = build_parser(cls, default_config)
     namespace, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
     if unknown:
         flags = [u for u in unknown if u.startswith("-")]
@@ -86,8 +102,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
         raise ConfigError(f"unknown argument(s) {' '.join(unknown)}{hint}")
     given = vars(namespace)
     path = given.pop("config", None)
-    if path is None and DEFAULT_CONFIG.is_file():
-        path = str(DEFAULT_CONFIG)  # the default recipe, when running from a checkout
+    if path is None and default_config.is_file():
+        path = str(default_config)  # the default recipe, when running from a checkout
     items = given.pop("set", [])
     if path is not None and not Path(path).is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -113,16 +129,16 @@ def parse_config(argv: Sequence[str] | None = None) -> GRPOConfig:
         # The file's weights belong to the file's reward functions, not to the ones given here.
         values.pop("reward_weights", None)
     try:
-        return config_from_dict(values)
+        return config_from_dict(values, cls)
     except ConfigError as e:
-        if path is not None and _invalid(from_file):
+        if path is not None and _invalid(from_file, cls):
             raise ConfigError(f"{path}: {e}") from e
         raise  # the file alone is valid: a flag or --set item is at fault, not the file
 
 
-def _invalid(values: dict[str, Any]) -> bool:
+def _invalid(values: dict[str, Any], cls: type = GRPOConfig) -> bool:
     try:
-        config_from_dict(values)
+        config_from_dict(values, cls)
     except ConfigError:
         return True
     return False
@@ -152,6 +168,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def ppo_main(argv: Sequence[str] | None = None) -> int:
+    """``rollout-train-ppo``: parse a PPOConfig (default file ``configs/ppo_default.yaml``) and run PPO.
+    Returns the exit code (2 for a bad config)."""
+    from .ppo import train_ppo
+    from .ppo_config import PPOConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("rollout", "trainers"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        config = parse_config(argv, PPOConfig, PPO_DEFAULT_CONFIG)
+        train_ppo(config)
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+    _end_distributed()
+    return 0
+
+
 def _end_distributed() -> None:
     """Tear the process group down before the interpreter exits, after a run that succeeded.
 
@@ -170,7 +205,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     """``rollout-eval-grpo``: held-out accuracy of a model, on the split the trainer evaluates.
 
         rollout-eval-grpo                                   # the base model, default task
-        rollout-eval-grpo --model RUN_DIR                   # a trained model; RUN_DIR/grpo_config.json picks the split
+        rollout-eval-grpo --model RUN_DIR                   # a trained model; RUN_DIR/grpo_config.json
+                                                            # (or a PPO run's ppo_config.json) picks the split
         rollout-eval-grpo --model RUN_DIR --json out.json   # also write the figures and samples
 
     Any GRPOConfig flag (``--dataset``, ``--eval_size``, ``--eval_seed``, ``--eval_dataset``,
@@ -178,6 +214,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     Returns the exit code (2 for a bad config).
     """
     import json
+    import tempfile
 
     import rollout
 
@@ -190,11 +227,17 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(rest)
-        saved = Path(config.model).expanduser() / "grpo_config.json"
+        run_dir = Path(config.model).expanduser()
+        saved = run_dir / "grpo_config.json"
+        if "--config" not in rest and (run_dir / "ppo_config.json").is_file():
+            # A PPO run: its data and evaluation fields mean the same as GRPO's; the rest is PPO's own.
+            ppo = json.loads((run_dir / "ppo_config.json").read_text())
+            saved = Path(tempfile.mkdtemp()) / "eval_config.yaml"
+            saved.write_text(yaml.safe_dump({k: ppo[k] for k in EVAL_SPLIT_KEYS if k in ppo}))
         if "--config" not in rest and saved.is_file():  # the split that run trained and evaluated on
             config = parse_config(["--config", str(saved), *rest])
-            if not (saved.parent / "config.json").is_file():
-                raise ConfigError(f"{saved.parent} holds a run but no saved model (the run had save_model: false)")
+            if not (run_dir / "config.json").is_file():
+                raise ConfigError(f"{run_dir} holds a run but no saved model (the run had save_model: false)")
         if config.eval_size == 0:
             raise ConfigError("eval_size is 0: nothing to evaluate")
         _, heldout = build_datasets(

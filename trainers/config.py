@@ -203,21 +203,9 @@ class GRPOConfig:
     weight_sync_bucket_mb: int = 16
 
     def __post_init__(self) -> None:
-        if self.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` (accelerate's spelling) as false
-            self.mixed_precision = "no"
-        _check_types(self)
-        _positive = (
-            "dataset_size",
-            "num_generations",
-            "batch_size",
-            "max_prompt_length",
-            "max_new_tokens",
-            "micro_batch_size",
-            "max_steps",
-        )
-        for name in _positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        validate_common(self)
+        if self.num_generations < 1:
+            raise ConfigError(f"num_generations must be >= 1, got {self.num_generations!r}")
         if self.num_generations < 2:
             raise ConfigError(
                 "num_generations must be >= 2 (advantages are normalised within each group), "
@@ -228,77 +216,17 @@ class GRPOConfig:
                 f"batch_size ({self.batch_size}) must be a multiple of num_generations ({self.num_generations}): "
                 "each prompt's G completions are trained on the same process"
             )
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature must be > 0 (GRPO samples), got {self.temperature!r}")
-        for name in ("learning_rate", "epsilon", "is_cap", "advantage_eps"):
+        for name in ("epsilon", "is_cap", "advantage_eps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in (
-            "weight_decay",
-            "max_grad_norm",
-            "warmup_steps",
-            "max_staleness",
-            "dataset_seed",
-            "log_completions",
-            "eval_size",
-            "eval_seed",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.epsilon_high is not None and self.epsilon_high <= 0:
             raise ConfigError(f"epsilon_high must be > 0 or null, got {self.epsilon_high!r}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        schedules = [t.value for t in SchedulerType]
-        if self.lr_scheduler_type not in schedules:
-            raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {self.lr_scheduler_type!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
-            raise ConfigError(
-                f"mixed_precision must be one of {MIXED_PRECISIONS} or null, got {self.mixed_precision!r}"
-            )
-        if self.mixed_precision not in (None, "no") and self.dtype != "float32":
-            raise ConfigError(
-                f"mixed_precision {self.mixed_precision!r} keeps float32 master weights under autocast; "
-                f"dtype must be 'float32', got {self.dtype!r}"
-            )
-        if self.prefetch_batches is not None and self.prefetch_batches < 0:
-            raise ConfigError(f"prefetch_batches must be >= 0 or null, got {self.prefetch_batches!r}")
-        if self.eval_steps is not None and self.eval_steps < 1:
-            raise ConfigError(f"eval_steps must be >= 1 or null, got {self.eval_steps!r}")
         if self.weight_sync_bucket_mb < 1:
             raise ConfigError(f"weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb!r}")
         if self.rollout_server is not None and not self.rollout_server.startswith(("http://", "https://")):
             raise ConfigError(f"rollout_server must be an http:// or https:// URL, got {self.rollout_server!r}")
-        if self.eval_max_new_tokens < 1:
-            raise ConfigError(f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens!r}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads!r}")
-        if self.log_with is not None:
-            # accelerate's own list: an unknown name would fail only after the model and engine are built.
-            from accelerate.utils import LoggerType
-
-            trackers = tuple(t.value for t in LoggerType)
-            if self.log_with not in trackers:
-                raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
-        if not self.reward_funcs:
-            raise ConfigError("reward_funcs must name at least one reward function")
-        for spec in self.reward_funcs:
-            if isinstance(spec, str) and ":" not in spec:  # a 'module:function' is imported by the trainer
-                try:
-                    resolve_reward_func(spec)
-                except ValueError as e:  # the one message, from the function the trainer resolves with
-                    raise ConfigError(str(e)) from e
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}"
-            )
         self.engine_config()  # validate the engine mapping now
 
     # ------------------------------------------------------------------ derived values
@@ -310,9 +238,7 @@ class GRPOConfig:
     @property
     def effective_prefetch(self) -> int:
         """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
-        if not self.async_rollouts or self.max_staleness == 0:
-            return 0
-        return self.max_staleness if self.prefetch_batches is None else self.prefetch_batches
+        return effective_prefetch(self)
 
     def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
         """The engine's configuration: ``engine`` plus the fields the trainer fixes.
@@ -320,20 +246,111 @@ class GRPOConfig:
         Raises:
             ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
         """
-        known = rollout.ContinuousBatchingConfig.field_names()
-        for key, value in self.engine.items():
-            if key not in known:
-                raise ConfigError(f"unknown key engine.{key}{_suggest(key, known)}")
-            if key in ENGINE_FIXED and value != ENGINE_FIXED[key]:
-                raise ConfigError(f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the GRPO trainer, got {value!r}")
-        values = {**self.engine, **ENGINE_FIXED, **extra}
-        try:
-            return rollout.ContinuousBatchingConfig(**values)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"engine: {e}") from e
+        return engine_config(self, "GRPO", **extra)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def validate_common(config: Any) -> None:
+    """Check the fields every trainer config shares (data, evaluation, sampling, optimisation, async
+    rollouts, run); the trainer-specific ones are checked by the config itself.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    if config.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` (accelerate's spelling) as false
+        config.mixed_precision = "no"
+    _check_types(config)
+    for name in ("dataset_size", "batch_size", "max_prompt_length", "max_new_tokens", "micro_batch_size", "max_steps"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)!r}")
+    if config.temperature <= 0:
+        raise ConfigError(f"temperature must be > 0 (the trainer samples), got {config.temperature!r}")
+    if config.learning_rate <= 0:
+        raise ConfigError(f"learning_rate must be > 0, got {config.learning_rate!r}")
+    for name in (
+        "weight_decay",
+        "max_grad_norm",
+        "warmup_steps",
+        "max_staleness",
+        "dataset_seed",
+        "log_completions",
+        "eval_size",
+        "eval_seed",
+    ):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)!r}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(config, name)!r}")
+    schedules = [t.value for t in SchedulerType]
+    if config.lr_scheduler_type not in schedules:
+        raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {config.lr_scheduler_type!r}")
+    if config.stale_policy not in STALE_POLICIES:
+        raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {config.stale_policy!r}")
+    if config.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {config.dtype!r}")
+    if config.mixed_precision is not None and config.mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"mixed_precision must be one of {MIXED_PRECISIONS} or null, got {config.mixed_precision!r}")
+    if config.mixed_precision not in (None, "no") and config.dtype != "float32":
+        raise ConfigError(
+            f"mixed_precision {config.mixed_precision!r} keeps float32 master weights under autocast; "
+            f"dtype must be 'float32', got {config.dtype!r}"
+        )
+    if config.prefetch_batches is not None and config.prefetch_batches < 0:
+        raise ConfigError(f"prefetch_batches must be >= 0 or null, got {config.prefetch_batches!r}")
+    if config.eval_steps is not None and config.eval_steps < 1:
+        raise ConfigError(f"eval_steps must be >= 1 or null, got {config.eval_steps!r}")
+    if config.eval_max_new_tokens < 1:
+        raise ConfigError(f"eval_max_new_tokens must be >= 1, got {config.eval_max_new_tokens!r}")
+    if config.cpu_threads is not None and config.cpu_threads < 1:
+        raise ConfigError(f"cpu_threads must be >= 1 or null, got {config.cpu_threads!r}")
+    if config.log_with is not None:
+        # accelerate's own list: an unknown name would fail only after the model and engine are built.
+        from accelerate.utils import LoggerType
+
+        trackers = tuple(t.value for t in LoggerType)
+        if config.log_with not in trackers:
+            raise ConfigError(f"log_with must be null or one of {trackers}, got {config.log_with!r}")
+    if not config.reward_funcs:
+        raise ConfigError("reward_funcs must name at least one reward function")
+    for spec in config.reward_funcs:
+        if isinstance(spec, str) and ":" not in spec:  # a 'module:function' is imported by the trainer
+            try:
+                resolve_reward_func(spec)
+            except ValueError as e:  # the one message, from the function the trainer resolves with
+                raise ConfigError(str(e)) from e
+    if config.reward_weights is not None and len(config.reward_weights) != len(config.reward_funcs):
+        raise ConfigError(
+            f"reward_weights has {len(config.reward_weights)} values but reward_funcs has {len(config.reward_funcs)}"
+        )
+
+
+def effective_prefetch(config: Any) -> int:
+    """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
+    if not config.async_rollouts or config.max_staleness == 0:
+        return 0
+    return config.max_staleness if config.prefetch_batches is None else config.prefetch_batches
+
+
+def engine_config(config: Any, trainer: str, **extra: Any) -> rollout.ContinuousBatchingConfig:
+    """The engine's configuration: ``config.engine`` plus the fields the trainer fixes.
+
+    Raises:
+        ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
+    """
+    known = rollout.ContinuousBatchingConfig.field_names()
+    for key, value in config.engine.items():
+        if key not in known:
+            raise ConfigError(f"unknown key engine.{key}{_suggest(key, known)}")
+        if key in ENGINE_FIXED and value != ENGINE_FIXED[key]:
+            raise ConfigError(f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the {trainer} trainer, got {value!r}")
+    values = {**config.engine, **ENGINE_FIXED, **extra}
+    try:
+        return rollout.ContinuousBatchingConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"engine: {e}") from e
 
 
 def _suggest(key: str, known: list[str]) -> str:
@@ -341,8 +358,8 @@ def _suggest(key: str, known: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check_types(config: GRPOConfig) -> None:
-    hints = typing.get_type_hints(GRPOConfig)
+def _check_types(config: Any) -> None:
+    hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if not _matches(value, hints[f.name]):
@@ -456,29 +473,29 @@ def read_yaml_config(path: str | Path) -> dict[str, Any]:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: a GRPO config must be a YAML mapping, got {type(loaded).__name__}")
+        raise ConfigError(f"{path}: a trainer config must be a YAML mapping, got {type(loaded).__name__}")
     return loaded
 
 
-def config_from_dict(values: dict[str, Any]) -> GRPOConfig:
-    """Build a GRPOConfig from a mapping (numbers may be written as strings, e.g. "1e-5").
+def config_from_dict(values: dict[str, Any], cls: type = GRPOConfig) -> Any:
+    """Build a ``cls`` (GRPOConfig, PPOConfig) from a mapping (numbers may be written as strings, e.g. "1e-5").
 
     Raises:
         ConfigError: an unknown key (named, with the closest known key), or a bad value.
     """
     if not isinstance(values, dict):
-        raise ConfigError(f"a GRPO config must be a mapping of keys to values, got {type(values).__name__}")
-    known = [f.name for f in dataclasses.fields(GRPOConfig)]
+        raise ConfigError(f"a trainer config must be a mapping of keys to values, got {type(values).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown key {key!r}{_suggest(str(key), known)}")
-    values = coerce_numbers(values, GRPOConfig)
+    values = coerce_numbers(values, cls)
     if isinstance(values.get("engine"), dict):
         values["engine"] = coerce_numbers(values["engine"], rollout.ContinuousBatchingConfig)
-    return GRPOConfig(**values)
+    return cls(**values)
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> GRPOConfig:
+def load_config(path: str | Path | None = None, cls: type = GRPOConfig, **overrides: Any) -> Any:
     """Read a YAML config and apply overrides (None values are ignored).
 
     Args:
@@ -492,7 +509,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GRPOConfig:
     values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return config_from_dict(values)
+        return config_from_dict(values, cls)
     except ConfigError as e:
         where = f"{path}: " if path is not None else ""
         raise ConfigError(f"{where}{e}") from e

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 import rollout
 
 from .prompts import encode_prompt, eos_token_ids
@@ -165,3 +167,53 @@ def evaluate_model(
         )
     finally:
         manager.destroy()
+
+
+def evaluate_sharded(
+    manager: rollout.ContinuousBatchingManager,
+    tokenizer: Any,
+    accelerator: Any,
+    heldout: Any,
+    encode: Any,
+    prompt_column: str,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+) -> tuple[EvalResult, list[dict[str, Any]]]:
+    """Greedy held-out accuracy over all processes of a run, each answering its shard on its own manager.
+
+    Args:
+        manager: this process's started manager on the policy.
+        tokenizer: decodes the completions.
+        accelerator: the run's ``accelerate.Accelerator`` (sums the counts, gathers the samples).
+        heldout: a ``datasets.Dataset`` with ``prompt_column`` and ``answer`` (optionally ``question``).
+        encode: token ids of one prompt (the trainer's truncation applied).
+        prompt_column: the column holding the prompts.
+        max_new_tokens: most tokens per completion.
+        eos_token_ids: ids that end a completion.
+
+    Returns:
+        The run-wide counts, and every process's samples (complete on the main process).
+    """
+    from accelerate.utils import gather_object
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    shard = heldout.select(range(rank, len(heldout), world))
+    result = evaluate_greedy(
+        manager,
+        tokenizer,
+        [encode(p) for p in shard[prompt_column]],
+        shard["answer"],
+        max_new_tokens,
+        eos_token_ids,
+        questions=shard["question"] if "question" in shard.column_names else None,
+    )
+    totals = accelerator.reduce(
+        torch.tensor(
+            [result.num_correct, result.num_problems, result.num_tokens],
+            dtype=torch.float64,
+            device=accelerator.device,
+        ),
+        reduction="sum",
+    )
+    samples = gather_object(result.samples) if world > 1 else result.samples
+    return EvalResult(int(totals[0]), int(totals[1]), int(totals[2])), samples

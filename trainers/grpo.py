@@ -15,16 +15,10 @@ docs/grpo_trainer.md.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import json
 import logging
 import math
-import os
-import random
-import subprocess
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,66 +26,24 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 import rollout
 
-from .config import ConfigError, GRPOConfig
-from .evaluate import EvalResult, evaluate_greedy
+from .config import GRPOConfig
+from .evaluate import evaluate_sharded
 from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
-from .prompts import encode_prompt, eos_token_ids
+from .prompts import encode_prompt
 from .remote import RemoteRollouts
-from .rewards import RewardFunc, compute_rewards, required_columns, resolve_reward_func, reward_name
-from .tasks import build_datasets
+from .rewards import RewardFunc, compute_rewards
+from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
+from .runs import TIMING_KEYS, RunFolder, flat_config, nanstd, resolve_output_dir, sample_seed, source_commit, summary
+from .setup import engine_config_for, setup_accelerator, setup_data, setup_policy
 
 logger = logging.getLogger(__name__)
-
-THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
-# Wall-clock metrics: they vary from run to run, so they go to timing.jsonl, not metrics.jsonl.
-TIMING_KEYS = frozenset(
-    {"step_time_s", "wait_rollout_s", "prepare_s", "train_s", "rollout_tokens_per_s", "eval_time_s"}
-)
-
-
-RUN_FILES = ("metrics.jsonl", "model.safetensors")  # an output folder holding one of these holds a run
-
-
-def resolve_output_dir(config: GRPOConfig, num_processes: int) -> Path:
-    """The run's output folder, the same on every process.
-
-    ``config.output_dir`` when set, else ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>`` (the main
-    process picks the name and broadcasts it when ``num_processes`` > 1).
-
-    Raises:
-        ConfigError: the path is a file, or the folder holds an earlier run and
-            ``overwrite_output_dir`` is False.
-    """
-    if config.output_dir is not None:
-        path = Path(config.output_dir).expanduser()
-    else:
-        name = [time.strftime("grpo-%Y%m%d-%H%M%S", time.gmtime())]
-        if num_processes > 1:
-            broadcast_object_list(name, from_process=0)
-        path = rollout.rollout_home() / "runs" / name[0]
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"output_dir {str(path)!r} is a file, not a folder; choose another --output_dir")
-    if not config.overwrite_output_dir:
-        found = [f for f in RUN_FILES if (path / f).exists()]
-        if found:
-            raise ConfigError(
-                f"output_dir {str(path)!r} already holds a run ({', '.join(found)}); pass --overwrite_output_dir "
-                "to replace it, or choose another --output_dir"
-            )
-    return path
-
-
-def sample_seed(*parts: int) -> int:
-    """A stable 31-bit seed from integers (sampling seed of one request)."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------------- the trainer
@@ -101,18 +53,6 @@ class TrainerState:
 
     global_step: int = 0
     max_steps: int = 0
-
-
-@dataclass
-class _Batch:
-    """One process's share of a step's prompts, submitted to the manager."""
-
-    index: int
-    rows: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
-    request_ids: list[str]  # prompt-major: the G samples of prompt i are [i*G, (i+1)*G)
-    submit_version: int
-    submit_time: float
 
 
 @dataclass
@@ -171,87 +111,15 @@ class GRPOTrainer:
     ) -> None:
         self._t_created = time.perf_counter()  # the run's wall time counts the model load
         self.config = config
-        if accelerator is None:
-            # The output folder is the trackers' logging folder, so it is resolved before the Accelerator.
-            cpu = not torch.cuda.is_available()
-            if cpu and config.mixed_precision == "fp16":
-                raise ConfigError("mixed_precision 'fp16' needs a CUDA GPU (autocast to float16); use 'bf16' on CPU")
-            self.output_dir = resolve_output_dir(config, PartialState(cpu=cpu).num_processes)
-            log_dir = str(self.output_dir) if config.log_with else None
-            accelerator = Accelerator(
-                cpu=cpu, mixed_precision=config.mixed_precision, log_with=config.log_with, project_dir=log_dir
-            )
-        else:
-            if config.mixed_precision is not None and config.mixed_precision != accelerator.mixed_precision:
-                raise ConfigError(
-                    f"mixed_precision is {config.mixed_precision!r} but the given accelerator's is "
-                    f"{accelerator.mixed_precision!r}"
-                )
-            self.output_dir = resolve_output_dir(config, accelerator.num_processes)
-        if accelerator.mixed_precision == "fp16" and accelerator.device.type != "cuda":
-            # accelerate takes fp16 from the launcher on CPU and then runs without autocast: say so.
-            raise ConfigError(
-                "mixed_precision 'fp16' (from the launcher or the accelerator) needs a CUDA GPU; use 'bf16' on CPU"
-            )
-        if accelerator.mixed_precision != "no" and config.dtype != "float32":
-            raise ConfigError(
-                f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
-                f"dtype must be 'float32', got {config.dtype!r}"
-            )
-        self.accelerator = acc = accelerator
-        acc.wait_for_everyone()  # every process checked the folder before the main one writes to it
+        acc, self.output_dir = setup_accelerator(config, accelerator, "grpo")
+        self.accelerator = acc
         self.rank, self.world_size = acc.process_index, acc.num_processes
-        if acc.device.type == "cpu":
-            self._set_cpu_threads()
-
         # Data and rewards first: a bad column fails before the model loads.
-        try:
-            if train_dataset is None:
-                train_dataset, built_eval = build_datasets(
-                    config.dataset,
-                    config.dataset_size,
-                    config.dataset_seed,
-                    config.eval_dataset,
-                    config.eval_size,
-                    config.eval_seed,
-                )
-                eval_dataset = eval_dataset if eval_dataset is not None else built_eval
-        except (ValueError, FileNotFoundError) as e:
-            message = str(e)
-            raise ConfigError(message if message.startswith("dataset: ") else f"dataset: {message}") from e
-        self.dataset = train_dataset
-        self.eval_dataset = eval_dataset if config.eval_size > 0 else None
-        specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
-        try:
-            self.reward_funcs = [resolve_reward_func(s) for s in specs]
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        self.reward_names = [reward_name(f) for f in self.reward_funcs]
-        self.reward_weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(specs)
-        if len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward functions"
-            )
-        self._check_columns()
-        if len(self.dataset) < config.prompts_per_batch * self.world_size:
-            raise ConfigError(
-                f"dataset: {len(self.dataset)} prompts cannot fill one step of "
-                f"{config.prompts_per_batch} prompts x {self.world_size} processes"
-            )
-
+        self.dataset, self.eval_dataset, self.reward_funcs, self.reward_names, self.reward_weights = setup_data(
+            config, train_dataset, eval_dataset, reward_funcs, self.world_size
+        )
         torch.manual_seed(config.seed)
-        if model is None or tokenizer is None:
-            try:
-                model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
-            except OSError as e:  # no such folder, or not a model folder: the config's fault, said as such
-                raise ConfigError(f"model: cannot load {config.model!r}: {str(e).splitlines()[0]}") from e
-        self.tokenizer = tokenizer
-        model.eval()  # no dropout: the engine and the trainer compute the same function
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = 0
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self._check_context(rollout.model_context_length(model))
+        model, self.tokenizer, self.pad_token_id, self.eos_token_ids = setup_policy(config, model, tokenizer)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
         optimizer = torch.optim.AdamW(
@@ -288,12 +156,27 @@ class GRPOTrainer:
             )
         )
         self.state = TrainerState(0, config.max_steps)
-        self._pending: deque[_Batch] = deque()
-        self._next_batch = 0
-        self._orders: dict[int, list[int]] = {}
-        self._pauses: list[tuple[float, float]] = []
-        self._busy_until = 0.0
-        self._throughput: deque[tuple[int, float]] = deque(maxlen=THROUGHPUT_WINDOW)
+        self._sampler = PromptSampler(self.dataset, config.prompts_per_batch, config.seed, self.rank, self.world_size)
+        self.queue = RolloutQueue(
+            self.manager,
+            # Through the method, so a subclass that overrides _rows_for_batch is honoured.
+            rows_for_batch=lambda j: self._rows_for_batch(j),
+            encode=lambda row: self.encode_prompt(row[config.prompt_column]),
+            samples_per_prompt=config.num_generations,
+            max_steps=config.max_steps,
+            prefetch=config.effective_prefetch,
+            max_staleness=config.max_staleness,
+            stale_policy=config.stale_policy,
+            request_kwargs=dict(
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                do_sample=True,
+                eos_token_id=self.eos_token_ids,
+            ),
+            seed=lambda j, i, g: sample_seed(config.seed, self.rank, j, i, g),
+            id_prefix="grpo",
+        )
+        self.run_folder = RunFolder(self.output_dir, "grpo", acc.is_main_process)
         self._logged_metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ setup helpers
@@ -313,165 +196,30 @@ class GRPOTrainer:
             share_version=share_version,
         )
 
-    def _check_context(self, context: int | None) -> None:
-        """Refuse completions that cannot fit the model's context (``max_position_embeddings``) after the
-        longest prompt, before any work: the engine would refuse every such request at the first step.
-
-        Raises:
-            ConfigError: naming ``max_new_tokens`` (or ``eval_max_new_tokens``), the longest prompt
-                (``max_prompt_length``) and the context.
-        """
-        cfg = self.config
-        if context is None:
-            return
-        for name in ("max_new_tokens", "eval_max_new_tokens"):
-            value = getattr(cfg, name)
-            if cfg.max_prompt_length + value > context:
-                raise ConfigError(
-                    f"{name}: a prompt of max_prompt_length ({cfg.max_prompt_length} tokens) plus {name} "
-                    f"({value}) is past the model's context of {context} tokens; lower {name} to at most "
-                    f"{context - cfg.max_prompt_length} or max_prompt_length"
-                )
-
-    def _set_cpu_threads(self) -> None:
-        threads = self.config.cpu_threads
-        if threads is None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            threads = max(1, len(os.sched_getaffinity(0)) // max(local, 1))
-        torch.set_num_threads(threads)
-
-    def _check_columns(self) -> None:
-        if self.eval_dataset is not None:
-            for col in (self.config.prompt_column, "answer"):
-                if col not in self.eval_dataset.column_names:
-                    raise ConfigError(
-                        f"eval_dataset: no column {col!r} (columns: {sorted(self.eval_dataset.column_names)})"
-                    )
-        columns = set(self.dataset.column_names)
-        if self.config.prompt_column not in columns:
-            raise ConfigError(
-                f"prompt_column: the dataset has no column {self.config.prompt_column!r} (columns: {sorted(columns)})"
-            )
-        for fn, name in zip(self.reward_funcs, self.reward_names):
-            for col in required_columns(fn):
-                if col not in columns:
-                    raise ConfigError(
-                        f"reward_funcs: {name!r} needs the dataset column {col!r}, which the dataset lacks "
-                        f"(columns: {sorted(columns)})"
-                    )
-
     def _engine_config(
         self, model: PreTrainedModel, usable_bytes: int | None = None
     ) -> rollout.ContinuousBatchingConfig:
-        """The engine's settings: ``engine``, and when it sets no ``num_blocks``, a cache for the batches in flight.
-
-        That cache holds every sequence in flight at full length (plus slack), but never more than fits
-        the engine's memory share next to training: ``engine.max_memory_percent`` when set, else
-        ``rollout.training_memory_percent(model)`` (room left for the gradients and AdamW moments,
-        which exist only after the first step, then TRL's 0.5 share of the rest).
+        """The engine's settings (``trainers.setup.engine_config_for``).
 
         Args:
             model: the policy, on its training device.
             usable_bytes: the device's usable memory; None measures it.
         """
-        cfg = self.config
-        if cfg.engine.get("num_blocks") is not None:
-            return cfg.engine_config()
-        base = cfg.engine_config()
-        block = base.resolved_block_size(self.accelerator.device.type)
-        per_seq = -(-(cfg.max_prompt_length + cfg.max_new_tokens) // block) + 1
-        in_flight = (cfg.effective_prefetch + 1) * cfg.batch_size
-        wanted = in_flight * per_seq + 8
-        percent = base.max_memory_percent
-        if percent is None:
-            percent = rollout.training_memory_percent(model, usable_bytes)
-        fits = rollout.num_blocks_for_model(model, base, memory_percent=percent, usable_bytes=usable_bytes)
-        if fits < wanted:
-            logger.warning(
-                "KV cache: %d blocks hold the %d sequences in flight, %.0f%% of usable memory holds %d; using %d "
-                "(requests wait for blocks; set engine.num_blocks or engine.max_memory_percent to override)",
-                wanted,
-                in_flight,
-                100 * percent,
-                fits,
-                fits,
-            )
-        return cfg.engine_config(num_blocks=min(wanted, fits))
+        return engine_config_for(self.config, model, self.accelerator.device.type, usable_bytes)
 
     # ------------------------------------------------------------------ data
-    def _dataset_index(self, k: int) -> int:
-        n = len(self.dataset)
-        epoch, pos = divmod(k, n)
-        if epoch not in self._orders:
-            order = list(range(n))
-            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}
-        return self._orders[epoch][pos]
-
     def _rows_for_batch(self, j: int) -> list[dict[str, Any]]:
-        P = self.config.prompts_per_batch
-        start = (j * self.world_size + self.rank) * P
-        return [self.dataset[self._dataset_index(k)] for k in range(start, start + P)]
+        return self._sampler.rows(j)
 
     def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt (``trainers.prompts.encode_prompt``), truncated to ``max_prompt_length``."""
         return encode_prompt(self.tokenizer, prompt, self.config.max_prompt_length)
 
-    # ------------------------------------------------------------------ rollouts
-    def _submit(self, j: int) -> None:
-        cfg = self.config
-        rows = self._rows_for_batch(j)
-        prompt_ids = [self.encode_prompt(r[cfg.prompt_column]) for r in rows]
-        request_ids = []
-        # Queued under a pause, the batch reaches the engine in one go: in synchronous mode the
-        # steps, and so the samples and metrics, do not depend on thread timing.
-        with self.manager.pause():
-            for i, ids in enumerate(prompt_ids):
-                for g in range(cfg.num_generations):
-                    rid = self.manager.add_request(
-                        ids,
-                        request_id=f"grpo_b{j}_p{i}_g{g}",
-                        max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature,
-                        do_sample=True,
-                        seed=sample_seed(cfg.seed, self.rank, j, i, g),
-                        eos_token_id=self.eos_token_ids,
-                        record_timestamps=True,
-                    )
-                    if rid is None:
-                        raise RuntimeError("the rollout manager stopped and accepts no request")
-                    request_ids.append(rid)
-        self._pending.append(_Batch(j, rows, prompt_ids, request_ids, self.manager.weight_version, time.perf_counter()))
-        self._next_batch = j + 1
-
-    def _may_submit(self, j: int, current: int) -> bool:
-        cfg = self.config
-        if j >= cfg.max_steps or j > current + cfg.effective_prefetch:
-            return False
-        if j == current or cfg.stale_policy == "drop":
-            return True
-        return self.manager.weight_version >= j - cfg.max_staleness
-
-    def _fill(self, current: int) -> None:
-        """Submit every batch that may run now (batch ``current`` always)."""
-        while self._may_submit(self._next_batch, current):
-            self._submit(self._next_batch)
-
-    def _collect(self, batch: _Batch) -> list[rollout.GenerationOutput]:
-        outputs = []
-        for rid in batch.request_ids:
-            out = self.manager.get_result(rid)
-            if out is None or out.status != rollout.RequestStatus.FINISHED:
-                error = out.error if out is not None else "the manager ended before it finished"
-                raise RuntimeError(f"rollout request {rid} did not finish: {error}")
-            outputs.append(out)
-        return outputs
-
     # ------------------------------------------------------------------ scoring
     def _log_metric(self, name: str, value: float) -> None:
         self._logged_metrics.setdefault(name, []).append(float(value))
 
-    def _prepare(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> _Prepared:
+    def _prepare(self, batch: RolloutBatch, outputs: list[rollout.GenerationOutput]) -> _Prepared:
         cfg = self.config
         G = cfg.num_generations
         rows = [row for row in batch.rows for _ in range(G)]
@@ -492,9 +240,7 @@ class GRPOTrainer:
             log_metric=self._log_metric,
         )
         advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps)
-        version = self.manager.weight_version
-        staleness = [[version - v for v in o.weight_versions] for o in outputs]
-        too_old = torch.tensor([max(s) > cfg.max_staleness for s in staleness], dtype=torch.bool)
+        staleness, too_old = self.queue.staleness(outputs)
         if too_old.any() and cfg.stale_policy == "wait":
             logger.warning(
                 "%d samples are older than max_staleness under stale_policy 'wait'; dropping them", int(too_old.sum())
@@ -599,46 +345,14 @@ class GRPOTrainer:
         version = self.manager.update_weights(None)  # re-entrant: still inside the caller's pause
         return float(grad_norm) if grad_norm is not None else float("nan"), lr, version
 
-    @contextlib.contextmanager
-    def _paused(self):
-        t0 = time.perf_counter()
-        with self.manager.pause():
-            yield
-        if self.config.rollout_server is None:  # a remote server is not paused: it keeps generating
-            self._pauses.append((t0, time.perf_counter()))
-
-    def _rollout_throughput(self, batch: _Batch, outputs: list[rollout.GenerationOutput]) -> float:
-        """Generated tokens per second of this process's engine over the last batches.
-
-        The engine is busy from a batch's submission to its last token, except while paused.
-        Batch k is charged the part of its busy interval not already charged to earlier batches
-        (the measure of the union is exact since batches are submitted in order), so the
-        overlapping batches of async mode are not counted twice; the rate is taken over the last
-        ``THROUGHPUT_WINDOW`` batches, since a batch generated alongside the previous one may be
-        charged almost no time of its own.
-        """
-        finish = max((o.timestamps[-1] for o in outputs if o.timestamps), default=batch.submit_time)
-        start = max(batch.submit_time, self._busy_until)
-        end = max(finish, start)
-        paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
-        self._busy_until = end
-        self._pauses = [(s, e) for s, e in self._pauses if e > end]
-        tokens = sum(len(o.generated_tokens) for o in outputs)
-        self._throughput.append((tokens, max(0.0, end - start - paused)))
-        busy = sum(b for _, b in self._throughput)
-        return sum(t for t, _ in self._throughput) / busy if busy > 0 else float("nan")
-
     def train_step(self, step: int) -> dict[str, float]:
         """One step: collect batch ``step``, score it, and update the weights. Returns the metrics row."""
         cfg = self.config
         acc = self.accelerator
-        t0 = time.perf_counter()
-        self._fill(step)
-        batch = self._pending.popleft()
-        assert batch.index == step
-        outputs = self._collect(batch)
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch, outputs = self.queue.take(step)
         t_collected = time.perf_counter()
-        tokens_per_s = self._rollout_throughput(batch, outputs)
+        tokens_per_s = self.queue.throughput(batch, outputs)
         self.state.global_step = step
         self._logged_metrics = {}
         prep = self._prepare(batch, outputs)
@@ -647,10 +361,10 @@ class GRPOTrainer:
         if cfg.train_outside_pause:
             sums = self._forward_backward(prep)
             t_fb = time.perf_counter()
-            with self._paused():
+            with self.queue.paused():
                 grad_norm, lr, version = self._optimizer_step()
         else:
-            with self._paused():
+            with self.queue.paused():
                 sums = self._forward_backward(prep)
                 t_fb = time.perf_counter()
                 grad_norm, lr, version = self._optimizer_step()
@@ -696,7 +410,7 @@ class GRPOTrainer:
             "step": step + 1,
             "loss": float(totals[0]) / self.world_size,  # each process's part carries a factor world_size
             "reward_mean": float(torch.nanmean(rewards)),
-            "reward_std": float(_nanstd(rewards)),
+            "reward_std": float(nanstd(rewards)),
             "completion_len_mean": float(lengths.mean()),
             "completion_len_max": float(lengths.max()),
             "truncated_fraction": float(truncated.mean()),
@@ -715,6 +429,7 @@ class GRPOTrainer:
             "learning_rate": lr,
             "weight_version": version,
             "step_time_s": t_end - t0,
+            "step_cpu_s": time.process_time() - c0,
             "wait_rollout_s": t_collected - t0,
             "prepare_s": t_prepared - t_collected,
             "train_s": t_fb - t_prepared,
@@ -728,22 +443,19 @@ class GRPOTrainer:
         return row
 
     def _write_completions(self, step: int, prep: _Prepared) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with (self.output_dir / "completions.jsonl").open("a") as f:
-            for i in range(min(self.config.log_completions, len(prep.texts))):
-                prompt = prep.prompts[i]
-                f.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "prompt": prompt if isinstance(prompt, str) else prompt[-1].get("content", ""),
-                            "completion": prep.texts[i],
-                            "reward": float(prep.rewards[i]),
-                            "advantage": float(prep.advantages[i]),
-                        }
-                    )
-                    + "\n"
-                )
+        records = []
+        for i in range(min(self.config.log_completions, len(prep.texts))):
+            prompt = prep.prompts[i]
+            records.append(
+                {
+                    "step": step,
+                    "prompt": prompt if isinstance(prompt, str) else prompt[-1].get("content", ""),
+                    "completion": prep.texts[i],
+                    "reward": float(prep.rewards[i]),
+                    "advantage": float(prep.advantages[i]),
+                }
+            )
+        self.run_folder.append("completions.jsonl", records)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy held-out accuracy of the current weights (all processes; each takes a shard).
@@ -756,29 +468,17 @@ class GRPOTrainer:
         if self.eval_dataset is None:
             return {}
         cfg = self.config
-        acc = self.accelerator
-        shard = self.eval_dataset.select(range(self.rank, len(self.eval_dataset), self.world_size))
-        result = evaluate_greedy(
+        total, samples = evaluate_sharded(
             self.manager,
             self.tokenizer,
-            [self.encode_prompt(p) for p in shard[cfg.prompt_column]],
-            shard["answer"],
+            self.accelerator,
+            self.eval_dataset,
+            self.encode_prompt,
+            cfg.prompt_column,
             cfg.eval_max_new_tokens,
             self.eos_token_ids,
-            questions=shard["question"] if "question" in shard.column_names else None,
         )
-        totals = acc.reduce(
-            torch.tensor(
-                [result.num_correct, result.num_problems, result.num_tokens], dtype=torch.float64, device=acc.device
-            ),
-            reduction="sum",
-        )
-        total = EvalResult(int(totals[0]), int(totals[1]), int(totals[2]))
-        samples = gather_object(result.samples) if self.world_size > 1 else result.samples
-        if acc.is_main_process:
-            with (self.output_dir / "eval_completions.jsonl").open("a") as f:
-                for sample in samples:
-                    f.write(json.dumps({"step": step, **sample}) + "\n")
+        self.run_folder.append("eval_completions.jsonl", [{"step": step, **sample} for sample in samples])
         return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}
 
     def _eval_due(self, step: int) -> bool:
@@ -797,28 +497,14 @@ class GRPOTrainer:
         cfg = self.config
         acc = self.accelerator
         main = acc.is_main_process
-        metrics_path = self.output_dir / "metrics.jsonl"
-        timing_path = self.output_dir / "timing.jsonl"
-        if main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("metrics.jsonl", "timing.jsonl"):
-                (self.output_dir / name).write_text("")
-            for name in ("completions.jsonl", "eval_completions.jsonl"):
-                (self.output_dir / name).unlink(missing_ok=True)
-            (self.output_dir / "grpo_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self.run_folder.start(cfg.to_dict())
         if cfg.log_with:
-            acc.init_trackers("grpo", config=_flat_config(cfg))
+            acc.init_trackers("grpo", config=flat_config(cfg.to_dict()))
         rows: list[dict[str, float]] = []
 
         def record(row: dict[str, float]) -> None:
             rows.append(row)
-            if main:
-                learning = {k: v for k, v in row.items() if k not in TIMING_KEYS}
-                timing = {k: v for k, v in row.items() if k in TIMING_KEYS or k == "step"}
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(learning) + "\n")
-                with timing_path.open("a") as f:
-                    f.write(json.dumps(timing) + "\n")
+            self.run_folder.record(row)
             if cfg.log_with:
                 acc.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
@@ -865,25 +551,15 @@ class GRPOTrainer:
         if cfg.log_with:
             acc.end_training()
         wall = time.perf_counter() - self._t_created
-        if main:
-            evals = [r for r in rows if "eval_accuracy" in r]
-            (self.output_dir / "summary.json").write_text(
-                json.dumps(
-                    {
-                        "steps": cfg.max_steps,
-                        "wall_time_s": wall,
-                        "train_time_s": time.perf_counter() - t_start,
-                        "eval_accuracy_before": evals[0]["eval_accuracy"] if evals else None,
-                        "eval_accuracy_after": evals[-1]["eval_accuracy"] if evals else None,
-                        "world_size": self.world_size,
-                        "device": str(acc.device),
-                        "torch_threads": torch.get_num_threads(),
-                        "mixed_precision": acc.mixed_precision,  # what ran, the launcher's setting included
-                        "commit": source_commit(),
-                    },
-                    indent=2,
-                )
-            )
+        self.run_folder.write_summary(
+            rows,
+            steps=cfg.max_steps,
+            wall_s=wall,
+            train_s=time.perf_counter() - t_start,
+            world_size=self.world_size,
+            device=str(acc.device),
+            mixed_precision=acc.mixed_precision,
+        )
         self._log(summary(rows, self.output_dir, wall, cfg.save_model))
         return rows
 
@@ -919,66 +595,18 @@ class GRPOTrainer:
         acc.wait_for_everyone()
 
 
-def source_commit() -> str | None:
-    """The git commit of the checkout this package runs from (an editable install), or None."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def summary(rows: list[dict[str, float]], output_dir: Path, seconds: float, saved: bool) -> str:
-    """The closing lines of a run: steps, wall time (seconds, model load included), reward and held-out
-    accuracy before and after, outputs."""
-    steps = [r for r in rows if r["step"] > 0]
-    evals = [r for r in rows if "eval_accuracy" in r]
-    lines = [f"done: {len(steps)} steps in {seconds / 60:.1f} min"]
-    if steps:
-        # Two windows of up to 5 steps that never overlap: a 3-step run compares step 1 with step 3.
-        width = max(1, min(5, len(steps) // 2))
-        first, last = steps[:width], steps[-width:]
-        r_first = sum(r["reward_mean"] for r in first) / len(first)
-        r_last = sum(r["reward_mean"] for r in last) / len(last)
-        lines.append(
-            f"  reward_mean {r_first:.3f} (steps {first[0]['step']}-{first[-1]['step']}) -> "
-            f"{r_last:.3f} (steps {last[0]['step']}-{last[-1]['step']})"
-        )
-    if len(evals) >= 2:
-        a, b = evals[0], evals[-1]
-        lines.append(
-            f"  held-out eval_accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> {b['eval_accuracy']:.3f} "
-            f"(step {b['step']}); completions {a['eval_completion_len']:.1f} -> {b['eval_completion_len']:.1f} tokens"
-        )
-    files = "metrics.jsonl, timing.jsonl, summary.json" + (", eval_completions.jsonl" if evals else "")
-    files += ", the model (save_pretrained)" if saved else ""
-    lines.append(f"  outputs in {output_dir}: {files}")
-    lines.append(f"  plot: rollout-plot {output_dir / 'metrics.jsonl'}")
-    return "\n".join(lines)
-
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    x = x[~torch.isnan(x)]
-    return x.std() if x.numel() > 1 else torch.tensor(0.0)
-
-
-def _flat_config(cfg: GRPOConfig) -> dict[str, Any]:
-    """Tracker-friendly config: scalars as they are, everything else as a string."""
-    out: dict[str, Any] = {}
-    for k, v in cfg.to_dict().items():
-        out[k] = v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
-    return out
-
-
 def train_grpo(config: GRPOConfig, **kwargs: Any) -> list[dict[str, float]]:
     """Build a GRPOTrainer and run it (the script's entry point)."""
     return GRPOTrainer(config, **kwargs).train()
 
 
-__all__ = ["GRPOTrainer", "TrainerState", "resolve_output_dir", "sample_seed", "summary", "train_grpo"]
+__all__ = [
+    "TIMING_KEYS",
+    "GRPOTrainer",
+    "TrainerState",
+    "resolve_output_dir",
+    "sample_seed",
+    "source_commit",
+    "summary",
+    "train_grpo",
+]

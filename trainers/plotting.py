@@ -1,11 +1,13 @@
-"""Plot a GRPO run's reward and rollout throughput per step from its metrics.jsonl.
+"""Plot a GRPO or PPO run's reward and rollout throughput per step from its metrics.jsonl.
 
     rollout-plot OUTPUT_DIR/metrics.jsonl [--out reward_curve.png] [--title TEXT]
     python scripts/plot_metrics.py OUTPUT_DIR/metrics.jsonl ...   # the same
 
 Writes one PNG (matplotlib, Agg backend): the mean reward per step with its per-reward parts, moving
 averages and the held-out eval_accuracy on top; completion lengths (training and evaluation) in the
-middle; the rollout throughput (generated tokens/s, from timing.jsonl beside the metrics) below.
+middle; the rollout throughput (generated tokens/s, from timing.jsonl beside the metrics) below; for a PPO
+run (rows with ``explained_variance``) a fourth panel of its diagnostics (explained variance, clip
+fraction, approximate KL, value loss).
 matplotlib is not a dependency of the package (``pip install matplotlib``, or the ``test`` extra); it is
 imported when a figure is drawn.
 """
@@ -64,9 +66,15 @@ def plot(rows: list[dict], out: str | Path, title: str = "GRPO", window: int = 5
     evals = [r for r in rows if "eval_accuracy" in r]
     steps = [r["step"] for r in train]
     reward = [float(r["reward_mean"]) for r in train]
-    fig, (ax1, ax_len, ax2) = plt.subplots(
-        3, 1, figsize=(8, 8.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1, 1]}
-    )
+    ppo = bool(train) and "explained_variance" in train[0]
+    if ppo:
+        fig, (ax1, ax_len, ax2, ax_ppo) = plt.subplots(
+            4, 1, figsize=(8, 11), sharex=True, gridspec_kw={"height_ratios": [2.2, 1, 1, 1.2]}
+        )
+    else:
+        fig, (ax1, ax_len, ax2) = plt.subplots(
+            3, 1, figsize=(8, 8.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1, 1]}
+        )
     ax1.plot(steps, reward, "o-", color="C0", alpha=0.45, label="reward_mean")
     ax1.plot(steps, moving_average(reward, window), "-", color="C0", lw=2.5, label=f"reward_mean ({window}-step avg)")
     parts = sorted(k for k in (train[0] if train else {}) if k.startswith("rewards/"))
@@ -127,9 +135,18 @@ def plot(rows: list[dict], out: str | Path, title: str = "GRPO", window: int = 5
         ax3.plot(steps, [float(r["step_time_s"]) for r in train], ".:", color="C7", label="step time (s)")
         ax3.set_ylabel("step time (s)", color="C7")
     ax2.set_ylabel("generated tokens/s")
-    ax2.set_xlabel("optimizer step")
+    ax2.set_xlabel("optimizer step" if not ppo else "")
     ax2.grid(alpha=0.3)
     ax2.legend(loc="upper left", fontsize=8)
+    if ppo:
+        for i, key in enumerate(("explained_variance", "clip_fraction", "approx_kl", "value_loss", "kl")):
+            if key in train[0]:
+                ax_ppo.plot(steps, [float(r.get(key, math.nan)) for r in train], ".-", color=f"C{i}", label=key)
+        ax_ppo.axhline(0.0, color="k", lw=0.5)
+        ax_ppo.set_ylabel("PPO diagnostics")
+        ax_ppo.set_xlabel("PPO step (one rollout batch)")
+        ax_ppo.grid(alpha=0.3)
+        ax_ppo.legend(loc="best", fontsize=8)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

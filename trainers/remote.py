@@ -110,6 +110,10 @@ class RemoteRollouts:
         """True between ``start`` and ``stop``."""
         return self.state == "running"
 
+    # The server keeps generating while the trainer "pauses" (the rollout queue's throughput leaves out
+    # the pauses of an engine that stops for them, not of this one).
+    pause_stops_generation = False
+
     def pause(self) -> contextlib.AbstractContextManager[None]:
         """Nothing to hold: the server's weights move only through ``update_weights``."""
         return contextlib.nullcontext()

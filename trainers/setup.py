@@ -1,0 +1,236 @@
+"""Setup steps every trainer runs before its first step, in this order: the accelerator and the run
+folder, CPU threads, the datasets and reward functions (a bad column fails before the model loads),
+the policy and its tokenizer, the context check, and the engine's settings.
+
+Module functions of a config with the fields ``trainers.config.validate_common`` checks, shared by
+the GRPO and PPO trainers (torchtune's ``_setup_*`` steps, composed by each recipe's ``__init__``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from accelerate import Accelerator, PartialState
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import rollout
+
+from .config import ConfigError
+from .prompts import eos_token_ids
+from .rewards import RewardFunc, required_columns, resolve_reward_func, reward_name
+from .runs import resolve_output_dir
+from .tasks import build_datasets
+
+logger = logging.getLogger(__name__)
+
+
+def setup_accelerator(config: Any, accelerator: Accelerator | None, prefix: str) -> tuple[Accelerator, Path]:
+    """The run's Accelerator (built when None: CPU without CUDA, with ``config.mixed_precision``) and output folder.
+
+    Raises:
+        ConfigError: ``mixed_precision`` "fp16" without CUDA, a given accelerator whose mixed precision
+            differs from ``config.mixed_precision``, mixed precision with a ``dtype`` other than
+            float32, or an output folder that ``resolve_output_dir`` refuses.
+    """
+    if accelerator is None:
+        # The output folder is the trackers' logging folder, so it is resolved before the Accelerator.
+        cpu = not torch.cuda.is_available()
+        if cpu and config.mixed_precision == "fp16":
+            raise ConfigError("mixed_precision 'fp16' needs a CUDA GPU (autocast to float16); use 'bf16' on CPU")
+        output_dir = resolve_output_dir(config, PartialState(cpu=cpu).num_processes, prefix)
+        log_dir = str(output_dir) if config.log_with else None
+        accelerator = Accelerator(
+            cpu=cpu, mixed_precision=config.mixed_precision, log_with=config.log_with, project_dir=log_dir
+        )
+    else:
+        if config.mixed_precision is not None and config.mixed_precision != accelerator.mixed_precision:
+            raise ConfigError(
+                f"mixed_precision is {config.mixed_precision!r} but the given accelerator's is "
+                f"{accelerator.mixed_precision!r}"
+            )
+        output_dir = resolve_output_dir(config, accelerator.num_processes, prefix)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type != "cuda":
+        # accelerate takes fp16 from the launcher on CPU and then runs without autocast: say so.
+        raise ConfigError(
+            "mixed_precision 'fp16' (from the launcher or the accelerator) needs a CUDA GPU; use 'bf16' on CPU"
+        )
+    if accelerator.mixed_precision != "no" and config.dtype != "float32":
+        raise ConfigError(
+            f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
+            f"dtype must be 'float32', got {config.dtype!r}"
+        )
+    accelerator.wait_for_everyone()  # every process checked the folder before the main one writes to it
+    if accelerator.device.type == "cpu":
+        set_cpu_threads(config.cpu_threads)
+    return accelerator, output_dir
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """torch threads: ``threads``, or the CPUs this process may use divided by the processes on this machine."""
+    if threads is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, len(os.sched_getaffinity(0)) // max(local, 1))
+    torch.set_num_threads(threads)
+
+
+def setup_data(
+    config: Any,
+    train_dataset: datasets.Dataset | None,
+    eval_dataset: datasets.Dataset | None,
+    reward_funcs: Sequence[RewardFunc | str] | None,
+    world_size: int,
+) -> tuple[datasets.Dataset, datasets.Dataset | None, list[RewardFunc], list[str], list[float]]:
+    """The training and held-out datasets and the reward functions, checked against each other.
+
+    ``train_dataset`` None builds both splits from ``config.dataset``; a given ``train_dataset``
+    without ``eval_dataset`` means no evaluation. ``config.eval_size`` 0 drops the held-out set.
+
+    Returns:
+        (train dataset, held-out dataset or None, reward functions, their names, their weights).
+
+    Raises:
+        ConfigError: a dataset that cannot be built, a missing column (named), a reward function
+            that cannot be resolved, weights that do not match the functions, or a dataset smaller
+            than one step.
+    """
+    try:
+        if train_dataset is None:
+            train_dataset, built_eval = build_datasets(
+                config.dataset,
+                config.dataset_size,
+                config.dataset_seed,
+                config.eval_dataset,
+                config.eval_size,
+                config.eval_seed,
+            )
+            eval_dataset = eval_dataset if eval_dataset is not None else built_eval
+    except (ValueError, FileNotFoundError) as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith("dataset: ") else f"dataset: {message}") from e
+    eval_dataset = eval_dataset if config.eval_size > 0 else None
+    specs = list(reward_funcs) if reward_funcs is not None else list(config.reward_funcs)
+    try:
+        funcs = [resolve_reward_func(s) for s in specs]
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    names = [reward_name(f) for f in funcs]
+    weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(specs)
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+    check_columns(config.prompt_column, train_dataset, eval_dataset, funcs, names)
+    if len(train_dataset) < config.prompts_per_batch * world_size:
+        raise ConfigError(
+            f"dataset: {len(train_dataset)} prompts cannot fill one step of "
+            f"{config.prompts_per_batch} prompts x {world_size} processes"
+        )
+    return train_dataset, eval_dataset, funcs, names, weights
+
+
+def check_columns(
+    prompt_column: str,
+    dataset: datasets.Dataset,
+    eval_dataset: datasets.Dataset | None,
+    reward_funcs: Sequence[RewardFunc],
+    reward_names: Sequence[str],
+) -> None:
+    """Raise ConfigError naming a column the prompts, the held-out answers or a reward function need but lack."""
+    if eval_dataset is not None:
+        for col in (prompt_column, "answer"):
+            if col not in eval_dataset.column_names:
+                raise ConfigError(f"eval_dataset: no column {col!r} (columns: {sorted(eval_dataset.column_names)})")
+    columns = set(dataset.column_names)
+    if prompt_column not in columns:
+        raise ConfigError(f"prompt_column: the dataset has no column {prompt_column!r} (columns: {sorted(columns)})")
+    for fn, name in zip(reward_funcs, reward_names):
+        for col in required_columns(fn):
+            if col not in columns:
+                raise ConfigError(
+                    f"reward_funcs: {name!r} needs the dataset column {col!r}, which the dataset lacks "
+                    f"(columns: {sorted(columns)})"
+                )
+
+
+def setup_policy(
+    config: Any, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, int, list[int]]:
+    """The policy in eval mode (no dropout: the engine and the trainer compute the same function), its
+    tokenizer, the pad id and the EOS ids; loaded from ``config.model`` when either is None.
+
+    Raises:
+        ConfigError: the model cannot be loaded, or its context cannot hold a prompt plus a completion.
+    """
+    if model is None or tokenizer is None:
+        try:
+            model, tokenizer = rollout.load_model(config.model, dtype=getattr(torch, config.dtype))
+        except OSError as e:  # no such folder, or not a model folder: the config's fault, said as such
+            raise ConfigError(f"model: cannot load {config.model!r}: {str(e).splitlines()[0]}") from e
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    check_context(config, rollout.model_context_length(model))
+    return model, tokenizer, 0 if pad is None else pad, eos_token_ids(model, tokenizer)
+
+
+def check_context(config: Any, context: int | None) -> None:
+    """Refuse completions that cannot fit the model's context (``max_position_embeddings``) after the
+    longest prompt, before any work: the engine would refuse every such request at the first step.
+
+    Raises:
+        ConfigError: naming ``max_new_tokens`` (or ``eval_max_new_tokens``), the longest prompt
+            (``max_prompt_length``) and the context.
+    """
+    if context is None:
+        return
+    for name in ("max_new_tokens", "eval_max_new_tokens"):
+        value = getattr(config, name)
+        if config.max_prompt_length + value > context:
+            raise ConfigError(
+                f"{name}: a prompt of max_prompt_length ({config.max_prompt_length} tokens) plus {name} "
+                f"({value}) is past the model's context of {context} tokens; lower {name} to at most "
+                f"{context - config.max_prompt_length} or max_prompt_length"
+            )
+
+
+def engine_config_for(
+    config: Any, model: PreTrainedModel, device_type: str, usable_bytes: int | None = None
+) -> rollout.ContinuousBatchingConfig:
+    """The engine's settings: ``config.engine``, and when it sets no ``num_blocks``, a cache for the batches in flight.
+
+    That cache holds every sequence in flight at full length (plus slack), but never more than fits
+    the engine's memory share next to training: ``engine.max_memory_percent`` when set, else
+    ``rollout.training_memory_percent(model)`` (room left for the gradients and AdamW moments,
+    which exist only after the first step, then TRL's 0.5 share of the rest).
+
+    Args:
+        config: the trainer's config (``batch_size`` sequences per batch, ``effective_prefetch`` batches ahead).
+        model: the policy, on its training device.
+        device_type: "cpu" or "cuda".
+        usable_bytes: the device's usable memory; None measures it.
+    """
+    if config.engine.get("num_blocks") is not None:
+        return config.engine_config()
+    base = config.engine_config()
+    block = base.resolved_block_size(device_type)
+    per_seq = -(-(config.max_prompt_length + config.max_new_tokens) // block) + 1
+    in_flight = (config.effective_prefetch + 1) * config.batch_size
+    wanted = in_flight * per_seq + 8
+    percent = base.max_memory_percent
+    if percent is None:
+        percent = rollout.training_memory_percent(model, usable_bytes)
+    fits = rollout.num_blocks_for_model(model, base, memory_percent=percent, usable_bytes=usable_bytes)
+    if fits < wanted:
+        logger.warning(
+            "KV cache: %d blocks hold the %d sequences in flight, %.0f%% of usable memory holds %d; using %d "
+            "(requests wait for blocks; set engine.num_blocks or engine.max_memory_percent to override)",
+            wanted,
+            in_flight,
+            100 * percent,
+            fits,
+            fits,
+        )
+    return config.engine_config(num_blocks=min(wanted, fits))
