@@ -314,6 +314,12 @@ def test_update_weights_from_disk_bumps_the_weight_version(
         assert choice["weight_versions"] == [1] * 8
         bad = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
+        (tmp_path / "corrupt").mkdir()
+        (tmp_path / "corrupt" / "x.safetensors").write_text("garbage")
+        corrupt = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "corrupt")})
+        assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "model_path"
+        assert "x.safetensors cannot be read as safetensors" in corrupt.json()["error"]["message"]
+        assert srv.manager.weight_version == 1  # nothing copied
     finally:
         restored = _post(srv, "/update_weights_from_disk", {"model_path": str(tmp_path / "old")}).json()
     assert restored["weight_version"] == 2

@@ -19,6 +19,7 @@ import pytest
 from rollout import ContinuousBatchingConfig
 from rollout.serve import ServerSettings
 from rollout.serve.cli import build_parser, config_from_args
+from rollout.serve.service import MAX_SEQUENCES_PER_JOB
 from tests.serve_utils import free_port, running_server, wait_until
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
@@ -45,6 +46,16 @@ def test_api_key_guards_v1_and_control_routes_and_control_is_off_by_default() ->
         assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, temperature=0).choices[0].text
         gated = httpx.post(f"{srv.url}/pause", headers={"Authorization": "Bearer sekret"})
         assert gated.status_code == 404 and "--enable-control" in gated.json()["error"]["message"]
+        # The queue is unbounded here (--max-queue-size 0): one request still cannot ask for more sequences than
+        # MAX_SEQUENCES_PER_JOB (n = 1,000,000 had the server killed for memory).
+        huge = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={"prompt": [[5], [6]], "max_tokens": 2, "n": MAX_SEQUENCES_PER_JOB // 2 + 1},
+            headers={"Authorization": "Bearer sekret"},
+        )
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "n"
+        assert f"{MAX_SEQUENCES_PER_JOB + 2} requests (prompts x n)" in huge.json()["error"]["message"]
+        assert not srv.manager.engine.requests
 
 
 def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns_unhealthy() -> None:

@@ -222,6 +222,12 @@ class Submission:
         self._service._jobs.pop(self.job_id, None)
 
 
+# Sequences (prompts x n) one request may ask for when the queue is unbounded (--max-queue-size 0): each queued
+# sequence holds host memory (its request state and sampling rows), and one request with n = 1,000,000 had the
+# kernel kill the server for memory. A GRPO step of 256 prompts x 16 samples is 4,096.
+MAX_SEQUENCES_PER_JOB = 4096
+
+
 class GenerationService:
     """The server's manager behind coroutines.
 
@@ -281,12 +287,14 @@ class GenerationService:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         if self.transfer.partial is not None:
             raise APIError(503, self.transfer.partial)
-        expanded = [p for p in job.prompts for _ in range(job.n)]
-        limit = self.manager.cb_config.max_queue_size
-        if limit and len(expanded) > limit:  # it would never fit: a 503 would invite endless retries
+        queue_limit = self.manager.cb_config.max_queue_size
+        limit = queue_limit or MAX_SEQUENCES_PER_JOB
+        if len(job.prompts) * job.n > limit:  # it would never fit: a 503 would invite endless retries
+            bound = f"--max-queue-size {queue_limit}" if queue_limit else f"limit of {limit} sequences per request"
             raise APIError(
-                400, f"n: {len(expanded)} requests (prompts x n) exceed the server's --max-queue-size {limit}", "n"
+                400, f"n: {len(job.prompts) * job.n} requests (prompts x n) exceed the server's {bound}", "n"
             )
+        expanded = [p for p in job.prompts for _ in range(job.n)]
         try:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
         except QueueFullError as e:
@@ -412,18 +420,23 @@ class GenerationService:
             raise APIError(400, f"model_path: {model_path!r} is not a folder holding *.safetensors files", "model_path")
 
         def run() -> int:
+            from safetensors import SafetensorError
             from safetensors.torch import load_file
 
             tensors: dict[str, Any] = {}
             for f in files:
-                tensors.update(load_file(str(f)))
+                try:
+                    tensors.update(load_file(str(f)))
+                except (SafetensorError, OSError) as e:  # a corrupt or unreadable file: nothing copied yet
+                    raise ValueError(f"{f.name} cannot be read as safetensors: {e}") from e
             with self._model_lock:
                 return self.manager.update_weights(tensors, recompute=recompute)
 
         try:
             return await asyncio.to_thread(run)
         except (KeyError, ValueError, TypeError) as e:
-            raise APIError(400, f"model_path: {e}", "model_path") from e
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+            raise APIError(400, f"model_path: {message}", "model_path") from e
 
     # ------------------------------------------------------------------ weights streamed by a trainer
     def _device(self) -> torch.device:
