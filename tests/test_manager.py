@@ -350,7 +350,8 @@ def test_pause_is_reentrant(make_manager: ManagerFactory) -> None:
 def test_pause_latency_is_at_most_one_step(make_manager: ManagerFactory) -> None:
     # pause() returns once the step in progress ends: no step starts between the call and the
     # return, and none runs while the pause is held.
-    m = make_manager(gc=GenerationConfig(max_new_tokens=1000, do_sample=False, eos_token_id=None), num_blocks=512)
+    # 500 tokens: the prompt plus max_new_tokens stays within tiny_llama's context of 512 (refused past it).
+    m = make_manager(gc=GenerationConfig(max_new_tokens=500, do_sample=False, eos_token_id=None), num_blocks=512)
     steps = make_manager.steps(m, delay=0.01)  # steps long enough for pauses to land mid-step
     m.start()
     m.add_request([5, 6, 7])
