@@ -3,7 +3,7 @@
 They follow transformers' ``ContinuousMixin`` methods of the same names, as functions that take the
 model first; ``attach(model)`` binds them on a model so that code written for
 ``model.generate_batch(...)`` (TRL's ``use_transformers_continuous_batching`` among it) runs on rollout.
-Where the behaviour differs on purpose, the README's "API compatibility" section says how.
+Where the behaviour differs on purpose, docs/api.md ("API compatibility") says how.
 """
 
 from __future__ import annotations

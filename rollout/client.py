@@ -197,7 +197,7 @@ class RolloutClient:
             master_address: the address the server reaches this process at (default: this machine's address on
                 the route to the server; 127.0.0.1 for a local server).
             master_port: the store's port (default: a free one). It and gloo's or NCCL's own connections must be
-                reachable from the server (docs: README "Scaling out").
+                reachable from the server (docs/scaling.md, "Trainer and rollout server in two processes").
             world_size: 2 for one server.
 
         Raises:

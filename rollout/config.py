@@ -396,7 +396,7 @@ class ContinuousBatchingConfig:
 
         The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
         decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
-        every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; README "Async
+        every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async
         batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
         transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
         work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
@@ -486,7 +486,7 @@ class ContinuousBatchingConfig:
                 ignored.append(f"{f.name}={value!r}")
         if ignored:
             logger.warning(
-                "transformers ContinuousBatchingConfig: rollout does not use %s; ignored (see the README's "
+                "transformers ContinuousBatchingConfig: rollout does not use %s; ignored (see docs/api.md, "
                 "API compatibility section)",
                 ", ".join(ignored),
             )

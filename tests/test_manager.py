@@ -123,7 +123,7 @@ def test_add_request_after_stop_warns_and_returns_none(
         assert m.add_requests([[5, 6], [7]]) == [None, None]
     assert "after stop" in caplog.text
     m.destroy()
-    with pytest.raises(RuntimeError, match="destroyed"):  # documented apart from stop() (README, docstring)
+    with pytest.raises(RuntimeError, match="destroyed"):  # documented apart from stop() (docs/api.md, docstring)
         m.add_request([5, 6])
 
 

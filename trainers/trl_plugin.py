@@ -117,7 +117,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         rollout_summary: after the manager is destroyed, its last statistics
             (``weight_version``, ``num_generated_tokens``, ``num_prompt_tokens_computed``,
             ``prefix_cache_hit_blocks``, ``num_forks`` (samples that took a sibling's prompt
-            instead of computing it, see the README's prompt forking), ``num_engine_steps``,
+            instead of computing it, see docs/kv_cache.md), ``num_engine_steps``,
             ``generation_seconds``); None before.
 
     Raises:
