@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import rollout
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
+import trainers.grpo as grpo_module
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
 from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
@@ -138,18 +139,28 @@ def test_pad_batch_aligns_completions():
     assert cmask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
 
 
+@pytest.mark.parametrize("advantages", [[1.0, -1.0, 0.5, -0.5], [1.0, 0.0, 0.0, -0.5]], ids=["all", "two-zero"])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path, loss_type):
+def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path, monkeypatch, loss_type, advantages):
     """One step of the trainer (padding, micro-batches, importance weights, normalisation, sign) gives the
     gradient of the policy-gradient loss written out per sequence, unpadded:
     dapo: -sum_i A_i sum_t w_it log p_it / (number of tokens);
-    grpo: -sum_i A_i mean_t(w_it log p_it) / (number of sequences); w = min(p / p_behaviour, cap), detached."""
+    grpo: -sum_i A_i mean_t(w_it log p_it) / (number of sequences); w = min(p / p_behaviour, cap), detached.
+    Sequences with advantage 0 are not forwarded, and the normaliser still counts them."""
     T = 0.7
     trainer = tiny_trainer(tmp_path, temperature=T, micro_batch_size=3, loss_type=loss_type, is_cap=2.0)
     model = trainer.unwrapped
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
     completions = [[20, 21, 22, 2], [30, 31], [40], [50, 51, 52, 53, 54]]
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    advantages = torch.tensor(advantages)
+    forwarded: list[list[int]] = []
+    original_logprobs = grpo_module.completion_logprobs
+
+    def counting(model_, prompt_ids, completion_ids, *args):
+        forwarded.extend(completion_ids)
+        return original_logprobs(model_, prompt_ids, completion_ids, *args)
+
+    monkeypatch.setattr(grpo_module, "completion_logprobs", counting)
     # Behaviour logprobs below the current ones by 0.3 (w = e^0.3) or above by 1.0 (w = e^-1); one token
     # 1.0 below (w = e = 2.72, truncated to the cap 2).
     shifts = [[0.3, 0.3, 1.0, 0.3], [-1.0, -1.0], [0.3], [0.3, -1.0, 0.3, -1.0, 0.3]]
@@ -170,6 +181,7 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
     model.zero_grad(set_to_none=True)
     trainer._forward_backward(prep)
     got = [p.grad.clone() for p in model.parameters()]
+    assert sorted(forwarded) == sorted(c for c, a in zip(completions, advantages.tolist()) if a != 0)
 
     model.zero_grad(set_to_none=True)
     n_tokens = sum(len(c) for c in completions)

@@ -289,14 +289,32 @@ class GRPOTrainer:
             "stale_max": 0.0,
             "clipped": 0.0,
             "is_min": math.inf,
+            "tokens": 0.0,
+            "skipped": 0.0,
         }
         if global_count == 0:
             return sums
         normaliser = global_count / self.world_size
         eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        # Staleness over every trained token, whether or not its sequence is forwarded below.
+        for i in range(n):
+            if prep.sample_mask[i] > 0 and prep.staleness[i]:
+                sums["stale_sum"] += float(sum(prep.staleness[i]))
+                sums["stale_max"] = max(sums["stale_max"], float(max(prep.staleness[i])))
+        sums["tokens"] = local_tokens
+        # A sequence with advantage exactly 0 (its group's rewards were all equal: group_advantages
+        # returns exact zeros there) or a dropped one adds exactly 0 to this loss and its gradient (the
+        # loss has no KL or entropy term), so its forward and backward are skipped; the normaliser still
+        # counts its tokens, so the gradient is the same (DAPO, Yu et al. 2025, arXiv:2503.14476, on
+        # why such groups carry no signal). At least one micro-batch runs, so that every process reaches
+        # the backward that synchronises the gradients.
+        active = [i for i in range(n) if prep.sample_mask[i] > 0 and float(prep.advantages[i]) != 0.0]
+        sums["skipped"] = float(n - len(active))
+        if not active:
+            active = [min(range(n), key=lambda i: len(prep.prompt_ids[i]) + len(prep.completion_ids[i]))]
         # Longest first: similar lengths share a micro-batch and little is padded.
-        order = sorted(range(n), key=lambda i: -(len(prep.prompt_ids[i]) + len(prep.completion_ids[i])))
-        chunks = [[order[i] for i in mb] for mb in self._micro_batches(n)]
+        order = sorted(active, key=lambda i: -(len(prep.prompt_ids[i]) + len(prep.completion_ids[i])))
+        chunks = [[order[i] for i in mb] for mb in self._micro_batches(len(order))]
         for c, idx in enumerate(chunks):
             sync = c == len(chunks) - 1
             ctx = contextlib.nullcontext() if sync else acc.no_sync(self.model)
@@ -310,11 +328,9 @@ class GRPOTrainer:
                     self._supports_logits_to_keep,
                 )
                 behaviour = torch.zeros_like(logps)
-                stale = torch.zeros_like(logps)
                 for b, i in enumerate(idx):
                     k = len(prep.completion_ids[i])
                     behaviour[b, :k] = torch.tensor(prep.behaviour_logprobs[i], dtype=torch.float32)
-                    stale[b, :k] = torch.tensor(prep.staleness[i], dtype=torch.float32)
                 mask = mask * prep.sample_mask[idx].to(device)[:, None]
                 adv = prep.advantages[idx].to(device)
                 per_token, is_ratio = grpo_token_loss(
@@ -329,8 +345,6 @@ class GRPOTrainer:
                 sums["is_max"] = max(sums["is_max"], float(is_ratio[m].max()))
                 sums["is_min"] = min(sums["is_min"], float(is_ratio[m].min()))
                 sums["clipped"] += float((is_ratio[m] > cfg.is_cap).sum())
-                sums["stale_sum"] += float(stale.to(device)[m].sum())
-                sums["stale_max"] = max(sums["stale_max"], float(stale.to(device)[m].max()))
                 sums["is_tokens"] += float(m.sum())
         return sums
 
@@ -387,6 +401,8 @@ class GRPOTrainer:
                     sums["clipped"],
                     float((1 - prep.sample_mask).sum()),
                     tokens_per_s,
+                    sums["tokens"],
+                    sums["skipped"],
                 ],
                 dtype=torch.float64,
                 device=device,
@@ -405,7 +421,8 @@ class GRPOTrainer:
             .max(dim=0)
             .values
         )
-        tokens = float(totals[2])
+        is_tokens = float(totals[2])
+        tokens = float(totals[7])
         row: dict[str, float] = {
             "step": step + 1,
             "loss": float(totals[0]) / self.world_size,  # each process's part carries a factor world_size
@@ -416,15 +433,16 @@ class GRPOTrainer:
             "truncated_fraction": float(truncated.mean()),
             "frac_reward_zero_std": float(zero_spread.mean()),
             "rollout_tokens_per_s": float(totals[6]),
-            "is_ratio_mean": float(totals[1]) / tokens if tokens else float("nan"),
-            "is_ratio_max": float(maxima[0]) if tokens else float("nan"),
-            "is_ratio_min": -float(maxima[3]) if tokens else float("nan"),
-            "is_truncated_fraction": float(totals[4]) / tokens if tokens else float("nan"),
+            "is_ratio_mean": float(totals[1]) / is_tokens if is_tokens else float("nan"),
+            "is_ratio_max": float(maxima[0]) if is_tokens else float("nan"),
+            "is_ratio_min": -float(maxima[3]) if is_tokens else float("nan"),
+            "is_truncated_fraction": float(totals[4]) / is_tokens if is_tokens else float("nan"),
             "staleness_mean": float(totals[3]) / tokens if tokens else float("nan"),
             "staleness_max": float(maxima[1]) if tokens else float("nan"),
             "staleness_max_sampled": float(maxima[2]),
             "dropped_stale": float(totals[5]),
             "trained_tokens": tokens,
+            "skipped_zero_advantage": float(totals[8]),
             "grad_norm": grad_norm,
             "learning_rate": lr,
             "weight_version": version,
