@@ -28,7 +28,7 @@ from trainers.ppo_loss import (
     value_loss,
     whiten,
 )
-from trainers.report import report
+from trainers.report import compare_value_models, report
 from trainers.value_model import PolicyWithValue, load_policy_with_value
 
 
@@ -301,6 +301,14 @@ def test_training_run_writes_the_run_folder_and_the_policy_reloads(tmp_path):
     assert text.startswith("# PPO on the default task") and "value model `head`" in text
     per_step = text.split("## Per step")[1].strip().splitlines()[2:]
     assert [line.split("|")[1].strip() for line in per_step] == ["1", "2", "3"]
+    table = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in compare_value_models([out, out]).splitlines()
+        if line.startswith("| ") and not line.startswith("| |")
+    }
+    assert table["value model"] == ["`head`", "`head`"] and table["steps trained"] == ["3", "3"]
+    reward = sum(r["reward_mean"] for r in metrics) / 3
+    assert table["training reward, steps 1-3"] == [f"{reward:.3f}"] * 2
 
 
 def test_saved_run_reloads_and_evaluates_with_the_eval_command(tmp_path):
