@@ -27,6 +27,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # step's CPU linear layers) sits just below static_step, its one user. weight_transfer (the trainer-to-server
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
+# loading (load_model, the default model's provisioning) is a leaf beside models.
 LAYERS = [
     "checks",
     "config",
@@ -34,6 +35,7 @@ LAYERS = [
     "stop_strings",
     "requests",
     "models",
+    "loading",
     "weights",
     "weight_transfer",
     "block_manager",
