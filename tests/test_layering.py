@@ -28,6 +28,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
 # loading (load_model, the default model's provisioning) is a leaf beside models.
+# host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 LAYERS = [
     "checks",
     "config",
@@ -44,6 +45,8 @@ LAYERS = [
     "scheduler",
     "distributed",
     "attention",
+    "host_staging",
+    "logits_processors",
     "sampling",
     "onednn",
     "static_step",
