@@ -6,8 +6,9 @@ from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
 from .kv_cache import num_blocks_for_model, training_memory_percent
+from .loading import load_model, rollout_home
 from .manager import ContinuousBatchingManager
-from .models import UnsupportedModelError, load_model, model_context_length, rollout_home
+from .models import UnsupportedModelError, model_context_length
 from .requests import GenerationOutput, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params
 from .scoring import ScoreOutput, score, score_with_engine

@@ -1,42 +1,36 @@
-"""Batched per-request logits processors, sampling and logprobs.
+"""Batched per-request sampling and logprobs.
 
 One pass over the step's logits handles requests with different processors, temperatures,
 top-k, top-p, min-p and seeds. The order is ``model.generate``'s: the logits processors
-(repetition penalty, no-repeat n-grams, bad words, min_length, min_new_tokens) on the raw
-logits of every request that has them, greedy or not; then, for sampled requests only,
-temperature, top-k, top-p and min-p. Greedy requests take the argmax of the processed logits.
-
-The processors read each request's token sequence (prompt and generated tokens). A request
-without processors costs nothing: its row is neither copied nor read. Each processor works on
-the rows of the requests that have it at once, in tensors; only the bad-word lookups and the
-minimum lengths are decided per request in Python (a dictionary lookup per prefix length, no
-work per vocabulary entry).
+(``logits_processors.py``: repetition penalty, no-repeat n-grams, bad words, min_length,
+min_new_tokens) on the raw logits of every request that has them, greedy or not; then, for sampled
+requests only, temperature, top-k, top-p and min-p. Greedy requests take the argmax of the processed
+logits.
 
 A token is drawn by inverse-CDF sampling: one uniform number per request and a search in the
 float64 cumulative distribution (one number per token, instead of one per vocabulary entry as the
-exponential race needs). In the engine, a request with a seed takes the ``t``-th number of its own
+exponential race needs). A request with a seed takes the ``t``-th number of its own
 counter-based stream for its ``t``-th generated token (``seeded_uniforms``: SplitMix64 jumped to
 position ``t``), so its completion depends neither on the other requests of the batch nor on
 preemptions, and the numbers of a whole step come from one vectorised computation; the requests
 without a seed share one draw of the engine's generator per step (``step_uniforms``).
 
 Host work per step is batched: a step's small per-row arrays (rows, temperatures, top-k, top-p,
-min-p, uniforms) reach the device in one copy through a pinned staging buffer (``HostStaging``),
-and nothing here reads a device value back on the host.
+min-p, uniforms) reach the device in one copy through a pinned staging buffer (``host_staging.py``'s
+``HostStaging``), and nothing here reads a device value back on the host.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .host_staging import HostStaging
+from .logits_processors import NEG_INF, apply_logits_processors
 from .sampling_params import SamplingParams
-
-NEG_INF = float("-inf")
 
 # SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014):
 # the state advances by the golden-ratio increment and each output is the state through a 64-bit
@@ -97,290 +91,6 @@ def step_uniforms(
         out[seeded] = seeded_uniforms([params[i].seed for i in seeded], [counters[i] for i in seeded])
     if shared:
         out[shared] = torch.rand(len(shared), dtype=torch.float64, generator=default_generator).numpy()
-    return out
-
-
-def generator_uniforms(generators: Sequence[torch.Generator | None], default_generator: torch.Generator) -> np.ndarray:
-    """One uniform number per entry from explicit generators: one ``torch.rand`` call per distinct generator.
-
-    Entries that share a generator object draw from it in entry order; None entries draw from
-    ``default_generator``.
-
-    Returns:
-        float64 [len(generators)] in [0, 1).
-    """
-    out = np.zeros(len(generators), dtype=np.float64)
-    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
-    for i, gen in enumerate(generators):
-        gen = default_generator if gen is None else gen
-        groups.setdefault(id(gen), (gen, []))[1].append(i)
-    for gen, rows in groups.values():
-        out[rows] = torch.rand(len(rows), dtype=torch.float64, generator=gen).numpy()
-    return out
-
-
-class _StagingSet:
-    """One pinned host buffer and one device buffer of a ``HostStaging``, with the events that guard them."""
-
-    def __init__(self) -> None:
-        self.host: torch.Tensor | None = None  # int64, pinned
-        self.device_buffer: torch.Tensor | None = None  # int64, on the device
-        self.copied: torch.cuda.Event | None = None  # the last copy from ``host`` into ``device_buffer``
-        self.released: torch.cuda.Event | None = None  # every reader of the last upload was enqueued before it
-
-
-class HostStaging:
-    """Moves a step's small host arrays to the device in one copy, through buffers kept across steps.
-
-    On CUDA the arrays are packed into one pinned host buffer and copied with one non-blocking copy into
-    one device buffer; both are reused (grown when a step needs more), so the device tensors a step
-    reads sit at the same addresses each time, as a replayed CUDA graph needs. Before a host buffer is
-    refilled, the host waits for the event of its previous copy (long done in practice: each step ends
-    by reading its results). On CPU the packed array itself is returned, a new one each time.
-
-    With one buffer set and no copy stream (the synchronous loop), the copy runs on the current stream:
-    the device buffer is overwritten by the next upload in stream order after everything already
-    enqueued that reads it, so do not keep the returned tensors past the step.
-
-    Async batching stages step k + 1 while step k's forward runs: ``num_buffers=2`` alternates two
-    buffer sets (double buffering) and ``copy_stream`` runs the copies on a side stream, so that the
-    copy of step k + 1 overlaps step k's forward instead of queuing behind it. Then an upload into a set
-    first makes the side stream wait for that set's ``release`` event (every reader of the set's previous
-    contents was enqueued before it on the current stream), and the current stream waits for the copy
-    before anything enqueued after the upload. The caller calls ``release(slot)`` once it has enqueued
-    the last reader of an upload (the step's forward), or when it drops the upload. This is the pattern
-    of transformers' ``ContinuousBatchingAsyncIOs`` (two host/device IO pairs, an H2D stream and events),
-    built here on rollout's packed staging.
-
-    Args:
-        device: where the tensors go.
-        num_buffers: buffer sets used in turn (1 or 2).
-        copy_stream: CUDA stream for the host-to-device copies; None copies on the current stream.
-
-    Raises:
-        ValueError: ``num_buffers`` is not 1 or 2, or a copy stream is given for a device that is not CUDA.
-    """
-
-    def __init__(
-        self, device: torch.device, num_buffers: int = 1, copy_stream: torch.cuda.Stream | None = None
-    ) -> None:
-        if num_buffers not in (1, 2):
-            raise ValueError(f"num_buffers must be 1 or 2, got {num_buffers}")
-        if copy_stream is not None and device.type != "cuda":
-            raise ValueError(f"copy_stream needs a CUDA device, got {device}")
-        self.device = device
-        self.copy_stream = copy_stream
-        self.num_uploads = 0
-        self.last_slot = 0  # the buffer set of the last upload
-        self._sets = [_StagingSet() for _ in range(num_buffers)]
-
-    def _buffers(self, total: int, slot: _StagingSet) -> tuple[np.ndarray | None, torch.Tensor | None]:
-        if self.device.type != "cuda":
-            return None, None
-        if slot.host is None or slot.host.numel() < total:
-            if slot.copied is not None:
-                slot.copied.synchronize()  # the old host buffer may still be read by its copy
-            if slot.released is not None:
-                # The old device buffer may still be read by the current stream; freeing it is safe in that
-                # stream's order, but it was written on the copy stream too.
-                slot.released.synchronize()
-            capacity = max(total, 2 * (slot.host.numel() if slot.host is not None else 256))
-            slot.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-            slot.device_buffer = torch.empty(capacity, dtype=torch.int64, device=self.device)
-        elif slot.copied is not None and not slot.copied.query():
-            slot.copied.synchronize()  # query() does not block: no sync when the copy has landed
-        return slot.host.numpy(), slot.device_buffer
-
-    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Copy arrays to the device in one transfer.
-
-        Args:
-            arrays: int64 or float64 numpy arrays of any shape.
-
-        Returns:
-            One tensor per array, same dtype and shape, on the device; they live in buffer set
-            ``last_slot``.
-
-        Raises:
-            TypeError: an array of another dtype.
-        """
-        for a in arrays:
-            if a.dtype not in (np.int64, np.float64):
-                raise TypeError(f"HostStaging.upload takes int64 or float64 arrays, got {a.dtype}")
-        total = sum(a.size for a in arrays)
-        self.last_slot = self.num_uploads % len(self._sets)
-        self.num_uploads += 1
-        slot = self._sets[self.last_slot]
-        host, device_buffer = self._buffers(total, slot)
-        if host is None:
-            host = np.empty(total, dtype=np.int64)
-        offset = 0
-        for a in arrays:
-            host[offset : offset + a.size] = a.reshape(-1).view(np.int64)  # float64 travels as its bits
-            offset += a.size
-        if device_buffer is None:
-            packed = torch.from_numpy(host)
-        else:
-            assert slot.host is not None
-            if slot.copied is None:
-                slot.copied = torch.cuda.Event()
-            current = torch.cuda.current_stream(self.device)
-            if self.copy_stream is None:
-                device_buffer[:total].copy_(slot.host[:total], non_blocking=True)
-                slot.copied.record(current)
-            else:
-                if slot.released is not None:
-                    self.copy_stream.wait_event(slot.released)
-                with torch.cuda.stream(self.copy_stream):
-                    device_buffer[:total].copy_(slot.host[:total], non_blocking=True)
-                slot.copied.record(self.copy_stream)
-                current.wait_event(slot.copied)
-            packed = device_buffer
-        out = []
-        offset = 0
-        for a in arrays:
-            t = packed[offset : offset + a.size]
-            if a.dtype == np.float64:
-                t = t.view(torch.float64)
-            out.append(t.view(a.shape))
-            offset += a.size
-        return out
-
-    def release(self, slot: int) -> None:
-        """Record that every reader of buffer set ``slot``'s last upload is enqueued on the current stream.
-
-        Only needed with a copy stream (elsewhere the current stream orders the copies after the readers);
-        a no-op off CUDA.
-        """
-        if self.copy_stream is None or self.device.type != "cuda":
-            return
-        staged = self._sets[slot]
-        if staged.released is None:
-            staged.released = torch.cuda.Event()
-        staged.released.record(torch.cuda.current_stream(self.device))
-
-
-def padded_histories(token_ids: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """The token sequences of some requests as one right-padded tensor.
-
-    Args:
-        token_ids: R sequences of token ids (each non-empty).
-        pad: the value after the end of each sequence.
-        device: where the tensor goes.
-
-    Returns:
-        int64 [R, L] with L the longest length; row r holds ``token_ids[r]`` then ``pad``.
-    """
-    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
-    flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
-    out = np.full((len(token_ids), int(lengths.max())), pad, dtype=np.int64)
-    # Row-major boolean indexing fills the valid positions in sequence order.
-    out[np.arange(out.shape[1])[None, :] < lengths[:, None]] = flat
-    return torch.from_numpy(out).to(device)
-
-
-def no_repeat_ngram_mask(history: torch.Tensor, lengths: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
-    """Tokens that would complete an n-gram already present in each sequence.
-
-    The last n - 1 tokens of a sequence are its current prefix; every earlier window of n tokens
-    whose first n - 1 equal that prefix bans its last token.
-
-    Args:
-        history: int64 [G, L], sequences right-padded with ``vocab`` (see ``padded_histories``).
-        lengths: int64 [G], each sequence's length; all >= n.
-        n: the n-gram size (>= 1).
-        vocab: V, the width of the logits.
-
-    Returns:
-        bool [G, V]: True where the token is banned.
-    """
-    G = history.shape[0]
-    offsets = torch.arange(n - 1, device=history.device)
-    prefix = history.gather(1, lengths[:, None] - (n - 1) + offsets[None, :])  # [G, n-1]
-    windows = history.unfold(1, n, 1)  # [G, L-n+1, n]
-    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)
-    # A window that runs into the padding ends with the pad value, or has it among its first n - 1
-    # tokens (then it cannot match): either way it bans only the spare column ``vocab``.
-    banned = torch.where(matches, windows[..., -1], vocab)
-    mask = torch.zeros(G, vocab + 1, dtype=torch.bool, device=history.device)
-    mask.scatter_(1, banned, True)
-    return mask[:, :vocab]
-
-
-def apply_logits_processors(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    token_ids: Sequence[Sequence[int]] | None,
-    num_prompt_tokens: Sequence[int] | None,
-) -> torch.Tensor:
-    """Apply each request's logits processors, in ``model.generate``'s order.
-
-    Repetition penalty (a seen token's logit divided by the penalty when positive, multiplied
-    when negative), then the bans, each setting a logit to -inf: tokens completing a repeated
-    n-gram, bad words, and the end-of-sequence ids while the request is shorter than
-    ``min_length`` (prompt included) or ``min_new_tokens`` (generated tokens).
-
-    Args:
-        logits: float32 [B, V], raw logits; not changed.
-        params: the sampling parameters of each row.
-        token_ids: each row's sequence so far (prompt then generated tokens); may be None when no
-            row uses a processor.
-        num_prompt_tokens: each row's prompt length (the rest of its sequence was generated).
-
-    Returns:
-        float32 [B, V]: ``logits`` itself when no row uses a processor, else a new tensor in which
-        only the rows of requests with processors differ.
-
-    Raises:
-        ValueError: a row uses a processor and ``token_ids`` or ``num_prompt_tokens`` is None.
-    """
-    rows = [i for i, p in enumerate(params) if p.uses_logits_processors]
-    if not rows:
-        return logits
-    if token_ids is None or num_prompt_tokens is None:
-        raise ValueError("logits processors need each row's token_ids and num_prompt_tokens")
-    out = logits.clone()
-    vocab = out.shape[-1]
-    device = out.device
-    history_rows = [i for i in rows if params[i].repetition_penalty != 1.0 or params[i].no_repeat_ngram_size > 0]
-    if history_rows:
-        history = padded_histories([token_ids[i] for i in history_rows], vocab, device).clamp_(max=vocab)
-        position = {row: j for j, row in enumerate(history_rows)}
-        penalised = [i for i in history_rows if params[i].repetition_penalty != 1.0]
-        if penalised:
-            seen = torch.zeros(len(penalised), vocab + 1, dtype=torch.bool, device=device)
-            seen.scatter_(1, history[[position[i] for i in penalised]], True)
-            penalty = torch.tensor(
-                [params[i].repetition_penalty for i in penalised], dtype=torch.float32, device=device
-            )[:, None]
-            index = torch.tensor(penalised, device=device)
-            sub = out[index]
-            scaled = torch.where(sub < 0, sub * penalty, sub / penalty)
-            out[index] = torch.where(seen[:, :vocab], scaled, sub)
-        by_size: dict[int, list[int]] = {}
-        for i in history_rows:
-            n = params[i].no_repeat_ngram_size
-            if n > 0 and len(token_ids[i]) >= n:  # shorter sequences hold no n-gram yet
-                by_size.setdefault(n, []).append(i)
-        for n, group in by_size.items():
-            lengths = torch.tensor([len(token_ids[i]) for i in group], dtype=torch.int64, device=device)
-            mask = no_repeat_ngram_mask(history[[position[i] for i in group]], lengths, n, vocab)
-            index = torch.tensor(group, device=device)
-            out[index] = out[index].masked_fill(mask, NEG_INF)
-    ban_rows: list[int] = []
-    ban_tokens: list[int] = []
-    for i in rows:
-        p, seq = params[i], token_ids[i]
-        banned = list(p.banned_tokens)
-        for k, by_prefix in p.bad_word_prefixes.items():
-            if len(seq) >= k:
-                banned.extend(by_prefix.get(tuple(seq[-k:]), ()))
-        if len(seq) < p.min_length or len(seq) - num_prompt_tokens[i] < p.min_new_tokens:
-            banned.extend(p.eos_token_ids)
-        ban_rows.extend([i] * len(banned))
-        ban_tokens.extend(banned)
-    if ban_rows:
-        out[torch.tensor(ban_rows, device=device), torch.tensor(ban_tokens, device=device)] = NEG_INF
     return out
 
 
@@ -463,8 +173,8 @@ class SampleOutput(NamedTuple):
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None] | None,
-    default_generator: torch.Generator | None,
+    _generators: None = None,
+    _default_generator: None = None,
     logprobs_mode: str = "temperature",
     return_logprobs: bool = True,
     token_ids: Sequence[Sequence[int]] | None = None,
@@ -477,9 +187,9 @@ def sample_tokens(
     Args:
         logits: float32 [B, V], raw; row b belongs to the request with ``params[b]``.
         params: the sampling parameters of each row.
-        generators: each row's own generator, or None (see ``generator_uniforms``); unused when
-            ``uniform`` is given (then it may be None).
-        default_generator: generator for sampled rows without their own; unused when ``uniform`` is given.
+        _generators, _default_generator: always None, unused: the places of a removed way of drawing
+            (a generator per row), which ``model_runner``'s call still fills positionally; they go
+            with the two ``None`` of that call. Pass the rest by keyword.
         logprobs_mode: "temperature": log_softmax(logits / T) of the raw logits at the token (T = 1
             for requests that do not sample); "raw": log_softmax(logits); "sampled": log of the
             probability of the token in the distribution it was drawn from: after the logits
@@ -490,7 +200,7 @@ def sample_tokens(
             processors; None is allowed when no row has any.
         num_prompt_tokens: each row's prompt length, with ``token_ids``.
         uniform: float64 [B] in [0, 1), the number each sampled row draws its token with (the
-            engine's ``step_uniforms``); None draws them from the generators.
+            engine's ``step_uniforms``; greedy rows' entries are unused); may be None when no row samples.
         staging: the buffers that carry the per-row values to the device (one copy per call); None
             uses a fresh one.
 
@@ -502,8 +212,8 @@ def sample_tokens(
         back to the host.
 
     Raises:
-        ValueError: a row has logits processors and ``token_ids`` is None, or neither ``uniform`` nor
-            the generators are given while a row samples.
+        ValueError: a row has logits processors and ``token_ids`` is None, or ``uniform`` is None while
+            a row samples.
     """
     raw = logits.float()
     logits = apply_logits_processors(raw, params, token_ids, num_prompt_tokens)
@@ -530,11 +240,8 @@ def sample_tokens(
     max_k = None
     if sampled_rows:
         if uniform is None:
-            if generators is None or default_generator is None:
-                raise ValueError("sample_tokens needs uniform numbers or generators for its sampled rows")
-            u = generator_uniforms([generators[i] for i in sampled_rows], default_generator)
-        else:
-            u = np.asarray(uniform, dtype=np.float64)[sampled_rows]
+            raise ValueError("sample_tokens needs uniform numbers for its sampled rows (step_uniforms)")
+        u = np.asarray(uniform, dtype=np.float64)[sampled_rows]
         arrays += [np.array(sampled_rows, dtype=np.int64), u]
         if use_top_k:
             ks = [p.top_k or 0 for p in sub_params]

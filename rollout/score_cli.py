@@ -56,7 +56,8 @@ import torch.distributed as dist
 import transformers
 
 from .distributed import is_driver_rank
-from .models import load_model, model_context_length
+from .loading import load_model
+from .models import model_context_length
 from .scoring import ScoreOutput, score
 
 INPUT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}

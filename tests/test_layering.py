@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # checks (the shared validation helpers), stop_strings (token spellings) and models (introspection) are
 # leaves, intake sits between outputs and the manager, weights, pausing (the pause gate) and lifecycle
 # (the state and stop flags the loop reads) are leaves of the manager, loop (what the manager's thread
-# runs) uses them with intake and outputs, persistence (the model-to-manager link) sits just below the
+# runs) uses them with intake and outputs, persistence (the model-to-manager link) sits below the
 # manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
@@ -27,6 +27,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # step's CPU linear layers) sits just below static_step, its one user. weight_transfer (the trainer-to-server
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
+# loading (load_model, the default model's provisioning) is a leaf beside models.
+# host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
+# manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
 LAYERS = [
     "checks",
     "config",
@@ -34,6 +37,7 @@ LAYERS = [
     "stop_strings",
     "requests",
     "models",
+    "loading",
     "weights",
     "weight_transfer",
     "block_manager",
@@ -42,6 +46,8 @@ LAYERS = [
     "scheduler",
     "distributed",
     "attention",
+    "host_staging",
+    "logits_processors",
     "sampling",
     "onednn",
     "static_step",
@@ -54,6 +60,7 @@ LAYERS = [
     "loop",
     "tp_loop",
     "persistence",
+    "manager_requests",
     "manager",
     "api",
     "scoring",

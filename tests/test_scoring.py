@@ -223,7 +223,7 @@ def test_preempted_chunked_rows_match_teacher_forcing() -> None:
 
 @pytest.mark.slow
 def test_smollm2_chat_completions_match_teacher_forcing() -> None:
-    from rollout.models import load_model
+    from rollout.loading import load_model
 
     model, tokenizer = load_model()
     questions = [

@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rollout.distributed import check_kv_heads_divisible
-from rollout.models import default_model_dir, layer_kv_shapes
+from rollout.loading import default_model_dir
+from rollout.models import layer_kv_shapes
 from tests.tiny_models import EOS_TOKEN_ID, tiny_llama
 from tests.tp_scenario import prompts_for, run_scenario
 from tests.utils import assert_close, reference_greedy

@@ -1,8 +1,9 @@
 """The FastAPI application: routes that only translate.
 
-A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``translate.py``), hands it to
+A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``jobs.py``), hands it to
 the ``GenerationService`` (which alone talks to the manager) and writes the outputs back in OpenAI's
-shapes, as one JSON body or as server-sent events. Errors are OpenAI's error body (``errors.py``).
+shapes (``responses.py``), as one JSON body or as server-sent events. Errors are OpenAI's error body
+(``errors.py``).
 
 Every ``/v1`` route and every control route needs ``Authorization: Bearer KEY`` when the server has an
 API key; ``/health``, ``/version`` and ``/metrics`` never do (probes and scrapers carry no key, as with
@@ -26,8 +27,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 import rollout
 
-from . import metrics, translate
+from . import jobs, metrics, responses
 from .errors import APIError, install_handlers, sse_error
+from .jobs import Job
 from .protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -37,8 +39,8 @@ from .protocol import (
     UpdateWeightsFromTrainerRequest,
     UpdateWeightsRequest,
 )
+from .responses import ChoiceView
 from .service import GenerationService, Submission
-from .translate import ChoiceView, Job
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +131,12 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = translate.completion_job(body, info)
+        job = jobs.completion_job(body, info)
         return await _answer(job, request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        job = translate.chat_job(body, info)
+        job = jobs.chat_job(body, info)
         return await _answer(job, request)
 
     async def _answer(job: Job, request: Request) -> Response:
@@ -146,8 +148,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         if outputs is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
         if job.chat:
-            return JSONResponse(translate.chat_response(job, outputs, info))
-        return JSONResponse(translate.completion_response(job, outputs, prompt_logprobs, info))
+            return JSONResponse(responses.chat_response(job, outputs, info))
+        return JSONResponse(responses.completion_response(job, outputs, prompt_logprobs, info))
 
     async def _collect(job: Job, submission: Submission) -> list[Any]:
         outputs: list[Any] = [None] * job.num_choices
@@ -159,8 +161,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def _events(job: Job, submission: Submission) -> AsyncIterator[str]:
         views = [ChoiceView(job, info.tokenizer, job.prompt_of(i)) for i in range(job.num_choices)]
         finals: list[Any] = [None] * job.num_choices
-        chunk = translate.chat_chunk if job.chat else translate.completion_chunk
-        choice_of = translate.chat_chunk_choice if job.chat else translate.completion_chunk_choice
+        chunk = responses.chat_chunk if job.chat else responses.completion_chunk
+        choice_of = responses.chat_chunk_choice if job.chat else responses.completion_chunk_choice
         try:
             async for index, out in submission:
                 choice = choice_of(job, views[index], index, out)
@@ -169,7 +171,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
                 if choice is not None:
                     yield f"data: {json.dumps(chunk(job, info, [choice]))}\n\n"
             if job.include_usage:
-                yield f"data: {json.dumps(chunk(job, info, [], translate.usage(job, finals)))}\n\n"
+                yield f"data: {json.dumps(chunk(job, info, [], responses.usage(job, finals)))}\n\n"
         except APIError as e:  # the status line is sent: the error goes in the stream, as vLLM does
             yield sse_error(e)
         finally:
@@ -202,13 +204,13 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     @app.post("/update_weights_from_disk", dependencies=[Depends(control)])
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
-        version = await service.update_weights_from_disk(body.model_path, body.recompute)
+        version = await service.weights.update_weights_from_disk(body.model_path, body.recompute)
         return {"success": True, "weight_version": version}
 
     # vLLM's weight transfer from a trainer: init once, then start, update (one or more), finish per version.
     @app.post("/init_weight_transfer_engine", dependencies=[Depends(control)])
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
-        await service.init_weight_transfer(body.init_info)
+        await service.weights.init_weight_transfer(body.init_info)
         return {"success": True}
 
     @app.post("/start_weight_update", dependencies=[Depends(control)])
@@ -219,20 +221,20 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )
-        service.start_weight_update()
+        service.weights.start_weight_update()
         return {"success": True}
 
     @app.post("/update_weights", dependencies=[Depends(control)])
     async def update_weights(body: UpdateWeightsFromTrainerRequest) -> dict[str, Any]:
-        return {"success": True, **await service.update_weights(body.update_info)}
+        return {"success": True, **await service.weights.update_weights(body.update_info)}
 
     @app.post("/finish_weight_update", dependencies=[Depends(control)])
     async def finish_weight_update() -> dict[str, Any]:
-        return {"success": True, "weight_version": await service.finish_weight_update()}
+        return {"success": True, "weight_version": await service.weights.finish_weight_update()}
 
     @app.get("/weight_transfer", dependencies=[Depends(control)])
     async def weight_transfer() -> dict[str, Any]:
-        return service.transfer_status()
+        return service.weights.transfer_status()
 
     @app.get("/get_world_size", dependencies=[Depends(control)])
     async def get_world_size() -> dict[str, int]:
@@ -241,7 +243,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     @app.get("/server_info", dependencies=[Depends(control)])
     async def server_info() -> dict[str, Any]:
         # The part of vLLM's /server_info that TRL's VLLMClient reads (get_dtype): the weights' dtype.
-        dtype = service.weights_dtype()
+        dtype = service.weights.weights_dtype()
         return {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": info.max_model_len}}}
 
     return app

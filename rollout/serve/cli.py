@@ -25,7 +25,8 @@ import uvicorn
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
 
 from .app import ServerSettings, build_app
-from .service import GenerationService, TransferSettings, model_info
+from .service import GenerationService, model_info
+from .weight_updates import TransferSettings
 
 logger = logging.getLogger("rollout.serve")
 

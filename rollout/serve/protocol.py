@@ -2,15 +2,15 @@
 
 Each request model checks what pydantic can check alone (ranges, types, no unknown field), so a bad
 value is refused with a 400 naming the field before any work. What needs the model or the tokenizer
-(token ids in the vocabulary, the context length, the template) is checked in ``translate.py``.
+(token ids in the vocabulary, the context length, the template) is checked in ``jobs.py``.
 
 Unknown fields are refused (``extra="forbid"``): a field the server does not know would otherwise be
 ignored silently. Fields OpenAI or vLLM define that the engine cannot honour are declared here and
-refused in ``translate.check_supported`` when set to anything but their no-op value; docs/serving.md
+refused in ``jobs.check_supported`` when set to anything but their no-op value; docs/serving.md
 lists them.
 
 Responses are plain dicts in the ``openai`` package's shapes (``openai.types.Completion``,
-``ChatCompletion`` and their chunks), with vLLM's extra fields; ``translate.py`` builds them.
+``ChatCompletion`` and their chunks), with vLLM's extra fields; ``responses.py`` builds them.
 """
 
 from __future__ import annotations

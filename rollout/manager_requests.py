@@ -1,0 +1,255 @@
+"""The manager's request API: queue requests, cancel them, read their results.
+
+``RequestMethods`` is a base class of ``ContinuousBatchingManager`` (``manager.py``), which builds the
+pieces these methods work through (the annotations below) and owns the lifecycle, the pause and the
+weights. A request is checked once, in the caller's thread and outside the lock, before it is queued
+(``intake.py``'s checks, then its ``Inbox``); results come from the per-request handles of the
+``OutputRouter`` (``outputs.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from .config import ContinuousBatchingConfig
+from .distributed import TensorParallel
+from .engine import Engine
+from .intake import Inbox, Item, checked_batch, checked_request, derive_seeds, request_params
+from .lifecycle import Lifecycle
+from .outputs import OutputRouter, ResultCallback
+from .pausing import PauseGate
+from .requests import GenerationOutput
+from .sampling_params import SamplingParams
+
+
+class RequestMethods:
+    """``add_request``, ``add_requests``, ``cancel_request`` and the ways to read results, of the manager."""
+
+    # Set by ContinuousBatchingManager.__init__.
+    default_params: SamplingParams
+    cb_config: ContinuousBatchingConfig
+    _vocab_size: int
+    _cond: threading.Condition
+    _engine: Engine | None
+    _tp: TensorParallel | None  # the engine's
+    _life: Lifecycle
+    _pausing: PauseGate
+    _outputs: OutputRouter
+    _inbox: Inbox
+    _sync_weight_version: Callable[[], None]  # notices weights changed by hand (the manager's)
+
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        do_sample: bool | None = None,
+        block: bool = False,
+        timeout: float | None = None,
+        *,
+        sampling_params: SamplingParams | None = None,
+    ) -> str | None:
+        """Queue one request.
+
+        Args:
+            input_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
+            request_id: unique id; default ``req_<n>``.
+            max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, do_sample:
+                override the sampling parameters for this request. A temperature alone
+                implies ``do_sample = temperature > 0``.
+            streaming: keep every intermediate snapshot for ``request_id_iter`` and
+                result handlers; otherwise only the final output is delivered.
+            record_timestamps: record a timestamp per generated token.
+            block: when the queue is full, wait for room (up to ``timeout`` seconds).
+            timeout: seconds to wait with ``block``.
+            sampling_params: the request's sampling parameters (the overrides above apply on
+                top); default: the manager's, from its generation config. The way to give a
+                request its own logits processors or stop strings (``build_sampling_params(
+                manager.default_params, stop=["</answer>"])``).
+
+        Returns:
+            The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other
+            than the driver, None: the request is checked but not queued (the driver's is run by every
+            rank), as in transformers.
+
+        Raises:
+            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings
+                without a tokenizer, or a logits-processor value other than the generation
+                config's under ``per_request_processors=False``; raised before anything is queued.
+            QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or
+                the wait timed out).
+            RuntimeError: the manager failed (the message names the cause) or was destroyed, or
+                ``block`` would wait for room without a timeout inside this thread's ``pause()``.
+        """
+        params = request_params(
+            self.default_params,
+            sampling_params,
+            vocab_size=self._vocab_size,
+            per_request_processors=self.cb_config.per_request_processors,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+        )
+        item = checked_request(self._current_engine(), input_ids, request_id, params, self._vocab_size)
+        return self._enqueue([item], streaming, record_timestamps, block, timeout)[0]
+
+    def add_requests(
+        self,
+        inputs: Sequence[Sequence[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        *,
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | Sequence[int | None] | None = None,
+        do_sample: bool | None = None,
+        block: bool = False,
+        timeout: float | None = None,
+        request_id: None = None,
+    ) -> list[str]:
+        """Queue several requests; returns their ids in input order.
+
+        Every prompt is checked before any is queued. Requests are queued sorted by prompt, so
+        prompts that share a prefix are admitted next to each other and find each other's blocks
+        in the prefix cache. Without ``block`` the batch is queued whole or not at all.
+
+        The positional order is transformers' (``inputs, max_new_tokens, streaming,
+        record_timestamps``); the rest is keyword-only. On a tensor-parallel rank other than the
+        driver the prompts are checked, nothing is queued and every id is None.
+
+        Args:
+            inputs: prompts, lists of token ids.
+            sampling_params: as for ``add_request``; one ``SamplingParams`` for the whole batch.
+            seed: an int s seeds input k (in input order) with s + k, the rule of
+                ``generate_batch``, so the G copies of one prompt get G distinct, reproducible
+                samples; a sequence gives one seed per input (None entries: unseeded). Without
+                it, a seed in ``sampling_params`` is spread the same way.
+            max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p,
+                do_sample, block, timeout: as for ``add_request``.
+            request_id: not accepted (ids are chosen by the manager); use ``add_request``.
+
+        Raises:
+            ValueError: a bad prompt (its index is named), a bad sampling value, a seed list
+                of the wrong length, stop strings without a tokenizer, or a logits-processor value
+                other than the generation config's under ``per_request_processors=False``; nothing
+                is queued.
+            QueueFullError: the batch does not fit the queue and ``block`` is False; nothing is queued.
+        """
+        if request_id is not None:
+            raise ValueError("add_requests takes no request_id; use add_request for chosen ids")
+        if seed is None and sampling_params is not None:
+            seed = sampling_params.seed
+        seeds = derive_seeds(seed, len(inputs))
+        params = request_params(
+            self.default_params,
+            sampling_params,
+            vocab_size=self._vocab_size,
+            per_request_processors=self.cb_config.per_request_processors,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+        )
+        items, order = checked_batch(self._current_engine(), inputs, params, seeds, self._vocab_size)
+        queued = self._enqueue(items, streaming, record_timestamps, block, timeout)
+        ids: list[str | None] = [None] * len(items)
+        for i, rid in zip(order, queued):
+            ids[i] = rid
+        return ids  # type: ignore[return-value]
+
+    def _current_engine(self) -> Engine | None:
+        """The engine, read under the lock; None once the manager was destroyed."""
+        with self._cond:
+            return self._engine
+
+    def _enqueue(
+        self,
+        items: list[Item],
+        streaming: bool,
+        record_timestamps: bool,
+        block: bool,
+        timeout: float | None,
+    ) -> list[str | None]:
+        if self._tp is None:  # a tensor-parallel loop notices hand-made changes itself, without a pause
+            self._sync_weight_version()
+        refuse = self._pausing.refusal("add_request(block=True)")
+        with self._cond:
+            if not self._life.admits_requests() or (self._tp is not None and not self._tp.is_driver):
+                return [None] * len(items)
+            ids = self._inbox.put(
+                items, streaming, record_timestamps, block, timeout, self._life.accepting, refuse_wait=refuse
+            )
+            return list(ids)
+
+    def _num_waiting_in_engine(self) -> int:
+        return len(self._engine.scheduler.waiting) if self._engine is not None else 0
+
+    def cancel_request(self, request_id: str) -> None:
+        """End a request: status CANCELLED with its partial tokens; its blocks are freed.
+
+        Unknown or already finished ids are ignored.
+        """
+        self._inbox.cancel(request_id)
+
+    # ------------------------------------------------------------------ results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next finished result, or the result of ``request_id``.
+
+        None after ``timeout`` seconds or when nothing is left to wait for. Each result is delivered
+        once (see ``OutputRouter.get_result``).
+
+        Raises:
+            KeyError: ``request_id`` is unknown or its result was already delivered.
+            RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
+        """
+        return self._outputs.get_result(request_id, timeout, refuse_wait=self._pausing.refusal("get_result()"))
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Yield results as they finish, until none is pending and the loop idles or ends."""
+        while True:
+            result = self.get_result(timeout=None)
+            if result is None:
+                return
+            yield result
+
+    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+        """Stream a request's snapshots; the last one has a final status.
+
+        Snapshots never change once yielded. Without ``streaming`` only the final output comes
+        (see ``OutputRouter.stream``).
+
+        Raises:
+            KeyError: unknown request id, or its result was already delivered.
+            TimeoutError: no chunk came within ``timeout`` seconds.
+            RuntimeError: it would wait without a timeout inside this thread's ``pause()``.
+        """
+        return self._outputs.stream(request_id, timeout, refuse_wait=lambda: self._pausing.refusal("request_id_iter()"))
+
+    def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
+        """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
+
+        It runs in the caller's running asyncio loop if there is one, else in the manager's thread
+        (see ``OutputRouter.register_handler``).
+
+        Raises:
+            KeyError: unknown request id, or its result was already delivered.
+        """
+        self._outputs.register_handler(request_id, callback)

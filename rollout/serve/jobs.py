@@ -1,0 +1,359 @@
+"""A request body becomes a checked ``Job`` once, at the HTTP boundary.
+
+``completion_job`` and ``chat_job`` check everything that needs the model or the tokenizer (token ids
+in the vocabulary, an empty prompt, ``max_tokens`` past the context, the fields the engine cannot
+honour) and build the one ``SamplingParams`` of the request; nothing is queued when a check fails, and
+the 400 names the field. The job's outputs become OpenAI's shapes in ``responses.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout import SamplingParams, build_sampling_params
+from rollout.sampling_params import MAX_TOP_LOGPROBS
+
+from .chat import chat_prompt_ids
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# SamplingParams' field names (which start its ValueError messages) in the API's words.
+API_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "eos_token_ids": "stop_token_ids",
+    "min_new_tokens": "min_tokens",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "temperature": "temperature",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+    "stop": "stop",
+    "num_top_logprobs": "logprobs",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the checks need to know of the served model.
+
+    Attributes:
+        name: the served model name (the ``model`` field must be it, or absent).
+        max_model_len: most prompt plus generated tokens of one request.
+        vocab_size: token ids lie in ``[0, vocab_size)``.
+        eos_token_ids: the model's end-of-sequence ids (from its generation config).
+        tokenizer: the model's tokenizer.
+        logprobs: whether the engine records logprobs (``ContinuousBatchingConfig.return_logprobs``).
+    """
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any
+    logprobs: bool
+
+
+@dataclass
+class Job:
+    """One checked request: what the service queues and how its outputs are shown.
+
+    Attributes:
+        request_id: the response's ``id`` (``cmpl-...`` / ``chatcmpl-...``).
+        prompts: token ids of each prompt; choice ``i * n + j`` is sample j of prompt i.
+        params: the sampling parameters of every request of the job.
+        n: samples per prompt.
+        stream: answer with server-sent events.
+        include_usage: a last stream chunk carries the usage.
+        logprobs: return the sampled tokens' logprobs.
+        prompt_logprobs: return the prompt tokens' logprobs (vLLM's ``prompt_logprobs``).
+        echo: prepend the prompt to the text (completions).
+        return_token_ids: add ``token_ids`` (and ``prompt_token_ids``) to each choice.
+        stop: stop strings: the text is cut before the first one.
+        include_stop: keep the stop string in the text.
+        skip_special_tokens: leave special tokens out of the text.
+        tools: a chat request offered tools: Hermes tool calls are parsed out of the text.
+        chat: a chat request.
+        created: the response's ``created`` (Unix seconds).
+    """
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    prompt_logprobs: bool
+    echo: bool
+    return_token_ids: bool
+    stop: tuple[str, ...]
+    include_stop: bool
+    skip_special_tokens: bool
+    stop_token_ids: tuple[int, ...] = ()
+    tools: bool = False
+    chat: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's logprobs are needed: asked for, or shown by ``echo`` with ``logprobs``."""
+        return self.prompt_logprobs or (self.echo and self.logprobs)
+
+    def prompt_of(self, choice: int) -> list[int]:
+        """The prompt token ids of choice ``choice``."""
+        return self.prompts[choice // self.n]
+
+
+def check_model_name(requested: str | None, info: ModelInfo) -> None:
+    """Raise a 404 (OpenAI's and vLLM's status, code ``model_not_found``) for another model's name."""
+    if requested is not None and requested != info.name:
+        raise APIError(
+            404,
+            f"model: the model {requested!r} does not exist; this server serves {info.name!r}",
+            "model",
+            code="model_not_found",
+        )
+
+
+def check_supported(req: SamplingFields) -> None:
+    """Refuse, with a 400 naming the field, a value the engine cannot honour (docs/serving.md's "not supported")."""
+    if req.frequency_penalty != 0.0:
+        raise bad_request("frequency_penalty: not supported (only 0); use repetition_penalty", "frequency_penalty")
+    if req.presence_penalty != 0.0:
+        raise bad_request("presence_penalty: not supported (only 0); use repetition_penalty", "presence_penalty")
+    if req.logit_bias:
+        raise bad_request("logit_bias: not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only allowed with stream=true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request(
+            "stream_options.continuous_usage_stats: not supported", "stream_options.continuous_usage_stats"
+        )
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None and req.logprobs > MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"logprobs: {req.logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS} (vLLM's max_logprobs)",
+                "logprobs",
+            )
+        if req.logprobs and req.echo:
+            raise bad_request(
+                "logprobs: alternatives of the prompt tokens (echo with logprobs > 0) are not supported: pass "
+                "logprobs=0 with echo, or echo=false",
+                "logprobs",
+            )
+        if req.prompt_logprobs is not None and req.prompt_logprobs > 0:
+            raise bad_request(
+                "prompt_logprobs: top alternatives of the prompt tokens are not supported: pass prompt_logprobs=0",
+                "prompt_logprobs",
+            )
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of: not supported (only equal to n)", "best_of")
+        if req.suffix:
+            raise bad_request("suffix: not supported", "suffix")
+        if req.stream and req.echo:
+            raise bad_request("echo: not supported with stream=true", "echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs=true (OpenAI's rule)", "top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs: {req.top_logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS}",
+                "top_logprobs",
+            )
+        if req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs: not supported on chat; use /v1/completions", "prompt_logprobs")
+        if req.tool_choice not in (None, "auto", "none"):
+            raise bad_request(
+                "tool_choice: only 'auto' and 'none' are supported (a tool cannot be forced)", "tool_choice"
+            )
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise bad_request("response_format: structured output is not supported", "response_format")
+
+
+def _check_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"{param}: the prompt is empty", param)
+    for t in ids:
+        if not (0 <= t < info.vocab_size):
+            raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {info.vocab_size})", param)
+    return ids
+
+
+def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int]]:
+    """The token ids of each prompt of ``req.prompt`` (texts are encoded with the tokenizer).
+
+    Raises:
+        APIError: 400 (param ``prompt``) for an empty prompt, an empty list, or a token id outside the vocabulary.
+    """
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        texts_or_ids: list[str | list[int]] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt: the prompt list is empty", "prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        texts_or_ids = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        texts_or_ids = list(prompt)  # type: ignore[arg-type]
+    out = []
+    for i, p in enumerate(texts_or_ids):
+        param = "prompt" if len(texts_or_ids) == 1 else f"prompt.{i}"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(f"{param}: the prompt is empty", param)
+            ids = list(info.tokenizer(p, add_special_tokens=req.add_special_tokens).input_ids)
+        else:
+            ids = list(p)
+        out.append(_check_ids(ids, info, param))
+    return out
+
+
+def _max_tokens(
+    requested: int | None, default: int | None, prompts: list[list[int]], info: ModelInfo, prompt_param: str
+) -> int:
+    longest = max(len(p) for p in prompts)
+    if longest >= info.max_model_len:
+        raise bad_request(
+            f"{prompt_param}: the prompt has {longest} tokens; the model's context (max_model_len) is "
+            f"{info.max_model_len}, which leaves no room to generate",
+            prompt_param,
+        )
+    max_tokens = requested if requested is not None else (default or info.max_model_len - longest)
+    if longest + max_tokens > info.max_model_len:
+        raise bad_request(
+            f"max_tokens: {max_tokens} plus the prompt's {longest} tokens exceeds the model's context "
+            f"(max_model_len={info.max_model_len}); lower max_tokens to at most {info.max_model_len - longest}",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0) -> SamplingParams:
+    """The request's ``SamplingParams``: OpenAI's defaults (temperature 1, top_p 1), the model's eos ids.
+
+    ``top_logprobs`` is the alternatives asked for per generated token (``num_top_logprobs``).
+
+    Raises:
+        APIError: 400 naming the field of a value ``SamplingParams`` refuses.
+    """
+    eos: list[int] = [] if req.ignore_eos else list(info.eos_token_ids)
+    for t in req.stop_token_ids or []:
+        if not (0 <= t < info.vocab_size):
+            raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {info.vocab_size})", "stop_token_ids")
+        if t not in eos:
+            eos.append(t)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return build_sampling_params(
+            SamplingParams(),
+            vocab_size=info.vocab_size,
+            max_new_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=None if req.top_k is None or req.top_k <= 0 else req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p if req.min_p else None,
+            seed=req.seed,
+            eos_token_id=eos,
+            repetition_penalty=req.repetition_penalty,
+            min_new_tokens=req.min_tokens,
+            stop=stop or None,
+            num_top_logprobs=top_logprobs,
+        )
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0].rstrip(":")
+        param = API_NAMES.get(name)
+        raise bad_request(f"{param or name}: {e}", param) from e
+
+
+def _new_id(prefix: str, req: SamplingFields) -> str:
+    return req.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
+    """Check a completions request and build its job.
+
+    Raises:
+        APIError: 400 naming the field (404 for another model's name).
+    """
+    check_model_name(req.model, info)
+    check_supported(req)
+    if (req.logprobs is not None or req.prompt_logprobs is not None) and not info.logprobs:
+        raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
+    prompts = completion_prompts(req, info)
+    max_tokens = _max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, info, "prompt")
+    top_logprobs = req.logprobs or 0
+    params = sampling_params(req, max_tokens, info, top_logprobs)
+    return Job(
+        request_id=_new_id("cmpl", req),
+        prompts=prompts,
+        params=params,
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=req.logprobs is not None,
+        prompt_logprobs=req.prompt_logprobs is not None,
+        echo=req.echo,
+        return_token_ids=req.return_token_ids,
+        stop=params.stop,
+        include_stop=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+    )
+
+
+def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
+    """Check a chat request, render its messages with the chat template, and build its job.
+
+    Raises:
+        APIError: 400 naming the field (404 for another model's name).
+    """
+    check_model_name(req.model, info)
+    check_supported(req)
+    if req.logprobs and not info.logprobs:
+        raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise bad_request("max_completion_tokens: differs from max_tokens; set one of them", "max_completion_tokens")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    ids = chat_prompt_ids(
+        info.tokenizer,
+        req.messages,
+        tools,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
+    prompts = [_check_ids(ids, info, "messages")]
+    max_tokens = _max_tokens(req.max_completion_tokens or req.max_tokens, None, prompts, info, "messages")
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    params = sampling_params(req, max_tokens, info, top_logprobs)
+    return Job(
+        request_id=_new_id("chatcmpl", req),
+        prompts=prompts,
+        params=params,
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=req.logprobs,
+        prompt_logprobs=False,
+        echo=False,
+        return_token_ids=req.return_token_ids,
+        stop=params.stop,
+        include_stop=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        tools=tools is not None,
+        chat=True,
+    )

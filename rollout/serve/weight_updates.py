@@ -1,0 +1,355 @@
+"""New weights for the served model: from a folder on disk, or streamed by a trainer.
+
+``/update_weights_from_disk`` copies a folder's safetensors files into the live weights. Weights streamed
+by a trainer (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weight_transfer.TransferGroup``;
+``TransferSettings`` says whether they are staged first (atomic) or copied bucket by bucket (in place).
+Both reach the model through ``manager.update_weights``, which makes a new weight version.
+``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``) and shares its model lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rollout import ContinuousBatchingManager
+from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
+from rollout.weights import copy_weights, plan_weight_copy
+
+from .errors import APIError
+from .protocol import InitInfo, UpdateInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How the server takes weights streamed by a trainer.
+
+    Attributes:
+        mode: ``atomic``: the received tensors are held until ``/finish_weight_update`` and copied then, under
+            one pause, so a failed transfer leaves the weights as they were (memory: one more copy of the
+            tensors sent); ``in_place``: each bucket is copied into the live weights as it arrives, under a
+            pause held for the whole ``/update_weights`` call, which makes a new weight version (memory: one
+            bucket; generation stops while it receives), so a failed transfer
+            leaves partial weights, which the server then reports (``/health`` 503, generation 503) until a
+            complete update.
+        timeout: seconds the rendezvous and each broadcast may wait for the trainer before failing.
+    """
+
+    mode: Literal["atomic", "in_place"] = "atomic"
+    timeout: float = 120.0
+
+
+@dataclass
+class TransferState:
+    """The server's side of the trainer's transfer group (read by ``GET /weight_transfer``).
+
+    Attributes:
+        group: the joined group, or None (never initialised, or closed after a failure).
+        packed: ``init_info.packed``, the default of ``update_info.packed``.
+        updating: between ``/start_weight_update`` and ``/finish_weight_update``.
+        receiving: an ``/update_weights`` call is receiving now.
+        staged: atomic mode: the (name, tensor) pairs received since the update started.
+        partial: in-place mode: why the live weights are a mix of two versions, or None.
+        last_error: the last failed transfer's message, or None.
+        tensors_received, bytes_received, seconds: the last ``/update_weights`` call's progress.
+    """
+
+    group: TransferGroup | None = None
+    packed: bool = False
+    updating: bool = False
+    receiving: bool = False
+    staged: list[tuple[str, torch.Tensor]] | None = None
+    partial: str | None = None
+    last_error: str | None = None
+    tensors_received: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+class WeightUpdater:
+    """The server's weight updates: from disk, and the server's side of the trainer's transfer group.
+
+    Args:
+        manager: the server's manager.
+        settings: how streamed weights are taken (atomic or in place, the timeout).
+        model_lock: held around every weight copy (the service holds it around scoring passes too).
+        abort: cancels every in-flight request (the service's ``abort``): an in-place transfer that fails
+            part way calls it before its pause ends, so no token is sampled from a mix of two versions.
+
+    Attributes:
+        settings: as given.
+        state: the transfer group and the update in progress (``GET /weight_transfer``).
+    """
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        settings: TransferSettings,
+        model_lock: threading.Lock,
+        abort: Callable[[], int],
+    ) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.state = TransferState()
+        self._model_lock = model_lock
+        self._abort = abort
+
+    async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
+        """Copy the tensors of a folder's ``*.safetensors`` files into the live weights, in place.
+
+        Returns:
+            The new weight version.
+
+        Raises:
+            APIError: 400 (param ``model_path``) for a missing folder, no safetensors file, an unknown
+                tensor name or a shape or dtype mismatch; nothing is copied then.
+        """
+        folder = Path(model_path).expanduser()
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            raise APIError(400, f"model_path: {model_path!r} is not a folder holding *.safetensors files", "model_path")
+
+        def run() -> int:
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            tensors: dict[str, Any] = {}
+            for f in files:
+                try:
+                    tensors.update(load_file(str(f)))
+                except (SafetensorError, OSError) as e:  # a corrupt or unreadable file: nothing copied yet
+                    raise ValueError(f"{f.name} cannot be read as safetensors: {e}") from e
+            with self._model_lock:
+                return self.manager.update_weights(tensors, recompute=recompute)
+
+        try:
+            return await asyncio.to_thread(run)
+        except (KeyError, ValueError, TypeError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+            raise APIError(400, f"model_path: {message}", "model_path") from e
+
+    def _device(self) -> torch.device:
+        return next(self.manager.model.parameters()).device
+
+    def weights_dtype(self) -> str:
+        """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
+        return str(next(self.manager.model.parameters()).dtype)
+
+    def transfer_status(self) -> dict[str, Any]:
+        """What ``GET /weight_transfer`` answers: the group, the update in progress, the last error."""
+        t = self.state
+        return {
+            "initialized": t.group is not None,
+            "mode": self.settings.mode,
+            "updating": t.updating,
+            "receiving": t.receiving,
+            "weights": "partial" if t.partial is not None else "complete",
+            "weight_version": self.manager.weight_version,
+            "last_error": t.last_error,
+            "tensors_received": t.tensors_received,
+            "bytes_received": t.bytes_received,
+            "seconds": t.seconds,
+        }
+
+    def close_group(self) -> None:
+        """Leave the trainer's transfer group, if joined (after a failed transfer, and at shutdown)."""
+        if self.state.group is not None:
+            self.state.group.close()
+            self.state.group = None
+
+    async def init_weight_transfer(self, init: InitInfo) -> None:
+        """Join the trainer's transfer group as rank ``rank_offset`` (this server has one worker).
+
+        Blocks until every rank joined, at most ``TransferSettings.timeout`` seconds. A group joined before is
+        closed first.
+
+        Raises:
+            APIError: 400 (``init_info.rank_offset``) for a rank outside the world; 409 while a transfer
+                receives; 500 when the rendezvous failed or timed out (the message names the address).
+        """
+        if self.state.receiving:
+            raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
+        if init.rank_offset >= init.world_size:
+            raise APIError(
+                400,
+                f"init_info.rank_offset: {init.rank_offset} is not a rank of a world of {init.world_size} "
+                "(the trainer is rank 0, this server's one worker is rank rank_offset)",
+                "init_info.rank_offset",
+            )
+        self.close_group()
+        timeout = self.settings.timeout
+        try:
+            group = await asyncio.to_thread(
+                TransferGroup,
+                init.master_address,
+                init.master_port,
+                init.rank_offset,
+                init.world_size,
+                self._device(),
+                timeout,
+            )
+        except RuntimeError as e:
+            self.state.last_error = str(e)
+            raise APIError(500, str(e)) from e
+        self.state.group = group
+        self.state.packed = bool(init.packed)
+        self.state.updating = False
+        self.state.staged = None
+        logger.info("joined the weight-transfer group at %s:%d", init.master_address, init.master_port)
+
+    def _need_group(self) -> TransferGroup:
+        if self.state.group is None:
+            raise APIError(
+                400,
+                "no weight-transfer group: call /init_weight_transfer_engine first (a failed transfer closes it)",
+                "init_info",
+            )
+        return self.state.group
+
+    def start_weight_update(self) -> None:
+        """Open an update: the tensors of the next ``/update_weights`` calls form one new weight version.
+
+        Raises:
+            APIError: 400 without a group; 409 while a transfer receives.
+        """
+        self._need_group()
+        if self.state.receiving:
+            raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
+        self.state.updating = True
+        self.state.staged = []
+
+    def _check_update(self, info: UpdateInfo) -> list[TensorMeta]:
+        """The announced tensors, checked against the model's parameters before any byte is received."""
+        try:
+            metas = parse_metas(info.names, info.dtype_names, info.shapes)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
+        try:  # meta tensors: only names, shapes and dtypes are compared
+            plan_weight_copy(
+                self.manager.model, [(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in metas]
+            )
+        except KeyError as e:
+            raise APIError(400, f"update_info.names: {e.args[0]}", "update_info.names") from e
+        except ValueError as e:
+            param = "update_info.shapes" if "shape" in str(e) else "update_info.dtype_names"
+            raise APIError(400, f"{param}: {e}", param) from e
+        return metas
+
+    async def update_weights(self, info: UpdateInfo) -> dict[str, Any]:
+        """Receive the announced tensors from the trainer (rank 0), while it broadcasts them.
+
+        Atomic mode stages them; in-place mode copies each bucket into the live weights under a pause. Without
+        an open update (no ``/start_weight_update``), the call is a whole update: it finishes it too.
+
+        Returns:
+            ``tensors``, ``bytes``, ``seconds`` received, and ``weight_version`` when the call finished the update.
+
+        Raises:
+            APIError: 400 for a bad announcement (names, dtypes, shapes: nothing is received then) or no group;
+                409 while another transfer receives; 500 when the transfer failed: the trainer died (seen at
+                once) or stalled past the timeout. The group is closed then (init again); atomic mode keeps
+                the last complete weights, in-place mode reports partial weights and aborts in-flight requests.
+        """
+        group = self._need_group()
+        if self.state.receiving:
+            raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
+        metas = self._check_update(info)
+        implicit = not self.state.updating
+        if implicit:
+            self.start_weight_update()
+        packed = info.packed if info.packed is not None else self.state.packed
+        bucket_bytes = info.packed_buffer_size_bytes or DEFAULT_BUCKET_BYTES
+        t = self.state
+        t.receiving, t.tensors_received, t.bytes_received = True, 0, 0
+        in_place = self.settings.mode == "in_place"
+        t0 = time.perf_counter()
+
+        def progress(done: int) -> None:
+            t.tensors_received = done
+
+        def stage(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            assert t.staged is not None
+            t.staged.extend(pairs)
+
+        def copy(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            t.partial = (
+                "the weights are partial: a weight transfer copied some tensors and did not finish; "
+                "send a complete update (/start_weight_update, /update_weights, /finish_weight_update)"
+            )
+            copy_weights(plan_weight_copy(self.manager.model, pairs))
+
+        def run() -> int:
+            if not in_place:
+                return receive(group, metas, stage, bucket_bytes, packed, progress)
+            with self._model_lock, self.manager.pause():
+                try:
+                    received = receive(group, metas, copy, bucket_bytes, packed, progress)
+                except Exception:
+                    if t.partial is not None:
+                        self._abort()  # before the pause ends: no token is sampled from a mix of two versions
+                    raise
+                # Recorded before the pause ends, or the loop would notice the change and bump on its own.
+                self.manager.update_weights(None)
+                return received
+
+        try:
+            t.bytes_received = await asyncio.to_thread(run)
+        except Exception as e:
+            self.close_group()
+            t.updating, t.staged = False, None
+            if in_place and t.partial is not None:
+                keeps = "the server holds partial weights and refuses generation until a complete update"
+            else:
+                keeps = f"the server keeps its weights of version {self.manager.weight_version}"
+            message = (
+                f"the weight transfer failed after {t.tensors_received} of {len(metas)} tensors: {e}; {keeps}; "
+                "call /init_weight_transfer_engine again"
+            )
+            t.last_error = message
+            logger.error("%s", message)
+            raise APIError(500, message) from e
+        finally:
+            t.receiving = False
+            t.seconds = time.perf_counter() - t0
+        answer: dict[str, Any] = {"tensors": len(metas), "bytes": t.bytes_received, "seconds": t.seconds}
+        if implicit:
+            answer["weight_version"] = await self.finish_weight_update()
+        return answer
+
+    async def finish_weight_update(self) -> int:
+        """Close the update: atomic mode copies the staged tensors in one pause, a new weight version (in-place mode
+        made one at each ``/update_weights``: one version per call, so send an update in one call).
+
+        Returns:
+            The new weight version (the one the next tokens report).
+
+        Raises:
+            APIError: 400 without an open update; 409 while a transfer receives.
+        """
+        t = self.state
+        if t.receiving:
+            raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
+        if not t.updating:
+            raise APIError(400, "no weight update is open: call /start_weight_update first")
+        staged = t.staged
+        t.updating, t.staged = False, None
+        if self.settings.mode == "in_place":  # each /update_weights recorded its copy: a new version
+            t.partial = None
+            return self.manager.weight_version
+
+        def run() -> int:
+            with self._model_lock:
+                return self.manager.update_weights(staged)
+
+        return await asyncio.to_thread(run)
