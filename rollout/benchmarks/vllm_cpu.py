@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 from transformers import GenerationConfig
 
-from rollout.models import is_default_model, provision_default_model
+from rollout.loading import is_default_model, provision_default_model
 
 from .systems import SystemRun
 from .workloads import truncate_at_eos
@@ -185,7 +185,7 @@ class VllmPeer:
 
     Args:
         python: the venv's interpreter (``resolve_venv``).
-        model: a local model folder vLLM loads (the benchmark's model, ``rollout.models.default_model_dir()``).
+        model: a local model folder vLLM loads (the benchmark's model, ``rollout.loading.default_model_dir()``).
         env: the peer's environment (``peer_env``).
         log_path: where the peer's stderr goes (vLLM's logs).
         dtype, seed: ``vllm.LLM``'s.
