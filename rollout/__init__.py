@@ -5,7 +5,7 @@ from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
-from .kv_cache import num_blocks_for_model, training_memory_percent
+from .kv_cache import num_blocks_for_model, usable_memory_bytes
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, load_model, model_context_length, rollout_home
 from .requests import GenerationOutput, RequestStatus
@@ -38,7 +38,7 @@ __all__ = [
     "RolloutServerError",
     "RolloutWeightTransfer",
     "num_blocks_for_model",
-    "training_memory_percent",
+    "usable_memory_bytes",
 ]
 
 __version__ = "0.1.0"

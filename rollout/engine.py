@@ -581,20 +581,16 @@ class Engine:
             (status FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
 
         Raises:
-            Whatever the forward raises; blocks hashed for this step are dropped from the
-            prefix cache first, since their KV may be incomplete.
+            Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may
+            not match their KV): every caller closes it or fails the manager.
         """
         if self.async_batching:
             return self._step_async()
         scheduler_output = self.scheduler.schedule()
         t0 = time.perf_counter()
-        try:
-            runner_output = self.runner.execute(scheduler_output)
-            if self.tp is not None:
-                runner_output = self.tp.share_output(runner_output)
-        except BaseException:
-            self.scheduler.uncache_step(scheduler_output)
-            raise
+        runner_output = self.runner.execute(scheduler_output)
+        if self.tp is not None:
+            runner_output = self.tp.share_output(runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
         return updated

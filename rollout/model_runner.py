@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
@@ -59,6 +60,12 @@ from .static_step import (
     compiled_forward,
     synthetic_batch,
 )
+
+
+# ``torch.profiler.record_function`` ranges the runner opens on the thread that runs them, so that a profile
+# (``rollout.benchmarks.profile_step``) can tell the host work of a step from its model forward.
+PREPARE_SCOPE = "rollout.prepare_step"  # the host work of ``prepare_step``: inputs, metadata, staged upload
+FORWARD_SCOPE = "rollout.forward"  # the model's forward (eager, compiled or graph replay), logits rows kept
 
 
 @dataclass
@@ -284,7 +291,7 @@ class ModelRunner:
 
     Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
     other step (prefill chunks, mixed, scoring) the "varlen" path. A path that is neither compiled nor
-    CUDA-graphed runs eagerly on the exact batch (``prepare``, ``PagedAttentionMetadata``); one that is
+    CUDA-graphed runs eagerly on the exact batch (``_prepare_inputs``, ``PagedAttentionMetadata``); one that is
     runs the static-shape step of ``static_step`` (padded inputs, ``PaddedAttentionMetadata``), through
     its compiled forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
 
@@ -384,8 +391,10 @@ class ModelRunner:
         self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
         self.compile_counter = CompileCounter()
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
-        """Build the model inputs and the attention metadata of a step.
+    def _prepare_inputs(
+        self, scheduled: Sequence[ScheduledRequest]
+    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None, bool]:
+        """The eager forward's inputs and attention metadata of a step.
 
         Every index tensor is built on the host with numpy and reaches the device in one copy
         (``HostStaging``); the block-table gathers are then computed on the device. Slots, gathers and
@@ -393,18 +402,12 @@ class ModelRunner:
         group's gathers start at the block of its window (``kv_cache.window_start_block``).
 
         Returns:
-            The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
-            requests' last query tokens, then scored positions); and the plan of those rows.
+            The forward kwargs; int64 [R]: the rows whose logits are kept (sampled requests' last query
+            tokens, then scored positions); the plan of those rows; the placeholders of a step scheduled
+            ahead (see ``PreparedStep.placeholders``; a placeholder's input id is staged as 0, a valid id,
+            and replaced on the device by ``launch``), or None; whether the step takes the CUDA decode
+            fast path.
         """
-        kwargs, rows, plan, _, _ = self._prepare_inputs(scheduled)
-        return kwargs, rows, plan
-
-    def _prepare_inputs(
-        self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None, bool]:
-        """``prepare``, the placeholders of a step scheduled ahead (see ``PreparedStep.placeholders``; a
-        placeholder's input id is staged as 0, a valid id, and replaced on the device by ``launch``), and
-        whether the step takes the CUDA decode fast path."""
         bs = self.block_size
         windows = self.sliding_windows
         num_groups = len(windows)
@@ -622,10 +625,11 @@ class ModelRunner:
         kwargs = None
         fast_decode = False
         path = self.path_of(scheduled) if self._forwards else None
-        if path in self._forwards:
-            batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
-        else:
-            kwargs, rows, plan, placeholders, fast_decode = self._prepare_inputs(scheduled)
+        with record_function(PREPARE_SCOPE):
+            if path in self._forwards:
+                batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
+            else:
+                kwargs, rows, plan, placeholders, fast_decode = self._prepare_inputs(scheduled)
         sampled = plan.sampled + [child for _, child in scheduler_output.forks]
         uniform = None
         state = None
@@ -723,11 +727,12 @@ class ModelRunner:
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
             ids = prepared.batch.input_ids if prepared.batch is not None else prepared.kwargs["input_ids"][0]
             ids[rows] = previous_tokens.index_select(0, sources)
-        if prepared.batch is not None:
-            logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
-        else:
-            assert prepared.kwargs is not None
-            logits = self._eager_forward(prepared.kwargs, prepared.rows)
+        with record_function(FORWARD_SCOPE):
+            if prepared.batch is not None:
+                logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
+            else:
+                assert prepared.kwargs is not None
+                logits = self._eager_forward(prepared.kwargs, prepared.rows)
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
@@ -811,21 +816,6 @@ class ModelRunner:
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, rows)
         return logits.float()
-
-    @torch.inference_mode()
-    def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step (no KV copies, no sampling; every input token known).
-
-        Returns:
-            float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
-        """
-        if self._forwards:
-            path = self.path_of(scheduled)
-            if path in self._forwards:
-                batch, rows, plan, _ = self._prepare_padded(scheduled, path)
-                return self.forward_padded(batch)[: len(rows)], plan
-        kwargs, rows, plan = self.prepare(scheduled)
-        return self._eager_forward(kwargs, rows), plan
 
     def _prepare_padded(
         self, scheduled: Sequence[ScheduledRequest], path: str

@@ -23,7 +23,7 @@ from rollout import ContinuousBatchingConfig, Engine, SamplingParams
 from rollout.attention import METADATA_KWARG
 from rollout.model_runner import ModelRunner
 from rollout.requests import Request
-from rollout.scheduler import ScheduledRequest
+from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
@@ -214,9 +214,11 @@ def test_flash_inputs_are_cumulative_lengths_and_a_zero_padded_int32_block_table
         b = Request("b", [5, 6, 7, 8, 9], SamplingParams())  # decoding its 5th token
         b.num_computed_tokens, b.block_table = 4, [4, 11]
         engine.runner.use_flash = True
-        kwargs, rows, plan = engine.runner.prepare([ScheduledRequest(a, 6, True), ScheduledRequest(b, 1, True)])
+        step = SchedulerOutput(scheduled=[ScheduledRequest(a, 6, True), ScheduledRequest(b, 1, True)])
+        prepared = engine.runner.prepare_step(step)
     finally:
         engine.close()
+    kwargs, rows, plan = prepared.kwargs, prepared.rows, prepared.plan
     flash = kwargs[METADATA_KWARG].flash
     assert flash["cu_seqlens_q"].dtype == flash["cu_seqlens_k"].dtype == flash["block_table"].dtype == torch.int32
     assert flash["cu_seqlens_q"].tolist() == [0, 6, 7]
