@@ -170,13 +170,12 @@ class ContinuousBatchingConfig:
             while step k's forward and sampling run: on CPU a worker thread runs the steps; on CUDA the
             inputs are copied on a side stream into two staging buffer sets used in turn, ordered by
             events. Step k+1 is scheduled before step k's tokens are known (placeholders, filled on the
-            device before its forward), and scheduled again after step k when a request of it ended, so
-            the outputs are the synchronous loop's, token for token and logprob for logprob. Steps that
-            cannot be scheduled ahead exactly (admissions, forks, preemption, copy-on-write, a fresh
-            block that would evict a prefix-cache block, logits processors that read the token history)
-            are scheduled the synchronous way; ``EngineStats`` counts both kinds. None picks per device
-            (see ``resolved_async_batching``). Not supported under tensor parallelism: True raises a
-            ValueError there before the engine allocates anything, None is off.
+            device before its forward: ``async_scheduler.AsyncScheduler``); a row of a request that step k
+            ended (a stop token or string) is computed and dropped. Greedy tokens, logprobs, seeded samples
+            and weight versions are what the synchronous loop gives; a row's bits may differ where the
+            batches differ. ``EngineStats.num_async_steps`` counts the steps launched behind another. None
+            picks per device (see ``resolved_async_batching``). Not supported under tensor parallelism:
+            True raises a ValueError there before the engine allocates anything, None is off.
         disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
             graph-captured collectives running beside other collectives (transformers' meaning): rollout
             never replays two such graphs at once, and NCCL is faster without it. NCCL reads the

@@ -6,13 +6,11 @@
 queues requests and keeps statistics; it changes no request itself. The background manager,
 ``generate_batch`` and ``score`` all drive this class; it holds no global state.
 
-With async batching (``ContinuousBatchingConfig.use_async_batching``) a step stays in flight between two
-calls of ``step()``: each call schedules and prepares the next step while the one in flight runs
-(``Scheduler.schedule_ahead``, ``ModelRunner.prepare_step``), then waits for it, applies its results and
-launches the next (``ModelRunner.launch``; on CPU the step runs in the runner's worker thread). Where
-scheduling ahead is not safe or would not give the synchronous loop's batch, the next step is scheduled
-after the update instead; ``EngineStats`` counts both kinds. The outputs are the synchronous loop's, token
-for token and logprob for logprob (see ``scheduler``'s module docstring for why they can be).
+With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an
+``AsyncScheduler`` and the step function, chosen once, is vLLM v1's ``step_with_batch_queue`` with a queue of
+two: each call schedules and launches the next step while the one in flight runs (its tokens are
+placeholders, filled on the device), then waits for the one in flight and applies its results. On CPU the
+steps run in the runner's worker thread. Nothing scheduled is taken back (see ``async_scheduler``).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -31,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
 from .attention import choose_flash, enable_paged_attention, restore_attention
+from .async_scheduler import AsyncScheduler
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
@@ -44,7 +42,7 @@ from .kv_cache import (
     offload_space_gib,
 )
 from .kv_cache_manager import KVCacheManager
-from .model_runner import LaunchedStep, ModelRunner, PreparedStep
+from .model_runner import LaunchedStep, ModelRunner
 from .models import (
     UnsupportedModelError,
     attention_dtype,
@@ -104,15 +102,7 @@ class EngineStats:
         num_cuda_graph_captures: CUDA graphs captured, warmup included.
         num_cuda_graph_captures_after_warmup: those captured by steps after ``warmup()``.
         warmup_seconds: wall time of ``warmup()`` (None when it never ran or had nothing to do).
-        num_async_steps: async batching: steps scheduled and prepared while the step before them ran,
-            and run as prepared.
-        num_sync_steps: async batching: steps scheduled after the step before them ended (the
-            synchronous order), by reason in ``async_fallbacks``.
-        async_fallbacks: why steps were scheduled the synchronous way: "idle" (no step was in flight:
-            the first step, or after ``drain``), "waiting" (requests waited for admission), "forks",
-            "logits_processors", "blocks" (a slot needed a preemption, a copy-on-write or a
-            prefix-cache block), "nothing" (nothing was left to schedule ahead), "finished" (a request
-            of the step prepared ahead ended in the step before it, so that step was scheduled again).
+        num_async_steps: async batching: steps scheduled and launched while the step before them ran.
     """
 
     num_steps: int = 0
@@ -136,8 +126,6 @@ class EngineStats:
     num_cuda_graph_captures_after_warmup: int = 0
     warmup_seconds: float | None = None
     num_async_steps: int = 0
-    num_sync_steps: int = 0
-    async_fallbacks: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -146,10 +134,6 @@ class _InFlight:
 
     launched: LaunchedStep
     launched_at: float  # time.perf_counter()
-
-    @property
-    def scheduler_output(self) -> SchedulerOutput:
-        return self.launched.prepared.scheduler_output
 
 
 def _check_static_paths(
@@ -216,14 +200,12 @@ class Engine:
     manager hands out; ``warmup()`` compiles or captures before the first request.
 
     With ``config.resolved_async_batching`` true, a step is in flight between calls of ``step()`` (see the
-    module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled meanwhile
-    (``finish_request``) has its row of that step computed and dropped. Weight changes
-    (``set_weight_version``, ``recompute_in_flight``), ``warmup()`` and ``close()`` finish it first. It
-    composes with compiled and CUDA-graphed paths (the padded batch of the next step is prepared ahead,
-    its placeholder tokens written into the batch on the device before the forward or the graph's
-    replay) and with every KV layer group (a step scheduled ahead allocates in each group's table and
-    gives back a sliding group's out-of-window blocks only once it is kept). It is off under tensor
-    parallelism (``resolved_async_batching``).
+    module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled or stopped
+    meanwhile has its row of that step computed and dropped. Weight changes (``set_weight_version``,
+    ``recompute_in_flight``), ``warmup()`` and ``close()`` finish it first. It composes with compiled and
+    CUDA-graphed paths (placeholder tokens are written into the padded batch on the device before the
+    forward or the graph's replay) and with every KV layer group. It is off under tensor parallelism
+    (``resolved_async_batching``).
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
@@ -332,7 +314,8 @@ class Engine:
             self.offload_pool,
             self.cache.layout.sliding_windows,
         )
-        self.scheduler = Scheduler(
+        scheduler_class = AsyncScheduler if self.async_batching else Scheduler
+        self.scheduler = scheduler_class(
             self.kv_cache_manager,
             self.max_batch_tokens,
             self.config.max_requests_per_batch,
@@ -366,6 +349,7 @@ class Engine:
         self._last_step_end = 0.0
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
+        self._step_fn = self._step_async if self.async_batching else self._step_sync  # chosen once, as vLLM's
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
@@ -572,20 +556,21 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step: schedule, execute, update.
 
-        With async batching, the step that completes is the one launched by the previous call (this call
-        launches the next one, see the module docstring); the first call launches and completes the first
-        step.
+        With async batching, the step whose results this call applies is the one launched by the previous
+        call; this call launches the next (see the module docstring). The first call launches the first
+        step and applies nothing.
 
         Returns:
-            The requests that got a new token in the step that completed, and the requests that finished
-            (status FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
+            The requests that got a new token in the step applied, and the requests that finished (status
+            FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
 
         Raises:
             Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may
             not match their KV): every caller closes it or fails the manager.
         """
-        if self.async_batching:
-            return self._step_async()
+        return self._step_fn()
+
+    def _step_sync(self) -> list[Request]:
         scheduler_output = self.scheduler.schedule()
         t0 = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
@@ -593,6 +578,27 @@ class Engine:
             runner_output = self.tp.share_output(runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
+        return updated
+
+    def _step_async(self) -> list[Request]:
+        """``step`` with async batching (vLLM v1's ``step_with_batch_queue``, a queue of two): schedule and
+        launch the next step behind the one in flight, then wait for that one and apply its results."""
+        updated, self._completed = self._completed, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Its KV copies (offloads of preempted requests), if any, run after the step in flight.
+            if self._in_flight is not None:
+                updated += self._complete()
+            self.runner.execute(scheduler_output)
+            self._record_stats(scheduler_output, RunnerOutput(), 0.0)
+            return updated
+        previous = self._in_flight
+        prepared = self.runner.prepare_step(scheduler_output)  # overlaps the step in flight
+        launched = self.runner.launch(prepared, previous.launched if previous is not None else None)
+        if previous is not None:
+            self.stats.num_async_steps += 1
+            updated += self._complete()
+        self._in_flight = _InFlight(launched, time.perf_counter())
         return updated
 
     def drain(self) -> list[Request]:
@@ -617,99 +623,18 @@ class Engine:
         if self._in_flight is not None:
             self._completed = self.drain()
 
-    def _step_async(self) -> list[Request]:
-        """``step`` with async batching: schedule and prepare the next step while the one in flight runs."""
-        updated, self._completed = self._completed, []
-        if self._in_flight is None:
-            self._launch_scheduled(self.scheduler.schedule(), "idle")
-            if self._in_flight is None:
-                return updated
-        flight = self._in_flight
-        ahead, reason = self.scheduler.schedule_ahead(flight.scheduler_output)
-        prepared: PreparedStep | None = None
-        try:
-            if ahead is not None:
-                prepared = self.runner.prepare_step(ahead)  # overlaps the step in flight
-            updated += self._complete()
-        except BaseException:
-            self._abandon()
-            self._drop(ahead, prepared)
-            raise
-        if ahead is not None and prepared is not None:
-            if self.scheduler.ahead_still_valid(ahead):
-                self.scheduler.commit_ahead(ahead)
-                self._launch(prepared, flight.launched)
-                self.stats.num_async_steps += 1
-                return updated
-            # A request of it ended in the step that just completed: the synchronous loop builds another
-            # batch, and a row's results are not the same bits in another batch.
-            self._drop(ahead, prepared)
-            reason = "finished"
-        assert reason is not None
-        self._launch_scheduled(self.scheduler.schedule(), reason)
-        return updated
-
-    def _drop(self, ahead: SchedulerOutput | None, prepared: PreparedStep | None) -> None:
-        """Take back a step scheduled (and maybe prepared) ahead that will not run."""
-        if prepared is not None:
-            self.runner.discard(prepared)
-        if ahead is not None:
-            self.scheduler.unschedule(ahead)
-
-    def _launch_scheduled(self, scheduler_output: SchedulerOutput, reason: str) -> None:
-        """Prepare and launch a step scheduled after the step before it ended (async batching)."""
-        if scheduler_output.is_empty:
-            self.runner.execute(scheduler_output)  # its KV copies (offloads of preempted requests), if any
-            self._record_stats(scheduler_output, RunnerOutput(), 0.0)
-            return
-        try:
-            prepared = self.runner.prepare_step(scheduler_output)
-        except BaseException:
-            self.scheduler.uncache_step(scheduler_output)
-            raise
-        self._launch(prepared, None)
-        self.stats.num_sync_steps += 1
-        self.stats.async_fallbacks[reason] += 1
-
-    def _launch(self, prepared: PreparedStep, previous: LaunchedStep | None) -> None:
-        try:
-            launched = self.runner.launch(prepared, previous)
-        except BaseException:
-            self.scheduler.uncache_step(prepared.scheduler_output)
-            raise
-        self._in_flight = _InFlight(launched, time.perf_counter())
-
     def _complete(self) -> list[Request]:
         """Wait for the step in flight and apply its results (async batching)."""
         flight = self._in_flight
         assert flight is not None
-        scheduler_output = flight.scheduler_output
-        try:
-            runner_output = self.runner.collect(flight.launched)
-        except BaseException:
-            self._in_flight = None
-            self.scheduler.undo_advance(scheduler_output)
-            self.scheduler.uncache_step(scheduler_output)
-            raise
         self._in_flight = None
+        scheduler_output = flight.launched.prepared.scheduler_output
+        runner_output = self.runner.collect(flight.launched)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
         self._record_stats(scheduler_output, runner_output, now - max(flight.launched_at, self._last_step_end))
         self._last_step_end = now
         return updated
-
-    def _abandon(self) -> None:
-        """Wait for the step in flight and drop its results, as if it had never run (an error elsewhere)."""
-        flight = self._in_flight
-        if flight is None:
-            return
-        self._in_flight = None
-        try:
-            flight.launched.wait()
-        except BaseException:  # noqa: BLE001 - its results are dropped either way
-            pass
-        self.scheduler.undo_advance(flight.scheduler_output)
-        self.scheduler.uncache_step(flight.scheduler_output)
 
     def _record_stats(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
         stats = self.stats
@@ -842,8 +767,7 @@ class Engine:
         """
         if not self._closed:
             self._closed = True
-            if self._in_flight is not None:
-                self._abandon()
+            self._in_flight = None  # the worker thread finishes it (runner.close); its results are dropped
             self.runner.close()
             restore_attention(self.model, self._original_attn)
             if self.offload_pool is not None:

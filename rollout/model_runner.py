@@ -18,8 +18,8 @@ prepares step k + 1 while step k's forward and sampling run:
 
 - ``prepare_step``: the host work (inputs, attention metadata or the padded batch of a compiled or
   CUDA-graphed path, sampling rows and random numbers) and the staged upload of the inputs;
-- ``launch``: the KV copies, the forward and the sampling. A step scheduled ahead holds placeholders for
-  the tokens that the step before it samples (``ScheduledRequest.placeholder_row``); ``launch`` copies
+- ``launch``: the KV copies, the forward and the sampling. A step scheduled while the one before it runs
+  holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch`` copies
   those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
   "carry over" of tokens between batches do the same), into the padded batch's input ids on a static
   path, before a CUDA graph copies them into its static inputs. On CPU a worker thread runs it (torch
@@ -108,11 +108,7 @@ class PreparedStep:
             batch's rows on a static path, the same indices) that hold a placeholder, row 1 the index of
             the token that replaces each among the previous step's sampled tokens; None when every input
             token is known.
-        generator_state: the engine generator's state before this step drew from it, put back by
-            ``ModelRunner.discard``; None when the step did not draw, or cannot be discarded.
         staging_slot: the input staging buffer set holding the inputs.
-        fast_decode: the step was prepared for the CUDA decode fast path (counted in
-            ``num_decode_fast_path_steps``; ``discard`` takes the count back).
     """
 
     scheduler_output: SchedulerOutput
@@ -123,9 +119,7 @@ class PreparedStep:
     sampled: list[Request]
     uniform: np.ndarray | None
     placeholders: torch.Tensor | None
-    generator_state: torch.Tensor | None
     staging_slot: int
-    fast_decode: bool = False
 
 
 @dataclass
@@ -251,7 +245,7 @@ def _keep_rows(
     segment in ``plan`` and their temperature in ``score_temps``).
     """
     req, n = entry.request, entry.num_scheduled_tokens
-    c = req.num_computed_tokens
+    c = entry.num_computed_tokens
     if entry.sample:
         logits_rows.append(start + n - 1)
         plan.sampled.append(req)
@@ -264,21 +258,28 @@ def _keep_rows(
             score_temps.extend([req.score_temperature] * (hi - lo))
 
 
-def _placeholders(scheduled: Sequence[ScheduledRequest]) -> tuple[list[int], list[int]]:
-    """Where a step scheduled ahead holds placeholders (see ``ScheduledRequest.placeholder_row``).
+def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> tuple[list[int], list[int]]:
+    """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
+
+    A request's query tokens past its known ``token_ids`` are such tokens; the scheduling rule lets a
+    request have one (its last query token), sampled by the step launched just before.
+
+    Args:
+        scheduled: the step's requests, in batch order.
+        sample_rows: the row of each request (by id) among the sampled tokens of the step before.
 
     Returns:
-        The flattened input rows that hold one (a request's last query row), and for each the index of
-        the token that replaces it among the previous step's sampled tokens; both empty when none.
+        The flattened input rows that hold one, and for each the index of the token that replaces it
+        among the previous step's sampled tokens; both empty when none.
     """
     rows: list[int] = []
     sources: list[int] = []
     end = 0
     for entry in scheduled:
         end += entry.num_scheduled_tokens
-        if entry.placeholder_row is not None:
+        if entry.num_computed_tokens + entry.num_scheduled_tokens > entry.request.num_tokens:
             rows.append(end - 1)
-            sources.append(entry.placeholder_row)
+            sources.append(sample_rows[entry.request.request_id])
     return rows, sources
 
 
@@ -363,6 +364,8 @@ class ModelRunner:
         # One staging buffer for the step's inputs and one for the sampler's per-row values: each
         # waits only for its own previous copy before it is refilled.
         self.async_batching = async_batching
+        # Async batching: the row of each request (by id) among the sampled tokens of the step prepared last.
+        self._sample_rows: dict[str, int] = {}
         self._worker: ThreadPoolExecutor | None = None
         if async_batching and self.device.type == "cuda":
             # Step k + 1's inputs are copied on a side stream while step k's forward reads its own set.
@@ -393,7 +396,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None, bool]:
+    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None]:
         """The eager forward's inputs and attention metadata of a step.
 
         Every index tensor is built on the host with numpy and reaches the device in one copy
@@ -404,9 +407,8 @@ class ModelRunner:
         Returns:
             The forward kwargs; int64 [R]: the rows whose logits are kept (sampled requests' last query
             tokens, then scored positions); the plan of those rows; the placeholders of a step scheduled
-            ahead (see ``PreparedStep.placeholders``; a placeholder's input id is staged as 0, a valid id,
-            and replaced on the device by ``launch``), or None; whether the step takes the CUDA decode
-            fast path.
+            behind another (see ``PreparedStep.placeholders``; a placeholder's input id is staged as 0, a valid id,
+            and replaced on the device by ``launch``), or None.
         """
         bs = self.block_size
         windows = self.sliding_windows
@@ -423,14 +425,15 @@ class ModelRunner:
         decode_lengths: list[list[int]] = [[] for _ in range(num_groups)]
         # Per group: (start, end, context counted from the first gathered block, table from that block).
         prefill_specs: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(num_groups)]
-        placeholder_rows, placeholder_sources = _placeholders(scheduled)
+        placeholder_rows, placeholder_sources = (
+            _placeholders(scheduled, self._sample_rows) if self.async_batching else ([], [])
+        )
         for entry in scheduled:
             req, n = entry.request, entry.num_scheduled_tokens
-            c = req.num_computed_tokens
+            c = entry.num_computed_tokens
             start = len(input_ids)
             input_ids.extend(req.token_ids[c : c + n])
-            if entry.placeholder_row is not None:
-                input_ids[-1] = 0  # the request's one input token is sampled by the step in flight
+            input_ids.extend([0] * (start + n - len(input_ids)))  # placeholders: sampled by the step in flight
             positions.extend(range(c, c + n))
             pos = np.arange(c, c + n, dtype=np.int64) if n > 1 else None
             for g, window in enumerate(windows):
@@ -490,7 +493,7 @@ class ModelRunner:
         elif use_flash:
             cu_q, cu_k = next(staged), next(staged)
             q_lens = [e.num_scheduled_tokens for e in scheduled]
-            k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+            k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
             common = {
                 "cu_seqlens_q": cu_q.to(torch.int32),
                 "cu_seqlens_k": cu_k.to(torch.int32),
@@ -538,7 +541,7 @@ class ModelRunner:
         plan.num_sample_rows = len(logits_rows)
         if self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = rows
-        return kwargs, rows, plan, placeholders, fast_decode
+        return kwargs, rows, plan, placeholders
 
     def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
@@ -548,7 +551,7 @@ class ModelRunner:
         if width <= 0 or not scheduled:
             return False
         limit = width * self.block_size  # keys a table row can address
-        return all(e.num_scheduled_tokens == 1 and e.request.num_computed_tokens < limit for e in scheduled)
+        return all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
 
     @staticmethod
     def _flash_decode_arrays(
@@ -563,7 +566,7 @@ class ModelRunner:
             ``NULL_BLOCK`` entries before its window read as block 0, which the window mask never lets a
             query attend to, as in ``_flash_arrays``).
         """
-        seqlens = np.asarray([e.request.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
+        seqlens = np.asarray([e.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
         tables = []
         for g in range(num_groups):
             table = np.zeros((len(scheduled), width), dtype=np.int64)
@@ -583,7 +586,7 @@ class ModelRunner:
             which the kernel's window mask never lets a query attend to).
         """
         q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
-        k_lens = np.asarray([e.request.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
+        k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
         zero = np.zeros(1, dtype=np.int64)
         tables = [np.maximum(_padded([e.request.block_tables[g] for e in scheduled]), 0) for g in range(num_groups)]
         return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
@@ -613,53 +616,34 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The host work of a step that is not empty: its inputs staged on the device (the padded batch on
-        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``: a
-        sampled request's counter counts a pending placeholder, as the synchronous loop counts the token
-        it stands for).
+        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``:
+        a sampled token's counter is its index among the request's generated tokens, placeholders of the
+        step in flight counted, so that a seeded request draws the same numbers whatever the batching).
 
-        A step scheduled ahead (``scheduler_output.ahead``) keeps the generator's state from before its
-        draw, so that ``discard`` can put it back: a discarded step then draws nothing.
+        Steps must be prepared in the order they are launched: a step's placeholders are filled from the
+        sampled tokens of the step prepared before it.
         """
         scheduled = scheduler_output.scheduled
         batch = None
         kwargs = None
-        fast_decode = False
         path = self.path_of(scheduled) if self._forwards else None
         with record_function(PREPARE_SCOPE):
             if path in self._forwards:
                 batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
             else:
-                kwargs, rows, plan, placeholders, fast_decode = self._prepare_inputs(scheduled)
-        sampled = plan.sampled + [child for _, child in scheduler_output.forks]
+                kwargs, rows, plan, placeholders = self._prepare_inputs(scheduled)
+        forks = [child for _, child in scheduler_output.forks]
+        sampled = plan.sampled + forks
         uniform = None
-        state = None
         if sampled:
-            params = [r.params for r in sampled]
-            if scheduler_output.ahead and any(not p.greedy and p.seed is None for p in params):
-                state = self.generator.get_state()
-            uniform = step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator)
+            counters = [e.num_computed_tokens + e.num_scheduled_tokens - e.request.num_prompt_tokens for e in scheduled if e.sample]
+            counters += [child.num_generated_tokens for child in forks]
+            uniform = step_uniforms([r.params for r in sampled], counters, self.generator)
+        if self.async_batching:
+            self._sample_rows = {r.request_id: i for i, r in enumerate(sampled)}
         return PreparedStep(
-            scheduler_output,
-            kwargs,
-            batch,
-            rows,
-            plan,
-            sampled,
-            uniform,
-            placeholders,
-            state,
-            self._input_staging.last_slot,
-            fast_decode,
+            scheduler_output, kwargs, batch, rows, plan, sampled, uniform, placeholders, self._input_staging.last_slot
         )
-
-    def discard(self, prepared: PreparedStep) -> None:
-        """Drop a prepared step that will not run: the generator's draw and the fast-path count are taken
-        back and its staging released."""
-        if prepared.generator_state is not None:
-            self.generator.set_state(prepared.generator_state)
-        if prepared.fast_decode:
-            self.num_decode_fast_path_steps -= 1
-        self._input_staging.release(prepared.staging_slot)
 
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start a step's KV copies, forward and sampling; ``collect`` waits for them.
@@ -671,21 +655,18 @@ class ModelRunner:
         Args:
             prepared: the step.
             previous: the step launched before it, whose sampled tokens fill its placeholders (needed when
-                ``prepared.placeholders`` is set; collected already, or at least launched earlier).
+                ``prepared.placeholders`` is set).
 
         Raises:
-            ValueError: the step has placeholders and ``previous`` sampled nothing.
-            Whatever the forward raises when it runs in the calling thread.
+            ValueError: the step has placeholders and no ``previous`` step.
+            Whatever the forward raises when it runs in the calling thread (in the worker thread: ``collect``).
         """
-        tokens = None
-        if prepared.placeholders is not None:
-            tokens = previous.wait().tokens if previous is not None else None
-            if tokens is None:
-                raise ValueError("a step with placeholder tokens needs the previous step's sampled tokens")
+        if prepared.placeholders is not None and previous is None:
+            raise ValueError("a step with placeholder tokens needs the step launched before it")
         if self._worker is not None:
-            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, tokens))
+            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, previous))
         try:
-            return LaunchedStep(prepared, result=self._compute(prepared, tokens, readback=self.async_batching))
+            return LaunchedStep(prepared, result=self._compute(prepared, previous, readback=self.async_batching))
         finally:
             self._input_staging.release(prepared.staging_slot)
 
@@ -709,20 +690,21 @@ class ModelRunner:
             self._worker = None
 
     @torch.inference_mode()
-    def _compute(
-        self, prepared: PreparedStep, previous_tokens: torch.Tensor | None, readback: bool = False
-    ) -> StepResult:
+    def _compute(self, prepared: PreparedStep, previous: LaunchedStep | None, readback: bool = False) -> StepResult:
         """The device work of a step: KV copies, placeholders, forward, sampling, scores, packed results.
 
         Args:
             prepared: the step.
-            previous_tokens: int64 [B'] the previous step's sampled tokens, for the placeholders.
+            previous: the step launched before it, whose sampled tokens (int64 [B'] on the device) replace
+                the placeholders; computed already when this runs (the worker runs steps in launch order).
             readback: start the copy of the results into pinned host memory (CUDA; ``collect`` waits for it).
         """
         scheduler_output = prepared.scheduler_output
         self._move_kv(scheduler_output)
         plan = prepared.plan
         if prepared.placeholders is not None:
+            assert previous is not None
+            previous_tokens = previous.wait().tokens
             assert previous_tokens is not None
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
             ids = prepared.batch.input_ids if prepared.batch is not None else prepared.kwargs["input_ids"][0]
@@ -821,7 +803,7 @@ class ModelRunner:
         self, scheduled: Sequence[ScheduledRequest], path: str
     ) -> tuple[PaddedBatch, list[int], LogitsPlan, torch.Tensor | None]:
         """The inputs of a step on the static-shape path: the padded batch (one staged upload), the real
-        logits rows, their plan, and the placeholders of a step scheduled ahead (see
+        logits rows, their plan, and the placeholders of a step scheduled behind another (see
         ``PreparedStep.placeholders``: the padded batch keeps the real rows first, at the same indices)."""
         assert self.padding is not None
         plan = LogitsPlan()
@@ -834,7 +816,9 @@ class ModelRunner:
             start += entry.num_scheduled_tokens
         rows = logits_rows + score_rows
         extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
-        placeholder_rows, placeholder_sources = _placeholders(scheduled)
+        placeholder_rows, placeholder_sources = (
+            _placeholders(scheduled, self._sample_rows) if self.async_batching else ([], [])
+        )
         if placeholder_rows:
             extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
         batch, staged = build_padded_batch(scheduled, rows, path == "decode", self.padding, self._input_staging, extra)

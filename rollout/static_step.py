@@ -274,8 +274,8 @@ def build_padded_batch(
     """The padded device inputs of a step (numpy on the host, one staged upload).
 
     Args:
-        scheduled: the step's requests, in batch order. A request's placeholder token (a step scheduled
-            ahead by async batching, ``ScheduledRequest.placeholder_row``) is staged as token 0; the
+        scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
+            placeholder of async batching, ``Request.num_output_placeholders``) is staged as token 0; the
             runner writes the real token into ``input_ids`` on the device before the forward.
         logits_rows: the flattened rows whose logits are kept (sampled rows, then scored rows).
         decode_path: every request computes one token (a decode-only step).
@@ -298,10 +298,9 @@ def build_padded_batch(
     start = 0
     for entry in scheduled:
         req, n = entry.request, entry.num_scheduled_tokens
-        c = req.num_computed_tokens
-        ids[start : start + n] = req.token_ids[c : c + n]
-        if entry.placeholder_row is not None:
-            ids[start + n - 1] = 0  # sampled by the step in flight (async batching): written on the device
+        c = entry.num_computed_tokens
+        known = req.token_ids[c : c + n]  # a placeholder past them stays 0: written on the device
+        ids[start : start + len(known)] = known
         p = np.arange(c, c + n, dtype=np.int64)
         pos[start : start + n] = p
         table = req.block_table

@@ -190,6 +190,7 @@ def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table
         assert engine.runner.num_decode_fast_path_steps == 1
         # 13 keys need a 4th block: the step takes the varlen kernel, whose table is as wide as the longest row.
         a.num_computed_tokens, a.block_table = 12, [7, 2, 9, 5]
+        decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]  # entries keep their start
         flash = prepared_flash(engine, decode)
         assert "cache_seqlens" not in flash and flash["block_table"].tolist() == [[7, 2, 9, 5], [4, 11, 0, 0]]
         # A prefill chunk in the step: varlen as well.

@@ -24,7 +24,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
 # and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
-# step's CPU linear layers) sits just below static_step, its one user. weight_transfer (the trainer-to-server
+# step's CPU linear layers) sits just below static_step, its one user. async_scheduler (async batching's
+# scheduler subclass) sits just above the scheduler it extends. weight_transfer (the trainer-to-server
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
 LAYERS = [
@@ -40,6 +41,7 @@ LAYERS = [
     "kv_cache",
     "kv_cache_manager",
     "scheduler",
+    "async_scheduler",
     "distributed",
     "attention",
     "sampling",
