@@ -264,13 +264,7 @@ class PagedAttentionMetadata:
                 back (``sliding_window`` None or larger): the keys it would read were given back.
         """
         meta = self.groups[self.cache.layout.layer_group[layer]] if self.groups else self
-        kept = meta.sliding_window
-        if kept is not None and (sliding_window is None or sliding_window > kept):
-            raise RuntimeError(
-                f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
-                f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
-                "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
-            )
+        _check_window(layer, sliding_window, meta.sliding_window)
         return meta
 
     def on(self, device: torch.device) -> PagedAttentionMetadata:
@@ -516,21 +510,25 @@ class PaddedAttentionMetadata:
       Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
 
     Shapes: T padded query rows; Bd decode groups reading Ld keys; G prefill groups of Qs rows reading
-    Lp keys. Filler groups and filler rows (there to fill a padded size) point at row T, read the
-    padding slot (the cache's extra block, never handed to a request) and are dropped. Padded query
-    rows (T real rows up to the padded T) write the padding slot and belong to no group: their
-    attention output is 0.
+    Lp keys; N KV layer groups of the cache (``kv_cache.CacheLayout``), each with its own slots, a layer
+    reading its group's (``group_of``). Filler groups and filler rows (there to fill a padded size)
+    point at row T, read the padding slot (the cache's extra block, never handed to a request) and are
+    dropped. Padded query rows (T real rows up to the padded T) write the padding slot and belong to no
+    group: their attention output is 0.
 
     Attributes:
         cache: the paged KV cache.
-        slot_mapping: int64 [T]; the cache slot each query row writes (padded rows: the padding slot).
+        slot_mapping: int64 [N, T]; per layer group, the cache slot each query row writes (padded rows:
+            the padding slot).
         decode_rows: int64 [Bd], the query row of each decode group (fillers: T), or None on the
             decode path, where row i is decode group i (Bd = T).
-        decode_gather: int64 [Bd, Ld]; the slots of positions 0..Ld-1 of each decode group's request.
+        decode_gather: int64 [N, Bd, Ld]; per layer group, the slots of positions 0..Ld-1 of each decode
+            group's request.
         decode_pos: int64 [Bd]; the position of each decode row (it sees keys 0..pos; 0 for fillers and
             padded rows, which then see the padding slot only).
         prefill_rows: int64 [G, Qs]; the query rows of each prefill group (fillers: T), or None.
-        prefill_gather: int64 [G, Lp]; the slots of positions 0..Lp-1 of each group's request.
+        prefill_gather: int64 [N, G, Lp]; per layer group, the slots of positions 0..Lp-1 of each
+            prefill group's request.
         prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
         decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
@@ -566,16 +564,16 @@ class PaddedAttentionMetadata:
             cache: the paged KV cache.
             block_size: tokens per block.
             slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos: as the attributes.
-            decode_tables: int64 [Bd, Wd]; each decode group's block table, padded with the padding
-                block; its gather is [Bd, Ld = Wd * block_size].
-            prefill_tables: int64 [G, Wp]; each prefill group's block table (None on the decode path);
-                its gather is [G, Lp = Wp * block_size].
+            decode_tables: int64 [N, Bd, Wd]; per layer group, each decode group's block table, padded
+                with the padding block; its gather is [N, Bd, Ld = Wd * block_size].
+            prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's block table (None on
+                the decode path); its gather is [N, G, Lp = Wp * block_size].
         """
         prefill_gather = decode_read = prefill_read = None
         if decode_rows is not None:
             assert prefill_tables is not None and prefill_rows is not None
             prefill_gather = _gather(prefill_tables, block_size)
-            last = slot_mapping.shape[0] - 1  # T - 1: slot_mapping has one entry per query row
+            last = slot_mapping.shape[-1] - 1  # T - 1: slot_mapping has one entry per query row
             decode_read, prefill_read = decode_rows.clamp(max=last), prefill_rows.clamp(max=last)
         return cls(
             cache,
@@ -590,11 +588,31 @@ class PaddedAttentionMetadata:
             prefill_read,
         )
 
+    def group_of(self, layer: int, sliding_window: int | None) -> int:
+        """The KV layer group of ``layer``, checked against the window the layer attends with.
+
+        Raises:
+            RuntimeError: the group keeps only a window of keys, but the layer attends further back.
+        """
+        group = self.cache.layout.layer_group[layer]
+        _check_window(layer, sliding_window, self.cache.layout.sliding_windows[group])
+        return group
+
+
+def _check_window(layer: int, sliding_window: int | None, kept: int | None) -> None:
+    """Raise RuntimeError when a layer attends further back (``sliding_window``) than its cache group keeps."""
+    if kept is not None and (sliding_window is None or sliding_window > kept):
+        raise RuntimeError(
+            f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
+            f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
+            "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
+        )
+
 
 def _gather(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int64 [B, W * block_size]: the slots of positions 0.. of each row's block table [B, W]."""
-    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-    return tables[:, pos // block_size] * block_size + (pos % block_size)[None, :]
+    """int64 [..., W * block_size]: the slots of positions 0.. of each row's block table [..., W]."""
+    pos = torch.arange(tables.shape[-1] * block_size, device=tables.device)
+    return tables[..., pos // block_size] * block_size + pos % block_size
 
 
 def _group_attention(
@@ -668,7 +686,7 @@ def padded_paged_attention(
     so padding can never bring NaN into a real row.
 
     Args:
-        module: the attention module (its ``layer_idx`` picks the cache layer).
+        module: the attention module (its ``layer_idx`` picks the cache layer and its layer group).
         query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding).
         meta: the step's padded metadata.
         scaling: softmax scale (default D ** -0.5).
@@ -677,28 +695,32 @@ def padded_paged_attention(
 
     Returns:
         [1, T, H, D] in the compute dtype (``_compute_dtype``).
+
+    Raises:
+        RuntimeError: the layer attends further back than its cache group keeps (``group_of``).
     """
     layer = module.layer_idx
-    k_cache, v_cache = meta.cache.key[layer], meta.cache.value[layer]
+    g = meta.group_of(layer, sliding_window)
+    cache = meta.cache
+    k_cache, v_cache = cache.key[layer], cache.value[layer]
     _, H, T, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    cache.write(layer, meta.slot_mapping[g], key[0].transpose(0, 1), value[0].transpose(0, 1))
     dtype = _compute_dtype(query)
     q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
     args = (k_cache, v_cache)
     rest = (dtype, scale, sliding_window, softcap)
     if meta.decode_rows is None:  # the decode path: row i is decode group i
-        out = _group_attention(q[:, None], *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
+        out = _group_attention(q[:, None], *args, meta.decode_gather[g], meta.decode_pos[:, None], *rest)
         return out.reshape(1, T, H, D)
     rows_d, rows_p = meta.decode_rows, meta.prefill_rows
     assert rows_p is not None and meta.prefill_gather is not None and meta.prefill_pos is not None
     assert meta.decode_read is not None and meta.prefill_read is not None
     # Filler rows (index T) read the last row; their outputs land in a scratch row T, dropped below.
     qd = q.index_select(0, meta.decode_read)[:, None]
-    od = _group_attention(qd, *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
+    od = _group_attention(qd, *args, meta.decode_gather[g], meta.decode_pos[:, None], *rest)
     qp = q.index_select(0, meta.prefill_read.reshape(-1)).view(*rows_p.shape, H, D)
-    op = _group_attention(qp, *args, meta.prefill_gather, meta.prefill_pos, *rest)
+    op = _group_attention(qp, *args, meta.prefill_gather[g], meta.prefill_pos, *rest)
     out = q.new_zeros(T + 1, H, D)
     out = out.index_copy(0, rows_d, od[:, 0]).index_copy(0, rows_p.reshape(-1), op.reshape(-1, H, D))
     return out[:T].unsqueeze(0)

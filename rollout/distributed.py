@@ -65,6 +65,8 @@ def disable_nccl_graph_mixing() -> bool:
     os.environ[NCCL_GRAPH_MIXING_ENV] = "0"
     logger.info("%s set to 0 (disable_nccl_graph_mixing=True, tensor parallelism on CUDA)", NCCL_GRAPH_MIXING_ENV)
     return True
+
+
 # ``cpu_group_timeout=None`` means no timeout; gloo wants one, so None becomes a year.
 NO_TIMEOUT = timedelta(days=365)
 

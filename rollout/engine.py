@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
-from .attention import choose_flash, enable_paged_attention, restore_attention
 from .async_scheduler import AsyncScheduler
+from .attention import choose_flash, enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
@@ -213,7 +213,7 @@ class Engine:
         ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
             ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that
             captures CUDA graphs itself; a compiled or graphed path on a model whose layers span several
-            devices or whose layers need several KV layer groups of different shapes;
+            devices;
             ``use_async_batching=True`` on a tensor-parallel model. Raised before anything is allocated.
     """
 
@@ -247,23 +247,6 @@ class Engine:
         self.max_batch_tokens = self.config.resolved_max_batch_tokens(dev_type)
         shape = CacheShape.from_model(model, dtype, sliding_windows=self.config.sliding_window_cache)
         layout = CacheLayout.build(shape, devices)
-        if static and (len(layout.groups) > 1 or any(w is not None for w in layout.sliding_windows)):
-            # The padded step reads every layer through one block table, from position 0: one layer
-            # group that keeps every position.
-            if self.config.sliding_window_cache:
-                logger.info(
-                    "compiled or CUDA-graphed steps read one KV layer group: sliding-window layers keep every "
-                    "position (as with sliding_window_cache=False)"
-                )
-                shape = CacheShape.from_model(model, dtype, sliding_windows=False)
-                layout = CacheLayout.build(shape, devices)
-            if len(layout.groups) > 1:
-                raise ValueError(
-                    "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need "
-                    "every layer to have the same KV heads and head dim, but this model's layers form "
-                    f"{len(layout.groups)} KV layer groups ({', '.join(g.name for g in layout.groups)}); "
-                    "leave them unset"
-                )
         self.vocab_size = vocab_size(model)
         # num_blocks counts whole-model blocks (page_size tokens in every layer); the pool of the
         # layer groups holds the block ids that memory buys (CacheLayout.pool_blocks).

@@ -61,7 +61,6 @@ from .static_step import (
     synthetic_batch,
 )
 
-
 # ``torch.profiler.record_function`` ranges the runner opens on the thread that runs them, so that a profile
 # (``rollout.benchmarks.profile_step``) can tell the host work of a step from its model forward.
 PREPARE_SCOPE = "rollout.prepare_step"  # the host work of ``prepare_step``: inputs, metadata, staged upload
@@ -636,7 +635,11 @@ class ModelRunner:
         sampled = plan.sampled + forks
         uniform = None
         if sampled:
-            counters = [e.num_computed_tokens + e.num_scheduled_tokens - e.request.num_prompt_tokens for e in scheduled if e.sample]
+            counters = [
+                e.num_computed_tokens + e.num_scheduled_tokens - e.request.num_prompt_tokens
+                for e in scheduled
+                if e.sample
+            ]
             counters += [child.num_generated_tokens for child in forks]
             uniform = step_uniforms([r.params for r in sampled], counters, self.generator)
         if self.async_batching:
@@ -821,7 +824,9 @@ class ModelRunner:
         )
         if placeholder_rows:
             extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
-        batch, staged = build_padded_batch(scheduled, rows, path == "decode", self.padding, self._input_staging, extra)
+        batch, staged = build_padded_batch(
+            scheduled, rows, path == "decode", self.padding, self._input_staging, extra, len(self.sliding_windows)
+        )
         targets, temps = staged[0], staged[1]
         placeholders = staged[2] if placeholder_rows else None
         if plan.score_segments:
@@ -863,7 +868,7 @@ class ModelRunner:
         """
         assert self.padding is not None
         for path, shape in shapes:
-            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device))
+            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device, len(self.sliding_windows)))
             if on_shape is not None:
                 on_shape()
         if self.device.type == "cuda":

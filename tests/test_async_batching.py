@@ -344,7 +344,8 @@ def test_the_padded_step_with_placeholders_greedy_equals_generate(build, padded_
     jobs[5] = ("r5", prompts[5], SamplingParams(max_new_tokens=1), {"score_from": 3})  # a scoring request
     out, stats = run(model, jobs, page_size=4, max_batch_tokens=16, default_compile_level=1)
     assert stats.num_padded_steps == stats.num_steps
-    assert_close(out["r5"].prompt_logprobs, teacher_forced_logprobs(model, prompts[5][:3], prompts[5][3:]), LOGPROB_ATOL)
+    scored = teacher_forced_logprobs(model, prompts[5][:3], prompts[5][3:])
+    assert_close(out["r5"].prompt_logprobs, scored, LOGPROB_ATOL)
     for i in (0, 1, 3, 4):
         stop = plain[i][2 * i + 3]
         assert out[f"r{i}"].generated_tokens == plain[i][: plain[i].index(stop) + 1][: 10 + 2 * i]

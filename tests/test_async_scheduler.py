@@ -94,7 +94,9 @@ def test_a_request_that_stops_in_flight_has_its_next_row_dropped_and_its_blocks_
 @pytest.mark.parametrize("why", ["last_token", "forks", "processors"])
 def test_a_request_waits_for_the_step_in_flight_when_a_placeholder_would_not_do(why: str) -> None:
     sched = make(AsyncScheduler)
-    params = SamplingParams(max_new_tokens=1 if why == "last_token" else 4, repetition_penalty=1.3 if why == "processors" else 1.0)
+    params = SamplingParams(
+        max_new_tokens=1 if why == "last_token" else 4, repetition_penalty=1.3 if why == "processors" else 1.0
+    )
     sched.add_request(Request("a", tokens(3, 6), params))
     if why == "forks":
         sched.add_request(Request("a2", tokens(3, 6), params))  # parks on "a", joins it in its first step

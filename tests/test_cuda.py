@@ -271,7 +271,9 @@ def test_no_capture_or_compilation_after_warmup() -> None:
 @pytest.mark.parametrize(
     ("dtype", "page_size"), [(torch.float32, 16), (torch.bfloat16, 256)], ids=["fp32_sdpa", "bf16_flash_if_any"]
 )
-def test_async_batching_on_the_gpu_gives_the_synchronous_loops_tokens(build, dtype: torch.dtype, page_size: int) -> None:  # noqa: ANN001
+def test_async_batching_on_the_gpu_gives_the_synchronous_loops_tokens(
+    build, dtype: torch.dtype, page_size: int
+) -> None:  # noqa: ANN001
     model = build().to(GPU, dtype)
     prompts = random_prompts(8, VOCAB_SIZE, 5, 60, seed=8)
     results = []

@@ -16,10 +16,11 @@ iteration of its decode loop, timed between two streamer calls; decode only).
 Each system runs ``warmup`` steps, then ``repeats`` timed steps (``wall_ms``: their median), then
 ``repeats`` profiled steps, one profiler session each. A profiled step's CPU self-time on the stepping
 thread goes into ``CATEGORIES`` by op name; the ops of the forward (the range ``FORWARD_SCOPE`` that
-rollout's runner opens around its model forward, ``model.forward`` of the transformers systems) by kind, the ops outside it to ``sampling``; ``host`` is the profiled wall time
-minus the ops' self-time (Python, the scheduler, dynamo's guards, the profiler's own overhead). Each
-category's figure is its median over the profiled steps; ``share`` is it over their sum, so the shares
-add up to 1. Compiled steps are profiled with ``torch._inductor.config.cpp.enable_kernel_profile`` so
+rollout's runner opens around its model forward, ``model.forward`` of the transformers systems) by kind,
+the ops outside it to ``sampling``; ``host`` is the profiled wall time minus the ops' self-time (Python,
+the scheduler, dynamo's guards, the profiler's own overhead). Each category's figure is its median over
+the profiled steps; ``share`` is it over their sum, so the shares add up to 1. Compiled steps are profiled
+with ``torch._inductor.config.cpp.enable_kernel_profile`` so
 that inductor's fused C++ kernels are ops of their own (without it their time reads as host time).
 """
 
