@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 from transformers.generation import CompileConfig
 
-import rollout.engine as engine_module
+import rollout.engine_spec as engine_spec
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, EngineStats, RequestStatus, SamplingParams
 from rollout.static_step import FORWARDS
@@ -344,8 +344,9 @@ def test_the_padded_step_with_placeholders_greedy_equals_generate(build, padded_
     jobs[5] = ("r5", prompts[5], SamplingParams(max_new_tokens=1), {"score_from": 3})  # a scoring request
     out, stats = run(model, jobs, page_size=4, max_batch_tokens=16, default_compile_level=1)
     assert stats.num_padded_steps == stats.num_steps
-    scored = teacher_forced_logprobs(model, prompts[5][:3], prompts[5][3:])
-    assert_close(out["r5"].prompt_logprobs, scored, LOGPROB_ATOL)
+    assert_close(
+        out["r5"].prompt_logprobs, teacher_forced_logprobs(model, prompts[5][:3], prompts[5][3:]), LOGPROB_ATOL
+    )
     for i in (0, 1, 3, 4):
         stop = plain[i][2 * i + 3]
         assert out[f"r{i}"].generated_tokens == plain[i][: plain[i].index(stop) + 1][: 10 + 2 * i]
@@ -392,8 +393,8 @@ def test_async_batching_under_tensor_parallelism_is_refused_before_any_collectiv
         joined.append(config.use_async_batching)
         return None  # run on as one process
 
-    monkeypatch.setattr(engine_module, "tensor_parallel_mesh", lambda m: object())
-    monkeypatch.setattr(engine_module.TensorParallel, "from_model", staticmethod(from_model))
+    monkeypatch.setattr(engine_spec, "tensor_parallel_mesh", lambda m: object())
+    monkeypatch.setattr(engine_spec.TensorParallel, "from_model", staticmethod(from_model))
     with pytest.raises(ValueError, match="use_async_batching=True is not supported under tensor parallelism"):
         Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=16, use_async_batching=True))
     assert joined == []  # raised before the CPU group was joined

@@ -25,7 +25,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
 # and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
 # step's CPU linear layers) sits just below static_step, its one user. async_scheduler (async batching's
-# scheduler subclass) sits just above the scheduler it extends. weight_transfer (the trainer-to-server
+# scheduler subclass) sits just above the scheduler it extends; engine_spec (config x model x device,
+# resolved once) and engine_stats (the counters' record) sit just below the engine, their one user.
+# weight_transfer (the trainer-to-server
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
 LAYERS = [
@@ -48,6 +50,8 @@ LAYERS = [
     "onednn",
     "static_step",
     "model_runner",
+    "engine_spec",
+    "engine_stats",
     "engine",
     "outputs",
     "intake",

@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation import CompileConfig
 
 import rollout.engine as engine_module
+import rollout.engine_spec as engine_spec
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
 from rollout.block_manager import NULL_BLOCK
@@ -428,12 +429,12 @@ def test_graph_lru_replays_with_the_steps_inputs_and_evicts_the_least_recently_u
 def test_static_paths_are_refused_on_a_sharded_model_and_under_a_compile_mode_that_captures_graphs() -> None:
     cpu, meta = torch.device("cpu"), torch.device("meta")
     with pytest.raises(ValueError, match="one device"):
-        engine_module._check_static_paths((TRACE_ONLY, None), (False, False), [cpu, meta])
+        engine_spec._check_static_paths((TRACE_ONLY, None), (False, False), [cpu, meta])
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(ValueError, match="use_cuda_graph"):
-            engine_module._check_static_paths((None, CompileConfig(mode=mode)), (False, True), [cpu])
-    engine_module._check_static_paths((CompileConfig(mode="reduce-overhead"), None), (False, True), [cpu])
-    engine_module._check_static_paths((None, CompileConfig(mode="max-autotune-no-cudagraphs")), (True, True), [cpu])
+            engine_spec._check_static_paths((None, CompileConfig(mode=mode)), (False, True), [cpu])
+    engine_spec._check_static_paths((CompileConfig(mode="reduce-overhead"), None), (False, True), [cpu])
+    engine_spec._check_static_paths((None, CompileConfig(mode="max-autotune-no-cudagraphs")), (True, True), [cpu])
 
 
 @pytest.mark.parametrize(
