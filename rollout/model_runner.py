@@ -16,13 +16,13 @@ back in one device-to-host copy, the step's only host sync outside the model's f
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
 
-- ``prepare_step``: the host work (inputs, attention metadata or the padded batch of a compiled or
-  CUDA-graphed path, sampling rows and random numbers) and the staged upload of the inputs;
+- ``prepare_step``: the host work (the step's batch, exact or padded for a compiled or CUDA-graphed path,
+  sampling rows and random numbers) and the staged upload of the inputs;
 - ``launch``: the KV copies, the forward and the sampling. A step scheduled while the one before it runs
   holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch`` copies
   those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
-  "carry over" of tokens between batches do the same), into the padded batch's input ids on a static
-  path, before a CUDA graph copies them into its static inputs. On CPU a worker thread runs it (torch
+  "carry over" of tokens between batches do the same), before a CUDA graph copies them into its static
+  inputs. On CPU a worker thread runs it (torch
   releases the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the
   current stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a
   side stream into two staging buffer sets used in turn and the results copied back into pinned memory;
@@ -31,21 +31,18 @@ prepares step k + 1 while step k's forward and sampling run:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
-from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
-from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
-from .onednn import AUTO, MKL, OneDNNLinear, is_dtensor, linear_kernel_policy
+from .kv_cache import CPUOffloadPool, PagedKVCache
+from .onednn import AUTO, MKL, is_dtensor, linear_kernel_policy
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -93,27 +90,22 @@ class PreparedStep:
 
     Attributes:
         scheduler_output: the step (not empty).
-        kwargs: the eager forward's keyword arguments: ``input_ids`` int64 [1, T], ``position_ids`` int64
-            [1, T], the paged-attention metadata, ``logits_to_keep``; None on a static-shape path.
-        batch: the padded inputs of a compiled or CUDA-graphed path (``static_step.PaddedBatch``); None on
-            the eager path.
-        rows: int64 [R], the rows whose logits are kept (the eager path without ``logits_to_keep`` selects
-            them after the forward); on a static path, the padded forward keeps them itself.
+        batch: the step's inputs (``static_step.PaddedBatch``), exact or padded as its path runs.
+        rows: the rows whose logits are kept, in order (the forward keeps ``batch.logits_rows``, these first).
         plan: which kept row is for what.
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
         uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
             ``sampling.step_uniforms``); None when nothing is sampled.
-        placeholders: int64 [2, P] on the device: row 0 the rows of the input ids (flattened; the padded
-            batch's rows on a static path, the same indices) that hold a placeholder, row 1 the index of
+        placeholders: int64 [2, P] on the device: row 0 the rows of ``batch.input_ids`` (a padded batch
+            keeps the real rows first, at the same indices) that hold a placeholder, row 1 the index of
             the token that replaces each among the previous step's sampled tokens; None when every input
             token is known.
         staging_slot: the input staging buffer set holding the inputs.
     """
 
     scheduler_output: SchedulerOutput
-    kwargs: dict | None
-    batch: PaddedBatch | None
-    rows: torch.Tensor | list[int]
+    batch: PaddedBatch
+    rows: list[int]
     plan: LogitsPlan
     sampled: list[Request]
     uniform: np.ndarray | None
@@ -212,23 +204,6 @@ def _scored_span(req: Request, computed: int, num_tokens: int) -> tuple[int, int
     return lo, hi
 
 
-def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions 0..lengths_max-1 of each sequence.
-
-    Args:
-        block_tables: int64 [B, max_blocks]; row b lists the physical blocks of sequence b.
-        lengths_max: positions to map per row.
-        block_size: tokens per block.
-
-    Returns:
-        int64 [B, lengths_max]: block_tables[b, pos // block_size] * block_size + pos % block_size.
-        Positions past a row's blocks map to slots of block 0: callers mask them.
-    """
-    pos = torch.arange(lengths_max, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size]
-    return blocks * block_size + (pos % block_size)[None, :]
-
-
 def _keep_rows(
     entry: ScheduledRequest,
     start: int,
@@ -290,15 +265,16 @@ class ModelRunner:
     whose logits are sampled or scored go through the LM head (``logits_to_keep``).
 
     Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
-    other step (prefill chunks, mixed, scoring) the "varlen" path. A path that is neither compiled nor
-    CUDA-graphed runs eagerly on the exact batch (``_prepare_inputs``, ``PagedAttentionMetadata``); one that is
-    runs the static-shape step of ``static_step`` (padded inputs, ``PaddedAttentionMetadata``), through
-    its compiled forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
+    other step (prefill chunks, mixed, scoring) the "varlen" path. Every step has one input builder
+    (``static_step.build_padded_batch``) and one forward over the same paged attention; padding is a
+    choice of sizes: a path that is neither compiled nor CUDA-graphed keeps the exact sizes (and, with
+    ``use_flash``, adds flash-attn's inputs), one that is runs padded (``padding``), through its compiled
+    forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
 
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: build flash-attn metadata (CUDA) instead of the SDPA path's.
+        use_flash: eager steps add flash-attn's inputs (CUDA): attention runs its kernels, not SDPA.
         max_blocks_per_request: with ``use_flash``, the width of the decode fast path's block table
             (``ContinuousBatchingConfig.resolved_max_blocks_per_request``); 0 sends every step
             through the varlen kernel.
@@ -378,169 +354,24 @@ class ModelRunner:
         self._sampling_staging = HostStaging(self.device)
         # The static-shape paths: for each path, its forward (compiled or plain) when it runs padded.
         self.padding = padding
+        self._exact = PaddingRule.exact_rule(self.block_size)
         self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
         self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
+        # Each path's forward (compiled or plain); the paths that run padded (compiled or graphed).
         self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
+        self._static: set[str] = set()
         for path in PATHS:
             config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
+            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
             if config is None and not graphed:
                 continue
             if padding is None:
                 raise ValueError(f"the {path} path is compiled or CUDA-graphed: it needs a padding rule")
-            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
+            self._static.add(path)
         if any(cuda_graphs) and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
         self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
         self.compile_counter = CompileCounter()
-
-    def _prepare_inputs(
-        self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None]:
-        """The eager forward's inputs and attention metadata of a step.
-
-        Every index tensor is built on the host with numpy and reaches the device in one copy
-        (``HostStaging``); the block-table gathers are then computed on the device. Slots, gathers and
-        block tables are built per layer group of the cache (``Request.block_tables``); a sliding
-        group's gathers start at the block of its window (``kv_cache.window_start_block``).
-
-        Returns:
-            The forward kwargs; int64 [R]: the rows whose logits are kept (sampled requests' last query
-            tokens, then scored positions); the plan of those rows; the placeholders of a step scheduled
-            behind another (see ``PreparedStep.placeholders``; a placeholder's input id is staged as 0, a valid id,
-            and replaced on the device by ``launch``), or None.
-        """
-        bs = self.block_size
-        windows = self.sliding_windows
-        num_groups = len(windows)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
-        logits_rows: list[int] = []
-        score_rows: list[int] = []
-        score_temps: list[float] = []
-        plan = LogitsPlan()
-        decode_rows: list[int] = []
-        decode_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
-        decode_lengths: list[list[int]] = [[] for _ in range(num_groups)]
-        # Per group: (start, end, context counted from the first gathered block, table from that block).
-        prefill_specs: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(num_groups)]
-        placeholder_rows, placeholder_sources = (
-            _placeholders(scheduled, self._sample_rows) if self.async_batching else ([], [])
-        )
-        for entry in scheduled:
-            req, n = entry.request, entry.num_scheduled_tokens
-            c = entry.num_computed_tokens
-            start = len(input_ids)
-            input_ids.extend(req.token_ids[c : c + n])
-            input_ids.extend([0] * (start + n - len(input_ids)))  # placeholders: sampled by the step in flight
-            positions.extend(range(c, c + n))
-            pos = np.arange(c, c + n, dtype=np.int64) if n > 1 else None
-            for g, window in enumerate(windows):
-                table = req.block_tables[g]
-                if pos is None:
-                    slots[g].append(table[c // bs] * bs + c % bs)
-                else:
-                    slots[g].extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
-                first = window_start_block(window, c, bs)
-                kept = table if first == 0 else table[first:]
-                if n == 1:
-                    decode_tables[g].append(kept)
-                    decode_lengths[g].append(c + 1 - first * bs)
-                else:
-                    prefill_specs[g].append((start, start + n, c - first * bs, kept))
-            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
-            if n == 1:
-                decode_rows.append(start)
-        use_flash = self.use_flash
-        fast_decode = use_flash and self._fits_decode_fast_path(scheduled)
-        gathered = [[spec for spec in specs if spec[2] > 0] for specs in prefill_specs] if not use_flash else []
-        arrays: list[np.ndarray] = [
-            np.asarray(input_ids, dtype=np.int64),
-            np.asarray(positions, dtype=np.int64),
-            np.asarray(logits_rows + score_rows, dtype=np.int64),
-            np.asarray(plan.score_targets, dtype=np.int64),
-            np.asarray(score_temps, dtype=np.float64),
-            *(np.asarray(group_slots, dtype=np.int64) for group_slots in slots),
-        ]
-        if fast_decode:
-            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
-        elif use_flash:
-            arrays += self._flash_arrays(scheduled, num_groups)
-        elif decode_rows:
-            arrays.append(np.asarray(decode_rows, dtype=np.int64))
-            for g in range(num_groups):
-                arrays += [np.asarray(decode_lengths[g], dtype=np.int64), _padded(decode_tables[g])]
-        arrays += [np.asarray(spec[3], dtype=np.int64) for specs in gathered for spec in specs]
-        if placeholder_rows:
-            arrays.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
-        staged_list = self._input_staging.upload(*arrays)
-        placeholders = staged_list.pop() if placeholder_rows else None
-        staged = iter(staged_list)
-        ids_t, pos_t, rows, targets, temps = (next(staged) for _ in range(5))
-        slot_mappings = [next(staged) for _ in range(num_groups)]
-        if plan.score_segments:
-            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
-        metas: list[PagedAttentionMetadata] = []
-        if fast_decode:
-            seqlens_t = next(staged).to(torch.int32)
-            for g in range(num_groups):
-                flash = {"cache_seqlens": seqlens_t, "block_table": next(staged).to(torch.int32)}
-                metas.append(
-                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
-                )
-            self.num_decode_fast_path_steps += 1
-        elif use_flash:
-            cu_q, cu_k = next(staged), next(staged)
-            q_lens = [e.num_scheduled_tokens for e in scheduled]
-            k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-            common = {
-                "cu_seqlens_q": cu_q.to(torch.int32),
-                "cu_seqlens_k": cu_k.to(torch.int32),
-                "max_seqlen_q": max(q_lens),
-                "max_seqlen_k": max(k_lens),
-            }
-            for g in range(num_groups):
-                flash = {**common, "block_table": next(staged).to(torch.int32)}
-                metas.append(
-                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
-                )
-        else:
-            d_rows = None
-            decode: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_groups
-            if decode_rows:
-                d_rows = next(staged)
-                for g in range(num_groups):
-                    d_lengths, d_tables = next(staged), next(staged)
-                    decode[g] = (slots_of(d_tables, max(decode_lengths[g]), bs), d_lengths)
-            for g in range(num_groups):
-                tables = {id(spec): next(staged) for spec in gathered[g]}
-                prefills: list[PrefillSegment] = []
-                for spec in prefill_specs[g]:
-                    start, end, context, _table = spec
-                    gather = None
-                    if context > 0:
-                        gather = slots_of(tables[id(spec)][None, :], context + end - start, bs)[0]
-                    prefills.append(PrefillSegment(start, end, context, gather))
-                d_gather, d_lengths = decode[g]
-                metas.append(
-                    PagedAttentionMetadata(
-                        self.cache, slot_mappings[g], d_rows, d_gather, d_lengths, prefills, None, windows[g]
-                    )
-                )
-        meta = metas[0]
-        if num_groups > 1:
-            meta.groups = metas
-        kwargs = {
-            "input_ids": ids_t[None, :],
-            "position_ids": pos_t[None, :],
-            "attention_mask": self._skip_mask,
-            "use_cache": False,
-            METADATA_KWARG: meta,
-        }
-        plan.num_sample_rows = len(logits_rows)
-        if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = rows
-        return kwargs, rows, plan, placeholders
 
     def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
@@ -623,14 +454,8 @@ class ModelRunner:
         sampled tokens of the step prepared before it.
         """
         scheduled = scheduler_output.scheduled
-        batch = None
-        kwargs = None
-        path = self.path_of(scheduled) if self._forwards else None
         with record_function(PREPARE_SCOPE):
-            if path in self._forwards:
-                batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
-            else:
-                kwargs, rows, plan, placeholders = self._prepare_inputs(scheduled)
+            batch, rows, plan, placeholders = self._prepare_batch(scheduled, self.path_of(scheduled))
         forks = [child for _, child in scheduler_output.forks]
         sampled = plan.sampled + forks
         uniform = None
@@ -645,7 +470,7 @@ class ModelRunner:
         if self.async_batching:
             self._sample_rows = {r.request_id: i for i, r in enumerate(sampled)}
         return PreparedStep(
-            scheduler_output, kwargs, batch, rows, plan, sampled, uniform, placeholders, self._input_staging.last_slot
+            scheduler_output, batch, rows, plan, sampled, uniform, placeholders, self._input_staging.last_slot
         )
 
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -710,14 +535,9 @@ class ModelRunner:
             previous_tokens = previous.wait().tokens
             assert previous_tokens is not None
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
-            ids = prepared.batch.input_ids if prepared.batch is not None else prepared.kwargs["input_ids"][0]
-            ids[rows] = previous_tokens.index_select(0, sources)
+            prepared.batch.input_ids[rows] = previous_tokens.index_select(0, sources)
         with record_function(FORWARD_SCOPE):
-            if prepared.batch is not None:
-                logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
-            else:
-                assert prepared.kwargs is not None
-                logits = self._eager_forward(prepared.kwargs, prepared.rows)
+            logits = self.forward(prepared.batch)[: len(prepared.rows)]
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
@@ -783,32 +603,23 @@ class ModelRunner:
     @property
     def static_paths(self) -> list[str]:
         """The paths that run padded (compiled or CUDA-graphed), in ``PATHS`` order."""
-        return [path for path in PATHS if path in self._forwards]
+        return [path for path in PATHS if path in self._static]
 
     @staticmethod
     def path_of(scheduled: Sequence[ScheduledRequest]) -> str:
         """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
         return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
 
-    def _eager_forward(self, kwargs: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """The model's forward on the flattened batch, then its kept logits rows in float32 [R, V].
-
-        ``rows``: int64 [R], the kept rows among the T tokens, picked here when the model has no
-        ``logits_to_keep`` (which computes only those rows).
-        """
-        with contextlib.nullcontext() if self._linear_policy == MKL else OneDNNLinear(self._linear_policy):
-            logits = self.model(**kwargs).logits[0]
-        if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, rows)
-        return logits.float()
-
-    def _prepare_padded(
+    def _prepare_batch(
         self, scheduled: Sequence[ScheduledRequest], path: str
     ) -> tuple[PaddedBatch, list[int], LogitsPlan, torch.Tensor | None]:
-        """The inputs of a step on the static-shape path: the padded batch (one staged upload), the real
-        logits rows, their plan, and the placeholders of a step scheduled behind another (see
-        ``PreparedStep.placeholders``: the padded batch keeps the real rows first, at the same indices)."""
-        assert self.padding is not None
+        """The inputs of a step (one staged upload): its batch, sized exact or padded as its path runs
+        (``static_paths``), with flash-attn's inputs on an eager CUDA step (``use_flash``); the real logits
+        rows, their plan, and the placeholders of a step scheduled behind another (see
+        ``PreparedStep.placeholders``: a padded batch keeps the real rows first, at the same indices)."""
+        static = path in self._static
+        rule = self.padding if static else self._exact
+        assert rule is not None
         plan = LogitsPlan()
         logits_rows: list[int] = []
         score_rows: list[int] = []
@@ -824,18 +635,42 @@ class ModelRunner:
         )
         if placeholder_rows:
             extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
+        num_groups = len(self.sliding_windows)
+        fast_decode = flash = False
+        if self.use_flash and not static:
+            flash = True
+            fast_decode = self._fits_decode_fast_path(scheduled)
+            if fast_decode:
+                extra += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
+            else:
+                extra += self._flash_arrays(scheduled, num_groups)
         batch, staged = build_padded_batch(
-            scheduled, rows, path == "decode", self.padding, self._input_staging, extra, len(self.sliding_windows)
+            scheduled, rows, path == "decode", rule, self._input_staging, extra, num_groups
         )
         targets, temps = staged[0], staged[1]
         placeholders = staged[2] if placeholder_rows else None
+        if flash:
+            flash_in = staged[3 if placeholder_rows else 2 :]
+            tables = torch.stack(flash_in[-num_groups:]).to(torch.int32)  # [N, B, W]
+            if fast_decode:
+                batch.flash = {"cache_seqlens": flash_in[0].to(torch.int32), "block_tables": tables}
+                self.num_decode_fast_path_steps += 1
+            else:
+                k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+                batch.flash = {
+                    "cu_seqlens_q": flash_in[0].to(torch.int32),
+                    "cu_seqlens_k": flash_in[1].to(torch.int32),
+                    "max_seqlen_q": max(e.num_scheduled_tokens for e in scheduled),
+                    "max_seqlen_k": max(k_lens),
+                    "block_tables": tables,
+                }
         if plan.score_segments:
             plan.score_target_ids, plan.score_temperatures = targets, temps.float()
         plan.num_sample_rows = len(logits_rows)
         return batch, rows, plan, placeholders
 
-    def forward_padded(self, batch: PaddedBatch) -> torch.Tensor:
-        """The padded forward of ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
+    def forward(self, batch: PaddedBatch) -> torch.Tensor:
+        """The one forward of a step, on ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
 
         Compilations it triggers are counted in ``compile_counter``.
 
@@ -843,15 +678,15 @@ class ModelRunner:
             float32 [R, V]: the logits of ``batch.logits_rows`` (padding rows included).
         """
         path = batch.path
-        fn = self._forwards[path]
+        fn = self._forwards[path]  # the plain forward on an eager path
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
 
-        def forward(b: PaddedBatch) -> torch.Tensor:
+        def run(b: PaddedBatch) -> torch.Tensor:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape), forward, batch)
-        return forward(batch)
+            return self.graphs.run((path, batch.shape), run, batch)
+        return run(batch)
 
     @torch.inference_mode()
     def warmup(
@@ -868,7 +703,7 @@ class ModelRunner:
         """
         assert self.padding is not None
         for path, shape in shapes:
-            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device, len(self.sliding_windows)))
+            self.forward(synthetic_batch(path, shape, self.padding, self.device, len(self.sliding_windows)))
             if on_shape is not None:
                 on_shape()
         if self.device.type == "cuda":

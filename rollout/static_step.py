@@ -1,8 +1,10 @@
-"""The static-shape ("padded") step: padded inputs, the compiled forwards, compile counting, CUDA graphs.
+"""The step's input builder and forward, with its padding: compiled forwards, compile counting, CUDA graphs.
 
-A compiled forward is reused only while its inputs keep the shapes it was traced for (and a CUDA graph
-replays exactly one set of shapes), so a step whose path is compiled or graphed runs on padded inputs
-(``PaddingRule``):
+Every step, eager, compiled or CUDA-graphed, is built by ``build_padded_batch`` and runs ``forward_varlen``
+or ``forward_decode`` over the same paged attention (``attention.paged_attention``); padding is only a
+choice of sizes (``PaddingRule``). An eager step keeps the exact sizes (``PaddingRule.exact_rule``). A
+compiled forward is reused only while its inputs keep the shapes it was traced for (and a CUDA graph
+replays exactly one set of shapes), so a step whose path is compiled or graphed runs on padded inputs:
 
 - the flattened query rows are padded to a multiple of ``q_padding_interval_size`` (capped at the token
   budget); a padded row is token 0 at position 0, writes the padding slot (the cache's extra last block,
@@ -15,7 +17,7 @@ replays exactly one set of shapes), so a step whose path is compiled or graphed 
   blocks of its request's block table (padded with the padding block).
 
 Slots and block tables are built for every KV layer group of the cache (``kv_cache.CacheLayout``): each
-layer reads its own group's (``PaddedAttentionMetadata.group_of``), so sliding-window groups and layers of
+layer reads its own group's (``PagedAttentionMetadata.group_of``), so sliding-window groups and layers of
 other shapes run padded too. A sliding group's ``NULL_BLOCK`` entries (blocks that left the window) read
 the padding block, which the layer's window mask never lets a query attend to.
 
@@ -52,7 +54,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 from transformers.generation import CompileConfig
 
-from .attention import METADATA_KWARG, PaddedAttentionMetadata
+from .attention import METADATA_KWARG, PagedAttentionMetadata
 from .kv_cache import PagedKVCache
 from .onednn import MKL, OneDNNLinear
 from .sampling import HostStaging
@@ -111,6 +113,9 @@ class PaddingRule:
         block_size: tokens per block.
         pad_block: the padding block's id (the cache's last block, never handed to a request).
         subchunk_rows: rows of a prefill group (``SUBCHUNK_ROWS``).
+        exact: every size is the real one (an eager step: nothing to compile, so nothing to pad); the
+            intervals and caps are then unused, and ``pad_block`` (block 0 by ``exact_rule``) is read only
+            under a mask and never written.
     """
 
     q_interval: int
@@ -120,6 +125,12 @@ class PaddingRule:
     block_size: int
     pad_block: int
     subchunk_rows: int = SUBCHUNK_ROWS
+    exact: bool = False
+
+    @classmethod
+    def exact_rule(cls, block_size: int) -> PaddingRule:
+        """The sizes of an eager step: exact, block 0 standing in for the padding block of a table row's tail."""
+        return cls(1, 1, 1 << 62, 1 << 62, block_size, pad_block=0, exact=True)
 
     @property
     def pad_slot(self) -> int:
@@ -128,21 +139,23 @@ class PaddingRule:
 
     def num_rows(self, n: int) -> int:
         """Padded query rows (or logits rows, or decode rows) for ``n`` real ones."""
-        return pad_to_interval(n, self.q_interval, self.max_batch_tokens)
+        return n if self.exact else pad_to_interval(n, self.q_interval, self.max_batch_tokens)
 
     def num_groups(self, n: int) -> int:
         """Padded prefill groups for ``n`` real ones (an even count)."""
-        return pad_to_interval(n, MIN_PADDED_SIZE)
+        return n if self.exact else pad_to_interval(n, MIN_PADDED_SIZE)
 
     def table_width(self, longest: int) -> int:
         """Blocks in each group's padded table when its longest request reads ``longest`` keys."""
+        if self.exact:
+            return max(1, -(-longest // self.block_size))
         keys = pad_to_interval(longest, self.kv_interval, self.max_keys)
         return max(MIN_PADDED_SIZE, -(-keys // self.block_size))
 
 
 @dataclass
 class PaddedBatch:
-    """The device inputs of one padded step; every shape is a padded size (see ``PaddingRule``).
+    """The device inputs of one step; every shape is a size its ``PaddingRule`` chose (exact or padded).
 
     Attributes:
         input_ids: int64 [T]; padded rows hold token 0.
@@ -159,6 +172,7 @@ class PaddedBatch:
         prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's request's block table,
             padded with the padding block.
         prefill_pos: int64 [G, Qs]; each row's position in its request (0 for fillers).
+        flash: the flash-attn inputs of an eager step on CUDA (``PagedAttentionMetadata.flash``), or None.
     """
 
     input_ids: torch.Tensor
@@ -171,6 +185,7 @@ class PaddedBatch:
     prefill_rows: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
     prefill_pos: torch.Tensor | None = None
+    flash: dict | None = None
 
     @property
     def path(self) -> str:
@@ -190,7 +205,7 @@ class PaddedBatch:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the batch by field name (the None ones left out)."""
         found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: t for name, t in found.items() if t is not None}
+        return {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
 
     def clone(self) -> PaddedBatch:
         """A copy with tensors of its own (the static inputs of a CUDA graph)."""
@@ -284,7 +299,7 @@ def build_padded_batch(
     extra: Sequence[np.ndarray] = (),
     num_groups: int = 1,
 ) -> tuple[PaddedBatch, list[torch.Tensor]]:
-    """The padded device inputs of a step (numpy on the host, one staged upload).
+    """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
     Args:
         scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
@@ -295,7 +310,7 @@ def build_padded_batch(
         rule: the padding rule.
         staging: the runner's input staging buffer.
         extra: more int64 or float64 host arrays to upload in the same copy (the score targets, the
-            placeholders' rows).
+            placeholders' rows, flash-attn's inputs).
         num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
             ``block_tables[g]``.
 
@@ -381,7 +396,7 @@ def _padded_forward(
     ``linear_policy``: the kernel of the float32 CPU linear layers (``rollout/onednn.py``: ``"mkl"``, ``"onednn"``
     or ``"auto"``, measured per shape; the runner's, a constant to dynamo).
     """
-    meta = PaddedAttentionMetadata.from_tables(
+    meta = PagedAttentionMetadata.from_tables(
         cache,
         block_size,
         batch.slot_mapping,
@@ -391,6 +406,7 @@ def _padded_forward(
         batch.prefill_rows,
         batch.prefill_tables,
         batch.prefill_pos,
+        batch.flash,
     )
     kwargs = {
         "input_ids": batch.input_ids[None, :],

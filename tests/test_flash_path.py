@@ -21,7 +21,6 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import rollout.attention as attention
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.attention import METADATA_KWARG
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
@@ -168,7 +167,7 @@ def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(mon
 
 def prepared_flash(engine: Engine, scheduled: list[ScheduledRequest]) -> dict:
     """The flash-attn metadata of a step of ``scheduled``, as the runner prepares it."""
-    return engine.runner.prepare_step(SchedulerOutput(scheduled=scheduled)).kwargs[METADATA_KWARG].flash
+    return engine.runner.prepare_step(SchedulerOutput(scheduled=scheduled)).batch.flash
 
 
 def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table() -> None:
@@ -183,16 +182,16 @@ def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table
         b.num_computed_tokens, b.block_table = 4, [4, 11]
         decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]
         flash = prepared_flash(engine, decode)
-        assert set(flash) == {"cache_seqlens", "block_table"}
-        assert flash["cache_seqlens"].dtype == flash["block_table"].dtype == torch.int32
+        assert set(flash) == {"cache_seqlens", "block_tables"}
+        assert flash["cache_seqlens"].dtype == flash["block_tables"].dtype == torch.int32
         assert flash["cache_seqlens"].tolist() == [9, 5]
-        assert flash["block_table"].tolist() == [[7, 2, 9], [4, 11, 0]]
+        assert flash["block_tables"].tolist() == [[[7, 2, 9], [4, 11, 0]]]
         assert engine.runner.num_decode_fast_path_steps == 1
         # 13 keys need a 4th block: the step takes the varlen kernel, whose table is as wide as the longest row.
         a.num_computed_tokens, a.block_table = 12, [7, 2, 9, 5]
         decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]  # entries keep their start
         flash = prepared_flash(engine, decode)
-        assert "cache_seqlens" not in flash and flash["block_table"].tolist() == [[7, 2, 9, 5], [4, 11, 0, 0]]
+        assert "cache_seqlens" not in flash and flash["block_tables"].tolist() == [[[7, 2, 9, 5], [4, 11, 0, 0]]]
         # A prefill chunk in the step: varlen as well.
         a.num_computed_tokens, a.block_table = 3, [7, 2, 9]
         flash = prepared_flash(engine, [ScheduledRequest(a, 6, True), decode[1]])

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.attention import METADATA_KWARG
 from rollout.model_runner import ModelRunner
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
@@ -218,19 +217,19 @@ def test_flash_inputs_are_cumulative_lengths_and_a_zero_padded_int32_block_table
         prepared = engine.runner.prepare_step(step)
     finally:
         engine.close()
-    kwargs, rows, plan = prepared.kwargs, prepared.rows, prepared.plan
-    flash = kwargs[METADATA_KWARG].flash
-    assert flash["cu_seqlens_q"].dtype == flash["cu_seqlens_k"].dtype == flash["block_table"].dtype == torch.int32
+    batch, rows, plan = prepared.batch, prepared.rows, prepared.plan
+    flash = batch.flash
+    assert flash["cu_seqlens_q"].dtype == flash["cu_seqlens_k"].dtype == flash["block_tables"].dtype == torch.int32
     assert flash["cu_seqlens_q"].tolist() == [0, 6, 7]
     assert flash["cu_seqlens_k"].tolist() == [0, 9, 14]
     assert (flash["max_seqlen_q"], flash["max_seqlen_k"]) == (6, 9)
-    assert flash["block_table"].tolist() == [[7, 2, 9], [4, 11, 0]]
-    assert kwargs["input_ids"].tolist() == [list(range(6, 12)) + [9]]
-    assert kwargs["position_ids"].tolist() == [[3, 4, 5, 6, 7, 8, 4]]
+    assert flash["block_tables"].tolist() == [[[7, 2, 9], [4, 11, 0]]]  # one layer group
+    assert batch.input_ids.tolist() == list(range(6, 12)) + [9]
+    assert batch.positions.tolist() == [3, 4, 5, 6, 7, 8, 4]
     # Slots: position p of a request is block_table[p // 4] * 4 + p % 4.
     slots = [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4, 11 * 4]
-    assert kwargs[METADATA_KWARG].slot_mapping.tolist() == slots
-    assert rows.tolist() == [5, 6] and plan.num_sample_rows == 2
+    assert batch.slot_mapping.tolist() == [slots]
+    assert rows == [5, 6] and batch.logits_rows.tolist() == [5, 6] and plan.num_sample_rows == 2
 
 
 # ---------------------------------------------------------------- prepare / launch / collect (async batching)
@@ -263,7 +262,7 @@ def test_a_step_scheduled_behind_another_gets_its_sampled_tokens_in_place_of_its
         second = sched.schedule()  # before the first step's tokens are known: a placeholder each
         prepared = runner.prepare_step(second)
         assert prepared.placeholders is not None and prepared.placeholders.tolist() == [[0, 1], [0, 1]]
-        assert prepared.kwargs["input_ids"].tolist() == [[0, 0]]  # staged as 0
+        assert prepared.batch.input_ids.tolist() == [0, 0]  # staged as 0
         with pytest.raises(ValueError, match="needs the step launched before it"):
             runner.launch(prepared)
         result = runner.collect(launched)
