@@ -5,7 +5,7 @@ from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
-from .kv_cache import num_blocks_for_model, training_memory_percent
+from .kv_cache import num_blocks_for_model, usable_memory_bytes
 from .loading import load_model, rollout_home
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, model_context_length
@@ -39,7 +39,7 @@ __all__ = [
     "RolloutServerError",
     "RolloutWeightTransfer",
     "num_blocks_for_model",
-    "training_memory_percent",
+    "usable_memory_bytes",
 ]
 
 __version__ = "0.1.0"

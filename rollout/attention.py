@@ -10,17 +10,19 @@ implementation to ``"rollout_paged|<original>"``, a function that:
   with the mask that implementation's own mask function builds, so a training
   forward of the same model is exactly what it was before the engine touched it.
 
-CPU path: torch SDPA. Decoding requests (one query token each) are attended in one
-batched call over their gathered, padded keys; the query heads that share a KV head
-are folded into the query-length axis, so grouped-query attention needs no copy of
-the keys. Each prefill chunk is one call, causal (and windowed for sliding-window
-layers) with an offset for the tokens already in the cache. CUDA path, used when
-``flash_unsupported_reason`` finds nothing against it (flash-attn's version, the GPU's compute
-capability, dtype, head dim, page size): a step that only decodes (one query token per request)
-goes through flash-attn's ``flash_attn_with_kvcache`` with a fixed-width block table (the decode
-fast path, ``max_blocks_per_request`` columns; transformers' continuous batching has the same path);
-any other step through ``flash_attn_varlen_func`` over the whole flattened batch with a block table
-(vLLM's and nano-vllm's approach).
+One metadata class (``PagedAttentionMetadata``) and one attention function (``paged_attention``) serve
+eager, compiled and CUDA-graphed steps alike; only the sizes of the step's tensors differ (exact or
+padded, chosen by the input builder, ``static_step.PaddingRule``). The keys and values go into the cache
+through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU, and CUDA without
+flash-attn): the query rows attend in groups over their request's keys, gathered through every KV layer
+group's block tables: decode rows one per group (the query heads that share a KV head folded into the
+query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks. CUDA
+path of an eager step, used when ``flash_unsupported_reason`` finds nothing against it (flash-attn's
+version, the GPU's compute capability, dtype, head dim, page size): a step that only decodes (one query
+token per request) goes through flash-attn's ``flash_attn_with_kvcache`` with a fixed-width block table
+(the decode fast path, ``max_blocks_per_request`` columns; transformers' continuous batching has the same
+path); any other step through ``flash_attn_varlen_func`` over the whole flattened batch with a block
+table (vLLM's and nano-vllm's approach).
 
 The dispatcher's registered name never contains "flash" nor "/": transformers 5 treats any
 implementation name containing "flash" as a request for a flash kernel (and tries to import one
@@ -38,7 +40,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -184,368 +186,57 @@ def choose_flash(devices: Sequence[torch.device], dtype: torch.dtype, head_dim: 
 
 
 @dataclass
-class PrefillSegment:
-    """One request's prefill chunk inside the flattened batch.
-
-    Attributes:
-        start, end: its query rows [start, end) in the flattened batch.
-        context: tokens of the request already in the cache before this step.
-        gather: int64 [context + end - start]; slots of all its keys, or None when
-            context is 0 (the chunk attends to its own keys only).
-    """
-
-    start: int
-    end: int
-    context: int
-    gather: torch.Tensor | None
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-
-    def mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
-        """bool [n, L] (True = attend), or None for plain causal attention without context."""
-        if sliding_window in self._masks:
-            return self._masks[sliding_window]
-        n = self.end - self.start
-        if self.context == 0 and sliding_window is None:
-            mask = None
-        else:
-            q_pos = torch.arange(self.context, self.context + n, device=device)[:, None]
-            k_pos = torch.arange(self.context + n, device=device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= (q_pos - k_pos) < sliding_window
-        self._masks[sliding_window] = mask
-        return mask
-
-
-@dataclass
 class PagedAttentionMetadata:
-    """Per-step metadata shared by every layer's paged attention call.
+    """Per-step metadata of paged attention, shared by every layer: tensors only, no host read.
+
+    Built by ``from_tables`` inside the step's forward (eager, compiled or CUDA-graphed: the same
+    function), so it traces into one graph per layer. The query rows attend in groups, each group over
+    the keys of one request, read from the cache through that request's block table:
+
+    - the decode group: one query row per group (a request computing one token);
+    - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
+      Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
+
+    Shapes are the sizes the input builder chose (``static_step.PaddingRule``): exact on an eager path,
+    padded on a compiled or graphed one. T query rows; Bd decode groups reading Ld keys; G prefill groups
+    of Qs rows reading Lp keys; N KV layer groups of the cache (``kv_cache.CacheLayout``), each with its
+    own slots, a layer reading its group's (``group_of``). Filler groups and filler rows (there to fill a
+    size) point at row T, read the padding block and are dropped. Padded query rows (on a padded path)
+    write the padding slot and belong to no group: their attention output is 0.
 
     Attributes:
         cache: the paged KV cache.
-        slot_mapping: int64 [T]; the cache slot of each query token.
-        decode_rows: int64 [Bd]; rows of the decoding requests (one query each), or None.
-        decode_gather: int64 [Bd, Lmax]; slots of each decoding request's keys, padded.
-        decode_lengths: int64 [Bd]; keys of each decoding request (its query position + 1).
-        prefills: the prefill chunks.
-        flash: the flash-attn inputs when the engine uses flash-attn (CUDA), else None. A step that
+        slot_mapping: int64 [N, T]; per layer group, the cache slot each query row writes.
+        decode_rows: int64 [Bd], the query row of each decode group (fillers: T), or None on the
+            decode path, where row i is decode group i (Bd = T).
+        decode_gather: int64 [N, Bd, Ld]; per layer group, the slots of positions 0..Ld-1 of each decode
+            group's request (None with ``flash``).
+        decode_pos: int64 [Bd]; the position of each decode row (it sees keys 0..pos).
+        prefill_rows: int64 [G, Qs]; the query rows of each prefill group (fillers: T), or None.
+        prefill_gather: int64 [N, G, Lp]; per layer group, the slots of positions 0..Lp-1 of each
+            prefill group's request (None with ``flash``).
+        prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
+        decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
+            T - 1 (the rows whose queries they take), computed once per step rather than per layer.
+        flash: the flash-attn inputs of an eager step on CUDA (``model_runner``), else None. A step that
             takes the decode fast path has ``cache_seqlens`` (int32 [B]: keys of each request, this
-            step's included) and ``block_table`` (int32 [B, max_blocks_per_request], rows padded with
-            block 0), with row b the step's query row b; any other step has the varlen inputs
-            ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]), ``max_seqlen_q``, ``max_seqlen_k`` and
-            ``block_table`` (int32 [B, longest table]).
-        sliding_window: the window of the layer group these slots are for: its cache holds only the
-            keys of the last ``sliding_window`` positions of each request (None: every key).
-        groups: with several layer groups (``kv_cache.CacheLayout``), the metadata of each group, in
-            group order (this one is group 0's); empty when this metadata serves every layer.
-
-    The slots, gathers and block tables are those of one layer group; ``for_layer`` picks the group of
-    a layer. A sliding group's gathers start at the block of its window (``kv_cache.window_start_block``),
-    with the context and lengths counted from there, so its masks see the same relative positions.
+            step's included), any other step ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]),
+            ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``, int32 [N, B, W] (rows
+            padded with block 0).
     """
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor | None
     decode_gather: torch.Tensor | None
-    decode_lengths: torch.Tensor | None
-    prefills: list[PrefillSegment]
-    flash: dict[str, Any] | None = None
-    sliding_window: int | None = None
-    groups: list[PagedAttentionMetadata] = field(default_factory=list)
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict)
-
-    def for_layer(self, layer: int, sliding_window: int | None) -> PagedAttentionMetadata:
-        """The metadata of the group of ``layer``, checked against the window the layer attends with.
-
-        Raises:
-            RuntimeError: the layer's group keeps only a window of keys, but the layer attends further
-                back (``sliding_window`` None or larger): the keys it would read were given back.
-        """
-        meta = self.groups[self.cache.layout.layer_group[layer]] if self.groups else self
-        kept = meta.sliding_window
-        if kept is not None and (sliding_window is None or sliding_window > kept):
-            raise RuntimeError(
-                f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
-                f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
-                "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
-            )
-        return meta
-
-    def on(self, device: torch.device) -> PagedAttentionMetadata:
-        """This step's metadata with every tensor on ``device``; ``self`` when they are there already.
-
-        A model sharded over devices (``device_map``) runs each layer on its own device and keeps that
-        layer's cache there, while the runner builds the metadata on the input's device. The copy for
-        a device is made by the first layer there and reused by the others of the step; it has its own
-        masks and prefill segments, since those are built on (and cached for) one device.
-        """
-        if device == self.slot_mapping.device:
-            return self
-        moved = self._on_device.get(device)
-        if moved is None:
-
-            def to(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else t.to(device)
-
-            flash = None
-            if self.flash is not None:
-                flash = {k: to(v) if isinstance(v, torch.Tensor) else v for k, v in self.flash.items()}
-            moved = PagedAttentionMetadata(
-                self.cache,
-                to(self.slot_mapping),
-                to(self.decode_rows),
-                to(self.decode_gather),
-                to(self.decode_lengths),
-                [PrefillSegment(s.start, s.end, s.context, to(s.gather)) for s in self.prefills],
-                flash,
-                self.sliding_window,
-            )
-            self._on_device[device] = moved
-        return moved
-
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """bool [Bd, 1, 1, Lmax]: which padded key slots each decoding request attends to."""
-        mask = self._decode_masks.get(sliding_window)
-        if mask is None:
-            assert self.decode_gather is not None and self.decode_lengths is not None
-            k_pos = torch.arange(self.decode_gather.shape[1], device=self.decode_gather.device)[None, :]
-            lengths = self.decode_lengths[:, None]
-            mask = k_pos < lengths
-            if sliding_window is not None:
-                mask &= (lengths - 1 - k_pos) < sliding_window
-            mask = mask[:, None, None, :]
-            self._decode_masks[sliding_window] = mask
-        return mask
-
-
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float | None,
-    is_causal: bool,
-) -> torch.Tensor:
-    """Attention of q [B, H, n, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv); returns [B, H, n, D]."""
-    groups = q.shape[1] // k.shape[1]
-    if softcap is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale, enable_gqa=groups > 1
-        )
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is None and is_causal:
-        n, L = scores.shape[-2:]
-        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-def _compute_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in: autocast's when it is on for the query's device, else the query's.
-
-    Under autocast (accelerate's ``mixed_precision``) the keys, values and queries of one layer may
-    arrive in different dtypes (a bf16 projection, an fp32 rotary embedding), and SDPA would cast them
-    all to autocast's dtype; casting them here first keeps the decode gather from being cast twice.
-    """
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return query.dtype
-
-
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of one layer over the paged cache.
-
-    The step's keys and values are written into the cache in the cache's dtype (cast when they
-    arrive in another, e.g. under autocast); the attention itself runs in ``_compute_dtype``.
-
-    Args:
-        module: the attention module (its ``layer_idx`` picks the cache layer and its group's slots).
-        query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding), on the device of
-            the layer's cache.
-        meta: the step's metadata (moved to the layer's device when the model is sharded).
-        scaling: softmax scale (default D ** -0.5).
-        sliding_window: keys further back than this many positions are masked (None: all).
-        softcap: tanh soft-capping of the scores (Gemma 2), or None.
-
-    Returns:
-        [1, T, H, D], the layout the model's attention modules expect back, in the compute dtype.
-
-    Raises:
-        RuntimeError: the layer attends further back than its cache group keeps (``for_layer``).
-    """
-    layer = module.layer_idx
-    cache = meta.cache
-    meta = meta.for_layer(layer, sliding_window)  # the slots of the layer's group
-    k_cache, v_cache = cache.key[layer], cache.value[layer]
-    meta = meta.on(k_cache.device)
-    _, H, T, D = query.shape
-    scale = scaling if scaling is not None else D**-0.5
-    k_new = key[0].transpose(0, 1)
-    v_new = value[0].transpose(0, 1)
-    cache.write(layer, meta.slot_mapping, k_new, v_new)
-
-    if meta.flash is not None:
-        return _flash_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
-
-    dtype = _compute_dtype(query)
-    q = query[0].to(dtype)  # [H, T, D]
-    out = q.new_empty(T, H, D)
-    if meta.decode_rows is not None:
-        Hkv = k_cache.shape[1]
-        bd = meta.decode_rows.shape[0]
-        qd = q.index_select(1, meta.decode_rows).transpose(0, 1)  # [Bd, H, D]
-        if softcap is None:
-            # Fold the query heads of each KV head into the query axis: no copy of the keys.
-            qd = qd.reshape(bd, Hkv, H // Hkv, D)
-        else:
-            qd = qd.unsqueeze(2)
-        # index_select on the flat slot list is several times faster than advanced indexing on CPU.
-        flat = meta.decode_gather.view(-1)
-        lmax = meta.decode_gather.shape[1]
-        kd = k_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2).to(dtype)  # [Bd, Hkv, Lmax, D]
-        vd = v_cache.index_select(0, flat).view(bd, lmax, Hkv, D).transpose(1, 2).to(dtype)
-        od = _attend(qd, kd, vd, meta.decode_mask(sliding_window), scale, softcap, is_causal=False)
-        out[meta.decode_rows] = od.reshape(bd, H, D)
-    for seg in meta.prefills:
-        qs = q[:, seg.start : seg.end].unsqueeze(0)  # [1, H, n, D]
-        if seg.gather is None:
-            ks = key[:, :, seg.start : seg.end].to(dtype)
-            vs = value[:, :, seg.start : seg.end].to(dtype)
-        else:
-            ks = k_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0).to(dtype)  # [1, Hkv, L, D]
-            vs = v_cache.index_select(0, seg.gather).transpose(0, 1).unsqueeze(0).to(dtype)
-        mask = seg.mask(sliding_window, query.device)
-        os_ = _attend(qs, ks, vs, mask, scale, softcap, is_causal=True)
-        out[seg.start : seg.end] = os_[0].transpose(0, 1)
-    return out.unsqueeze(0)
-
-
-def _flash_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """flash-attn over the paged cache: the decode fast path when ``meta.flash`` has ``cache_seqlens``, else varlen.
-
-    Both kernels read the keys through ``meta.flash["block_table"]`` and take the same scale, causal
-    mask, window and softcap; they differ in how the query rows map to requests:
-
-    - varlen (``flash_attn_varlen_func``): the whole flattened batch, ``q`` [T, H, D], split by
-      ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``);
-    - decode fast path (``flash_attn_with_kvcache``): every query row is one request's only token (row b
-      is batch entry b, ``q`` [B, 1, H, D]). The step's keys and values are already in the cache
-      (``paged_attention`` wrote them), so the kernel gets no ``k``/``v`` to append and ``cache_seqlens``
-      counts this step's key: it reads keys 0 .. cache_seqlens[b] - 1 of request b through row b of the
-      block table. (The kernel could write the new keys itself, given ``k``, ``v`` and the lengths
-      before the step; one write path for every step keeps the cache's contents independent of the
-      kernel chosen.) With one query token, flash-attn ignores ``causal`` and aligns the window to the
-      last key, as the SDPA decode mask does.
-
-    The kernels need q in the cache's dtype (fp16 or bf16, checked when the engine chose this path); a
-    query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is returned
-    in the query's dtype, which the model's output projection expects.
-
-    Returns:
-        [1, T, H, D] (T = B on the decode fast path).
-    """
-    f = meta.flash
-    assert f is not None
-    block_size = meta.cache.block_size
-    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
-    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
-    vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
-    shared: dict[str, Any] = dict(
-        block_table=f["block_table"],
-        softmax_scale=scale,
-        causal=True,
-        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
-        softcap=softcap or 0.0,
-    )
-    if "cache_seqlens" in f:
-        assert _flash_attn_with_kvcache is not None
-        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=f["cache_seqlens"], **shared)
-        return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
-    assert _flash_attn_varlen_func is not None
-    out = _flash_attn_varlen_func(
-        q,
-        kc,
-        vc,
-        cu_seqlens_q=f["cu_seqlens_q"],
-        cu_seqlens_k=f["cu_seqlens_k"],
-        max_seqlen_q=f["max_seqlen_q"],
-        max_seqlen_k=f["max_seqlen_k"],
-        **shared,
-    )
-    return out.to(query.dtype).unsqueeze(0)
-
-
-@dataclass
-class PaddedAttentionMetadata:
-    """Per-step metadata of the static-shape ("padded") path: tensors only, every shape a padded size.
-
-    Built by ``from_tables`` inside the step's (compiled or CUDA-graphed) forward; nothing here is read on
-    the host, so ``padded_paged_attention`` traces into one graph per layer. The query rows attend in
-    groups, each group over the keys of one request, read from the cache through that request's block
-    table:
-
-    - the decode group: one query row per group (a request computing one token);
-    - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
-      Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
-
-    Shapes: T padded query rows; Bd decode groups reading Ld keys; G prefill groups of Qs rows reading
-    Lp keys. Filler groups and filler rows (there to fill a padded size) point at row T, read the
-    padding slot (the cache's extra block, never handed to a request) and are dropped. Padded query
-    rows (T real rows up to the padded T) write the padding slot and belong to no group: their
-    attention output is 0.
-
-    Attributes:
-        cache: the paged KV cache.
-        slot_mapping: int64 [T]; the cache slot each query row writes (padded rows: the padding slot).
-        decode_rows: int64 [Bd], the query row of each decode group (fillers: T), or None on the
-            decode path, where row i is decode group i (Bd = T).
-        decode_gather: int64 [Bd, Ld]; the slots of positions 0..Ld-1 of each decode group's request.
-        decode_pos: int64 [Bd]; the position of each decode row (it sees keys 0..pos; 0 for fillers and
-            padded rows, which then see the padding slot only).
-        prefill_rows: int64 [G, Qs]; the query rows of each prefill group (fillers: T), or None.
-        prefill_gather: int64 [G, Lp]; the slots of positions 0..Lp-1 of each group's request.
-        prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
-        decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
-            T - 1 (the rows whose queries they take), computed once per step rather than per layer.
-    """
-
-    cache: PagedKVCache
-    slot_mapping: torch.Tensor
-    decode_rows: torch.Tensor | None
-    decode_gather: torch.Tensor
     decode_pos: torch.Tensor
     prefill_rows: torch.Tensor | None = None
     prefill_gather: torch.Tensor | None = None
     prefill_pos: torch.Tensor | None = None
     decode_read: torch.Tensor | None = None
     prefill_read: torch.Tensor | None = None
+    flash: dict[str, Any] | None = None
+    _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_tables(
@@ -559,42 +250,121 @@ class PaddedAttentionMetadata:
         prefill_rows: torch.Tensor | None = None,
         prefill_tables: torch.Tensor | None = None,
         prefill_pos: torch.Tensor | None = None,
-    ) -> PaddedAttentionMetadata:
-        """The metadata of a padded step from its block tables (traceable: no host read).
+        flash: dict[str, Any] | None = None,
+    ) -> PagedAttentionMetadata:
+        """The metadata of a step from its block tables (traceable: no host read).
 
         Args:
             cache: the paged KV cache.
             block_size: tokens per block.
-            slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos: as the attributes.
-            decode_tables: int64 [Bd, Wd]; each decode group's block table, padded with the padding
-                block; its gather is [Bd, Ld = Wd * block_size].
-            prefill_tables: int64 [G, Wp]; each prefill group's block table (None on the decode path);
-                its gather is [G, Lp = Wp * block_size].
+            slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos, flash: as the attributes.
+            decode_tables: int64 [N, Bd, Wd]; per layer group, each decode group's block table; its
+                gather is [N, Bd, Ld = Wd * block_size].
+            prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's block table (None on
+                the decode path); its gather is [N, G, Lp = Wp * block_size].
         """
-        prefill_gather = decode_read = prefill_read = None
+        decode_gather = prefill_gather = decode_read = prefill_read = None
+        if flash is None:  # flash-attn reads the keys through its block tables: no gather
+            decode_gather = _gather(decode_tables, block_size)
         if decode_rows is not None:
             assert prefill_tables is not None and prefill_rows is not None
-            prefill_gather = _gather(prefill_tables, block_size)
-            last = slot_mapping.shape[0] - 1  # T - 1: slot_mapping has one entry per query row
+            if flash is None:
+                prefill_gather = _gather(prefill_tables, block_size)
+            last = slot_mapping.shape[-1] - 1  # T - 1: slot_mapping has one entry per query row
             decode_read, prefill_read = decode_rows.clamp(max=last), prefill_rows.clamp(max=last)
         return cls(
             cache,
             slot_mapping,
             decode_rows,
-            _gather(decode_tables, block_size),
+            decode_gather,
             decode_pos,
             prefill_rows,
             prefill_gather,
             prefill_pos,
             decode_read,
             prefill_read,
+            flash,
         )
+
+    def group_of(self, layer: int, sliding_window: int | None) -> int:
+        """The KV layer group of ``layer``, checked against the window the layer attends with.
+
+        Raises:
+            RuntimeError: the group keeps only a window of keys, but the layer attends further back (the
+                keys it would read were given back).
+        """
+        group = self.cache.layout.layer_group[layer]
+        kept = self.cache.layout.sliding_windows[group]
+        if kept is not None and (sliding_window is None or sliding_window > kept):
+            raise RuntimeError(
+                f"layer {layer} attends with sliding_window={sliding_window}, but the KV cache keeps only the last "
+                f"{kept} positions of that layer (read from the model's config and modules); build the engine with "
+                "ContinuousBatchingConfig(sliding_window_cache=False) to keep every position"
+            )
+        return group
+
+    def on(self, device: torch.device) -> PagedAttentionMetadata:
+        """This step's metadata with every tensor on ``device``; ``self`` when they are there already.
+
+        A model sharded over devices (``device_map``, eager steps only) runs each layer on its own device
+        and keeps that layer's cache there, while the runner builds the metadata on the input's device.
+        The copy for a device is made by the first layer there and reused by the others of the step.
+        """
+        if device == self.slot_mapping.device:
+            return self
+        moved = self._on_device.get(device)
+        if moved is None:
+
+            def to(value: Any) -> Any:
+                return value.to(device) if isinstance(value, torch.Tensor) else value
+
+            values = {f.name: to(getattr(self, f.name)) for f in fields(self) if f.name != "_on_device"}
+            if self.flash is not None:
+                values["flash"] = {k: to(v) for k, v in self.flash.items()}
+            moved = self._on_device[device] = PagedAttentionMetadata(**values)
+        return moved
 
 
 def _gather(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """int64 [B, W * block_size]: the slots of positions 0.. of each row's block table [B, W]."""
-    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-    return tables[:, pos // block_size] * block_size + (pos % block_size)[None, :]
+    """int64 [..., W * block_size]: the slots of positions 0.. of each row's block table [..., W]."""
+    pos = torch.arange(tables.shape[-1] * block_size, device=tables.device)
+    return tables[..., pos // block_size] * block_size + pos % block_size
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of q [B, H, n, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv); returns [B, H, n, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's when it is on for the query's device, else the query's.
+
+    Under autocast (accelerate's ``mixed_precision``) the keys, values and queries of one layer may
+    arrive in different dtypes (a bf16 projection, an fp32 rotary embedding), and SDPA would cast them
+    all to autocast's dtype; casting them here first keeps the gathers from being cast twice.
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
 
 
 def _group_attention(
@@ -636,72 +406,143 @@ def _group_attention(
         mask = mask & ((q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window)
     if Qs == 1 and softcap is None:
         qg = q.reshape(G, Hkv, H // Hkv, D)  # [G, Hkv, heads per KV head, D]
-        out = _attend(qg, kg, vg, mask[:, None], scale, softcap, is_causal=False)
+        out = _attend(qg, kg, vg, mask[:, None], scale, softcap)
         return out.reshape(G, 1, H, D)
-    out = _attend(q.transpose(1, 2), kg, vg, mask[:, None], scale, softcap, is_causal=False)  # [G, H, Qs, D]
+    out = _attend(q.transpose(1, 2), kg, vg, mask[:, None], scale, softcap)  # [G, H, Qs, D]
     return out.transpose(1, 2)
 
 
-def padded_paged_attention(
+def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    meta: PaddedAttentionMetadata,
+    meta: PagedAttentionMetadata,
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one layer over the paged cache, for a padded step: traceable, one graph, no host read.
+    """Attention of one layer over the paged cache: the one function of eager, compiled and graphed steps.
 
-    The step's keys and values are written into the cache first, then every read comes from the
-    cache, group by group (see ``PaddedAttentionMetadata``): the decode groups, then the prefill
-    groups, whose outputs are scattered back to their rows.
+    The step's keys and values are written into the cache first (``PagedKVCache.write``, the cache's one
+    write path), then every read comes from the cache: through flash-attn's kernels when ``meta.flash``
+    is set (CUDA), else group by group with SDPA (see ``PagedAttentionMetadata``): the decode groups,
+    then the prefill groups, whose outputs are scattered back to their rows.
 
-    Cost against the eager path: a decode row reads its request's keys padded to Ld (as the eager
-    decode path, plus the padding). A prefill group of Qs rows reads Lp keys, Lp the longest request
-    of the step's prefill groups (padded): about T x Lp scores where the eager path computes the
-    causal half of n_i x (context_i + n_i) per request; so as cheap when one request prefills, up to
-    about 2k times dearer for k requests of equal length in one step (each sub-chunk also re-reads
-    its request's earlier keys). Masked keys read finite values (the cache starts zeroed and every
-    write is a model's key or value) and no row is fully masked (every row sees key 0 of its group),
-    so padding can never bring NaN into a real row.
+    Cost of the SDPA groups: a decode row reads its request's keys padded to Ld. A prefill group of Qs rows
+    reads Lp keys, Lp the longest request of the step's prefill groups: about T x Lp scores where a
+    per-request causal call computes n_i x (context_i + n_i) per request; so as cheap when one request
+    prefills, dearer for many requests of unequal length in one step. Masked keys read finite values (the
+    cache starts zeroed and every write is a model's key or value) and no row is fully masked (every row
+    sees key 0 of its group), so padding can never bring NaN into a real row.
 
     Args:
-        module: the attention module (its ``layer_idx`` picks the cache layer).
+        module: the attention module (its ``layer_idx`` picks the cache layer and its layer group).
         query: [1, H, T, D]; key, value: [1, Hkv, T, D] (after rotary embedding).
-        meta: the step's padded metadata.
+        meta: the step's metadata (moved to the layer's device when the model is sharded).
         scaling: softmax scale (default D ** -0.5).
         sliding_window: keys further back than this many positions are masked (None: all).
         softcap: tanh soft-capping of the scores (Gemma 2), or None.
 
     Returns:
-        [1, T, H, D] in the compute dtype (``_compute_dtype``).
+        [1, T, H, D] in the compute dtype (``_compute_dtype``; flash-attn: the query's dtype).
+
+    Raises:
+        RuntimeError: the layer attends further back than its cache group keeps (``group_of``).
     """
     layer = module.layer_idx
-    k_cache, v_cache = meta.cache.key[layer], meta.cache.value[layer]
+    cache = meta.cache
+    g = meta.group_of(layer, sliding_window)
+    k_cache, v_cache = cache.key[layer], cache.value[layer]
+    meta = meta.on(k_cache.device)
     _, H, T, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    cache.write(layer, meta.slot_mapping[g], key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if meta.flash is not None:
+        return _flash_attention(
+            query, k_cache, v_cache, meta.flash, g, cache.block_size, scale, sliding_window, softcap
+        )
     dtype = _compute_dtype(query)
     q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
     args = (k_cache, v_cache)
     rest = (dtype, scale, sliding_window, softcap)
+    assert meta.decode_gather is not None
     if meta.decode_rows is None:  # the decode path: row i is decode group i
-        out = _group_attention(q[:, None], *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
+        out = _group_attention(q[:, None], *args, meta.decode_gather[g], meta.decode_pos[:, None], *rest)
         return out.reshape(1, T, H, D)
     rows_d, rows_p = meta.decode_rows, meta.prefill_rows
     assert rows_p is not None and meta.prefill_gather is not None and meta.prefill_pos is not None
     assert meta.decode_read is not None and meta.prefill_read is not None
     # Filler rows (index T) read the last row; their outputs land in a scratch row T, dropped below.
-    qd = q.index_select(0, meta.decode_read)[:, None]
-    od = _group_attention(qd, *args, meta.decode_gather, meta.decode_pos[:, None], *rest)
-    qp = q.index_select(0, meta.prefill_read.reshape(-1)).view(*rows_p.shape, H, D)
-    op = _group_attention(qp, *args, meta.prefill_gather, meta.prefill_pos, *rest)
     out = q.new_zeros(T + 1, H, D)
-    out = out.index_copy(0, rows_d, od[:, 0]).index_copy(0, rows_p.reshape(-1), op.reshape(-1, H, D))
+    if rows_d.shape[0] > 0:  # an eager step may have no decode row (a padded one always has fillers)
+        qd = q.index_select(0, meta.decode_read)[:, None]
+        od = _group_attention(qd, *args, meta.decode_gather[g], meta.decode_pos[:, None], *rest)
+        out = out.index_copy(0, rows_d, od[:, 0])
+    if rows_p.shape[0] > 0:
+        qp = q.index_select(0, meta.prefill_read.reshape(-1)).view(*rows_p.shape, H, D)
+        op = _group_attention(qp, *args, meta.prefill_gather[g], meta.prefill_pos, *rest)
+        out = out.index_copy(0, rows_p.reshape(-1), op.reshape(-1, H, D))
     return out[:T].unsqueeze(0)
+
+
+def _flash_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    f: dict[str, Any],
+    group: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """flash-attn over the paged cache: the decode fast path when ``f`` has ``cache_seqlens``, else varlen.
+
+    Both kernels read the keys through ``f["block_tables"][group]`` and take the same scale, causal
+    mask, window and softcap; they differ in how the query rows map to requests:
+
+    - varlen (``flash_attn_varlen_func``): the whole flattened batch, ``q`` [T, H, D], split by
+      ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``);
+    - decode fast path (``flash_attn_with_kvcache``): every query row is one request's only token (row b
+      is batch entry b, ``q`` [B, 1, H, D]). The step's keys and values are already in the cache
+      (``paged_attention`` wrote them), so the kernel gets no ``k``/``v`` to append and ``cache_seqlens``
+      counts this step's key. With one query token, flash-attn ignores ``causal`` and aligns the window
+      to the last key, as the SDPA decode mask does.
+
+    The kernels need q in the cache's dtype (fp16 or bf16, checked when the engine chose this path); a
+    query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is returned
+    in the query's dtype, which the model's output projection expects.
+
+    Returns:
+        [1, T, H, D] (T = B on the decode fast path).
+    """
+    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
+    kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
+    vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
+    shared: dict[str, Any] = dict(
+        block_table=f["block_tables"][group],
+        softmax_scale=scale,
+        causal=True,
+        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
+        softcap=softcap or 0.0,
+    )
+    if "cache_seqlens" in f:
+        assert _flash_attn_with_kvcache is not None
+        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=f["cache_seqlens"], **shared)
+        return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
+    assert _flash_attn_varlen_func is not None
+    out = _flash_attn_varlen_func(
+        q,
+        kc,
+        vc,
+        cu_seqlens_q=f["cu_seqlens_q"],
+        cu_seqlens_k=f["cu_seqlens_k"],
+        max_seqlen_q=f["max_seqlen_q"],
+        max_seqlen_k=f["max_seqlen_k"],
+        **shared,
+    )
+    return out.to(query.dtype).unsqueeze(0)
 
 
 class _ConfigAsOriginal:
@@ -777,8 +618,7 @@ def _make_dispatch(original: str) -> Callable[..., tuple[torch.Tensor, torch.Ten
             return fn(seen, query, key, value, attention_mask, **kwargs)
         if kwargs.get("s_aux") is not None:
             raise NotImplementedError("attention sinks (s_aux) are not supported by rollout's paged attention")
-        attention = padded_paged_attention if isinstance(meta, PaddedAttentionMetadata) else paged_attention
-        out = attention(
+        out = paged_attention(
             module,
             query,
             key,

@@ -20,7 +20,6 @@ cached by two groups are two entries (vLLM v1 keys its prefix cache by block has
 from __future__ import annotations
 
 import hashlib
-import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -100,14 +99,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
-
-    def allocation_evicts_cached(self, n: int) -> bool:
-        """True when ``allocate(n)`` would take a block that still carries a prefix-cache hash.
-
-        Taking only blocks without a hash can be undone exactly by ``free`` (in reverse order of
-        allocation): uncached blocks go back to the head of the free queue, where they came from.
-        """
-        return any(self.blocks[b].block_hash is not None for b in itertools.islice(self.free_queue, n))
 
     def find_cached_prefix(
         self, token_ids: Sequence[int], weight_version: int, max_tokens: int, group: int = 0

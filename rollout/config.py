@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -78,7 +77,7 @@ class ContinuousBatchingConfig:
             CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator
             holds unused (``memory_reserved - memory_allocated``), so an engine built after another
             one was destroyed gets the same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to
-            a trainer, use ``rollout.training_memory_percent(model)`` (the GRPO trainer and the TRL
+            a trainer, use ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL
             plugin do), since gradients and optimizer state are allocated only after the engine.
         max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap
             beyond the token budget.
@@ -171,20 +170,20 @@ class ContinuousBatchingConfig:
             while step k's forward and sampling run: on CPU a worker thread runs the steps; on CUDA the
             inputs are copied on a side stream into two staging buffer sets used in turn, ordered by
             events. Step k+1 is scheduled before step k's tokens are known (placeholders, filled on the
-            device before its forward), and scheduled again after step k when a request of it ended, so
-            the outputs are the synchronous loop's, token for token and logprob for logprob. Steps that
-            cannot be scheduled ahead exactly (admissions, forks, preemption, copy-on-write, a fresh
-            block that would evict a prefix-cache block, logits processors that read the token history)
-            are scheduled the synchronous way; ``EngineStats`` counts both kinds. None picks per device
-            (see ``resolved_async_batching``). Not supported under tensor parallelism: True raises a
-            ValueError there before the engine allocates anything, None is off.
+            device before its forward: ``async_scheduler.AsyncScheduler``); a row of a request that step k
+            ended (a stop token or string) is computed and dropped. Greedy tokens, logprobs, seeded samples
+            and weight versions are what the synchronous loop gives; a row's bits may differ where the
+            batches differ. ``EngineStats.num_async_steps`` counts the steps launched behind another. None
+            picks per device (see ``resolved_async_batching``). Not supported under tensor parallelism:
+            True raises a ValueError there before the engine allocates anything, None is off.
         disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
             graph-captured collectives running beside other collectives (transformers' meaning): rollout
             never replays two such graphs at once, and NCCL is faster without it. NCCL reads the
-            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when its communicators start, so, as in transformers,
-            building a config with True in a multi-process launch (``WORLD_SIZE`` > 1) sets it to
-            ``"0"`` unless it is already set: build the config before ``from_pretrained(tp_plan=...)``.
-            The engine warns when TP runs on CUDA with the variable not ``"0"``. No effect on CPU.
+            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a communicator starts: a tensor-parallel engine on
+            CUDA sets it to ``"0"`` unless it is already set (``distributed.disable_nccl_graph_mixing``),
+            which covers the communicators started after it; export ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the
+            launch environment to cover those the model's loading started. Building a config changes no
+            environment variable. No effect on CPU.
         cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks
             of a tensor-parallel engine share its decisions over may wait for the other ranks before
             it raises (transformers' meaning; gloo's own default is 30 minutes). None: no timeout. A
@@ -293,8 +292,6 @@ class ContinuousBatchingConfig:
             check_bool("use_async_batching", self.use_async_batching)
         check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)
         check_number("cpu_group_timeout", self.cpu_group_timeout, minimum=0.0, min_open=True, allow_none=True)
-        if self.disable_nccl_graph_mixing:
-            _disable_nccl_graph_mixing()
 
     def resolved_page_size(self, device_type: str) -> int:
         """Tokens per block for a device type (``"cpu"`` or ``"cuda"``)."""
@@ -491,17 +488,6 @@ class ContinuousBatchingConfig:
                 ", ".join(ignored),
             )
         return cls(**values)
-
-
-def _disable_nccl_graph_mixing() -> None:
-    """Set ``NCCL_GRAPH_MIXING_SUPPORT=0`` in a multi-process launch, unless the variable is already set.
-
-    NCCL reads it when a communicator starts, so it must be in the environment before the model's
-    process group starts (see ``ContinuousBatchingConfig.disable_nccl_graph_mixing``).
-    """
-    if int(os.environ.get("WORLD_SIZE", "1") or "1") > 1 and "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ:
-        os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"
-        logger.info("NCCL_GRAPH_MIXING_SUPPORT set to 0 (disable_nccl_graph_mixing=True, WORLD_SIZE > 1)")
 
 
 def _same(value: Any, default: Any) -> bool:

@@ -49,6 +49,24 @@ logger = logging.getLogger(__name__)
 
 # Environment variable that ``disable_nccl_graph_mixing`` sets (see ``config.ContinuousBatchingConfig``).
 NCCL_GRAPH_MIXING_ENV = "NCCL_GRAPH_MIXING_SUPPORT"
+
+
+def disable_nccl_graph_mixing() -> bool:
+    """Set ``NCCL_GRAPH_MIXING_SUPPORT=0`` unless the variable is set already (a user's value is kept).
+
+    NCCL reads it when a communicator starts, so it covers the communicators started after this call
+    (see ``ContinuousBatchingConfig.disable_nccl_graph_mixing``). Called by a tensor-parallel engine on CUDA.
+
+    Returns:
+        True when this call set it.
+    """
+    if NCCL_GRAPH_MIXING_ENV in os.environ:
+        return False
+    os.environ[NCCL_GRAPH_MIXING_ENV] = "0"
+    logger.info("%s set to 0 (disable_nccl_graph_mixing=True, tensor parallelism on CUDA)", NCCL_GRAPH_MIXING_ENV)
+    return True
+
+
 # ``cpu_group_timeout=None`` means no timeout; gloo wants one, so None becomes a year.
 NO_TIMEOUT = timedelta(days=365)
 
@@ -198,10 +216,9 @@ class TensorParallel:
         """The TP group of a model loaded with a ``tp_plan``, or None when it is not TP-sharded.
 
         Checks first, before any communication, so that every rank raises the same error: the model's
-        KV heads must split evenly. Then joins the CPU group (a collective on first use). On CUDA, warns
-        when NCCL's graph mixing is still on although ``disable_nccl_graph_mixing`` asks it off: the
-        variable must be set before the process group starts (build the ``ContinuousBatchingConfig``
-        before ``from_pretrained``, or set ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the launch environment).
+        KV heads must split evenly. On CUDA with ``config.disable_nccl_graph_mixing``, turns NCCL's graph
+        mixing off for the communicators started from now on (``disable_nccl_graph_mixing``). Then joins
+        the CPU group (a collective on first use).
 
         Raises:
             ValueError: ``num_key_value_heads`` is not divisible by the TP size.
@@ -218,14 +235,8 @@ class TensorParallel:
         device_group = mesh.get_group()
         ranks = sorted(dist.get_process_group_ranks(device_group))
         device_type = mesh.device_type
-        if device_type == "cuda" and config.disable_nccl_graph_mixing and os.environ.get(NCCL_GRAPH_MIXING_ENV) != "0":
-            logger.warning(
-                "%s is not '0' although disable_nccl_graph_mixing is True: it must be set before the process group "
-                "starts (build the ContinuousBatchingConfig before from_pretrained, or export %s=0 in the launch "
-                "environment); tensor-parallel steps run with NCCL's graph-mixing safety net",
-                NCCL_GRAPH_MIXING_ENV,
-                NCCL_GRAPH_MIXING_ENV,
-            )
+        if device_type == "cuda" and config.disable_nccl_graph_mixing:
+            disable_nccl_graph_mixing()
         group = cpu_group(ranks, config.cpu_group_timeout)
         tp = cls(tp_size, mesh.get_local_rank(), ranks[0], group, device_type)
         if tp.is_driver:

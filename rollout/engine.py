@@ -6,23 +6,21 @@
 queues requests and keeps statistics; it changes no request itself. The background manager,
 ``generate_batch`` and ``score`` all drive this class; it holds no global state.
 
-With async batching (``ContinuousBatchingConfig.use_async_batching``) a step stays in flight between two
-calls of ``step()``: each call schedules and prepares the next step while the one in flight runs
-(``Scheduler.schedule_ahead``, ``ModelRunner.prepare_step``), then waits for it, applies its results and
-launches the next (``ModelRunner.launch``; on CPU the step runs in the runner's worker thread). Where
-scheduling ahead is not safe or would not give the synchronous loop's batch, the next step is scheduled
-after the update instead; ``EngineStats`` counts both kinds. The outputs are the synchronous loop's, token
-for token and logprob for logprob (see ``scheduler``'s module docstring for why they can be).
+With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an
+``AsyncScheduler`` and the step function, chosen once, is vLLM v1's ``step_with_batch_queue`` with a queue of
+two: each call schedules and launches the next step while the one in flight runs (its tokens are
+placeholders, filled on the device), then waits for the one in flight and applies its results. On CPU the
+steps run in the runner's worker thread. Nothing scheduled is taken back (see ``async_scheduler``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -30,34 +28,21 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
-from .attention import choose_flash, enable_paged_attention, restore_attention
+from .async_scheduler import AsyncScheduler
+from .attention import enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
-from .distributed import TensorParallel, tensor_parallel_mesh
-from .kv_cache import (
-    CacheLayout,
-    CacheShape,
-    CPUOffloadPool,
-    PagedKVCache,
-    num_blocks_for_model,
-    offload_space_gib,
-)
+from .engine_spec import EngineSpec
+from .engine_stats import EngineStats
+from .kv_cache import CPUOffloadPool, PagedKVCache
 from .kv_cache_manager import KVCacheManager
-from .model_runner import LaunchedStep, ModelRunner, PreparedStep
-from .models import (
-    UnsupportedModelError,
-    attention_dtype,
-    check_model_supported,
-    input_device,
-    layer_devices,
-    model_context_length,
-    vocab_size,
-)
+from .model_runner import LaunchedStep, ModelRunner
+from .models import UnsupportedModelError, check_model_supported
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from .static_step import PaddingRule, mark_warmed, warm_key, warmed_before, warmup_shapes
+from .static_step import mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
 logger = logging.getLogger(__name__)
@@ -68,120 +53,11 @@ T = TypeVar("T")
 
 
 @dataclass
-class EngineStats:
-    """Counters of an engine since it was built: the one place to read them.
-
-    Attributes:
-        num_steps: forwards run.
-        num_prompt_tokens_computed: prompt tokens whose KV was computed (prefix-cache
-            hits are not computed; recompute after preemption is).
-        num_tokens_computed: all scheduled tokens computed.
-        num_generated_tokens: tokens sampled.
-        num_preemptions: requests evicted for lack of blocks.
-        num_offloads: preempted requests whose KV went to the CPU pool (not recomputed).
-        num_prefix_cache_hit_blocks: blocks handed to requests from the prefix cache (a block
-            shared by G requests counts G times when each found it in the cache).
-        num_forks: requests forked from another's prefill of the same tokens, which they did not
-            compute (of the G samples of a prompt submitted together, G - 1).
-        num_block_copies: shared blocks copied before a request wrote into them (copy-on-write of
-            the partial last block of a forked prompt).
-        num_decode_fast_path_steps: steps that went through flash-attn's ``flash_attn_with_kvcache``
-            (the CUDA decode fast path, see ``ContinuousBatchingConfig.max_blocks_per_request``).
-        decode_step_seconds: wall time of steps that only decoded (one token per request). With async
-            batching, the time from the later of the step's launch and the previous step's end to the
-            step's end: the wall time the step adds.
-        decode_step_batch: the batch size of each of those steps.
-        kv_cache_bytes: bytes of the paged KV cache's tensors, every layer group together.
-        kv_cache_capacity_tokens: per layer group (``KVCacheGroup.name``, e.g. ``"full:5"``,
-            ``"sliding64:0"``), the tokens of KV its layers can hold: every block of the pool, which the
-            groups share (a sliding group holds only a window of each request, so the pool serves more
-            requests than a cache of full layers of the same bytes).
-        num_padded_steps: steps run on the static-shape path (a compiled or CUDA-graphed path).
-        num_compiles: dynamo compilations triggered by this engine's forwards, warmup included (0
-            when the graphs were already compiled by an earlier engine with the same config).
-        num_compiles_after_warmup: those triggered by steps after ``Engine.warmup()`` (0 when
-            warmup never ran).
-        num_cuda_graph_captures: CUDA graphs captured, warmup included.
-        num_cuda_graph_captures_after_warmup: those captured by steps after ``warmup()``.
-        warmup_seconds: wall time of ``warmup()`` (None when it never ran or had nothing to do).
-        num_async_steps: async batching: steps scheduled and prepared while the step before them ran,
-            and run as prepared.
-        num_sync_steps: async batching: steps scheduled after the step before them ended (the
-            synchronous order), by reason in ``async_fallbacks``.
-        async_fallbacks: why steps were scheduled the synchronous way: "idle" (no step was in flight:
-            the first step, or after ``drain``), "waiting" (requests waited for admission), "forks",
-            "logits_processors", "blocks" (a slot needed a preemption, a copy-on-write or a
-            prefix-cache block), "nothing" (nothing was left to schedule ahead), "finished" (a request
-            of the step prepared ahead ended in the step before it, so that step was scheduled again).
-    """
-
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0
-    num_tokens_computed: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_offloads: int = 0
-    num_prefix_cache_hit_blocks: int = 0
-    num_forks: int = 0
-    num_block_copies: int = 0
-    num_decode_fast_path_steps: int = 0
-    decode_step_seconds: list[float] = field(default_factory=list)
-    decode_step_batch: list[int] = field(default_factory=list)
-    kv_cache_bytes: int = 0
-    kv_cache_capacity_tokens: dict[str, int] = field(default_factory=dict)
-    num_padded_steps: int = 0
-    num_compiles: int = 0
-    num_compiles_after_warmup: int = 0
-    num_cuda_graph_captures: int = 0
-    num_cuda_graph_captures_after_warmup: int = 0
-    warmup_seconds: float | None = None
-    num_async_steps: int = 0
-    num_sync_steps: int = 0
-    async_fallbacks: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
 class _InFlight:
     """The step launched and not yet collected (async batching)."""
 
     launched: LaunchedStep
     launched_at: float  # time.perf_counter()
-
-    @property
-    def scheduler_output(self) -> SchedulerOutput:
-        return self.launched.prepared.scheduler_output
-
-
-def _check_static_paths(
-    compile_configs: tuple[CompileConfig | None, CompileConfig | None],
-    cuda_graphs: tuple[bool, bool],
-    devices: Sequence[torch.device],
-) -> None:
-    """Refuse static-shape settings the engine cannot run, before anything is allocated.
-
-    Raises:
-        ValueError: a compiled or graphed path on a model whose layers span several devices (the
-            padded step builds its metadata on one device), or a CUDA-graphed path whose compile mode
-            captures CUDA graphs itself (inductor's ``triton.cudagraphs``: "reduce-overhead",
-            "max-autotune"), which would capture inside our capture.
-    """
-    static = any(cuda_graphs) or any(c is not None for c in compile_configs)
-    if static and len(set(devices)) > 1:
-        raise ValueError(
-            "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need the "
-            f"model's layers on one device, but they span {sorted({str(d) for d in devices})}; leave them unset"
-        )
-    for path, config, graphed in zip(("varlen", "decode"), compile_configs, cuda_graphs, strict=True):
-        if not graphed or config is None:
-            continue
-        options = dict(config.options or {})
-        if config.mode is not None:
-            options.update(torch._inductor.list_mode_options(config.mode))
-        if options.get("triton.cudagraphs", False):
-            raise ValueError(
-                f"use_cuda_graph captures the {path} path, whose compile config (mode={config.mode!r}) captures CUDA "
-                "graphs itself; use mode='default' or 'max-autotune-no-cudagraphs', or set use_cuda_graph=False"
-            )
 
 
 class Engine:
@@ -211,19 +87,17 @@ class Engine:
             none: transformers' ``GenerationConfig`` defaults it to None): compiles the paths that
             have no compile config of their own when ``default_compile_level`` is 0.
 
-    Compiled and CUDA-graphed paths (``config.resolved_compile_configs``, ``resolved_cuda_graphs``) run
+    Compiled and CUDA-graphed paths (``EngineSpec.compile_configs``, ``EngineSpec.cuda_graphs``) run
     the static-shape step (``static_step``): the cache gets one padding block more than the block
     manager hands out; ``warmup()`` compiles or captures before the first request.
 
-    With ``config.resolved_async_batching`` true, a step is in flight between calls of ``step()`` (see the
-    module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled meanwhile
-    (``finish_request``) has its row of that step computed and dropped. Weight changes
-    (``set_weight_version``, ``recompute_in_flight``), ``warmup()`` and ``close()`` finish it first. It
-    composes with compiled and CUDA-graphed paths (the padded batch of the next step is prepared ahead,
-    its placeholder tokens written into the batch on the device before the forward or the graph's
-    replay) and with every KV layer group (a step scheduled ahead allocates in each group's table and
-    gives back a sliding group's out-of-window blocks only once it is kept). It is off under tensor
-    parallelism (``resolved_async_batching``).
+    With ``spec.async_batching`` true, a step is in flight between calls of ``step()`` (see the
+    module docstring): ``in_flight`` says so and ``drain()`` finishes it. A request cancelled or stopped
+    meanwhile has its row of that step computed and dropped. Weight changes (``set_weight_version``,
+    ``recompute_in_flight``), ``warmup()`` and ``close()`` finish it first. It composes with compiled and
+    CUDA-graphed paths (placeholder tokens are written into the padded batch on the device before the
+    forward or the graph's replay) and with every KV layer group. It is off under tensor parallelism
+    (``ContinuousBatchingConfig.resolved_async_batching``).
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
@@ -231,7 +105,7 @@ class Engine:
         ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
             ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that
             captures CUDA graphs itself; a compiled or graphed path on a model whose layers span several
-            devices or whose layers need several KV layer groups of different shapes;
+            devices;
             ``use_async_batching=True`` on a tensor-parallel model. Raised before anything is allocated.
     """
 
@@ -245,119 +119,48 @@ class Engine:
     ) -> None:
         check_model_supported(model)
         self.config = config or ContinuousBatchingConfig()
-        self.device = input_device(model)
-        dev_type = self.device.type
-        # Before any collective: async batching asked for under tensor parallelism raises on every rank.
-        self.async_batching = self.config.resolved_async_batching(dev_type, tensor_parallel_mesh(model) is not None)
-        # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
-        self.tp = TensorParallel.from_model(model, self.config)
-        # Checked before anything is allocated: CUDA graphs asked for off CUDA raise here.
-        cuda_graphs = self.config.resolved_cuda_graphs(dev_type)
-        compile_configs = self.config.resolved_compile_configs(fallback_compile_config)
-        devices = layer_devices(model)
-        static = any(cuda_graphs) or any(c is not None for c in compile_configs)
-        _check_static_paths(compile_configs, cuda_graphs, devices)
+        self.spec = spec = EngineSpec.resolve(model, self.config, max_tokens_hint, fallback_compile_config)
         self.model = model
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
-        dtype = attention_dtype(model)
-        self.block_size = self.config.resolved_page_size(dev_type)
-        self.max_batch_tokens = self.config.resolved_max_batch_tokens(dev_type)
-        shape = CacheShape.from_model(model, dtype, sliding_windows=self.config.sliding_window_cache)
-        layout = CacheLayout.build(shape, devices)
-        if static and (len(layout.groups) > 1 or any(w is not None for w in layout.sliding_windows)):
-            # The padded step reads every layer through one block table, from position 0: one layer
-            # group that keeps every position.
-            if self.config.sliding_window_cache:
-                logger.info(
-                    "compiled or CUDA-graphed steps read one KV layer group: sliding-window layers keep every "
-                    "position (as with sliding_window_cache=False)"
-                )
-                shape = CacheShape.from_model(model, dtype, sliding_windows=False)
-                layout = CacheLayout.build(shape, devices)
-            if len(layout.groups) > 1:
-                raise ValueError(
-                    "default_compile_level, varlen_compile_config, decode_compile_config and use_cuda_graph need "
-                    "every layer to have the same KV heads and head dim, but this model's layers form "
-                    f"{len(layout.groups)} KV layer groups ({', '.join(g.name for g in layout.groups)}); "
-                    "leave them unset"
-                )
-        self.vocab_size = vocab_size(model)
-        # num_blocks counts whole-model blocks (page_size tokens in every layer); the pool of the
-        # layer groups holds the block ids that memory buys (CacheLayout.pool_blocks).
-        model_blocks = self.config.num_blocks
-        if model_blocks is None:
-            model_blocks = num_blocks_for_model(model, self.config)
-        num_blocks = layout.pool_blocks(shape, model_blocks, self.block_size)
-        if self.config.num_blocks is None and max_tokens_hint is not None:
-            if isinstance(max_tokens_hint, int):  # that many tokens in all: in every group
-                wanted = len(layout.groups) * -(-max_tokens_hint // self.block_size)
-            else:  # these requests at once: each group holds what it keeps of each
-                wanted = sum(
-                    layout.max_blocks_needed(t, self.max_batch_tokens, self.block_size) for t in max_tokens_hint
-                )
-            # One spare block for slack.
-            num_blocks = min(num_blocks, wanted + 1)
-        offload_gib = offload_space_gib(self.config)
-        if self.tp is not None:  # every rank's scheduler must see the same cache and pool
-            num_blocks = int(self.tp.agree_min(num_blocks))
-            offload_gib = self.tp.agree_min(offload_gib)
-        self.num_blocks = num_blocks
-        self.context_length = model_context_length(model)
-        head_dim = max(shape.layer(i).head_dim for i in range(shape.num_layers))
-        odd = [d for d in (shape.layer(i).head_dim for i in range(shape.num_layers)) if d % 8]
-        self.use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else head_dim, self.block_size)
-        # The static-shape path's padding block is the cache's last, past the block manager's blocks.
-        self.cache = PagedKVCache(shape, num_blocks + int(static), self.block_size, self.device, devices)
-        padding = None
-        if static:
-            q_interval, kv_interval = self.config.resolved_padding_intervals(dev_type)
-            padding = PaddingRule(
-                q_interval,
-                kv_interval,
-                self.config.resolved_max_batch_tokens(dev_type),
-                num_blocks * self.block_size,
-                self.block_size,
-                pad_block=num_blocks,
-            )
-        self.offload_pool: CPUOffloadPool | None = None
-        if offload_gib > 0:
-            self.offload_pool = CPUOffloadPool(
-                shape, offload_gib, self.block_size, pin=dev_type == "cuda", layout=self.cache.layout
-            )
-        self.block_manager = BlockManager(num_blocks, self.block_size, self.config.allow_block_sharing)
-        self.kv_cache_manager = KVCacheManager(
-            self.block_manager,
-            self.config.resolved_safety_margin(),
-            self.offload_pool,
-            self.cache.layout.sliding_windows,
+        # The spec's values that callers read off the engine.
+        self.device, self.tp, self.async_batching = spec.device, spec.tp, spec.async_batching
+        self.block_size, self.max_batch_tokens, self.num_blocks = (
+            spec.block_size,
+            spec.max_batch_tokens,
+            spec.num_blocks,
         )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            self.max_batch_tokens,
-            self.config.max_requests_per_batch,
-            self.config.scheduler_type,
+        self.context_length, self.vocab_size, self.use_flash = spec.context_length, spec.vocab_size, spec.use_flash
+        self.cache = PagedKVCache(
+            spec.shape, spec.num_blocks + int(spec.static), spec.block_size, spec.device, spec.layer_devices
+        )
+        self.offload_pool: CPUOffloadPool | None = None
+        if spec.offload_gib > 0:
+            pin = spec.device.type == "cuda"
+            self.offload_pool = CPUOffloadPool(spec.shape, spec.offload_gib, spec.block_size, pin, self.cache.layout)
+        self.block_manager = BlockManager(spec.num_blocks, spec.block_size, self.config.allow_block_sharing)
+        self.kv_cache_manager = KVCacheManager(
+            self.block_manager, spec.safety_margin, self.offload_pool, self.cache.layout.sliding_windows
+        )
+        scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
+        self.scheduler = scheduler_class(
+            self.kv_cache_manager, spec.max_batch_tokens, self.config.max_requests_per_batch, self.config.scheduler_type
         )
         self.runner = ModelRunner(
             model,
             self.cache,
-            self.use_flash,
+            spec.use_flash,
             self.offload_pool,
             seed=self.config.seed,
             logprobs_mode=self.config.logprobs_mode,
             return_logprobs=self.config.return_logprobs,
-            max_blocks_per_request=self.config.resolved_max_blocks_per_request(
-                num_blocks, self.block_size, self.context_length
-            ),
-            compile_configs=compile_configs,
-            cuda_graphs=cuda_graphs,
-            padding=padding,
-            async_batching=self.async_batching,
+            max_blocks_per_request=spec.max_blocks_per_request,
+            compile_configs=spec.compile_configs,
+            cuda_graphs=spec.cuda_graphs,
+            padding=spec.padding,
+            async_batching=spec.async_batching,
         )
-        self.stats = EngineStats(
-            kv_cache_bytes=self.cache.size_bytes,
-            kv_cache_capacity_tokens={g.name: num_blocks * self.block_size for g in self.cache.groups},
-        )
+        self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
         self._warmed_up = False
         self._compiles_at_warmup = 0
         self._captures_at_warmup = 0
@@ -366,8 +169,34 @@ class Engine:
         self._last_step_end = 0.0
         self._arrivals = 0
         self._last_log = (time.perf_counter(), 0)  # (time, generated tokens) of the last progress log
+        self._step_fn = self._step_async if spec.async_batching else self._step_sync  # chosen once, as vLLM's
         self._original_attn = enable_paged_attention(model)
         self._closed = False
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters, read now from their owners (vLLM's ``make_stats``): the scheduler
+        (preemptions), the KV cache manager and block pool (offloads, block copies, prefix hits), the runner
+        (fast-path steps, compilations, CUDA graphs), the cache (bytes) and the step loop (the rest). A
+        snapshot: it does not change as the engine steps on (its lists do: they are the loop's own)."""
+        counts, runner = self._counts, self.runner
+        compiles = runner.compile_counter.count
+        captures = runner.graphs.num_captures if runner.graphs is not None else 0
+        warm = self._warmed_up
+        return dataclasses.replace(
+            counts,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_offloads=self.kv_cache_manager.num_offloads,
+            num_prefix_cache_hit_blocks=self.block_manager.num_prefix_cache_hit_blocks,
+            num_block_copies=self.kv_cache_manager.num_block_copies,
+            num_decode_fast_path_steps=runner.num_decode_fast_path_steps,
+            kv_cache_bytes=self.cache.size_bytes,
+            kv_cache_capacity_tokens={g.name: self.num_blocks * self.block_size for g in self.cache.groups},
+            num_compiles=compiles,
+            num_compiles_after_warmup=compiles - self._compiles_at_warmup if warm else 0,
+            num_cuda_graph_captures=captures,
+            num_cuda_graph_captures_after_warmup=captures - self._captures_at_warmup if warm else 0,
+        )
 
     def use_device_in_this_thread(self) -> None:
         """Make the engine's CUDA device the current device of the calling thread (nothing on CPU).
@@ -572,31 +401,49 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step: schedule, execute, update.
 
-        With async batching, the step that completes is the one launched by the previous call (this call
-        launches the next one, see the module docstring); the first call launches and completes the first
-        step.
+        With async batching, the step whose results this call applies is the one launched by the previous
+        call; this call launches the next (see the module docstring). The first call launches the first
+        step and applies nothing.
 
         Returns:
-            The requests that got a new token in the step that completed, and the requests that finished
-            (status FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
+            The requests that got a new token in the step applied, and the requests that finished (status
+            FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
 
         Raises:
-            Whatever the forward raises; blocks hashed for this step are dropped from the
-            prefix cache first, since their KV may be incomplete.
+            Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may
+            not match their KV): every caller closes it or fails the manager.
         """
-        if self.async_batching:
-            return self._step_async()
+        return self._step_fn()
+
+    def _step_sync(self) -> list[Request]:
         scheduler_output = self.scheduler.schedule()
         t0 = time.perf_counter()
-        try:
-            runner_output = self.runner.execute(scheduler_output)
-            if self.tp is not None:
-                runner_output = self.tp.share_output(runner_output)
-        except BaseException:
-            self.scheduler.uncache_step(scheduler_output)
-            raise
+        runner_output = self.runner.execute(scheduler_output)
+        if self.tp is not None:
+            runner_output = self.tp.share_output(runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
+        return updated
+
+    def _step_async(self) -> list[Request]:
+        """``step`` with async batching (vLLM v1's ``step_with_batch_queue``, a queue of two): schedule and
+        launch the next step behind the one in flight, then wait for that one and apply its results."""
+        updated, self._completed = self._completed, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Its KV copies (offloads of preempted requests), if any, run after the step in flight.
+            if self._in_flight is not None:
+                updated += self._complete()
+            self.runner.execute(scheduler_output)
+            self._record_stats(scheduler_output, RunnerOutput(), 0.0)
+            return updated
+        previous = self._in_flight
+        prepared = self.runner.prepare_step(scheduler_output)  # overlaps the step in flight
+        launched = self.runner.launch(prepared, previous.launched if previous is not None else None)
+        if previous is not None:
+            self._counts.num_async_steps += 1
+            updated += self._complete()
+        self._in_flight = _InFlight(launched, time.perf_counter())
         return updated
 
     def drain(self) -> list[Request]:
@@ -621,121 +468,34 @@ class Engine:
         if self._in_flight is not None:
             self._completed = self.drain()
 
-    def _step_async(self) -> list[Request]:
-        """``step`` with async batching: schedule and prepare the next step while the one in flight runs."""
-        updated, self._completed = self._completed, []
-        if self._in_flight is None:
-            self._launch_scheduled(self.scheduler.schedule(), "idle")
-            if self._in_flight is None:
-                return updated
-        flight = self._in_flight
-        ahead, reason = self.scheduler.schedule_ahead(flight.scheduler_output)
-        prepared: PreparedStep | None = None
-        try:
-            if ahead is not None:
-                prepared = self.runner.prepare_step(ahead)  # overlaps the step in flight
-            updated += self._complete()
-        except BaseException:
-            self._abandon()
-            self._drop(ahead, prepared)
-            raise
-        if ahead is not None and prepared is not None:
-            if self.scheduler.ahead_still_valid(ahead):
-                self.scheduler.commit_ahead(ahead)
-                self._launch(prepared, flight.launched)
-                self.stats.num_async_steps += 1
-                return updated
-            # A request of it ended in the step that just completed: the synchronous loop builds another
-            # batch, and a row's results are not the same bits in another batch.
-            self._drop(ahead, prepared)
-            reason = "finished"
-        assert reason is not None
-        self._launch_scheduled(self.scheduler.schedule(), reason)
-        return updated
-
-    def _drop(self, ahead: SchedulerOutput | None, prepared: PreparedStep | None) -> None:
-        """Take back a step scheduled (and maybe prepared) ahead that will not run."""
-        if prepared is not None:
-            self.runner.discard(prepared)
-        if ahead is not None:
-            self.scheduler.unschedule(ahead)
-
-    def _launch_scheduled(self, scheduler_output: SchedulerOutput, reason: str) -> None:
-        """Prepare and launch a step scheduled after the step before it ended (async batching)."""
-        if scheduler_output.is_empty:
-            self.runner.execute(scheduler_output)  # its KV copies (offloads of preempted requests), if any
-            self._record_stats(scheduler_output, RunnerOutput(), 0.0)
-            return
-        try:
-            prepared = self.runner.prepare_step(scheduler_output)
-        except BaseException:
-            self.scheduler.uncache_step(scheduler_output)
-            raise
-        self._launch(prepared, None)
-        self.stats.num_sync_steps += 1
-        self.stats.async_fallbacks[reason] += 1
-
-    def _launch(self, prepared: PreparedStep, previous: LaunchedStep | None) -> None:
-        try:
-            launched = self.runner.launch(prepared, previous)
-        except BaseException:
-            self.scheduler.uncache_step(prepared.scheduler_output)
-            raise
-        self._in_flight = _InFlight(launched, time.perf_counter())
-
     def _complete(self) -> list[Request]:
         """Wait for the step in flight and apply its results (async batching)."""
         flight = self._in_flight
         assert flight is not None
-        scheduler_output = flight.scheduler_output
-        try:
-            runner_output = self.runner.collect(flight.launched)
-        except BaseException:
-            self._in_flight = None
-            self.scheduler.undo_advance(scheduler_output)
-            self.scheduler.uncache_step(scheduler_output)
-            raise
         self._in_flight = None
+        scheduler_output = flight.launched.prepared.scheduler_output
+        runner_output = self.runner.collect(flight.launched)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
         self._record_stats(scheduler_output, runner_output, now - max(flight.launched_at, self._last_step_end))
         self._last_step_end = now
         return updated
 
-    def _abandon(self) -> None:
-        """Wait for the step in flight and drop its results, as if it had never run (an error elsewhere)."""
-        flight = self._in_flight
-        if flight is None:
-            return
-        self._in_flight = None
-        try:
-            flight.launched.wait()
-        except BaseException:  # noqa: BLE001 - its results are dropped either way
-            pass
-        self.scheduler.undo_advance(flight.scheduler_output)
-        self.scheduler.uncache_step(flight.scheduler_output)
-
     def _record_stats(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
-        stats = self.stats
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_offloads = self.kv_cache_manager.num_offloads
+        """Count a step in the loop's own counters (see ``stats``)."""
         if scheduler_output.is_empty:
             return
-        stats.num_steps += 1
-        if self.runner.static_paths:
-            if ModelRunner.path_of(scheduler_output.scheduled) in self.runner.static_paths:
-                stats.num_padded_steps += 1
-            self._record_compile_stats()
-        stats.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
-        stats.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
-        stats.num_generated_tokens += len(runner_output.sampled_token_ids)
-        stats.num_prefix_cache_hit_blocks = self.block_manager.num_prefix_cache_hit_blocks
-        stats.num_forks += len(scheduler_output.forks)
-        stats.num_block_copies = self.kv_cache_manager.num_block_copies
-        stats.num_decode_fast_path_steps = self.runner.num_decode_fast_path_steps
+        counts = self._counts
+        counts.num_steps += 1
+        if ModelRunner.path_of(scheduler_output.scheduled) in self.runner.static_paths:
+            counts.num_padded_steps += 1
+        counts.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
+        counts.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
+        counts.num_generated_tokens += len(runner_output.sampled_token_ids)
+        counts.num_forks += len(scheduler_output.forks)
         if scheduler_output.is_decode_only:
-            stats.decode_step_seconds.append(seconds)
-            stats.decode_step_batch.append(len(scheduler_output.scheduled))
+            counts.decode_step_seconds.append(seconds)
+            counts.decode_step_batch.append(len(scheduler_output.scheduled))
         self._log_progress()
 
     def _log_progress(self) -> None:
@@ -743,7 +503,7 @@ class Engine:
         now = time.perf_counter()
         if now - self._last_log[0] < self.config.progress_log_interval:
             return
-        tokens = self.stats.num_generated_tokens - self._last_log[1]
+        tokens = self._counts.num_generated_tokens - self._last_log[1]
         logger.debug(
             "%.1f generated tokens/s; %d running, %d waiting, %d free blocks",
             tokens / (now - self._last_log[0]),
@@ -751,17 +511,9 @@ class Engine:
             len(self.scheduler.waiting),
             self.block_manager.num_free_blocks,
         )
-        self._last_log = (now, self.stats.num_generated_tokens)
+        self._last_log = (now, self._counts.num_generated_tokens)
 
     # ------------------------------------------------------------------ warmup
-    def _record_compile_stats(self) -> None:
-        stats, runner = self.stats, self.runner
-        stats.num_compiles = runner.compile_counter.count
-        stats.num_cuda_graph_captures = runner.graphs.num_captures if runner.graphs is not None else 0
-        if self._warmed_up:
-            stats.num_compiles_after_warmup = stats.num_compiles - self._compiles_at_warmup
-            stats.num_cuda_graph_captures_after_warmup = stats.num_cuda_graph_captures - self._captures_at_warmup
-
     def warmup_plan(self) -> list[tuple[str, tuple[int, ...]]]:
         """The (path, padded shape) pairs ``warmup`` runs: two per compiled or graphed path
         (``static_step.warmup_shapes``); empty when every path is eager."""
@@ -808,7 +560,7 @@ class Engine:
             # dynamic=True graphs compiled by an earlier engine on this model: nothing to compile here.
             logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
             self._warmed_up = True
-            self.stats.warmup_seconds = 0.0
+            self._counts.warmup_seconds = 0.0
             return 0.0
         t0 = time.perf_counter()
         # On CUDA, on the engine's device whatever the calling thread's current device is.
@@ -816,20 +568,19 @@ class Engine:
         with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
             self.runner.warmup(plan, lambda: bar.update(1))
         seconds = time.perf_counter() - t0
-        self._record_compile_stats()
+        stats = self.stats
         self._warmed_up = True
-        self._compiles_at_warmup = self.stats.num_compiles
-        self._captures_at_warmup = self.stats.num_cuda_graph_captures
-        self._record_compile_stats()
-        self.stats.warmup_seconds = seconds
+        self._compiles_at_warmup = stats.num_compiles
+        self._captures_at_warmup = stats.num_cuda_graph_captures
+        self._counts.warmup_seconds = seconds
         mark_warmed(self.model, key)
         logger.info(
             "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
             len(plan),
             " and ".join(self.runner.static_paths),
             seconds,
-            self.stats.num_compiles,
-            self.stats.num_cuda_graph_captures,
+            stats.num_compiles,
+            stats.num_cuda_graph_captures,
         )
         return seconds
 
@@ -846,8 +597,7 @@ class Engine:
         """
         if not self._closed:
             self._closed = True
-            if self._in_flight is not None:
-                self._abandon()
+            self._in_flight = None  # the worker thread finishes it (runner.close); its results are dropped
             self.runner.close()
             restore_attention(self.model, self._original_attn)
             if self.offload_pool is not None:

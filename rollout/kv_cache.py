@@ -58,17 +58,6 @@ GIB = 1024**3
 # and log-softmax of the logprobs); one more covers the top-k/top-p masks, which run on sampled rows only.
 LOGITS_FLOAT32_TEMPORARIES = 8
 
-# Colocated training (see ``training_memory_percent``): the gradient and AdamW's two moments are each
-# as large as the trainable parameters, and none exists before the first backward and optimizer step.
-TRAINING_STATE_FACTOR = 3
-# The share of what remains that the engine takes next to a trainer, as TRL does for its own
-# continuous-batching path: trl/trainer/grpo_trainer.py (TRL 1.16.0, GRPOTrainer.__init__) sets
-# ``cb_kwargs.setdefault("max_memory_percent", 0.5)`` because transformers' 0.9 "leaves almost no
-# VRAM for the training backward pass". The other half is left to activations and the loss's logits.
-TRAINING_ENGINE_SHARE = 0.5
-# Floor of ``training_memory_percent`` (``max_memory_percent`` must be > 0).
-MIN_TRAINING_MEMORY_PERCENT = 0.01
-
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -470,52 +459,6 @@ def offload_space_gib(config: ContinuousBatchingConfig) -> float:
             config.cpu_offload_space_safety_threshold,
         )
     return gib
-
-
-def training_state_bytes(model: torch.nn.Module) -> int:
-    """Bytes that training will add to ``model``: ``TRAINING_STATE_FACTOR`` x its trainable parameters' bytes.
-
-    The gradient and AdamW's ``exp_avg`` and ``exp_avg_sq`` each match a parameter in size and dtype
-    (``torch.optim.AdamW`` allocates them lazily, at the first backward and step).
-    """
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return TRAINING_STATE_FACTOR * trainable
-
-
-def training_memory_percent(model: torch.nn.Module, usable_bytes: int | None = None) -> float:
-    """The engine's memory share next to a trainer of ``model``: ``max_memory_percent`` for a colocated engine.
-
-    The engine is built before the trainer's gradients and optimizer state exist, so sizing from the
-    memory usable then (0.9 of it on CUDA by default) leaves the first backward nothing. This share
-    first sets aside ``training_state_bytes(model)`` (gradient and AdamW moments: 3 x the trainable
-    parameters' bytes), then gives the engine ``TRAINING_ENGINE_SHARE`` (0.5, TRL's default for its own
-    continuous-batching path) of the rest; the other half is left to the training forward's
-    activations and logits. It is never above the engine's own default for the device (0.25 on CPU).
-
-    Args:
-        model: the policy model, on the device the engine will use.
-        usable_bytes: that device's usable memory in bytes; None measures it (``usable_memory_bytes``).
-
-    Returns:
-        ``min(device default, TRAINING_ENGINE_SHARE * (usable - state) / usable)``, as a fraction of the
-        usable memory; ``MIN_TRAINING_MEMORY_PERCENT`` (with a warning) when the state alone fills it.
-    """
-    device = next(model.parameters()).device
-    usable = usable_memory_bytes(device) if usable_bytes is None else usable_bytes
-    state = training_state_bytes(model)
-    default = ContinuousBatchingConfig().resolved_memory_percent(device.type)
-    if usable <= 0 or state >= usable:
-        logger.warning(
-            "training state (%.3f GiB: gradients and AdamW moments) does not fit the %.3f GiB usable on %s; the "
-            "engine takes %.0f%% of it",
-            state / GIB,
-            usable / GIB,
-            device,
-            100 * MIN_TRAINING_MEMORY_PERCENT,
-        )
-        return MIN_TRAINING_MEMORY_PERCENT
-    share = TRAINING_ENGINE_SHARE * (usable - state) / usable
-    return max(MIN_TRAINING_MEMORY_PERCENT, min(default, share))
 
 
 class PagedKVCache:

@@ -9,9 +9,6 @@ and ``request.offloaded``:
 - ``allocate_slots``: the blocks for n more tokens, or a refusal (False) when the free blocks, less
   the safety margin where asked, cannot hold them; nothing changes on a refusal but the return of
   blocks that fell out of a sliding window (which no query reads again);
-- ``allocate_slots(..., reversible=True)`` and ``release_tail``: an allocation that can be taken back
-  exactly, in every group (a step scheduled ahead by async batching; ``drop_out_of_window`` then gives
-  back a sliding group's out-of-window blocks once the step is kept);
 - ``cache_blocks``: hash the blocks a step fills, so later requests can share them;
 - ``free`` and ``uncache``: give blocks back, drop blocks whose KV is not (or no longer) valid;
 - ``fork``: a request takes every block of another with the same tokens (prompt forking);
@@ -187,7 +184,6 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
         keep_margin: bool = False,
-        reversible: bool = False,
     ) -> bool:
         """Give a request the slots of its next tokens, or refuse.
 
@@ -208,17 +204,10 @@ class KVCacheManager:
             num_new_computed_tokens: tokens those hits (or an offloaded KV being restored) cover.
             keep_margin: leave ``safety_margin_blocks`` free after the allocation (admissions while
                 other requests run).
-            reversible: refuse, too, what ``release_tail`` could not undo exactly: a copy-on-write of a
-                shared block, prefix-cache hits, or fresh blocks (all groups' together) of which one
-                carries a prefix-cache hash (its hash would be lost). And give back no block that fell
-                out of a sliding window: ``drop_out_of_window`` does that when the step is kept (those
-                blocks, freed now, would change the free queue's order, which a step taken back could
-                not restore; the next queries do not read them either way). The scheduler allocates so
-                when it schedules a step ahead (async batching), a step it may have to take back.
 
         Returns:
             True when the slots are allocated; False, changing nothing else, when the free blocks
-            cannot hold them (or, with ``reversible``, the allocation could not be undone exactly).
+            cannot hold them.
         """
         tables = self._tables(request)
         bs = self.block_size
@@ -229,7 +218,7 @@ class KVCacheManager:
         fresh: list[int] = []
         shared: list[list[int]] = []
         for g, window in enumerate(self.sliding_windows):
-            if window is not None and not reversible:
+            if window is not None:
                 self._drop_out_of_window(request, g)
             held = len(tables[g]) + len(hits[g])
             fresh.append(need - max(held, self._window_start(g, start)))
@@ -245,8 +234,6 @@ class KVCacheManager:
         num_fresh = sum(max(f, 0) for f in fresh)
         wanted = num_evictable_hits + num_fresh + sum(len(s) for s in shared)
         if bm.num_free_blocks - wanted < margin:
-            return False
-        if reversible and (any(shared) or new_computed_blocks or bm.allocation_evicts_cached(num_fresh)):
             return False
         # Every group's hits first: a fresh block comes from the head of the free queue, which may hold
         # another group's hit that nobody has acquired yet.
@@ -305,32 +292,6 @@ class KVCacheManager:
                 self.num_block_copies += 1
             bm.free([src])  # the other holders keep it
             table[i] = dst
-
-    def drop_out_of_window(self, request: Request) -> None:
-        """Give back, in every sliding group, the blocks before the window of the request's next queries
-        (what ``allocate_slots`` does first, unless ``reversible``)."""
-        for g, window in enumerate(self.sliding_windows):
-            if window is not None and g < len(request.block_tables):
-                self._drop_out_of_window(request, g)
-
-    def release_tail(self, request: Request, num_blocks: Sequence[int]) -> None:
-        """Undo a ``reversible`` allocation: give back ``request.block_tables[g][num_blocks[g]:]`` of each group.
-
-        The groups are undone last first, and several requests' allocations in the reverse order they were
-        made, so that the free queue is left exactly as before them: a reversible allocation took only
-        blocks without a prefix-cache hash from the head of the queue, and ``BlockManager.free`` puts such
-        blocks back at the head (see ``BlockManager.allocation_evicts_cached``).
-
-        Args:
-            request: the request.
-            num_blocks: the length of each group's block table before the allocation, groups in order.
-        """
-        for g in reversed(range(len(num_blocks))):
-            table = request.block_tables[g]
-            tail = [b for b in table[num_blocks[g] :] if b != NULL_BLOCK]
-            if tail:
-                self.block_manager.free(tail)
-            del table[num_blocks[g] :]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies queued since the last call, in order; the queue empties.

@@ -16,13 +16,13 @@ back in one device-to-host copy, the step's only host sync outside the model's f
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
 
-- ``prepare_step``: the host work (inputs, attention metadata or the padded batch of a compiled or
-  CUDA-graphed path, sampling rows and random numbers) and the staged upload of the inputs;
-- ``launch``: the KV copies, the forward and the sampling. A step scheduled ahead holds placeholders for
-  the tokens that the step before it samples (``ScheduledRequest.placeholder_row``); ``launch`` copies
+- ``prepare_step``: the host work (the step's batch, exact or padded for a compiled or CUDA-graphed path,
+  sampling rows and random numbers) and the staged upload of the inputs;
+- ``launch``: the KV copies, the forward and the sampling. A step scheduled while the one before it runs
+  holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch`` copies
   those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
-  "carry over" of tokens between batches do the same), into the padded batch's input ids on a static
-  path, before a CUDA graph copies them into its static inputs. On CPU a worker thread runs it (torch
+  "carry over" of tokens between batches do the same), before a CUDA graph copies them into its static
+  inputs. On CPU a worker thread runs it (torch
   releases the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the
   current stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a
   side stream into two staging buffer sets used in turn and the results copied back into pinned memory;
@@ -31,20 +31,18 @@ prepares step k + 1 while step k's forward and sampling run:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
-from .attention import METADATA_KWARG, PagedAttentionMetadata, PrefillSegment
-from .kv_cache import CPUOffloadPool, PagedKVCache, window_start_block
-from .onednn import AUTO, MKL, OneDNNLinear, is_dtensor, linear_kernel_policy
+from .kv_cache import CPUOffloadPool, PagedKVCache
+from .onednn import AUTO, MKL, is_dtensor, linear_kernel_policy
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -59,6 +57,11 @@ from .static_step import (
     compiled_forward,
     synthetic_batch,
 )
+
+# ``torch.profiler.record_function`` ranges the runner opens on the thread that runs them, so that a profile
+# (``rollout.benchmarks.profile_step``) can tell the host work of a step from its model forward.
+PREPARE_SCOPE = "rollout.prepare_step"  # the host work of ``prepare_step``: inputs, metadata, staged upload
+FORWARD_SCOPE = "rollout.forward"  # the model's forward (eager, compiled or graph replay), logits rows kept
 
 
 @dataclass
@@ -87,38 +90,27 @@ class PreparedStep:
 
     Attributes:
         scheduler_output: the step (not empty).
-        kwargs: the eager forward's keyword arguments: ``input_ids`` int64 [1, T], ``position_ids`` int64
-            [1, T], the paged-attention metadata, ``logits_to_keep``; None on a static-shape path.
-        batch: the padded inputs of a compiled or CUDA-graphed path (``static_step.PaddedBatch``); None on
-            the eager path.
-        rows: int64 [R], the rows whose logits are kept (the eager path without ``logits_to_keep`` selects
-            them after the forward); on a static path, the padded forward keeps them itself.
+        batch: the step's inputs (``static_step.PaddedBatch``), exact or padded as its path runs.
+        rows: the rows whose logits are kept, in order (the forward keeps ``batch.logits_rows``, these first).
         plan: which kept row is for what.
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
         uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
             ``sampling.step_uniforms``); None when nothing is sampled.
-        placeholders: int64 [2, P] on the device: row 0 the rows of the input ids (flattened; the padded
-            batch's rows on a static path, the same indices) that hold a placeholder, row 1 the index of
+        placeholders: int64 [2, P] on the device: row 0 the rows of ``batch.input_ids`` (a padded batch
+            keeps the real rows first, at the same indices) that hold a placeholder, row 1 the index of
             the token that replaces each among the previous step's sampled tokens; None when every input
             token is known.
-        generator_state: the engine generator's state before this step drew from it, put back by
-            ``ModelRunner.discard``; None when the step did not draw, or cannot be discarded.
         staging_slot: the input staging buffer set holding the inputs.
-        fast_decode: the step was prepared for the CUDA decode fast path (counted in
-            ``num_decode_fast_path_steps``; ``discard`` takes the count back).
     """
 
     scheduler_output: SchedulerOutput
-    kwargs: dict | None
-    batch: PaddedBatch | None
-    rows: torch.Tensor | list[int]
+    batch: PaddedBatch
+    rows: list[int]
     plan: LogitsPlan
     sampled: list[Request]
     uniform: np.ndarray | None
     placeholders: torch.Tensor | None
-    generator_state: torch.Tensor | None
     staging_slot: int
-    fast_decode: bool = False
 
 
 @dataclass
@@ -212,23 +204,6 @@ def _scored_span(req: Request, computed: int, num_tokens: int) -> tuple[int, int
     return lo, hi
 
 
-def slots_of(block_tables: torch.Tensor, lengths_max: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions 0..lengths_max-1 of each sequence.
-
-    Args:
-        block_tables: int64 [B, max_blocks]; row b lists the physical blocks of sequence b.
-        lengths_max: positions to map per row.
-        block_size: tokens per block.
-
-    Returns:
-        int64 [B, lengths_max]: block_tables[b, pos // block_size] * block_size + pos % block_size.
-        Positions past a row's blocks map to slots of block 0: callers mask them.
-    """
-    pos = torch.arange(lengths_max, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size]
-    return blocks * block_size + (pos % block_size)[None, :]
-
-
 def _keep_rows(
     entry: ScheduledRequest,
     start: int,
@@ -244,7 +219,7 @@ def _keep_rows(
     segment in ``plan`` and their temperature in ``score_temps``).
     """
     req, n = entry.request, entry.num_scheduled_tokens
-    c = req.num_computed_tokens
+    c = entry.num_computed_tokens
     if entry.sample:
         logits_rows.append(start + n - 1)
         plan.sampled.append(req)
@@ -257,21 +232,28 @@ def _keep_rows(
             score_temps.extend([req.score_temperature] * (hi - lo))
 
 
-def _placeholders(scheduled: Sequence[ScheduledRequest]) -> tuple[list[int], list[int]]:
-    """Where a step scheduled ahead holds placeholders (see ``ScheduledRequest.placeholder_row``).
+def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> tuple[list[int], list[int]]:
+    """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
+
+    A request's query tokens past its known ``token_ids`` are such tokens; the scheduling rule lets a
+    request have one (its last query token), sampled by the step launched just before.
+
+    Args:
+        scheduled: the step's requests, in batch order.
+        sample_rows: the row of each request (by id) among the sampled tokens of the step before.
 
     Returns:
-        The flattened input rows that hold one (a request's last query row), and for each the index of
-        the token that replaces it among the previous step's sampled tokens; both empty when none.
+        The flattened input rows that hold one, and for each the index of the token that replaces it
+        among the previous step's sampled tokens; both empty when none.
     """
     rows: list[int] = []
     sources: list[int] = []
     end = 0
     for entry in scheduled:
         end += entry.num_scheduled_tokens
-        if entry.placeholder_row is not None:
+        if entry.num_computed_tokens + entry.num_scheduled_tokens > entry.request.num_tokens:
             rows.append(end - 1)
-            sources.append(entry.placeholder_row)
+            sources.append(sample_rows[entry.request.request_id])
     return rows, sources
 
 
@@ -283,15 +265,16 @@ class ModelRunner:
     whose logits are sampled or scored go through the LM head (``logits_to_keep``).
 
     Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
-    other step (prefill chunks, mixed, scoring) the "varlen" path. A path that is neither compiled nor
-    CUDA-graphed runs eagerly on the exact batch (``prepare``, ``PagedAttentionMetadata``); one that is
-    runs the static-shape step of ``static_step`` (padded inputs, ``PaddedAttentionMetadata``), through
-    its compiled forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
+    other step (prefill chunks, mixed, scoring) the "varlen" path. Every step has one input builder
+    (``static_step.build_padded_batch``) and one forward over the same paged attention; padding is a
+    choice of sizes: a path that is neither compiled nor CUDA-graphed keeps the exact sizes (and, with
+    ``use_flash``, adds flash-attn's inputs), one that is runs padded (``padding``), through its compiled
+    forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
 
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: build flash-attn metadata (CUDA) instead of the SDPA path's.
+        use_flash: eager steps add flash-attn's inputs (CUDA): attention runs its kernels, not SDPA.
         max_blocks_per_request: with ``use_flash``, the width of the decode fast path's block table
             (``ContinuousBatchingConfig.resolved_max_blocks_per_request``); 0 sends every step
             through the varlen kernel.
@@ -356,6 +339,8 @@ class ModelRunner:
         # One staging buffer for the step's inputs and one for the sampler's per-row values: each
         # waits only for its own previous copy before it is refilled.
         self.async_batching = async_batching
+        # Async batching: the row of each request (by id) among the sampled tokens of the step prepared last.
+        self._sample_rows: dict[str, int] = {}
         self._worker: ThreadPoolExecutor | None = None
         if async_batching and self.device.type == "cuda":
             # Step k + 1's inputs are copied on a side stream while step k's forward reads its own set.
@@ -369,173 +354,24 @@ class ModelRunner:
         self._sampling_staging = HostStaging(self.device)
         # The static-shape paths: for each path, its forward (compiled or plain) when it runs padded.
         self.padding = padding
+        self._exact = PaddingRule.exact_rule(self.block_size)
         self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
         self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
+        # Each path's forward (compiled or plain); the paths that run padded (compiled or graphed).
         self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
+        self._static: set[str] = set()
         for path in PATHS:
             config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
+            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
             if config is None and not graphed:
                 continue
             if padding is None:
                 raise ValueError(f"the {path} path is compiled or CUDA-graphed: it needs a padding rule")
-            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
+            self._static.add(path)
         if any(cuda_graphs) and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
         self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
         self.compile_counter = CompileCounter()
-
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> tuple[dict, torch.Tensor, LogitsPlan]:
-        """Build the model inputs and the attention metadata of a step.
-
-        Every index tensor is built on the host with numpy and reaches the device in one copy
-        (``HostStaging``); the block-table gathers are then computed on the device. Slots, gathers and
-        block tables are built per layer group of the cache (``Request.block_tables``); a sliding
-        group's gathers start at the block of its window (``kv_cache.window_start_block``).
-
-        Returns:
-            The forward kwargs; int64 [R]: the rows whose logits are kept (sampled
-            requests' last query tokens, then scored positions); and the plan of those rows.
-        """
-        kwargs, rows, plan, _, _ = self._prepare_inputs(scheduled)
-        return kwargs, rows, plan
-
-    def _prepare_inputs(
-        self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[dict, torch.Tensor, LogitsPlan, torch.Tensor | None, bool]:
-        """``prepare``, the placeholders of a step scheduled ahead (see ``PreparedStep.placeholders``; a
-        placeholder's input id is staged as 0, a valid id, and replaced on the device by ``launch``), and
-        whether the step takes the CUDA decode fast path."""
-        bs = self.block_size
-        windows = self.sliding_windows
-        num_groups = len(windows)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
-        logits_rows: list[int] = []
-        score_rows: list[int] = []
-        score_temps: list[float] = []
-        plan = LogitsPlan()
-        decode_rows: list[int] = []
-        decode_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
-        decode_lengths: list[list[int]] = [[] for _ in range(num_groups)]
-        # Per group: (start, end, context counted from the first gathered block, table from that block).
-        prefill_specs: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(num_groups)]
-        placeholder_rows, placeholder_sources = _placeholders(scheduled)
-        for entry in scheduled:
-            req, n = entry.request, entry.num_scheduled_tokens
-            c = req.num_computed_tokens
-            start = len(input_ids)
-            input_ids.extend(req.token_ids[c : c + n])
-            if entry.placeholder_row is not None:
-                input_ids[-1] = 0  # the request's one input token is sampled by the step in flight
-            positions.extend(range(c, c + n))
-            pos = np.arange(c, c + n, dtype=np.int64) if n > 1 else None
-            for g, window in enumerate(windows):
-                table = req.block_tables[g]
-                if pos is None:
-                    slots[g].append(table[c // bs] * bs + c % bs)
-                else:
-                    slots[g].extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
-                first = window_start_block(window, c, bs)
-                kept = table if first == 0 else table[first:]
-                if n == 1:
-                    decode_tables[g].append(kept)
-                    decode_lengths[g].append(c + 1 - first * bs)
-                else:
-                    prefill_specs[g].append((start, start + n, c - first * bs, kept))
-            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
-            if n == 1:
-                decode_rows.append(start)
-        use_flash = self.use_flash
-        fast_decode = use_flash and self._fits_decode_fast_path(scheduled)
-        gathered = [[spec for spec in specs if spec[2] > 0] for specs in prefill_specs] if not use_flash else []
-        arrays: list[np.ndarray] = [
-            np.asarray(input_ids, dtype=np.int64),
-            np.asarray(positions, dtype=np.int64),
-            np.asarray(logits_rows + score_rows, dtype=np.int64),
-            np.asarray(plan.score_targets, dtype=np.int64),
-            np.asarray(score_temps, dtype=np.float64),
-            *(np.asarray(group_slots, dtype=np.int64) for group_slots in slots),
-        ]
-        if fast_decode:
-            arrays += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
-        elif use_flash:
-            arrays += self._flash_arrays(scheduled, num_groups)
-        elif decode_rows:
-            arrays.append(np.asarray(decode_rows, dtype=np.int64))
-            for g in range(num_groups):
-                arrays += [np.asarray(decode_lengths[g], dtype=np.int64), _padded(decode_tables[g])]
-        arrays += [np.asarray(spec[3], dtype=np.int64) for specs in gathered for spec in specs]
-        if placeholder_rows:
-            arrays.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
-        staged_list = self._input_staging.upload(*arrays)
-        placeholders = staged_list.pop() if placeholder_rows else None
-        staged = iter(staged_list)
-        ids_t, pos_t, rows, targets, temps = (next(staged) for _ in range(5))
-        slot_mappings = [next(staged) for _ in range(num_groups)]
-        if plan.score_segments:
-            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
-        metas: list[PagedAttentionMetadata] = []
-        if fast_decode:
-            seqlens_t = next(staged).to(torch.int32)
-            for g in range(num_groups):
-                flash = {"cache_seqlens": seqlens_t, "block_table": next(staged).to(torch.int32)}
-                metas.append(
-                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
-                )
-            self.num_decode_fast_path_steps += 1
-        elif use_flash:
-            cu_q, cu_k = next(staged), next(staged)
-            q_lens = [e.num_scheduled_tokens for e in scheduled]
-            k_lens = [e.request.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-            common = {
-                "cu_seqlens_q": cu_q.to(torch.int32),
-                "cu_seqlens_k": cu_k.to(torch.int32),
-                "max_seqlen_q": max(q_lens),
-                "max_seqlen_k": max(k_lens),
-            }
-            for g in range(num_groups):
-                flash = {**common, "block_table": next(staged).to(torch.int32)}
-                metas.append(
-                    PagedAttentionMetadata(self.cache, slot_mappings[g], None, None, None, [], flash, windows[g])
-                )
-        else:
-            d_rows = None
-            decode: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_groups
-            if decode_rows:
-                d_rows = next(staged)
-                for g in range(num_groups):
-                    d_lengths, d_tables = next(staged), next(staged)
-                    decode[g] = (slots_of(d_tables, max(decode_lengths[g]), bs), d_lengths)
-            for g in range(num_groups):
-                tables = {id(spec): next(staged) for spec in gathered[g]}
-                prefills: list[PrefillSegment] = []
-                for spec in prefill_specs[g]:
-                    start, end, context, _table = spec
-                    gather = None
-                    if context > 0:
-                        gather = slots_of(tables[id(spec)][None, :], context + end - start, bs)[0]
-                    prefills.append(PrefillSegment(start, end, context, gather))
-                d_gather, d_lengths = decode[g]
-                metas.append(
-                    PagedAttentionMetadata(
-                        self.cache, slot_mappings[g], d_rows, d_gather, d_lengths, prefills, None, windows[g]
-                    )
-                )
-        meta = metas[0]
-        if num_groups > 1:
-            meta.groups = metas
-        kwargs = {
-            "input_ids": ids_t[None, :],
-            "position_ids": pos_t[None, :],
-            "attention_mask": self._skip_mask,
-            "use_cache": False,
-            METADATA_KWARG: meta,
-        }
-        plan.num_sample_rows = len(logits_rows)
-        if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = rows
-        return kwargs, rows, plan, placeholders, fast_decode
 
     def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
@@ -545,7 +381,7 @@ class ModelRunner:
         if width <= 0 or not scheduled:
             return False
         limit = width * self.block_size  # keys a table row can address
-        return all(e.num_scheduled_tokens == 1 and e.request.num_computed_tokens < limit for e in scheduled)
+        return all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
 
     @staticmethod
     def _flash_decode_arrays(
@@ -560,7 +396,7 @@ class ModelRunner:
             ``NULL_BLOCK`` entries before its window read as block 0, which the window mask never lets a
             query attend to, as in ``_flash_arrays``).
         """
-        seqlens = np.asarray([e.request.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
+        seqlens = np.asarray([e.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
         tables = []
         for g in range(num_groups):
             table = np.zeros((len(scheduled), width), dtype=np.int64)
@@ -580,7 +416,7 @@ class ModelRunner:
             which the kernel's window mask never lets a query attend to).
         """
         q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
-        k_lens = np.asarray([e.request.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
+        k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
         zero = np.zeros(1, dtype=np.int64)
         tables = [np.maximum(_padded([e.request.block_tables[g] for e in scheduled]), 0) for g in range(num_groups)]
         return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
@@ -610,52 +446,32 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The host work of a step that is not empty: its inputs staged on the device (the padded batch on
-        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``: a
-        sampled request's counter counts a pending placeholder, as the synchronous loop counts the token
-        it stands for).
+        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``:
+        a sampled token's counter is its index among the request's generated tokens, placeholders of the
+        step in flight counted, so that a seeded request draws the same numbers whatever the batching).
 
-        A step scheduled ahead (``scheduler_output.ahead``) keeps the generator's state from before its
-        draw, so that ``discard`` can put it back: a discarded step then draws nothing.
+        Steps must be prepared in the order they are launched: a step's placeholders are filled from the
+        sampled tokens of the step prepared before it.
         """
         scheduled = scheduler_output.scheduled
-        batch = None
-        kwargs = None
-        fast_decode = False
-        path = self.path_of(scheduled) if self._forwards else None
-        if path in self._forwards:
-            batch, rows, plan, placeholders = self._prepare_padded(scheduled, path)
-        else:
-            kwargs, rows, plan, placeholders, fast_decode = self._prepare_inputs(scheduled)
-        sampled = plan.sampled + [child for _, child in scheduler_output.forks]
+        with record_function(PREPARE_SCOPE):
+            batch, rows, plan, placeholders = self._prepare_batch(scheduled, self.path_of(scheduled))
+        forks = [child for _, child in scheduler_output.forks]
+        sampled = plan.sampled + forks
         uniform = None
-        state = None
         if sampled:
-            params = [r.params for r in sampled]
-            if scheduler_output.ahead and any(not p.greedy and p.seed is None for p in params):
-                state = self.generator.get_state()
-            uniform = step_uniforms(params, [r.num_generated_tokens for r in sampled], self.generator)
+            counters = [
+                e.num_computed_tokens + e.num_scheduled_tokens - e.request.num_prompt_tokens
+                for e in scheduled
+                if e.sample
+            ]
+            counters += [child.num_generated_tokens for child in forks]
+            uniform = step_uniforms([r.params for r in sampled], counters, self.generator)
+        if self.async_batching:
+            self._sample_rows = {r.request_id: i for i, r in enumerate(sampled)}
         return PreparedStep(
-            scheduler_output,
-            kwargs,
-            batch,
-            rows,
-            plan,
-            sampled,
-            uniform,
-            placeholders,
-            state,
-            self._input_staging.last_slot,
-            fast_decode,
+            scheduler_output, batch, rows, plan, sampled, uniform, placeholders, self._input_staging.last_slot
         )
-
-    def discard(self, prepared: PreparedStep) -> None:
-        """Drop a prepared step that will not run: the generator's draw and the fast-path count are taken
-        back and its staging released."""
-        if prepared.generator_state is not None:
-            self.generator.set_state(prepared.generator_state)
-        if prepared.fast_decode:
-            self.num_decode_fast_path_steps -= 1
-        self._input_staging.release(prepared.staging_slot)
 
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start a step's KV copies, forward and sampling; ``collect`` waits for them.
@@ -667,21 +483,18 @@ class ModelRunner:
         Args:
             prepared: the step.
             previous: the step launched before it, whose sampled tokens fill its placeholders (needed when
-                ``prepared.placeholders`` is set; collected already, or at least launched earlier).
+                ``prepared.placeholders`` is set).
 
         Raises:
-            ValueError: the step has placeholders and ``previous`` sampled nothing.
-            Whatever the forward raises when it runs in the calling thread.
+            ValueError: the step has placeholders and no ``previous`` step.
+            Whatever the forward raises when it runs in the calling thread (in the worker thread: ``collect``).
         """
-        tokens = None
-        if prepared.placeholders is not None:
-            tokens = previous.wait().tokens if previous is not None else None
-            if tokens is None:
-                raise ValueError("a step with placeholder tokens needs the previous step's sampled tokens")
+        if prepared.placeholders is not None and previous is None:
+            raise ValueError("a step with placeholder tokens needs the step launched before it")
         if self._worker is not None:
-            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, tokens))
+            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, previous))
         try:
-            return LaunchedStep(prepared, result=self._compute(prepared, tokens, readback=self.async_batching))
+            return LaunchedStep(prepared, result=self._compute(prepared, previous, readback=self.async_batching))
         finally:
             self._input_staging.release(prepared.staging_slot)
 
@@ -705,29 +518,26 @@ class ModelRunner:
             self._worker = None
 
     @torch.inference_mode()
-    def _compute(
-        self, prepared: PreparedStep, previous_tokens: torch.Tensor | None, readback: bool = False
-    ) -> StepResult:
+    def _compute(self, prepared: PreparedStep, previous: LaunchedStep | None, readback: bool = False) -> StepResult:
         """The device work of a step: KV copies, placeholders, forward, sampling, scores, packed results.
 
         Args:
             prepared: the step.
-            previous_tokens: int64 [B'] the previous step's sampled tokens, for the placeholders.
+            previous: the step launched before it, whose sampled tokens (int64 [B'] on the device) replace
+                the placeholders; computed already when this runs (the worker runs steps in launch order).
             readback: start the copy of the results into pinned host memory (CUDA; ``collect`` waits for it).
         """
         scheduler_output = prepared.scheduler_output
         self._move_kv(scheduler_output)
         plan = prepared.plan
         if prepared.placeholders is not None:
+            assert previous is not None
+            previous_tokens = previous.wait().tokens
             assert previous_tokens is not None
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
-            ids = prepared.batch.input_ids if prepared.batch is not None else prepared.kwargs["input_ids"][0]
-            ids[rows] = previous_tokens.index_select(0, sources)
-        if prepared.batch is not None:
-            logits = self.forward_padded(prepared.batch)[: len(prepared.rows)]
-        else:
-            assert prepared.kwargs is not None
-            logits = self._eager_forward(prepared.kwargs, prepared.rows)
+            prepared.batch.input_ids[rows] = previous_tokens.index_select(0, sources)
+        with record_function(FORWARD_SCOPE):
+            logits = self.forward(prepared.batch)[: len(prepared.rows)]
         # Everything the host needs back, in one float64 vector and one device-to-host copy: the
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
@@ -747,8 +557,6 @@ class ModelRunner:
             tokens, logprobs, top = sample_tokens(
                 sample_logits,
                 [r.params for r in sampled],
-                None,
-                None,
                 self.logprobs_mode,
                 self.return_logprobs,
                 token_ids=[r.token_ids for r in sampled],
@@ -793,47 +601,23 @@ class ModelRunner:
     @property
     def static_paths(self) -> list[str]:
         """The paths that run padded (compiled or CUDA-graphed), in ``PATHS`` order."""
-        return [path for path in PATHS if path in self._forwards]
+        return [path for path in PATHS if path in self._static]
 
     @staticmethod
     def path_of(scheduled: Sequence[ScheduledRequest]) -> str:
         """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
         return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
 
-    def _eager_forward(self, kwargs: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """The model's forward on the flattened batch, then its kept logits rows in float32 [R, V].
-
-        ``rows``: int64 [R], the kept rows among the T tokens, picked here when the model has no
-        ``logits_to_keep`` (which computes only those rows).
-        """
-        with contextlib.nullcontext() if self._linear_policy == MKL else OneDNNLinear(self._linear_policy):
-            logits = self.model(**kwargs).logits[0]
-        if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, rows)
-        return logits.float()
-
-    @torch.inference_mode()
-    def run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, LogitsPlan]:
-        """One forward of the step (no KV copies, no sampling; every input token known).
-
-        Returns:
-            float32 [R, V]: the kept logits (see ``LogitsPlan``), and their plan.
-        """
-        if self._forwards:
-            path = self.path_of(scheduled)
-            if path in self._forwards:
-                batch, rows, plan, _ = self._prepare_padded(scheduled, path)
-                return self.forward_padded(batch)[: len(rows)], plan
-        kwargs, rows, plan = self.prepare(scheduled)
-        return self._eager_forward(kwargs, rows), plan
-
-    def _prepare_padded(
+    def _prepare_batch(
         self, scheduled: Sequence[ScheduledRequest], path: str
     ) -> tuple[PaddedBatch, list[int], LogitsPlan, torch.Tensor | None]:
-        """The inputs of a step on the static-shape path: the padded batch (one staged upload), the real
-        logits rows, their plan, and the placeholders of a step scheduled ahead (see
-        ``PreparedStep.placeholders``: the padded batch keeps the real rows first, at the same indices)."""
-        assert self.padding is not None
+        """The inputs of a step (one staged upload): its batch, sized exact or padded as its path runs
+        (``static_paths``), with flash-attn's inputs on an eager CUDA step (``use_flash``); the real logits
+        rows, their plan, and the placeholders of a step scheduled behind another (see
+        ``PreparedStep.placeholders``: a padded batch keeps the real rows first, at the same indices)."""
+        static = path in self._static
+        rule = self.padding if static else self._exact
+        assert rule is not None
         plan = LogitsPlan()
         logits_rows: list[int] = []
         score_rows: list[int] = []
@@ -844,19 +628,47 @@ class ModelRunner:
             start += entry.num_scheduled_tokens
         rows = logits_rows + score_rows
         extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
-        placeholder_rows, placeholder_sources = _placeholders(scheduled)
+        placeholder_rows, placeholder_sources = (
+            _placeholders(scheduled, self._sample_rows) if self.async_batching else ([], [])
+        )
         if placeholder_rows:
             extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
-        batch, staged = build_padded_batch(scheduled, rows, path == "decode", self.padding, self._input_staging, extra)
+        num_groups = len(self.sliding_windows)
+        fast_decode = flash = False
+        if self.use_flash and not static:
+            flash = True
+            fast_decode = self._fits_decode_fast_path(scheduled)
+            if fast_decode:
+                extra += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
+            else:
+                extra += self._flash_arrays(scheduled, num_groups)
+        batch, staged = build_padded_batch(
+            scheduled, rows, path == "decode", rule, self._input_staging, extra, num_groups
+        )
         targets, temps = staged[0], staged[1]
         placeholders = staged[2] if placeholder_rows else None
+        if flash:
+            flash_in = staged[3 if placeholder_rows else 2 :]
+            tables = torch.stack(flash_in[-num_groups:]).to(torch.int32)  # [N, B, W]
+            if fast_decode:
+                batch.flash = {"cache_seqlens": flash_in[0].to(torch.int32), "block_tables": tables}
+                self.num_decode_fast_path_steps += 1
+            else:
+                k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+                batch.flash = {
+                    "cu_seqlens_q": flash_in[0].to(torch.int32),
+                    "cu_seqlens_k": flash_in[1].to(torch.int32),
+                    "max_seqlen_q": max(e.num_scheduled_tokens for e in scheduled),
+                    "max_seqlen_k": max(k_lens),
+                    "block_tables": tables,
+                }
         if plan.score_segments:
             plan.score_target_ids, plan.score_temperatures = targets, temps.float()
         plan.num_sample_rows = len(logits_rows)
         return batch, rows, plan, placeholders
 
-    def forward_padded(self, batch: PaddedBatch) -> torch.Tensor:
-        """The padded forward of ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
+    def forward(self, batch: PaddedBatch) -> torch.Tensor:
+        """The one forward of a step, on ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
 
         Compilations it triggers are counted in ``compile_counter``.
 
@@ -864,15 +676,15 @@ class ModelRunner:
             float32 [R, V]: the logits of ``batch.logits_rows`` (padding rows included).
         """
         path = batch.path
-        fn = self._forwards[path]
+        fn = self._forwards[path]  # the plain forward on an eager path
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
 
-        def forward(b: PaddedBatch) -> torch.Tensor:
+        def run(b: PaddedBatch) -> torch.Tensor:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape), forward, batch)
-        return forward(batch)
+            return self.graphs.run((path, batch.shape), run, batch)
+        return run(batch)
 
     @torch.inference_mode()
     def warmup(
@@ -889,7 +701,7 @@ class ModelRunner:
         """
         assert self.padding is not None
         for path, shape in shapes:
-            self.forward_padded(synthetic_batch(path, shape, self.padding, self.device))
+            self.forward(synthetic_batch(path, shape, self.padding, self.device, len(self.sliding_windows)))
             if on_shape is not None:
                 on_shape()
         if self.device.type == "cuda":

@@ -45,10 +45,6 @@ FINISH_CANCELLED = "cancelled"  # cancel_request, or the request was taken out o
 FINISH_ERROR = "error"  # the request failed (a failing step, a hard stop)
 # The finish reason of a request ended from outside with a final status.
 FINISH_REASON_OF_STATUS = {RequestStatus.CANCELLED: FINISH_CANCELLED, RequestStatus.FAILED: FINISH_ERROR}
-# The value held in ``Request.token_ids`` for a token that a step in flight samples (async batching): the next
-# step is scheduled before the token is known. Never a valid token id; the model runner stages 0 in its place
-# and copies the sampled token in on the device before the forward.
-PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -130,9 +126,10 @@ class Request:
         fork_parent: while this request waits for another request's prefill of the same tokens (a
             "parked" fork, see ``Scheduler``), that request; None otherwise.
         forks: the requests parked on this one; they are forked from it when its prefill completes.
-        pending_token: async batching only: ``token_ids[-1]`` is ``PLACEHOLDER_TOKEN``, standing for the
-            token that the step in flight samples, so that the next step can be scheduled before it is
-            known; ``append_token`` writes the real token in its place.
+        num_output_placeholders: tokens that steps in flight will sample for the request and that
+            ``token_ids`` does not hold yet (vLLM v1's count): always 0 with the synchronous scheduler; with
+            async batching (``async_scheduler.AsyncScheduler``) the next step is scheduled before those
+            tokens are known, its scheduling rule counting them as tokens of the request.
     """
 
     def __init__(
@@ -177,7 +174,7 @@ class Request:
         # Prompt forking (the scheduler writes both): the G samples of one prompt are prefilled once.
         self.fork_parent: Request | None = None
         self.forks: list[Request] = []
-        self.pending_token = False
+        self.num_output_placeholders = 0
 
     @property
     def block_table(self) -> list[int]:
@@ -219,17 +216,6 @@ class Request:
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 
-    def add_placeholder(self) -> None:
-        """Hold the place of the token that the step in flight samples (see ``pending_token``)."""
-        self.token_ids.append(PLACEHOLDER_TOKEN)
-        self.pending_token = True
-
-    def drop_placeholder(self) -> None:
-        """Take back ``add_placeholder`` (the step in flight failed); nothing when no token is pending."""
-        if self.pending_token:
-            self.token_ids.pop()
-            self.pending_token = False
-
     def append_token(
         self,
         token: int,
@@ -237,14 +223,9 @@ class Request:
         weight_version: int,
         top: tuple[list[int], list[float]] | None = None,
     ) -> None:
-        """Record a sampled token (in the placeholder's place when one is pending), its logprob, weight
-        version and top logprobs ((ids, logprobs); ignored for a request with ``num_top_logprobs`` 0), and
-        decide whether the request is done."""
-        if self.pending_token:
-            self.token_ids[-1] = token
-            self.pending_token = False
-        else:
-            self.token_ids.append(token)
+        """Record a sampled token, its logprob, weight version and top logprobs ((ids, logprobs); ignored for
+        a request with ``num_top_logprobs`` 0), and decide whether the request is done."""
+        self.token_ids.append(token)
         if logprob is not None:
             self.generated_logprobs.append(logprob)
         if top is not None and self.params.num_top_logprobs > 0:

@@ -173,8 +173,6 @@ class SampleOutput(NamedTuple):
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    _generators: None = None,
-    _default_generator: None = None,
     logprobs_mode: str = "temperature",
     return_logprobs: bool = True,
     token_ids: Sequence[Sequence[int]] | None = None,
@@ -187,9 +185,6 @@ def sample_tokens(
     Args:
         logits: float32 [B, V], raw; row b belongs to the request with ``params[b]``.
         params: the sampling parameters of each row.
-        _generators, _default_generator: always None, unused: the places of a removed way of drawing
-            (a generator per row), which ``model_runner``'s call still fills positionally; they go
-            with the two ``None`` of that call. Pass the rest by keyword.
         logprobs_mode: "temperature": log_softmax(logits / T) of the raw logits at the token (T = 1
             for requests that do not sample); "raw": log_softmax(logits); "sampled": log of the
             probability of the token in the distribution it was drawn from: after the logits

@@ -39,30 +39,14 @@ block each takes at its first write. Parked forks sample in their parent's step 
 forks; a parent cancelled or failed hands them back to the head of the queue, where the first is
 admitted and the others park on it.
 
-Scheduling ahead (async batching, ``schedule_ahead``): while step k runs, step k + 1 is scheduled before
-step k's tokens are known. This is vLLM v1's async scheduling (``AsyncScheduler``: the requests of step k
-are advanced at once and each sampling request gets a placeholder for the token it is about to receive;
-the runner feeds step k's sampled tokens into step k + 1's inputs on the device). Here it is optimistic in
-one more way, so that the outputs stay exactly those of the synchronous loop: the CPU and GPU matmuls do
-not give a row the same bits whatever the other rows of the batch (measured: a linear layer's row differs
-between batches of 1-3, 5-7 and 9-11 rows and larger ones), so step k + 1 must be the very batch that the
-synchronous loop would build. Step k + 1 is scheduled on the assumption that no request of step k ends,
-except the ones whose end is already known (``max_new_tokens`` reached, a scoring request done), which
-are left out. When step k's results show otherwise (a stop token, a stop string), step k + 1 is taken
-back (``unschedule``) and scheduled again the synchronous way: it is never run with a row of a request
-that has ended. Scheduling ahead is tried only where taking it back is exact and cheap (``schedule_ahead``
-says why not otherwise): nothing waits for admission, no request has forks parked on it, no running
-request has logits processors (they read the token that is not known yet), and the running requests get
-their slots without preemption, copy-on-write or evicting a prefix-cache block. With layer groups, every
-group's table of a request is allocated (and taken back) so, all groups' fresh blocks together. Blocks are
-hashed for the prefix cache, and a sliding-window group's blocks that left the window are given back, only
-when the step is committed (``commit_ahead``), once its tokens are all known and the step before it is
-updated: in the order ``schedule`` would, so the prefix cache and the free queue stay the synchronous
-loop's (up to which uncached block is where).
+Counts advance when a step is scheduled (vLLM v1's ``_update_after_schedule``): ``schedule`` moves each
+scheduled request's ``num_computed_tokens`` past the tokens the step computes, and each ``ScheduledRequest``
+keeps where they start. ``update_from_output`` then writes the sampled tokens. Async batching is the subclass
+``async_scheduler.AsyncScheduler``, which schedules the next step while one is in flight, counting the tokens
+it will sample as placeholders (``Request.num_output_placeholders``); this class never counts any.
 
-The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``:
-at admission and preemption in ``schedule``, when a step is scheduled ahead (``schedule_ahead``: counts
-advanced, a placeholder token), after the forward in ``update_from_output``, and in ``finish_request``.
+The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``: at admission,
+preemption and the end of ``schedule``, in ``update_from_output`` after the forward, and in ``finish_request``.
 """
 
 from __future__ import annotations
@@ -85,16 +69,18 @@ class ScheduledRequest:
         num_scheduled_tokens: tokens computed this step, starting at ``request.num_computed_tokens``.
         sample: True when the step brings the request level with its tokens, so the
             logits of its last scheduled token are sampled.
-        placeholder_row: in a step scheduled ahead, when the request's one input token is the
-            placeholder of the token that the step in flight samples for it: the index of that token
-            among the step in flight's sampled tokens (the runner copies it in before the forward).
-            None when every input token is known.
+        num_computed_tokens: the request's computed tokens when the step was scheduled: the position of
+            its first query token (None at construction: the request's count then).
     """
 
     request: Request
     num_scheduled_tokens: int
     sample: bool
-    placeholder_row: int | None = None
+    num_computed_tokens: int = None  # type: ignore[assignment]  # filled in by __post_init__
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens is None:
+            self.num_computed_tokens = self.request.num_computed_tokens
 
 
 @dataclass
@@ -117,13 +103,6 @@ class SchedulerOutput:
         total_num_scheduled_tokens: tokens computed in the step (T).
         num_scheduled_prompt_tokens: how many of those are prompt tokens.
         is_decode_only: every scheduled request computes one token and samples it.
-        ahead: scheduled by ``Scheduler.schedule_ahead`` while the step before it was in flight.
-        advanced: its requests' ``num_computed_tokens`` (and placeholder tokens) were advanced before its
-            results came, by the ``schedule_ahead`` of the next step; ``update_from_output`` then only
-            writes the sampled tokens.
-        allocations: a step scheduled ahead only: (request, the length of each of its block tables
-            before the step's allocation, layer groups in order), in allocation order: what
-            ``Scheduler.unschedule`` gives back.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -135,9 +114,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     num_scheduled_prompt_tokens: int = 0
     is_decode_only: bool = False
-    ahead: bool = False
-    advanced: bool = False
-    allocations: list[tuple[Request, list[int]]] = field(default_factory=list, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -264,10 +240,7 @@ class Scheduler:
         if req.forks:
             # Cancelled or failed before its prefill completed: its forks prefill for themselves
             # (the first one admitted becomes the parent of the others), first in the queue.
-            for fork in reversed(req.forks):
-                fork.fork_parent = None
-                self.waiting.appendleft(fork)
-            req.forks = []
+            self._unpark(req)
         del self.requests[req.request_id]
         kv = self.kv_cache_manager
         kv.free(req)
@@ -356,11 +329,12 @@ class Scheduler:
                     if child.lifespan[0] < 0:  # first scheduled: the step that samples its first token
                         child.lifespan = (now, -1.0)
 
-    def _fork(self, parent: Request, child: Request) -> None:
-        """After the step that completed ``parent``'s prefill: ``child`` takes its blocks and runs."""
+    def _fork(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
+        """After the step that completed ``parent``'s prefill (``num_computed_tokens`` computed): ``child``
+        takes its blocks and runs."""
         child.fork_parent = None
         self.kv_cache_manager.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = num_computed_tokens
         if child.num_preemptions == 0:
             child.num_cached_prompt_tokens = child.num_prompt_tokens
         child.status = RequestStatus.DECODING
@@ -384,7 +358,19 @@ class Scheduler:
         self._list_forks(out)
         out.block_copies = self.kv_cache_manager.take_block_copies()
         self._count(out)
+        self._update_after_schedule(out)
         return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled request past the tokens the step computes (vLLM v1's hook of that name).
+
+        A request that samples in the step takes no more parked forks: those parked until now sample in
+        this step (``out.forks``).
+        """
+        for entry in out.scheduled:
+            entry.request.num_computed_tokens += entry.num_scheduled_tokens
+            if entry.sample:
+                self._forget_prefill(entry.request)
 
     def _count(self, out: SchedulerOutput) -> None:
         """Fill in the step's token counts (before its requests' ``num_computed_tokens`` move)."""
@@ -399,68 +385,43 @@ class Scheduler:
         out.num_scheduled_prompt_tokens = num_prompt
         out.is_decode_only = decode_only and bool(out.scheduled)
 
-    def _schedule_running(
-        self,
-        chosen: dict[int, ScheduledRequest],
-        out: SchedulerOutput,
-        placeholder_rows: dict[int, int] | None = None,
-    ) -> bool:
+    def _schedule_running(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         """Give each running request, in admission order, the tokens it lacks (up to the budget).
 
-        Request r with c computed of t tokens gets ``n = min(t - c, budget)``. When its blocks cannot
-        hold ``c + n`` tokens, the most recently admitted running request is preempted (possibly r
-        itself, which then ends the pass) until they can.
+        Request r with c computed of t tokens (and p placeholders) gets ``n = min(t + p - c, budget)``.
+        When its blocks cannot hold ``c + n`` tokens, the most recently admitted running request is
+        preempted (possibly r itself, which then ends the pass) until they can. A request with nothing to
+        compute, or that ``_defer`` holds back, is left for a later step.
 
         Args:
             chosen: the step's entries so far, by ``id(request)``; the pass adds to it.
             out: the step (preemptions are recorded there).
-            placeholder_rows: scheduling ahead (``schedule_ahead``): by ``id(request)``, the row of the
-                step in flight's sampled tokens that a request's placeholder stands for. Then nothing
-                is preempted nor hashed: an allocation that is not ``reversible`` ends the pass.
-
-        Returns:
-            False when scheduling ahead met an allocation it could not make reversibly (the pass's
-            allocations are in ``out.allocations``); True otherwise.
         """
         kv = self.kv_cache_manager
-        ahead = placeholder_rows is not None
         i = 0
         while i < len(self.running):
             if self._budget <= 0 or len(chosen) >= self.max_requests:
-                return True
+                return
             req = self.running[i]
-            if id(req) in chosen or self._awaits_update(req):  # admitted earlier in this step (prefill_first)
+            c = req.num_computed_tokens
+            n = min(req.num_tokens + req.num_output_placeholders - c, self._budget)
+            if id(req) in chosen or n <= 0 or self._defer(req):  # chosen: admitted earlier (prefill_first)
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
-            c = req.num_computed_tokens
-            if ahead:
-                num_blocks = [len(table) for table in req.block_tables]
-                if not kv.allocate_slots(req, n, reversible=True):
-                    return False
-                out.allocations.append((req, num_blocks))
-                row = placeholder_rows.get(id(req)) if req.pending_token else None
-                chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n), row)
-            else:
-                while not kv.allocate_slots(req, n):
-                    victim = self.running[-1]
-                    self._preempt(victim, chosen, out)
-                    if victim is req:
-                        return True
-                chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n))
-                kv.cache_blocks(req, c + n, self.weight_version)
+            while not kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, chosen, out)
+                if victim is req:
+                    return
+            chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n))
+            # Blocks of known tokens only (a placeholder's block is hashed once its token is known).
+            kv.cache_blocks(req, min(c + n, req.num_tokens), self.weight_version)
             self._budget -= n
             i += 1
-        return True
 
-    @staticmethod
-    def _awaits_update(req: Request) -> bool:
-        """True for a running request that the step in flight ends for sure (its last token is sampled, or a
-        scoring request's last position computed): it has nothing more to compute. Only after
-        ``schedule_ahead`` advanced that step; the synchronous loop has finished such a request already."""
-        if req.pending_token:
-            return req.num_generated_tokens >= req.params.max_new_tokens
-        return req.prefill_only and req.num_computed_tokens >= req.num_tokens
+    def _defer(self, req: Request) -> bool:
+        """True to leave a running request out of the step being scheduled (never, here; see ``AsyncScheduler``)."""
+        return False
 
     def _admit_waiting(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         """Admit waiting requests in order while the budget, the request cap and the blocks allow.
@@ -475,6 +436,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted while a step in flight samples for it (async)
+                return
             parent = self._fork_parent(req)
             if parent is not None:
                 if not self._room_for_one_more_fork():
@@ -507,7 +470,7 @@ class Scheduler:
 
     @staticmethod
     def _samples(req: Request, num_tokens_after_step: int) -> bool:
-        return num_tokens_after_step == req.num_tokens and not req.prefill_only
+        return num_tokens_after_step == req.num_tokens + req.num_output_placeholders and not req.prefill_only
 
     def _preempt(self, victim: Request, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         kv = self.kv_cache_manager
@@ -532,111 +495,19 @@ class Scheduler:
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
-    # ------------------------------------------------------------------ scheduling ahead (async batching)
-    def schedule_ahead(self, in_flight: SchedulerOutput) -> tuple[SchedulerOutput | None, str | None]:
-        """Schedule the step after ``in_flight`` before its results are known (see the module docstring).
-
-        When it can, it first advances ``in_flight``'s requests as ``update_from_output`` would
-        (computed tokens; a placeholder token for each sampling request, ``in_flight.advanced``), then
-        gives the running requests their next tokens under the budget, as ``schedule`` would after
-        ``in_flight``'s update if no request of it ends but those known to end. Nothing is hashed for the
-        prefix cache until ``commit_ahead``; ``unschedule`` takes the step back exactly.
-
-        Args:
-            in_flight: the step whose forward runs now (scheduled, not yet updated).
-
-        Returns:
-            (the step, None), or (None, why it was not scheduled ahead): "waiting" (requests wait for
-            admission), "forks" (a fork joins or is parked), "logits_processors" (a running request has
-            processors, which read the token not known yet), "blocks" (a slot needs a preemption, a
-            copy-on-write or a prefix-cache block; ``in_flight`` stays advanced) or "nothing" (no request
-            has anything left to compute after ``in_flight``).
-        """
-        if self.waiting:
-            return None, "waiting"
-        if in_flight.forks or any(req.forks for req in self.running):
-            return None, "forks"
-        if any(req.params.uses_logits_processors for req in self.running):
-            return None, "logits_processors"
-        placeholder_rows: dict[int, int] = {}
-        k = 0
-        for entry in in_flight.scheduled:
-            req = entry.request
-            if entry.sample:
-                placeholder_rows[id(req)] = k
-                k += 1
-            if req.status.is_final:  # ended while in flight (cancelled): its row is dropped
-                continue
-            req.num_computed_tokens += entry.num_scheduled_tokens
-            if entry.sample:
-                req.add_placeholder()
-        in_flight.advanced = True
-        out = SchedulerOutput(ahead=True)
-        self._budget = self.max_batch_tokens
-        chosen: dict[int, ScheduledRequest] = {}
-        if not self._schedule_running(chosen, out, placeholder_rows):
-            self._release(out)
-            return None, "blocks"
-        if not chosen:
-            return None, "nothing"
-        out.scheduled = list(chosen.values())
-        self._count(out)
-        return out, None
-
-    def ahead_still_valid(self, ahead: SchedulerOutput) -> bool:
-        """After the update of the step before it: True when no request of ``ahead`` has ended, so that
-        ``ahead`` is the step that ``schedule`` would build now."""
-        return not any(entry.request.status.is_final for entry in ahead.scheduled)
-
-    def commit_ahead(self, ahead: SchedulerOutput) -> None:
-        """``ahead`` will run: give back its requests' blocks that left a sliding window, and hash the blocks
-        it fills for the prefix cache, its tokens being all known now; request by request in batch order,
-        as ``schedule`` does after the update (``allocate_slots(..., reversible=True)`` left both undone)."""
-        kv = self.kv_cache_manager
-        for entry in ahead.scheduled:
-            req = entry.request
-            kv.drop_out_of_window(req)
-            kv.cache_blocks(req, req.num_computed_tokens + entry.num_scheduled_tokens, self.weight_version)
-
-    def unschedule(self, ahead: SchedulerOutput) -> None:
-        """Take back a step scheduled ahead that will not run: its allocations are given back, last first,
-        so that the free block queue is as before them. A request that ended meanwhile has freed its
-        blocks already."""
-        self._release(ahead)
-        ahead.scheduled = []
-
-    def _release(self, out: SchedulerOutput) -> None:
-        for req, num_blocks in reversed(out.allocations):
-            if not req.status.is_final:
-                self.kv_cache_manager.release_tail(req, num_blocks)
-        out.allocations = []
-
-    def undo_advance(self, in_flight: SchedulerOutput) -> None:
-        """``in_flight`` failed after ``schedule_ahead`` advanced it: move its requests' counts back and drop
-        their placeholders, as if it had never been scheduled ahead of (then ``uncache_step``)."""
-        if not in_flight.advanced:
-            return
-        for entry in in_flight.scheduled:
-            req = entry.request
-            if not req.status.is_final:
-                req.num_computed_tokens -= entry.num_scheduled_tokens
-                req.drop_placeholder()
-        in_flight.advanced = False
-
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Apply a step's results: the one place a step changes requests.
+        """Apply a step's results: the one place a step's tokens reach its requests.
 
-        Each scheduled request advances ``num_computed_tokens`` by its scheduled tokens. A
-        sampling request appends its token (with logprob, top logprobs and weight version) and either finishes
-        (a stop token or max_new_tokens: FINISHED, blocks freed) or goes on DECODING. The forks of
-        a request whose prefill completed take its blocks and computed tokens (before it may
-        finish and free them), join the running requests and append their own token the same
-        way, right after it. A scoring request records its prompt logprobs and finishes, reason
-        "scored", once all its tokens are computed. Restored requests give their CPU pool blocks
-        back. A step that ``schedule_ahead`` advanced already only gets its tokens written (in the
-        placeholders' place). A request that ended while the step was in flight (cancelled) is skipped:
-        its row was computed and is dropped.
+        A sampling request appends its token (with logprob, top logprobs and weight version) and either
+        finishes (a stop token, a stop string or max_new_tokens: FINISHED, blocks freed) or goes on
+        DECODING. The forks of a request whose prefill completed take its blocks and computed tokens
+        (before it may finish and free them), join the running requests and append their own token the
+        same way, right after it. A scoring request records its prompt logprobs and finishes, reason
+        "scored", once all its tokens are computed. Restored requests give their CPU pool blocks back. A
+        request that ended while the step was in flight (cancelled) is skipped: its row was computed and
+        is dropped. One preempted while it was in flight (async batching) keeps its token and waits; its
+        forks go back to the head of the queue, to prefill for themselves.
 
         Args:
             scheduler_output: the step as scheduled.
@@ -663,20 +534,20 @@ class Scheduler:
             fork_rows.setdefault(id(parent), []).append((child, k))
             k += 1
         k = 0
-        advanced = scheduler_output.advanced
         for entry in scheduler_output.scheduled:
             req = entry.request
             if req.status.is_final:  # cancelled or failed while the step was in flight
                 k += entry.sample
                 continue
-            if not advanced:
-                req.num_computed_tokens += entry.num_scheduled_tokens
+            end = entry.num_computed_tokens + entry.num_scheduled_tokens  # computed after this step
             if entry.sample:
-                self._forget_prefill(req)
-                children = fork_rows.get(id(req), ())
+                children = fork_rows.get(id(req), [])
+                if children and req.status == RequestStatus.PENDING:
+                    self._unpark(req)
+                    children = []
                 for child, _ in children:
                     req.forks.remove(child)
-                    self._fork(req, child)
+                    self._fork(req, child, end)
                 for r, row in ((req, k), *children):
                     r.append_token(
                         tokens[row],
@@ -686,17 +557,19 @@ class Scheduler:
                     )
                     if r.done:
                         self._finish(r, RequestStatus.FINISHED)
-                    else:
+                    elif r.status != RequestStatus.PENDING:  # PENDING: preempted while in flight
                         r.status = RequestStatus.DECODING
                     updated.append(r)
                 k += 1
-            elif req.prefill_only and req.num_computed_tokens == req.num_tokens:
+            elif req.prefill_only and end == req.num_tokens:  # not the count: a later step may be scheduled
                 req.finish_reason = FINISH_SCORED
                 self._finish(req, RequestStatus.FINISHED)
                 updated.append(req)
         return updated
 
-    def uncache_step(self, scheduler_output: SchedulerOutput) -> None:
-        """A step's forward failed: drop its requests' blocks from the prefix cache, their KV may be incomplete."""
-        for entry in scheduler_output.scheduled:
-            self.kv_cache_manager.uncache(entry.request)
+    def _unpark(self, parent: Request) -> None:
+        """Send the forks parked on ``parent`` back to the head of the queue, in order (they prefill for themselves)."""
+        for fork in reversed(parent.forks):
+            fork.fork_parent = None
+            self.waiting.appendleft(fork)
+        parent.forks = []

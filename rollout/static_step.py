@@ -1,8 +1,10 @@
-"""The static-shape ("padded") step: padded inputs, the compiled forwards, compile counting, CUDA graphs.
+"""The step's input builder and forward, with its padding: compiled forwards, compile counting, CUDA graphs.
 
-A compiled forward is reused only while its inputs keep the shapes it was traced for (and a CUDA graph
-replays exactly one set of shapes), so a step whose path is compiled or graphed runs on padded inputs
-(``PaddingRule``):
+Every step, eager, compiled or CUDA-graphed, is built by ``build_padded_batch`` and runs ``forward_varlen``
+or ``forward_decode`` over the same paged attention (``attention.paged_attention``); padding is only a
+choice of sizes (``PaddingRule``). An eager step keeps the exact sizes (``PaddingRule.exact_rule``). A
+compiled forward is reused only while its inputs keep the shapes it was traced for (and a CUDA graph
+replays exactly one set of shapes), so a step whose path is compiled or graphed runs on padded inputs:
 
 - the flattened query rows are padded to a multiple of ``q_padding_interval_size`` (capped at the token
   budget); a padded row is token 0 at position 0, writes the padding slot (the cache's extra last block,
@@ -13,6 +15,11 @@ replays exactly one set of shapes), so a step whose path is compiled or graphed 
   ``SUBCHUNK_ROWS`` rows (the prefill groups, padded to an even count);
 - the keys every group reads are padded to a multiple of ``kv_padding_interval_size``, then to whole
   blocks of its request's block table (padded with the padding block).
+
+Slots and block tables are built for every KV layer group of the cache (``kv_cache.CacheLayout``): each
+layer reads its own group's (``PagedAttentionMetadata.group_of``), so sliding-window groups and layers of
+other shapes run padded too. A sliding group's ``NULL_BLOCK`` entries (blocks that left the window) read
+the padding block, which the layer's window mask never lets a query attend to.
 
 Every padded size is at least 2: dynamo specialises sizes 0 and 1, which would compile graphs of their
 own. A step's padded sizes are its ``shape`` (the key of compiled shapes and captured graphs):
@@ -47,7 +54,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 from transformers.generation import CompileConfig
 
-from .attention import METADATA_KWARG, PaddedAttentionMetadata
+from .attention import METADATA_KWARG, PagedAttentionMetadata
 from .kv_cache import PagedKVCache
 from .onednn import MKL, OneDNNLinear
 from .sampling import HostStaging
@@ -106,6 +113,9 @@ class PaddingRule:
         block_size: tokens per block.
         pad_block: the padding block's id (the cache's last block, never handed to a request).
         subchunk_rows: rows of a prefill group (``SUBCHUNK_ROWS``).
+        exact: every size is the real one (an eager step: nothing to compile, so nothing to pad); the
+            intervals and caps are then unused, and ``pad_block`` (block 0 by ``exact_rule``) is read only
+            under a mask and never written.
     """
 
     q_interval: int
@@ -115,6 +125,12 @@ class PaddingRule:
     block_size: int
     pad_block: int
     subchunk_rows: int = SUBCHUNK_ROWS
+    exact: bool = False
+
+    @classmethod
+    def exact_rule(cls, block_size: int) -> PaddingRule:
+        """The sizes of an eager step: exact, block 0 standing in for the padding block of a table row's tail."""
+        return cls(1, 1, 1 << 62, 1 << 62, block_size, pad_block=0, exact=True)
 
     @property
     def pad_slot(self) -> int:
@@ -123,34 +139,40 @@ class PaddingRule:
 
     def num_rows(self, n: int) -> int:
         """Padded query rows (or logits rows, or decode rows) for ``n`` real ones."""
-        return pad_to_interval(n, self.q_interval, self.max_batch_tokens)
+        return n if self.exact else pad_to_interval(n, self.q_interval, self.max_batch_tokens)
 
     def num_groups(self, n: int) -> int:
         """Padded prefill groups for ``n`` real ones (an even count)."""
-        return pad_to_interval(n, MIN_PADDED_SIZE)
+        return n if self.exact else pad_to_interval(n, MIN_PADDED_SIZE)
 
     def table_width(self, longest: int) -> int:
         """Blocks in each group's padded table when its longest request reads ``longest`` keys."""
+        if self.exact:
+            return max(1, -(-longest // self.block_size))
         keys = pad_to_interval(longest, self.kv_interval, self.max_keys)
         return max(MIN_PADDED_SIZE, -(-keys // self.block_size))
 
 
 @dataclass
 class PaddedBatch:
-    """The device inputs of one padded step; every shape is a padded size (see ``PaddingRule``).
+    """The device inputs of one step; every shape is a size its ``PaddingRule`` chose (exact or padded).
 
     Attributes:
         input_ids: int64 [T]; padded rows hold token 0.
         positions: int64 [T]; each row's position in its request (0 for padded rows).
-        slot_mapping: int64 [T]; the slot each row writes (padded rows: the padding slot).
+        slot_mapping: int64 [N, T]; per KV layer group, the slot each row writes (padded rows: the
+            padding slot).
         logits_rows: int64 [R]; the rows whose logits are kept (sampled rows, then scored rows, then
             padding: row 0 again).
         decode_rows: int64 [Bd], the decode rows (fillers: T), or None on the decode path (every row).
-        decode_tables: int64 [Bd, Wd]; each decode row's block table, padded with the padding block.
+        decode_tables: int64 [N, Bd, Wd]; per layer group, each decode row's block table, padded with the
+            padding block.
         decode_pos: int64 [Bd]; each decode row's position (0 for fillers and padded rows).
         prefill_rows: int64 [G, Qs]; the rows of each prefill group (fillers: T); None on the decode path.
-        prefill_tables: int64 [G, Wp]; each group's request's block table, padded with the padding block.
+        prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's request's block table,
+            padded with the padding block.
         prefill_pos: int64 [G, Qs]; each row's position in its request (0 for fillers).
+        flash: the flash-attn inputs of an eager step on CUDA (``PagedAttentionMetadata.flash``), or None.
     """
 
     input_ids: torch.Tensor
@@ -163,6 +185,7 @@ class PaddedBatch:
     prefill_rows: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
     prefill_pos: torch.Tensor | None = None
+    flash: dict | None = None
 
     @property
     def path(self) -> str:
@@ -172,17 +195,17 @@ class PaddedBatch:
     @property
     def shape(self) -> tuple[int, ...]:
         """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path."""
-        T, Wd = self.input_ids.shape[0], self.decode_tables.shape[1]
+        T, Wd = self.input_ids.shape[0], self.decode_tables.shape[-1]
         if self.decode_rows is None:
             return (T, Wd)
         assert self.prefill_tables is not None
-        G, Wp = self.prefill_tables.shape
+        G, Wp = self.prefill_tables.shape[-2:]
         return (T, self.logits_rows.shape[0], self.decode_rows.shape[0], Wd, G, Wp)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the batch by field name (the None ones left out)."""
         found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: t for name, t in found.items() if t is not None}
+        return {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
 
     def clone(self) -> PaddedBatch:
         """A copy with tensors of its own (the static inputs of a CUDA graph)."""
@@ -195,7 +218,9 @@ class PaddedBatch:
             targets[name].copy_(t, non_blocking=True)
 
 
-def synthetic_batch(path: str, shape: Sequence[int], rule: PaddingRule, device: torch.device) -> PaddedBatch:
+def synthetic_batch(
+    path: str, shape: Sequence[int], rule: PaddingRule, device: torch.device, num_groups: int = 1
+) -> PaddedBatch:
     """A batch of the given padded shape that reads and writes the padding block only (warmup).
 
     Its forward compiles (or captures) what a real step of that shape runs, and changes nothing but
@@ -206,7 +231,9 @@ def synthetic_batch(path: str, shape: Sequence[int], rule: PaddingRule, device: 
         shape: (T, Wd) for decode, (T, R, Bd, Wd, G, Wp) for varlen (padded sizes, each >= 2).
         rule: the runner's padding rule.
         device: where the tensors go.
+        num_groups: the cache's KV layer groups.
     """
+    N = num_groups
 
     def full(size: int | tuple[int, ...], value: int) -> torch.Tensor:
         return torch.full(size if isinstance(size, tuple) else (size,), value, dtype=torch.int64, device=device)
@@ -215,18 +242,18 @@ def synthetic_batch(path: str, shape: Sequence[int], rule: PaddingRule, device: 
     if path == "decode":
         T, Wd = shape
         rows = torch.arange(T, device=device)
-        return PaddedBatch(full(T, 0), full(T, 0), full(T, slot), rows, None, full((T, Wd), block), full(T, 0))
+        return PaddedBatch(full(T, 0), full(T, 0), full((N, T), slot), rows, None, full((N, T, Wd), block), full(T, 0))
     T, R, Bd, Wd, G, Wp = shape
     return PaddedBatch(
         full(T, 0),
         full(T, 0),
-        full(T, slot),
+        full((N, T), slot),
         full(R, 0),
         full(Bd, T),
-        full((Bd, Wd), block),
+        full((N, Bd, Wd), block),
         full(Bd, 0),
         full((G, qs), T),
-        full((G, Wp), block),
+        full((N, G, Wp), block),
         full((G, qs), 0),
     )
 
@@ -270,54 +297,60 @@ def build_padded_batch(
     rule: PaddingRule,
     staging: HostStaging,
     extra: Sequence[np.ndarray] = (),
+    num_groups: int = 1,
 ) -> tuple[PaddedBatch, list[torch.Tensor]]:
-    """The padded device inputs of a step (numpy on the host, one staged upload).
+    """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
     Args:
-        scheduled: the step's requests, in batch order. A request's placeholder token (a step scheduled
-            ahead by async batching, ``ScheduledRequest.placeholder_row``) is staged as token 0; the
+        scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
+            placeholder of async batching, ``Request.num_output_placeholders``) is staged as token 0; the
             runner writes the real token into ``input_ids`` on the device before the forward.
         logits_rows: the flattened rows whose logits are kept (sampled rows, then scored rows).
         decode_path: every request computes one token (a decode-only step).
         rule: the padding rule.
         staging: the runner's input staging buffer.
         extra: more int64 or float64 host arrays to upload in the same copy (the score targets, the
-            placeholders' rows).
+            placeholders' rows, flash-attn's inputs).
+        num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
+            ``block_tables[g]``.
 
     Returns:
         The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
     """
     bs, pad_slot, pad_block, qs = rule.block_size, rule.pad_slot, rule.pad_block, rule.subchunk_rows
+    N = num_groups
     num_rows = sum(e.num_scheduled_tokens for e in scheduled)
     T = rule.num_rows(num_rows)
     ids = np.zeros(T, dtype=np.int64)
     pos = np.zeros(T, dtype=np.int64)
-    slots = np.full(T, pad_slot, dtype=np.int64)
-    decodes: list[tuple[int, int, list[int]]] = []  # (row, position, table)
-    groups: list[tuple[int, int, int, list[int]]] = []  # (first row, rows, first position, table)
+    slots = np.full((N, T), pad_slot, dtype=np.int64)
+    decodes: list[tuple[int, int, np.ndarray]] = []  # (row, position, tables [N, blocks])
+    groups: list[tuple[int, int, int, np.ndarray]] = []  # (first row, rows, first position, tables)
     start = 0
     for entry in scheduled:
         req, n = entry.request, entry.num_scheduled_tokens
-        c = req.num_computed_tokens
-        ids[start : start + n] = req.token_ids[c : c + n]
-        if entry.placeholder_row is not None:
-            ids[start + n - 1] = 0  # sampled by the step in flight (async batching): written on the device
+        c = entry.num_computed_tokens
+        known = req.token_ids[c : c + n]  # a placeholder past them stays 0: written on the device
+        ids[start : start + len(known)] = known
         p = np.arange(c, c + n, dtype=np.int64)
         pos[start : start + n] = p
-        table = req.block_table
-        slots[start : start + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+        tables = np.full((N, max(len(t) for t in req.block_tables)), pad_block, dtype=np.int64)
+        for g, table in enumerate(req.block_tables):
+            tables[g, : len(table)] = table
+        tables[tables < 0] = pad_block  # NULL_BLOCK (left a sliding window): the padding block
+        slots[:, start : start + n] = tables[:, p // bs] * bs + p % bs
         if n == 1:
-            decodes.append((start, c, table))
+            decodes.append((start, c, tables))
         else:
-            groups.extend((start + j, min(qs, n - j), c + j, table) for j in range(0, n, qs))
+            groups.extend((start + j, min(qs, n - j), c + j, tables) for j in range(0, n, qs))
         start += n
 
-    def tables_of(entries: Sequence[tuple[int, list[int]]], num: int, width: int) -> np.ndarray:
-        """[num, width] block tables: each entry's blocks holding keys 0..last, then the padding block."""
-        out = np.full((num, width), pad_block, dtype=np.int64)
-        for i, (last, table) in enumerate(entries):
+    def tables_of(entries: Sequence[tuple[int, np.ndarray]], num: int, width: int) -> np.ndarray:
+        """[N, num, width] block tables: each entry's blocks holding keys 0..last, then the padding block."""
+        out = np.full((N, num, width), pad_block, dtype=np.int64)
+        for i, (last, tables) in enumerate(entries):
             used = last // bs + 1  # its table may hold a block more than its keys so far
-            out[i, :used] = table[:used]
+            out[:, i, :used] = tables[:, :used]
         return out
 
     R = T if decode_path else rule.num_rows(len(logits_rows))
@@ -325,7 +358,7 @@ def build_padded_batch(
     rows[: len(logits_rows)] = logits_rows
     Bd = T if decode_path else rule.num_rows(len(decodes))
     Wd = rule.table_width(max((c + 1 for _, c, _ in decodes), default=1))
-    d_tables = tables_of([(c, table) for _, c, table in decodes], Bd, Wd)
+    d_tables = tables_of([(c, tables) for _, c, tables in decodes], Bd, Wd)
     d_pos = np.zeros(Bd, dtype=np.int64)
     d_pos[: len(decodes)] = [c for _, c, _ in decodes]
     arrays = [ids, pos, slots, rows, d_tables, d_pos]
@@ -339,7 +372,7 @@ def build_padded_batch(
         for i, (row, m, p0, _) in enumerate(groups):
             g_rows[i, :m] = np.arange(row, row + m)
             g_pos[i, :m] = np.arange(p0, p0 + m)
-        g_tables = tables_of([(p0 + m - 1, table) for _, m, p0, table in groups], G, Wp)
+        g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
         arrays += [d_rows, g_rows, g_tables, g_pos]
     num = len(arrays)
     t = staging.upload(*arrays, *extra)
@@ -363,7 +396,7 @@ def _padded_forward(
     ``linear_policy``: the kernel of the float32 CPU linear layers (``rollout/onednn.py``: ``"mkl"``, ``"onednn"``
     or ``"auto"``, measured per shape; the runner's, a constant to dynamo).
     """
-    meta = PaddedAttentionMetadata.from_tables(
+    meta = PagedAttentionMetadata.from_tables(
         cache,
         block_size,
         batch.slot_mapping,
@@ -373,6 +406,7 @@ def _padded_forward(
         batch.prefill_rows,
         batch.prefill_tables,
         batch.prefill_pos,
+        batch.flash,
     )
     kwargs = {
         "input_ids": batch.input_ids[None, :],

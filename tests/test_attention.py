@@ -30,7 +30,6 @@ import rollout.attention as attention
 from rollout import ContinuousBatchingConfig, Engine, RequestStatus, generate_batch, init_continuous_batching
 from rollout.attention import (
     PagedAttentionMetadata,
-    PrefillSegment,
     dispatcher_name,
     enable_paged_attention,
     flash_support,
@@ -309,31 +308,44 @@ def test_flash_support_asks_each_gpu_once(monkeypatch) -> None:
 def test_metadata_moves_to_a_layer_device_once_per_step() -> None:
     # A sharded model's layers read the step's metadata on their own device ("meta" stands in for a second GPU).
     cache = PagedKVCache(CacheShape(1, 2, 8, torch.float32), num_blocks=4, block_size=4, device=torch.device("cpu"))
-    segment = PrefillSegment(2, 5, 3, torch.arange(6))
-    meta = PagedAttentionMetadata(
+    meta = PagedAttentionMetadata.from_tables(
         cache,
-        torch.arange(5),
+        4,
+        torch.arange(5)[None, :],
         torch.tensor([0, 1]),
-        torch.zeros(2, 3, dtype=torch.int64),
+        torch.zeros(1, 2, 1, dtype=torch.int64),
         torch.tensor([2, 3]),
-        [segment],
+        torch.tensor([[2, 3], [4, 5]]),
+        torch.tensor([[[1, 2]], [[3, 0]]]).view(1, 2, 2),
+        torch.tensor([[3, 4], [5, 0]]),
         {"cu_seqlens_q": torch.tensor([0, 5], dtype=torch.int32), "max_seqlen_q": 5},
     )
+    assert meta.decode_gather is None and meta.prefill_gather is None  # flash-attn reads the block tables
     assert meta.on(torch.device("cpu")) is meta
     moved = meta.on(torch.device("meta"))
     assert meta.on(torch.device("meta")) is moved  # built once, reused by the step's other layers
     tensors = [
         moved.slot_mapping,
         moved.decode_rows,
-        moved.decode_gather,
-        moved.decode_lengths,
-        moved.prefills[0].gather,
+        moved.decode_pos,
+        moved.prefill_rows,
+        moved.prefill_pos,
+        moved.decode_read,
+        moved.prefill_read,
         moved.flash["cu_seqlens_q"],
     ]
     assert all(t.device.type == "meta" for t in tensors)
     assert moved.flash["max_seqlen_q"] == 5 and moved.flash["cu_seqlens_q"].dtype == torch.int32
-    assert moved.prefills[0] is not segment and (moved.prefills[0].start, moved.prefills[0].context) == (2, 3)
     assert moved.cache is cache and meta.slot_mapping.device.type == "cpu"
+
+
+def test_without_flash_the_metadata_gathers_every_groups_slots_from_its_block_tables() -> None:
+    cache = PagedKVCache(CacheShape(1, 2, 8, torch.float32), num_blocks=4, block_size=2, device=torch.device("cpu"))
+    tables = torch.tensor([[[3, 1]], [[0, 2]]])  # two layer groups, one decode row, 2 blocks of 2 slots
+    meta = PagedAttentionMetadata.from_tables(
+        cache, 2, torch.zeros(2, 1, dtype=torch.int64), None, tables, torch.tensor([2])
+    )
+    assert meta.decode_gather.tolist() == [[[6, 7, 2, 3]], [[0, 1, 4, 5]]]
 
 
 @pytest.mark.parametrize("loaded_as", ["paged|sdpa", "paged|eager"])

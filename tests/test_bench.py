@@ -138,16 +138,16 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
 
 
 def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, tmp_path, monkeypatch):
-    from rollout import model_runner
+    from rollout import static_step
 
     entered: list[str] = []
 
-    class CountingMode(model_runner.OneDNNLinear):
+    class CountingMode(static_step.OneDNNLinear):
         def __enter__(self):  # noqa: ANN204
             entered.append("onednn")
             return super().__enter__()
 
-    monkeypatch.setattr(model_runner, "OneDNNLinear", CountingMode)
+    monkeypatch.setattr(static_step, "OneDNNLinear", CountingMode)
     systems = ["rollout-mkl", "hf-static"]
     w = _check_report_json(_run(tiny_llama, systems, _tiny_workload()), tmp_path, systems)
     assert entered == []  # every forward of rollout-mkl ran MKL

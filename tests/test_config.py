@@ -13,6 +13,7 @@ from transformers import ContinuousBatchingConfig as TransformersConfig
 from transformers import GenerationConfig
 
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
+from rollout.distributed import disable_nccl_graph_mixing
 
 INVALID_CONFIG_VALUES = [
     ("block_size", 3),
@@ -156,26 +157,23 @@ def test_tensor_parallel_fields_are_copied_from_a_transformers_config(caplog: py
     )
 
 
-@pytest.mark.parametrize(
-    ("world_size", "preset", "disable", "expected"),
-    [
-        ("2", None, True, "0"),  # a multi-process launch: NCCL's graph mixing is turned off
-        ("2", "1", True, "1"),  # a value set by the user is kept
-        ("2", None, False, None),  # asked to keep it
-        ("1", None, True, None),  # one process: no NCCL communicator to tune
-        (None, None, True, None),
-    ],
-)
-def test_disable_nccl_graph_mixing_sets_the_nccl_variable_in_a_multi_process_launch(
-    monkeypatch: pytest.MonkeyPatch, world_size: str | None, preset: str | None, disable: bool, expected: str | None
+def test_building_a_config_leaves_the_nccl_variable_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "unset")  # so that monkeypatch restores the original
+    monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT")
+    ContinuousBatchingConfig(disable_nccl_graph_mixing=True)
+    assert "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ
+
+
+@pytest.mark.parametrize(("preset", "expected", "changed"), [(None, "0", True), ("1", "1", False), ("0", "0", False)])
+def test_the_tp_code_turns_nccl_graph_mixing_off_unless_the_user_set_the_variable(
+    monkeypatch: pytest.MonkeyPatch, preset: str | None, expected: str, changed: bool
 ) -> None:
-    for name, value in (("WORLD_SIZE", world_size), ("NCCL_GRAPH_MIXING_SUPPORT", preset)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    ContinuousBatchingConfig(disable_nccl_graph_mixing=disable)
-    assert os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == expected
+    monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", preset or "unset")  # so that monkeypatch restores the original
+    if preset is None:
+        monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT")
+    assert disable_nccl_graph_mixing() is changed
+    assert os.environ["NCCL_GRAPH_MIXING_SUPPORT"] == expected
 
 
 @pytest.mark.parametrize(

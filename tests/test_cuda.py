@@ -271,7 +271,9 @@ def test_no_capture_or_compilation_after_warmup() -> None:
 @pytest.mark.parametrize(
     ("dtype", "page_size"), [(torch.float32, 16), (torch.bfloat16, 256)], ids=["fp32_sdpa", "bf16_flash_if_any"]
 )
-def test_async_batching_on_the_gpu_equals_the_synchronous_loop(build, dtype: torch.dtype, page_size: int) -> None:  # noqa: ANN001
+def test_async_batching_on_the_gpu_gives_the_synchronous_loops_tokens(
+    build, dtype: torch.dtype, page_size: int
+) -> None:  # noqa: ANN001
     model = build().to(GPU, dtype)
     prompts = random_prompts(8, VOCAB_SIZE, 5, 60, seed=8)
     results = []
@@ -286,8 +288,19 @@ def test_async_batching_on_the_gpu_equals_the_synchronous_loop(build, dtype: tor
             stats = engine.stats
         finally:
             engine.close()
-    assert results[1] == results[0]
+    # Rows after a stop are computed and dropped, so batches differ: tokens equal, logprobs close.
+    _assert_tokens_equal_logprobs_close(results[1], results[0], 1e-4 if dtype == torch.float32 else 5e-2)
     assert stats.num_async_steps >= 5
+
+
+def _assert_tokens_equal_logprobs_close(got: dict, expected: dict, atol: float) -> None:
+    assert got.keys() == expected.keys()
+    for rid, (tokens, logprobs, reason) in expected.items():
+        assert got[rid][0] == tokens and got[rid][2] == reason, rid
+        if logprobs is None:
+            assert got[rid][1] is None
+        else:
+            assert_close(got[rid][1], logprobs, atol)
 
 
 def _run_mixed_requests(
@@ -307,9 +320,10 @@ def _run_mixed_requests(
 
 
 @pytest.mark.parametrize("level", [0, 1])
-def test_async_batching_with_cuda_graphs_equals_the_synchronous_loop(level: int) -> None:
+def test_async_batching_with_cuda_graphs_gives_the_synchronous_loops_tokens(level: int) -> None:
     # With use_cuda_graph, None turns async batching on (transformers' rule): the padded batch of each step is
-    # prepared ahead, its placeholder tokens written into the batch before the graph copies its inputs.
+    # prepared behind the step in flight, its placeholder tokens written into the batch before the graph copies
+    # its inputs.
     model = tiny_llama().to(GPU)
     prompts = _graph_prompts()
     results = []
@@ -323,7 +337,7 @@ def test_async_batching_with_cuda_graphs_equals_the_synchronous_loop(level: int)
             stats = engine.stats
         finally:
             engine.close()
-    assert results[1] == results[0]
+    _assert_tokens_equal_logprobs_close(results[1], results[0], 1e-4)
     assert stats.num_padded_steps == stats.num_steps and stats.num_async_steps >= 5
     assert stats.num_cuda_graph_captures_after_warmup == 0
 

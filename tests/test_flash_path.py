@@ -21,9 +21,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import rollout.attention as attention
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.attention import METADATA_KWARG
 from rollout.requests import Request
-from rollout.scheduler import ScheduledRequest
+from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
@@ -166,6 +165,11 @@ def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(mon
     assert_greedy_agrees(outputs[0], outputs[2], [long, short], tiny_llama(), ATOL)
 
 
+def prepared_flash(engine: Engine, scheduled: list[ScheduledRequest]) -> dict:
+    """The flash-attn metadata of a step of ``scheduled``, as the runner prepares it."""
+    return engine.runner.prepare_step(SchedulerOutput(scheduled=scheduled)).batch.flash
+
+
 def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table() -> None:
     model = tiny_llama()
     config = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_blocks_per_request=3)
@@ -177,19 +181,20 @@ def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table
         b = Request("b", [5, 6, 7, 8, 9], SamplingParams())  # decoding position 4: 5 keys in 2 blocks
         b.num_computed_tokens, b.block_table = 4, [4, 11]
         decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]
-        flash = engine.runner.prepare(decode)[0][METADATA_KWARG].flash
-        assert set(flash) == {"cache_seqlens", "block_table"}
-        assert flash["cache_seqlens"].dtype == flash["block_table"].dtype == torch.int32
+        flash = prepared_flash(engine, decode)
+        assert set(flash) == {"cache_seqlens", "block_tables"}
+        assert flash["cache_seqlens"].dtype == flash["block_tables"].dtype == torch.int32
         assert flash["cache_seqlens"].tolist() == [9, 5]
-        assert flash["block_table"].tolist() == [[7, 2, 9], [4, 11, 0]]
+        assert flash["block_tables"].tolist() == [[[7, 2, 9], [4, 11, 0]]]
         assert engine.runner.num_decode_fast_path_steps == 1
         # 13 keys need a 4th block: the step takes the varlen kernel, whose table is as wide as the longest row.
         a.num_computed_tokens, a.block_table = 12, [7, 2, 9, 5]
-        flash = engine.runner.prepare(decode)[0][METADATA_KWARG].flash
-        assert "cache_seqlens" not in flash and flash["block_table"].tolist() == [[7, 2, 9, 5], [4, 11, 0, 0]]
+        decode = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True)]  # entries keep their start
+        flash = prepared_flash(engine, decode)
+        assert "cache_seqlens" not in flash and flash["block_tables"].tolist() == [[[7, 2, 9, 5], [4, 11, 0, 0]]]
         # A prefill chunk in the step: varlen as well.
         a.num_computed_tokens, a.block_table = 3, [7, 2, 9]
-        flash = engine.runner.prepare([ScheduledRequest(a, 6, True), decode[1]])[0][METADATA_KWARG].flash
+        flash = prepared_flash(engine, [ScheduledRequest(a, 6, True), decode[1]])
         assert flash["cu_seqlens_q"].tolist() == [0, 6, 7]
         assert engine.runner.num_decode_fast_path_steps == 1
     finally:

@@ -178,22 +178,6 @@ def test_engine_sizes_its_cache_from_usable_memory_minus_the_logits_workspace(mo
         engine.close()
 
 
-def test_training_share_sets_aside_three_times_the_trainable_bytes_then_takes_half() -> None:
-    model = tiny_llama()
-    state = 3 * sum(p.numel() * 4 for p in model.parameters())
-    assert kv_cache.training_state_bytes(model) == state
-    # usable 1.5 x state: half of the remaining third is 1/6 of the usable memory.
-    assert rollout.training_memory_percent(model, usable_bytes=3 * state // 2) == pytest.approx(1 / 6)
-    # Never above the engine's own default for the device (0.25 on CPU).
-    assert rollout.training_memory_percent(model, usable_bytes=10 * state) == 0.25
-    # The state alone fills the memory: the floor, not 0 (max_memory_percent must be > 0).
-    assert rollout.training_memory_percent(model, usable_bytes=state) == kv_cache.MIN_TRAINING_MEMORY_PERCENT
-    # Frozen parameters get no gradient nor optimizer state.
-    model.model.embed_tokens.weight.requires_grad_(False)
-    frozen = 3 * model.model.embed_tokens.weight.numel() * 4
-    assert kv_cache.training_state_bytes(model) == state - frozen
-
-
 # ---------------------------------------------------------------- CUDA (run by the GPU check script)
 @pytest.mark.cuda
 def test_cuda_pool_is_pinned_exactly_and_a_read_right_after_store_sees_the_copied_blocks() -> None:
@@ -259,16 +243,6 @@ def test_cuda_engine_built_after_a_destroyed_one_gets_as_many_blocks() -> None:
         assert second.num_blocks >= 0.97 * n_first
     finally:
         second.close()
-
-
-@pytest.mark.cuda
-def test_cuda_training_share_is_half_of_what_the_training_state_leaves() -> None:
-    model = tiny_llama().cuda()
-    state = kv_cache.training_state_bytes(model)
-    usable = 100 * state
-    assert rollout.training_memory_percent(model, usable_bytes=usable) == pytest.approx(0.5 * 99 / 100)
-    measured = rollout.training_memory_percent(model)
-    assert 0.4 < measured <= 0.5  # a GPU has far more than 3 x the tiny model's bytes free
 
 
 def test_keys_and_values_in_another_dtype_are_cast_on_write() -> None:

@@ -45,7 +45,7 @@ def test_sliding_groups_hold_exactly_the_window_of_the_next_queries_and_free_the
         held: list[tuple[int, int, list[int]]] = []  # (computed, scheduled, blocks held per group) after schedule
         while engine.has_unfinished():
             out = engine.scheduler.schedule()  # engine.step's three calls, with a look after the schedule
-            c, n = req.num_computed_tokens, out.scheduled[0].num_scheduled_tokens
+            c, n = out.scheduled[0].num_computed_tokens, out.scheduled[0].num_scheduled_tokens
             counts = kv.num_held_blocks(req)
             held.append((c, n, counts))
             # The step reads keys from c - 63 and writes up to c + n - 1: a sliding group holds the blocks

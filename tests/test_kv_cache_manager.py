@@ -199,36 +199,6 @@ def test_copy_on_write_is_refused_without_a_free_block_and_changes_nothing() -> 
     assert kv.take_block_copies() == [(table[2], a.block_table[2])]
 
 
-def test_reversible_allocation_refuses_copy_on_write_and_cached_blocks_and_release_tail_undoes_it() -> None:
-    kv = make_kv(num_blocks=6)
-    bm = kv.block_manager
-    a = make_request("a", tokens(0, 10))
-    assert admit(kv, a)  # 3 blocks, 2 full and hashed
-    a.num_computed_tokens = 10
-    b = fork_of(kv, a, "b")
-    # Position 10 is in the shared 3rd block: a copy-on-write, which release_tail could not undo.
-    assert not kv.allocate_slots(a, 1, reversible=True) and kv.take_block_copies() == []
-    kv.free(b)
-    queue = list(bm.free_queue)
-    assert kv.allocate_slots(a, 3, reversible=True)  # positions 10-12: a 4th block, fresh and uncached
-    assert len(a.block_table) == 4 and a.block_table[3] == queue[0]
-    kv.release_tail(a, [3])
-    assert len(a.block_table) == 3 and list(bm.free_queue) == queue  # as before, in order
-    # Cache a finished request's full block and use up the uncached free blocks: the next fresh block of a
-    # would be the cached one, whose hash an undo would lose.
-    done = make_request("done", tokens(100, 4))
-    assert admit(kv, done)
-    cached = done.block_hashes[0]
-    kv.free(done)
-    filler = make_request("filler", tokens(200, 8))
-    assert kv.allocate_slots(filler, 8)
-    assert bm.allocation_evicts_cached(1) and kv.num_free_blocks == 1
-    assert not kv.allocate_slots(a, 3, reversible=True) and len(a.block_table) == 3
-    assert cached in bm.hash_to_block
-    assert kv.allocate_slots(a, 3)  # the synchronous allocation evicts it
-    assert cached not in bm.hash_to_block
-
-
 def test_fork_refuses_a_request_that_holds_blocks() -> None:
     kv = make_kv(num_blocks=8)
     a = make_request("a", tokens(0, 6))
@@ -315,48 +285,6 @@ def test_a_sliding_group_gives_back_blocks_as_chunked_prefill_advances() -> None
     assert kv.allocate_slots(req, 6)
     assert req.block_tables[0][:4] == [NULL_BLOCK] * 4
     assert kv.num_held_blocks(req) == [4, 8] and kv.num_free_blocks == 30 - 12
-
-
-def test_a_reversible_allocation_takes_every_group_s_blocks_keeps_the_window_and_release_tail_undoes_it() -> None:
-    # Async batching schedules a step ahead with reversible allocations: fresh blocks in every group, the
-    # sliding group's out-of-window block kept until drop_out_of_window (when the step is kept).
-    def setup(kv: KVCacheManager) -> Request:
-        req = make_request("a", tokens(0, 12))
-        assert kv.allocate_slots(req, 12)  # 3 + 3 blocks
-        kv.cache_blocks(req, 12, weight_version=0)  # full blocks: hashed, so a dropped one keeps its hash
-        req.num_computed_tokens = 12  # position 12 reads 5..12: sliding block 0 leaves the window
-        return req
-
-    kv = make_grouped(num_blocks=31)
-    bm = kv.block_manager
-    req = setup(kv)
-    tables, queue = [list(t) for t in req.block_tables], list(bm.free_queue)
-    assert kv.allocate_slots(req, 1, reversible=True)  # 13 tokens: a 4th block in each group
-    assert req.block_tables == [tables[0] + [queue[0]], tables[1] + [queue[1]]]  # group 0's first
-    assert kv.num_held_blocks(req) == [4, 4] and kv.num_free_blocks == 31 - 8  # block 0 still held
-    kv.release_tail(req, [3, 3])
-    assert req.block_tables == tables and list(bm.free_queue) == queue  # as before, in order
-    assert kv.allocate_slots(req, 1, reversible=True)
-    kv.drop_out_of_window(req)
-    assert req.block_tables[0][0] == NULL_BLOCK and kv.num_held_blocks(req) == [3, 4]
-    # The same as the synchronous allocation (drop first, then the fresh blocks), block for block.
-    twin = make_grouped(num_blocks=31)
-    twin_req = setup(twin)
-    assert twin.allocate_slots(twin_req, 1)
-    assert twin_req.block_tables == req.block_tables
-    assert list(twin.block_manager.free_queue) == list(bm.free_queue)
-    dropped = tables[0][0]
-    assert bm.hash_to_block[bm.blocks[dropped].block_hash] == dropped  # still findable, at the tail
-    # One uncached free block is left before the dropped one: the next step's two fresh blocks (one per
-    # group) would evict its hash, which a reversible allocation refuses, changing nothing.
-    filler = make_request("filler", tokens(100, 44))
-    assert kv.allocate_slots(filler, 44) and list(bm.free_queue)[1:] == [dropped]
-    req.num_computed_tokens = 16
-    before = [list(t) for t in req.block_tables]
-    assert not kv.allocate_slots(req, 1, reversible=True)
-    assert req.block_tables == before and kv.num_free_blocks == 2
-    assert kv.allocate_slots(req, 1)  # the synchronous one evicts it
-    assert bm.blocks[dropped].block_hash is None
 
 
 def test_out_of_window_blocks_go_back_even_when_the_allocation_is_refused() -> None:

@@ -24,7 +24,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
 # and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
-# step's CPU linear layers) sits just below static_step, its one user. weight_transfer (the trainer-to-server
+# step's CPU linear layers) sits just below static_step, its one user. async_scheduler (async batching's
+# scheduler subclass) sits just above the scheduler it extends; engine_spec (config x model x device,
+# resolved once) and engine_stats (the counters' record) sit just below the engine, their one user.
+# weight_transfer (the trainer-to-server
 # transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
 # the trainer's side of the transfer) is an entry point beside api.
 # loading (load_model, the default model's provisioning) is a leaf beside models.
@@ -44,6 +47,7 @@ LAYERS = [
     "kv_cache",
     "kv_cache_manager",
     "scheduler",
+    "async_scheduler",
     "distributed",
     "attention",
     "host_staging",
@@ -52,6 +56,8 @@ LAYERS = [
     "onednn",
     "static_step",
     "model_runner",
+    "engine_spec",
+    "engine_stats",
     "engine",
     "outputs",
     "intake",

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.attention import METADATA_KWARG
 from rollout.model_runner import ModelRunner
 from rollout.requests import Request
-from rollout.scheduler import ScheduledRequest
+from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
@@ -214,21 +213,23 @@ def test_flash_inputs_are_cumulative_lengths_and_a_zero_padded_int32_block_table
         b = Request("b", [5, 6, 7, 8, 9], SamplingParams())  # decoding its 5th token
         b.num_computed_tokens, b.block_table = 4, [4, 11]
         engine.runner.use_flash = True
-        kwargs, rows, plan = engine.runner.prepare([ScheduledRequest(a, 6, True), ScheduledRequest(b, 1, True)])
+        step = SchedulerOutput(scheduled=[ScheduledRequest(a, 6, True), ScheduledRequest(b, 1, True)])
+        prepared = engine.runner.prepare_step(step)
     finally:
         engine.close()
-    flash = kwargs[METADATA_KWARG].flash
-    assert flash["cu_seqlens_q"].dtype == flash["cu_seqlens_k"].dtype == flash["block_table"].dtype == torch.int32
+    batch, rows, plan = prepared.batch, prepared.rows, prepared.plan
+    flash = batch.flash
+    assert flash["cu_seqlens_q"].dtype == flash["cu_seqlens_k"].dtype == flash["block_tables"].dtype == torch.int32
     assert flash["cu_seqlens_q"].tolist() == [0, 6, 7]
     assert flash["cu_seqlens_k"].tolist() == [0, 9, 14]
     assert (flash["max_seqlen_q"], flash["max_seqlen_k"]) == (6, 9)
-    assert flash["block_table"].tolist() == [[7, 2, 9], [4, 11, 0]]
-    assert kwargs["input_ids"].tolist() == [list(range(6, 12)) + [9]]
-    assert kwargs["position_ids"].tolist() == [[3, 4, 5, 6, 7, 8, 4]]
+    assert flash["block_tables"].tolist() == [[[7, 2, 9], [4, 11, 0]]]  # one layer group
+    assert batch.input_ids.tolist() == list(range(6, 12)) + [9]
+    assert batch.positions.tolist() == [3, 4, 5, 6, 7, 8, 4]
     # Slots: position p of a request is block_table[p // 4] * 4 + p % 4.
     slots = [7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4, 11 * 4]
-    assert kwargs[METADATA_KWARG].slot_mapping.tolist() == slots
-    assert rows.tolist() == [5, 6] and plan.num_sample_rows == 2
+    assert batch.slot_mapping.tolist() == [slots]
+    assert rows == [5, 6] and batch.logits_rows.tolist() == [5, 6] and plan.num_sample_rows == 2
 
 
 # ---------------------------------------------------------------- prepare / launch / collect (async batching)
@@ -245,10 +246,11 @@ def captured_input_ids(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[
     return seen
 
 
-def test_a_step_scheduled_ahead_gets_the_previous_steps_tokens_in_place_of_its_placeholders(
+def test_a_step_scheduled_behind_another_gets_its_sampled_tokens_in_place_of_its_placeholders(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=32, seed=0))
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=32, seed=0, use_async_batching=True)
+    engine = Engine(tiny_llama(), config)
     prompts = random_prompts(2, VOCAB_SIZE, min_len=5, max_len=7, seed=35)
     try:
         for i, p in enumerate(prompts):
@@ -257,42 +259,20 @@ def test_a_step_scheduled_ahead_gets_the_previous_steps_tokens_in_place_of_its_p
         runner, sched = engine.runner, engine.scheduler
         first = sched.schedule()
         launched = runner.launch(runner.prepare_step(first))
-        ahead, reason = sched.schedule_ahead(first)
-        assert reason is None and ahead is not None
-        prepared = runner.prepare_step(ahead)
+        second = sched.schedule()  # before the first step's tokens are known: a placeholder each
+        prepared = runner.prepare_step(second)
         assert prepared.placeholders is not None and prepared.placeholders.tolist() == [[0, 1], [0, 1]]
-        assert prepared.kwargs["input_ids"].tolist() == [[0, 0]]  # staged as 0
-        with pytest.raises(ValueError, match="previous step's sampled tokens"):
+        assert prepared.batch.input_ids.tolist() == [0, 0]  # staged as 0
+        with pytest.raises(ValueError, match="needs the step launched before it"):
             runner.launch(prepared)
         result = runner.collect(launched)
         sched.update_from_output(first, result)
-        sched.commit_ahead(ahead)
         runner.collect(runner.launch(prepared, launched))
     finally:
         engine.close()
     assert seen[-1][0] == result.sampled_token_ids  # the forward read the sampled tokens
+    assert seen[-1][1].startswith("rollout-step")  # in the worker thread
     assert [r.generated_tokens[0] for r in engine.requests.values()] == result.sampled_token_ids
-
-
-def test_discarding_a_step_prepared_ahead_puts_the_generators_draw_back() -> None:
-    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=32, seed=3))
-    prompt = random_prompts(1, VOCAB_SIZE, min_len=6, max_len=6, seed=36)[0]
-    try:
-        engine.add_request(prompt, SamplingParams(max_new_tokens=4, do_sample=True), request_id="free")
-        runner, sched = engine.runner, engine.scheduler
-        first = sched.schedule()
-        launched = runner.launch(runner.prepare_step(first))
-        ahead, _ = sched.schedule_ahead(first)
-        state = runner.generator.get_state()
-        discarded = runner.prepare_step(ahead)
-        assert not torch.equal(runner.generator.get_state(), state)  # the unseeded row drew from it
-        runner.discard(discarded)
-        assert torch.equal(runner.generator.get_state(), state)
-        again = runner.prepare_step(ahead)
-        assert again.uniform is not None and again.uniform.tolist() == discarded.uniform.tolist()
-        runner.collect(launched)
-    finally:
-        engine.close()
 
 
 def test_the_async_runner_computes_steps_in_its_worker_thread_with_the_same_results(

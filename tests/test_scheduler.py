@@ -329,7 +329,7 @@ def test_without_forking_identical_prompts_in_same_step_share_two_blocks_and_rec
     assert out.forks == []
     # Hits are capped at num_tokens - 1 = 11 tokens -> 2 full blocks; b computes its last 4 tokens.
     assert plan(out) == [("a", 12, True), ("b", 4, True)]
-    assert b.num_computed_tokens == 8
+    assert out.scheduled[1].num_computed_tokens == 8  # computed (from the cache) before the step
     assert b.num_cached_prompt_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
@@ -380,8 +380,9 @@ def test_finished_prompt_blocks_are_hit_by_a_later_identical_prompt() -> None:
     assert sched.block_manager.num_free_blocks == 8
     b = make_request("b", tokens(0, 9), max_new_tokens=1)
     sched.add_request(b)
-    assert plan(sched.schedule()) == [("b", 1, True)]
-    assert b.num_computed_tokens == 8
+    out = sched.schedule()
+    assert plan(out) == [("b", 1, True)]
+    assert out.scheduled[0].num_computed_tokens == 8  # computed (from the cache) before the step
     assert b.num_cached_prompt_tokens == 8
 
 
@@ -694,8 +695,10 @@ def test_scoring_request_prefix_hits_stop_before_first_scored_position(score_fro
     run_step(sched)  # finished; its 3 full blocks stay cached
     scorer = make_request("score", tokens(0, 12), max_new_tokens=1, score_from=score_from)
     sched.add_request(scorer)
-    assert plan(sched.schedule()) == [("score", 12 - expected_cached, False)]
-    assert scorer.num_computed_tokens == expected_cached
+    out = sched.schedule()
+    assert plan(out) == [("score", 12 - expected_cached, False)]
+    assert out.scheduled[0].num_computed_tokens == expected_cached  # from the cache, before the step
+    assert scorer.num_computed_tokens == 12  # counts advance when the step is scheduled
 
 
 # ------------------------------------------------------------------------------------ update_from_output
@@ -794,182 +797,7 @@ def test_recompute_all_requeues_running_requests_in_order_with_no_kv() -> None:
     assert plan(sched.schedule()) == [("a", 2, True), ("b", 2, True), ("c", 5, True)]
 
 
-# ------------------------------------------------------------------------------------ scheduling ahead (async)
-
-
-def twin_schedulers(jobs: list[tuple[str, int, int]], **kwargs) -> tuple[Scheduler, Scheduler]:  # noqa: ANN003
-    """Two schedulers with the same requests queued: (id, prompt length, max_new_tokens) each."""
-    pair = []
-    for _ in range(2):
-        sched = make_scheduler(**kwargs)
-        for i, (rid, length, max_new) in enumerate(jobs):
-            sched.add_request(make_request(rid, tokens(10 * i + 3, length), max_new))
-        pair.append(sched)
-    return pair[0], pair[1]
-
-
-def block_state(sched: Scheduler) -> tuple[list[int], dict[str, list[int]], list[bytes]]:
-    """The free queue in order, each running request's block table, the cached hashes: what a step changes."""
-    bm = sched.block_manager
-    tables = {r.request_id: list(r.block_table) for r in sched.running}
-    return list(bm.free_queue), tables, sorted(bm.hash_to_block)
-
-
-def test_schedule_ahead_builds_the_step_that_schedule_builds_after_the_update() -> None:
-    # Prompts of 6, 9 and 3 tokens under a budget of 8: chunked prefill, then decodes that cross block edges;
-    # "c" reaches max_new_tokens early, so it is left out of the step after its last one.
-    jobs = [("a", 6, 7), ("b", 9, 7), ("c", 3, 2)]
-    sync, ahead = twin_schedulers(jobs, max_batch_tokens=8)
-    expected, in_flight = sync.schedule(), ahead.schedule()
-    num_ahead = 0
-    while True:
-        step, reason = ahead.schedule_ahead(in_flight)
-        ahead.update_from_output(in_flight, runner_output(in_flight))
-        sync.update_from_output(expected, runner_output(expected))
-        if not sync.has_unfinished():
-            assert (step, reason) == (None, "nothing") and not ahead.has_unfinished()
-            break
-        expected = sync.schedule()
-        if step is None:  # before every request is admitted: waiting requests are admitted the synchronous way
-            assert reason == "waiting"
-            step = ahead.schedule()
-        else:
-            assert ahead.ahead_still_valid(step)
-            ahead.commit_ahead(step)
-            num_ahead += 1
-            rows = [e.request.request_id for e in in_flight.scheduled if e.sample]
-            assert [e.placeholder_row for e in step.scheduled] == [
-                rows.index(e.request.request_id) if e.request.request_id in rows else None for e in step.scheduled
-            ]
-        assert plan(step) == plan(expected)
-        assert block_state(ahead)[1:] == block_state(sync)[1:]
-        assert ahead.block_manager.num_free_blocks == sync.block_manager.num_free_blocks
-        in_flight = step
-    assert num_ahead >= 5
-
-
-def test_a_step_scheduled_ahead_marks_placeholders_with_the_row_of_their_token() -> None:
-    sched = make_scheduler()
-    for rid, start in (("a", 3), ("b", 20)):
-        sched.add_request(make_request(rid, tokens(start, 5), 4))
-    first = sched.schedule()  # both prefills sample
-    step, reason = sched.schedule_ahead(first)
-    assert reason is None and step is not None and first.advanced and step.ahead
-    assert plan(step) == [("a", 1, True), ("b", 1, True)]
-    assert [e.placeholder_row for e in step.scheduled] == [0, 1]
-    a, b = (e.request for e in step.scheduled)
-    assert a.token_ids[-1] == -1 and a.pending_token and a.num_computed_tokens == 5
-    sched.update_from_output(first, RunnerOutput(sampled_token_ids=[41, 42]))
-    assert (a.generated_tokens, b.generated_tokens) == ([41], [42])
-    assert a.num_computed_tokens == 5 and not a.pending_token  # advanced once, not twice
-
-
-@pytest.mark.parametrize(
-    ("setup", "reason"),
-    [
-        ("waiting", "waiting"),
-        ("forks", "forks"),
-        ("processors", "logits_processors"),
-    ],
-)
-def test_schedule_ahead_refuses_what_it_cannot_schedule_exactly(setup: str, reason: str) -> None:
-    sched = make_scheduler(max_batch_tokens=6)
-    params = SamplingParams(max_new_tokens=4, repetition_penalty=1.3 if setup == "processors" else 1.0)
-    sched.add_request(Request("a", tokens(3, 6), params))
-    if setup == "waiting":
-        sched.add_request(make_request("late", tokens(30, 9), 4))  # no budget left for it
-    if setup == "forks":
-        sched.add_request(Request("a2", tokens(3, 6), params))  # parks on "a"
-    first = sched.schedule()
-    before = block_state(sched)
-    step, why = sched.schedule_ahead(first)
-    assert (step, why) == (None, reason)
-    assert not first.advanced and block_state(sched) == before  # nothing was touched
-
-
-def test_schedule_ahead_refuses_a_preemption_and_gives_back_what_it_took() -> None:
-    # 4 blocks, two 6-token prompts: each holds 2 blocks, enough up to position 7. The step after the one that
-    # computes position 7 needs a third block each, which the synchronous loop would get by preempting.
-    sched = make_scheduler(num_blocks=4)
-    sched.add_request(make_request("a", tokens(3, 6), 9))
-    sched.add_request(make_request("b", tokens(20, 6), 9))
-    for _ in range(2):  # positions 0-5, then 6
-        run_step(sched)
-    third = sched.schedule()  # position 7
-    assert plan(third) == [("a", 1, True), ("b", 1, True)] and sched.block_manager.num_free_blocks == 0
-    before = block_state(sched)
-    step, why = sched.schedule_ahead(third)
-    assert (step, why) == (None, "blocks")
-    assert third.advanced and block_state(sched) == before
-    sched.update_from_output(third, runner_output(third))
-    a = sched.running[0]
-    assert (a.num_computed_tokens, a.num_tokens, a.generated_tokens) == (8, 9, [NEXT_TOKEN] * 3)
-    assert plan(sched.schedule()) == [("a", 1, True)] and sched.num_preemptions == 1  # b gave way
-
-
-def test_schedule_ahead_never_evicts_a_prefix_cache_block() -> None:
-    # A finished request leaves its full block cached at the head of the free queue once the uncached ones
-    # are taken: a fresh block for "b" would evict it, which unschedule could not undo.
-    sched = make_scheduler(num_blocks=3)
-    sched.add_request(make_request("done", tokens(50, 4), 1))
-    run_step(sched)  # its block [50..53] is cached and free; the other two blocks are uncached and free
-    sched.add_request(make_request("b", tokens(3, 7), 4))
-    first = sched.schedule()  # b takes the two uncached blocks (8 slots for 7 tokens + its first sample)
-    sched.update_from_output(first, runner_output(first))
-    second = sched.schedule()  # token 8 fills the second block
-    assert list(sched.block_manager.free_queue) == [0] and sched.block_manager.blocks[0].block_hash is not None
-    step, why = sched.schedule_ahead(second)  # token 9 needs a third block: the cached one
-    assert (step, why) == (None, "blocks")
-    assert sched.block_manager.blocks[0].block_hash is not None
-
-
-def test_unschedule_gives_back_every_block_in_order_after_a_request_stops_early() -> None:
-    sched = make_scheduler()
-    for rid, start, length in (("a", 3, 7), ("b", 20, 3), ("c", 40, 11)):
-        sched.add_request(make_request(rid, tokens(start, length), 8))
-    first = sched.schedule()
-    sched.update_from_output(first, runner_output(first))
-    second = sched.schedule()  # a: token 8, b: token 4, c: token 12: each next decode opens a new block
-    before = block_state(sched)
-    step, _ = sched.schedule_ahead(second)
-    assert step is not None and [len(r.block_table) for r in sched.running] == [3, 2, 4]
-    a, b, c = sched.running
-    stop = RunnerOutput(sampled_token_ids=[NEXT_TOKEN, NEXT_TOKEN, NEXT_TOKEN])
-    b.params = SamplingParams(max_new_tokens=8, eos_token_ids=(NEXT_TOKEN,))  # b stops on this token
-    sched.update_from_output(second, stop)
-    assert b.status == RequestStatus.FINISHED and not sched.ahead_still_valid(step)
-    sched.unschedule(step)
-    assert [len(r.block_table) for r in (a, c)] == [2, 3] and step.scheduled == []
-    free, tables, hashes = block_state(sched)
-    assert tables == {"a": before[1]["a"], "c": before[1]["c"]} and hashes == before[2]
-    assert sorted(free) == sorted(set(range(64)) - set(a.block_table) - set(c.block_table))
-    resched = sched.schedule()  # the synchronous step after b's end
-    assert plan(resched) == [("a", 1, True), ("c", 1, True)]
-
-
-def test_unschedule_right_away_leaves_the_free_queue_in_its_order() -> None:
-    sched = make_scheduler(num_blocks=16)
-    for rid, start, length in (("a", 3, 7), ("b", 20, 3), ("c", 40, 11)):
-        sched.add_request(make_request(rid, tokens(start, length), 8))
-    run_step(sched)
-    second = sched.schedule()
-    before = block_state(sched)
-    step, _ = sched.schedule_ahead(second)
-    assert step is not None and sched.block_manager.num_free_blocks == len(before[0]) - 3
-    sched.unschedule(step)
-    assert block_state(sched) == before
-
-
-def test_undo_advance_takes_back_counts_and_placeholders_of_a_failed_step() -> None:
-    sched = make_scheduler()
-    sched.add_request(make_request("a", tokens(3, 6), 4))
-    first = sched.schedule()
-    step, _ = sched.schedule_ahead(first)
-    sched.unschedule(step)
-    sched.undo_advance(first)
-    sched.uncache_step(first)
-    a = sched.running[0]
-    assert (a.num_computed_tokens, a.token_ids, a.pending_token, first.advanced) == (0, tokens(3, 6), False, False)
+# ------------------------------------------------------------------------------------ a step in flight
 
 
 def test_a_request_cancelled_while_its_step_runs_gets_no_token_and_the_others_do() -> None:

@@ -19,8 +19,10 @@ from transformers import GenerationConfig
 from transformers.generation import CompileConfig
 
 import rollout.engine as engine_module
+import rollout.engine_spec as engine_spec
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
+from rollout.block_manager import NULL_BLOCK
 from rollout.requests import Request
 from rollout.sampling import HostStaging
 from rollout.scheduler import ScheduledRequest
@@ -44,7 +46,7 @@ from tests.tiny_models import (
     tiny_llama,
     tiny_mistral,
 )
-from tests.utils import assert_close, reference_greedy, run_engine
+from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
 # Dynamo's eager backend: traces the forward as inductor would, runs the traced graph without compiling it.
 TRACE_ONLY = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=True)
@@ -142,15 +144,30 @@ def test_padded_batch_of_a_decode_and_a_chunk_by_hand() -> None:
     assert batch.shape == (4, 4, 4, 2, 2, 2)  # T, R, Bd, Wd, G, Wp
     assert batch.input_ids.tolist() == [15, 32, 33, 34]
     assert batch.positions.tolist() == [5, 2, 3, 4]
-    assert batch.slot_mapping.tolist() == [7 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 11 * 4 + 0]
+    assert batch.slot_mapping.tolist() == [[7 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 11 * 4 + 0]]  # one layer group
     assert batch.logits_rows.tolist() == [0, 3, 0, 0]
     assert batch.decode_rows.tolist() == [0, 4, 4, 4]  # fillers point past the rows
-    assert batch.decode_tables.tolist() == [[3, 7], [20, 20], [20, 20], [20, 20]]
+    assert batch.decode_tables.tolist() == [[[3, 7], [20, 20], [20, 20], [20, 20]]]
     assert batch.decode_pos.tolist() == [5, 0, 0, 0]
     assert batch.prefill_rows.tolist() == [[1, 2], [3, 4]]
     assert batch.prefill_pos.tolist() == [[2, 3], [4, 0]]
-    assert batch.prefill_tables.tolist() == [[9, 20], [9, 11]]  # each group's blocks up to its last key
+    assert batch.prefill_tables.tolist() == [[[9, 20], [9, 11]]]  # each group's blocks up to its last key
     assert extra.tolist() == [0, 1, 2]
+
+
+def test_padded_batch_has_each_layer_groups_slots_and_tables_with_null_blocks_read_as_padding() -> None:
+    # Two layer groups, block size 4, padding block 20: group 1 is a sliding group whose first block left
+    # the window (NULL_BLOCK). Request a decodes position 9; request b computes positions 0..2.
+    rule = PaddingRule(q_interval=4, kv_interval=4, max_batch_tokens=16, max_keys=80, block_size=4, pad_block=20)
+    a = Request("a", list(range(10, 20)), SamplingParams())
+    a.num_computed_tokens, a.block_tables = 9, [[3, 7, 8], [NULL_BLOCK, 5, 6]]
+    b = Request("b", [30, 31, 32], SamplingParams())
+    b.block_tables = [[9], [11]]
+    scheduled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 3, True)]
+    batch, _ = build_padded_batch(scheduled, [0, 3], False, rule, HostStaging(torch.device("cpu")), num_groups=2)
+    assert batch.slot_mapping.tolist() == [[8 * 4 + 1, 36, 37, 38], [6 * 4 + 1, 44, 45, 46]]
+    assert batch.decode_tables[:, 0].tolist() == [[3, 7, 8], [20, 5, 6]]  # the NULL block reads the padding block
+    assert batch.prefill_tables[:, 0, :1].tolist() == [[9], [11]]
 
 
 def test_warmup_shapes_differ_in_every_axis_that_can_vary() -> None:
@@ -412,34 +429,38 @@ def test_graph_lru_replays_with_the_steps_inputs_and_evicts_the_least_recently_u
 def test_static_paths_are_refused_on_a_sharded_model_and_under_a_compile_mode_that_captures_graphs() -> None:
     cpu, meta = torch.device("cpu"), torch.device("meta")
     with pytest.raises(ValueError, match="one device"):
-        engine_module._check_static_paths((TRACE_ONLY, None), (False, False), [cpu, meta])
+        engine_spec._check_static_paths((TRACE_ONLY, None), (False, False), [cpu, meta])
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(ValueError, match="use_cuda_graph"):
-            engine_module._check_static_paths((None, CompileConfig(mode=mode)), (False, True), [cpu])
-    engine_module._check_static_paths((CompileConfig(mode="reduce-overhead"), None), (False, True), [cpu])
-    engine_module._check_static_paths((None, CompileConfig(mode="max-autotune-no-cudagraphs")), (True, True), [cpu])
+            engine_spec._check_static_paths((None, CompileConfig(mode=mode)), (False, True), [cpu])
+    engine_spec._check_static_paths((CompileConfig(mode="reduce-overhead"), None), (False, True), [cpu])
+    engine_spec._check_static_paths((None, CompileConfig(mode="max-autotune-no-cudagraphs")), (True, True), [cpu])
 
 
-@pytest.mark.parametrize("build", [tiny_mistral, tiny_gemma3_5to1], ids=["all_sliding", "gemma3_5to1"])
-def test_a_padded_path_keeps_every_position_of_sliding_layers_in_one_group(build, padded_uncompiled: None) -> None:
-    # The padded step reads each request's keys from position 0 through one block table, so a compiled
-    # engine builds one layer group that keeps every position (sliding layers are masked, not trimmed).
+@pytest.mark.parametrize(
+    "build",
+    [tiny_mistral, tiny_gemma3_5to1, tiny_gemma4],
+    ids=["all_sliding", "gemma3_5to1", "gemma4_per_layer_shapes"],
+)
+def test_a_padded_path_keeps_the_eager_layer_groups_and_its_greedy_tokens_equal_generate(  # noqa: ANN001
+    build, padded_uncompiled: None
+) -> None:
+    # The padded step reads each layer through its own group's block table: sliding-window groups keep only
+    # their window, and layers of other KV shapes get groups of their own, as on the eager path.
     model = build()
     eager = Engine(model, _config(num_blocks=96))
     padded = Engine(model, _config(num_blocks=96, default_compile_level=1))
     try:
-        assert any(w is not None for w in eager.cache.layout.sliding_windows)
-        assert list(padded.cache.layout.sliding_windows) == [None]
-        assert len(padded.cache.groups) == 1
-        prompt = random_prompts(1, VOCAB_SIZE, min_len=20, max_len=20, seed=5)[0]
-        padded.add_request(prompt, SamplingParams(max_new_tokens=12), request_id="p")
+        assert padded.cache.layout.sliding_windows == eager.cache.layout.sliding_windows
+        assert [g.name for g in padded.cache.groups] == [g.name for g in eager.cache.groups]
+        prompts = random_prompts(3, VOCAB_SIZE, min_len=10, max_len=24, seed=5)
+        for i, prompt in enumerate(prompts):
+            padded.add_request(prompt, SamplingParams(max_new_tokens=20), request_id=f"p{i}")
         out = run_engine(padded)
-        assert out["p"].generated_tokens == reference_greedy(model, prompt, 12, None)
+        assert padded.stats.num_padded_steps == padded.stats.num_steps
     finally:
         eager.close()
         padded.close()
-
-
-def test_a_padded_path_on_layers_of_different_kv_shapes_is_refused_before_allocating(padded_uncompiled: None) -> None:
-    with pytest.raises(ValueError, match=r"need every layer to have the same KV heads and head dim.*KV layer groups"):
-        Engine(tiny_gemma4(), _config(num_blocks=96, default_compile_level=1))
+    for i, prompt in enumerate(prompts):
+        assert out[f"p{i}"].generated_tokens == reference_greedy(model, prompt, 20, None)
+        assert_close(out[f"p{i}"].logprobs, teacher_forced_logprobs(model, prompt, out[f"p{i}"].generated_tokens), 1e-4)

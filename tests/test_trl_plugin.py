@@ -13,6 +13,7 @@ import rollout.kv_cache
 from rollout import ContinuousBatchingConfig
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close
+from trainers.setup import training_memory_percent
 from trainers.trl_plugin import RolloutGRPOTrainer
 
 TEMPERATURE = 0.7
@@ -177,7 +178,8 @@ def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
 ):
     # Issue 13 case 4: the manager is built at the first generation, before gradients and optimizer
     # state exist; the engine's default (0.9 of memory on CUDA) would leave the first backward nothing.
-    monkeypatch.setattr(rollout.kv_cache, "usable_memory_bytes", lambda device: 64 * 1024**2)
+    for module in (rollout.kv_cache, rollout):  # the engine's sizing and the trainer's share read it
+        monkeypatch.setattr(module, "usable_memory_bytes", lambda device: 64 * 1024**2)
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, report_to="none", bf16=False,
@@ -196,7 +198,7 @@ def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
         state = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if expected_percent == "training":
             expected_percent = min(0.25, 0.5 * (64 * 1024**2 - state) / (64 * 1024**2))  # 0.25 cap on CPU
-            assert rollout.training_memory_percent(model) == expected_percent
+            assert training_memory_percent(model) == expected_percent
         assert manager.cb_config.max_memory_percent == expected_percent
         blocks = 48 if given.num_blocks else rollout.num_blocks_for_model(model, manager.cb_config)
         assert manager.engine.num_blocks == blocks

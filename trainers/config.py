@@ -135,7 +135,7 @@ class GRPOConfig:
         engine: ``rollout.ContinuousBatchingConfig`` fields. When ``num_blocks`` is not given
             the cache is sized for the batches in flight, capped at what fits the engine's share of
             memory next to training (``max_memory_percent``, else
-            ``rollout.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
+            ``trainers.setup.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
 
     Remote rollouts:
         rollout_server: the URL of a ``rollout-serve --enable-control`` on the same model; rollouts are

@@ -73,8 +73,9 @@ from rollout import (
     RequestStatus,
     SamplingParams,
     init_continuous_batching,
-    training_memory_percent,
 )
+
+from .setup import training_memory_percent
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             budget...). ``return_logprobs`` is forced to True; ``logprobs_mode`` must be
             ``"temperature"``; an unset ``seed`` becomes ``args.seed`` plus the process index.
             With neither ``num_blocks`` nor ``max_memory_percent`` set, the cache takes
-            ``rollout.training_memory_percent(model)`` of the usable memory when the manager is
+            ``trainers.setup.training_memory_percent(model)`` of the usable memory when the manager is
             built (at the first generation, before any gradient or optimizer state exists): the
             room of the gradients and AdamW moments (3 x the trainable parameters' bytes) set
             aside, 0.5 of the rest, TRL's own default for its continuous-batching path.

@@ -15,11 +15,12 @@ iteration of its decode loop, timed between two streamer calls; decode only).
 
 Each system runs ``warmup`` steps, then ``repeats`` timed steps (``wall_ms``: their median), then
 ``repeats`` profiled steps, one profiler session each. A profiled step's CPU self-time on the stepping
-thread goes into ``CATEGORIES`` by op name; the ops of the forward (rollout's ``ModelRunner.run``,
-``model.forward``) by kind, the ops outside it to ``sampling``; ``host`` is the profiled wall time
-minus the ops' self-time (Python, the scheduler, dynamo's guards, the profiler's own overhead). Each
-category's figure is its median over the profiled steps; ``share`` is it over their sum, so the shares
-add up to 1. Compiled steps are profiled with ``torch._inductor.config.cpp.enable_kernel_profile`` so
+thread goes into ``CATEGORIES`` by op name; the ops of the forward (the range ``FORWARD_SCOPE`` that
+rollout's runner opens around its model forward, ``model.forward`` of the transformers systems) by kind,
+the ops outside it to ``sampling``; ``host`` is the profiled wall time minus the ops' self-time (Python,
+the scheduler, dynamo's guards, the profiler's own overhead). Each category's figure is its median over
+the profiled steps; ``share`` is it over their sum, so the shares add up to 1. Compiled steps are profiled
+with ``torch._inductor.config.cpp.enable_kernel_profile`` so
 that inductor's fused C++ kernels are ops of their own (without it their time reads as host time).
 """
 
@@ -47,6 +48,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import rollout
+from rollout.model_runner import FORWARD_SCOPE
 from trainers.prompts import eos_token_ids
 
 from .report import machine_info
@@ -62,10 +64,7 @@ CATEGORIES = {
     "sampling": "ops outside the forward: sampling, logits processing, readback",
     "host": "python / host: profiled wall time minus op time (scheduler, dynamo guards, profiler overhead)",
 }
-FORWARD_SCOPE = "profile_step.forward"
 STEP_SCOPE = "profile_step.step"
-# The runner's methods that run the model: the eager forward and the padded (compiled) one.
-RUNNER_FORWARDS = ("_eager_forward", "forward_padded")
 STEPS = ("decode", "prefill")
 MATMUL_OPS = {
     "aten::mm",
@@ -154,7 +153,7 @@ def breakdown(events: Sequence, wall_s: float) -> dict[str, float]:
     step = next(e for e in events if e.name == STEP_SCOPE)
     forwards = [e.time_range for e in events if e.name == FORWARD_SCOPE and e.thread == step.thread]
     if not forwards:  # the forward ran elsewhere: every op would read as sampling
-        raise RuntimeError(f"no {FORWARD_SCOPE} range in the step's thread: see RUNNER_FORWARDS")
+        raise RuntimeError(f"no {FORWARD_SCOPE} range in the step's thread (an async engine's worker thread?)")
     out = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
         category = op_category(e.name) if e.thread == step.thread else None
@@ -230,7 +229,8 @@ def summarize(
 
 @contextlib.contextmanager
 def forward_scope(obj: object, *names: str) -> Iterator[None]:
-    """Wrap each ``obj.<name>`` (looked up on the instance) in the ``FORWARD_SCOPE`` range while inside."""
+    """Wrap each ``obj.<name>`` (looked up on the instance) in the ``FORWARD_SCOPE`` range while inside: the
+    transformers systems' ``model.forward`` (rollout's runner opens that range itself)."""
 
     def scoped(original: Callable[..., object]) -> Callable[..., object]:
         def call(*args: object, **kwargs: object) -> object:
@@ -285,10 +285,9 @@ def rollout_decode(
         context = statistics.fmean(r.num_computed_tokens for r in requests)
         walls = _timed(engine.step, repeats)
         profiler = StepProfiler()
-        with forward_scope(engine.runner, *RUNNER_FORWARDS):
-            for _ in range(repeats):
-                with profiler.step():
-                    engine.step()
+        for _ in range(repeats):
+            with profiler.step():
+                engine.step()
         batches = engine.stats.decode_step_batch[-2 * repeats :]
         assert batches == [len(prompts)] * (2 * repeats), f"not decode-only steps of every request: {batches}"
         stats = engine.stats
@@ -326,10 +325,9 @@ def rollout_prefill(
         before = engine.stats.num_prompt_tokens_computed
         walls = _timed(engine.step, repeats)
         profiler = StepProfiler()
-        with forward_scope(engine.runner, *RUNNER_FORWARDS):
-            for _ in range(repeats):
-                with profiler.step():
-                    engine.step()
+        for _ in range(repeats):
+            with profiler.step():
+                engine.step()
         computed = engine.stats.num_prompt_tokens_computed - before
         assert computed == 2 * repeats * budget, f"{computed} prefill tokens in {2 * repeats} steps of {budget}"
         extra = {"num_compiles_after_warmup": engine.stats.num_compiles_after_warmup}
