@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainers.report import compare
+from trainers.report import compare, write_or_print
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", help="a paragraph under the table: conditions the runs' files do not record")
     args = parser.parse_args(argv)
     text = compare(args.ppo, args.grpo, args.grpo_report, args.figure, args.note)
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+    write_or_print(text, args.out)
     return 0
 
 

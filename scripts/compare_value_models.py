@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainers.report import compare_value_models
+from trainers.report import compare_value_models, write_or_print
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,11 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", help="a paragraph under the table: conditions the runs' files do not record")
     args = parser.parse_args(argv)
     text = compare_value_models(args.runs, args.note)
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+    write_or_print(text, args.out)
     return 0
 
 

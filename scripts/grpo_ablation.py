@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.cli import DEFAULT_CONFIG
+from trainers.report import write_or_print
 
 # The recipe that collapsed (issue 8): format reward at weight 0.5, lr 2e-5, asynchronous with staleness 1.
 OLD = {
@@ -243,11 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n"
         + overrides_table(names)
     )
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+    write_or_print(text, args.out)
     return 0
 
 

@@ -417,3 +417,12 @@ def compare_value_models(runs: list[Path], note: str | None = None) -> str:
     if note:
         lines += [note, ""]
     return "\n".join(lines)
+
+
+def write_or_print(text: str, out: Path | None) -> None:
+    """Write a report to ``out`` (and say so), or print it when ``out`` is None: the report scripts' output."""
+    if out:
+        out.write_text(text)
+        print(f"wrote {out}")
+    else:
+        print(text)
