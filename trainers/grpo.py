@@ -308,12 +308,17 @@ class GRPOTrainer:
         # counts its tokens, so the gradient is the same (DAPO, Yu et al. 2025, arXiv:2503.14476, on
         # why such groups carry no signal). At least one micro-batch runs, so that every process reaches
         # the backward that synchronises the gradients.
-        active = [i for i in range(n) if prep.sample_mask[i] > 0 and float(prep.advantages[i]) != 0.0]
-        sums["skipped"] = float(n - len(active))
+        kept = [i for i in range(n) if prep.sample_mask[i] > 0]
+        active = [i for i in kept if float(prep.advantages[i]) != 0.0]
+        sums["skipped"] = float(len(kept) - len(active))  # dropped samples are counted by dropped_stale
+
+        def length(i: int) -> int:
+            return len(prep.prompt_ids[i]) + len(prep.completion_ids[i])
+
         if not active:
-            active = [min(range(n), key=lambda i: len(prep.prompt_ids[i]) + len(prep.completion_ids[i]))]
+            active = [min(range(n), key=length)]
         # Longest first: similar lengths share a micro-batch and little is padded.
-        order = sorted(active, key=lambda i: -(len(prep.prompt_ids[i]) + len(prep.completion_ids[i])))
+        order = sorted(active, key=length, reverse=True)
         chunks = [[order[i] for i in mb] for mb in self._micro_batches(len(order))]
         for c, idx in enumerate(chunks):
             sync = c == len(chunks) - 1
