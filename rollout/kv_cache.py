@@ -297,6 +297,7 @@ class PagedKVCache:
         layer_devices: Sequence[torch.device] | None = None,
     ) -> None:
         self.shape = shape
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.layer_devices = list(layer_devices) if layer_devices is not None else [device] * shape.num_layers
