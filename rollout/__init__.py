@@ -1,11 +1,11 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
 from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
+from .cache_sizing import num_blocks_for_model, usable_memory_bytes
 from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .intake import QueueFullError
-from .kv_cache import num_blocks_for_model, usable_memory_bytes
 from .loading import load_model, rollout_home
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, model_context_length

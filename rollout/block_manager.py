@@ -1,20 +1,18 @@
 """Block pool of the paged KV cache: ref counts, free queue and prefix caching.
 
-Prefix caching follows vLLM's automatic prefix caching: a full block is identified
-by a hash chained over (parent block hash, the block's token ids, the weight
-version). Hits compare the stored token ids, so a hash collision can never hand a
-request the KV of other tokens. Freed blocks that carry a hash go to the tail of an
-LRU free queue and keep their hash until the block is handed out again, so the
-next turn of a conversation, or a prompt sampled again later, finds its blocks still there.
+Prefix caching follows vLLM's automatic prefix caching: a full block is identified by a hash chained over
+(parent block hash, the block's token ids, the weight version). Hits compare the stored token ids, so a hash
+collision can never hand a request the KV of other tokens. Freed blocks that carry a hash go to the tail of an
+LRU free queue and keep their hash until the block is handed out again, so the next turn of a conversation, or a
+prompt sampled again later, finds its blocks still there.
 
-Only full blocks are hashed. The G samples of one prompt submitted together share more: the
-scheduler prefills the prompt once and forks the others from it (``share``: every block, the
-partial last one included; the KV cache manager copies a shared partial block before a request
-writes into it).
+Only full blocks are hashed. The G samples of one prompt submitted together share more: the scheduler prefills
+the prompt once and forks the others from it (``share``: every block, the partial last one included; the KV
+cache manager copies a shared partial block before a request writes into it).
 
-One pool serves every layer group of the cache (see ``kv_cache_manager``): a block id belongs to one
-group at a time, and a block's hash is chained from a root that names its group, so the same tokens
-cached by two groups are two entries (vLLM v1 keys its prefix cache by block hash and group id).
+One pool serves every layer group of the cache (see ``kv_cache_manager``): a block id belongs to one group at a
+time, and a block's hash is chained from a root that names its group, so the same tokens cached by two groups
+are two entries (vLLM v1 keys its prefix cache by block hash and group id).
 """
 
 from __future__ import annotations
@@ -96,10 +94,6 @@ class BlockManager:
         """Blocks with ref count 0 (cached ones included: they can be evicted)."""
         return len(self.free_queue)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.block_size)
-
     def find_cached_prefix(
         self, token_ids: Sequence[int], weight_version: int, max_tokens: int, group: int = 0
     ) -> list[int]:
@@ -127,9 +121,9 @@ class BlockManager:
     ) -> list[int | None]:
         """The cached block of each of the sequence's first ``num_blocks`` full blocks, None where none is.
 
-        Unlike ``find_cached_prefix`` this goes on past a miss: a block's hash is chained over the
-        tokens before it, not over the blocks, so a sliding-window group finds the blocks of its
-        window when those before it were evicted.
+        Unlike ``find_cached_prefix`` this goes on past a miss: a block's hash is chained over the tokens before
+        it, not over the blocks, so a sliding-window group finds the blocks of its window when those before it
+        were evicted.
 
         Returns:
             ``num_blocks`` entries (fewer when the sequence has fewer full blocks). Nothing is acquired.
@@ -161,13 +155,8 @@ class BlockManager:
         out = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.hash_to_block.get(block.block_hash) == block_id:
-                    del self.hash_to_block[block.block_hash]
-                block.block_hash = None
-                block.token_ids = None
-            block.ref_count = 1
+            self._forget_hash(self.blocks[block_id])
+            self.blocks[block_id].ref_count = 1
             out.append(block_id)
         return out
 
@@ -207,21 +196,17 @@ class BlockManager:
                 raise RuntimeError(f"block {block_id} freed more often than it was allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.block_hash is None:
-                    # An uncached block has nothing worth keeping: reuse it first.
-                    self.free_queue[block_id] = None
+                self.free_queue[block_id] = None
+                if block.block_hash is None:  # an uncached block has nothing worth keeping: reuse it first
                     self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
 
     def cache_block(
         self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int
     ) -> bytes:
         """Register a full block in the prefix cache and return its hash.
 
-        If another block already holds the same hash, the table keeps that one and
-        this block stays private to its request. ``parent_hash`` of a group's first block is
-        ``group_root(group)``.
+        If another block already holds the same hash, the table keeps that one and this block stays private to
+        its request. ``parent_hash`` of a group's first block is ``group_root(group)``.
         """
         h = hash_block(parent_hash, token_ids, weight_version)
         if not self.enable_prefix_caching:
@@ -236,11 +221,14 @@ class BlockManager:
     def uncache(self, block_ids: Sequence[int]) -> None:
         """Drop blocks from the prefix cache (their KV may be wrong, e.g. after a failed step)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
-                del self.hash_to_block[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            self._forget_hash(self.blocks[block_id])
+
+    def _forget_hash(self, block: Block) -> None:
+        """Take a block out of the prefix cache (the table keeps another block holding the same hash)."""
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id:
+            del self.hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated)."""

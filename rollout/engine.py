@@ -29,13 +29,14 @@ from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
 from .async_scheduler import AsyncScheduler
-from .attention import enable_paged_attention, restore_attention
+from .attention_registry import enable_paged_attention, restore_attention
 from .block_manager import BlockManager
 from .checks import check_int, check_number, token_ids
 from .config import ContinuousBatchingConfig
+from .cpu_offload import CPUOffloadPool
 from .engine_spec import EngineSpec
 from .engine_stats import EngineStats
-from .kv_cache import CPUOffloadPool, PagedKVCache
+from .kv_cache import PagedKVCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import LaunchedStep, ModelRunner
 from .models import UnsupportedModelError, check_model_supported

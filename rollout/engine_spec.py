@@ -16,10 +16,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
-from .attention import choose_flash
+from .cache_sizing import num_blocks_for_model, offload_space_gib
 from .config import ContinuousBatchingConfig
 from .distributed import TensorParallel, tensor_parallel_mesh
-from .kv_cache import CacheLayout, CacheShape, num_blocks_for_model, offload_space_gib
+from .flash import choose_flash
+from .kv_cache import CacheLayout, CacheShape
 from .models import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
 from .static_step import PaddingRule
 

@@ -1,50 +1,36 @@
 """The one owner of every request's KV blocks, in every layer group of the cache.
 
-The scheduler reasons in tokens; it asks this manager for the blocks behind them (vLLM v1's
+The scheduler reasons in tokens and asks this manager for the blocks behind them (vLLM v1's
 ``KVCacheManager``). Only this module writes ``request.block_tables``, ``request.group_block_hashes``
-and ``request.offloaded``:
+and ``request.offloaded``: ``get_computed_blocks`` (prefix-cache hits, or the tokens of KV offloaded to
+CPU memory), ``allocate_slots`` (the blocks for n more tokens, or a refusal that changes nothing but the
+return of blocks that fell out of a sliding window), ``cache_blocks``, ``free``, ``uncache``, ``fork``
+(prompt forking), and ``offload``, ``finish_restore``, ``drop_offloaded`` (the CPU pool's blocks).
 
-- ``get_computed_blocks``: the prefix-cache hits of a request being admitted (or the tokens of its
-  KV offloaded to CPU memory);
-- ``allocate_slots``: the blocks for n more tokens, or a refusal (False) when the free blocks, less
-  the safety margin where asked, cannot hold them; nothing changes on a refusal but the return of
-  blocks that fell out of a sliding window (which no query reads again);
-- ``cache_blocks``: hash the blocks a step fills, so later requests can share them;
-- ``free`` and ``uncache``: give blocks back, drop blocks whose KV is not (or no longer) valid;
-- ``fork``: a request takes every block of another with the same tokens (prompt forking);
-- ``offload``, ``finish_restore``, ``drop_offloaded``: the CPU pool's blocks of preempted requests.
+Layer groups (``kv_cache.CacheLayout``; vLLM v1's hybrid KV cache manager: one
+``SingleTypeKVCacheManager`` per group over a shared ``BlockPool``): each group has its own block table
+per request, all drawing on one block pool. A request holds the same positions in every group, except
+that a sliding-window group with window W keeps only the blocks its next queries read: from
+``window_start_block(W, c)`` on, c being the tokens computed. Blocks before it go back to the pool as the
+request decodes and its chunked prefill advances (at ``allocate_slots``); their table entries become
+``NULL_BLOCK``. Given n more tokens, a full group holds ``ceil((c + n) / block_size)`` blocks afterwards,
+a sliding group those from ``window_start_block(W, c)`` to that end. A prefix-cache hit that nobody
+holds sits in the free queue and costs a free block when taken; one that another request holds costs nothing.
 
-Layer groups (``kv_cache.CacheLayout``). The cache's layers are grouped by attention kind and shape;
-each group has its own block table per request, all drawing on one block pool (vLLM v1's hybrid KV
-cache manager: one ``SingleTypeKVCacheManager`` per group over a shared ``BlockPool``). A request
-holds the same positions in every group except that a sliding-window group with window W keeps only
-the blocks its next queries read: from ``window_start_block(W, c)`` on, c being the tokens computed.
-Blocks before it go back to the pool as the request decodes and as its chunked prefill advances (at
-``allocate_slots``); their table entries become ``NULL_BLOCK``. A cache whose layers form one group
-(every full-attention model) is exactly one block table per request.
+Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of p
+blocks needs the blocks 0..p-1 in every full group and, in a sliding group, only those the next query
+reads, ``window_start_block(W, p * block_size)``..p-1 (``NULL_BLOCK`` before them). Block hashes are
+chained over the tokens, not the blocks, so a group finds its window's blocks whatever it evicted before
+them; the hit is the longest p that every group can serve. Nothing else needs a rule of its own:
+recompute frees every group's blocks; offload copies, per group, the blocks the next queries read and
+restores them to the same positions; a fork shares every table, ``NULL_BLOCK`` entries included.
 
-The arithmetic of one step, for a request with c computed tokens that is given n more: in a full
-group it holds ``ceil((c + n) / block_size)`` blocks afterwards; in a sliding group the ones from
-``window_start_block(W, c)`` to that end. A prefix-cache hit that nobody holds sits in the free queue
-and costs a free block when it is taken; a hit that another request holds costs nothing.
-
-Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of
-p blocks needs, in every full group, the blocks 0..p-1, and in a sliding group only those the next
-query reads, ``window_start_block(W, p * block_size)``..p-1 (the evicted blocks before them are not
-needed, and the table gets ``NULL_BLOCK`` there). Block hashes are chained over the tokens, not the
-blocks, so a group finds its window's blocks whatever it evicted before them. The longest p that
-every group can serve is the hit. The rest needs nothing of its own: preemption by recompute frees
-every group's blocks and re-prefills (prefix hits included); offload copies, per group, the blocks the
-next queries read (a sliding group's window) and restores them to the same positions; a fork shares
-every group's table, ``NULL_BLOCK`` entries included; scoring requests are chunks like any other, whose
-queries read within the window.
-
-Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n``
-sibling samples and copies a shared last block on the first append): a block that the step writes
-and that another request also holds costs one fresh block more; the request takes the fresh block
-in its place and, when the shared block already holds some of its tokens, the step copies it first
-(``take_block_copies``). After a fork only the partial last block of each group is ever written while
-shared: of G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
+Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n`` sibling
+samples and copies a shared last block on the first append): a block that the step writes and that
+another request also holds costs one fresh block more; the request takes the fresh block in its place
+and, when the shared block already holds some of its tokens, the step copies it first
+(``take_block_copies``). After a fork only each group's partial last block is ever written while shared:
+of G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
 """
 
 from __future__ import annotations
@@ -52,7 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .block_manager import NULL_BLOCK, BlockManager, group_root, hash_block
-from .kv_cache import CPUOffloadPool, max_blocks_held, window_start_block
+from .cpu_offload import CPUOffloadPool
+from .kv_cache import max_blocks_held, window_start_block
 from .requests import Request
 
 
@@ -84,7 +71,6 @@ class KVCacheManager:
             raise ValueError(f"sliding_windows must hold one window >= 1 (or None) per group, got {sliding_windows}")
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.num_blocks = block_manager.num_blocks
         self.sliding_windows = windows
         self.num_groups = len(windows)
         self.safety_margin_blocks = int(safety_margin * block_manager.num_blocks)
@@ -108,10 +94,6 @@ class KVCacheManager:
         computed in chunks of at most ``max_chunk`` tokens (``kv_cache.max_blocks_held``)."""
         return sum(max_blocks_held(w, num_tokens, max_chunk, self.block_size) for w in self.sliding_windows)
 
-    def num_held_blocks(self, request: Request) -> list[int]:
-        """The blocks a request holds in each group (``NULL_BLOCK`` entries not counted)."""
-        return [sum(1 for b in table if b != NULL_BLOCK) for table in request.block_tables]
-
     def _window_start(self, group: int, num_computed_tokens: int) -> int:
         return window_start_block(self.sliding_windows[group], num_computed_tokens, self.block_size)
 
@@ -127,12 +109,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, weight_version: int) -> tuple[list[int], int]:
         """The blocks whose KV a waiting request can reuse, and the tokens they cover.
 
-        A request whose KV was offloaded gets none from the prefix cache: its offloaded tokens are
-        restored instead (``request.offloaded``). Otherwise the hits are capped so that at least the
-        last token is computed (there must be logits to sample from) and, for a scoring request, so
-        that the first scored position is computed (its logits are the score). With several groups
-        (or a sliding one) the hit is the longest prefix of p blocks that every group can serve (see
-        the module docstring).
+        A request whose KV was offloaded gets none from the prefix cache: its offloaded tokens are restored
+        instead (``request.offloaded``). Otherwise the hits are capped so that at least the last token is
+        computed (there must be logits to sample from) and, for a scoring request, the first scored
+        position (its logits are the score). With several groups (or a sliding one) the hit is the longest
+        prefix of p blocks that every group can serve (see the module docstring).
 
         Args:
             request: a waiting request (no blocks).
@@ -188,13 +169,12 @@ class KVCacheManager:
         """Give a request the slots of its next tokens, or refuse.
 
         After success the request holds, in each full group, ``blocks_needed(num_computed_tokens +
-        num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then ``new_computed_blocks``
-        (shared prefix-cache hits), then fresh ones; a sliding group holds those from its window start
-        on (``NULL_BLOCK`` before it). Blocks of a sliding group that fell out of the window (before
-        ``window_start_block(W, num_computed_tokens)``) go back to the pool first, refusal or not: no
-        query reads them again. An old block that the new tokens write and that another request holds
-        too is replaced by a fresh one (copy-on-write, see the module docstring); the copy is queued
-        for ``take_block_copies``.
+        num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then ``new_computed_blocks`` (shared
+        prefix-cache hits), then fresh ones; a sliding group those from its window start on (``NULL_BLOCK``
+        before it). A sliding group's blocks that fell out of the window (before ``window_start_block(W,
+        num_computed_tokens)``) go back to the pool first, refusal or not: no query reads them again. An
+        old block that the new tokens write and that another request holds too is replaced by a fresh one
+        (copy-on-write, see the module docstring); the copy is queued for ``take_block_copies``.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are already in its blocks.
@@ -297,10 +277,9 @@ class KVCacheManager:
         """The (source, destination) block copies queued since the last call, in order; the queue empties.
 
         The model runner makes them before the step's forward (``PagedKVCache.copy_blocks``; a block id
-        belongs to one group, so one copy per pair covers that group's layers). A source block stays
-        intact until then: it is held by another request, or was freed in this same scheduling pass,
-        and nothing writes a block before the forward but these copies (in order) and offload restores
-        (after).
+        belongs to one group, so one copy per pair covers that group's layers). A source block stays intact
+        until then: it is held by another request, or was freed in this same scheduling pass, and nothing
+        writes a block before the forward but these copies (in order) and offload restores (after).
         """
         copies, self._block_copies = self._block_copies, []
         return copies
@@ -308,10 +287,9 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` every block of ``parent`` (same tokens, prefill done), in every group: shared, ref count + 1.
 
-        The idea is vLLM v0's ``n`` sampling: the prompt of a sequence group is prefilled once and
-        its sequence forked into the other samples after the first token is sampled. The full
-        blocks stay shared for good; the partial last block is copied when a holder writes into it
-        (``allocate_slots``).
+        The idea is vLLM v0's ``n`` sampling: the prompt of a sequence group is prefilled once and its
+        sequence forked into the other samples after the first token is sampled. The full blocks stay
+        shared for good; the partial last block is copied when a holder writes into it (``allocate_slots``).
 
         Raises:
             RuntimeError: ``child`` already holds blocks.

@@ -41,7 +41,8 @@ import torch
 from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
-from .kv_cache import CPUOffloadPool, PagedKVCache
+from .cpu_offload import CPUOffloadPool
+from .kv_cache import PagedKVCache
 from .onednn import AUTO, MKL, is_dtensor, linear_kernel_policy
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, step_uniforms

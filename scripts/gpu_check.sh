@@ -94,7 +94,7 @@ except Exception as e:  # noqa: BLE001 - any failure means "not usable"
     info["flash_attn"] = None
     info["flash_attn_import_error"] = f"{type(e).__name__}: {e}"[:300]
 if torch.cuda.is_available():
-    from rollout.attention import flash_support
+    from rollout.flash import flash_support
     gpu = torch.device("cuda", 0)
     info["gpu"] = torch.cuda.get_device_name(gpu)
     info["capability"] = list(torch.cuda.get_device_capability(gpu))

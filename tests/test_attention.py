@@ -26,24 +26,29 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 import rollout
-import rollout.attention as attention
+import rollout.flash as flash
 from rollout import ContinuousBatchingConfig, Engine, RequestStatus, generate_batch, init_continuous_batching
-from rollout.attention import (
-    PagedAttentionMetadata,
+from rollout.attention import PagedAttentionMetadata
+from rollout.attention_registry import (
+    _USERS,
     dispatcher_name,
     enable_paged_attention,
-    flash_support,
-    flash_unsupported_reason,
-    num_paged_users,
     register_paged_attention,
     restore_attention,
 )
+from rollout.flash import flash_support, flash_unsupported_reason
 from rollout.kv_cache import CacheShape, PagedKVCache
 from tests import flash_reference
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False)
+
+
+def num_paged_users(model: torch.nn.Module) -> int:
+    """Engines currently holding the model on the paged dispatcher (0 when none)."""
+    entry = _USERS.get(model)
+    return entry.count if entry is not None else 0
 
 
 def cfg(**kw) -> ContinuousBatchingConfig:  # noqa: ANN003
@@ -294,14 +299,14 @@ def test_flash_support_asks_each_gpu_once(monkeypatch) -> None:
         return {0: (9, 0), 1: (7, 5)}[device.index]
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
-    monkeypatch.setattr(attention, "_flash_attn_version", "2.8.3")
+    monkeypatch.setattr(flash, "flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
+    monkeypatch.setattr(flash, "flash_attn_version", "2.8.3")
     monkeypatch.setattr(torch.version, "hip", None)
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert flash_support([gpu0, gpu0], torch.bfloat16, 64, 256) is None and asked == [gpu0]
     assert "compute capability 7.5" in flash_support([gpu0, gpu1, gpu1], torch.bfloat16, 64, 256)
     assert "not on a CUDA GPU" in flash_support([gpu0, torch.device("cpu")], torch.bfloat16, 64, 256)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", None)
+    monkeypatch.setattr(flash, "flash_attn_varlen_func", None)
     assert flash_support([gpu0], torch.bfloat16, 64, 256) == "flash-attn is not installed"
 
 

@@ -94,11 +94,6 @@ def test_allocate_beyond_free_raises_runtime_error_and_takes_nothing() -> None:
     assert bm.allocate(1) == [2]
 
 
-@pytest.mark.parametrize(("num_tokens", "expected"), [(0, 0), (1, 1), (4, 1), (5, 2), (12, 3), (13, 4)])
-def test_blocks_needed_is_ceil_of_tokens_over_block_size(num_tokens: int, expected: int) -> None:
-    assert BlockManager(num_blocks=1, block_size=BS).blocks_needed(num_tokens) == expected
-
-
 # ------------------------------------------------------------------------------------ hashing
 
 

@@ -25,7 +25,7 @@ from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
-from rollout.attention import flash_attn_available, flash_support
+from rollout.flash import flash_attn_available, flash_support
 from rollout.sampling import HostStaging
 from rollout.scoring import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama

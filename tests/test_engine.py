@@ -16,9 +16,9 @@ import torch
 from accelerate import Accelerator
 from transformers import GenerationConfig
 
-import rollout.attention as attention_module
+import rollout.flash as flash_module
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
-from rollout.attention import choose_flash
+from rollout.flash import choose_flash
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
 
@@ -80,19 +80,19 @@ def test_flash_is_chosen_only_for_a_cache_on_gpus_that_pass_every_check(monkeypa
         assert (dtype, head_dim, page_size) == (torch.float32, 16, 4)
         return reason[0]
 
-    monkeypatch.setattr(attention_module, "flash_support", support)
-    monkeypatch.setattr(attention_module, "_LOGGED_FLASH_REASONS", set())
-    monkeypatch.setattr(attention_module, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(flash_module, "flash_support", support)
+    monkeypatch.setattr(flash_module, "_LOGGED_FLASH_REASONS", set())
+    monkeypatch.setattr(flash_module, "flash_attn_available", lambda: True)
     shape = (torch.float32, 16, 4)  # cache dtype, head dim, page size of the engine asking
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert choose_flash([torch.device("cpu")] * 2, *shape) is False and asked == []  # CPU: no check
     assert choose_flash([gpus[0], torch.device("cpu")], *shape) is False and asked == []
-    with caplog.at_level(logging.INFO, logger="rollout.attention"):
+    with caplog.at_level(logging.INFO, logger="rollout.flash"):
         assert choose_flash(gpus, *shape) is False
     assert asked == [gpus] and "SDPA, not flash-attn: page_size is 4" in caplog.text
     assert caplog.records[-1].levelno == logging.WARNING  # installed but unusable: a warning
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="rollout.attention"):
+    with caplog.at_level(logging.INFO, logger="rollout.flash"):
         assert choose_flash(gpus, *shape) is False
     assert caplog.text == ""  # each reason once per process (generate_batch builds an engine per call)
     reason[0] = None

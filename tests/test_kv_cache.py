@@ -1,6 +1,6 @@
-"""kv_cache: the paged K/V tensors and the CPU offload pool (ordinary tensors whatever mode builds them; exact
-pinned size; copies that land before they are read), block copies within the cache, and the sizing of the cache
-from usable memory."""
+"""kv_cache, cpu_offload, cache_sizing: the paged K/V tensors and the CPU offload pool (ordinary tensors whatever
+mode builds them; exact pinned size; copies that land before they are read), block copies within the cache, and
+the sizing of the cache from usable memory."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ import torch
 from transformers import GenerationConfig
 
 import rollout
-from rollout import ContinuousBatchingConfig, Engine, RequestStatus, init_continuous_batching, kv_cache
-from rollout.kv_cache import GIB, CacheShape, CPUOffloadPool, PagedKVCache
+from rollout import (
+    ContinuousBatchingConfig,
+    Engine,
+    RequestStatus,
+    cache_sizing,
+    cpu_offload,
+    init_continuous_batching,
+    kv_cache,
+)
+from rollout.cpu_offload import CPUOffloadPool
+from rollout.kv_cache import GIB, CacheShape, PagedKVCache
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
 
@@ -103,8 +112,10 @@ def test_pinned_pool_page_locks_its_one_buffer_for_exactly_its_bytes(monkeypatch
     # the pool pins its buffer in place instead, so the pinned bytes are what was asked.
     locked: list[tuple[int, int]] = []
     unlocked: list[int] = []
-    monkeypatch.setattr(kv_cache, "_page_lock", lambda t: locked.append((t.data_ptr(), t.untyped_storage().nbytes())))
-    monkeypatch.setattr(kv_cache, "_page_unlock", lambda t: unlocked.append(t.data_ptr()))
+    monkeypatch.setattr(
+        cpu_offload, "_page_lock", lambda t: locked.append((t.data_ptr(), t.untyped_storage().nbytes()))
+    )
+    monkeypatch.setattr(cpu_offload, "_page_unlock", lambda t: unlocked.append(t.data_ptr()))
     pool = CPUOffloadPool(SHAPE, space_gib=10.5 * BYTES_PER_BLOCK / GIB, block_size=BS, pin=True)
     assert pool.pinned
     assert locked == [(pool.buffer.data_ptr(), 5120)]
@@ -144,28 +155,28 @@ def test_memory_report_counts_torch_cached_memory_as_usable(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * GIB)
-    report = kv_cache.memory_report(torch.device("cuda", 0))
+    report = cache_sizing.memory_report(torch.device("cuda", 0))
     assert (report.free, report.cached, report.usable) == (3 * GIB, 6 * GIB, 9 * GIB)
-    assert kv_cache.usable_memory_bytes(torch.device("cuda", 0)) == 9 * GIB
+    assert cache_sizing.usable_memory_bytes(torch.device("cuda", 0)) == 9 * GIB
 
 
 def test_logits_workspace_is_batch_tokens_times_vocab_times_the_logits_and_eight_float32() -> None:
-    assert kv_cache.logits_workspace_bytes(64, 256, torch.float32) == 64 * 256 * (4 + 32)
-    assert kv_cache.logits_workspace_bytes(2048, 49152, torch.bfloat16) == 2048 * 49152 * (2 + 32)
+    assert cache_sizing.logits_workspace_bytes(64, 256, torch.float32) == 64 * 256 * (4 + 32)
+    assert cache_sizing.logits_workspace_bytes(2048, 49152, torch.bfloat16) == 2048 * 49152 * (2 + 32)
 
 
 def test_num_blocks_for_memory_takes_the_workspace_out_of_the_share() -> None:
     per_block = SHAPE.bytes_per_token * BS  # 512
-    blocks = kv_cache.num_blocks_for_memory(
+    blocks = cache_sizing.num_blocks_for_memory(
         SHAPE, BS, torch.device("cpu"), 0.5, workspace_bytes=1 * MIB, usable_bytes=10 * MIB
     )
     assert blocks == (5 * MIB - 1 * MIB) // per_block == 8192
     # A workspace larger than the share still leaves one block (and a warning).
-    assert kv_cache.num_blocks_for_memory(SHAPE, BS, torch.device("cpu"), 0.5, 6 * MIB, usable_bytes=10 * MIB) == 1
+    assert cache_sizing.num_blocks_for_memory(SHAPE, BS, torch.device("cpu"), 0.5, 6 * MIB, usable_bytes=10 * MIB) == 1
 
 
 def test_engine_sizes_its_cache_from_usable_memory_minus_the_logits_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_cache, "usable_memory_bytes", lambda device: 8 * MIB)
+    monkeypatch.setattr(cache_sizing, "usable_memory_bytes", lambda device: 8 * MIB)
     model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16, fp32, vocab 256
     cfg = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64, max_memory_percent=0.5)
     engine = Engine(model, cfg)

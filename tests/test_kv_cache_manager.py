@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rollout.block_manager import NULL_BLOCK, BlockManager
-from rollout.kv_cache import GIB, CacheShape, CPUOffloadPool
+from rollout.cpu_offload import CPUOffloadPool
+from rollout.kv_cache import GIB, CacheShape
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.requests import Request
 from rollout.sampling_params import SamplingParams
@@ -30,6 +31,11 @@ def make_request(request_id: str, prompt: list[int], score_from: int | None = No
     return Request(request_id, prompt, SamplingParams(max_new_tokens=4), score_from=score_from)
 
 
+def num_held_blocks(request: Request) -> list[int]:
+    """The blocks a request holds in each group (``NULL_BLOCK`` entries not counted)."""
+    return [sum(1 for b in table if b != NULL_BLOCK) for table in request.block_tables]
+
+
 def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
@@ -43,6 +49,11 @@ def admit(kv: KVCacheManager, req: Request, n: int | None = None, keep_margin: b
     req.num_computed_tokens = num_cached
     kv.cache_blocks(req, num_cached + n, weight_version=0)
     return True
+
+
+@pytest.mark.parametrize(("num_tokens", "expected"), [(0, 0), (1, 1), (4, 1), (5, 2), (12, 3), (13, 4)])
+def test_blocks_needed_is_ceil_of_tokens_over_block_size(num_tokens: int, expected: int) -> None:
+    assert make_kv(num_blocks=1).blocks_needed(num_tokens) == expected
 
 
 def test_allocate_slots_gives_ceil_of_tokens_over_block_size() -> None:
@@ -257,18 +268,18 @@ def test_a_sliding_group_gives_back_the_blocks_that_leave_the_window_while_decod
     kv = make_grouped(num_blocks=30)
     req = make_request("a", tokens(0, 10))
     assert kv.allocate_slots(req, 10)  # ceil(10 / 4) = 3 blocks in each group
-    assert kv.num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
+    assert num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
     first = req.block_tables[0][0]
     req.num_computed_tokens = 10  # position 10 reads 3..10: blocks 0..2, all kept
     assert kv.allocate_slots(req, 1)
-    assert kv.num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
+    assert num_held_blocks(req) == [3, 3] and kv.num_free_blocks == 24
     req.num_computed_tokens = 11  # position 11 reads 4..11: block 0 goes back
     assert kv.allocate_slots(req, 1)
-    assert req.block_tables[0][0] == NULL_BLOCK and kv.num_held_blocks(req) == [2, 3] and kv.num_free_blocks == 25
+    assert req.block_tables[0][0] == NULL_BLOCK and num_held_blocks(req) == [2, 3] and kv.num_free_blocks == 25
     assert kv.block_manager.blocks[first].ref_count == 0
     req.num_computed_tokens = 12  # position 12 reads 5..12 (blocks 1..3); 13 tokens: a 4th block in each group
     assert kv.allocate_slots(req, 1)
-    assert kv.num_held_blocks(req) == [3, 4] and kv.num_free_blocks == 23
+    assert num_held_blocks(req) == [3, 4] and kv.num_free_blocks == 23
     kv.free(req)
     assert kv.num_free_blocks == 30 and req.block_tables == [[], []]
 
@@ -277,14 +288,14 @@ def test_a_sliding_group_gives_back_blocks_as_chunked_prefill_advances() -> None
     kv = make_grouped(num_blocks=30)
     req = make_request("a", tokens(0, 30))
     assert kv.allocate_slots(req, 12)  # positions 0..11
-    assert kv.num_held_blocks(req) == [3, 3]
+    assert num_held_blocks(req) == [3, 3]
     req.num_computed_tokens = 12  # the chunk 12..23 reads from 5 on: block 0 goes back; 6 blocks in all
     assert kv.allocate_slots(req, 12)
-    assert kv.num_held_blocks(req) == [5, 6] and kv.num_free_blocks == 30 - 11
+    assert num_held_blocks(req) == [5, 6] and kv.num_free_blocks == 30 - 11
     req.num_computed_tokens = 24  # the chunk 24..29 reads from 17 on: blocks 1..3 go back; 8 blocks in all
     assert kv.allocate_slots(req, 6)
     assert req.block_tables[0][:4] == [NULL_BLOCK] * 4
-    assert kv.num_held_blocks(req) == [4, 8] and kv.num_free_blocks == 30 - 12
+    assert num_held_blocks(req) == [4, 8] and kv.num_free_blocks == 30 - 12
 
 
 def test_out_of_window_blocks_go_back_even_when_the_allocation_is_refused() -> None:
@@ -296,7 +307,7 @@ def test_out_of_window_blocks_go_back_even_when_the_allocation_is_refused() -> N
     # group, 4 in all, and only those 2 are free: refused, the rest unchanged.
     assert not kv.allocate_slots(req, 5)
     assert req.block_tables[0][:2] == [NULL_BLOCK] * 2 and [len(t) for t in req.block_tables] == [4, 4]
-    assert kv.num_held_blocks(req) == [2, 4] and kv.num_free_blocks == 2
+    assert num_held_blocks(req) == [2, 4] and kv.num_free_blocks == 2
     assert kv.take_block_copies() == []
 
 
@@ -322,7 +333,7 @@ def test_a_prefix_hit_takes_the_full_prefix_and_only_the_window_of_the_sliding_g
     assert kv.allocate_slots(b, 5, hits, num_cached)  # 25 tokens: 7 blocks per group, 2 fresh in each
     b.num_computed_tokens = num_cached
     assert b.block_tables[0][:5] == [NULL_BLOCK] * 3 + sliding[3:5] and b.block_tables[1][:5] == full[:5]
-    assert kv.num_held_blocks(b) == [4, 7]
+    assert num_held_blocks(b) == [4, 7]
     assert kv.num_free_blocks == free_before - 7 - 4  # the hits sat in the free queue: they cost a block each
     assert bm.num_prefix_cache_hit_blocks == 7
     kv.cache_blocks(b, 25, weight_version=0)  # the chain goes on through the NULL_BLOCK positions
@@ -357,7 +368,7 @@ def test_offload_of_a_sliding_group_stores_and_restores_its_window_only() -> Non
     assert kv.num_free_blocks == 40
     assert kv.get_computed_blocks(req, 0) == ([], 23)
     assert kv.allocate_slots(req, 1, (), 23)  # 24 tokens: the window's 2 blocks and 6 full ones
-    assert req.block_tables[0][:4] == [NULL_BLOCK] * 4 and kv.num_held_blocks(req) == [2, 6]
+    assert req.block_tables[0][:4] == [NULL_BLOCK] * 4 and num_held_blocks(req) == [2, 6]
     assert kv.restore_blocks(req) == req.block_tables[0][4:6] + req.block_tables[1][:6]
     kv.finish_restore(req)
     assert req.offloaded is None and len(kv.offload_pool.free_blocks) == 10

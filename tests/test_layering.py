@@ -33,6 +33,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # loading (load_model, the default model's provisioning) is a leaf beside models.
 # host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 # manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
+# cache_sizing (the cache's size from memory) and cpu_offload (the offload pool) sit just above kv_cache, whose
+# shapes they use; flash (flash-attn's kernels and support rules) is a leaf just below attention, and
+# attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
 LAYERS = [
     "checks",
     "config",
@@ -45,11 +48,15 @@ LAYERS = [
     "weight_transfer",
     "block_manager",
     "kv_cache",
+    "cache_sizing",
+    "cpu_offload",
     "kv_cache_manager",
     "scheduler",
     "async_scheduler",
     "distributed",
+    "flash",
     "attention",
+    "attention_registry",
     "host_staging",
     "logits_processors",
     "sampling",
