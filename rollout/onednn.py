@@ -137,11 +137,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _onednn(x, weight, bias)
 
 
-@onednn_linear.register_fake
-def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 def row_bucket(rows: int) -> int:
     """The bucket of a linear call with ``rows`` rows: 0 for 1-2, 1 for 3-8, 2 for 9-32, 3 for 33-128, 4 above."""
     return bisect.bisect_left(ROW_BUCKET_BOUNDS, rows)
@@ -323,8 +318,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return KERNELS.linear(x, weight, bias)
 
 
+@onednn_linear.register_fake
 @cpu_linear.register_fake
-def _cpu_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output of either op under tracing: [..., N] like ``x``."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
