@@ -516,21 +516,13 @@ def _flash_attention(
         window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
         softcap=softcap or 0.0,
     )
+    lengths = {k: v for k, v in f.items() if k != "block_tables"}  # cache_seqlens, or cu_seqlens_* and max_seqlen_*
     if "cache_seqlens" in f:
         assert _flash_attn_with_kvcache is not None
-        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=f["cache_seqlens"], **shared)
+        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, **lengths, **shared)
         return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
     assert _flash_attn_varlen_func is not None
-    out = _flash_attn_varlen_func(
-        q,
-        kc,
-        vc,
-        cu_seqlens_q=f["cu_seqlens_q"],
-        cu_seqlens_k=f["cu_seqlens_k"],
-        max_seqlen_q=f["max_seqlen_q"],
-        max_seqlen_k=f["max_seqlen_k"],
-        **shared,
-    )
+    out = _flash_attn_varlen_func(q, kc, vc, **lengths, **shared)
     return out.to(query.dtype).unsqueeze(0)
 
 

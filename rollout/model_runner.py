@@ -109,20 +109,16 @@ class LaunchedStep:
 
     Attributes:
         prepared: the step's inputs.
-        future: the worker thread's computation (CPU), or None.
-        result: the result when computed in the calling thread (the forward enqueued on CUDA), or None.
+        future: the worker thread's computation (CPU), or the result computed in the calling thread already
+            (the forward enqueued on CUDA).
     """
 
     prepared: PreparedStep
-    future: Future[StepResult] | None = None
-    result: StepResult | None = None
+    future: Future[StepResult]
 
     def wait(self) -> StepResult:
         """The step's result, once computed (blocks on the worker thread); re-raises its error."""
-        if self.future is not None:
-            return self.future.result()
-        assert self.result is not None
-        return self.result
+        return self.future.result()
 
 
 class ModelRunner:
@@ -316,11 +312,13 @@ class ModelRunner:
         if prepared.placeholders is not None and previous is None:
             raise ValueError("a step with placeholder tokens needs the step launched before it")
         if self._worker is not None:
-            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, previous))
+            return LaunchedStep(prepared, self._worker.submit(self._compute, prepared, previous))
+        future: Future[StepResult] = Future()
         try:
-            return LaunchedStep(prepared, result=self._compute(prepared, previous, readback=self.async_batching))
+            future.set_result(self._compute(prepared, previous, readback=self.async_batching))
         finally:
             self._input_staging.release(prepared.staging_slot)
+        return LaunchedStep(prepared, future)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its results back (one copy): see ``execute``'s return value.

@@ -189,7 +189,7 @@ def mark_warmed(model: torch.nn.Module, key: tuple | None) -> None:
 
 
 class CompileCounter:
-    """Counts dynamo compilations made in this thread while ``counting()`` is active.
+    """Counts dynamo compilations made in this thread while ``run`` runs a function.
 
     One compile-start callback is registered with dynamo for the process; it adds one to the counter
     of the calling thread, if any. (dynamo runs its start callbacks when no other compilation is in
@@ -240,14 +240,11 @@ class CUDAGraphs:
     Capture (first use of a key): the forward runs once on a side stream (it writes the same keys and values
     the replay writes again; it also compiles, when the path is compiled), then is captured into a
     ``torch.cuda.CUDAGraph`` in the runner's memory pool (thread-local capture mode, so another thread's CUDA
-    work cannot invalidate it), then replayed. The graph's static inputs are the step's own tensors when
-    ``share_inputs`` (the builder's staging buffer: a later step of the shape is staged at the same
-    addresses and replays with no copy), else a clone; a step whose tensors lie elsewhere is copied into
-    them before the replay. The output (the kept logits, float32 [R, V]) lives in the pool: it is valid
-    until the next replay, so the step samples from it before the next step starts. The graphs share one
-    pool: each graph's output stays allocated while the graph is kept, so no other capture reuses its
-    memory, and the replays of one runner never overlap (one stream, one step at a time), so their
-    temporaries may share addresses.
+    work cannot invalidate it), then replayed. Its static inputs are the step's own staged tensors
+    (``share_inputs``) or a clone; a step staged elsewhere is copied into them before the replay. The output
+    (the kept logits, float32 [R, V]) lives in the pool: valid until the next replay, so the step samples
+    from it first. Each graph's output stays allocated while the graph is kept, so no other capture reuses
+    its memory; the replays of one runner never overlap (one stream), so their temporaries may share addresses.
 
     Args:
         device: the CUDA device of the model and cache.
