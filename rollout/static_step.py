@@ -8,10 +8,8 @@ the same ``CompileConfig`` (``compiled_forward``), so a new engine (each ``gener
 finds the graphs compiled before it. Compilations are counted per thread while a runner's forward runs
 (``CompileCounter``), through dynamo's compile-start callback.
 
-CUDA graphs (``CUDAGraphs``): one graph per padded shape, captured on first use (or in warmup), kept in an
-LRU of ``CUDA_GRAPH_CAPACITY`` graphs that share one memory pool. Its static inputs are the step's own staged
-inputs (``HostStaging`` keeps a shape's tensors at the same addresses), so a hit replays with no copy; a step
-staged elsewhere (after the staging buffer grew, or async batching's other buffer set) is copied in first.
+CUDA graphs (``CUDAGraphs``): one per padded shape and kernel, captured on first use (or in warmup), kept in
+an LRU sharing one memory pool, replayed on the step's own staged inputs (no copy) where it can.
 """
 
 from __future__ import annotations

@@ -27,10 +27,9 @@ own. A step's padded sizes are its ``shape`` (the key of compiled shapes and cap
 (every other step): query rows, logits rows, decode rows, block-table width of the decode rows,
 prefill groups, block-table width of the prefill groups.
 
-The inputs reach the device in one staged upload (``HostStaging``), the batch first: a step of a given
-shape finds its tensors at the same addresses of the staging buffer, so a CUDA graph captured on them
-replays with no copy (``static_step.CUDAGraphs``). With the batch travel the plan of its logits rows
-(``LogitsPlan``), async batching's placeholders and flash-attn's varlen inputs.
+One staged upload (``HostStaging``) carries the batch first, so a step of a given shape finds its tensors
+at the same addresses (a CUDA graph captured on them replays with no copy), then the score targets, async
+batching's placeholders and flash-attn's varlen inputs.
 """
 
 from __future__ import annotations
@@ -178,11 +177,9 @@ class StepBatch:
 
     @property
     def flash(self) -> dict | None:
-        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA.
-
-        The decode kernel's are computed from the batch itself, inside the forward, so that a compiled or
-        graphed step computes them too: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (this step's key
-        included; a padded row reads its one key, the padding slot) and ``block_tables`` int32 [N, B, Wd].
+        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. The decode kernel's come from
+        the batch inside the forward, so a compiled or graphed step computes them too: ``cache_seqlens`` int32
+        [B] = ``decode_pos`` + 1 (a padded row reads one key, the padding slot), ``block_tables`` int32 [N, B, Wd].
         """
         if self.flash_decode:
             return {"cache_seqlens": (self.decode_pos + 1).int(), "block_tables": self.decode_tables.int()}
@@ -352,27 +349,6 @@ class LogitsPlan:
     score_temperatures: torch.Tensor | None = None
 
 
-def _keep_rows(entry: ScheduledRequest, start: int, plan: LogitsPlan, sample: list[int], score: list[int]) -> None:
-    """Record which of a request's query rows (from row ``start`` of the step) keep their logits.
-
-    A sampled request keeps its last row (appended to ``sample`` and ``plan.sampled``); a scoring request
-    its rows that predict a prompt token not yet scored, positions [lo, hi) (``score``, with their targets
-    and segment in ``plan``): position p's logits predict token p + 1, and positions already scored
-    (before a preemption) are not recorded twice.
-    """
-    req, n, c = entry.request, entry.num_scheduled_tokens, entry.num_computed_tokens
-    if entry.sample:
-        sample.append(start + n - 1)
-        plan.sampled.append(req)
-    if req.score_from is not None:
-        lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
-        hi = min(c + n, req.num_tokens - 1)
-        if hi > lo:
-            score.extend(range(start + lo - c, start + hi - c))
-            plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
-            plan.score_segments.append((req, hi - lo))
-
-
 def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> list[list[int]]:
     """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
 
@@ -399,10 +375,8 @@ def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, 
 
 
 def fits_decode_kernel(scheduled: Sequence[ScheduledRequest], max_blocks: int, block_size: int) -> bool:
-    """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and its keys
-    (this one included) fit in ``max_blocks`` blocks (``ContinuousBatchingConfig.max_blocks_per_request``;
-    0: never). One wider request sends the whole step elsewhere (transformers' scheduler applies the same rule).
-    """
+    """Whether a step fits ``flash_attn_with_kvcache``: every request computes one token and its keys (this one
+    included) fit in ``max_blocks`` blocks (0: none does); transformers' scheduler applies the same rule."""
     limit = max_blocks * block_size  # keys a table row can address
     return bool(scheduled) and all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
 
@@ -460,8 +434,20 @@ def prepare_inputs(
     score_rows: list[int] = []
     start = 0
     for entry in scheduled:
-        _keep_rows(entry, start, plan, logits_rows, score_rows)
-        start += entry.num_scheduled_tokens
+        req, n, c = entry.request, entry.num_scheduled_tokens, entry.num_computed_tokens
+        if entry.sample:  # a sampled request keeps its last row
+            logits_rows.append(start + n - 1)
+            plan.sampled.append(req)
+        if req.score_from is not None:
+            # A scoring request keeps its rows that predict a prompt token not yet scored, positions [lo, hi):
+            # position p's logits predict token p + 1; positions scored before a preemption are not redone.
+            lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
+            hi = min(c + n, req.num_tokens - 1)
+            if hi > lo:
+                score_rows.extend(range(start + lo - c, start + hi - c))
+                plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+                plan.score_segments.append((req, hi - lo))
+        start += n
     temps = [req.score_temperature for req, count in plan.score_segments for _ in range(count)]
     extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(temps, dtype=np.float64)]
     placeholders = _placeholders(scheduled, sample_rows) if sample_rows is not None else [[]]
