@@ -33,7 +33,7 @@ METADATA_KWARG = "rollout_batch"
 class PagedAttentionMetadata:
     """Per-step metadata of paged attention, shared by every layer: tensors only, no host read.
 
-    Built by ``from_tables`` inside the step's forward (eager, compiled or CUDA-graphed: the same
+    Built by ``from_batch`` inside the step's forward (eager, compiled or CUDA-graphed: the same
     function), so it traces into one graph per layer. The query rows attend in groups, each group over
     the keys of one request, read from the cache through that request's block table:
 
@@ -41,7 +41,7 @@ class PagedAttentionMetadata:
     - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
       Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
 
-    Shapes are the sizes the input builder chose (``static_step.PaddingRule``): exact on an eager path,
+    Shapes are the sizes the input builder chose (``step_inputs.PaddingRule``): exact on an eager path,
     padded on a compiled or graphed one. T query rows; Bd decode groups reading Ld keys; G prefill groups
     of Qs rows reading Lp keys; N KV layer groups of the cache (``kv_cache.CacheLayout``), each with its
     own slots, a layer reading its group's (``group_of``). Filler groups and filler rows (there to fill a
@@ -62,11 +62,11 @@ class PagedAttentionMetadata:
         prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
         decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
-        flash: the flash-attn inputs of an eager step on CUDA (``model_runner``), else None. A step that
-            takes the decode fast path has ``cache_seqlens`` (int32 [B]: keys of each request, this
-            step's included), any other step ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]),
-            ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``, int32 [N, B, W] (rows
-            padded with block 0).
+        flash: the flash-attn inputs of a CUDA step (``step_inputs.StepBatch.flash``), else None. A step of
+            ``flash_attn_with_kvcache`` (eager, compiled or graphed) has ``cache_seqlens`` (int32 [B]: keys of
+            each request, this step's included), an eager varlen step ``cu_seqlens_q``, ``cu_seqlens_k``
+            (int32 [B + 1]), ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``, int32
+            [N, B, W] (rows padded with the padding block, or block 0 on an eager step).
     """
 
     cache: PagedKVCache
@@ -83,37 +83,26 @@ class PagedAttentionMetadata:
     _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_tables(
-        cls,
-        cache: PagedKVCache,
-        block_size: int,
-        slot_mapping: torch.Tensor,
-        decode_rows: torch.Tensor | None,
-        decode_tables: torch.Tensor,
-        decode_pos: torch.Tensor,
-        prefill_rows: torch.Tensor | None = None,
-        prefill_tables: torch.Tensor | None = None,
-        prefill_pos: torch.Tensor | None = None,
-        flash: dict[str, Any] | None = None,
-    ) -> PagedAttentionMetadata:
-        """The metadata of a step from its block tables (traceable: no host read).
+    def from_batch(cls, cache: PagedKVCache, block_size: int, batch: Any) -> PagedAttentionMetadata:
+        """The metadata of a step from its inputs (traceable: no host read).
 
         Args:
             cache: the paged KV cache.
             block_size: tokens per block.
-            slot_mapping, decode_rows, decode_pos, prefill_rows, prefill_pos, flash: as the attributes.
-            decode_tables: int64 [N, Bd, Wd]; per layer group, each decode group's block table; its
-                gather is [N, Bd, Ld = Wd * block_size].
-            prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's block table (None on
-                the decode path); its gather is [N, G, Lp = Wp * block_size].
+            batch: the step's ``step_inputs.StepBatch`` (the builder sits above this module): its slots, rows,
+                positions and ``flash`` inputs as the attributes here; its ``decode_tables`` int64 [N, Bd, Wd]
+                and ``prefill_tables`` int64 [N, G, Wp] (None on the decode path), each group's block table,
+                gathered into [N, Bd, Ld = Wd * block_size] and [N, G, Lp = Wp * block_size].
         """
+        slot_mapping, decode_rows, prefill_rows = batch.slot_mapping, batch.decode_rows, batch.prefill_rows
+        flash = batch.flash
         decode_gather = prefill_gather = decode_read = prefill_read = None
         if flash is None:  # flash-attn reads the keys through its block tables: no gather
-            decode_gather = _gather(decode_tables, block_size)
+            decode_gather = _gather(batch.decode_tables, block_size)
         if decode_rows is not None:
-            assert prefill_tables is not None and prefill_rows is not None
+            assert batch.prefill_tables is not None and prefill_rows is not None
             if flash is None:
-                prefill_gather = _gather(prefill_tables, block_size)
+                prefill_gather = _gather(batch.prefill_tables, block_size)
             last = slot_mapping.shape[-1] - 1  # T - 1: slot_mapping has one entry per query row
             decode_read, prefill_read = decode_rows.clamp(max=last), prefill_rows.clamp(max=last)
         return cls(
@@ -121,10 +110,10 @@ class PagedAttentionMetadata:
             slot_mapping,
             decode_rows,
             decode_gather,
-            decode_pos,
+            batch.decode_pos,
             prefill_rows,
             prefill_gather,
-            prefill_pos,
+            batch.prefill_pos,
             decode_read,
             prefill_read,
             flash,
@@ -371,19 +360,11 @@ def _flash_attention(
         window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
         softcap=softcap or 0.0,
     )
+    lengths = {k: v for k, v in f.items() if k != "block_tables"}  # cache_seqlens, or cu_seqlens_* and max_seqlen_*
     if "cache_seqlens" in f:
         assert _flash_attn_with_kvcache is not None
-        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=f["cache_seqlens"], **shared)
+        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, **lengths, **shared)
         return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
     assert _flash_attn_varlen_func is not None
-    out = _flash_attn_varlen_func(
-        q,
-        kc,
-        vc,
-        cu_seqlens_q=f["cu_seqlens_q"],
-        cu_seqlens_k=f["cu_seqlens_k"],
-        max_seqlen_q=f["max_seqlen_q"],
-        max_seqlen_k=f["max_seqlen_k"],
-        **shared,
-    )
+    out = _flash_attn_varlen_func(q, kc, vc, **lengths, **shared)
     return out.to(query.dtype).unsqueeze(0)

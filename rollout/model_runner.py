@@ -6,26 +6,25 @@ through the paged cache, then sampling (a forked request samples from its parent
 the logprobs of scoring requests. It reads requests but changes none: ``Scheduler.update_from_output``
 applies what it returns.
 
-Host work per step is batched so that the device runs without waiting on Python: the step's
-index tensors (token ids, positions, slots, block tables, kept rows, score targets) are built
-with numpy and reach the device in one copy through a pinned staging buffer, the sampler's
-per-row values in a second one, the random numbers of all sampled requests come from one
-vectorised draw (``sampling.step_uniforms``), and the results (tokens, logprobs, scores) come
-back in one device-to-host copy, the step's only host sync outside the model's forward.
+Host work per step is batched so that the device runs without waiting on Python: the step's inputs
+(``step_inputs``: token ids, positions, slots, block tables, kept rows, score targets) are built with
+numpy and reach the device in one copy through a pinned staging buffer, the sampler's per-row values in
+a second one, the random numbers of all sampled requests come from one vectorised draw
+(``sampling.step_uniforms``), and the results (tokens, logprobs, scores) come back in one device-to-host
+copy, the step's only host sync outside the model's forward.
 
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
 
-- ``prepare_step``: the host work (the step's batch, exact or padded for a compiled or CUDA-graphed path,
+- ``prepare_step``: the host work (the step's inputs, exact or padded for a compiled or CUDA-graphed path,
   sampling rows and random numbers) and the staged upload of the inputs;
 - ``launch``: the KV copies, the forward and the sampling. A step scheduled while the one before it runs
-  holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch`` copies
-  those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
-  "carry over" of tokens between batches do the same), before a CUDA graph copies them into its static
-  inputs. On CPU a worker thread runs it (torch
-  releases the GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the
-  current stream from the calling thread (kernels run asynchronously anyway), with the inputs copied on a
-  side stream into two staging buffer sets used in turn and the results copied back into pinned memory;
+  holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch``
+  writes those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
+  "carry over" of tokens between batches do the same). On CPU a worker thread runs it (torch releases the
+  GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the current stream
+  from the calling thread, with the inputs copied on a side stream into two staging buffer sets used in
+  turn and the results copied back into pinned memory;
 - ``collect``: waits for the launched step and reads its results back in one copy.
 """
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,19 +44,10 @@ from .cpu_offload import CPUOffloadPool
 from .kv_cache import PagedKVCache
 from .onednn import AUTO, MKL, is_dtensor, linear_kernel_policy
 from .requests import Request
-from .sampling import HostStaging, sample_tokens, step_uniforms
+from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from .static_step import (
-    FORWARDS,
-    PATHS,
-    CompileCounter,
-    CUDAGraphs,
-    PaddedBatch,
-    PaddingRule,
-    build_padded_batch,
-    compiled_forward,
-    synthetic_batch,
-)
+from .static_step import FORWARDS, PATHS, CompileCounter, CUDAGraphs, compiled_forward
+from .step_inputs import LogitsPlan, PaddingRule, StepBatch, fits_decode_kernel, prepare_inputs, synthetic_batch
 
 # ``torch.profiler.record_function`` ranges the runner opens on the thread that runs them, so that a profile
 # (``rollout.benchmarks.profile_step``) can tell the host work of a step from its model forward.
@@ -66,32 +56,12 @@ FORWARD_SCOPE = "rollout.forward"  # the model's forward (eager, compiled or gra
 
 
 @dataclass
-class LogitsPlan:
-    """Which rows of a step's logits are for what.
-
-    The first ``num_sample_rows`` rows are the last query token of each sampled
-    request, in batch order. The rest are scored positions of scoring requests:
-    row ``num_sample_rows + j`` predicts ``score_targets[j]``; ``score_segments``
-    says, in order, how many of those rows belong to which request.
-    """
-
-    num_sample_rows: int = 0
-    score_targets: list[int] = field(default_factory=list)
-    score_segments: list[tuple[Request, int]] = field(default_factory=list)
-    sampled: list[Request] = field(default_factory=list)  # the request of each sample row, in order
-    # On the device (staged with the step's inputs): int64 [S] score_targets, float32 [S] the
-    # temperature of each scored row; None when nothing is scored.
-    score_target_ids: torch.Tensor | None = None
-    score_temperatures: torch.Tensor | None = None
-
-
-@dataclass
 class PreparedStep:
     """A step's inputs, built on the host and staged on the device (``ModelRunner.prepare_step``).
 
     Attributes:
         scheduler_output: the step (not empty).
-        batch: the step's inputs (``static_step.PaddedBatch``), exact or padded as its path runs.
+        batch: the step's inputs (``step_inputs.StepBatch``), exact or padded as its path runs.
         rows: the rows whose logits are kept, in order (the forward keeps ``batch.logits_rows``, these first).
         plan: which kept row is for what.
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
@@ -105,7 +75,7 @@ class PreparedStep:
     """
 
     scheduler_output: SchedulerOutput
-    batch: PaddedBatch
+    batch: StepBatch
     rows: list[int]
     plan: LogitsPlan
     sampled: list[Request]
@@ -140,122 +110,16 @@ class LaunchedStep:
 
     Attributes:
         prepared: the step's inputs.
-        future: the worker thread's computation (CPU), or None.
-        result: the result when computed in the calling thread (the forward enqueued on CUDA), or None.
+        future: the worker thread's computation (CPU), or the result computed in the calling thread already
+            (the forward enqueued on CUDA).
     """
 
     prepared: PreparedStep
-    future: Future[StepResult] | None = None
-    result: StepResult | None = None
+    future: Future[StepResult]
 
     def wait(self) -> StepResult:
         """The step's result, once computed (blocks on the worker thread); re-raises its error."""
-        if self.future is not None:
-            return self.future.result()
-        assert self.result is not None
-        return self.result
-
-
-def unpack_top_logprobs(counts: Sequence[int], host: Sequence[float]) -> list[tuple[list[int], list[float]]] | None:
-    """Each sampled row's top logprobs from the tail of a step's packed results.
-
-    Args:
-        counts: each sampled row's ``num_top_logprobs`` (0: none), in row order.
-        host: the ids then the logprobs of ``sampling.TopLogprobs``, R x K each, row-major, for the R rows
-            whose count is > 0 (K, the widest count capped at the vocabulary, follows from the length).
-
-    Returns:
-        Per sampled row: (ids, logprobs) of its first ``counts[row]`` alternatives, most likely first, or
-        ``([], [])`` for a row that asked for none; None when no row asked.
-    """
-    asked = sum(1 for c in counts if c > 0)
-    if not asked:
-        return None
-    k = len(host) // (2 * asked)
-    ids, values = host[: asked * k], host[asked * k : 2 * asked * k]
-    out: list[tuple[list[int], list[float]]] = []
-    j = 0
-    for c in counts:
-        if c > 0:
-            n = min(c, k)
-            out.append(([int(t) for t in ids[j * k : j * k + n]], list(values[j * k : j * k + n])))
-            j += 1
-        else:
-            out.append(([], []))
-    return out
-
-
-def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
-    """int64 [len(rows), longest]: the rows right-padded with 0."""
-    width = max(len(r) for r in rows)
-    out = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def _scored_span(req: Request, computed: int, num_tokens: int) -> tuple[int, int]:
-    """The positions [lo, hi) of a scoring request whose logits this step records (empty when hi <= lo).
-
-    Position p's logits predict token p + 1; positions already scored (before a preemption) are not
-    recorded twice.
-    """
-    lo = max(computed, req.score_from - 1 + len(req.prompt_logprobs))
-    hi = min(computed + num_tokens, req.num_tokens - 1)
-    return lo, hi
-
-
-def _keep_rows(
-    entry: ScheduledRequest,
-    start: int,
-    plan: LogitsPlan,
-    logits_rows: list[int],
-    score_rows: list[int],
-    score_temps: list[float],
-) -> None:
-    """Record which of a request's query rows (from row ``start`` of the step) keep their logits.
-
-    A sampled request keeps its last row (appended to ``logits_rows`` and ``plan.sampled``); a scoring
-    request its rows that predict a prompt token not yet scored (``score_rows``, with their targets and
-    segment in ``plan`` and their temperature in ``score_temps``).
-    """
-    req, n = entry.request, entry.num_scheduled_tokens
-    c = entry.num_computed_tokens
-    if entry.sample:
-        logits_rows.append(start + n - 1)
-        plan.sampled.append(req)
-    if req.score_from is not None:
-        lo, hi = _scored_span(req, c, n)
-        if hi > lo:
-            score_rows.extend(range(start + lo - c, start + hi - c))
-            plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
-            plan.score_segments.append((req, hi - lo))
-            score_temps.extend([req.score_temperature] * (hi - lo))
-
-
-def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> tuple[list[int], list[int]]:
-    """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
-
-    A request's query tokens past its known ``token_ids`` are such tokens; the scheduling rule lets a
-    request have one (its last query token), sampled by the step launched just before.
-
-    Args:
-        scheduled: the step's requests, in batch order.
-        sample_rows: the row of each request (by id) among the sampled tokens of the step before.
-
-    Returns:
-        The flattened input rows that hold one, and for each the index of the token that replaces it
-        among the previous step's sampled tokens; both empty when none.
-    """
-    rows: list[int] = []
-    sources: list[int] = []
-    end = 0
-    for entry in scheduled:
-        end += entry.num_scheduled_tokens
-        if entry.num_computed_tokens + entry.num_scheduled_tokens > entry.request.num_tokens:
-            rows.append(end - 1)
-            sources.append(sample_rows[entry.request.request_id])
-    return rows, sources
+        return self.future.result()
 
 
 class ModelRunner:
@@ -267,18 +131,19 @@ class ModelRunner:
 
     Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
     other step (prefill chunks, mixed, scoring) the "varlen" path. Every step has one input builder
-    (``static_step.build_padded_batch``) and one forward over the same paged attention; padding is a
-    choice of sizes: a path that is neither compiled nor CUDA-graphed keeps the exact sizes (and, with
-    ``use_flash``, adds flash-attn's inputs), one that is runs padded (``padding``), through its compiled
-    forward and, on CUDA, a captured graph per padded shape. Sampling stays eager.
+    (``step_inputs.prepare_inputs``) and one forward over the same paged attention; padding is a choice
+    of sizes: a path that is neither compiled nor CUDA-graphed keeps the exact sizes, one that is runs
+    padded (``padding``), through its compiled forward and, on CUDA, a captured graph per padded shape.
+    Sampling stays eager.
 
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: eager steps add flash-attn's inputs (CUDA): attention runs its kernels, not SDPA.
-        max_blocks_per_request: with ``use_flash``, the width of the decode fast path's block table
-            (``ContinuousBatchingConfig.resolved_max_blocks_per_request``); 0 sends every step
-            through the varlen kernel.
+        use_flash: attention runs flash-attn's kernels (CUDA), not SDPA: ``flash_attn_with_kvcache`` for
+            the steps that fit it (``step_inputs.fits_decode_kernel``), eager or on the padded decode
+            path; ``flash_attn_varlen_func`` for the other eager steps.
+        max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
+            step reads (``ContinuousBatchingConfig.resolved_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
         seed: seed of the generator of sampled requests that have no seed of their own;
             None seeds it from the OS.
@@ -287,8 +152,7 @@ class ModelRunner:
         compile_configs: the (varlen, decode) compile configs; None runs that path uncompiled.
         cuda_graphs: (varlen, decode): replay that path's padded forward as CUDA graphs (CUDA only).
         padding: how static-shape steps are padded; needed when a path is compiled or graphed.
-        async_batching: ``launch`` starts a step and returns (see the module docstring): on CPU a worker
-            thread computes it, on CUDA the inputs are staged on a side stream into two buffer sets.
+        async_batching: ``launch`` starts a step and returns: see the module docstring.
 
     Raises:
         ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
@@ -334,11 +198,8 @@ class ModelRunner:
             # Tensor parallelism: sharded layers keep their own linear, and each rank would measure the
             # replicated ones apart (a choice per rank, so logits rounded differently per rank).
             self._linear_policy = MKL
-        # A prepared 4D mask makes transformers skip building its own masks: the
-        # paged attention masks each request itself.
+        # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        # One staging buffer for the step's inputs and one for the sampler's per-row values: each
-        # waits only for its own previous copy before it is refilled.
         self.async_batching = async_batching
         # Async batching: the row of each request (by id) among the sampled tokens of the step prepared last.
         self._sample_rows: dict[str, int] = {}
@@ -351,76 +212,24 @@ class ModelRunner:
             self._input_staging = HostStaging(self.device)
             if async_batching:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-step")
-        # Per-row sampling values are staged by ``launch``, after the forward, on the current stream.
+        # The sampler's per-row values have a buffer of their own (each waits only for its own previous copy),
+        # staged by ``launch`` after the forward, on the current stream.
         self._sampling_staging = HostStaging(self.device)
-        # The static-shape paths: for each path, its forward (compiled or plain) when it runs padded.
         self.padding = padding
         self._exact = PaddingRule.exact_rule(self.block_size)
         self.compile_configs = dict(zip(PATHS, compile_configs, strict=True))
         self.cuda_graph_paths = dict(zip(PATHS, cuda_graphs, strict=True))
         # Each path's forward (compiled or plain); the paths that run padded (compiled or graphed).
-        self._forwards: dict[str, Callable[..., torch.Tensor]] = {}
-        self._static: set[str] = set()
-        for path in PATHS:
-            config, graphed = self.compile_configs[path], self.cuda_graph_paths[path]
-            self._forwards[path] = FORWARDS[path] if config is None else compiled_forward(path, config)
-            if config is None and not graphed:
-                continue
-            if padding is None:
-                raise ValueError(f"the {path} path is compiled or CUDA-graphed: it needs a padding rule")
-            self._static.add(path)
+        configs = self.compile_configs.items()
+        self._forwards = {p: FORWARDS[p] if c is None else compiled_forward(p, c) for p, c in configs}
+        self._static = {p for p, c in configs if c is not None or self.cuda_graph_paths[p]}
+        if self._static and padding is None:
+            raise ValueError(f"the {' and '.join(sorted(self._static))} path is compiled or graphed: it needs padding")
         if any(cuda_graphs) and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
-        self.graphs = CUDAGraphs(self.device) if any(cuda_graphs) else None
+        share = self._input_staging.copy_stream is None  # graphs replay on the staged inputs (``CUDAGraphs``)
+        self.graphs = CUDAGraphs(self.device, share_inputs=share) if any(cuda_graphs) else None
         self.compile_counter = CompileCounter()
-
-    def _fits_decode_fast_path(self, scheduled: Sequence[ScheduledRequest]) -> bool:
-        """Whether a step goes through ``flash_attn_with_kvcache``: every request computes one token and
-        its keys (this one included) fit in ``max_blocks_per_request`` blocks. One wider request sends the
-        whole step through the varlen kernel (transformers' scheduler applies the same rule)."""
-        width = self.max_blocks_per_request
-        if width <= 0 or not scheduled:
-            return False
-        limit = width * self.block_size  # keys a table row can address
-        return all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
-
-    @staticmethod
-    def _flash_decode_arrays(
-        scheduled: Sequence[ScheduledRequest], width: int, num_groups: int = 1
-    ) -> list[np.ndarray]:
-        """int64 host arrays of the decode fast path's inputs (each request computes one token).
-
-        Returns:
-            cache_seqlens [B] (the request's keys after this step's write: computed tokens + 1), then the
-            block table [B, width] of each layer group: each request's first ``width`` blocks, padded with
-            block 0 (the kernel reads only the blocks its cache_seqlens covers; a sliding group's
-            ``NULL_BLOCK`` entries before its window read as block 0, which the window mask never lets a
-            query attend to, as in ``_flash_arrays``).
-        """
-        seqlens = np.asarray([e.num_computed_tokens + 1 for e in scheduled], dtype=np.int64)
-        tables = []
-        for g in range(num_groups):
-            table = np.zeros((len(scheduled), width), dtype=np.int64)
-            for i, e in enumerate(scheduled):
-                row = e.request.block_tables[g][:width]
-                table[i, : len(row)] = row
-            tables.append(np.maximum(table, 0))
-        return [seqlens, *tables]
-
-    @staticmethod
-    def _flash_arrays(scheduled: Sequence[ScheduledRequest], num_groups: int = 1) -> list[np.ndarray]:
-        """int64 host arrays of flash-attn's varlen inputs.
-
-        Returns:
-            cu_seqlens_q [B+1], cu_seqlens_k [B+1], then the block table [B, W] of each layer group (rows
-            padded with 0; a sliding group's ``NULL_BLOCK`` entries, before its window, read as block 0,
-            which the kernel's window mask never lets a query attend to).
-        """
-        q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
-        k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
-        zero = np.zeros(1, dtype=np.int64)
-        tables = [np.maximum(_padded([e.request.block_tables[g] for e in scheduled]), 0) for g in range(num_groups)]
-        return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -441,8 +250,7 @@ class ModelRunner:
             self._move_kv(scheduler_output)
             return RunnerOutput()
         prepared = self.prepare_step(scheduler_output)
-        result = self._compute(prepared, None)
-        return self._unpack(prepared, result.packed.tolist() if result.packed is not None else [])
+        return self._unpack(prepared, self._compute(prepared, None))
 
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
@@ -455,8 +263,20 @@ class ModelRunner:
         sampled tokens of the step prepared before it.
         """
         scheduled = scheduler_output.scheduled
+        path = self.path_of(scheduled)
+        static = path in self._static
+        kernel = "sdpa"
+        if self.use_flash and (not static or path == "decode"):
+            fits = fits_decode_kernel(scheduled, self.max_blocks_per_request, self.block_size)
+            kernel = "flash_decode" if fits else "sdpa" if static else "flash_varlen"
+        self.num_decode_fast_path_steps += kernel == "flash_decode"
+        rule = self.padding if static else self._exact
+        assert rule is not None
+        sample_rows = self._sample_rows if self.async_batching else None
         with record_function(PREPARE_SCOPE):
-            batch, rows, plan, placeholders = self._prepare_batch(scheduled, self.path_of(scheduled))
+            batch, rows, plan, placeholders = prepare_inputs(
+                scheduled, path == "decode", rule, self._input_staging, len(self.sliding_windows), kernel, sample_rows
+            )
         forks = [child for _, child in scheduler_output.forks]
         sampled = plan.sampled + forks
         uniform = None
@@ -493,11 +313,13 @@ class ModelRunner:
         if prepared.placeholders is not None and previous is None:
             raise ValueError("a step with placeholder tokens needs the step launched before it")
         if self._worker is not None:
-            return LaunchedStep(prepared, future=self._worker.submit(self._compute, prepared, previous))
+            return LaunchedStep(prepared, self._worker.submit(self._compute, prepared, previous))
+        future: Future[StepResult] = Future()
         try:
-            return LaunchedStep(prepared, result=self._compute(prepared, previous, readback=self.async_batching))
+            future.set_result(self._compute(prepared, previous, readback=self.async_batching))
         finally:
             self._input_staging.release(prepared.staging_slot)
+        return LaunchedStep(prepared, future)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step and read its results back (one copy): see ``execute``'s return value.
@@ -506,11 +328,9 @@ class ModelRunner:
             Whatever the step's forward or sampling raised.
         """
         result = launched.wait()
-        if result.host is not None:
-            assert result.copied is not None
+        if result.copied is not None:
             result.copied.synchronize()
-            return self._unpack(launched.prepared, result.host.tolist())
-        return self._unpack(launched.prepared, result.packed.tolist() if result.packed is not None else [])
+        return self._unpack(launched.prepared, result)
 
     def close(self) -> None:
         """Stop the worker thread (after the step it runs, if any). Idempotent."""
@@ -543,7 +363,9 @@ class ModelRunner:
         # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
         parts: list[torch.Tensor] = []
         if plan.score_segments:
-            parts.append(self._score_logprobs(logits[plan.num_sample_rows :], plan).double())
+            targets, temps = plan.score_target_ids, plan.score_temperatures
+            assert targets is not None and temps is not None
+            parts.append(score_logprobs(logits[plan.num_sample_rows :], targets, temps).double())
         tokens = None
         if plan.sampled:
             sampled = prepared.sampled
@@ -551,10 +373,8 @@ class ModelRunner:
             if scheduler_output.forks:
                 # Each fork samples from its parent's row (the last prompt token, computed once),
                 # with its own parameters and random stream.
-                row_of = {id(req): i for i, req in enumerate(plan.sampled)}
-                parent_rows = [row_of[id(parent)] for parent, _ in scheduler_output.forks]
-                index = torch.tensor(parent_rows, dtype=torch.int64, device=sample_logits.device)
-                sample_logits = torch.cat([sample_logits, sample_logits.index_select(0, index)])
+                parents = [plan.sampled.index(parent) for parent, _ in scheduler_output.forks]  # by identity
+                sample_logits = torch.cat([sample_logits, sample_logits[parents]])
             tokens, logprobs, top = sample_tokens(
                 sample_logits,
                 [r.params for r in sampled],
@@ -579,25 +399,27 @@ class ModelRunner:
             result.copied.record(torch.cuda.current_stream(packed.device))
         return result
 
-    def _unpack(self, prepared: PreparedStep, host: list[float]) -> RunnerOutput:
-        """The ``RunnerOutput`` of a step from its packed results read back to the host."""
+    def _unpack(self, prepared: PreparedStep, result: StepResult) -> RunnerOutput:
+        """The ``RunnerOutput`` of a step from its packed results, read back to the host (one copy)."""
+        packed = result.host if result.host is not None else result.packed
+        host = packed.tolist() if packed is not None else []
         plan = prepared.plan
-        result = RunnerOutput()
+        output = RunnerOutput()
         i = 0
         if plan.score_segments:
-            result.prompt_logprobs = []
+            output.prompt_logprobs = []
             for req, count in plan.score_segments:
-                result.prompt_logprobs.append((req, host[i : i + count]))
+                output.prompt_logprobs.append((req, host[i : i + count]))
                 i += count
         if plan.sampled:
             b = len(prepared.sampled)
-            result.sampled_token_ids = [int(t) for t in host[i : i + b]]
+            output.sampled_token_ids = [int(t) for t in host[i : i + b]]
             i += b
             if self.return_logprobs:
-                result.logprobs = host[i : i + b]
+                output.logprobs = host[i : i + b]
                 i += b
-            result.top_logprobs = unpack_top_logprobs([r.params.num_top_logprobs for r in prepared.sampled], host[i:])
-        return result
+            output.top_logprobs = unpack_top_logprobs([r.params.num_top_logprobs for r in prepared.sampled], host[i:])
+        return output
 
     @property
     def static_paths(self) -> list[str]:
@@ -609,66 +431,7 @@ class ModelRunner:
         """``"decode"`` when every request computes one token and samples it, else ``"varlen"``."""
         return "decode" if all(e.num_scheduled_tokens == 1 and e.sample for e in scheduled) else "varlen"
 
-    def _prepare_batch(
-        self, scheduled: Sequence[ScheduledRequest], path: str
-    ) -> tuple[PaddedBatch, list[int], LogitsPlan, torch.Tensor | None]:
-        """The inputs of a step (one staged upload): its batch, sized exact or padded as its path runs
-        (``static_paths``), with flash-attn's inputs on an eager CUDA step (``use_flash``); the real logits
-        rows, their plan, and the placeholders of a step scheduled behind another (see
-        ``PreparedStep.placeholders``: a padded batch keeps the real rows first, at the same indices)."""
-        static = path in self._static
-        rule = self.padding if static else self._exact
-        assert rule is not None
-        plan = LogitsPlan()
-        logits_rows: list[int] = []
-        score_rows: list[int] = []
-        score_temps: list[float] = []
-        start = 0
-        for entry in scheduled:
-            _keep_rows(entry, start, plan, logits_rows, score_rows, score_temps)
-            start += entry.num_scheduled_tokens
-        rows = logits_rows + score_rows
-        extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(score_temps, dtype=np.float64)]
-        placeholder_rows, placeholder_sources = (
-            _placeholders(scheduled, self._sample_rows) if self.async_batching else ([], [])
-        )
-        if placeholder_rows:
-            extra.append(np.asarray([placeholder_rows, placeholder_sources], dtype=np.int64))
-        num_groups = len(self.sliding_windows)
-        fast_decode = flash = False
-        if self.use_flash and not static:
-            flash = True
-            fast_decode = self._fits_decode_fast_path(scheduled)
-            if fast_decode:
-                extra += self._flash_decode_arrays(scheduled, self.max_blocks_per_request, num_groups)
-            else:
-                extra += self._flash_arrays(scheduled, num_groups)
-        batch, staged = build_padded_batch(
-            scheduled, rows, path == "decode", rule, self._input_staging, extra, num_groups
-        )
-        targets, temps = staged[0], staged[1]
-        placeholders = staged[2] if placeholder_rows else None
-        if flash:
-            flash_in = staged[3 if placeholder_rows else 2 :]
-            tables = torch.stack(flash_in[-num_groups:]).to(torch.int32)  # [N, B, W]
-            if fast_decode:
-                batch.flash = {"cache_seqlens": flash_in[0].to(torch.int32), "block_tables": tables}
-                self.num_decode_fast_path_steps += 1
-            else:
-                k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
-                batch.flash = {
-                    "cu_seqlens_q": flash_in[0].to(torch.int32),
-                    "cu_seqlens_k": flash_in[1].to(torch.int32),
-                    "max_seqlen_q": max(e.num_scheduled_tokens for e in scheduled),
-                    "max_seqlen_k": max(k_lens),
-                    "block_tables": tables,
-                }
-        if plan.score_segments:
-            plan.score_target_ids, plan.score_temperatures = targets, temps.float()
-        plan.num_sample_rows = len(logits_rows)
-        return batch, rows, plan, placeholders
-
-    def forward(self, batch: PaddedBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         """The one forward of a step, on ``batch``'s path: compiled or not, replayed as a CUDA graph or not.
 
         Compilations it triggers are counted in ``compile_counter``.
@@ -680,11 +443,11 @@ class ModelRunner:
         fn = self._forwards[path]  # the plain forward on an eager path
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
 
-        def run(b: PaddedBatch) -> torch.Tensor:
+        def run(b: StepBatch) -> torch.Tensor:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape), run, batch)
+            return self.graphs.run((path, batch.shape, batch.flash_decode), run, batch)
         return run(batch)
 
     @torch.inference_mode()
@@ -693,16 +456,21 @@ class ModelRunner:
     ) -> None:
         """Run the padded forward of each (path, shape) on a synthetic batch, compiling or capturing it.
 
-        The synthetic batches read and write the padding block only (``static_step.synthetic_batch``):
+        The synthetic batches read and write the padding block only (``step_inputs.synthetic_batch``):
         no request's keys, no prefix-cache block, no random generator and no counter of requests change.
+        A decode shape warms the kernel its steps mostly take (``flash_attn_with_kvcache`` with ``use_flash``).
 
         Args:
             shapes: (path, padded shape) pairs, for paths in ``static_paths``.
             on_shape: called after each shape (a progress bar's update), or None.
         """
         assert self.padding is not None
+        flash_decode = self.use_flash and self.max_blocks_per_request > 0
         for path, shape in shapes:
-            self.forward(synthetic_batch(path, shape, self.padding, self.device, len(self.sliding_windows)))
+            batch = synthetic_batch(path, shape, self.padding, self._input_staging, len(self.sliding_windows))
+            batch.flash_decode = flash_decode and path == "decode"
+            self.forward(batch)
+            self._input_staging.release(self._input_staging.last_slot)
             if on_shape is not None:
                 on_shape()
         if self.device.type == "cuda":
@@ -727,18 +495,3 @@ class ModelRunner:
         for req, blocks in scheduler_output.restores:
             assert req.offloaded is not None
             pool.load(self.cache, req.offloaded[0], blocks)
-
-    @staticmethod
-    def _score_logprobs(logits: torch.Tensor, plan: LogitsPlan) -> torch.Tensor:
-        """Logprobs of the scored positions: ``log_softmax(logits / T)`` at each target token.
-
-        Args:
-            logits: float32 [S, V]; row j predicts ``plan.score_targets[j]``.
-            plan: the step's rows, with ``score_target_ids`` and ``score_temperatures`` on the device.
-
-        Returns:
-            float32 [S] on the device, in row order; ``plan.score_segments`` splits it by request.
-        """
-        targets, temps = plan.score_target_ids, plan.score_temperatures
-        assert targets is not None and temps is not None
-        return torch.log_softmax(logits / temps[:, None], dim=-1).gather(1, targets[:, None])[:, 0]

@@ -14,10 +14,8 @@ move under ``MKL_ENABLE_INSTRUCTIONS=AVX2``); there oneDNN was 1.1-2.7x faster a
 On a 2-core EPYC with AVX2 only (issue 22), both run AVX2 kernels and oneDNN is slower on every projection at
 1-8 rows and on k/v at 32 rows, faster only on the lm_head; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces that
 profile here. At few rows both kernels take tens of microseconds, where oneDNN's per-call overhead shows.
-The load matters too: with two OpenMP threads on two shared cores, a call waits whenever one of its threads
-is descheduled, and on this machine MKL's calls wait about twice as long as oneDNN's (``measure_linear``), so
-figures taken on a busy machine favour oneDNN. A process that measures while every call waits keeps the
-choice that load made (nothing measures again later).
+The load matters too (``measure_linear``): on a busy machine MKL's calls wait for descheduled threads about
+twice as long as oneDNN's, and a process that measures then keeps that load's choice (nothing measures again).
 
 How each forward gets there: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) around the
 engine's forwards, eager and compiled. In eager steps it calls the chosen kernel directly; in a compiled step it
@@ -135,11 +133,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         float32 [..., N], a new tensor.
     """
     return _onednn(x, weight, bias)
-
-
-@onednn_linear.register_fake
-def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def row_bucket(rows: int) -> int:
@@ -323,8 +316,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return KERNELS.linear(x, weight, bias)
 
 
+@onednn_linear.register_fake
 @cpu_linear.register_fake
-def _cpu_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output of either op under tracing: [..., N] like ``x``."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -308,3 +308,46 @@ def _log_distribution(
 def _token_logprobs(dist: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """float32 [B]: ``dist`` [B, V] at each row's token (int64 [B])."""
     return dist.gather(1, tokens[:, None])[:, 0]
+
+
+def score_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Logprobs of scored positions: ``log_softmax(logits / T)`` at each target token.
+
+    Args:
+        logits: float32 [S, V]; row j predicts ``targets[j]``.
+        targets: int64 [S], on the logits' device.
+        temperatures: float32 [S], each row's T.
+
+    Returns:
+        float32 [S] on the device, in row order.
+    """
+    return torch.log_softmax(logits / temperatures[:, None], dim=-1).gather(1, targets[:, None])[:, 0]
+
+
+def unpack_top_logprobs(counts: Sequence[int], host: Sequence[float]) -> list[tuple[list[int], list[float]]] | None:
+    """Each sampled row's top logprobs from the tail of a step's packed results.
+
+    Args:
+        counts: each sampled row's ``num_top_logprobs`` (0: none), in row order.
+        host: the ids then the logprobs of ``sampling.TopLogprobs``, R x K each, row-major, for the R rows
+            whose count is > 0 (K, the widest count capped at the vocabulary, follows from the length).
+
+    Returns:
+        Per sampled row: (ids, logprobs) of its first ``counts[row]`` alternatives, most likely first, or
+        ``([], [])`` for a row that asked for none; None when no row asked.
+    """
+    asked = sum(1 for c in counts if c > 0)
+    if not asked:
+        return None
+    k = len(host) // (2 * asked)
+    ids, values = host[: asked * k], host[asked * k : 2 * asked * k]
+    out: list[tuple[list[int], list[float]]] = []
+    j = 0
+    for c in counts:
+        if c > 0:
+            n = min(c, k)
+            out.append(([int(t) for t in ids[j * k : j * k + n]], list(values[j * k : j * k + n])))
+            j += 1
+        else:
+            out.append(([], []))
+    return out

@@ -1,55 +1,27 @@
-"""The step's input builder and forward, with its padding: compiled forwards, compile counting, CUDA graphs.
+"""The step's one forward, compiled or CUDA-graphed: compiled forwards, compile counting, CUDA graphs, warmup.
 
-Every step, eager, compiled or CUDA-graphed, is built by ``build_padded_batch`` and runs ``forward_varlen``
-or ``forward_decode`` over the same paged attention (``attention.paged_attention``); padding is only a
-choice of sizes (``PaddingRule``). An eager step keeps the exact sizes (``PaddingRule.exact_rule``). A
-compiled forward is reused only while its inputs keep the shapes it was traced for (and a CUDA graph
-replays exactly one set of shapes), so a step whose path is compiled or graphed runs on padded inputs:
+Every step, eager, compiled or CUDA-graphed, runs ``step_forward`` on a batch from the one input builder
+(``step_inputs``), over the same paged attention (``attention.paged_attention``). The two paths (``PATHS``:
+"decode" for decode-only steps, "varlen" for every other) run copies of it with code objects of their own
+(``FORWARDS``), so each keeps its own dynamo cache; their compiled versions are shared by every engine with
+the same ``CompileConfig`` (``compiled_forward``), so a new engine (each ``generate_batch`` call builds one)
+finds the graphs compiled before it. Compilations are counted per thread while a runner's forward runs
+(``CompileCounter``), through dynamo's compile-start callback.
 
-- the flattened query rows are padded to a multiple of ``q_padding_interval_size`` (capped at the token
-  budget); a padded row is token 0 at position 0, writes the padding slot (the cache's extra last block,
-  which the block manager never hands out) and its logits are dropped;
-- the logits rows and the decode rows of a varlen step are padded to a multiple of the same interval
-  (the decode path keeps one logits row per query row);
-- the chunks of the requests that compute more than one token are cut into sub-chunks of
-  ``SUBCHUNK_ROWS`` rows (the prefill groups, padded to an even count);
-- the keys every group reads are padded to a multiple of ``kv_padding_interval_size``, then to whole
-  blocks of its request's block table (padded with the padding block).
-
-Slots and block tables are built for every KV layer group of the cache (``kv_cache.CacheLayout``): each
-layer reads its own group's (``PagedAttentionMetadata.group_of``), so sliding-window groups and layers of
-other shapes run padded too. A sliding group's ``NULL_BLOCK`` entries (blocks that left the window) read
-the padding block, which the layer's window mask never lets a query attend to.
-
-Every padded size is at least 2: dynamo specialises sizes 0 and 1, which would compile graphs of their
-own. A step's padded sizes are its ``shape`` (the key of compiled shapes and captured graphs):
-``(T, Wd)`` on the decode path (decode-only steps) and ``(T, R, Bd, Wd, G, Wp)`` on the varlen path
-(every other step): query rows, logits rows, decode rows, block-table width of the decode rows,
-prefill groups, block-table width of the prefill groups.
-
-The two paths run two module-level functions, ``forward_varlen`` and ``forward_decode``, with the same
-body but distinct code objects, so each keeps its own dynamo cache; their compiled versions are shared
-by every engine with the same ``CompileConfig`` (``compiled_forward``), so a new engine (each
-``generate_batch`` call builds one) finds the graphs compiled before it. Compilations are counted per
-thread while a runner's forward runs (``CompileCounter``), through dynamo's compile-start callback.
-
-CUDA graphs (``CUDAGraphs``): one graph per padded shape, captured on first use (or in warmup) with
-static input buffers of exactly that shape, kept in an LRU of ``CUDA_GRAPH_CAPACITY`` graphs that share
-one memory pool; a hit copies the step's inputs into the buffers and replays.
+CUDA graphs (``CUDAGraphs``): one per padded shape and kernel, captured on first use (or in warmup), kept in
+an LRU sharing one memory pool, replayed on the step's own staged inputs (no copy) where it can.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import threading
+import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.fx.experimental import _config as fx_config
 from transformers.generation import CompileConfig
@@ -57,205 +29,15 @@ from transformers.generation import CompileConfig
 from .attention import METADATA_KWARG, PagedAttentionMetadata
 from .kv_cache import PagedKVCache
 from .onednn import MKL, OneDNNLinear
-from .sampling import HostStaging
-from .scheduler import ScheduledRequest
-
-logger = logging.getLogger(__name__)
+from .step_inputs import PaddingRule, StepBatch
 
 PATHS = ("varlen", "decode")
-# Smallest padded size of every axis: dynamo specialises 0 and 1 (a graph of their own each).
-MIN_PADDED_SIZE = 2
 # Captured CUDA graphs kept per runner (both paths together), least recently used evicted first. Each
 # graph holds its own static inputs (a few small int64 vectors and the decode block table) and its
 # output logits; their temporaries share one memory pool, so memory grows with the largest shape, not
 # with the count. 64 covers the decode shapes of a workload whose batch size and lengths vary over a
 # few intervals each; a workload beyond it captures again (``EngineStats.num_cuda_graph_captures``).
 CUDA_GRAPH_CAPACITY = 64
-
-
-def pad_to_interval(n: int, interval: int, cap: int | None = None) -> int:
-    """``n`` rounded up to a multiple of ``interval`` (at least ``MIN_PADDED_SIZE``), at most ``cap``.
-
-    Args:
-        n: the real size (>= 0).
-        interval: the padding interval (>= 1).
-        cap: the largest padded size allowed (the token budget, the longest request), or None. A cap
-            below ``n`` is ignored: a size is never padded down.
-
-    Returns:
-        The padded size.
-    """
-    padded = -(-max(n, MIN_PADDED_SIZE) // interval) * interval
-    if cap is not None and padded > cap:
-        padded = max(cap, n, MIN_PADDED_SIZE)
-    return padded
-
-
-# Rows of one prefill group: a request's chunk is cut into sub-chunks of this many rows, each reading
-# its request's keys up to its last row. Smaller sub-chunks pad fewer rows at the end of a chunk but
-# re-read the request's keys once more each (the gather is G x Lp). Measured with 32, 64 and 128 on
-# SmolLM2 prefill steps of 512 tokens (gsm8k prompts of 60-150 tokens, 1 thread, the loaded 2-core CPU):
-# the uncompiled padded step was 4-8% slower than the eager one with each, within the machine's noise;
-# 64 re-reads the keys half as often as 32.
-SUBCHUNK_ROWS = 64
-
-
-@dataclass(frozen=True)
-class PaddingRule:
-    """How a runner pads its static-shape steps.
-
-    Attributes:
-        q_interval: query rows, logits rows and decode rows are padded to a multiple of this.
-        kv_interval: the keys each group reads are padded to a multiple of this (then to whole blocks).
-        max_batch_tokens: the token budget: the most query rows a padded step has (unless the real
-            step has more, which the scheduler never schedules).
-        max_keys: the most keys one request can have (the cache's tokens); caps the padded keys.
-        block_size: tokens per block.
-        pad_block: the padding block's id (the cache's last block, never handed to a request).
-        subchunk_rows: rows of a prefill group (``SUBCHUNK_ROWS``).
-        exact: every size is the real one (an eager step: nothing to compile, so nothing to pad); the
-            intervals and caps are then unused, and ``pad_block`` (block 0 by ``exact_rule``) is read only
-            under a mask and never written.
-    """
-
-    q_interval: int
-    kv_interval: int
-    max_batch_tokens: int
-    max_keys: int
-    block_size: int
-    pad_block: int
-    subchunk_rows: int = SUBCHUNK_ROWS
-    exact: bool = False
-
-    @classmethod
-    def exact_rule(cls, block_size: int) -> PaddingRule:
-        """The sizes of an eager step: exact, block 0 standing in for the padding block of a table row's tail."""
-        return cls(1, 1, 1 << 62, 1 << 62, block_size, pad_block=0, exact=True)
-
-    @property
-    def pad_slot(self) -> int:
-        """The slot padded rows write and padded reads read: the padding block's first slot."""
-        return self.pad_block * self.block_size
-
-    def num_rows(self, n: int) -> int:
-        """Padded query rows (or logits rows, or decode rows) for ``n`` real ones."""
-        return n if self.exact else pad_to_interval(n, self.q_interval, self.max_batch_tokens)
-
-    def num_groups(self, n: int) -> int:
-        """Padded prefill groups for ``n`` real ones (an even count)."""
-        return n if self.exact else pad_to_interval(n, MIN_PADDED_SIZE)
-
-    def table_width(self, longest: int) -> int:
-        """Blocks in each group's padded table when its longest request reads ``longest`` keys."""
-        if self.exact:
-            return max(1, -(-longest // self.block_size))
-        keys = pad_to_interval(longest, self.kv_interval, self.max_keys)
-        return max(MIN_PADDED_SIZE, -(-keys // self.block_size))
-
-
-@dataclass
-class PaddedBatch:
-    """The device inputs of one step; every shape is a size its ``PaddingRule`` chose (exact or padded).
-
-    Attributes:
-        input_ids: int64 [T]; padded rows hold token 0.
-        positions: int64 [T]; each row's position in its request (0 for padded rows).
-        slot_mapping: int64 [N, T]; per KV layer group, the slot each row writes (padded rows: the
-            padding slot).
-        logits_rows: int64 [R]; the rows whose logits are kept (sampled rows, then scored rows, then
-            padding: row 0 again).
-        decode_rows: int64 [Bd], the decode rows (fillers: T), or None on the decode path (every row).
-        decode_tables: int64 [N, Bd, Wd]; per layer group, each decode row's block table, padded with the
-            padding block.
-        decode_pos: int64 [Bd]; each decode row's position (0 for fillers and padded rows).
-        prefill_rows: int64 [G, Qs]; the rows of each prefill group (fillers: T); None on the decode path.
-        prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's request's block table,
-            padded with the padding block.
-        prefill_pos: int64 [G, Qs]; each row's position in its request (0 for fillers).
-        flash: the flash-attn inputs of an eager step on CUDA (``PagedAttentionMetadata.flash``), or None.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    logits_rows: torch.Tensor
-    decode_rows: torch.Tensor | None
-    decode_tables: torch.Tensor
-    decode_pos: torch.Tensor
-    prefill_rows: torch.Tensor | None = None
-    prefill_tables: torch.Tensor | None = None
-    prefill_pos: torch.Tensor | None = None
-    flash: dict | None = None
-
-    @property
-    def path(self) -> str:
-        """``"decode"`` when every row is a decode row, else ``"varlen"``."""
-        return "decode" if self.decode_rows is None else "varlen"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path."""
-        T, Wd = self.input_ids.shape[0], self.decode_tables.shape[-1]
-        if self.decode_rows is None:
-            return (T, Wd)
-        assert self.prefill_tables is not None
-        G, Wp = self.prefill_tables.shape[-2:]
-        return (T, self.logits_rows.shape[0], self.decode_rows.shape[0], Wd, G, Wp)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the batch by field name (the None ones left out)."""
-        found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
-
-    def clone(self) -> PaddedBatch:
-        """A copy with tensors of its own (the static inputs of a CUDA graph)."""
-        return dataclasses.replace(self, **{name: t.clone() for name, t in self.tensors().items()})
-
-    def copy_into(self, other: PaddedBatch) -> None:
-        """Copy every tensor into ``other``'s tensors of the same shape (a graph's static inputs)."""
-        targets = other.tensors()
-        for name, t in self.tensors().items():
-            targets[name].copy_(t, non_blocking=True)
-
-
-def synthetic_batch(
-    path: str, shape: Sequence[int], rule: PaddingRule, device: torch.device, num_groups: int = 1
-) -> PaddedBatch:
-    """A batch of the given padded shape that reads and writes the padding block only (warmup).
-
-    Its forward compiles (or captures) what a real step of that shape runs, and changes nothing but
-    the padding block: every row writes the padding slot, every group reads the padding block.
-
-    Args:
-        path: "varlen" or "decode".
-        shape: (T, Wd) for decode, (T, R, Bd, Wd, G, Wp) for varlen (padded sizes, each >= 2).
-        rule: the runner's padding rule.
-        device: where the tensors go.
-        num_groups: the cache's KV layer groups.
-    """
-    N = num_groups
-
-    def full(size: int | tuple[int, ...], value: int) -> torch.Tensor:
-        return torch.full(size if isinstance(size, tuple) else (size,), value, dtype=torch.int64, device=device)
-
-    slot, block, qs = rule.pad_slot, rule.pad_block, rule.subchunk_rows
-    if path == "decode":
-        T, Wd = shape
-        rows = torch.arange(T, device=device)
-        return PaddedBatch(full(T, 0), full(T, 0), full((N, T), slot), rows, None, full((N, T, Wd), block), full(T, 0))
-    T, R, Bd, Wd, G, Wp = shape
-    return PaddedBatch(
-        full(T, 0),
-        full(T, 0),
-        full((N, T), slot),
-        full(R, 0),
-        full(Bd, T),
-        full((N, Bd, Wd), block),
-        full(Bd, 0),
-        full((G, qs), T),
-        full((N, G, Wp), block),
-        full((G, qs), 0),
-    )
 
 
 def warmup_shapes(path: str, rule: PaddingRule) -> list[tuple[int, ...]]:
@@ -273,7 +55,7 @@ def warmup_shapes(path: str, rule: PaddingRule) -> list[tuple[int, ...]]:
         rule: the padding rule.
 
     Returns:
-        One or two shapes, (T, Wd) or (T, R, Bd, Wd, G, Wp) (see ``PaddedBatch.shape``).
+        One or two shapes, (T, Wd) or (T, R, Bd, Wd, G, Wp) (see ``StepBatch.shape``).
     """
     # The next size up, where the caps allow one (a size past a cap is never padded to).
     t1 = rule.num_rows(1)
@@ -290,124 +72,21 @@ def warmup_shapes(path: str, rule: PaddingRule) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(shapes))
 
 
-def build_padded_batch(
-    scheduled: Sequence[ScheduledRequest],
-    logits_rows: Sequence[int],
-    decode_path: bool,
-    rule: PaddingRule,
-    staging: HostStaging,
-    extra: Sequence[np.ndarray] = (),
-    num_groups: int = 1,
-) -> tuple[PaddedBatch, list[torch.Tensor]]:
-    """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
-
-    Args:
-        scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
-            placeholder of async batching, ``Request.num_output_placeholders``) is staged as token 0; the
-            runner writes the real token into ``input_ids`` on the device before the forward.
-        logits_rows: the flattened rows whose logits are kept (sampled rows, then scored rows).
-        decode_path: every request computes one token (a decode-only step).
-        rule: the padding rule.
-        staging: the runner's input staging buffer.
-        extra: more int64 or float64 host arrays to upload in the same copy (the score targets, the
-            placeholders' rows, flash-attn's inputs).
-        num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
-            ``block_tables[g]``.
-
-    Returns:
-        The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
-    """
-    bs, pad_slot, pad_block, qs = rule.block_size, rule.pad_slot, rule.pad_block, rule.subchunk_rows
-    N = num_groups
-    num_rows = sum(e.num_scheduled_tokens for e in scheduled)
-    T = rule.num_rows(num_rows)
-    ids = np.zeros(T, dtype=np.int64)
-    pos = np.zeros(T, dtype=np.int64)
-    slots = np.full((N, T), pad_slot, dtype=np.int64)
-    decodes: list[tuple[int, int, np.ndarray]] = []  # (row, position, tables [N, blocks])
-    groups: list[tuple[int, int, int, np.ndarray]] = []  # (first row, rows, first position, tables)
-    start = 0
-    for entry in scheduled:
-        req, n = entry.request, entry.num_scheduled_tokens
-        c = entry.num_computed_tokens
-        known = req.token_ids[c : c + n]  # a placeholder past them stays 0: written on the device
-        ids[start : start + len(known)] = known
-        p = np.arange(c, c + n, dtype=np.int64)
-        pos[start : start + n] = p
-        tables = np.full((N, max(len(t) for t in req.block_tables)), pad_block, dtype=np.int64)
-        for g, table in enumerate(req.block_tables):
-            tables[g, : len(table)] = table
-        tables[tables < 0] = pad_block  # NULL_BLOCK (left a sliding window): the padding block
-        slots[:, start : start + n] = tables[:, p // bs] * bs + p % bs
-        if n == 1:
-            decodes.append((start, c, tables))
-        else:
-            groups.extend((start + j, min(qs, n - j), c + j, tables) for j in range(0, n, qs))
-        start += n
-
-    def tables_of(entries: Sequence[tuple[int, np.ndarray]], num: int, width: int) -> np.ndarray:
-        """[N, num, width] block tables: each entry's blocks holding keys 0..last, then the padding block."""
-        out = np.full((N, num, width), pad_block, dtype=np.int64)
-        for i, (last, tables) in enumerate(entries):
-            used = last // bs + 1  # its table may hold a block more than its keys so far
-            out[:, i, :used] = tables[:, :used]
-        return out
-
-    R = T if decode_path else rule.num_rows(len(logits_rows))
-    rows = np.zeros(R, dtype=np.int64)
-    rows[: len(logits_rows)] = logits_rows
-    Bd = T if decode_path else rule.num_rows(len(decodes))
-    Wd = rule.table_width(max((c + 1 for _, c, _ in decodes), default=1))
-    d_tables = tables_of([(c, tables) for _, c, tables in decodes], Bd, Wd)
-    d_pos = np.zeros(Bd, dtype=np.int64)
-    d_pos[: len(decodes)] = [c for _, c, _ in decodes]
-    arrays = [ids, pos, slots, rows, d_tables, d_pos]
-    if not decode_path:
-        d_rows = np.full(Bd, T, dtype=np.int64)
-        d_rows[: len(decodes)] = [row for row, _, _ in decodes]
-        G = rule.num_groups(len(groups))
-        Wp = rule.table_width(max((p0 + m for _, m, p0, _ in groups), default=1))
-        g_rows = np.full((G, qs), T, dtype=np.int64)
-        g_pos = np.zeros((G, qs), dtype=np.int64)
-        for i, (row, m, p0, _) in enumerate(groups):
-            g_rows[i, :m] = np.arange(row, row + m)
-            g_pos[i, :m] = np.arange(p0, p0 + m)
-        g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
-        arrays += [d_rows, g_rows, g_tables, g_pos]
-    num = len(arrays)
-    t = staging.upload(*arrays, *extra)
-    if decode_path:
-        return PaddedBatch(t[0], t[1], t[2], t[3], None, t[4], t[5]), t[num:]
-    batch = PaddedBatch(t[0], t[1], t[2], t[3], t[6], t[4], t[5], t[7], t[8], t[9])
-    return batch, t[num:]
-
-
-def _padded_forward(
+def step_forward(
     model: torch.nn.Module,
     cache: PagedKVCache,
-    batch: PaddedBatch,
+    batch: StepBatch,
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
     linear_policy: str,
 ) -> torch.Tensor:
-    """The model's forward on a padded batch, then its kept logits rows in float32 [R, V].
+    """The model's forward on a step's batch, then its kept logits rows in float32 [R, V].
 
     ``linear_policy``: the kernel of the float32 CPU linear layers (``rollout/onednn.py``: ``"mkl"``, ``"onednn"``
     or ``"auto"``, measured per shape; the runner's, a constant to dynamo).
     """
-    meta = PagedAttentionMetadata.from_tables(
-        cache,
-        block_size,
-        batch.slot_mapping,
-        batch.decode_rows,
-        batch.decode_tables,
-        batch.decode_pos,
-        batch.prefill_rows,
-        batch.prefill_tables,
-        batch.prefill_pos,
-        batch.flash,
-    )
+    meta = PagedAttentionMetadata.from_batch(cache, block_size, batch)
     kwargs = {
         "input_ids": batch.input_ids[None, :],
         "position_ids": batch.positions[None, :],
@@ -424,43 +103,21 @@ def _padded_forward(
     return logits.float()
 
 
-# Two defs with one body, on purpose: dynamo keeps its compiled graphs, their guards and its recompile limit
-# per code object, and functions made from one def (a closure, a functools.partial) share that def's code
-# object, so the two paths would share one cache, each path's graphs tried and guarded against the other's.
-def forward_varlen(
-    model: torch.nn.Module,
-    cache: PagedKVCache,
-    batch: PaddedBatch,
-    block_size: int,
-    skip_mask: torch.Tensor,
-    logits_to_keep: bool,
-    linear_policy: str,
-) -> torch.Tensor:
-    """The varlen path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, linear_policy)
+def _forward_of(path: str) -> Callable[..., torch.Tensor]:
+    """``step_forward`` with a code object of its own, named ``forward_<path>``.
+
+    dynamo keeps its compiled graphs, their guards and its recompile limit per code object, and functions
+    made from one def (a closure, a ``functools.partial``) share that def's: the two paths would share one
+    cache, each path's graphs tried and guarded against the other's.
+    """
+    name = f"forward_{path}"
+    code = step_forward.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, step_forward.__globals__, name)
 
 
-def forward_decode(
-    model: torch.nn.Module,
-    cache: PagedKVCache,
-    batch: PaddedBatch,
-    block_size: int,
-    skip_mask: torch.Tensor,
-    logits_to_keep: bool,
-    linear_policy: str,
-) -> torch.Tensor:
-    """The decode path's forward (``_padded_forward``); its own code object, so its own dynamo cache."""
-    return _padded_forward(model, cache, batch, block_size, skip_mask, logits_to_keep, linear_policy)
-
-
-FORWARDS: dict[str, Callable[..., torch.Tensor]] = {"varlen": forward_varlen, "decode": forward_decode}
+FORWARDS: dict[str, Callable[..., torch.Tensor]] = {path: _forward_of(path) for path in PATHS}
 _COMPILED: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
 _COMPILED_LOCK = threading.Lock()
-
-
-def compile_kwargs(config: CompileConfig) -> dict:
-    """``torch.compile``'s keyword arguments from a ``CompileConfig`` (its own ``to_dict``)."""
-    return dict(config.to_dict())
 
 
 def compiled_forward(path: str, config: CompileConfig) -> Callable[..., torch.Tensor]:
@@ -472,7 +129,7 @@ def compiled_forward(path: str, config: CompileConfig) -> Callable[..., torch.Te
     Raises:
         ValueError: ``config`` is refused by ``torch.compile`` (e.g. both ``mode`` and ``options``).
     """
-    kwargs = compile_kwargs(config)
+    kwargs = config.to_dict()  # ``torch.compile``'s keyword arguments
     key = (path, repr(sorted(kwargs.items(), key=lambda kv: kv[0])))
     with _COMPILED_LOCK:
         fn = _COMPILED.get(key)
@@ -514,7 +171,7 @@ def warm_key(
     configs = [(p, c) for p, c in compile_configs.items() if c is not None]
     if not configs or any(c.dynamic is not True for _, c in configs):
         return None
-    compiled = tuple((p, repr(sorted(compile_kwargs(c).items()))) for p, c in configs)
+    compiled = tuple((p, repr(sorted(c.to_dict().items()))) for p, c in configs)
     return (compiled, rule.q_interval, rule.kv_interval, rule.block_size, rule.max_batch_tokens, rule.subchunk_rows)
 
 
@@ -530,7 +187,7 @@ def mark_warmed(model: torch.nn.Module, key: tuple | None) -> None:
 
 
 class CompileCounter:
-    """Counts dynamo compilations made in this thread while ``counting()`` is active.
+    """Counts dynamo compilations made in this thread while ``run`` runs a function.
 
     One compile-start callback is registered with dynamo for the process; it adds one to the counter
     of the calling thread, if any. (dynamo runs its start callbacks when no other compilation is in
@@ -571,37 +228,40 @@ class CapturedGraph:
     """One captured graph: the graph, its static inputs (replayed with whatever they hold) and its output."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: PaddedBatch
+    inputs: StepBatch
     output: torch.Tensor
 
 
 class CUDAGraphs:
-    """Captured CUDA graphs of a runner's padded forwards, one per (path, shape), in an LRU.
+    """Captured CUDA graphs of a runner's padded forwards, one per key (path, shape, kernel), in an LRU.
 
-    Capture (first use of a shape): the forward runs once on a side stream with static inputs cloned
-    from the step's (it writes the same keys and values the replay writes again; it also compiles, when
-    the path is compiled), then is captured into a ``torch.cuda.CUDAGraph`` in the runner's memory pool
-    (thread-local capture mode, so another thread's CUDA work cannot invalidate it), then replayed.
-    A hit copies the step's inputs into the graph's static buffers and replays. The output (the kept
-    logits, float32 [R, V]) lives in the pool: it is valid until the next replay, so the step samples
-    from it before the next step starts. The graphs share one pool: each graph's output stays
-    allocated while the graph is kept, so no other capture reuses its memory, and the replays of one
-    runner never overlap (one stream, one step at a time), so their temporaries may share addresses.
+    Capture (first use of a key): the forward runs once on a side stream (it writes the same keys and values
+    the replay writes again; it also compiles, when the path is compiled), then is captured into a
+    ``torch.cuda.CUDAGraph`` in the runner's memory pool (thread-local capture mode, so another thread's CUDA
+    work cannot invalidate it), then replayed. Its static inputs are the step's own staged tensors
+    (``share_inputs``) or a clone; a step staged elsewhere is copied into them before the replay. The output
+    (the kept logits, float32 [R, V]) lives in the pool: valid until the next replay, so the step samples
+    from it first. Each graph's output stays allocated while the graph is kept, so no other capture reuses
+    its memory; the replays of one runner never overlap (one stream), so their temporaries may share addresses.
 
     Args:
         device: the CUDA device of the model and cache.
         capacity: graphs kept; the least recently used is dropped beyond it (``CUDA_GRAPH_CAPACITY``).
+        share_inputs: capture on the step's own tensors. Only when every upload and replay runs on one
+            stream: with async batching's side-stream staging, the next step's upload could overwrite them
+            while a replay of another buffer set's step still reads them.
     """
 
-    def __init__(self, device: torch.device, capacity: int = CUDA_GRAPH_CAPACITY) -> None:
+    def __init__(self, device: torch.device, capacity: int = CUDA_GRAPH_CAPACITY, share_inputs: bool = True) -> None:
         self.device = device
         self.capacity = capacity
+        self.share_inputs = share_inputs
         self.pool: object | None = None  # created at the first capture
         self.graphs: OrderedDict[tuple, CapturedGraph] = OrderedDict()
         self.num_captures = 0
         self.num_evictions = 0
 
-    def run(self, key: tuple, fn: Callable[[PaddedBatch], torch.Tensor], batch: PaddedBatch) -> torch.Tensor:
+    def run(self, key: tuple, fn: Callable[[StepBatch], torch.Tensor], batch: StepBatch) -> torch.Tensor:
         """Replay the graph of ``key`` on ``batch`` (capturing it first if needed); returns its output."""
         entry = self.graphs.get(key)
         if entry is None:
@@ -613,17 +273,18 @@ class CUDAGraphs:
                 self.num_evictions += 1
         else:
             self.graphs.move_to_end(key)
-            batch.copy_into(entry.inputs)
+            if batch.input_ids.data_ptr() != entry.inputs.input_ids.data_ptr():  # staged elsewhere
+                batch.copy_into(entry.inputs)
         entry.graph.replay()
         return entry.output
 
     def capture(
-        self, fn: Callable[[PaddedBatch], torch.Tensor], batch: PaddedBatch
+        self, fn: Callable[[StepBatch], torch.Tensor], batch: StepBatch
     ) -> CapturedGraph:  # pragma: no cover - needs CUDA
-        """Capture ``fn`` on a static copy of ``batch`` (see the class docstring); the caller replays it."""
+        """Capture ``fn`` on ``batch`` or a copy (see the class docstring); the caller replays it."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        static = batch.clone()
+        static = batch if self.share_inputs else batch.clone()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)

@@ -38,6 +38,7 @@ from rollout.attention_registry import (
 )
 from rollout.flash import flash_support, flash_unsupported_reason
 from rollout.kv_cache import CacheShape, PagedKVCache
+from rollout.step_inputs import StepBatch
 from tests import flash_reference
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
@@ -313,18 +314,21 @@ def test_flash_support_asks_each_gpu_once(monkeypatch) -> None:
 def test_metadata_moves_to_a_layer_device_once_per_step() -> None:
     # A sharded model's layers read the step's metadata on their own device ("meta" stands in for a second GPU).
     cache = PagedKVCache(CacheShape(1, 2, 8, torch.float32), num_blocks=4, block_size=4, device=torch.device("cpu"))
-    meta = PagedAttentionMetadata.from_tables(
-        cache,
-        4,
+    rows = torch.arange(5)
+    batch = StepBatch(
+        rows,
+        rows,
         torch.arange(5)[None, :],
+        rows,
         torch.tensor([0, 1]),
         torch.zeros(1, 2, 1, dtype=torch.int64),
         torch.tensor([2, 3]),
         torch.tensor([[2, 3], [4, 5]]),
         torch.tensor([[[1, 2]], [[3, 0]]]).view(1, 2, 2),
         torch.tensor([[3, 4], [5, 0]]),
-        {"cu_seqlens_q": torch.tensor([0, 5], dtype=torch.int32), "max_seqlen_q": 5},
+        flash_varlen={"cu_seqlens_q": torch.tensor([0, 5], dtype=torch.int32), "max_seqlen_q": 5},
     )
+    meta = PagedAttentionMetadata.from_batch(cache, 4, batch)
     assert meta.decode_gather is None and meta.prefill_gather is None  # flash-attn reads the block tables
     assert meta.on(torch.device("cpu")) is meta
     moved = meta.on(torch.device("meta"))
@@ -347,9 +351,9 @@ def test_metadata_moves_to_a_layer_device_once_per_step() -> None:
 def test_without_flash_the_metadata_gathers_every_groups_slots_from_its_block_tables() -> None:
     cache = PagedKVCache(CacheShape(1, 2, 8, torch.float32), num_blocks=4, block_size=2, device=torch.device("cpu"))
     tables = torch.tensor([[[3, 1]], [[0, 2]]])  # two layer groups, one decode row, 2 blocks of 2 slots
-    meta = PagedAttentionMetadata.from_tables(
-        cache, 2, torch.zeros(2, 1, dtype=torch.int64), None, tables, torch.tensor([2])
-    )
+    row = torch.zeros(1, dtype=torch.int64)
+    batch = StepBatch(row, row, torch.zeros(2, 1, dtype=torch.int64), row, None, tables, torch.tensor([2]))
+    meta = PagedAttentionMetadata.from_batch(cache, 2, batch)
     assert meta.decode_gather.tolist() == [[[6, 7, 2, 3]], [[0, 1, 4, 5]]]
 
 

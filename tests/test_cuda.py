@@ -148,7 +148,7 @@ def test_a_model_sharded_over_the_gpu_and_the_cpu_keeps_each_layers_cache_beside
     assert [o.generated_tokens for o in out.values()] == expected
 
 
-def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True) -> Engine:  # noqa: ANN001
+def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True, **overrides: object) -> Engine:  # noqa: ANN001
     """An engine over a bf16 model on the GPU; ``flash=False`` puts it on the SDPA path (the engine picks flash)."""
     config = ContinuousBatchingConfig(
         page_size=256,
@@ -156,6 +156,7 @@ def _bf16_engine(model, max_blocks_per_request: int | None, flash: bool = True) 
         max_batch_tokens=512,
         return_logprobs=True,
         max_blocks_per_request=max_blocks_per_request,
+        **overrides,
     )
     engine = Engine(model, config)
     if not engine.use_flash:
@@ -181,6 +182,21 @@ def test_decode_fast_path_equals_the_varlen_path_and_sdpa_in_bf16(build) -> None
     assert varlen_engine.stats.num_decode_fast_path_steps == sdpa_engine.stats.num_decode_fast_path_steps == 0
     assert_greedy_agrees(fast, varlen, prompts, reference, BF16_ATOL)
     assert_greedy_agrees(fast, sdpa, prompts, reference, BF16_ATOL)
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["inputs_shared", "inputs_copied"])
+def test_cuda_graphed_decode_steps_call_flash_attn_with_kvcache_like_eager_steps(async_batching: bool) -> None:
+    # Issue 21: a graphed decode step runs flash-attn's decode kernel, its inputs computed inside the graph from
+    # the padded batch; synchronous, the graph replays on the staged inputs themselves (no copy).
+    pytest.importorskip("flash_attn")
+    model = tiny_gemma().to(GPU, torch.bfloat16)
+    prompts = _prompts()
+    graphed_engine = _bf16_engine(model, None, use_cuda_graph=(False, True), use_async_batching=async_batching)
+    assert graphed_engine.runner.graphs.share_inputs is not async_batching
+    graphed, eager = generate_in_order(graphed_engine, prompts), generate_in_order(_bf16_engine(model, None), prompts)
+    stats = graphed_engine.stats
+    assert stats.num_decode_fast_path_steps == len(stats.decode_step_batch) > 0 and stats.num_cuda_graph_captures > 0
+    assert_greedy_agrees(graphed, eager, prompts, tiny_gemma().to(GPU), BF16_ATOL)
 
 
 def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() -> None:

@@ -20,10 +20,12 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import rollout.attention as attention
+import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
+from rollout.static_step import FORWARDS
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
 from tests.tiny_models import (
@@ -49,6 +51,7 @@ def _engine(
     monkeypatch: pytest.MonkeyPatch,
     max_blocks_per_request: int | None = None,
     max_batch_tokens: int = 96,
+    **overrides: object,
 ) -> Engine:
     config = ContinuousBatchingConfig(
         page_size=PAGE,
@@ -56,6 +59,7 @@ def _engine(
         max_batch_tokens=max_batch_tokens,
         return_logprobs=True,
         max_blocks_per_request=max_blocks_per_request,
+        **overrides,
     )
     engine = Engine(model, config)
     assert engine.cache.dtype == torch.float16 and engine.block_size == PAGE
@@ -163,6 +167,25 @@ def test_a_request_wider_than_the_table_sends_its_steps_to_the_varlen_kernel(mon
     for n, o in zip(outputs[0], outputs[1]):
         assert n.generated_tokens == o.generated_tokens and n.logprobs == o.logprobs
     assert_greedy_agrees(outputs[0], outputs[2], [long, short], tiny_llama(), ATOL)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama_gqa", "gemma3_sliding"])
+def test_the_padded_decode_path_calls_flash_attn_with_kvcache_and_generates_what_sdpa_generates(  # noqa: ANN001
+    build, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compiled and CUDA-graphed decode path runs this padded forward (uncompiled here): its kernel inputs
+    # come from the padded batch itself, so its padded rows read one key of the padding block.
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = build().to(torch.float16)
+    prompts = random_prompts(5, VOCAB_SIZE, 20, 300, seed=29)
+    padded_engine = _engine(model, True, monkeypatch, default_compile_level=1)
+    sdpa_engine = _engine(model, False, monkeypatch)
+    padded = generate_in_order(padded_engine, prompts)
+    sdpa = generate_in_order(sdpa_engine, prompts)
+    stats = padded_engine.stats
+    assert padded_engine.runner.static_paths == ["varlen", "decode"] and stats.num_padded_steps == stats.num_steps
+    assert stats.num_decode_fast_path_steps == len(stats.decode_step_batch) >= 9
+    assert_greedy_agrees(padded, sdpa, prompts, build(), ATOL)
 
 
 def prepared_flash(engine: Engine, scheduled: list[ScheduledRequest]) -> dict:

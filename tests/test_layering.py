@@ -24,7 +24,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
 # ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
 # and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
-# step's CPU linear layers) sits just below static_step, its one user. async_scheduler (async batching's
+# step's CPU linear layers) sits just below static_step, its one user; step_inputs (the step's one input
+# builder) sits between them, below static_step's forward and model_runner, its users. async_scheduler (async batching's
 # scheduler subclass) sits just above the scheduler it extends; engine_spec (config x model x device,
 # resolved once) and engine_stats (the counters' record) sit just below the engine, their one user.
 # weight_transfer (the trainer-to-server
@@ -61,6 +62,7 @@ LAYERS = [
     "logits_processors",
     "sampling",
     "onednn",
+    "step_inputs",
     "static_step",
     "model_runner",
     "engine_spec",

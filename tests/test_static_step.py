@@ -26,17 +26,8 @@ from rollout.block_manager import NULL_BLOCK
 from rollout.requests import Request
 from rollout.sampling import HostStaging
 from rollout.scheduler import ScheduledRequest
-from rollout.static_step import (
-    FORWARDS,
-    CapturedGraph,
-    CUDAGraphs,
-    PaddedBatch,
-    PaddingRule,
-    build_padded_batch,
-    pad_to_interval,
-    synthetic_batch,
-    warmup_shapes,
-)
+from rollout.static_step import FORWARDS, CapturedGraph, CUDAGraphs, warmup_shapes
+from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from tests.tiny_models import (
     VOCAB_SIZE,
     random_prompts,
@@ -138,9 +129,7 @@ def test_padded_batch_of_a_decode_and_a_chunk_by_hand() -> None:
     b = Request("b", [30, 31, 32, 33, 34], SamplingParams())
     b.num_computed_tokens, b.block_table = 2, [9, 11]
     scheduled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 3, True)]
-    batch, (extra,) = build_padded_batch(
-        scheduled, [0, 3], False, rule, HostStaging(torch.device("cpu")), [np.arange(3)]
-    )
+    batch, (extra,) = build_step_batch(scheduled, [0, 3], False, rule, HostStaging(torch.device("cpu")), [np.arange(3)])
     assert batch.shape == (4, 4, 4, 2, 2, 2)  # T, R, Bd, Wd, G, Wp
     assert batch.input_ids.tolist() == [15, 32, 33, 34]
     assert batch.positions.tolist() == [5, 2, 3, 4]
@@ -164,7 +153,7 @@ def test_padded_batch_has_each_layer_groups_slots_and_tables_with_null_blocks_re
     b = Request("b", [30, 31, 32], SamplingParams())
     b.block_tables = [[9], [11]]
     scheduled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 3, True)]
-    batch, _ = build_padded_batch(scheduled, [0, 3], False, rule, HostStaging(torch.device("cpu")), num_groups=2)
+    batch, _ = build_step_batch(scheduled, [0, 3], False, rule, HostStaging(torch.device("cpu")), num_groups=2)
     assert batch.slot_mapping.tolist() == [[8 * 4 + 1, 36, 37, 38], [6 * 4 + 1, 44, 45, 46]]
     assert batch.decode_tables[:, 0].tolist() == [[3, 7, 8], [20, 5, 6]]  # the NULL block reads the padding block
     assert batch.prefill_tables[:, 0, :1].tolist() == [[9], [11]]
@@ -391,7 +380,7 @@ def test_compile_level_1_matches_generate_and_compiles_nothing_after_warmup() ->
 class _ReplayByCalling:
     """A stand-in for a captured CUDA graph on CPU: replay runs the forward on the static inputs again."""
 
-    def __init__(self, fn, inputs: PaddedBatch, output: torch.Tensor) -> None:  # noqa: ANN001
+    def __init__(self, fn, inputs: StepBatch, output: torch.Tensor) -> None:  # noqa: ANN001
         self.fn, self.inputs, self.output = fn, inputs, output
 
     def replay(self) -> None:
@@ -399,7 +388,7 @@ class _ReplayByCalling:
 
 
 class _CPUGraphs(CUDAGraphs):
-    def capture(self, fn, batch: PaddedBatch) -> CapturedGraph:  # noqa: ANN001
+    def capture(self, fn, batch: StepBatch) -> CapturedGraph:  # noqa: ANN001
         static = batch.clone()
         output = fn(static)
         return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
@@ -409,11 +398,11 @@ def test_graph_lru_replays_with_the_steps_inputs_and_evicts_the_least_recently_u
     rule = PaddingRule(q_interval=4, kv_interval=4, max_batch_tokens=16, max_keys=64, block_size=4, pad_block=15)
     graphs = _CPUGraphs(torch.device("cpu"), capacity=2)
 
-    def forward(b: PaddedBatch) -> torch.Tensor:
+    def forward(b: StepBatch) -> torch.Tensor:
         return (b.input_ids * 10 + b.positions).float()
 
-    def batch(T: int, token: int) -> PaddedBatch:
-        b = synthetic_batch("decode", (T, 2), rule, torch.device("cpu"))
+    def batch(T: int, token: int) -> StepBatch:
+        b = synthetic_batch("decode", (T, 2), rule, HostStaging(torch.device("cpu")))
         b.input_ids.fill_(token)
         return b
 

@@ -1,0 +1,473 @@
+"""The step's one input builder: a batch of device inputs per step, its sizes exact or padded.
+
+Every step, eager, compiled or CUDA-graphed, is built by ``prepare_inputs`` (over ``build_step_batch``) and
+runs the one forward of ``static_step`` over the same paged attention; padding is only a choice of sizes
+(``PaddingRule``). An eager step keeps the exact sizes (``PaddingRule.exact_rule``). A compiled forward is
+reused only while its inputs keep the shapes it was traced for (and a CUDA graph replays exactly one set of
+shapes), so a step whose path is compiled or graphed runs on padded inputs:
+
+- the flattened query rows are padded to a multiple of ``q_padding_interval_size`` (capped at the token
+  budget); a padded row is token 0 at position 0, writes the padding slot (the cache's extra last block,
+  which the block manager never hands out) and its logits are dropped;
+- the logits rows and the decode rows of a varlen step are padded to a multiple of the same interval
+  (the decode path keeps one logits row per query row);
+- the chunks of the requests that compute more than one token are cut into sub-chunks of
+  ``SUBCHUNK_ROWS`` rows (the prefill groups, padded to an even count);
+- the keys every group reads are padded to a multiple of ``kv_padding_interval_size``, then to whole
+  blocks of its request's block table (padded with the padding block).
+
+Slots and block tables are built for every KV layer group of the cache (``kv_cache.CacheLayout``): each
+layer reads its own group's (``PagedAttentionMetadata.group_of``), so sliding-window groups and layers of
+other shapes run padded too. A sliding group's ``NULL_BLOCK`` entries (blocks that left the window) read
+the padding block, which the layer's window mask never lets a query attend to.
+
+Every padded size is at least 2: dynamo specialises sizes 0 and 1, which would compile graphs of their
+own. A step's padded sizes are its ``shape`` (the key of compiled shapes and captured graphs):
+``(T, Wd)`` on the decode path (decode-only steps) and ``(T, R, Bd, Wd, G, Wp)`` on the varlen path
+(every other step): query rows, logits rows, decode rows, block-table width of the decode rows,
+prefill groups, block-table width of the prefill groups.
+
+One staged upload (``HostStaging``) carries the batch first, so a step of a given shape finds its tensors
+at the same addresses (a CUDA graph captured on them replays with no copy), then the score targets, async
+batching's placeholders and flash-attn's varlen inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .host_staging import HostStaging
+from .requests import Request
+from .scheduler import ScheduledRequest
+
+# Smallest padded size of every axis: dynamo specialises 0 and 1 (a graph of their own each).
+MIN_PADDED_SIZE = 2
+# Rows of one prefill group: a request's chunk is cut into sub-chunks of this many rows, each reading
+# its request's keys up to its last row. Smaller sub-chunks pad fewer rows at the end of a chunk but
+# re-read the request's keys once more each (the gather is G x Lp). Measured with 32, 64 and 128 on
+# SmolLM2 prefill steps of 512 tokens (gsm8k prompts of 60-150 tokens, 1 thread, the loaded 2-core CPU):
+# the uncompiled padded step was 4-8% slower than the eager one with each, within the machine's noise;
+# 64 re-reads the keys half as often as 32.
+SUBCHUNK_ROWS = 64
+
+
+def pad_to_interval(n: int, interval: int, cap: int | None = None) -> int:
+    """``n`` rounded up to a multiple of ``interval`` (at least ``MIN_PADDED_SIZE``), at most ``cap``.
+
+    Args:
+        n: the real size (>= 0).
+        interval: the padding interval (>= 1).
+        cap: the largest padded size allowed (the token budget, the longest request), or None. A cap
+            below ``n`` is ignored: a size is never padded down.
+    """
+    padded = -(-max(n, MIN_PADDED_SIZE) // interval) * interval
+    if cap is not None and padded > cap:
+        padded = max(cap, n, MIN_PADDED_SIZE)
+    return padded
+
+
+@dataclass(frozen=True)
+class PaddingRule:
+    """How a runner sizes a step's inputs.
+
+    Attributes:
+        q_interval: query rows, logits rows and decode rows are padded to a multiple of this.
+        kv_interval: the keys each group reads are padded to a multiple of this (then to whole blocks).
+        max_batch_tokens: the token budget: the most query rows a padded step has (unless the real
+            step has more, which the scheduler never schedules).
+        max_keys: the most keys one request can have (the cache's tokens); caps the padded keys.
+        block_size: tokens per block.
+        pad_block: the padding block's id (the cache's last block, never handed to a request).
+        subchunk_rows: rows of a prefill group (``SUBCHUNK_ROWS``).
+        exact: every size is the real one (an eager step: nothing to compile, so nothing to pad); the
+            intervals and caps are then unused, and ``pad_block`` (block 0 by ``exact_rule``) is read only
+            under a mask and never written.
+    """
+
+    q_interval: int
+    kv_interval: int
+    max_batch_tokens: int
+    max_keys: int
+    block_size: int
+    pad_block: int
+    subchunk_rows: int = SUBCHUNK_ROWS
+    exact: bool = False
+
+    @classmethod
+    def exact_rule(cls, block_size: int) -> PaddingRule:
+        """The sizes of an eager step: exact, block 0 standing in for the padding block of a table row's tail."""
+        return cls(1, 1, 1 << 62, 1 << 62, block_size, pad_block=0, exact=True)
+
+    @property
+    def pad_slot(self) -> int:
+        """The slot padded rows write and padded reads read: the padding block's first slot."""
+        return self.pad_block * self.block_size
+
+    def num_rows(self, n: int) -> int:
+        """Padded query rows (or logits rows, or decode rows) for ``n`` real ones."""
+        return n if self.exact else pad_to_interval(n, self.q_interval, self.max_batch_tokens)
+
+    def num_groups(self, n: int) -> int:
+        """Padded prefill groups for ``n`` real ones (an even count)."""
+        return n if self.exact else pad_to_interval(n, MIN_PADDED_SIZE)
+
+    def table_width(self, longest: int) -> int:
+        """Blocks in each group's padded table when its longest request reads ``longest`` keys."""
+        if self.exact:
+            return max(1, -(-longest // self.block_size))
+        keys = pad_to_interval(longest, self.kv_interval, self.max_keys)
+        return max(MIN_PADDED_SIZE, -(-keys // self.block_size))
+
+
+@dataclass
+class StepBatch:
+    """The device inputs of one step; every shape is a size its ``PaddingRule`` chose (exact or padded).
+
+    Attributes:
+        input_ids: int64 [T]; padded rows hold token 0.
+        positions: int64 [T]; each row's position in its request (0 for padded rows).
+        slot_mapping: int64 [N, T]; per KV layer group, the slot each row writes (padded rows: the
+            padding slot).
+        logits_rows: int64 [R]; the rows whose logits are kept (sampled rows, then scored rows, then
+            padding: row 0 again).
+        decode_rows: int64 [Bd], the decode rows (fillers: T), or None on the decode path (every row).
+        decode_tables: int64 [N, Bd, Wd]; per layer group, each decode row's block table, padded with the
+            padding block.
+        decode_pos: int64 [Bd]; each decode row's position (0 for fillers and padded rows).
+        prefill_rows: int64 [G, Qs]; the rows of each prefill group (fillers: T); None on the decode path.
+        prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's request's block table,
+            padded with the padding block.
+        prefill_pos: int64 [G, Qs]; each row's position in its request (0 for fillers).
+        flash_varlen: ``flash_attn_varlen_func``'s inputs of an eager CUDA step (see ``flash``), or None.
+        flash_decode: every row decodes through ``flash_attn_with_kvcache`` (eager, compiled or graphed).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_rows: torch.Tensor
+    decode_rows: torch.Tensor | None
+    decode_tables: torch.Tensor
+    decode_pos: torch.Tensor
+    prefill_rows: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+    prefill_pos: torch.Tensor | None = None
+    flash_varlen: dict | None = None
+    flash_decode: bool = False
+
+    @property
+    def path(self) -> str:
+        """``"decode"`` when every row is a decode row, else ``"varlen"``."""
+        return "decode" if self.decode_rows is None else "varlen"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path."""
+        T, Wd = self.input_ids.shape[0], self.decode_tables.shape[-1]
+        if self.decode_rows is None:
+            return (T, Wd)
+        assert self.prefill_tables is not None
+        G, Wp = self.prefill_tables.shape[-2:]
+        return (T, self.logits_rows.shape[0], self.decode_rows.shape[0], Wd, G, Wp)
+
+    @property
+    def flash(self) -> dict | None:
+        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. The decode kernel's come from
+        the batch inside the forward, so a compiled or graphed step computes them too: ``cache_seqlens`` int32
+        [B] = ``decode_pos`` + 1 (a padded row reads one key, the padding slot), ``block_tables`` int32 [N, B, Wd].
+        """
+        if self.flash_decode:
+            return {"cache_seqlens": (self.decode_pos + 1).int(), "block_tables": self.decode_tables.int()}
+        return self.flash_varlen
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the batch by field name (the None ones left out)."""
+        found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
+
+    def clone(self) -> StepBatch:
+        """A copy with tensors of its own (the static inputs of a CUDA graph)."""
+        return dataclasses.replace(self, **{name: t.clone() for name, t in self.tensors().items()})
+
+    def copy_into(self, other: StepBatch) -> None:
+        """Copy every tensor into ``other``'s tensors of the same shape (a graph's static inputs)."""
+        targets = other.tensors()
+        for name, t in self.tensors().items():
+            targets[name].copy_(t, non_blocking=True)
+
+
+def build_step_batch(
+    scheduled: Sequence[ScheduledRequest],
+    logits_rows: Sequence[int],
+    decode_path: bool,
+    rule: PaddingRule,
+    staging: HostStaging,
+    extra: Sequence[np.ndarray] = (),
+    num_groups: int = 1,
+) -> tuple[StepBatch, list[torch.Tensor]]:
+    """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
+
+    Args:
+        scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
+            placeholder of async batching, ``Request.num_output_placeholders``) is staged as token 0; the
+            runner writes the real token into ``input_ids`` on the device before the forward.
+        logits_rows: the flattened rows whose logits are kept (sampled rows, then scored rows).
+        decode_path: every request computes one token (a decode-only step).
+        rule: the padding rule.
+        staging: the runner's input staging buffer.
+        extra: more int64 or float64 host arrays to upload in the same copy, after the batch (the score
+            targets, the placeholders' rows, flash-attn's inputs).
+        num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
+            ``block_tables[g]``.
+
+    Returns:
+        The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
+    """
+    bs, pad_slot, pad_block, qs = rule.block_size, rule.pad_slot, rule.pad_block, rule.subchunk_rows
+    N = num_groups
+    num_rows = sum(e.num_scheduled_tokens for e in scheduled)
+    T = rule.num_rows(num_rows)
+    ids = np.zeros(T, dtype=np.int64)
+    pos = np.zeros(T, dtype=np.int64)
+    slots = np.full((N, T), pad_slot, dtype=np.int64)
+    decodes: list[tuple[int, int, np.ndarray]] = []  # (row, position, tables [N, blocks])
+    groups: list[tuple[int, int, int, np.ndarray]] = []  # (first row, rows, first position, tables)
+    start = 0
+    for entry in scheduled:
+        req, n = entry.request, entry.num_scheduled_tokens
+        c = entry.num_computed_tokens
+        known = req.token_ids[c : c + n]  # a placeholder past them stays 0: written on the device
+        ids[start : start + len(known)] = known
+        p = np.arange(c, c + n, dtype=np.int64)
+        pos[start : start + n] = p
+        tables = np.full((N, max(len(t) for t in req.block_tables)), pad_block, dtype=np.int64)
+        for g, table in enumerate(req.block_tables):
+            tables[g, : len(table)] = table
+        tables[tables < 0] = pad_block  # NULL_BLOCK (left a sliding window): the padding block
+        slots[:, start : start + n] = tables[:, p // bs] * bs + p % bs
+        if n == 1:
+            decodes.append((start, c, tables))
+        else:
+            groups.extend((start + j, min(qs, n - j), c + j, tables) for j in range(0, n, qs))
+        start += n
+
+    def tables_of(entries: Sequence[tuple[int, np.ndarray]], num: int, width: int) -> np.ndarray:
+        """[N, num, width] block tables: each entry's blocks holding keys 0..last, then the padding block."""
+        out = np.full((N, num, width), pad_block, dtype=np.int64)
+        for i, (last, tables) in enumerate(entries):
+            used = last // bs + 1  # its table may hold a block more than its keys so far
+            out[:, i, :used] = tables[:, :used]
+        return out
+
+    R = T if decode_path else rule.num_rows(len(logits_rows))
+    rows = np.zeros(R, dtype=np.int64)
+    rows[: len(logits_rows)] = logits_rows
+    Bd = T if decode_path else rule.num_rows(len(decodes))
+    Wd = rule.table_width(max((c + 1 for _, c, _ in decodes), default=1))
+    d_tables = tables_of([(c, tables) for _, c, tables in decodes], Bd, Wd)
+    d_pos = np.zeros(Bd, dtype=np.int64)
+    d_pos[: len(decodes)] = [c for _, c, _ in decodes]
+    arrays = [ids, pos, slots, rows, d_tables, d_pos]
+    if not decode_path:
+        d_rows = np.full(Bd, T, dtype=np.int64)
+        d_rows[: len(decodes)] = [row for row, _, _ in decodes]
+        G = rule.num_groups(len(groups))
+        Wp = rule.table_width(max((p0 + m for _, m, p0, _ in groups), default=1))
+        g_rows = np.full((G, qs), T, dtype=np.int64)
+        g_pos = np.zeros((G, qs), dtype=np.int64)
+        for i, (row, m, p0, _) in enumerate(groups):
+            g_rows[i, :m] = np.arange(row, row + m)
+            g_pos[i, :m] = np.arange(p0, p0 + m)
+        g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
+        arrays += [d_rows, g_rows, g_tables, g_pos]
+    return _stage(staging, arrays, decode_path, extra)
+
+
+def _stage(
+    staging: HostStaging, arrays: list[np.ndarray], decode_path: bool, extra: Sequence[np.ndarray] = ()
+) -> tuple[StepBatch, list[torch.Tensor]]:
+    """Upload a batch's int64 arrays (ids, positions, slots, logits rows, decode tables, decode positions, then
+    on the varlen path decode rows, prefill rows, tables and positions), then ``extra``, in one copy."""
+    t = staging.upload(*arrays, *extra)
+    if decode_path:
+        return StepBatch(t[0], t[1], t[2], t[3], None, t[4], t[5]), t[len(arrays) :]
+    return StepBatch(t[0], t[1], t[2], t[3], t[6], t[4], t[5], t[7], t[8], t[9]), t[len(arrays) :]
+
+
+def synthetic_batch(
+    path: str, shape: Sequence[int], rule: PaddingRule, staging: HostStaging, num_groups: int = 1
+) -> StepBatch:
+    """A batch of the given padded shape that reads and writes the padding block only (warmup).
+
+    Its forward compiles (or captures) what a real step of that shape runs, and changes nothing but
+    the padding block: every row writes the padding slot, every group reads the padding block. It is
+    staged as a real step is, so a graph captured on it replays later steps of its shape with no copy.
+
+    Args:
+        path: "varlen" or "decode".
+        shape: (T, Wd) for decode, (T, R, Bd, Wd, G, Wp) for varlen (padded sizes, each >= 2).
+        rule: the runner's padding rule.
+        staging: the runner's input staging buffer.
+        num_groups: the cache's KV layer groups.
+    """
+    N, slot, block, qs = num_groups, rule.pad_slot, rule.pad_block, rule.subchunk_rows
+
+    def full(size: int | tuple[int, ...], value: int) -> np.ndarray:
+        return np.full(size, value, dtype=np.int64)
+
+    decode = path == "decode"
+    T, R, Bd, Wd, G, Wp = (shape[0], shape[0], shape[0], shape[1], 0, 0) if decode else shape
+    rows = np.arange(T, dtype=np.int64) if decode else full(R, 0)  # the decode path keeps every row
+    arrays = [full(T, 0), full(T, 0), full((N, T), slot), rows, full((N, Bd, Wd), block), full(Bd, 0)]
+    if not decode:
+        arrays += [full(Bd, T), full((G, qs), T), full((N, G, Wp), block), full((G, qs), 0)]
+    return _stage(staging, arrays, decode)[0]
+
+
+@dataclass
+class LogitsPlan:
+    """Which rows of a step's logits are for what.
+
+    The first ``num_sample_rows`` rows are the last query token of each sampled
+    request, in batch order. The rest are scored positions of scoring requests:
+    row ``num_sample_rows + j`` predicts ``score_targets[j]``; ``score_segments``
+    says, in order, how many of those rows belong to which request.
+    """
+
+    num_sample_rows: int = 0
+    score_targets: list[int] = field(default_factory=list)
+    score_segments: list[tuple[Request, int]] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)  # the request of each sample row, in order
+    # On the device (staged with the step's inputs): int64 [S] score_targets, float32 [S] the
+    # temperature of each scored row; None when nothing is scored.
+    score_target_ids: torch.Tensor | None = None
+    score_temperatures: torch.Tensor | None = None
+
+
+def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> list[list[int]]:
+    """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
+
+    A request's query tokens past its known ``token_ids`` are such tokens; the scheduling rule lets a
+    request have one (its last query token), sampled by the step launched just before.
+
+    Args:
+        scheduled: the step's requests, in batch order.
+        sample_rows: the row of each request (by id) among the sampled tokens of the step before.
+
+    Returns:
+        [rows, sources]: the flattened input rows that hold one, and for each the index of the token that
+        replaces it among the previous step's sampled tokens; both empty when none.
+    """
+    rows: list[int] = []
+    sources: list[int] = []
+    end = 0
+    for entry in scheduled:
+        end += entry.num_scheduled_tokens
+        if entry.num_computed_tokens + entry.num_scheduled_tokens > entry.request.num_tokens:
+            rows.append(end - 1)
+            sources.append(sample_rows[entry.request.request_id])
+    return [rows, sources]
+
+
+def fits_decode_kernel(scheduled: Sequence[ScheduledRequest], max_blocks: int, block_size: int) -> bool:
+    """Whether a step fits ``flash_attn_with_kvcache``: every request computes one token and its keys (this one
+    included) fit in ``max_blocks`` blocks (0: none does); transformers' scheduler applies the same rule."""
+    limit = max_blocks * block_size  # keys a table row can address
+    return bool(scheduled) and all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
+
+
+def _flash_varlen_arrays(scheduled: Sequence[ScheduledRequest], num_groups: int) -> list[np.ndarray]:
+    """int64 host arrays of flash-attn's varlen inputs.
+
+    Returns:
+        cu_seqlens_q [B+1], cu_seqlens_k [B+1], then the block table [B, W] of each layer group (rows
+        padded with 0; a sliding group's ``NULL_BLOCK`` entries, before its window, read as block 0,
+        which the kernel's window mask never lets a query attend to).
+    """
+    q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
+    k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
+    zero = np.zeros(1, dtype=np.int64)
+    tables = []
+    for g in range(num_groups):
+        rows = [e.request.block_tables[g] for e in scheduled]
+        table = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        tables.append(np.maximum(table, 0))
+    return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
+
+
+def prepare_inputs(
+    scheduled: Sequence[ScheduledRequest],
+    decode_path: bool,
+    rule: PaddingRule,
+    staging: HostStaging,
+    num_groups: int,
+    kernel: str = "sdpa",
+    sample_rows: dict[str, int] | None = None,
+) -> tuple[StepBatch, list[int], LogitsPlan, torch.Tensor | None]:
+    """The inputs of a step, in one staged upload: its batch, the real logits rows and their plan.
+
+    Args:
+        scheduled: the step's requests, in batch order.
+        decode_path: every request computes one token and samples it (``ModelRunner.path_of``).
+        rule: the sizes (exact on an eager path, padded on a compiled or graphed one).
+        staging: the runner's input staging buffer.
+        num_groups: the cache's KV layer groups.
+        kernel: "sdpa"; "flash_decode" (``fits_decode_kernel``; the batch's rows are its requests, so an
+            eager step or a padded decode-path one); "flash_varlen" (an eager CUDA step).
+        sample_rows: async batching: the row of each request (by id) among the sampled tokens of the step
+            prepared before, whose placeholders this step's inputs hold; None when every token is known.
+
+    Returns:
+        The batch; the logits rows it keeps first (sampled rows, then scored rows); their plan, with the
+        score targets and temperatures on the device; and the placeholders (``PreparedStep.placeholders``:
+        a padded batch keeps the real rows first, at the same indices), or None.
+    """
+    plan = LogitsPlan()
+    logits_rows: list[int] = []
+    score_rows: list[int] = []
+    start = 0
+    for entry in scheduled:
+        req, n, c = entry.request, entry.num_scheduled_tokens, entry.num_computed_tokens
+        if entry.sample:  # a sampled request keeps its last row
+            logits_rows.append(start + n - 1)
+            plan.sampled.append(req)
+        if req.score_from is not None:
+            # A scoring request keeps its rows that predict a prompt token not yet scored, positions [lo, hi):
+            # position p's logits predict token p + 1; positions scored before a preemption are not redone.
+            lo = max(c, req.score_from - 1 + len(req.prompt_logprobs))
+            hi = min(c + n, req.num_tokens - 1)
+            if hi > lo:
+                score_rows.extend(range(start + lo - c, start + hi - c))
+                plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
+                plan.score_segments.append((req, hi - lo))
+        start += n
+    temps = [req.score_temperature for req, count in plan.score_segments for _ in range(count)]
+    extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(temps, dtype=np.float64)]
+    placeholders = _placeholders(scheduled, sample_rows) if sample_rows is not None else [[]]
+    if placeholders[0]:
+        extra.append(np.asarray(placeholders, dtype=np.int64))
+    if kernel == "flash_varlen":
+        extra += _flash_varlen_arrays(scheduled, num_groups)
+    rows = logits_rows + score_rows
+    batch, staged = build_step_batch(scheduled, rows, decode_path, rule, staging, extra, num_groups)
+    batch.flash_decode = kernel == "flash_decode"
+    if kernel == "flash_varlen":
+        cu_q, cu_k, *tables = staged[-2 - num_groups :]
+        batch.flash_varlen = {
+            "cu_seqlens_q": cu_q.to(torch.int32),
+            "cu_seqlens_k": cu_k.to(torch.int32),
+            "max_seqlen_q": max(e.num_scheduled_tokens for e in scheduled),
+            "max_seqlen_k": max(e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled),
+            "block_tables": torch.stack(tables).to(torch.int32),  # [N, B, W]
+        }
+    if plan.score_segments:
+        plan.score_target_ids, plan.score_temperatures = staged[0], staged[1].float()
+    plan.num_sample_rows = len(logits_rows)
+    return batch, rows, plan, staged[2] if placeholders[0] else None
