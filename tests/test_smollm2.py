@@ -34,8 +34,18 @@ def smollm2():
     return rollout.load_model()
 
 
+STEP_KINDS = {  # the three ways a step runs: eager, compiled (padded shapes), async batching
+    "eager": {},
+    # Level 1's settings on the decode path only: compiling both paths doubles the minutes of compilation
+    # and the padded varlen step has its parity tests on tiny models (test_static_step.py).
+    "compiled": {"decode_compile_config": {"mode": "default", "dynamic": True}},
+    "async": {"use_async_batching": True},
+}
+
+
 @pytest.mark.slow
-def test_greedy_matches_generate_and_logprobs_match_teacher_forcing_smollm2(smollm2) -> None:
+@pytest.mark.parametrize("step_kind", list(STEP_KINDS))
+def test_greedy_matches_generate_and_logprobs_match_teacher_forcing_smollm2(smollm2, step_kind: str) -> None:
     model, tokenizer = smollm2
     prompts = [
         list(
@@ -50,7 +60,10 @@ def test_greedy_matches_generate_and_logprobs_match_teacher_forcing_smollm2(smol
         model,
         prompts,
         GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False),
-        rollout.ContinuousBatchingConfig(return_logprobs=True, logprobs_mode="raw", num_blocks=256),
+        rollout.ContinuousBatchingConfig(
+            return_logprobs=True, logprobs_mode="raw", num_blocks=256, **STEP_KINDS[step_kind]
+        ),
+        warmup=False,  # compile only the shapes this batch meets
     )
     assert len(outputs) == 16
     for prompt, out in zip(prompts, outputs.values()):
