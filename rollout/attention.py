@@ -2,14 +2,14 @@
 
 One metadata class (``PagedAttentionMetadata``) and one function (``paged_attention``, reached through
 ``attention_registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike; only the sizes of the
-step's tensors differ (exact or padded, chosen by the input builder, ``static_step.PaddingRule``). Keys and
+step's tensors differ (exact or padded, chosen by the input builder, ``step_inputs.PaddingRule``). Keys and
 values go into the cache through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU,
 and CUDA without flash-attn): the query rows attend in groups over their request's keys, gathered through every
 KV layer group's block tables: decode rows one per group (the query heads that share a KV head folded into the
-query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks. CUDA path of an
-eager step, when ``flash.choose_flash`` allows it: a step that only decodes (one query token per request) goes
-through ``flash_attn_with_kvcache`` with a fixed-width block table (``max_blocks_per_request`` columns, as in
-transformers' continuous batching), any other step through ``flash_attn_varlen_func`` over the whole flattened
+query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks. CUDA path, when ``flash.choose_flash`` allows
+it: a decode-only step (one query token per request, every request within ``max_blocks_per_request`` blocks) goes
+through ``flash_attn_with_kvcache`` (eager, compiled or CUDA-graphed; the block table as wide as the longest
+request or the padded width), any other eager step through ``flash_attn_varlen_func`` over the whole flattened
 batch with a block table (vLLM's and nano-vllm's approach).
 """
 
