@@ -6,10 +6,10 @@ step's tensors differ (exact or padded, chosen by the input builder, ``step_inpu
 values go into the cache through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU,
 and CUDA without flash-attn): the query rows attend in groups over their request's keys, gathered through every
 KV layer group's block tables: decode rows one per group (the query heads that share a KV head folded into the
-query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks. CUDA path, when ``flash.choose_flash`` allows
-it: a decode-only step (one query token per request, every request within ``max_blocks_per_request`` blocks) goes
-through ``flash_attn_with_kvcache`` (eager, compiled or CUDA-graphed; the block table as wide as the longest
-request or the padded width), any other eager step through ``flash_attn_varlen_func`` over the whole flattened
+query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks.
+CUDA path, when ``flash.choose_flash`` allows it: a decode-only step (one query token per request, every request
+within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache`` (eager, compiled or
+CUDA-graphed; the block table as wide as the longest request or the padded width), any other eager step through ``flash_attn_varlen_func`` over the whole flattened
 batch with a block table (vLLM's and nano-vllm's approach).
 """
 
