@@ -9,8 +9,8 @@ KV layer group's block tables: decode rows one per group (the query heads that s
 query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks.
 CUDA path, when ``flash.choose_flash`` allows it: a decode-only step (one query token per request, every request
 within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache`` (eager, compiled or
-CUDA-graphed; the block table as wide as the longest request or the padded width), any other eager step through ``flash_attn_varlen_func`` over the whole flattened
-batch with a block table (vLLM's and nano-vllm's approach).
+CUDA-graphed; the block table as wide as the longest request or the padded width), any other eager step through
+``flash_attn_varlen_func`` over the whole flattened batch with a block table (vLLM's and nano-vllm's approach).
 """
 
 from __future__ import annotations

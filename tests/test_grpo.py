@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import rollout
+import trainers.grpo as grpo_module
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
-import trainers.grpo as grpo_module
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig, load_config
 from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
