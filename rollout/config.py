@@ -35,23 +35,6 @@ DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
-# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
-# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
-# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
-# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of
-# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
-# decode step of 32 requests 4-7% slower than the eager one, to 32 (one CPU page) 0-1%. A decode step
-# costs about 4 ms of CPU per row past 4 rows (1 row 43 ms, 4 rows 66, 8 rows 81, 16 rows 111, 32 rows
-# 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on average, not 7.5 as with 16.
-# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
-# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
-# every padded key of every decode row, so it takes 4 pages instead.
-DEFAULT_Q_PADDING_CUDA = 64
-DEFAULT_KV_PADDING_CUDA = 4 * 256
-DEFAULT_Q_PADDING_CPU = 4
-DEFAULT_KV_PADDING_CPU = 32
-# transformers' fallback width of the decode fast path's block table.
-DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 MAX_COMPILE_LEVEL = 3
 
 
@@ -149,7 +132,7 @@ class ContinuousBatchingConfig:
         use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it
             (with static input buffers; an LRU of 64 graphs per engine): a bool for both paths, a
             (varlen, decode) pair, or None, which is off on every device for now (the capture has not
-            run on a GPU yet; see ``resolved_cuda_graphs``). True on a device without CUDA is a
+            run on a GPU yet; see ``engine_spec.resolve_cuda_graphs``). True on a device without CUDA is a
             ValueError, raised before the engine allocates anything; so is a graphed path whose compile
             mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
         q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits
@@ -163,7 +146,7 @@ class ContinuousBatchingConfig:
             a step in which every request decodes one token goes through flash-attn's
             ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
             the varlen kernel. 0 turns the fast path off; None sizes it for the longest request the
-            cache can hold (see ``resolved_max_blocks_per_request``). Used only where the engine runs
+            cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where the engine runs
             flash-attn (CUDA); no effect on CPU.
         use_async_batching: schedule and prepare step k+1 (its batch, block tables, slot mapping,
             sampling rows, staged input tensors; on a compiled or CUDA-graphed path its padded inputs)
@@ -174,7 +157,7 @@ class ContinuousBatchingConfig:
             ended (a stop token or string) is computed and dropped. Greedy tokens, logprobs, seeded samples
             and weight versions are what the synchronous loop gives; a row's bits may differ where the
             batches differ. ``EngineStats.num_async_steps`` counts the steps launched behind another. None
-            picks per device (see ``resolved_async_batching``). Not supported under tensor parallelism:
+            picks per device (see ``engine_spec.resolve_async_batching``). Not supported under tensor parallelism:
             True raises a ValueError there before the engine allocates anything, None is off.
         disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
             graph-captured collectives running beside other collectives (transformers' meaning): rollout
@@ -299,135 +282,17 @@ class ContinuousBatchingConfig:
             return self.page_size
         return DEFAULT_BLOCK_SIZE_CUDA if device_type == "cuda" else DEFAULT_BLOCK_SIZE_CPU
 
-    def resolved_block_size(self, device_type: str) -> int:
-        """Same as ``resolved_page_size`` (the engine calls a page a block, as vLLM does)."""
-        return self.resolved_page_size(device_type)
-
     def resolved_max_batch_tokens(self, device_type: str) -> int:
         """Token budget of one step for a device type."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return 2048 if device_type == "cuda" else 512
 
-    def resolved_max_blocks_per_request(self, num_blocks: int, block_size: int, context_length: int | None) -> int:
-        """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
-
-        Args:
-            num_blocks: blocks in the engine's cache.
-            block_size: tokens per block.
-            context_length: the model's ``max_position_embeddings``, or None when it has none.
-
-        Returns:
-            The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
-            the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
-            least 32 (transformers' fallback width). A request past the model's context (allowed, with
-            a warning) may then be wider than the table: its steps take the varlen kernel.
-        """
-        if self.max_blocks_per_request is not None:
-            return self.max_blocks_per_request
-        longest = num_blocks
-        if context_length is not None:
-            longest = min(longest, -(-context_length // block_size))
-        return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
-
     def resolved_memory_percent(self, device_type: str) -> float:
         """Fraction of the usable memory the engine (KV cache and step workspace) may take on a device type."""
         if self.max_memory_percent is not None:
             return float(self.max_memory_percent)
         return DEFAULT_MEMORY_PERCENT_CUDA if device_type == "cuda" else DEFAULT_MEMORY_PERCENT_CPU
-
-    def resolved_compile_configs(
-        self, fallback: CompileConfig | None = None
-    ) -> tuple[CompileConfig | None, CompileConfig | None]:
-        """The (varlen, decode) compile configs: each path's own, else the level's, else ``fallback``.
-
-        Args:
-            fallback: the generation config's ``compile_config``, used by a path that has no config
-                of its own when ``default_compile_level`` is 0 (transformers' order of precedence).
-
-        Returns:
-            Two ``CompileConfig`` or None (None: that path runs eagerly).
-        """
-        level = self.default_compile_level
-        default = None
-        if level > 0:
-            mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
-            default = CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
-        chosen = default if default is not None else fallback
-        varlen = self.varlen_compile_config if self.varlen_compile_config is not None else chosen
-        decode = self.decode_compile_config if self.decode_compile_config is not None else chosen
-        return varlen, decode  # type: ignore[return-value]
-
-    def resolved_cuda_graphs(self, device_type: str) -> tuple[bool, bool]:
-        """(varlen, decode): whether each path replays CUDA graphs on a device type.
-
-        None picks (False, False) on every device: off CUDA there is nothing to capture, and on CUDA
-        the capture path has not yet run on a GPU (transformers turns graphs on when its attention
-        needs no mask), so it is used only when asked for. The engine calls this first, before it
-        allocates anything.
-
-        Raises:
-            ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
-        """
-        graphs = self.use_cuda_graph
-        if graphs is None:
-            return (False, False)
-        pair = (graphs, graphs) if isinstance(graphs, bool) else (bool(graphs[0]), bool(graphs[1]))
-        if any(pair) and device_type != "cuda":
-            raise ValueError(
-                f"use_cuda_graph={graphs!r} needs a CUDA device, but the model runs on {device_type!r}; "
-                "set use_cuda_graph to None or False"
-            )
-        return pair
-
-    def resolved_padding_intervals(self, device_type: str) -> tuple[int, int]:
-        """(query, kv) padding intervals in tokens of the static-shape path on a device type (the
-        field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
-        cuda = device_type == "cuda"
-        q = self.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
-        kv = self.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
-        return q, kv
-
-    def resolved_async_batching(self, device_type: str, tensor_parallel: bool = False) -> bool:
-        """Whether the engine prepares step k+1 while step k runs on a device type.
-
-        The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
-        decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
-        every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async
-        batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
-        transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
-        work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
-        tokens after each step (``distributed.TensorParallel.share_output``), while a step scheduled ahead reads
-        its rank's own tokens on the device before that.
-
-        Args:
-            device_type: the model's device type ("cpu", "cuda", ...).
-            tensor_parallel: the model is sharded by a ``tp_plan`` (the engine runs in lockstep with other
-                ranks).
-
-        Raises:
-            ValueError: ``use_async_batching=True`` under tensor parallelism.
-        """
-        if tensor_parallel:
-            if self.use_async_batching:
-                raise ValueError(
-                    "use_async_batching=True is not supported under tensor parallelism (a step scheduled ahead "
-                    "would read each rank's own sampled tokens, not the driver's); set use_async_batching to "
-                    "None or False"
-                )
-            return False
-        if self.use_async_batching is not None:
-            return bool(self.use_async_batching)
-        if device_type != "cuda":
-            return False
-        graphs = self.use_cuda_graph
-        return bool(graphs) if isinstance(graphs, bool) else graphs is not None and any(graphs)
-
-    def resolved_safety_margin(self) -> float:
-        """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""
-        if self.safety_margin is not None:
-            return float(self.safety_margin)
-        return 0.15 if self.scheduler_type == "fifo" else 0.0
 
     def resolved_cpu_offload_gib(self, available_bytes: int) -> float:
         """GiB of the CPU offload pool: ``cpu_offload_space`` capped at the safety threshold.

@@ -1,10 +1,11 @@
 """What an engine is, resolved once from config x model x device: ``EngineSpec``.
 
-Every setting that depends on the device or the model (the page size and token budget per device type, the
-compiled and CUDA-graphed paths, async batching, the KV layer groups, the cache's size, flash-attn or SDPA,
-the decode fast path's width, the static step's padding) is decided here, in one place, before anything is
-allocated; the engine builds its parts from the spec and reads no ``resolved_*`` method itself. Tensor
-parallelism joins here too (``distributed.TensorParallel``): the ranks agree on the cache's size.
+Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching,
+the KV layer groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's
+padding) is decided here (``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before
+anything is allocated; the engine builds its parts from the spec. The config keeps only the device defaults
+that the cache's sizing reads below this module (page size, token budget, memory share, offload GiB).
+Tensor parallelism joins here too (``distributed.TensorParallel``): the ranks agree on the cache's size.
 """
 
 from __future__ import annotations
@@ -23,7 +24,156 @@ from .kv_cache import CacheLayout, CacheShape, num_blocks_for_model, offload_spa
 from .models import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
 from .static_step import PaddingRule
 
-__all__ = ["EngineSpec"]
+__all__ = [
+    "EngineSpec",
+    "resolve_async_batching",
+    "resolve_compile_configs",
+    "resolve_cuda_graphs",
+    "resolve_max_blocks_per_request",
+    "resolve_padding_intervals",
+    "resolve_safety_margin",
+]
+
+# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
+# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
+# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
+# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of
+# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
+# decode step of 32 requests 4-7% slower than the eager one, to 32 (one CPU page) 0-1%. A decode step
+# costs about 4 ms of CPU per row past 4 rows (1 row 43 ms, 4 rows 66, 8 rows 81, 16 rows 111, 32 rows
+# 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on average, not 7.5 as with 16.
+# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
+# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
+# every padded key of every decode row, so it takes 4 pages instead.
+DEFAULT_Q_PADDING_CUDA = 64
+DEFAULT_KV_PADDING_CUDA = 4 * 256
+DEFAULT_Q_PADDING_CPU = 4
+DEFAULT_KV_PADDING_CPU = 32
+# transformers' fallback width of the decode fast path's block table.
+DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
+
+
+def resolve_compile_configs(
+    config: ContinuousBatchingConfig, fallback: CompileConfig | None = None
+) -> tuple[CompileConfig | None, CompileConfig | None]:
+    """The (varlen, decode) compile configs: each path's own, else ``default_compile_level``'s, else ``fallback``.
+
+    Args:
+        config: the engine's configuration.
+        fallback: the generation config's ``compile_config``, used by a path that has no config
+            of its own when ``default_compile_level`` is 0 (transformers' order of precedence).
+
+    Returns:
+        Two ``CompileConfig`` or None (None: that path runs eagerly).
+    """
+    level = config.default_compile_level
+    default = None
+    if level > 0:
+        mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
+        default = CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
+    chosen = default if default is not None else fallback
+    varlen = config.varlen_compile_config if config.varlen_compile_config is not None else chosen
+    decode = config.decode_compile_config if config.decode_compile_config is not None else chosen
+    return varlen, decode  # type: ignore[return-value]
+
+
+def resolve_cuda_graphs(config: ContinuousBatchingConfig, device_type: str) -> tuple[bool, bool]:
+    """(varlen, decode): whether each path replays CUDA graphs on a device type.
+
+    ``use_cuda_graph=None`` picks (False, False) on every device: off CUDA there is nothing to capture, and on
+    CUDA the capture path has not yet run on a GPU (transformers turns graphs on when its attention needs no
+    mask), so it is used only when asked for.
+
+    Raises:
+        ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
+    """
+    graphs = config.use_cuda_graph
+    if graphs is None:
+        return (False, False)
+    pair = (graphs, graphs) if isinstance(graphs, bool) else (bool(graphs[0]), bool(graphs[1]))
+    if any(pair) and device_type != "cuda":
+        raise ValueError(
+            f"use_cuda_graph={graphs!r} needs a CUDA device, but the model runs on {device_type!r}; "
+            "set use_cuda_graph to None or False"
+        )
+    return pair
+
+
+def resolve_padding_intervals(config: ContinuousBatchingConfig, device_type: str) -> tuple[int, int]:
+    """(query, kv) padding intervals in tokens of the static-shape path on a device type (the config's
+    field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
+    cuda = device_type == "cuda"
+    q = config.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
+    kv = config.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
+    return q, kv
+
+
+def resolve_async_batching(config: ContinuousBatchingConfig, device_type: str, tensor_parallel: bool = False) -> bool:
+    """Whether the engine prepares step k+1 while step k runs on a device type.
+
+    The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
+    decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
+    every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async
+    batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
+    transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
+    work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
+    tokens after each step (``distributed.TensorParallel.share_output``), while a step scheduled ahead reads
+    its rank's own tokens on the device before that.
+
+    Args:
+        config: the engine's configuration.
+        device_type: the model's device type ("cpu", "cuda", ...).
+        tensor_parallel: the model is sharded by a ``tp_plan`` (the engine runs in lockstep with other ranks).
+
+    Raises:
+        ValueError: ``use_async_batching=True`` under tensor parallelism.
+    """
+    if tensor_parallel:
+        if config.use_async_batching:
+            raise ValueError(
+                "use_async_batching=True is not supported under tensor parallelism (a step scheduled ahead "
+                "would read each rank's own sampled tokens, not the driver's); set use_async_batching to "
+                "None or False"
+            )
+        return False
+    if config.use_async_batching is not None:
+        return bool(config.use_async_batching)
+    if device_type != "cuda":
+        return False
+    graphs = config.use_cuda_graph
+    return bool(graphs) if isinstance(graphs, bool) else graphs is not None and any(graphs)
+
+
+def resolve_safety_margin(config: ContinuousBatchingConfig) -> float:
+    """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""
+    if config.safety_margin is not None:
+        return float(config.safety_margin)
+    return 0.15 if config.scheduler_type == "fifo" else 0.0
+
+
+def resolve_max_blocks_per_request(
+    config: ContinuousBatchingConfig, num_blocks: int, block_size: int, context_length: int | None
+) -> int:
+    """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
+
+    Args:
+        config: the engine's configuration.
+        num_blocks: blocks in the engine's cache.
+        block_size: tokens per block.
+        context_length: the model's ``max_position_embeddings``, or None when it has none.
+
+    Returns:
+        The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
+        the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
+        least 32 (transformers' fallback width). A request past the model's context (allowed, with
+        a warning) may then be wider than the table: its steps take the varlen kernel.
+    """
+    if config.max_blocks_per_request is not None:
+        return config.max_blocks_per_request
+    longest = num_blocks
+    if context_length is not None:
+        longest = min(longest, -(-context_length // block_size))
+    return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
 
 
 def _check_static_paths(
@@ -132,11 +282,11 @@ class EngineSpec:
         device = input_device(model)
         dev = device.type
         # Before any collective: async batching asked for under tensor parallelism raises on every rank.
-        async_batching = config.resolved_async_batching(dev, tensor_parallel_mesh(model) is not None)
+        async_batching = resolve_async_batching(config, dev, tensor_parallel_mesh(model) is not None)
         # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
         tp = TensorParallel.from_model(model, config)
-        cuda_graphs = config.resolved_cuda_graphs(dev)
-        compile_configs = config.resolved_compile_configs(fallback_compile_config)
+        cuda_graphs = resolve_cuda_graphs(config, dev)
+        compile_configs = resolve_compile_configs(config, fallback_compile_config)
         devices = layer_devices(model)
         _check_static_paths(compile_configs, cuda_graphs, devices)
         block_size = config.resolved_page_size(dev)
@@ -163,7 +313,7 @@ class EngineSpec:
         use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else max(head_dims), block_size)
         padding = None
         if any(cuda_graphs) or any(c is not None for c in compile_configs):
-            q_interval, kv_interval = config.resolved_padding_intervals(dev)
+            q_interval, kv_interval = resolve_padding_intervals(config, dev)
             # The padding block is the cache's last, past the block manager's blocks.
             padding = PaddingRule(
                 q_interval, kv_interval, max_batch_tokens, num_blocks * block_size, block_size, pad_block=num_blocks
@@ -176,7 +326,7 @@ class EngineSpec:
             cuda_graphs=cuda_graphs,
             block_size=block_size,
             max_batch_tokens=max_batch_tokens,
-            safety_margin=config.resolved_safety_margin(),
+            safety_margin=resolve_safety_margin(config),
             shape=shape,
             layout=layout,
             num_blocks=num_blocks,
@@ -184,7 +334,7 @@ class EngineSpec:
             context_length=context_length,
             vocab_size=vocab_size(model),
             use_flash=use_flash,
-            max_blocks_per_request=config.resolved_max_blocks_per_request(num_blocks, block_size, context_length),
+            max_blocks_per_request=resolve_max_blocks_per_request(config, num_blocks, block_size, context_length),
             padding=padding,
             tp=tp,
         )

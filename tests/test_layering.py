@@ -33,6 +33,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # loading (load_model, the default model's provisioning) is a leaf beside models.
 # host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 # manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
+# scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them.
 LAYERS = [
     "checks",
     "config",
@@ -46,6 +47,7 @@ LAYERS = [
     "block_manager",
     "kv_cache",
     "kv_cache_manager",
+    "scheduler_output",
     "scheduler",
     "async_scheduler",
     "distributed",
