@@ -22,6 +22,7 @@ from .config import ContinuousBatchingConfig
 from .distributed import TensorParallel, tensor_parallel_mesh
 from .kv_cache import CacheLayout, CacheShape, num_blocks_for_model, offload_space_gib
 from .models import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
+from .sampling_params import SamplingParams
 from .static_step import PaddingRule
 
 __all__ = [
@@ -231,6 +232,7 @@ class EngineSpec:
         use_flash: the steps run flash-attn's paged kernels (CUDA), else SDPA.
         max_blocks_per_request: the CUDA decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
+        return_logprobs: the engine records a logprob per generated token (the config's).
         tp: the tensor-parallel group of a ``tp_plan``-sharded model, else None.
     """
 
@@ -251,6 +253,7 @@ class EngineSpec:
     use_flash: bool
     max_blocks_per_request: int
     padding: PaddingRule | None
+    return_logprobs: bool = False
     tp: TensorParallel | None = field(default=None, compare=False)
 
     @property
@@ -336,5 +339,55 @@ class EngineSpec:
             use_flash=use_flash,
             max_blocks_per_request=resolve_max_blocks_per_request(config, num_blocks, block_size, context_length),
             padding=padding,
+            return_logprobs=config.return_logprobs,
             tp=tp,
         )
+
+    def check_request(
+        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
+    ) -> None:
+        """Raise ValueError if an engine of this spec can never run a request.
+
+        The prompt and parameters are trusted (they were checked at the public boundary); this adds
+        what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the model's context
+        (``max_position_embeddings``) and the cache. Past the context a RoPE model runs on with degraded
+        output for as long as it is asked (``model.generate`` only warns); rollout refuses, as vLLM refuses
+        a request past ``max_model_len``.
+
+        Args:
+            request_id: named in the message.
+            num_prompt_tokens: the prompt's length.
+            params: the request's sampling parameters (``max_new_tokens`` counts).
+            scoring: a scoring request (it generates nothing: the prompt alone must fit the context).
+
+        Raises:
+            ValueError: the prompt plus ``max_new_tokens`` is past the model's context (the message names
+                ``max_new_tokens``, the prompt's length and the context), the request needs more blocks than
+                the cache has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records
+                no logprobs.
+        """
+        if params.num_top_logprobs > 0 and not self.return_logprobs:
+            raise ValueError(
+                f"num_top_logprobs: request {request_id!r} asks for {params.num_top_logprobs} top logprobs per "
+                "token, but the engine records no logprobs; pass ContinuousBatchingConfig(return_logprobs=True)"
+            )
+        total = num_prompt_tokens + params.max_new_tokens
+        context = self.context_length
+        if context is not None and (num_prompt_tokens if scoring else total) > context:
+            if scoring or num_prompt_tokens >= context:
+                fix = f"shorten the prompt to at most {context - (0 if scoring else 1)} tokens"
+            else:
+                fix = f"lower max_new_tokens to at most {context - num_prompt_tokens} or shorten the prompt"
+            what = "" if scoring else f"max_new_tokens: request {request_id!r}: "
+            raise ValueError(
+                f"{what}prompt ({num_prompt_tokens} tokens)"
+                + ("" if scoring else f" plus max_new_tokens ({params.max_new_tokens})")
+                + f" is past the model's context of {context} tokens (max_position_embeddings); {fix}"
+            )
+        needed = self.layout.max_blocks_needed(total, self.max_batch_tokens, self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache "
+                f"has {self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
+            )

@@ -1,10 +1,16 @@
-"""``EngineStats``: an engine's counters, as ``Engine.stats`` reads them from their owners."""
+"""``EngineStats``: an engine's counters, as ``Engine.stats`` reads them from their owners; ``ProgressLog``."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
-__all__ = ["EngineStats"]
+from .scheduler_output import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("rollout.engine.progress")  # under the engine's logger, which users configure
+
+__all__ = ["EngineStats", "ProgressLog"]
 
 
 @dataclass
@@ -68,3 +74,42 @@ class EngineStats:
     num_cuda_graph_captures_after_warmup: int = 0
     warmup_seconds: float | None = None
     num_async_steps: int = 0
+
+    def count_step(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float, padded: bool
+    ) -> None:
+        """Count a step that computed something in the step loop's own counters.
+
+        Args:
+            scheduler_output, runner_output: the step.
+            seconds: its wall time (see ``decode_step_seconds``).
+            padded: it ran on the static-shape path.
+        """
+        self.num_steps += 1
+        self.num_padded_steps += int(padded)
+        self.num_tokens_computed += scheduler_output.total_num_scheduled_tokens
+        self.num_prompt_tokens_computed += scheduler_output.num_scheduled_prompt_tokens
+        self.num_generated_tokens += len(runner_output.sampled_token_ids)
+        self.num_forks += len(scheduler_output.forks)
+        if scheduler_output.is_decode_only:
+            self.decode_step_seconds.append(seconds)
+            self.decode_step_batch.append(len(scheduler_output.scheduled))
+
+
+class ProgressLog:
+    """A debug log of throughput at most every ``interval`` seconds (``config.progress_log_interval``)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last = (time.perf_counter(), 0)  # (time, generated tokens) of the last log
+
+    def tick(self, generated: int, running: int, waiting: int, free_blocks: int) -> None:
+        """Log if ``interval`` seconds passed since the last log; ``generated`` counts every token sampled."""
+        now = time.perf_counter()
+        if now - self._last[0] < self.interval:
+            return
+        rate = (generated - self._last[1]) / (now - self._last[0])
+        logger.debug(
+            "%.1f generated tokens/s; %d running, %d waiting, %d free blocks", rate, running, waiting, free_blocks
+        )
+        self._last = (now, generated)

@@ -174,7 +174,7 @@ class ContinuousBatchingManager(RequestMethods):
                 self._engine.set_weight_version(version)
                 if self._warmup_wanted:
                     self._engine.warmup()
-            self._check_weights()
+            self._weights.bump_if_changed(self._engine)
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
     def is_running(self) -> bool:
@@ -383,8 +383,7 @@ class ContinuousBatchingManager(RequestMethods):
             copy_weights(plan)
             engine = self.engine
             with self._cond:
-                version = engine.bump_weight_version()
-                self._weights.record()  # this change is recorded
+                version = self._weights.bump(engine)
             if recompute:
                 if self._tp is None:
                     engine.recompute_in_flight()
@@ -404,14 +403,6 @@ class ContinuousBatchingManager(RequestMethods):
         with self.pause(), self._cond:
             self.engine.block_manager.reset_prefix_cache()
 
-    def _check_weights(self) -> bool:
-        """With the lock held and no step running: bump the weight version if the parameters changed.
-
-        Returns:
-            True when the weights had changed (without ``update_weights``) and the version was bumped.
-        """
-        return self._weights.bump_if_changed(self._engine)
-
     def _sync_weight_version(self) -> None:
         """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).
 
@@ -422,4 +413,4 @@ class ContinuousBatchingManager(RequestMethods):
             if not self._weights.changed():
                 return
         with self.pause(), self._cond:
-            self._check_weights()
+            self._weights.bump_if_changed(self._engine)

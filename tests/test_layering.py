@@ -33,7 +33,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # loading (load_model, the default model's provisioning) is a leaf beside models.
 # host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 # manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
-# scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them.
+# scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them;
+# engine_warmup (the static step's warmup), batch_queue (async batching's step function) and engine_requests (the
+# engine's request intake, a base class of the engine) just below the engine.
 LAYERS = [
     "checks",
     "config",
@@ -60,6 +62,9 @@ LAYERS = [
     "model_runner",
     "engine_spec",
     "engine_stats",
+    "engine_warmup",
+    "batch_queue",
+    "engine_requests",
     "engine",
     "outputs",
     "intake",
