@@ -1,8 +1,8 @@
 """Async batching's step function: vLLM v1's ``step_with_batch_queue`` with a queue of two (``BatchQueue``).
 
-Each ``step()`` schedules and launches the next step while the one in flight runs (its tokens are
-placeholders, filled on the device), then waits for the one in flight and applies its results. On CPU the
-steps run in the runner's worker thread. Nothing scheduled is taken back (see ``async_scheduler``).
+Each ``step()`` schedules and launches the next step while the one in flight runs (its tokens are placeholders, filled
+on the device), then waits for the one in flight and applies its results. On CPU the steps run in the runner's worker
+thread. Nothing scheduled is taken back (see ``async_scheduler``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class BatchQueue:
     Args:
         scheduler: the engine's scheduler.
         runner: the engine's model runner.
-        record: counts a step, ``record(scheduler_output, runner_output, seconds)`` (``Engine``'s): seconds is
-            the wall time the step adds, from the later of its launch and the previous step's end to its end.
+        record: counts a step, ``record(scheduler_output, runner_output, seconds)`` (``Engine``'s): seconds is the wall
+            time the step adds, from the later of its launch and the previous step's end to its end.
 
     Attributes:
         num_async_steps: steps scheduled and launched while the step before them ran.

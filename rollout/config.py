@@ -1,12 +1,10 @@
 """Engine configuration: one validated dataclass, and the one conversion of what callers pass for it.
 
-Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``) so
-that a bad value fails with a ``ValueError`` naming the field and its allowed values
-before any memory is allocated or any request is accepted.
-
-``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts
-rollout's config, a ``transformers.ContinuousBatchingConfig`` (converted field by field, see
-``ContinuousBatchingConfig.from_transformers``), None, or, as transformers still does with a
+Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``): a bad value fails with a
+``ValueError`` naming the field and its allowed values before anything is allocated or accepted. Building a config has
+no side effect; what depends on the device or the model is resolved by ``engine_spec``.
+``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts rollout's config, a
+``transformers.ContinuousBatchingConfig`` (``from_transformers``), None, or, as transformers still does with a
 deprecation warning, a config carried inside the ``GenerationConfig``.
 """
 
@@ -42,140 +40,114 @@ MAX_COMPILE_LEVEL = 3
 class ContinuousBatchingConfig:
     """Configuration of the continuous-batching engine.
 
-    Field names follow ``transformers.ContinuousBatchingConfig`` where the two
-    overlap, so users of ``model.generate_batch`` find what they know.
+    Field names follow ``transformers.ContinuousBatchingConfig`` where the two overlap.
 
     Attributes:
-        page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA
-            and 32 on CPU (32 measured fastest on a 2-core CPU).
-        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from
-            ``max_memory_percent`` of the usable memory (``kv_cache.num_blocks_for_memory``).
-        max_batch_tokens: token budget of one engine step: query tokens (prefill
-            chunks plus one per decoding request) computed in one forward (>= 1).
-            ``None`` picks 2048 on CUDA and 512 on CPU.
-        max_memory_percent: fraction (0, 1] of the usable memory the engine may take when
-            ``num_blocks`` is ``None``: the KV cache plus one step's logits and sampling temporaries
-            (``max_batch_tokens`` x vocabulary x (the model dtype's bytes + 8 float32), see
-            ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available RAM on CPU; on
-            CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator
-            holds unused (``memory_reserved - memory_allocated``), so an engine built after another
-            one was destroyed gets the same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to
-            a trainer, use ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL
-            plugin do), since gradients and optimizer state are allocated only after the engine.
-        max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap
-            beyond the token budget.
-        allow_block_sharing: prefix caching; full prompt blocks are hashed and
-            shared between requests (the G samples of a GRPO prompt share them).
-        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep
-            only the KV blocks their next queries read, giving the others back to the pool
-            (``kv_cache_manager``). False keeps every position of every layer, as full attention
-            does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback, and the baseline the
-            saving is measured against.
-        scheduler_type: ``"fifo"`` (running requests first, then waiting ones in
-            arrival order) or ``"prefill_first"`` (waiting requests are admitted
-            before decodes get their tokens).
-        safety_margin: fraction [0, 1) of the cache's blocks kept free when
-            admitting a new request, so running requests can keep decoding without
-            preemption. ``None`` picks 0.15 for fifo and 0.0 for prefill_first.
+        page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA and 32 on CPU (measured fastest).
+        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from ``max_memory_percent`` of the
+            usable memory (``kv_cache.num_blocks_for_memory``).
+        max_batch_tokens: token budget of one engine step: query tokens (prefill chunks plus one per decoding request)
+            computed in one forward (>= 1). ``None`` picks 2048 on CUDA and 512 on CPU.
+        max_memory_percent: fraction (0, 1] of the usable memory the engine may take when ``num_blocks`` is ``None``:
+            the KV cache plus one step's logits and sampling temporaries (``max_batch_tokens`` x vocabulary x (the model
+            dtype's bytes + 8 float32), see ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available
+            RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
+            unused (``memory_reserved - memory_allocated``), so an engine built after another one was destroyed gets the
+            same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use
+            ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL plugin do), since gradients
+            and optimizer state are allocated only after the engine.
+        max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap beyond the token budget.
+        allow_block_sharing: prefix caching; full prompt blocks are hashed and shared between requests (the G samples of
+            a GRPO prompt share them).
+        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep only the KV blocks
+            their next queries read, giving the others back to the pool (``kv_cache_manager``). False keeps every
+            position of every layer, as full attention does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback,
+            and the baseline the saving is measured against.
+        scheduler_type: ``"fifo"`` (running requests first, then waiting ones in arrival order) or ``"prefill_first"``
+            (waiting requests are admitted before decodes get their tokens).
+        safety_margin: fraction [0, 1) of the cache's blocks kept free when admitting a new request, so running requests
+            can keep decoding without preemption. ``None`` picks 0.15 for fifo and 0.0 for prefill_first.
         return_logprobs: record one logprob per generated token.
-        logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO
-            trainer computes for the same token), ``"raw"`` (log_softmax(logits)) or
-            ``"sampled"`` (the distribution the token was drawn from). ``"temperature"`` and
-            ``"raw"`` read the model's logits before any logits processor (repetition penalty,
-            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a
-            plain forward of the same weights gives, and a banned token keeps a finite logprob.
-            ``"sampled"`` reads the processed distribution: the processors, then temperature,
-            top-k, top-p and min-p for sampled requests (a greedy request: log_softmax of its
-            processed logits, which is the raw logprob when it has no processor).
-        seed: seed of the engine's generator, used by sampled requests that carry
-            no seed of their own.
-        preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or
-            ``"offload"`` (copy the blocks to a CPU pool of ``cpu_offload_space`` GiB).
-            A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as in
-            transformers; ``"offload"`` with a space of 0 has no pool and recomputes.
+        logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO trainer computes for the same token),
+            ``"raw"`` (log_softmax(logits)) or ``"sampled"`` (the distribution the token was drawn from).
+            ``"temperature"`` and ``"raw"`` read the model's logits before any logits processor (repetition penalty,
+            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a plain forward of the
+            same weights gives, and a banned token keeps a finite logprob. ``"sampled"`` reads the processed
+            distribution: the processors, then temperature, top-k, top-p and min-p for sampled requests (a greedy
+            request: log_softmax of its processed logits, which is the raw logprob when it has no processor).
+        seed: seed of the engine's generator, used by sampled requests that carry no seed of their own.
+        preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or ``"offload"`` (copy the blocks to a CPU
+            pool of ``cpu_offload_space`` GiB). A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as
+            in transformers; ``"offload"`` with a space of 0 has no pool and recomputes.
         cpu_offload_space: GiB of CPU memory for offloaded blocks (>= 0), capped at
-            ``cpu_offload_space_safety_threshold`` of the available RAM. None sizes the
-            pool to that cap.
-        cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM
-            (psutil's ``available``, when the engine is built) that the CPU pool may take.
+            ``cpu_offload_space_safety_threshold`` of the available RAM. None sizes the pool to that cap.
+        cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM (psutil's ``available``, when the
+            engine is built) that the CPU pool may take.
         max_queue_size: most waiting requests (>= 0; 0 means unbounded).
-        per_request_processors: as in transformers, whether a request may set its own
-            logits-processor values (do_sample, temperature, top_k, top_p, min_p,
-            repetition_penalty, no_repeat_ngram_size, min_new_tokens, min_length,
-            bad_words_ids) through ``add_request(s)``. False: every request uses the
-            generation config's, and ``add_request(s)`` refuses another value with a
-            ValueError naming the field (transformers fails such a request too).
-            max_new_tokens, eos ids, seeds and stop strings stay per request either way.
-            Default True, unlike transformers' False: RL rollouts vary them per request.
-        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits
-            processor rollout does not implement (typical_p, suppress_tokens, sequence_bias,
-            ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
-            warning per field, False refuses the config with a ValueError naming it.
-        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its
-            own (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with
-            ``mode="default", dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs",
-            dynamic=True`` and level 3 with ``mode="max-autotune-no-cudagraphs", dynamic=False``
-            (transformers' levels); at level 0 the generation config's ``compile_config`` is used when
-            the user set one (transformers' ``GenerationConfig`` defaults it to None: nothing is
-            compiled). What is compiled is the step's forward (the model through the paged cache and
-            the kept logits rows; sampling stays eager), one compiled function per path, shared by
-            every engine with the same config. A compiled path runs the static-shape step (see
-            ``q_padding_interval_size``); ``warmup()`` (``generate_batch(warmup=True)``, the manager's
-            ``warmup()``) compiles it before the first request, and ``EngineStats.num_compiles`` /
-            ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False`` every padded
-            shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8,
-            per path, and runs further shapes uncompiled): level 3 suits few shapes.
-        varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen
-            path: every step that is not decode-only (prefill chunks, mixed, scoring). None: see
-            ``default_compile_level``.
+        per_request_processors: as in transformers, whether a request may set its own logits-processor values
+            (do_sample, temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size, min_new_tokens,
+            min_length, bad_words_ids) through ``add_request(s)``. False: every request uses the generation config's,
+            and ``add_request(s)`` refuses another value with a ValueError naming the field (transformers fails such a
+            request too). max_new_tokens, eos ids, seeds and stop strings stay per request either way. Default True,
+            unlike transformers' False: RL rollouts vary them per request.
+        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits processor rollout does not
+            implement (typical_p, suppress_tokens, sequence_bias, ...; see
+            ``sampling_params.unsupported_processor_fields``): True drops it with one warning per field, False refuses
+            the config with a ValueError naming it.
+        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its own
+            (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with ``mode="default",
+            dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
+            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels); at level 0 the generation
+            config's ``compile_config`` is used when the user set one (transformers' ``GenerationConfig`` defaults it to
+            None: nothing is compiled). What is compiled is the step's forward (the model through the paged cache and
+            the kept logits rows; sampling stays eager), one compiled function per path, shared by every engine with the
+            same config. A compiled path runs the static-shape step (see ``q_padding_interval_size``); ``warmup()``
+            (``generate_batch(warmup=True)``, the manager's ``warmup()``) compiles it before the first request, and
+            ``EngineStats.num_compiles`` / ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False``
+            every padded shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8, per
+            path, and runs further shapes uncompiled): level 3 suits few shapes.
+        varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen path: every
+            step that is not decode-only (prefill chunks, mixed, scoring). None: see ``default_compile_level``.
         decode_compile_config: the same for decode-only steps (one query token per request, sampled).
-        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it
-            (with static input buffers; an LRU of 64 graphs per engine): a bool for both paths, a
-            (varlen, decode) pair, or None, which is off on every device for now (the capture has not
-            run on a GPU yet; see ``engine_spec.resolve_cuda_graphs``). True on a device without CUDA is a
-            ValueError, raised before the engine allocates anything; so is a graphed path whose compile
-            mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
-        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits
-            rows and decode rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0
-            picks the device's preset: 64 on CUDA, as in transformers, 4 on CPU, measured). A padded row is
-            token 0 at position 0, writes a padding block no request owns and its output is dropped.
-        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole
-            blocks (>= 0; 0 picks 1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes
-            flash-attn's block-table reads, while the padded step gathers every padded key).
-        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path:
-            a step in which every request decodes one token goes through flash-attn's
-            ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
-            the varlen kernel. 0 turns the fast path off; None sizes it for the longest request the
-            cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where the engine runs
-            flash-attn (CUDA); no effect on CPU.
-        use_async_batching: schedule and prepare step k+1 (its batch, block tables, slot mapping,
-            sampling rows, staged input tensors; on a compiled or CUDA-graphed path its padded inputs)
-            while step k's forward and sampling run: on CPU a worker thread runs the steps; on CUDA the
-            inputs are copied on a side stream into two staging buffer sets used in turn, ordered by
-            events. Step k+1 is scheduled before step k's tokens are known (placeholders, filled on the
-            device before its forward: ``async_scheduler.AsyncScheduler``); a row of a request that step k
-            ended (a stop token or string) is computed and dropped. Greedy tokens, logprobs, seeded samples
-            and weight versions are what the synchronous loop gives; a row's bits may differ where the
-            batches differ. ``EngineStats.num_async_steps`` counts the steps launched behind another. None
-            picks per device (see ``engine_spec.resolve_async_batching``). Not supported under tensor parallelism:
-            True raises a ValueError there before the engine allocates anything, None is off.
-        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
-            graph-captured collectives running beside other collectives (transformers' meaning): rollout
-            never replays two such graphs at once, and NCCL is faster without it. NCCL reads the
-            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a communicator starts: a tensor-parallel engine on
-            CUDA sets it to ``"0"`` unless it is already set (``distributed.disable_nccl_graph_mixing``),
-            which covers the communicators started after it; export ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the
-            launch environment to cover those the model's loading started. Building a config changes no
-            environment variable. No effect on CPU.
-        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks
-            of a tensor-parallel engine share its decisions over may wait for the other ranks before
-            it raises (transformers' meaning; gloo's own default is 30 minutes). None: no timeout. A
-            manager's ranks exchange a message at least every 50 ms while idle or paused, so only a
-            stuck or dead rank runs into it.
+        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it (with static input
+            buffers; an LRU of 64 graphs per engine): a bool for both paths, a (varlen, decode) pair, or None, which is
+            off on every device for now (the capture has not run on a GPU yet; see ``engine_spec.resolve_cuda_graphs``).
+            True on a device without CUDA is a ValueError, raised before the engine allocates anything; so is a graphed
+            path whose compile mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
+        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits rows and decode
+            rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0 picks the device's preset: 64 on
+            CUDA, as in transformers, 4 on CPU, measured). A padded row is token 0 at position 0, writes a padding block
+            no request owns and its output is dropped.
+        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole blocks (>= 0; 0 picks
+            1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes flash-attn's block-table reads, while the
+            padded step gathers every padded key).
+        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path: a step in which
+            every request decodes one token goes through flash-attn's ``flash_attn_with_kvcache`` when each request's
+            keys fit in this many blocks, else through the varlen kernel. 0 turns the fast path off; None sizes it for
+            the longest request the cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where
+            the engine runs flash-attn (CUDA); no effect on CPU.
+        use_async_batching: schedule and prepare step k+1 (its batch and staged inputs, padded ones on a compiled or
+            CUDA-graphed path) while step k's forward and sampling run (``batch_queue``; on CPU in a worker thread, on
+            CUDA through a side stream and two staging buffer sets). Step k+1 is scheduled before step k's tokens are
+            known (placeholders filled on the device: ``async_scheduler``); a row of a request that step k ended is
+            computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the synchronous
+            loop gives; a row's bits may differ where the batches differ. None picks per device
+            (``engine_spec.resolve_async_batching``). Under tensor parallelism True raises a ValueError before the
+            engine allocates anything, None is off.
+        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for graph-captured
+            collectives running beside other collectives (transformers' meaning): rollout never replays two such graphs
+            at once, and NCCL is faster without it. NCCL reads the ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a
+            communicator starts: a tensor-parallel engine on CUDA sets it to ``"0"`` unless it is already set
+            (``distributed.disable_nccl_graph_mixing``), which covers the communicators started after it; export
+            ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the launch environment to cover those the model's loading started.
+            Building a config changes no environment variable. No effect on CPU.
+        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks of a
+            tensor-parallel engine share its decisions over may wait for the other ranks before it raises (transformers'
+            meaning; gloo's own default is 30 minutes). None: no timeout. A manager's ranks exchange a message at least
+            every 50 ms while idle or paused, so only a stuck or dead rank runs into it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
-        block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
-            it sets ``page_size`` with a ``FutureWarning``. Both set to different values
-            is a ``ValueError``.
+        block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17); it sets ``page_size`` with a
+            ``FutureWarning``. Both set to different values is a ``ValueError``.
     """
 
     page_size: int | None = None
@@ -319,12 +291,11 @@ class ContinuousBatchingConfig:
     def from_transformers(cls, config: TransformersContinuousBatchingConfig) -> ContinuousBatchingConfig:
         """Convert a ``transformers.ContinuousBatchingConfig``, field by field.
 
-        A field rollout has under the same name is copied when it differs from transformers'
-        default; a field left at transformers' default keeps rollout's default, which may depend
-        on the device (``page_size`` 256 is transformers' default, so it reads as unset: 32 on
-        CPU, 256 on CUDA). Fields rollout does not have (flash auto-switch, deprecated fields...) are
-        dropped; the ones set away from their default are named in one warning. ``block_size`` was
-        folded into ``page_size`` by transformers itself.
+        A field rollout has under the same name is copied when it differs from transformers' default; a field left at
+        transformers' default keeps rollout's default, which may depend on the device (``page_size`` 256 is
+        transformers' default, so it reads as unset: 32 on CPU, 256 on CUDA). Fields rollout does not have (flash
+        auto-switch, deprecated fields...) are dropped; the ones set away from their default are named in one warning.
+        ``block_size`` was folded into ``page_size`` by transformers itself.
 
         Raises:
             ValueError: a copied value rollout does not accept (the message names the field).
@@ -370,11 +341,10 @@ def resolve_continuous_batching_config(
     """The engine configuration an entry point runs with.
 
     Args:
-        continuous_batching_config: rollout's config, a ``transformers.ContinuousBatchingConfig``
-            (converted with ``ContinuousBatchingConfig.from_transformers``), or None.
-        generation_config: the call's (resolved) ``GenerationConfig``. When no
-            ``continuous_batching_config`` is given and it carries one in its own
-            ``continuous_batching_config`` attribute, that one is used, with the
+        continuous_batching_config: rollout's config, a ``transformers.ContinuousBatchingConfig`` (converted with
+            ``ContinuousBatchingConfig.from_transformers``), or None.
+        generation_config: the call's (resolved) ``GenerationConfig``. When no ``continuous_batching_config`` is given
+            and it carries one in its own ``continuous_batching_config`` attribute, that one is used, with the
             ``FutureWarning`` transformers gives for this deprecated form.
 
     Returns:
@@ -410,8 +380,8 @@ def workload_tokens_hint(workload_hints: Any) -> list[int] | None:
     """The per-request token counts that ``workload_hints`` describe, for sizing the KV cache.
 
     Args:
-        workload_hints: transformers' ``WorkloadHints`` (or any object, or mapping, with
-            ``max_prompt_length``, ``max_generated_length`` and ``num_requests``: ints >= 0), or None.
+        workload_hints: transformers' ``WorkloadHints`` (or any object, or mapping, with ``max_prompt_length``,
+            ``max_generated_length`` and ``num_requests``: ints >= 0), or None.
 
     Returns:
         ``num_requests`` entries of ``max_prompt_length + max_generated_length`` tokens; None when

@@ -1,13 +1,13 @@
 """The engine: the step loop over scheduler and model runner.
 
 ``Engine.step()`` is three calls, as in nano-vllm and vLLM v1: ``scheduler.schedule()`` ->
-``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output``
-(counts, tokens, statuses, finished requests and their blocks). The engine builds the parts,
-queues requests and keeps statistics; it changes no request itself. The background manager,
-``generate_batch`` and ``score`` all drive this class; it holds no global state.
+``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output`` (counts, tokens,
+statuses, finished requests and their blocks). The engine builds the parts, queues requests and keeps statistics; it
+changes no request itself. The background manager, ``generate_batch`` and ``score`` all drive this class; it holds no
+global state.
 
-With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an ``AsyncScheduler``
-and the step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_queue``).
+With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an ``AsyncScheduler`` and the
+step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_queue``).
 """
 
 from __future__ import annotations
@@ -51,25 +51,25 @@ class Engine(EngineRequests):
     """Continuous-batching engine for one model replica.
 
     Args:
-        model: a ``transformers`` decoder-only causal LM. Its attention implementation is switched to
-            rollout's paged dispatcher until ``close()`` (forwards without engine metadata still run the
-            original). The KV cache holds the dtype attention computes in (``models.attention_dtype``:
-            autocast's under accelerate's ``mixed_precision``), each layer's on that layer's device (a
-            ``device_map``-sharded model gets its cache sharded the same way). On CUDA the steps use
-            flash-attn's paged kernels when ``attention.flash_support`` finds nothing against it, else SDPA
-            (logged): decode-only steps ``flash_attn_with_kvcache`` (up to ``max_blocks_per_request``), the
-            others ``flash_attn_varlen_func``. A model sharded by a ``tp_plan`` under ``torchrun`` runs one
-            engine per rank in lockstep (``distributed.TensorParallel``): each rank's cache holds its own KV
-            heads, the cache size is the smallest any rank measured, the driver's sampled tokens are every rank's.
+        model: a ``transformers`` decoder-only causal LM. Its attention implementation is switched to rollout's paged
+            dispatcher until ``close()`` (forwards without engine metadata still run the original). The KV cache holds
+            the dtype attention computes in (``models.attention_dtype``: autocast's under accelerate's
+            ``mixed_precision``), each layer's on that layer's device (a ``device_map``-sharded model gets its cache
+            sharded the same way). On CUDA the steps use flash-attn's paged kernels when ``attention.flash_support``
+            finds nothing against it, else SDPA (logged): decode-only steps ``flash_attn_with_kvcache`` (up to
+            ``max_blocks_per_request``), the others ``flash_attn_varlen_func``. A model sharded by a ``tp_plan`` under
+            ``torchrun`` runs one engine per rank in lockstep (``distributed.TensorParallel``): each rank's cache holds
+            its own KV heads, the cache size is the smallest any rank measured, the driver's sampled tokens are every
+            rank's.
         config: engine configuration.
-        max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than
-            what holds this many tokens (an int), or these requests of that many tokens each
-            (a sequence: the whole job of ``generate_batch``), memory permitting.
-        tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings
-            (``stop_strings``, ``stop``) to read the text of their tokens; None refuses them.
-        fallback_compile_config: the generation config's ``compile_config`` (None when the user set
-            none: transformers' ``GenerationConfig`` defaults it to None): compiles the paths that
-            have no compile config of their own when ``default_compile_level`` is 0.
+        max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than what holds this many tokens (an
+            int), or these requests of that many tokens each (a sequence: the whole job of ``generate_batch``), memory
+            permitting.
+        tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings (``stop_strings``,
+            ``stop``) to read the text of their tokens; None refuses them.
+        fallback_compile_config: the generation config's ``compile_config`` (None when the user set none: transformers'
+            ``GenerationConfig`` defaults it to None): compiles the paths that have no compile config of their own when
+            ``default_compile_level`` is 0.
 
     Compiled and CUDA-graphed paths (``EngineSpec.compile_configs``, ``EngineSpec.cuda_graphs``) run
     the static-shape step (``static_step``): the cache gets one padding block more than the block
@@ -82,12 +82,12 @@ class Engine(EngineRequests):
     is off under tensor parallelism (``engine_spec.resolve_async_batching``).
 
     Raises:
-        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a
-            layer's weights are on the meta device with no accelerate hook saying where it runs.
+        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a layer's weights
+            are on the meta device with no accelerate hook saying where it runs.
         ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
-            ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that
-            captures CUDA graphs itself; a compiled or graphed path on a model whose layers span several
-            devices; ``use_async_batching=True`` on a tensor-parallel model. Raised before anything is allocated.
+            ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that captures CUDA graphs
+            itself; a compiled or graphed path on a model whose layers span several devices; ``use_async_batching=True``
+            on a tensor-parallel model. Raised before anything is allocated.
     """
 
     def __init__(
@@ -149,9 +149,9 @@ class Engine(EngineRequests):
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's counters, read now from their owners (vLLM's ``make_stats``): the scheduler, the KV
-        cache manager and block pool, the runner, the cache, the warmup, the batch queue and the step loop. A
-        snapshot: it does not change as the engine steps on (its lists do: they are the loop's own)."""
+        """The engine's counters, read now from their owners (vLLM's ``make_stats``): the scheduler, the KV cache
+        manager and block pool, the runner, the cache, the warmup, the batch queue and the step loop. A snapshot: it
+        does not change as the engine steps on (its lists do: they are the loop's own)."""
         compiles, captures = self._warmup.counts()
         warm = self._warmup
         return dataclasses.replace(
@@ -174,8 +174,8 @@ class Engine(EngineRequests):
     def use_device_in_this_thread(self) -> None:
         """Make the engine's CUDA device the current device of the calling thread (nothing on CPU).
 
-        A new thread starts on cuda:0; kernels and allocations that follow the current device (CUDA streams,
-        pinned copies, flash-attn's capability query) must use the model's GPU. The manager's loop calls it.
+        A new thread starts on cuda:0; kernels and allocations that follow the current device (CUDA streams, pinned
+        copies, flash-attn's capability query) must use the model's GPU. The manager's loop calls it.
         """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -189,8 +189,8 @@ class Engine(EngineRequests):
     def from_driver(self, obj: T) -> T:
         """The driver's ``obj`` on every rank of a tensor-parallel engine (a collective); ``obj`` itself otherwise.
 
-        ``generate_batch`` and ``score`` pass their planned requests through it, so that every rank
-        runs what the driver decided even if a caller gave its ranks different inputs.
+        ``generate_batch`` and ``score`` pass their planned requests through it, so that every rank runs what the driver
+        decided even if a caller gave its ranks different inputs.
         """
         return obj if self.tp is None else self.tp.broadcast_object(obj)
 
@@ -203,8 +203,8 @@ class Engine(EngineRequests):
         return self.scheduler.finish_request(request_id, status, error)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs, a step is in flight, or a drained step's updates are not
-        returned by ``step()`` yet."""
+        """True while a request waits or runs, a step is in flight, or a drained step's updates are not returned by
+        ``step()`` yet."""
         return self.scheduler.has_unfinished() or (self._queue is not None and self._queue.busy)
 
     @property
@@ -219,15 +219,15 @@ class Engine(EngineRequests):
         return self.scheduler.weight_version
 
     def set_weight_version(self, version: int) -> None:
-        """Set the version recorded with new tokens and new cached blocks (after finishing the step in flight,
-        whose tokens were sampled under the old weights). The manager's ``WeightWatch`` makes new versions;
-        a tensor-parallel rank adopts the driver's."""
+        """Set the version recorded with new tokens and new cached blocks (after finishing the step in flight, whose
+        tokens were sampled under the old weights). The manager's ``WeightWatch`` makes new versions; a tensor-parallel
+        rank adopts the driver's."""
         self._quiesce()
         self.scheduler.weight_version = version
 
     def recompute_in_flight(self) -> None:
-        """Drop the KV of every unfinished request so it is re-prefilled under the current weights (after
-        finishing the step in flight)."""
+        """Drop the KV of every unfinished request so it is re-prefilled under the current weights (after finishing the
+        step in flight)."""
         self._quiesce()
         self.scheduler.recompute_all()
 
@@ -294,11 +294,10 @@ class Engine(EngineRequests):
         """Compile (and on CUDA capture) the step shapes before the first request (``Warmup.run``).
 
         Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding block
-        (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and the request
-        counters of ``stats`` are as they were; later compilations count in ``stats.num_compiles_after_warmup``.
-        A no-op when there is nothing to compile, when it already ran, or when an earlier engine on the same
-        model did (``generate_batch`` builds an engine per call). Not thread-safe against ``step()``: the
-        manager pauses its loop first.
+        (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and the request counters of
+        ``stats`` are as they were; later compilations count in ``stats.num_compiles_after_warmup``. A no-op when there
+        is nothing to compile, when it already ran, or when an earlier engine on the same model did (``generate_batch``
+        builds an engine per call). Not thread-safe against ``step()``: the manager pauses its loop first.
 
         Args:
             progress_bar: show a tqdm bar over the shapes.

@@ -1,7 +1,7 @@
 """The engine's request intake: check, build and queue requests (``EngineRequests``, a base class of ``Engine``).
 
-``Engine`` builds the pieces these methods work through (the annotations below) and runs the steps; what an
-engine can never run is the spec's to say (``EngineSpec.check_request``), stop strings need the tokenizer.
+``Engine`` builds the pieces these methods work through (the annotations below) and runs the steps; what an engine can
+never run is the spec's to say (``EngineSpec.check_request``), stop strings need the tokenizer.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class EngineRequests:
     def check_request(
         self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
     ) -> None:
-        """Raise ValueError if this engine can never run a request (``EngineSpec.check_request``: the context,
-        the cache, top logprobs), or if it has stop strings and the engine no tokenizer; changes nothing."""
+        """Raise ValueError if this engine can never run a request (``EngineSpec.check_request``: the context, the
+        cache, top logprobs), or if it has stop strings and the engine no tokenizer; changes nothing."""
         self.spec.check_request(request_id, num_prompt_tokens, params, scoring)
         if params.needs_tokenizer:
             self.stop_matcher(params)
@@ -55,9 +55,9 @@ class EngineRequests:
     ) -> Request:
         """Check and queue a request; returns its state object.
 
-        The entry point for code that drives an engine directly: everything is checked here, once
-        (``generate_batch``, the manager and ``score`` check at their own boundary, then ``check_request``
-        and ``enqueue`` the requests they built).
+        The entry point for code that drives an engine directly: everything is checked here, once (``generate_batch``,
+        the manager and ``score`` check at their own boundary, then ``check_request`` and ``enqueue`` the requests they
+        built).
 
         Args:
             prompt_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
@@ -69,9 +69,9 @@ class EngineRequests:
             score_temperature: logits are divided by this before the log-softmax (> 0).
 
         Raises:
-            ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary,
-                a duplicate request id, a request that can never fit the cache, or score_from /
-                score_temperature out of range.
+            ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary, a
+                duplicate request id, a request that can never fit the cache, or score_from / score_temperature out of
+                range.
             RuntimeError: the engine is closed.
         """
         if self._closed:
@@ -110,8 +110,8 @@ class EngineRequests:
         """Queue a request built and checked by the caller (see ``check_request``).
 
         Raises:
-            ValueError: its id is already in use by an unfinished request, or it has stop strings and
-                the engine no tokenizer.
+            ValueError: its id is already in use by an unfinished request, or it has stop strings and the engine no
+                tokenizer.
             RuntimeError: the engine is closed.
         """
         if self._closed:

@@ -1,11 +1,11 @@
 """What an engine is, resolved once from config x model x device: ``EngineSpec``.
 
-Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching,
-the KV layer groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's
-padding) is decided here (``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before
-anything is allocated; the engine builds its parts from the spec. The config keeps only the device defaults
-that the cache's sizing reads below this module (page size, token budget, memory share, offload GiB).
-Tensor parallelism joins here too (``distributed.TensorParallel``): the ranks agree on the cache's size.
+Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching, the KV layer
+groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's padding) is decided here
+(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; the engine builds
+its parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this module (page
+size, token budget, memory share, offload GiB). Tensor parallelism joins here too (``distributed.TensorParallel``): the
+ranks agree on the cache's size.
 """
 
 from __future__ import annotations
@@ -25,15 +25,7 @@ from .models import attention_dtype, input_device, layer_devices, model_context_
 from .sampling_params import SamplingParams
 from .static_step import PaddingRule
 
-__all__ = [
-    "EngineSpec",
-    "resolve_async_batching",
-    "resolve_compile_configs",
-    "resolve_cuda_graphs",
-    "resolve_max_blocks_per_request",
-    "resolve_padding_intervals",
-    "resolve_safety_margin",
-]
+__all__ = ["EngineSpec"]
 
 # Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
 # with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
@@ -57,16 +49,9 @@ DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 def resolve_compile_configs(
     config: ContinuousBatchingConfig, fallback: CompileConfig | None = None
 ) -> tuple[CompileConfig | None, CompileConfig | None]:
-    """The (varlen, decode) compile configs: each path's own, else ``default_compile_level``'s, else ``fallback``.
-
-    Args:
-        config: the engine's configuration.
-        fallback: the generation config's ``compile_config``, used by a path that has no config
-            of its own when ``default_compile_level`` is 0 (transformers' order of precedence).
-
-    Returns:
-        Two ``CompileConfig`` or None (None: that path runs eagerly).
-    """
+    """The (varlen, decode) compile configs, each a ``CompileConfig`` or None (eager): the path's own, else
+    ``default_compile_level``'s, else ``fallback``, the generation config's ``compile_config`` (transformers' order of
+    precedence)."""
     level = config.default_compile_level
     default = None
     if level > 0:
@@ -81,9 +66,8 @@ def resolve_compile_configs(
 def resolve_cuda_graphs(config: ContinuousBatchingConfig, device_type: str) -> tuple[bool, bool]:
     """(varlen, decode): whether each path replays CUDA graphs on a device type.
 
-    ``use_cuda_graph=None`` picks (False, False) on every device: off CUDA there is nothing to capture, and on
-    CUDA the capture path has not yet run on a GPU (transformers turns graphs on when its attention needs no
-    mask), so it is used only when asked for.
+    ``use_cuda_graph=None`` picks (False, False) on every device: on CUDA too, since the capture path has not yet run on
+    a GPU (transformers turns graphs on when its attention needs no mask).
 
     Raises:
         ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
@@ -101,8 +85,8 @@ def resolve_cuda_graphs(config: ContinuousBatchingConfig, device_type: str) -> t
 
 
 def resolve_padding_intervals(config: ContinuousBatchingConfig, device_type: str) -> tuple[int, int]:
-    """(query, kv) padding intervals in tokens of the static-shape path on a device type (the config's
-    field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
+    """(query, kv) padding intervals in tokens of the static-shape path on a device type (the config's field, else the
+    device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
     cuda = device_type == "cuda"
     q = config.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
     kv = config.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
@@ -112,14 +96,13 @@ def resolve_padding_intervals(config: ContinuousBatchingConfig, device_type: str
 def resolve_async_batching(config: ContinuousBatchingConfig, device_type: str, tensor_parallel: bool = False) -> bool:
     """Whether the engine prepares step k+1 while step k runs on a device type.
 
-    The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
-    decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
-    every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async
-    batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
-    transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
-    work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
-    tokens after each step (``distributed.TensorParallel.share_output``), while a step scheduled ahead reads
-    its rank's own tokens on the device before that.
+    The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M decode step
+    (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows every kernel a little (measured
+    0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async batching"); on CUDA, on when CUDA graphs are
+    asked for (``use_cuda_graph`` true for a path), as transformers decides (``decide_use_async_batching``): with graphs
+    the forward no longer hides the host's work behind its own launch time. Off under tensor parallelism: the ranks
+    share the driver's sampled tokens after each step (``distributed.TensorParallel.share_output``), while a step
+    scheduled ahead reads its rank's own tokens on the device before that.
 
     Args:
         config: the engine's configuration.
@@ -155,20 +138,9 @@ def resolve_safety_margin(config: ContinuousBatchingConfig) -> float:
 def resolve_max_blocks_per_request(
     config: ContinuousBatchingConfig, num_blocks: int, block_size: int, context_length: int | None
 ) -> int:
-    """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
-
-    Args:
-        config: the engine's configuration.
-        num_blocks: blocks in the engine's cache.
-        block_size: tokens per block.
-        context_length: the model's ``max_position_embeddings``, or None when it has none.
-
-    Returns:
-        The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
-        the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
-        least 32 (transformers' fallback width). A request past the model's context (allowed, with
-        a warning) may then be wider than the table: its steps take the varlen kernel.
-    """
+    """Width in blocks of the decode fast path's block table (0: off): the explicit ``max_blocks_per_request``, else the
+    blocks of the longest request a cache of ``num_blocks`` blocks of ``block_size`` tokens can hold (fewer when the
+    model's ``context_length`` needs fewer), at least 32 (transformers' fallback width)."""
     if config.max_blocks_per_request is not None:
         return config.max_blocks_per_request
     longest = num_blocks
@@ -185,10 +157,9 @@ def _check_static_paths(
     """Refuse static-shape settings the engine cannot run, before anything is allocated.
 
     Raises:
-        ValueError: a compiled or graphed path on a model whose layers span several devices (the
-            padded step builds its metadata on one device), or a CUDA-graphed path whose compile mode
-            captures CUDA graphs itself (inductor's ``triton.cudagraphs``: "reduce-overhead",
-            "max-autotune"), which would capture inside our capture.
+        ValueError: a compiled or graphed path on a model whose layers span several devices (the padded step builds its
+            metadata on one device), or a CUDA-graphed path whose compile mode captures CUDA graphs itself (inductor's
+            ``triton.cudagraphs``: "reduce-overhead", "max-autotune"), which would capture inside our capture.
     """
     static = any(cuda_graphs) or any(c is not None for c in compile_configs)
     if static and len(set(devices)) > 1:
@@ -224,8 +195,7 @@ class EngineSpec:
         safety_margin: the share of blocks kept free when admitting while requests run.
         shape: what each layer keeps per token, in the dtype attention computes in.
         layout: the cache's layer groups.
-        num_blocks: block ids of the pool (the block manager's; a static path's cache has one more, the
-            padding block).
+        num_blocks: block ids of the pool (the block manager's; a static path's cache has one more, the padding block).
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
@@ -278,9 +248,9 @@ class EngineSpec:
             fallback_compile_config: see ``Engine``.
 
         Raises:
-            ValueError: ``use_async_batching=True`` under tensor parallelism (before any collective), KV
-                heads not divisible by the TP size, CUDA graphs off CUDA, or a static path the engine
-                cannot run (``_check_static_paths``); all before anything is allocated.
+            ValueError: ``use_async_batching=True`` under tensor parallelism (before any collective), KV heads not
+                divisible by the TP size, CUDA graphs off CUDA, or a static path the engine cannot run
+                (``_check_static_paths``); all before anything is allocated.
         """
         device = input_device(model)
         dev = device.type
@@ -348,11 +318,10 @@ class EngineSpec:
     ) -> None:
         """Raise ValueError if an engine of this spec can never run a request.
 
-        The prompt and parameters are trusted (they were checked at the public boundary); this adds
-        what only the engine knows: whether the prompt plus ``max_new_tokens`` fits the model's context
-        (``max_position_embeddings``) and the cache. Past the context a RoPE model runs on with degraded
-        output for as long as it is asked (``model.generate`` only warns); rollout refuses, as vLLM refuses
-        a request past ``max_model_len``.
+        The prompt and parameters are trusted (they were checked at the public boundary); this adds what only the engine
+        knows: whether the prompt plus ``max_new_tokens`` fits the model's context (``max_position_embeddings``) and the
+        cache. Past the context a RoPE model runs on with degraded output for as long as it is asked (``model.generate``
+        only warns); rollout refuses, as vLLM refuses a request past ``max_model_len``.
 
         Args:
             request_id: named in the message.
@@ -362,9 +331,8 @@ class EngineSpec:
 
         Raises:
             ValueError: the prompt plus ``max_new_tokens`` is past the model's context (the message names
-                ``max_new_tokens``, the prompt's length and the context), the request needs more blocks than
-                the cache has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records
-                no logprobs.
+                ``max_new_tokens``, the prompt's length and the context), the request needs more blocks than the cache
+                has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records no logprobs.
         """
         if params.num_top_logprobs > 0 and not self.return_logprobs:
             raise ValueError(

@@ -1,7 +1,7 @@
 """Compiling (and on CUDA capturing) an engine's static step shapes before the first request: ``Warmup``.
 
-It owns what the warmup found (whether it ran, its seconds, the compilations and CUDA graph captures at its
-end), which ``Engine.stats`` reads to count those made after it.
+It owns what the warmup found (whether it ran, its seconds, the compilations and CUDA graph captures at its end), which
+``Engine.stats`` reads to count those made after it.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Warmup:
     def run(self, progress_bar: bool) -> float:
         """Run each shape of ``plan`` once (``ModelRunner.warmup``); returns the seconds it took.
 
-        A no-op (logged at debug) when no path is compiled or graphed, when it already ran, and when an
-        earlier engine on the same model object warmed up the same ``dynamic=True`` compile configs and
-        padding (``static_step.warm_key``: its graphs serve any cache size).
+        A no-op (logged at debug) when no path is compiled or graphed, when it already ran, and when an earlier engine
+        on the same model object warmed up the same ``dynamic=True`` compile configs and padding
+        (``static_step.warm_key``: its graphs serve any cache size).
         """
         plan = self.plan()
         if not plan:
