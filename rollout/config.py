@@ -27,8 +27,8 @@ SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
 PREEMPTION_MODES = ("recompute", "offload")
 
-# Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see
-# scripts/bench.py); on CUDA 256 matches transformers' continuous batching default.
+# Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see scripts/bench.py); on CUDA 256 matches
+# transformers' continuous batching default.
 DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25

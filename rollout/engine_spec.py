@@ -27,17 +27,17 @@ from .static_step import PaddingRule
 
 __all__ = ["EngineSpec"]
 
-# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
-# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
-# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
-# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of
-# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
-# decode step of 32 requests 4-7% slower than the eager one, to 32 (one CPU page) 0-1%. A decode step
-# costs about 4 ms of CPU per row past 4 rows (1 row 43 ms, 4 rows 66, 8 rows 81, 16 rows 111, 32 rows
-# 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on average, not 7.5 as with 16.
-# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
-# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
-# every padded key of every decode row, so it takes 4 pages instead.
+# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile with dynamic
+# shapes, so an interval changes the work a step does, not what is compiled; with static shapes (level 3, CUDA graphs) a
+# smaller interval means more shapes to compile or capture.
+# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of 60-150 keys, 1 thread,
+# min over interleaved runs): padding the keys to 64 made the uncompiled padded decode step of 32 requests 4-7% slower
+# than the eager one, to 32 (one CPU page) 0-1%. A decode step costs about 4 ms of CPU per row past 4 rows (1 row 43 ms,
+# 4 rows 66, 8 rows 81, 16 rows 111, 32 rows 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on
+# average, not 7.5 as with 16.
+# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: 64). Its key
+# preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers every padded key of every
+# decode row, so it takes 4 pages instead.
 DEFAULT_Q_PADDING_CUDA = 64
 DEFAULT_KV_PADDING_CUDA = 4 * 256
 DEFAULT_Q_PADDING_CPU = 4

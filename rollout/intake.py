@@ -28,8 +28,8 @@ from .outputs import OutputRouter, ended_output
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, check_processors_unchanged
 
-# A checked request on its way to the inbox: (request id, or None for ``req_<n>``; prompt token ids;
-# sampling parameters).
+# A checked request on its way to the inbox: (request id, or None for ``req_<n>``; prompt token ids; sampling
+# parameters).
 Item = tuple[str | None, list[int], SamplingParams]
 
 

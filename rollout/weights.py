@@ -159,7 +159,8 @@ class WeightWatch:
             The new version.
         """
         self.record()
-        return self._next_version(engine)
+        engine.set_weight_version(engine.weight_version + 1)
+        return engine.weight_version
 
     def bump_if_changed(self, engine: VersionedEngine | None) -> bool:
         """With no step running: record the parameters and, if they changed, bump ``engine``'s weight version.
@@ -173,12 +174,6 @@ class WeightWatch:
         if not self.record():
             return False
         if engine is not None:
-            version = self._next_version(engine)
+            version = self.bump(engine)
             logger.info("the model's parameters changed without update_weights: weight version %d", version)
         return True
-
-    @staticmethod
-    def _next_version(engine: VersionedEngine) -> int:
-        version = engine.weight_version + 1
-        engine.set_weight_version(version)
-        return version
