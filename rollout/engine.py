@@ -13,7 +13,6 @@ step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import TypeVar
@@ -39,8 +38,6 @@ from .requests import Request, RequestStatus
 from .scheduler import Scheduler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .stop_strings import StopStringMatcher
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
 
