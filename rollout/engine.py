@@ -136,7 +136,7 @@ class Engine(EngineRequests):
             async_batching=spec.async_batching,
         )
         self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
-        self._warmup = Warmup(self.runner, spec.device)
+        self._warmup = Warmup(self.runner, model, spec.device)
         self._queue = BatchQueue(self.scheduler, self.runner, self._record_stats) if spec.async_batching else None
         self._arrivals = 0
         self._progress = ProgressLog(self.config.progress_log_interval)

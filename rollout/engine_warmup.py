@@ -26,6 +26,7 @@ class Warmup:
 
     Args:
         runner: the engine's model runner.
+        model: the engine's model (earlier warmups on it are remembered: ``static_step.warmed_before``).
         device: the engine's device; on CUDA the warmup runs on it whatever the calling thread's device is.
 
     Attributes:
@@ -34,8 +35,9 @@ class Warmup:
         compiles_at, captures_at: the runner's compilations and CUDA graph captures when it ended.
     """
 
-    def __init__(self, runner: ModelRunner, device: torch.device) -> None:
+    def __init__(self, runner: ModelRunner, model: torch.nn.Module, device: torch.device) -> None:
         self.runner = runner
+        self.model = model
         self.device = device
         self.done = False
         self.seconds: float | None = None
@@ -72,7 +74,7 @@ class Warmup:
         runner = self.runner
         assert runner.padding is not None  # a plan means a static path, which has a padding rule
         key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
-        if warmed_before(runner.model, key):
+        if warmed_before(self.model, key):
             # dynamic=True graphs compiled by an earlier engine on this model: nothing to compile here.
             logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
             self.done, self.seconds = True, 0.0
@@ -84,7 +86,7 @@ class Warmup:
         self.seconds = time.perf_counter() - t0
         self.done = True
         self.compiles_at, self.captures_at = self.counts()
-        mark_warmed(runner.model, key)
+        mark_warmed(self.model, key)
         logger.info(
             "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
             len(plan),
