@@ -1,12 +1,10 @@
 """Engine configuration: one validated dataclass, and the one conversion of what callers pass for it.
 
-Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``) so
-that a bad value fails with a ``ValueError`` naming the field and its allowed values
-before any memory is allocated or any request is accepted.
-
-``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts
-rollout's config, a ``transformers.ContinuousBatchingConfig`` (converted field by field, see
-``ContinuousBatchingConfig.from_transformers``), None, or, as transformers still does with a
+Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``): a bad value fails with a
+``ValueError`` naming the field and its allowed values before anything is allocated or accepted. Building a config has
+no side effect; what depends on the device or the model is resolved by ``engine_spec``.
+``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts rollout's config, a
+``transformers.ContinuousBatchingConfig`` (``from_transformers``), None, or, as transformers still does with a
 deprecation warning, a config carried inside the ``GenerationConfig``.
 """
 
@@ -29,29 +27,12 @@ SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
 PREEMPTION_MODES = ("recompute", "offload")
 
-# Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see
-# scripts/bench.py); on CUDA 256 matches transformers' continuous batching default.
+# Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see scripts/bench.py); on CUDA 256 matches
+# transformers' continuous batching default.
 DEFAULT_BLOCK_SIZE_CPU = 32
 DEFAULT_BLOCK_SIZE_CUDA = 256
 DEFAULT_MEMORY_PERCENT_CPU = 0.25
 DEFAULT_MEMORY_PERCENT_CUDA = 0.9
-# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile
-# with dynamic shapes, so an interval changes the work a step does, not what is compiled; with static
-# shapes (level 3, CUDA graphs) a smaller interval means more shapes to compile or capture.
-# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of
-# 60-150 keys, 1 thread, min over interleaved runs): padding the keys to 64 made the uncompiled padded
-# decode step of 32 requests 4-7% slower than the eager one, to 32 (one CPU page) 0-1%. A decode step
-# costs about 4 ms of CPU per row past 4 rows (1 row 43 ms, 4 rows 66, 8 rows 81, 16 rows 111, 32 rows
-# 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on average, not 7.5 as with 16.
-# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS:
-# 64). Its key preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers
-# every padded key of every decode row, so it takes 4 pages instead.
-DEFAULT_Q_PADDING_CUDA = 64
-DEFAULT_KV_PADDING_CUDA = 4 * 256
-DEFAULT_Q_PADDING_CPU = 4
-DEFAULT_KV_PADDING_CPU = 32
-# transformers' fallback width of the decode fast path's block table.
-DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 MAX_COMPILE_LEVEL = 3
 
 
@@ -59,140 +40,114 @@ MAX_COMPILE_LEVEL = 3
 class ContinuousBatchingConfig:
     """Configuration of the continuous-batching engine.
 
-    Field names follow ``transformers.ContinuousBatchingConfig`` where the two
-    overlap, so users of ``model.generate_batch`` find what they know.
+    Field names follow ``transformers.ContinuousBatchingConfig`` where the two overlap.
 
     Attributes:
-        page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA
-            and 32 on CPU (32 measured fastest on a 2-core CPU).
-        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from
-            ``max_memory_percent`` of the usable memory (``kv_cache.num_blocks_for_memory``).
-        max_batch_tokens: token budget of one engine step: query tokens (prefill
-            chunks plus one per decoding request) computed in one forward (>= 1).
-            ``None`` picks 2048 on CUDA and 512 on CPU.
-        max_memory_percent: fraction (0, 1] of the usable memory the engine may take when
-            ``num_blocks`` is ``None``: the KV cache plus one step's logits and sampling temporaries
-            (``max_batch_tokens`` x vocabulary x (the model dtype's bytes + 8 float32), see
-            ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available RAM on CPU; on
-            CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator
-            holds unused (``memory_reserved - memory_allocated``), so an engine built after another
-            one was destroyed gets the same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to
-            a trainer, use ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL
-            plugin do), since gradients and optimizer state are allocated only after the engine.
-        max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap
-            beyond the token budget.
-        allow_block_sharing: prefix caching; full prompt blocks are hashed and
-            shared between requests (the G samples of a GRPO prompt share them).
-        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep
-            only the KV blocks their next queries read, giving the others back to the pool
-            (``kv_cache_manager``). False keeps every position of every layer, as full attention
-            does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback, and the baseline the
-            saving is measured against.
-        scheduler_type: ``"fifo"`` (running requests first, then waiting ones in
-            arrival order) or ``"prefill_first"`` (waiting requests are admitted
-            before decodes get their tokens).
-        safety_margin: fraction [0, 1) of the cache's blocks kept free when
-            admitting a new request, so running requests can keep decoding without
-            preemption. ``None`` picks 0.15 for fifo and 0.0 for prefill_first.
+        page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA and 32 on CPU (measured fastest).
+        num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from ``max_memory_percent`` of the
+            usable memory (``kv_cache.num_blocks_for_memory``).
+        max_batch_tokens: token budget of one engine step: query tokens (prefill chunks plus one per decoding request)
+            computed in one forward (>= 1). ``None`` picks 2048 on CUDA and 512 on CPU.
+        max_memory_percent: fraction (0, 1] of the usable memory the engine may take when ``num_blocks`` is ``None``:
+            the KV cache plus one step's logits and sampling temporaries (``max_batch_tokens`` x vocabulary x (the model
+            dtype's bytes + 8 float32), see ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available
+            RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
+            unused (``memory_reserved - memory_allocated``), so an engine built after another one was destroyed gets the
+            same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use
+            ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL plugin do), since gradients
+            and optimizer state are allocated only after the engine.
+        max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap beyond the token budget.
+        allow_block_sharing: prefix caching; full prompt blocks are hashed and shared between requests (the G samples of
+            a GRPO prompt share them).
+        sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep only the KV blocks
+            their next queries read, giving the others back to the pool (``kv_cache_manager``). False keeps every
+            position of every layer, as full attention does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback,
+            and the baseline the saving is measured against.
+        scheduler_type: ``"fifo"`` (running requests first, then waiting ones in arrival order) or ``"prefill_first"``
+            (waiting requests are admitted before decodes get their tokens).
+        safety_margin: fraction [0, 1) of the cache's blocks kept free when admitting a new request, so running requests
+            can keep decoding without preemption. ``None`` picks 0.15 for fifo and 0.0 for prefill_first.
         return_logprobs: record one logprob per generated token.
-        logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO
-            trainer computes for the same token), ``"raw"`` (log_softmax(logits)) or
-            ``"sampled"`` (the distribution the token was drawn from). ``"temperature"`` and
-            ``"raw"`` read the model's logits before any logits processor (repetition penalty,
-            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a
-            plain forward of the same weights gives, and a banned token keeps a finite logprob.
-            ``"sampled"`` reads the processed distribution: the processors, then temperature,
-            top-k, top-p and min-p for sampled requests (a greedy request: log_softmax of its
-            processed logits, which is the raw logprob when it has no processor).
-        seed: seed of the engine's generator, used by sampled requests that carry
-            no seed of their own.
-        preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or
-            ``"offload"`` (copy the blocks to a CPU pool of ``cpu_offload_space`` GiB).
-            A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as in
-            transformers; ``"offload"`` with a space of 0 has no pool and recomputes.
+        logprobs_mode: ``"temperature"`` (log_softmax(logits / T), what a GRPO/PPO trainer computes for the same token),
+            ``"raw"`` (log_softmax(logits)) or ``"sampled"`` (the distribution the token was drawn from).
+            ``"temperature"`` and ``"raw"`` read the model's logits before any logits processor (repetition penalty,
+            no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a plain forward of the
+            same weights gives, and a banned token keeps a finite logprob. ``"sampled"`` reads the processed
+            distribution: the processors, then temperature, top-k, top-p and min-p for sampled requests (a greedy
+            request: log_softmax of its processed logits, which is the raw logprob when it has no processor).
+        seed: seed of the engine's generator, used by sampled requests that carry no seed of their own.
+        preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or ``"offload"`` (copy the blocks to a CPU
+            pool of ``cpu_offload_space`` GiB). A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as
+            in transformers; ``"offload"`` with a space of 0 has no pool and recomputes.
         cpu_offload_space: GiB of CPU memory for offloaded blocks (>= 0), capped at
-            ``cpu_offload_space_safety_threshold`` of the available RAM. None sizes the
-            pool to that cap.
-        cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM
-            (psutil's ``available``, when the engine is built) that the CPU pool may take.
+            ``cpu_offload_space_safety_threshold`` of the available RAM. None sizes the pool to that cap.
+        cpu_offload_space_safety_threshold: fraction [0, 1] of the available RAM (psutil's ``available``, when the
+            engine is built) that the CPU pool may take.
         max_queue_size: most waiting requests (>= 0; 0 means unbounded).
-        per_request_processors: as in transformers, whether a request may set its own
-            logits-processor values (do_sample, temperature, top_k, top_p, min_p,
-            repetition_penalty, no_repeat_ngram_size, min_new_tokens, min_length,
-            bad_words_ids) through ``add_request(s)``. False: every request uses the
-            generation config's, and ``add_request(s)`` refuses another value with a
-            ValueError naming the field (transformers fails such a request too).
-            max_new_tokens, eos ids, seeds and stop strings stay per request either way.
-            Default True, unlike transformers' False: RL rollouts vary them per request.
-        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits
-            processor rollout does not implement (typical_p, suppress_tokens, sequence_bias,
-            ...; see ``sampling_params.unsupported_processor_fields``): True drops it with one
-            warning per field, False refuses the config with a ValueError naming it.
-        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its
-            own (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with
-            ``mode="default", dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs",
-            dynamic=True`` and level 3 with ``mode="max-autotune-no-cudagraphs", dynamic=False``
-            (transformers' levels); at level 0 the generation config's ``compile_config`` is used when
-            the user set one (transformers' ``GenerationConfig`` defaults it to None: nothing is
-            compiled). What is compiled is the step's forward (the model through the paged cache and
-            the kept logits rows; sampling stays eager), one compiled function per path, shared by
-            every engine with the same config. A compiled path runs the static-shape step (see
-            ``q_padding_interval_size``); ``warmup()`` (``generate_batch(warmup=True)``, the manager's
-            ``warmup()``) compiles it before the first request, and ``EngineStats.num_compiles`` /
-            ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False`` every padded
-            shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8,
-            per path, and runs further shapes uncompiled): level 3 suits few shapes.
-        varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen
-            path: every step that is not decode-only (prefill chunks, mixed, scoring). None: see
-            ``default_compile_level``.
+        per_request_processors: as in transformers, whether a request may set its own logits-processor values
+            (do_sample, temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size, min_new_tokens,
+            min_length, bad_words_ids) through ``add_request(s)``. False: every request uses the generation config's,
+            and ``add_request(s)`` refuses another value with a ValueError naming the field (transformers fails such a
+            request too). max_new_tokens, eos ids, seeds and stop strings stay per request either way. Default True,
+            unlike transformers' False: RL rollouts vary them per request.
+        drop_unsupported_processors: a ``GenerationConfig`` field that asks for a logits processor rollout does not
+            implement (typical_p, suppress_tokens, sequence_bias, ...; see
+            ``sampling_params.unsupported_processor_fields``): True drops it with one warning per field, False refuses
+            the config with a ValueError naming it.
+        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its own
+            (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with ``mode="default",
+            dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
+            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels); at level 0 the generation
+            config's ``compile_config`` is used when the user set one (transformers' ``GenerationConfig`` defaults it to
+            None: nothing is compiled). What is compiled is the step's forward (the model through the paged cache and
+            the kept logits rows; sampling stays eager), one compiled function per path, shared by every engine with the
+            same config. A compiled path runs the static-shape step (see ``q_padding_interval_size``); ``warmup()``
+            (``generate_batch(warmup=True)``, the manager's ``warmup()``) compiles it before the first request, and
+            ``EngineStats.num_compiles`` / ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False``
+            every padded shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8, per
+            path, and runs further shapes uncompiled): level 3 suits few shapes.
+        varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen path: every
+            step that is not decode-only (prefill chunks, mixed, scoring). None: see ``default_compile_level``.
         decode_compile_config: the same for decode-only steps (one query token per request, sampled).
-        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it
-            (with static input buffers; an LRU of 64 graphs per engine): a bool for both paths, a
-            (varlen, decode) pair, or None, which is off on every device for now (the capture has not
-            run on a GPU yet; see ``resolved_cuda_graphs``). True on a device without CUDA is a
-            ValueError, raised before the engine allocates anything; so is a graphed path whose compile
-            mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
-        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits
-            rows and decode rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0
-            picks the device's preset: 64 on CUDA, as in transformers, 4 on CPU, measured). A padded row is
-            token 0 at position 0, writes a padding block no request owns and its output is dropped.
-        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole
-            blocks (>= 0; 0 picks 1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes
-            flash-attn's block-table reads, while the padded step gathers every padded key).
-        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path:
-            a step in which every request decodes one token goes through flash-attn's
-            ``flash_attn_with_kvcache`` when each request's keys fit in this many blocks, else through
-            the varlen kernel. 0 turns the fast path off; None sizes it for the longest request the
-            cache can hold (see ``resolved_max_blocks_per_request``). Used only where the engine runs
-            flash-attn (CUDA); no effect on CPU.
-        use_async_batching: schedule and prepare step k+1 (its batch, block tables, slot mapping,
-            sampling rows, staged input tensors; on a compiled or CUDA-graphed path its padded inputs)
-            while step k's forward and sampling run: on CPU a worker thread runs the steps; on CUDA the
-            inputs are copied on a side stream into two staging buffer sets used in turn, ordered by
-            events. Step k+1 is scheduled before step k's tokens are known (placeholders, filled on the
-            device before its forward: ``async_scheduler.AsyncScheduler``); a row of a request that step k
-            ended (a stop token or string) is computed and dropped. Greedy tokens, logprobs, seeded samples
-            and weight versions are what the synchronous loop gives; a row's bits may differ where the
-            batches differ. ``EngineStats.num_async_steps`` counts the steps launched behind another. None
-            picks per device (see ``resolved_async_batching``). Not supported under tensor parallelism:
-            True raises a ValueError there before the engine allocates anything, None is off.
-        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for
-            graph-captured collectives running beside other collectives (transformers' meaning): rollout
-            never replays two such graphs at once, and NCCL is faster without it. NCCL reads the
-            ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a communicator starts: a tensor-parallel engine on
-            CUDA sets it to ``"0"`` unless it is already set (``distributed.disable_nccl_graph_mixing``),
-            which covers the communicators started after it; export ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the
-            launch environment to cover those the model's loading started. Building a config changes no
-            environment variable. No effect on CPU.
-        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks
-            of a tensor-parallel engine share its decisions over may wait for the other ranks before
-            it raises (transformers' meaning; gloo's own default is 30 minutes). None: no timeout. A
-            manager's ranks exchange a message at least every 50 ms while idle or paused, so only a
-            stuck or dead rank runs into it.
+        use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it (with static input
+            buffers; an LRU of 64 graphs per engine): a bool for both paths, a (varlen, decode) pair, or None, which is
+            off on every device for now (the capture has not run on a GPU yet; see ``engine_spec.resolve_cuda_graphs``).
+            True on a device without CUDA is a ValueError, raised before the engine allocates anything; so is a graphed
+            path whose compile mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
+        q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits rows and decode
+            rows to a multiple of this many (capped at ``max_batch_tokens``; >= 0, 0 picks the device's preset: 64 on
+            CUDA, as in transformers, 4 on CPU, measured). A padded row is token 0 at position 0, writes a padding block
+            no request owns and its output is dropped.
+        kv_padding_interval_size: the same for the keys each request reads, then rounded to whole blocks (>= 0; 0 picks
+            1024 on CUDA and 32 on CPU, measured; transformers' 16384 sizes flash-attn's block-table reads, while the
+            padded step gathers every padded key).
+        max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path: a step in which
+            every request decodes one token goes through flash-attn's ``flash_attn_with_kvcache`` when each request's
+            keys fit in this many blocks, else through the varlen kernel. 0 turns the fast path off; None sizes it for
+            the longest request the cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where
+            the engine runs flash-attn (CUDA); no effect on CPU.
+        use_async_batching: schedule and prepare step k+1 (its batch and staged inputs, padded ones on a compiled or
+            CUDA-graphed path) while step k's forward and sampling run (``batch_queue``; on CPU in a worker thread, on
+            CUDA through a side stream and two staging buffer sets). Step k+1 is scheduled before step k's tokens are
+            known (placeholders filled on the device: ``async_scheduler``); a row of a request that step k ended is
+            computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the synchronous
+            loop gives; a row's bits may differ where the batches differ. None picks per device
+            (``engine_spec.resolve_async_batching``). Under tensor parallelism True raises a ValueError before the
+            engine allocates anything, None is off.
+        disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for graph-captured
+            collectives running beside other collectives (transformers' meaning): rollout never replays two such graphs
+            at once, and NCCL is faster without it. NCCL reads the ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a
+            communicator starts: a tensor-parallel engine on CUDA sets it to ``"0"`` unless it is already set
+            (``distributed.disable_nccl_graph_mixing``), which covers the communicators started after it; export
+            ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the launch environment to cover those the model's loading started.
+            Building a config changes no environment variable. No effect on CPU.
+        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks of a
+            tensor-parallel engine share its decisions over may wait for the other ranks before it raises (transformers'
+            meaning; gloo's own default is 30 minutes). None: no timeout. A manager's ranks exchange a message at least
+            every 50 ms while idle or paused, so only a stuck or dead rank runs into it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
-        block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17);
-            it sets ``page_size`` with a ``FutureWarning``. Both set to different values
-            is a ``ValueError``.
+        block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17); it sets ``page_size`` with a
+            ``FutureWarning``. Both set to different values is a ``ValueError``.
     """
 
     page_size: int | None = None
@@ -299,135 +254,17 @@ class ContinuousBatchingConfig:
             return self.page_size
         return DEFAULT_BLOCK_SIZE_CUDA if device_type == "cuda" else DEFAULT_BLOCK_SIZE_CPU
 
-    def resolved_block_size(self, device_type: str) -> int:
-        """Same as ``resolved_page_size`` (the engine calls a page a block, as vLLM does)."""
-        return self.resolved_page_size(device_type)
-
     def resolved_max_batch_tokens(self, device_type: str) -> int:
         """Token budget of one step for a device type."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return 2048 if device_type == "cuda" else 512
 
-    def resolved_max_blocks_per_request(self, num_blocks: int, block_size: int, context_length: int | None) -> int:
-        """Width in blocks of the decode fast path's block table; 0 when the fast path is off.
-
-        Args:
-            num_blocks: blocks in the engine's cache.
-            block_size: tokens per block.
-            context_length: the model's ``max_position_embeddings``, or None when it has none.
-
-        Returns:
-            The explicit ``max_blocks_per_request``; when it is None, the blocks of the longest request
-            the cache can hold (all ``num_blocks``, or fewer when the model's context needs fewer), at
-            least 32 (transformers' fallback width). A request past the model's context (allowed, with
-            a warning) may then be wider than the table: its steps take the varlen kernel.
-        """
-        if self.max_blocks_per_request is not None:
-            return self.max_blocks_per_request
-        longest = num_blocks
-        if context_length is not None:
-            longest = min(longest, -(-context_length // block_size))
-        return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
-
     def resolved_memory_percent(self, device_type: str) -> float:
         """Fraction of the usable memory the engine (KV cache and step workspace) may take on a device type."""
         if self.max_memory_percent is not None:
             return float(self.max_memory_percent)
         return DEFAULT_MEMORY_PERCENT_CUDA if device_type == "cuda" else DEFAULT_MEMORY_PERCENT_CPU
-
-    def resolved_compile_configs(
-        self, fallback: CompileConfig | None = None
-    ) -> tuple[CompileConfig | None, CompileConfig | None]:
-        """The (varlen, decode) compile configs: each path's own, else the level's, else ``fallback``.
-
-        Args:
-            fallback: the generation config's ``compile_config``, used by a path that has no config
-                of its own when ``default_compile_level`` is 0 (transformers' order of precedence).
-
-        Returns:
-            Two ``CompileConfig`` or None (None: that path runs eagerly).
-        """
-        level = self.default_compile_level
-        default = None
-        if level > 0:
-            mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
-            default = CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
-        chosen = default if default is not None else fallback
-        varlen = self.varlen_compile_config if self.varlen_compile_config is not None else chosen
-        decode = self.decode_compile_config if self.decode_compile_config is not None else chosen
-        return varlen, decode  # type: ignore[return-value]
-
-    def resolved_cuda_graphs(self, device_type: str) -> tuple[bool, bool]:
-        """(varlen, decode): whether each path replays CUDA graphs on a device type.
-
-        None picks (False, False) on every device: off CUDA there is nothing to capture, and on CUDA
-        the capture path has not yet run on a GPU (transformers turns graphs on when its attention
-        needs no mask), so it is used only when asked for. The engine calls this first, before it
-        allocates anything.
-
-        Raises:
-            ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
-        """
-        graphs = self.use_cuda_graph
-        if graphs is None:
-            return (False, False)
-        pair = (graphs, graphs) if isinstance(graphs, bool) else (bool(graphs[0]), bool(graphs[1]))
-        if any(pair) and device_type != "cuda":
-            raise ValueError(
-                f"use_cuda_graph={graphs!r} needs a CUDA device, but the model runs on {device_type!r}; "
-                "set use_cuda_graph to None or False"
-            )
-        return pair
-
-    def resolved_padding_intervals(self, device_type: str) -> tuple[int, int]:
-        """(query, kv) padding intervals in tokens of the static-shape path on a device type (the
-        field, else the device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
-        cuda = device_type == "cuda"
-        q = self.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
-        kv = self.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
-        return q, kv
-
-    def resolved_async_batching(self, device_type: str, tensor_parallel: bool = False) -> bool:
-        """Whether the engine prepares step k+1 while step k runs on a device type.
-
-        The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M
-        decode step (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows
-        every kernel a little (measured 0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async
-        batching"); on CUDA, on when CUDA graphs are asked for (``use_cuda_graph`` true for a path), as
-        transformers decides (``decide_use_async_batching``): with graphs the forward no longer hides the host's
-        work behind its own launch time. Off under tensor parallelism: the ranks share the driver's sampled
-        tokens after each step (``distributed.TensorParallel.share_output``), while a step scheduled ahead reads
-        its rank's own tokens on the device before that.
-
-        Args:
-            device_type: the model's device type ("cpu", "cuda", ...).
-            tensor_parallel: the model is sharded by a ``tp_plan`` (the engine runs in lockstep with other
-                ranks).
-
-        Raises:
-            ValueError: ``use_async_batching=True`` under tensor parallelism.
-        """
-        if tensor_parallel:
-            if self.use_async_batching:
-                raise ValueError(
-                    "use_async_batching=True is not supported under tensor parallelism (a step scheduled ahead "
-                    "would read each rank's own sampled tokens, not the driver's); set use_async_batching to "
-                    "None or False"
-                )
-            return False
-        if self.use_async_batching is not None:
-            return bool(self.use_async_batching)
-        if device_type != "cuda":
-            return False
-        graphs = self.use_cuda_graph
-        return bool(graphs) if isinstance(graphs, bool) else graphs is not None and any(graphs)
-
-    def resolved_safety_margin(self) -> float:
-        """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""
-        if self.safety_margin is not None:
-            return float(self.safety_margin)
-        return 0.15 if self.scheduler_type == "fifo" else 0.0
 
     def resolved_cpu_offload_gib(self, available_bytes: int) -> float:
         """GiB of the CPU offload pool: ``cpu_offload_space`` capped at the safety threshold.
@@ -454,12 +291,11 @@ class ContinuousBatchingConfig:
     def from_transformers(cls, config: TransformersContinuousBatchingConfig) -> ContinuousBatchingConfig:
         """Convert a ``transformers.ContinuousBatchingConfig``, field by field.
 
-        A field rollout has under the same name is copied when it differs from transformers'
-        default; a field left at transformers' default keeps rollout's default, which may depend
-        on the device (``page_size`` 256 is transformers' default, so it reads as unset: 32 on
-        CPU, 256 on CUDA). Fields rollout does not have (flash auto-switch, deprecated fields...) are
-        dropped; the ones set away from their default are named in one warning. ``block_size`` was
-        folded into ``page_size`` by transformers itself.
+        A field rollout has under the same name is copied when it differs from transformers' default; a field left at
+        transformers' default keeps rollout's default, which may depend on the device (``page_size`` 256 is
+        transformers' default, so it reads as unset: 32 on CPU, 256 on CUDA). Fields rollout does not have (flash
+        auto-switch, deprecated fields...) are dropped; the ones set away from their default are named in one warning.
+        ``block_size`` was folded into ``page_size`` by transformers itself.
 
         Raises:
             ValueError: a copied value rollout does not accept (the message names the field).
@@ -505,11 +341,10 @@ def resolve_continuous_batching_config(
     """The engine configuration an entry point runs with.
 
     Args:
-        continuous_batching_config: rollout's config, a ``transformers.ContinuousBatchingConfig``
-            (converted with ``ContinuousBatchingConfig.from_transformers``), or None.
-        generation_config: the call's (resolved) ``GenerationConfig``. When no
-            ``continuous_batching_config`` is given and it carries one in its own
-            ``continuous_batching_config`` attribute, that one is used, with the
+        continuous_batching_config: rollout's config, a ``transformers.ContinuousBatchingConfig`` (converted with
+            ``ContinuousBatchingConfig.from_transformers``), or None.
+        generation_config: the call's (resolved) ``GenerationConfig``. When no ``continuous_batching_config`` is given
+            and it carries one in its own ``continuous_batching_config`` attribute, that one is used, with the
             ``FutureWarning`` transformers gives for this deprecated form.
 
     Returns:
@@ -545,8 +380,8 @@ def workload_tokens_hint(workload_hints: Any) -> list[int] | None:
     """The per-request token counts that ``workload_hints`` describe, for sizing the KV cache.
 
     Args:
-        workload_hints: transformers' ``WorkloadHints`` (or any object, or mapping, with
-            ``max_prompt_length``, ``max_generated_length`` and ``num_requests``: ints >= 0), or None.
+        workload_hints: transformers' ``WorkloadHints`` (or any object, or mapping, with ``max_prompt_length``,
+            ``max_generated_length`` and ``num_requests``: ints >= 0), or None.
 
     Returns:
         ``num_requests`` entries of ``max_prompt_length + max_generated_length`` tokens; None when

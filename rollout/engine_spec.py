@@ -1,10 +1,11 @@
 """What an engine is, resolved once from config x model x device: ``EngineSpec``.
 
-Every setting that depends on the device or the model (the page size and token budget per device type, the
-compiled and CUDA-graphed paths, async batching, the KV layer groups, the cache's size, flash-attn or SDPA,
-the decode fast path's width, the static step's padding) is decided here, in one place, before anything is
-allocated; the engine builds its parts from the spec and reads no ``resolved_*`` method itself. Tensor
-parallelism joins here too (``distributed.TensorParallel``): the ranks agree on the cache's size.
+Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching, the KV layer
+groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's padding) is decided here
+(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; the engine builds
+its parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this module (page
+size, token budget, memory share, offload GiB). Tensor parallelism joins here too (``distributed.TensorParallel``): the
+ranks agree on the cache's size.
 """
 
 from __future__ import annotations
@@ -22,9 +23,131 @@ from .distributed import TensorParallel, tensor_parallel_mesh
 from .flash import choose_flash
 from .kv_cache import CacheLayout, CacheShape
 from .models import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
+from .sampling_params import SamplingParams
 from .static_step import PaddingRule
 
 __all__ = ["EngineSpec"]
+
+# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile with dynamic
+# shapes, so an interval changes the work a step does, not what is compiled; with static shapes (level 3, CUDA graphs) a
+# smaller interval means more shapes to compile or capture.
+# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of 60-150 keys, 1 thread,
+# min over interleaved runs): padding the keys to 64 made the uncompiled padded decode step of 32 requests 4-7% slower
+# than the eager one, to 32 (one CPU page) 0-1%. A decode step costs about 4 ms of CPU per row past 4 rows (1 row 43 ms,
+# 4 rows 66, 8 rows 81, 16 rows 111, 32 rows 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on
+# average, not 7.5 as with 16.
+# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: 64). Its key
+# preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers every padded key of every
+# decode row, so it takes 4 pages instead.
+DEFAULT_Q_PADDING_CUDA = 64
+DEFAULT_KV_PADDING_CUDA = 4 * 256
+DEFAULT_Q_PADDING_CPU = 4
+DEFAULT_KV_PADDING_CPU = 32
+# transformers' fallback width of the decode fast path's block table.
+DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
+
+
+def resolve_compile_configs(
+    config: ContinuousBatchingConfig, fallback: CompileConfig | None = None
+) -> tuple[CompileConfig | None, CompileConfig | None]:
+    """The (varlen, decode) compile configs, each a ``CompileConfig`` or None (eager): the path's own, else
+    ``default_compile_level``'s, else ``fallback``, the generation config's ``compile_config`` (transformers' order of
+    precedence)."""
+    level = config.default_compile_level
+    default = None
+    if level > 0:
+        mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
+        default = CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
+    chosen = default if default is not None else fallback
+    varlen = config.varlen_compile_config if config.varlen_compile_config is not None else chosen
+    decode = config.decode_compile_config if config.decode_compile_config is not None else chosen
+    return varlen, decode  # type: ignore[return-value]
+
+
+def resolve_cuda_graphs(config: ContinuousBatchingConfig, device_type: str) -> tuple[bool, bool]:
+    """(varlen, decode): whether each path replays CUDA graphs on a device type.
+
+    ``use_cuda_graph=None`` picks (False, False) on every device: on CUDA too, since the capture path has not yet run on
+    a GPU (transformers turns graphs on when its attention needs no mask).
+
+    Raises:
+        ValueError: ``use_cuda_graph`` asks for a graph on a device that is not CUDA.
+    """
+    graphs = config.use_cuda_graph
+    if graphs is None:
+        return (False, False)
+    pair = (graphs, graphs) if isinstance(graphs, bool) else (bool(graphs[0]), bool(graphs[1]))
+    if any(pair) and device_type != "cuda":
+        raise ValueError(
+            f"use_cuda_graph={graphs!r} needs a CUDA device, but the model runs on {device_type!r}; "
+            "set use_cuda_graph to None or False"
+        )
+    return pair
+
+
+def resolve_padding_intervals(config: ContinuousBatchingConfig, device_type: str) -> tuple[int, int]:
+    """(query, kv) padding intervals in tokens of the static-shape path on a device type (the config's field, else the
+    device's preset: ``DEFAULT_Q_PADDING_*`` / ``DEFAULT_KV_PADDING_*``)."""
+    cuda = device_type == "cuda"
+    q = config.q_padding_interval_size or (DEFAULT_Q_PADDING_CUDA if cuda else DEFAULT_Q_PADDING_CPU)
+    kv = config.kv_padding_interval_size or (DEFAULT_KV_PADDING_CUDA if cuda else DEFAULT_KV_PADDING_CPU)
+    return q, kv
+
+
+def resolve_async_batching(config: ContinuousBatchingConfig, device_type: str, tensor_parallel: bool = False) -> bool:
+    """Whether the engine prepares step k+1 while step k runs on a device type.
+
+    The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M decode step
+    (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows every kernel a little (measured
+    0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async batching"); on CUDA, on when CUDA graphs are
+    asked for (``use_cuda_graph`` true for a path), as transformers decides (``decide_use_async_batching``): with graphs
+    the forward no longer hides the host's work behind its own launch time. Off under tensor parallelism: the ranks
+    share the driver's sampled tokens after each step (``distributed.TensorParallel.share_output``), while a step
+    scheduled ahead reads its rank's own tokens on the device before that.
+
+    Args:
+        config: the engine's configuration.
+        device_type: the model's device type ("cpu", "cuda", ...).
+        tensor_parallel: the model is sharded by a ``tp_plan`` (the engine runs in lockstep with other ranks).
+
+    Raises:
+        ValueError: ``use_async_batching=True`` under tensor parallelism.
+    """
+    if tensor_parallel:
+        if config.use_async_batching:
+            raise ValueError(
+                "use_async_batching=True is not supported under tensor parallelism (a step scheduled ahead "
+                "would read each rank's own sampled tokens, not the driver's); set use_async_batching to "
+                "None or False"
+            )
+        return False
+    if config.use_async_batching is not None:
+        return bool(config.use_async_batching)
+    if device_type != "cuda":
+        return False
+    graphs = config.use_cuda_graph
+    return bool(graphs) if isinstance(graphs, bool) else graphs is not None and any(graphs)
+
+
+def resolve_safety_margin(config: ContinuousBatchingConfig) -> float:
+    """Safety margin: the explicit value, else 0.15 for fifo and 0.0 for prefill_first."""
+    if config.safety_margin is not None:
+        return float(config.safety_margin)
+    return 0.15 if config.scheduler_type == "fifo" else 0.0
+
+
+def resolve_max_blocks_per_request(
+    config: ContinuousBatchingConfig, num_blocks: int, block_size: int, context_length: int | None
+) -> int:
+    """Width in blocks of the decode fast path's block table (0: off): the explicit ``max_blocks_per_request``, else the
+    blocks of the longest request a cache of ``num_blocks`` blocks of ``block_size`` tokens can hold (fewer when the
+    model's ``context_length`` needs fewer), at least 32 (transformers' fallback width)."""
+    if config.max_blocks_per_request is not None:
+        return config.max_blocks_per_request
+    longest = num_blocks
+    if context_length is not None:
+        longest = min(longest, -(-context_length // block_size))
+    return max(DEFAULT_MAX_BLOCKS_PER_REQUEST, longest)
 
 
 def _check_static_paths(
@@ -35,10 +158,9 @@ def _check_static_paths(
     """Refuse static-shape settings the engine cannot run, before anything is allocated.
 
     Raises:
-        ValueError: a compiled or graphed path on a model whose layers span several devices (the
-            padded step builds its metadata on one device), or a CUDA-graphed path whose compile mode
-            captures CUDA graphs itself (inductor's ``triton.cudagraphs``: "reduce-overhead",
-            "max-autotune"), which would capture inside our capture.
+        ValueError: a compiled or graphed path on a model whose layers span several devices (the padded step builds its
+            metadata on one device), or a CUDA-graphed path whose compile mode captures CUDA graphs itself (inductor's
+            ``triton.cudagraphs``: "reduce-overhead", "max-autotune"), which would capture inside our capture.
     """
     static = any(cuda_graphs) or any(c is not None for c in compile_configs)
     if static and len(set(devices)) > 1:
@@ -74,14 +196,14 @@ class EngineSpec:
         safety_margin: the share of blocks kept free when admitting while requests run.
         shape: what each layer keeps per token, in the dtype attention computes in.
         layout: the cache's layer groups.
-        num_blocks: block ids of the pool (the block manager's; a static path's cache has one more, the
-            padding block).
+        num_blocks: block ids of the pool (the block manager's; a static path's cache has one more, the padding block).
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
         use_flash: the steps run flash-attn's paged kernels (CUDA), else SDPA.
         max_blocks_per_request: the CUDA decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
+        return_logprobs: the engine records a logprob per generated token (the config's).
         tp: the tensor-parallel group of a ``tp_plan``-sharded model, else None.
     """
 
@@ -102,6 +224,7 @@ class EngineSpec:
     use_flash: bool
     max_blocks_per_request: int
     padding: PaddingRule | None
+    return_logprobs: bool = False
     tp: TensorParallel | None = field(default=None, compare=False)
 
     @property
@@ -126,18 +249,18 @@ class EngineSpec:
             fallback_compile_config: see ``Engine``.
 
         Raises:
-            ValueError: ``use_async_batching=True`` under tensor parallelism (before any collective), KV
-                heads not divisible by the TP size, CUDA graphs off CUDA, or a static path the engine
-                cannot run (``_check_static_paths``); all before anything is allocated.
+            ValueError: ``use_async_batching=True`` under tensor parallelism (before any collective), KV heads not
+                divisible by the TP size, CUDA graphs off CUDA, or a static path the engine cannot run
+                (``_check_static_paths``); all before anything is allocated.
         """
         device = input_device(model)
         dev = device.type
         # Before any collective: async batching asked for under tensor parallelism raises on every rank.
-        async_batching = config.resolved_async_batching(dev, tensor_parallel_mesh(model) is not None)
+        async_batching = resolve_async_batching(config, dev, tensor_parallel_mesh(model) is not None)
         # Before any sizing: the cache holds this rank's KV heads, which must split evenly.
         tp = TensorParallel.from_model(model, config)
-        cuda_graphs = config.resolved_cuda_graphs(dev)
-        compile_configs = config.resolved_compile_configs(fallback_compile_config)
+        cuda_graphs = resolve_cuda_graphs(config, dev)
+        compile_configs = resolve_compile_configs(config, fallback_compile_config)
         devices = layer_devices(model)
         _check_static_paths(compile_configs, cuda_graphs, devices)
         block_size = config.resolved_page_size(dev)
@@ -164,7 +287,7 @@ class EngineSpec:
         use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else max(head_dims), block_size)
         padding = None
         if any(cuda_graphs) or any(c is not None for c in compile_configs):
-            q_interval, kv_interval = config.resolved_padding_intervals(dev)
+            q_interval, kv_interval = resolve_padding_intervals(config, dev)
             # The padding block is the cache's last, past the block manager's blocks.
             padding = PaddingRule(
                 q_interval, kv_interval, max_batch_tokens, num_blocks * block_size, block_size, pad_block=num_blocks
@@ -177,7 +300,7 @@ class EngineSpec:
             cuda_graphs=cuda_graphs,
             block_size=block_size,
             max_batch_tokens=max_batch_tokens,
-            safety_margin=config.resolved_safety_margin(),
+            safety_margin=resolve_safety_margin(config),
             shape=shape,
             layout=layout,
             num_blocks=num_blocks,
@@ -185,7 +308,55 @@ class EngineSpec:
             context_length=context_length,
             vocab_size=vocab_size(model),
             use_flash=use_flash,
-            max_blocks_per_request=config.resolved_max_blocks_per_request(num_blocks, block_size, context_length),
+            max_blocks_per_request=resolve_max_blocks_per_request(config, num_blocks, block_size, context_length),
             padding=padding,
+            return_logprobs=config.return_logprobs,
             tp=tp,
         )
+
+    def check_request(
+        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
+    ) -> None:
+        """Raise ValueError if an engine of this spec can never run a request.
+
+        The prompt and parameters are trusted (they were checked at the public boundary); this adds what only the engine
+        knows: whether the prompt plus ``max_new_tokens`` fits the model's context (``max_position_embeddings``) and the
+        cache. Past the context a RoPE model runs on with degraded output for as long as it is asked (``model.generate``
+        only warns); rollout refuses, as vLLM refuses a request past ``max_model_len``.
+
+        Args:
+            request_id: named in the message.
+            num_prompt_tokens: the prompt's length.
+            params: the request's sampling parameters (``max_new_tokens`` counts).
+            scoring: a scoring request (it generates nothing: the prompt alone must fit the context).
+
+        Raises:
+            ValueError: the prompt plus ``max_new_tokens`` is past the model's context (the message names
+                ``max_new_tokens``, the prompt's length and the context), the request needs more blocks than the cache
+                has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records no logprobs.
+        """
+        if params.num_top_logprobs > 0 and not self.return_logprobs:
+            raise ValueError(
+                f"num_top_logprobs: request {request_id!r} asks for {params.num_top_logprobs} top logprobs per "
+                "token, but the engine records no logprobs; pass ContinuousBatchingConfig(return_logprobs=True)"
+            )
+        total = num_prompt_tokens + params.max_new_tokens
+        context = self.context_length
+        if context is not None and (num_prompt_tokens if scoring else total) > context:
+            if scoring or num_prompt_tokens >= context:
+                fix = f"shorten the prompt to at most {context - (0 if scoring else 1)} tokens"
+            else:
+                fix = f"lower max_new_tokens to at most {context - num_prompt_tokens} or shorten the prompt"
+            what = "" if scoring else f"max_new_tokens: request {request_id!r}: "
+            raise ValueError(
+                f"{what}prompt ({num_prompt_tokens} tokens)"
+                + ("" if scoring else f" plus max_new_tokens ({params.max_new_tokens})")
+                + f" is past the model's context of {context} tokens (max_position_embeddings); {fix}"
+            )
+        needed = self.layout.max_blocks_needed(total, self.max_batch_tokens, self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache "
+                f"has {self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
+            )

@@ -1,17 +1,16 @@
 """The manager's intake: checking requests in the caller's thread, the inbox of checked requests and cancels.
 
-A request is checked once, in the caller's thread and outside the manager's lock, before it is
-queued: ``request_params`` builds its sampling parameters, ``checked_request`` and ``checked_batch``
-its prompt and whether it can ever fit the engine's cache; ``derive_seeds`` spreads one seed over a
-batch. Nothing is queued when a check fails.
+A request is checked once, in the caller's thread and outside the manager's lock, before it is queued:
+``request_params`` builds its sampling parameters, ``checked_request`` and ``checked_batch`` its prompt and whether it
+can ever fit the engine's cache; ``derive_seeds`` spreads one seed over a batch. Nothing is queued when a check fails.
 
-Callers' threads put requests (already checked, as ``Request`` objects) and cancels into the inbox;
-the manager's loop drains it between engine steps (vLLM's engine-core input queue), so no caller
-touches the engine. ``max_queue_size`` bounds the requests not yet admitted (in the inbox or in the
-scheduler's waiting queue): ``put`` refuses a batch that does not fit, or waits for room.
+Callers' threads put requests (already checked, as ``Request`` objects) and cancels into the inbox; the manager's loop
+drains it between engine steps (vLLM's engine-core input queue), so no caller touches the engine. ``max_queue_size``
+bounds the requests not yet admitted (in the inbox or in the scheduler's waiting queue): ``put`` refuses a batch that
+does not fit, or waits for room.
 
-The inbox shares the manager's condition variable: every method expects to be called with it held
-(or takes it), and waiting callers are woken by the manager's ``notify_all``.
+The inbox shares the manager's condition variable: every method expects to be called with it held (or takes it), and
+waiting callers are woken by the manager's ``notify_all``.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from .outputs import OutputRouter, ended_output
 from .requests import Request, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params, check_processors_unchanged
 
-# A checked request on its way to the inbox: (request id, or None for ``req_<n>``; prompt token ids;
-# sampling parameters).
+# A checked request on its way to the inbox: (request id, or None for ``req_<n>``; prompt token ids; sampling
+# parameters).
 Item = tuple[str | None, list[int], SamplingParams]
 
 
@@ -71,8 +70,8 @@ def request_params(
         vocab_size: end-of-sequence and bad-word ids must lie in ``[0, vocab_size)``.
         per_request_processors: False refuses logits-processor values other than the defaults'
             (``ContinuousBatchingConfig.per_request_processors``).
-        overrides: ``build_sampling_params``'s keyword overrides (max_new_tokens, do_sample,
-            temperature, top_k, top_p, seed, eos_token_id); None keeps a value.
+        overrides: ``build_sampling_params``'s keyword overrides (max_new_tokens, do_sample, temperature, top_k, top_p,
+            seed, eos_token_id); None keeps a value.
 
     Raises:
         ValueError: a bad sampling value, or a logits-processor value other than the defaults' under
@@ -220,17 +219,17 @@ class Inbox:
             block: wait for queue room (request by request) instead of refusing the batch.
             timeout: most seconds to wait with ``block``; None waits for ever.
             still_open: False once the manager stopped; a waiting caller then gives up.
-            refuse_wait: when set, a batch that would have to wait for room without a timeout
-                raises ``RuntimeError(refuse_wait)`` instead, before anything is queued (the
-                caller holds a pause, so no room can come).
+            refuse_wait: when set, a batch that would have to wait for room without a timeout raises
+                ``RuntimeError(refuse_wait)`` instead, before anything is queued (the caller holds a pause, so no room
+                can come).
 
         Returns:
             The request ids, in order.
 
         Raises:
             ValueError: a chosen id is already in use (nothing is queued).
-            QueueFullError: without ``block``, the batch does not fit (nothing is queued); with
-                it, no room came within ``timeout``.
+            QueueFullError: without ``block``, the batch does not fit (nothing is queued); with it, no room came within
+                ``timeout``.
             RuntimeError: the manager stopped while the caller waited for room, or ``refuse_wait``.
         """
         with self._cond:
@@ -304,8 +303,8 @@ class Inbox:
     def apply(self, engine: Engine, items: Sequence[InboxItem]) -> None:
         """Hand ``take``'s items to the engine in order: enqueue requests, end cancelled ones, recompute.
 
-        A tensor-parallel rank other than the driver applies the driver's items: it has no handle for
-        them, so the outputs of failed or cancelled requests go nowhere there.
+        A tensor-parallel rank other than the driver applies the driver's items: it has no handle for them, so the
+        outputs of failed or cancelled requests go nowhere there.
         """
         with self._cond:
             for item in items:

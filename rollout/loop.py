@@ -1,16 +1,15 @@
 """The manager's generation loop: what its background thread runs for the life of one engine.
 
-Between two engine steps, with the manager's lock held, the loop hands the inbox's requests and
-cancels to the engine (``intake.Inbox.drain``), waits while anyone holds the pause
-(``pausing.PauseGate``), and reads the stop flags (``lifecycle.Lifecycle``): a hard stop fails every
-request at once; a stop ends the loop once the engine is idle. Each step runs outside the lock, marked
-in the pause gate so that a new pause waits for it, and its updated requests go to their result
-handles (``outputs.OutputRouter.publish``). With async batching a step stays in flight between two
-calls of ``Engine.step``: the step stays marked while one is, and a pause or a hard stop first has the
-engine finish it (``Engine.drain``), so that nothing runs on the model while a pause is held.
-Weights changed by the pause holders without ``update_weights`` are noticed when the pause ends
-(``weights.WeightWatch``). Whatever the loop raises fails the manager and every request, so that no
-reader waits for ever; its end closes the engine unless it is kept for the next session.
+Between two engine steps, with the manager's lock held, the loop hands the inbox's requests and cancels to the engine
+(``intake.Inbox.drain``), waits while anyone holds the pause (``pausing.PauseGate``), and reads the stop flags
+(``lifecycle.Lifecycle``): a hard stop fails every request at once; a stop ends the loop once the engine is idle. Each
+step runs outside the lock, marked in the pause gate so that a new pause waits for it, and its updated requests go to
+their result handles (``outputs.OutputRouter.publish``). With async batching a step stays in flight between two calls of
+``Engine.step``: the step stays marked while one is, and a pause or a hard stop first has the engine finish it
+(``Engine.drain``), so that nothing runs on the model while a pause is held. Weights changed by the pause holders
+without ``update_weights`` are noticed when the pause ends (``weights.WeightWatch``). Whatever the loop raises fails the
+manager and every request, so that no reader waits for ever; its end closes the engine unless it is kept for the next
+session.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ class GenerationLoop:
     def run(self, engine: Engine) -> None:
         """Step ``engine`` until a stop ends the loop or a step raises; never raises itself.
 
-        On return the lifecycle has recorded the end (STOPPED, or FAILED with the error) and, when a
-        stop was asked without ``keep``, the engine is closed.
+        On return the lifecycle has recorded the end (STOPPED, or FAILED with the error) and, when a stop was asked
+        without ``keep``, the engine is closed.
         """
         try:
             # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
@@ -112,8 +111,8 @@ class GenerationLoop:
             self._step(engine, engine.drain if drain else engine.step)
 
     def _step(self, engine: Engine, step: Callable[[], list[Request]]) -> None:
-        """Run ``step`` outside the lock, then lift the gate's step mark (unless a step stays in flight)
-        and publish the updated requests."""
+        """Run ``step`` outside the lock, then lift the gate's step mark (unless a step stays in flight) and publish the
+        updated requests."""
         try:
             updated = step()
         finally:

@@ -1,34 +1,31 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
-Threads that add, cancel or read requests (the methods of ``manager_requests.py``) never touch the
-engine: they put commands in an inbox (``intake.py``) that the loop (``loop.py``'s ``GenerationLoop``,
-run in the manager's thread) drains between steps, and read results from the per-request handles of an
-``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the pause
-(``pausing.py``: holders, the in-step flag) and the lifecycle (``lifecycle.py``: state, stop flags, the
-loop's thread). A request is checked once, in the caller's thread and outside the lock, before it is
-queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to the engine.
+Threads that add, cancel or read requests (the methods of ``manager_requests.py``) never touch the engine: they put
+commands in an inbox (``intake.py``) that the loop (``loop.py``'s ``GenerationLoop``, run in the manager's thread)
+drains between steps, and read results from the per-request handles of an ``OutputRouter`` (``outputs.py``). One
+condition variable guards the inbox, the handles, the pause (``pausing.py``: holders, the in-step flag) and the
+lifecycle (``lifecycle.py``: state, stop flags, the loop's thread). A request is checked once, in the caller's thread
+and outside the lock, before it is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to
+the engine.
 
-``pause()`` is the trainer's window on the model: the loop finishes its current step and waits;
-the caller may run an optimizer step, ``load_state_dict`` or a training forward/backward on the
-same model object; on exit the loop resumes with the KV cache and every in-flight request kept.
-``update_weights`` copies new tensors in place under a pause (``weights.py``) and bumps the weight
-version, which each generated token records; prefix-cache blocks computed under an older version
-are never reused by requests admitted later. By default in-flight requests keep their KV
-(PipelineRL's in-flight weight update); ``recompute=True`` re-prefills them under the new weights
-(AReaL's). Weights changed without ``update_weights`` are noticed too: the manager compares a
-fingerprint of the parameters (``weights.WeightWatch``) when requests are added, when it starts
-and when a pause ends, and bumps the weight version when they changed. A manager kept for the next
-session is its model's persistent manager (``persistence.py``).
+``pause()`` is the trainer's window on the model: the loop finishes its current step and waits; the caller may run an
+optimizer step, ``load_state_dict`` or a training forward/backward on the same model object; on exit the loop resumes
+with the KV cache and every in-flight request kept. ``update_weights`` copies new tensors in place under a pause
+(``weights.py``) and bumps the weight version, which each generated token records; prefix-cache blocks computed under an
+older version are never reused by requests admitted later. By default in-flight requests keep their KV (PipelineRL's
+in-flight weight update); ``recompute=True`` re-prefills them under the new weights (AReaL's). Weights changed without
+``update_weights`` are noticed too: the manager compares a fingerprint of the parameters (``weights.WeightWatch``) when
+requests are added, when it starts and when a pause ends, and bumps the weight version when they changed. A manager kept
+for the next session is its model's persistent manager (``persistence.py``).
 
-On a model sharded by a ``tp_plan`` (tensor parallelism under ``torchrun``) every rank runs a
-manager and calls it the same way; the loop is ``tp_loop.TensorParallelLoop``, where the driver (TP
-rank 0) decides what enters each step for every rank, and only the driver's ``add_request`` queues
-and returns an id.
+On a model sharded by a ``tp_plan`` (tensor parallelism under ``torchrun``) every rank runs a manager and calls it the
+same way; the loop is ``tp_loop.TensorParallelLoop``, where the driver (TP rank 0) decides what enters each step for
+every rank, and only the driver's ``add_request`` queues and returns an id.
 
-A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause):
-``stop``, ``destroy`` and the calls that would wait for ever (``get_result``, ``request_id_iter``,
-``join`` without a timeout, ``add_request(block=True)`` on a full queue) raise ``RuntimeError``
-there instead of hanging, as transformers' ``stop`` does.
+A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause): ``stop``, ``destroy`` and
+the calls that would wait for ever (``get_result``, ``request_id_iter``, ``join`` without a timeout,
+``add_request(block=True)`` on a full queue) raise ``RuntimeError`` there instead of hanging, as transformers' ``stop``
+does.
 """
 
 from __future__ import annotations
@@ -66,37 +63,33 @@ logger = logging.getLogger(__name__)
 class ContinuousBatchingManager(RequestMethods):
     """Runs a continuous-batching engine in a background thread.
 
-    The request methods (``add_request``, ``add_requests``, ``cancel_request``, ``get_result``,
-    iteration, ``request_id_iter``, ``register_result_handler``) come from ``RequestMethods``
-    (``manager_requests.py``); this class builds the pieces and owns the lifecycle, the pause and the weights.
+    The request methods (``add_request``, ``add_requests``, ``cancel_request``, ``get_result``, iteration,
+    ``request_id_iter``, ``register_result_handler``) come from ``RequestMethods`` (``manager_requests.py``); this class
+    builds the pieces and owns the lifecycle, the pause and the weights.
 
     Args:
-        model: a ``transformers`` decoder-only causal LM, shared with the trainer
-            (never copied). Its attention is switched to rollout's paged dispatcher
-            while the manager lives; forwards without engine metadata are unchanged.
-        generation_config: default sampling values of requests (max_new_tokens,
-            do_sample, temperature, top_k, top_p, eos_token_id, the logits processors and
-            stop strings of ``SamplingParams``); per-request arguments of ``add_request``
-            override them. A ``GenerationConfig`` is completed by the model's
-            ``generation_config`` (transformers' rule: a field left unset, None, takes the model's
-            value, so a checkpoint's ``top_k 20`` or ``repetition_penalty 1.05`` apply). A
-            ``SamplingParams`` is taken exactly as it is, the model's generation config unread:
-            what a trainer passes, whose rollouts must follow its own config and nothing else.
-        continuous_batching_config: engine configuration: rollout's, or a
-            ``transformers.ContinuousBatchingConfig`` (converted, see
-            ``ContinuousBatchingConfig.from_transformers``); None takes the one the
-            generation config carries (deprecated, with a warning) or the defaults.
-        workload_hints: transformers' ``WorkloadHints`` (max_prompt_length,
-            max_generated_length, num_requests): when ``num_blocks`` is unset, the cache is
-            no larger than what holds that workload at once, memory permitting.
-        tokenizer: the model's tokenizer, needed by requests with stop strings
-            (``stop_strings``, ``stop``) to read the text of their tokens.
+        model: a ``transformers`` decoder-only causal LM, shared with the trainer (never copied). Its attention is
+            switched to rollout's paged dispatcher while the manager lives; forwards without engine metadata are
+            unchanged.
+        generation_config: default sampling values of requests (max_new_tokens, do_sample, temperature, top_k, top_p,
+            eos_token_id, the logits processors and stop strings of ``SamplingParams``); per-request arguments of
+            ``add_request`` override them. A ``GenerationConfig`` is completed by the model's ``generation_config``
+            (transformers' rule: a field left unset, None, takes the model's value, so a checkpoint's ``top_k 20`` or
+            ``repetition_penalty 1.05`` apply). A ``SamplingParams`` is taken exactly as it is, the model's generation
+            config unread: what a trainer passes, whose rollouts must follow its own config and nothing else.
+        continuous_batching_config: engine configuration: rollout's, or a ``transformers.ContinuousBatchingConfig``
+            (converted, see ``ContinuousBatchingConfig.from_transformers``); None takes the one the generation config
+            carries (deprecated, with a warning) or the defaults.
+        workload_hints: transformers' ``WorkloadHints`` (max_prompt_length, max_generated_length, num_requests): when
+            ``num_blocks`` is unset, the cache is no larger than what holds that workload at once, memory permitting.
+        tokenizer: the model's tokenizer, needed by requests with stop strings (``stop_strings``, ``stop``) to read the
+            text of their tokens.
 
     Raises:
         UnsupportedModelError: the model cannot be paged.
-        ValueError: a sampling value of the generation config, or a workload hint, is out of range;
-            the generation config has stop strings and there is no tokenizer, or asks for a logits
-            processor rollout lacks with ``drop_unsupported_processors=False``.
+        ValueError: a sampling value of the generation config, or a workload hint, is out of range; the generation
+            config has stop strings and there is no tokenizer, or asks for a logits processor rollout lacks with
+            ``drop_unsupported_processors=False``.
         TypeError: ``continuous_batching_config`` is neither config class.
     """
 
@@ -151,8 +144,8 @@ class ContinuousBatchingManager(RequestMethods):
     def start(self) -> None:
         """Start the background loop (again, after ``stop()``); a no-op while it runs.
 
-        Weights changed since the manager last looked (see ``update_weights``) bump the weight
-        version first, so a kept prefix cache is not served under new weights.
+        Weights changed since the manager last looked (see ``update_weights``) bump the weight version first, so a kept
+        prefix cache is not served under new weights.
 
         Raises:
             RuntimeError: the manager was destroyed or failed.
@@ -174,7 +167,7 @@ class ContinuousBatchingManager(RequestMethods):
                 self._engine.set_weight_version(version)
                 if self._warmup_wanted:
                     self._engine.warmup()
-            self._check_weights()
+            self._weights.bump_if_changed(self._engine)
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
     def is_running(self) -> bool:
@@ -190,13 +183,13 @@ class ContinuousBatchingManager(RequestMethods):
         """Wait for the loop to end; True if it has.
 
         Args:
-            stop_trigger_time: ``time.perf_counter()`` when the stop was asked (transformers'
-                argument): the time the loop took to end is logged from it. Optional.
+            stop_trigger_time: ``time.perf_counter()`` when the stop was asked (transformers' argument): the time the
+                loop took to end is logged from it. Optional.
             timeout: most seconds to wait; None waits until the loop ends.
 
         Raises:
-            RuntimeError: called without a timeout from inside this thread's ``pause()`` while
-                the loop runs (it could never end).
+            RuntimeError: called without a timeout from inside this thread's ``pause()`` while the loop runs (it could
+                never end).
         """
         if timeout is None and self._life.is_running():
             self._pausing.refuse_if_held("join()")
@@ -214,19 +207,17 @@ class ContinuousBatchingManager(RequestMethods):
         Args:
             block: wait for the loop to end (up to ``timeout`` seconds).
             timeout: seconds to wait when blocking; None waits for ever.
-            keep_for_next_session: keep the engine and its KV cache (prefix cache
-                included) for the next ``start()``, and leave the manager on the model:
-                ``init_continuous_batching``, ``continuous_batching_context_manager`` and
-                ``generate_batch`` on that model then reuse it, until ``destroy()``.
-                Otherwise the engine is closed (the model's original attention restored
-                when no other engine uses the model) once the loop has ended.
-            hard_stop: end waiting and running requests at once, status FAILED with a
-                RuntimeError in ``error`` and their partial tokens kept. Otherwise they
-                are finished first.
+            keep_for_next_session: keep the engine and its KV cache (prefix cache included) for the next ``start()``,
+                and leave the manager on the model: ``init_continuous_batching``,
+                ``continuous_batching_context_manager`` and ``generate_batch`` on that model then reuse it, until
+                ``destroy()``. Otherwise the engine is closed (the model's original attention restored when no other
+                engine uses the model) once the loop has ended.
+            hard_stop: end waiting and running requests at once, status FAILED with a RuntimeError in ``error`` and
+                their partial tokens kept. Otherwise they are finished first.
 
         Raises:
-            RuntimeError: called from inside this thread's ``pause()`` (the loop could never
-                end; transformers raises the same).
+            RuntimeError: called from inside this thread's ``pause()`` (the loop could never end; transformers raises
+                the same).
         """
         if self._life.state == State.DESTROYED:
             return
@@ -243,9 +234,9 @@ class ContinuousBatchingManager(RequestMethods):
         """Stop the loop the default way, free the cache and release the model's attention. Idempotent.
 
         A running manager is first stopped as ``stop()`` does: its pending requests finish (call
-        ``stop(hard_stop=True)`` first to fail them instead). Requests that can no longer run (queued
-        on a manager never started) end FAILED. The manager cannot start again afterwards, and it is
-        no longer its model's persistent manager.
+        ``stop(hard_stop=True)`` first to fail them instead). Requests that can no longer run (queued on a manager never
+        started) end FAILED. The manager cannot start again afterwards, and it is no longer its model's persistent
+        manager.
 
         Raises:
             RuntimeError: called from inside this thread's ``pause()`` (see ``stop``).
@@ -278,11 +269,11 @@ class ContinuousBatchingManager(RequestMethods):
     def warmup(self, progress_bar: bool = True) -> None:
         """Compile (and on CUDA capture) the engine's step shapes before the first request.
 
-        See ``Engine.warmup``: a no-op (logged at debug) when no path is compiled or CUDA-graphed, and
-        when the engine is already warmed up; the requests, the KV cache, the prefix cache, the random
-        generators and the request counters are left as they were. On a running manager the loop is
-        paused around it (the warmup waits for the current step). An engine the manager builds again
-        later (``start()`` after a ``stop()`` that closed it) is warmed up too.
+        See ``Engine.warmup``: a no-op (logged at debug) when no path is compiled or CUDA-graphed, and when the engine
+        is already warmed up; the requests, the KV cache, the prefix cache, the random generators and the request
+        counters are left as they were. On a running manager the loop is paused around it (the warmup waits for the
+        current step). An engine the manager builds again later (``start()`` after a ``stop()`` that closed it) is
+        warmed up too.
 
         Args:
             progress_bar: show a tqdm bar over the shapes.
@@ -347,10 +338,10 @@ class ContinuousBatchingManager(RequestMethods):
     def pause(self) -> contextlib.AbstractContextManager[None]:
         """Hold the model: the loop finishes its current step and waits until every holder leaves.
 
-        Re-entrant, and several threads may hold it at once. Returns within one
-        engine step. The KV cache and in-flight requests are kept (see ``PauseGate.hold``).
-        Under tensor parallelism the pause is collective, as in transformers: every rank must enter it
-        (the same number of times); no rank steps until every rank has entered and left its own.
+        Re-entrant, and several threads may hold it at once. Returns within one engine step. The KV cache and in-flight
+        requests are kept (see ``PauseGate.hold``). Under tensor parallelism the pause is collective, as in
+        transformers: every rank must enter it (the same number of times); no rank steps until every rank has entered
+        and left its own.
         """
         return self._pausing.hold()
 
@@ -358,11 +349,9 @@ class ContinuousBatchingManager(RequestMethods):
         """Copy new weights into the model in place and bump the weight version.
 
         Args:
-            named_tensors: a state dict or (name, tensor) pairs, names as in
-                ``model.named_parameters()`` (buffers too). None only records that the
-                caller changed the weights itself under ``pause()``.
-            recompute: re-prefill in-flight requests under the new weights instead of
-                keeping their KV.
+            named_tensors: a state dict or (name, tensor) pairs, names as in ``model.named_parameters()`` (buffers too).
+                None only records that the caller changed the weights itself under ``pause()``.
+            recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
 
         Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
         own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
@@ -372,8 +361,8 @@ class ContinuousBatchingManager(RequestMethods):
             The new weight version.
 
         Raises:
-            KeyError: an unknown name; ValueError: a shape or dtype mismatch; TypeError: a value
-                that is not a tensor. All are raised before anything is copied.
+            KeyError: an unknown name; ValueError: a shape or dtype mismatch; TypeError: a value that is not a tensor.
+                All are raised before anything is copied.
             RuntimeError: the manager was destroyed.
         """
         if self._life.state == State.DESTROYED:
@@ -383,8 +372,7 @@ class ContinuousBatchingManager(RequestMethods):
             copy_weights(plan)
             engine = self.engine
             with self._cond:
-                version = engine.bump_weight_version()
-                self._weights.record()  # this change is recorded
+                version = self._weights.bump(engine)
             if recompute:
                 if self._tp is None:
                     engine.recompute_in_flight()
@@ -395,8 +383,8 @@ class ContinuousBatchingManager(RequestMethods):
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache block: later requests compute their prompts again.
 
-        Blocks held by running requests stay theirs; only the hashes that let other requests reuse them
-        go. Runs under a pause (at most one step's wait), so no step reads the hashes meanwhile.
+        Blocks held by running requests stay theirs; only the hashes that let other requests reuse them go. Runs under a
+        pause (at most one step's wait), so no step reads the hashes meanwhile.
 
         Raises:
             RuntimeError: the manager was destroyed.
@@ -404,22 +392,14 @@ class ContinuousBatchingManager(RequestMethods):
         with self.pause(), self._cond:
             self.engine.block_manager.reset_prefix_cache()
 
-    def _check_weights(self) -> bool:
-        """With the lock held and no step running: bump the weight version if the parameters changed.
-
-        Returns:
-            True when the weights had changed (without ``update_weights``) and the version was bumped.
-        """
-        return self._weights.bump_if_changed(self._engine)
-
     def _sync_weight_version(self) -> None:
         """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).
 
-        The fingerprint is compared first without pausing (the common case: unchanged); a change is
-        recorded under a pause, so that no step runs while the version moves.
+        The fingerprint is compared first without pausing (the common case: unchanged); a change is recorded under a
+        pause, so that no step runs while the version moves.
         """
         with self._cond:
             if not self._weights.changed():
                 return
         with self.pause(), self._cond:
-            self._check_weights()
+            self._weights.bump_if_changed(self._engine)

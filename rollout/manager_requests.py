@@ -1,10 +1,9 @@
 """The manager's request API: queue requests, cancel them, read their results.
 
-``RequestMethods`` is a base class of ``ContinuousBatchingManager`` (``manager.py``), which builds the
-pieces these methods work through (the annotations below) and owns the lifecycle, the pause and the
-weights. A request is checked once, in the caller's thread and outside the lock, before it is queued
-(``intake.py``'s checks, then its ``Inbox``); results come from the per-request handles of the
-``OutputRouter`` (``outputs.py``).
+``RequestMethods`` is a base class of ``ContinuousBatchingManager`` (``manager.py``), which builds the pieces these
+methods work through (the annotations below) and owns the lifecycle, the pause and the weights. A request is checked
+once, in the caller's thread and outside the lock, before it is queued (``intake.py``'s checks, then its ``Inbox``);
+results come from the per-request handles of the ``OutputRouter`` (``outputs.py``).
 """
 
 from __future__ import annotations
@@ -62,18 +61,16 @@ class RequestMethods:
         Args:
             input_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
             request_id: unique id; default ``req_<n>``.
-            max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, do_sample:
-                override the sampling parameters for this request. A temperature alone
-                implies ``do_sample = temperature > 0``.
-            streaming: keep every intermediate snapshot for ``request_id_iter`` and
-                result handlers; otherwise only the final output is delivered.
+            max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, do_sample: override the sampling parameters
+                for this request. A temperature alone implies ``do_sample = temperature > 0``.
+            streaming: keep every intermediate snapshot for ``request_id_iter`` and result handlers; otherwise only the
+                final output is delivered.
             record_timestamps: record a timestamp per generated token.
             block: when the queue is full, wait for room (up to ``timeout`` seconds).
             timeout: seconds to wait with ``block``.
-            sampling_params: the request's sampling parameters (the overrides above apply on
-                top); default: the manager's, from its generation config. The way to give a
-                request its own logits processors or stop strings (``build_sampling_params(
-                manager.default_params, stop=["</answer>"])``).
+            sampling_params: the request's sampling parameters (the overrides above apply on top); default: the
+                manager's, from its generation config. The way to give a request its own logits processors or stop
+                strings (``build_sampling_params( manager.default_params, stop=["</answer>"])``).
 
         Returns:
             The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other
@@ -81,13 +78,12 @@ class RequestMethods:
             rank), as in transformers.
 
         Raises:
-            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings
-                without a tokenizer, or a logits-processor value other than the generation
-                config's under ``per_request_processors=False``; raised before anything is queued.
-            QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or
-                the wait timed out).
-            RuntimeError: the manager failed (the message names the cause) or was destroyed, or
-                ``block`` would wait for room without a timeout inside this thread's ``pause()``.
+            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings without a tokenizer, or
+                a logits-processor value other than the generation config's under ``per_request_processors=False``;
+                raised before anything is queued.
+            QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or the wait timed out).
+            RuntimeError: the manager failed (the message names the cause) or was destroyed, or ``block`` would wait for
+                room without a timeout inside this thread's ``pause()``.
         """
         params = request_params(
             self.default_params,
@@ -125,30 +121,28 @@ class RequestMethods:
     ) -> list[str]:
         """Queue several requests; returns their ids in input order.
 
-        Every prompt is checked before any is queued. Requests are queued sorted by prompt, so
-        prompts that share a prefix are admitted next to each other and find each other's blocks
-        in the prefix cache. Without ``block`` the batch is queued whole or not at all.
+        Every prompt is checked before any is queued. Requests are queued sorted by prompt, so prompts that share a
+        prefix are admitted next to each other and find each other's blocks in the prefix cache. Without ``block`` the
+        batch is queued whole or not at all.
 
-        The positional order is transformers' (``inputs, max_new_tokens, streaming,
-        record_timestamps``); the rest is keyword-only. On a tensor-parallel rank other than the
-        driver the prompts are checked, nothing is queued and every id is None.
+        The positional order is transformers' (``inputs, max_new_tokens, streaming, record_timestamps``); the rest is
+        keyword-only. On a tensor-parallel rank other than the driver the prompts are checked, nothing is queued and
+        every id is None.
 
         Args:
             inputs: prompts, lists of token ids.
             sampling_params: as for ``add_request``; one ``SamplingParams`` for the whole batch.
-            seed: an int s seeds input k (in input order) with s + k, the rule of
-                ``generate_batch``, so the G copies of one prompt get G distinct, reproducible
-                samples; a sequence gives one seed per input (None entries: unseeded). Without
-                it, a seed in ``sampling_params`` is spread the same way.
-            max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p,
-                do_sample, block, timeout: as for ``add_request``.
+            seed: an int s seeds input k (in input order) with s + k, the rule of ``generate_batch``, so the G copies of
+                one prompt get G distinct, reproducible samples; a sequence gives one seed per input (None entries:
+                unseeded). Without it, a seed in ``sampling_params`` is spread the same way.
+            max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p, do_sample, block,
+                timeout: as for ``add_request``.
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
 
         Raises:
-            ValueError: a bad prompt (its index is named), a bad sampling value, a seed list
-                of the wrong length, stop strings without a tokenizer, or a logits-processor value
-                other than the generation config's under ``per_request_processors=False``; nothing
-                is queued.
+            ValueError: a bad prompt (its index is named), a bad sampling value, a seed list of the wrong length, stop
+                strings without a tokenizer, or a logits-processor value other than the generation config's under
+                ``per_request_processors=False``; nothing is queued.
             QueueFullError: the batch does not fit the queue and ``block`` is False; nothing is queued.
         """
         if request_id is not None:
@@ -213,8 +207,8 @@ class RequestMethods:
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished result, or the result of ``request_id``.
 
-        None after ``timeout`` seconds or when nothing is left to wait for. Each result is delivered
-        once (see ``OutputRouter.get_result``).
+        None after ``timeout`` seconds or when nothing is left to wait for. Each result is delivered once (see
+        ``OutputRouter.get_result``).
 
         Raises:
             KeyError: ``request_id`` is unknown or its result was already delivered.
@@ -233,8 +227,8 @@ class RequestMethods:
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Stream a request's snapshots; the last one has a final status.
 
-        Snapshots never change once yielded. Without ``streaming`` only the final output comes
-        (see ``OutputRouter.stream``).
+        Snapshots never change once yielded. Without ``streaming`` only the final output comes (see
+        ``OutputRouter.stream``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.
@@ -246,8 +240,8 @@ class RequestMethods:
     def register_result_handler(self, request_id: str, callback: ResultCallback) -> None:
         """Call ``callback(output)`` for each chunk (streaming) or once with the final output.
 
-        It runs in the caller's running asyncio loop if there is one, else in the manager's thread
-        (see ``OutputRouter.register_handler``).
+        It runs in the caller's running asyncio loop if there is one, else in the manager's thread (see
+        ``OutputRouter.register_handler``).
 
         Raises:
             KeyError: unknown request id, or its result was already delivered.

@@ -1,11 +1,9 @@
 """The scheduler: which requests compute how many tokens in the next step, and the state update after it.
 
-One rule, vLLM v1's: a request's ``num_computed_tokens`` catches up with its
-``num_tokens`` under the step's token budget (``max_batch_tokens``). A new prompt,
-a prompt longer than the budget (chunked prefill), a prompt partly found in the
-prefix cache, a decode (one token) and a request re-prefilled after preemption are
-all this rule; every step may mix them. The scheduler reasons in tokens; the KV cache
-manager gives (or refuses) the blocks behind them.
+One rule, vLLM v1's: a request's ``num_computed_tokens`` catches up with its ``num_tokens`` under the step's token
+budget (``max_batch_tokens``). A new prompt, a prompt longer than the budget (chunked prefill), a prompt partly found in
+the prefix cache, a decode (one token) and a request re-prefilled after preemption are all this rule; every step may mix
+them. The scheduler reasons in tokens; the KV cache manager gives (or refuses) the blocks behind them.
 
 Policies:
 - ``fifo``: running requests first, in admission order, then waiting requests in
@@ -15,130 +13,44 @@ Policies:
 - ``prefill_first``: waiting requests are admitted first, then running requests
   get what is left of the budget. Lowers time to first token.
 
-Preemption: when a running request needs a block and none is free, the most recently
-admitted running request is evicted: its blocks are freed and it goes back to the head
-of the queue. With recompute, its prompt plus generated tokens are computed again when
-it is re-admitted (its full blocks may still be found in the prefix cache); with
-offload, its KV is copied to a CPU pool and copied back on re-admission.
+Preemption: when a running request needs a block and none is free, the most recently admitted running request is
+evicted: its blocks are freed and it goes back to the head of the queue. With recompute, its prompt plus generated
+tokens are computed again when it is re-admitted (its full blocks may still be found in the prefix cache); with offload,
+its KV is copied to a CPU pool and copied back on re-admission.
 
-Prompt forking: a waiting request whose tokens equal those of a generation request whose prefill
-is in flight (admitted, nothing sampled since) is not prefilled again. It is parked on that request
-(``request.fork_parent``; it is then in neither queue) and, in the step that completes the parent's
-prefill, it samples its first token from the parent's logits row and takes the parent's blocks
-(``KVCacheManager.fork``: full blocks shared, the partial last block copied when first written). So
-the G samples of a prompt compute it once, whatever the block size: the prefix cache alone shares
-full blocks only, none of a prompt shorter than a block. This is vLLM v0's ``n`` sampling (one
-sequence group prefilled, then forked), found here by matching tokens, so it holds however the
-samples arrive (``num_return_sequences``, ``add_requests([p] * G)``, G calls of ``add_request``).
-A request parks only on a prefill computed under the current weight version (after a weight update
-without recompute, a prefill in flight holds KV of the old weights; the prefix cache keys blocks by
-version for the same reason). Parking is tried for the head of the waiting queue only and costs no
-budget; like an admission it needs free blocks (less the safety margin): one per parked fork, the
-block each takes at its first write. Parked forks sample in their parent's step without counting against
-``max_requests_per_batch`` (they compute no token). A parent preempted or recomputed keeps its
-forks; a parent cancelled or failed hands them back to the head of the queue, where the first is
-admitted and the others park on it.
+Prompt forking: a waiting request whose tokens equal those of a generation request whose prefill is in flight (admitted,
+nothing sampled since) is not prefilled again. It is parked on that request (``request.fork_parent``; it is then in
+neither queue) and, in the step that completes the parent's prefill, it samples its first token from the parent's logits
+row and takes the parent's blocks (``KVCacheManager.fork``: full blocks shared, the partial last block copied when first
+written). So the G samples of a prompt compute it once, whatever the block size: the prefix cache alone shares full
+blocks only, none of a prompt shorter than a block. This is vLLM v0's ``n`` sampling (one sequence group prefilled, then
+forked), found here by matching tokens, so it holds however the samples arrive (``num_return_sequences``,
+``add_requests([p] * G)``, G calls of ``add_request``). A request parks only on a prefill computed under the current
+weight version (after a weight update without recompute, a prefill in flight holds KV of the old weights; the prefix
+cache keys blocks by version for the same reason). Parking is tried for the head of the waiting queue only and costs no
+budget; like an admission it needs free blocks (less the safety margin): one per parked fork, the block each takes at
+its first write. Parked forks sample in their parent's step without counting against ``max_requests_per_batch`` (they
+compute no token). A parent preempted or recomputed keeps its forks; a parent cancelled or failed hands them back to the
+head of the queue, where the first is admitted and the others park on it.
 
-Counts advance when a step is scheduled (vLLM v1's ``_update_after_schedule``): ``schedule`` moves each
-scheduled request's ``num_computed_tokens`` past the tokens the step computes, and each ``ScheduledRequest``
-keeps where they start. ``update_from_output`` then writes the sampled tokens. Async batching is the subclass
-``async_scheduler.AsyncScheduler``, which schedules the next step while one is in flight, counting the tokens
-it will sample as placeholders (``Request.num_output_placeholders``); this class never counts any.
+Counts advance when a step is scheduled (vLLM v1's ``_update_after_schedule``): ``schedule`` moves each scheduled
+request's ``num_computed_tokens`` past the tokens the step computes, and each ``ScheduledRequest`` keeps where they
+start. ``update_from_output`` then writes the sampled tokens. Async batching is the subclass
+``async_scheduler.AsyncScheduler``, which schedules the next step while one is in flight, counting the tokens it will
+sample as placeholders (``Request.num_output_placeholders``); this class never counts any.
 
-The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``: at admission,
-preemption and the end of ``schedule``, in ``update_from_output`` after the forward, and in ``finish_request``.
+The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``: at admission, preemption and
+the end of ``schedule``, in ``update_from_output`` after the forward, and in ``finish_request``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
 from .kv_cache_manager import KVCacheManager
 from .requests import FINISH_REASON_OF_STATUS, FINISH_SCORED, Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the request.
-        num_scheduled_tokens: tokens computed this step, starting at ``request.num_computed_tokens``.
-        sample: True when the step brings the request level with its tokens, so the
-            logits of its last scheduled token are sampled.
-        num_computed_tokens: the request's computed tokens when the step was scheduled: the position of
-            its first query token (None at construction: the request's count then).
-    """
-
-    request: Request
-    num_scheduled_tokens: int
-    sample: bool
-    num_computed_tokens: int = None  # type: ignore[assignment]  # filled in by __post_init__
-
-    def __post_init__(self) -> None:
-        if self.num_computed_tokens is None:
-            self.num_computed_tokens = self.request.num_computed_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes.
-
-    Attributes:
-        scheduled: the scheduled requests, in batch order.
-        preempted: the requests preempted while scheduling.
-        offloads: (device blocks, CPU pool blocks) to copy out before the forward: the KV of
-            preempted requests. The device blocks are already free; nothing writes them before
-            the forward.
-        restores: (request, device blocks) to copy the request's offloaded KV into
-            (from ``request.offloaded``'s pool blocks) before the forward.
-        block_copies: (source block, destination block) device copies of copy-on-write, made
-            after the offloads and before the restores and the forward, in order.
-        forks: (parent, child): the parked requests forked in this step. The parent's prefill
-            completes (it samples); each child samples its first token from the parent's logits
-            row and takes the parent's blocks after the forward.
-        total_num_scheduled_tokens: tokens computed in the step (T).
-        num_scheduled_prompt_tokens: how many of those are prompt tokens.
-        is_decode_only: every scheduled request computes one token and samples it.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    offloads: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    restores: list[tuple[Request, list[int]]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    forks: list[tuple[Request, Request]] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    num_scheduled_prompt_tokens: int = 0
-    is_decode_only: bool = False
-
-    @property
-    def is_empty(self) -> bool:
-        """True when no request computes anything this step."""
-        return not self.scheduled
-
-
-@dataclass
-class RunnerOutput:
-    """What the model runner returns for a step, for ``Scheduler.update_from_output`` to apply.
-
-    Attributes:
-        sampled_token_ids: one token id per scheduled request with ``sample``, in batch order,
-            then one per fork of ``SchedulerOutput.forks``, in that order.
-        logprobs: one logprob per sampled token when logprobs are recorded, else None.
-        prompt_logprobs: (scoring request, the logprobs of the positions it scored this step).
-        top_logprobs: per sampled token, (ids, logprobs) of its request's ``num_top_logprobs`` most likely
-            tokens, most likely first (empty lists for a request that asks for none); None when no request
-            of the step asks.
-    """
-
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    prompt_logprobs: list[tuple[Request, list[float]]] = field(default_factory=list)
-    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -149,8 +61,8 @@ class Scheduler:
         max_batch_tokens: token budget of one step (>= 1).
         max_requests_per_batch: most requests in one step, None for no cap.
         scheduler_type: "fifo" or "prefill_first".
-        fork_prompts: park and fork requests whose tokens equal an in-flight prefill (see the module
-            docstring); None: when block sharing (prefix caching) is on.
+        fork_prompts: park and fork requests whose tokens equal an in-flight prefill (see the module docstring); None:
+            when block sharing (prefix caching) is on.
     """
 
     def __init__(
@@ -181,16 +93,6 @@ class Scheduler:
         self.weight_version = 0  # recorded with each sampled token and each cached block
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
-
-    @property
-    def block_manager(self) -> BlockManager:
-        """The block pool behind the KV cache manager (read it; change blocks through the manager)."""
-        return self.kv_cache_manager.block_manager
-
-    @property
-    def safety_margin_blocks(self) -> int:
-        """Blocks kept free when admitting while other requests run."""
-        return self.kv_cache_manager.safety_margin_blocks
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -251,8 +153,7 @@ class Scheduler:
     def recompute_all(self) -> None:
         """Drop the KV of every unfinished request so it is computed again under the current weights.
 
-        Running requests go back to the head of the queue, in order; waiting requests whose KV
-        was offloaded forget it.
+        Running requests go back to the head of the queue, in order; waiting requests whose KV was offloaded forget it.
         """
         kv = self.kv_cache_manager
         for req in self.waiting:
@@ -268,14 +169,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prompt forking
     def _remember_prefill(self, req: Request, recomputed: bool) -> None:
-        """``req`` is admitted: requests with the same tokens queued behind it, under the same weight
-        version, will park on it.
+        """``req`` is admitted: requests with the same tokens queued behind it, under the same weight version, will park
+        on it.
 
         Args:
             req: the admitted request.
-            recomputed: its KV is computed from scratch at this admission (not restored from the CPU
-                pool), so under the current weight version even if it was first admitted under another
-                (``recompute_all`` after a weight update).
+            recomputed: its KV is computed from scratch at this admission (not restored from the CPU pool), so under the
+                current weight version even if it was first admitted under another (``recompute_all`` after a weight
+                update).
         """
         if not self.fork_prompts or req.prefill_only:
             return
@@ -298,8 +199,8 @@ class Scheduler:
     def _fork_parent(self, req: Request) -> Request | None:
         """The request whose in-flight prefill of the same tokens a waiting request can park on, or None.
 
-        Only a generation request without offloaded KV parks (a scoring request needs logits of its
-        own; an offloaded one has its KV already).
+        Only a generation request without offloaded KV parks (a scoring request needs logits of its own; an offloaded
+        one has its KV already).
         """
         if not self._prefilling or req.prefill_only or req.offloaded is not None:
             return None
@@ -309,10 +210,9 @@ class Scheduler:
         return parent
 
     def _room_for_one_more_fork(self) -> bool:
-        """True when the free blocks, less the safety margin while requests run, hold one block per
-        layer group for each parked fork and one more: what a fork takes at its first write (in each
-        group, a copy of the shared partial last block, or a new block). Parking, like an admission,
-        keeps that room."""
+        """True when the free blocks, less the safety margin while requests run, hold one block per layer group for each
+        parked fork and one more: what a fork takes at its first write (in each group, a copy of the shared partial last
+        block, or a new block). Parking, like an admission, keeps that room."""
         kv = self.kv_cache_manager
         margin = kv.safety_margin_blocks if self.running else 0
         num_parked = sum(len(parent.forks) for parent in self._prefilling.values())
@@ -330,8 +230,8 @@ class Scheduler:
                         child.lifespan = (now, -1.0)
 
     def _fork(self, parent: Request, child: Request, num_computed_tokens: int) -> None:
-        """After the step that completed ``parent``'s prefill (``num_computed_tokens`` computed): ``child``
-        takes its blocks and runs."""
+        """After the step that completed ``parent``'s prefill (``num_computed_tokens`` computed): ``child`` takes its
+        blocks and runs."""
         child.fork_parent = None
         self.kv_cache_manager.fork(parent, child)
         child.num_computed_tokens = num_computed_tokens
@@ -364,8 +264,8 @@ class Scheduler:
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         """Advance each scheduled request past the tokens the step computes (vLLM v1's hook of that name).
 
-        A request that samples in the step takes no more parked forks: those parked until now sample in
-        this step (``out.forks``).
+        A request that samples in the step takes no more parked forks: those parked until now sample in this step
+        (``out.forks``).
         """
         for entry in out.scheduled:
             entry.request.num_computed_tokens += entry.num_scheduled_tokens
@@ -388,10 +288,10 @@ class Scheduler:
     def _schedule_running(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         """Give each running request, in admission order, the tokens it lacks (up to the budget).
 
-        Request r with c computed of t tokens (and p placeholders) gets ``n = min(t + p - c, budget)``.
-        When its blocks cannot hold ``c + n`` tokens, the most recently admitted running request is
-        preempted (possibly r itself, which then ends the pass) until they can. A request with nothing to
-        compute, or that ``_defer`` holds back, is left for a later step.
+        Request r with c computed of t tokens (and p placeholders) gets ``n = min(t + p - c, budget)``. When its blocks
+        cannot hold ``c + n`` tokens, the most recently admitted running request is preempted (possibly r itself, which
+        then ends the pass) until they can. A request with nothing to compute, or that ``_defer`` holds back, is left
+        for a later step.
 
         Args:
             chosen: the step's entries so far, by ``id(request)``; the pass adds to it.
@@ -426,12 +326,11 @@ class Scheduler:
     def _admit_waiting(self, chosen: dict[int, ScheduledRequest], out: SchedulerOutput) -> None:
         """Admit waiting requests in order while the budget, the request cap and the blocks allow.
 
-        Request r of t tokens reuses h computed tokens (prefix-cache hits, or its offloaded KV) and
-        gets ``n = min(t - h, budget)`` more. It is admitted when its blocks for ``h + n`` tokens fit
-        in the free blocks less the safety margin (no margin when nothing runs, so a big request can
-        always start); otherwise admission stops, keeping arrival order. A request at the head whose
-        tokens are being prefilled by another is parked on it instead, even when the budget is spent,
-        if the blocks allow (``_room_for_one_more_fork``); otherwise admission stops too.
+        Request r of t tokens reuses h computed tokens (prefix-cache hits, or its offloaded KV) and gets ``n = min(t -
+        h, budget)`` more. It is admitted when its blocks for ``h + n`` tokens fit in the free blocks less the safety
+        margin (no margin when nothing runs, so a big request can always start); otherwise admission stops, keeping
+        arrival order. A request at the head whose tokens are being prefilled by another is parked on it instead, even
+        when the budget is spent, if the blocks allow (``_room_for_one_more_fork``); otherwise admission stops too.
         """
         kv = self.kv_cache_manager
         while self.waiting:
@@ -499,15 +398,14 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Apply a step's results: the one place a step's tokens reach its requests.
 
-        A sampling request appends its token (with logprob, top logprobs and weight version) and either
-        finishes (a stop token, a stop string or max_new_tokens: FINISHED, blocks freed) or goes on
-        DECODING. The forks of a request whose prefill completed take its blocks and computed tokens
-        (before it may finish and free them), join the running requests and append their own token the
-        same way, right after it. A scoring request records its prompt logprobs and finishes, reason
-        "scored", once all its tokens are computed. Restored requests give their CPU pool blocks back. A
-        request that ended while the step was in flight (cancelled) is skipped: its row was computed and
-        is dropped. One preempted while it was in flight (async batching) keeps its token and waits; its
-        forks go back to the head of the queue, to prefill for themselves.
+        A sampling request appends its token (with logprob, top logprobs and weight version) and either finishes (a stop
+        token, a stop string or max_new_tokens: FINISHED, blocks freed) or goes on DECODING. The forks of a request
+        whose prefill completed take its blocks and computed tokens (before it may finish and free them), join the
+        running requests and append their own token the same way, right after it. A scoring request records its prompt
+        logprobs and finishes, reason "scored", once all its tokens are computed. Restored requests give their CPU pool
+        blocks back. A request that ended while the step was in flight (cancelled) is skipped: its row was computed and
+        is dropped. One preempted while it was in flight (async batching) keeps its token and waits; its forks go back
+        to the head of the queue, to prefill for themselves.
 
         Args:
             scheduler_output: the step as scheduled.

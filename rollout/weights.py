@@ -9,7 +9,8 @@ tensor is then written once per name, with the same value.
 ``weights_fingerprint`` lets a manager notice that the parameters changed without
 ``update_weights`` (an optimizer step on the shared model), so that it never serves prefix-cache
 blocks computed under the old weights: a ``WeightWatch`` keeps the fingerprint last recorded and
-bumps the engine's weight version when the parameters moved since.
+bumps the engine's weight version when the parameters moved since, or when ``update_weights`` copied
+new ones (the one place a weight version is made).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ logger = logging.getLogger(__name__)
 class VersionedEngine(Protocol):
     """What a ``WeightWatch`` needs of an engine: the weight version that each generated token records."""
 
-    def bump_weight_version(self) -> int: ...
+    @property
+    def weight_version(self) -> int: ...
+
+    def set_weight_version(self, version: int) -> None: ...
 
 
 def plan_weight_copy(
@@ -145,6 +149,19 @@ class WeightWatch:
         self._fingerprint = fingerprint
         return True
 
+    def bump(self, engine: VersionedEngine) -> int:
+        """Record the current parameters and give ``engine`` a new weight version (``update_weights``).
+
+        With ``bump_if_changed``, the one place a weight version is made; a tensor-parallel rank other
+        than the driver only adopts the driver's (``tp_loop``).
+
+        Returns:
+            The new version.
+        """
+        self.record()
+        engine.set_weight_version(engine.weight_version + 1)
+        return engine.weight_version
+
     def bump_if_changed(self, engine: VersionedEngine | None) -> bool:
         """With no step running: record the parameters and, if they changed, bump ``engine``'s weight version.
 
@@ -157,6 +174,6 @@ class WeightWatch:
         if not self.record():
             return False
         if engine is not None:
-            version = engine.bump_weight_version()
+            version = self.bump(engine)
             logger.info("the model's parameters changed without update_weights: weight version %d", version)
         return True

@@ -241,7 +241,7 @@ def test_a_weight_update_finishes_the_step_in_flight_first(model) -> None:  # no
         for _ in range(3):  # 2 steps applied, the third in flight, which the update finishes first
             engine.step()
         assert engine.in_flight
-        engine.bump_weight_version()
+        engine.set_weight_version(engine.weight_version + 1)
         assert not engine.in_flight
         assert {r.request_id for r in engine.step()} == {"r0", "r1", "r2"}  # the finished step's updates
         outputs = run_engine(engine)

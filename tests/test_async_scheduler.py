@@ -72,7 +72,11 @@ def test_without_stops_the_steps_are_the_synchronous_schedulers_one_for_one() ->
         if not out.is_empty:
             async_plans.append(plan(out))
     assert async_plans == sync_plans and len(sync_plans) >= 8
-    assert asynch.block_manager.num_free_blocks == sync.block_manager.num_free_blocks == 64
+    assert (
+        asynch.kv_cache_manager.block_manager.num_free_blocks
+        == sync.kv_cache_manager.block_manager.num_free_blocks
+        == 64
+    )
 
 
 def test_a_request_that_stops_in_flight_has_its_next_row_dropped_and_its_blocks_freed() -> None:

@@ -14,6 +14,13 @@ from transformers import GenerationConfig
 
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from rollout.distributed import disable_nccl_graph_mixing
+from rollout.engine_spec import (
+    resolve_async_batching,
+    resolve_compile_configs,
+    resolve_cuda_graphs,
+    resolve_padding_intervals,
+    resolve_safety_margin,
+)
 
 INVALID_CONFIG_VALUES = [
     ("block_size", 3),
@@ -186,7 +193,7 @@ def test_the_tp_code_turns_nccl_graph_mixing_off_unless_the_user_set_the_variabl
     ],
 )
 def test_compile_levels_are_transformers_levels(level: int, expected: tuple[str, bool] | None) -> None:
-    varlen, decode = ContinuousBatchingConfig(default_compile_level=level).resolved_compile_configs()
+    varlen, decode = resolve_compile_configs(ContinuousBatchingConfig(default_compile_level=level))
     if expected is None:
         assert varlen is None and decode is None
     else:
@@ -200,10 +207,10 @@ def test_a_paths_own_compile_config_wins_over_the_level_and_the_level_over_the_f
 
     fallback = CompileConfig(mode="default", dynamic=False)
     config = ContinuousBatchingConfig(decode_compile_config={"mode": "max-autotune", "dynamic": False})
-    varlen, decode = config.resolved_compile_configs(fallback)
+    varlen, decode = resolve_compile_configs(config, fallback)
     assert varlen is fallback
     assert isinstance(decode, CompileConfig) and decode.mode == "max-autotune"
-    varlen, _ = ContinuousBatchingConfig(default_compile_level=1).resolved_compile_configs(fallback)
+    varlen, _ = resolve_compile_configs(ContinuousBatchingConfig(default_compile_level=1), fallback)
     assert varlen.mode == "default" and varlen.dynamic is True
 
 
@@ -229,21 +236,21 @@ def test_speed_fields_refuse_bad_values_naming_the_field(field: str, value: Any,
 @pytest.mark.parametrize("graphs", [True, (False, True), (True, False)])
 def test_cuda_graphs_on_a_device_without_cuda_is_an_error_naming_the_field(graphs: Any) -> None:
     with pytest.raises(ValueError, match="use_cuda_graph=.* needs a CUDA device"):
-        ContinuousBatchingConfig(use_cuda_graph=graphs).resolved_cuda_graphs("cpu")
+        resolve_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=graphs), "cpu")
 
 
 @pytest.mark.parametrize(
     ("graphs", "expected"), [(None, (False, False)), (True, (True, True)), ([False, True], (False, True))]
 )
 def test_cuda_graph_flags_on_cuda(graphs: Any, expected: tuple[bool, bool]) -> None:
-    assert ContinuousBatchingConfig(use_cuda_graph=graphs).resolved_cuda_graphs("cuda") == expected
+    assert resolve_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=graphs), "cuda") == expected
 
 
 @pytest.mark.parametrize(("device_type", "expected"), [("cpu", (4, 32)), ("cuda", (64, 1024))])
 def test_padding_intervals_have_device_presets_and_explicit_values_win(device_type: str, expected: tuple) -> None:
-    assert ContinuousBatchingConfig().resolved_padding_intervals(device_type) == expected
+    assert resolve_padding_intervals(ContinuousBatchingConfig(), device_type) == expected
     explicit = ContinuousBatchingConfig(q_padding_interval_size=8, kv_padding_interval_size=32)
-    assert explicit.resolved_padding_intervals(device_type) == (8, 32)
+    assert resolve_padding_intervals(explicit, device_type) == (8, 32)
 
 
 @pytest.mark.parametrize(
@@ -261,15 +268,15 @@ def test_padding_intervals_have_device_presets_and_explicit_values_win(device_ty
 def test_async_batching_is_off_on_cpu_and_follows_cuda_graphs_on_cuda_unless_set(
     device_type: str, fields: dict, expected: bool
 ) -> None:
-    assert ContinuousBatchingConfig(**fields).resolved_async_batching(device_type) is expected
+    assert resolve_async_batching(ContinuousBatchingConfig(**fields), device_type) is expected
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_async_batching_under_tensor_parallelism_is_off_unless_asked_which_raises(device_type: str) -> None:
     for fields in ({}, {"use_async_batching": False}, {"use_cuda_graph": device_type == "cuda"}):
-        assert ContinuousBatchingConfig(**fields).resolved_async_batching(device_type, tensor_parallel=True) is False
+        assert resolve_async_batching(ContinuousBatchingConfig(**fields), device_type, tensor_parallel=True) is False
     with pytest.raises(ValueError, match="use_async_batching=True is not supported under tensor parallelism"):
-        ContinuousBatchingConfig(use_async_batching=True).resolved_async_batching(device_type, tensor_parallel=True)
+        resolve_async_batching(ContinuousBatchingConfig(use_async_batching=True), device_type, tensor_parallel=True)
 
 
 def test_transformers_speed_fields_are_copied_not_dropped() -> None:
@@ -289,12 +296,12 @@ def test_transformers_speed_fields_are_copied_not_dropped() -> None:
 
 @pytest.mark.parametrize(("device_type", "expected"), [("cpu", 32), ("cuda", 256)])
 def test_default_block_size_is_32_on_cpu_and_256_on_cuda(device_type: str, expected: int) -> None:
-    assert ContinuousBatchingConfig().resolved_block_size(device_type) == expected
+    assert ContinuousBatchingConfig().resolved_page_size(device_type) == expected
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_explicit_block_size_wins_over_device_default(device_type: str) -> None:
-    assert ContinuousBatchingConfig(block_size=16).resolved_block_size(device_type) == 16
+    assert ContinuousBatchingConfig(block_size=16).resolved_page_size(device_type) == 16
 
 
 @pytest.mark.parametrize(("device_type", "expected"), [("cpu", 512), ("cuda", 2048)])
@@ -322,7 +329,7 @@ def test_safety_margin_resolves_to_explicit_value_else_scheduler_default(
     scheduler_type: str, safety_margin: float | None, expected: float
 ) -> None:
     config = ContinuousBatchingConfig(scheduler_type=scheduler_type, safety_margin=safety_margin)
-    assert config.resolved_safety_margin() == expected
+    assert resolve_safety_margin(config) == expected
 
 
 # ---------------------------------------------------------------- issue 10: transformers' names and objects

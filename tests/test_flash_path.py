@@ -22,6 +22,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 import rollout.attention as attention
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout.engine_spec import resolve_max_blocks_per_request
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
@@ -237,7 +238,7 @@ def test_decode_fast_path_inputs_are_lengths_and_a_fixed_width_int32_block_table
 )
 def test_max_blocks_per_request_resolves_to_the_longest_request_at_least_32(value, num_blocks, context, width) -> None:  # noqa: ANN001
     config = ContinuousBatchingConfig(max_blocks_per_request=value)
-    assert config.resolved_max_blocks_per_request(num_blocks, 256, context) == width
+    assert resolve_max_blocks_per_request(config, num_blocks, 256, context) == width
 
 
 def test_max_blocks_per_request_refuses_a_negative_width() -> None:

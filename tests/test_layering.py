@@ -37,6 +37,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # cache_sizing (the cache's size from memory) and cpu_offload (the offload pool) sit just above kv_cache, whose
 # shapes they use; flash (flash-attn's kernels and support rules) is a leaf just below attention, and
 # attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
+# scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them;
+# engine_warmup (the static step's warmup), batch_queue (async batching's step function) and engine_requests (the
+# engine's request intake, a base class of the engine) just below the engine.
 LAYERS = [
     "checks",
     "config",
@@ -52,6 +55,7 @@ LAYERS = [
     "cache_sizing",
     "cpu_offload",
     "kv_cache_manager",
+    "scheduler_output",
     "scheduler",
     "async_scheduler",
     "distributed",
@@ -67,6 +71,9 @@ LAYERS = [
     "model_runner",
     "engine_spec",
     "engine_stats",
+    "engine_warmup",
+    "batch_queue",
+    "engine_requests",
     "engine",
     "outputs",
     "intake",

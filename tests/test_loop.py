@@ -68,9 +68,8 @@ class FakeEngine:
             req.status, req.error = status, error
         return req
 
-    def bump_weight_version(self) -> int:
-        self.weight_version += 1
-        return self.weight_version
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
 
     def close(self) -> None:
         self.closed = True

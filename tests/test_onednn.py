@@ -81,7 +81,7 @@ def test_a_weight_updated_in_place_after_compile_is_seen_by_the_next_step() -> N
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(-1.5)
-        engine.bump_weight_version()
+        engine.set_weight_version(engine.weight_version + 1)
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"b{i}")
         after = run_engine(engine)

@@ -85,7 +85,7 @@ def test_step_tokens_never_exceed_budget_and_total_equals_tokens_to_compute() ->
     assert sched.num_preemptions == 0
     assert sum(out.total_num_scheduled_tokens for out in outs) == sum(prompt_lens) + len(prompt_lens) * (max_new - 1)
     assert all(req.num_generated_tokens == max_new for req in requests)
-    assert sched.block_manager.num_free_blocks == 64
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 64
 
 
 def test_prompt_of_37_tokens_with_budget_16_is_chunked_16_16_5_and_only_last_chunk_samples() -> None:
@@ -104,7 +104,7 @@ def test_prompt_of_37_tokens_with_budget_16_is_chunked_16_16_5_and_only_last_chu
     assert blocks == [4, 8, 10, 0]
     assert req.num_generated_tokens == 2
     assert not sched.has_unfinished()
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 16
 
 
 def test_chunked_prompt_shares_budget_with_running_decode() -> None:
@@ -178,7 +178,7 @@ def test_max_requests_per_batch_caps_every_step() -> None:
 def test_safety_margin_blocks_second_admission_while_first_runs() -> None:
     # 10 blocks, margin 0.5 -> 5 blocks must stay free after admitting a request while another runs.
     sched = make_scheduler(num_blocks=10, safety_margin=0.5)
-    assert sched.safety_margin_blocks == 5
+    assert sched.kv_cache_manager.safety_margin_blocks == 5
     a = make_request("a", tokens(0, 12), max_new_tokens=2)
     b = make_request("b", tokens(100, 12), max_new_tokens=2)
     sched.add_request(a)
@@ -188,7 +188,7 @@ def test_safety_margin_blocks_second_admission_while_first_runs() -> None:
     assert list(sched.waiting) == [b]
     # a's decode takes a 4th block: 6 free, b would leave 3 < 5. a then finishes.
     assert plan(run_step(sched)) == [("a", 1, True)]
-    assert sched.block_manager.num_free_blocks == 10
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 10
     # Nothing runs: b is admitted.
     assert plan(run_step(sched)) == [("b", 12, True)]
 
@@ -199,7 +199,7 @@ def test_safety_margin_never_blocks_a_request_when_nothing_runs() -> None:
     sched.add_request(big)
     assert plan(run_step(sched)) == [("big", 32, True)]
     assert len(big.block_table) == 8
-    assert sched.block_manager.num_free_blocks == 2
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 2
 
 
 def test_admission_with_exactly_margin_blocks_left_is_allowed() -> None:
@@ -208,7 +208,7 @@ def test_admission_with_exactly_margin_blocks_left_is_allowed() -> None:
     sched.add_request(make_request("b", tokens(100, 12), max_new_tokens=2))  # 3 blocks -> 4 free
     sched.add_request(make_request("c", tokens(200, 4), max_new_tokens=2))  # 1 block -> 3 < 4
     assert plan(run_step(sched)) == [("a", 12, True), ("b", 12, True)]
-    assert sched.block_manager.num_free_blocks == 4
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 4
 
 
 # ------------------------------------------------------------------------------------ block counts
@@ -222,14 +222,14 @@ def test_block_counts_of_10_token_prompt_through_decodes() -> None:
     for _ in range(8):
         sched_out = sched.schedule()
         held.append(len(req.block_table))
-        free.append(sched.block_manager.num_free_blocks)
+        free.append(sched.kv_cache_manager.block_manager.num_free_blocks)
         sched.update_from_output(sched_out, runner_output(sched_out))
     # Tokens computed after the step: 10 (prefill), then 11..17 (decodes): ceil(n / 4) blocks.
     assert held == [3, 3, 3, 4, 4, 4, 4, 5]
     assert free == [5, 5, 5, 4, 4, 4, 4, 3]
     assert req.num_generated_tokens == 8
     assert req.block_table == []
-    assert sched.block_manager.num_free_blocks == 8
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 8
 
 
 # ------------------------------------------------------------------------------------ preemption
@@ -237,7 +237,7 @@ def test_block_counts_of_10_token_prompt_through_decodes() -> None:
 
 def test_out_of_blocks_preempts_most_recent_request_and_readmits_it_later() -> None:
     sched = make_scheduler(num_blocks=4)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(100, 8), max_new_tokens=3)
     b = make_request("b", tokens(200, 8), max_new_tokens=3)
     c = make_request("c", tokens(300, 4), max_new_tokens=1)
@@ -297,7 +297,7 @@ def test_last_running_request_that_needs_a_block_preempts_itself() -> None:
     sched.add_request(a)
     sched.add_request(b)
     assert plan(run_step(sched)) == [("a", 6, True), ("b", 4, True)]
-    assert sched.block_manager.num_free_blocks == 0
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 0
     # a's 7th token fits its 2 blocks; b's 5th token needs a 2nd block, none is free, and b is the
     # most recently admitted request: it preempts itself and is not scheduled.
     out = run_step(sched)
@@ -307,11 +307,11 @@ def test_last_running_request_that_needs_a_block_preempts_itself() -> None:
     assert b.num_computed_tokens == 0
     assert sched.running == [a]
     assert list(sched.waiting) == [b]
-    assert sched.block_manager.num_free_blocks == 1
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 1
     run_to_completion(sched)
     assert a.num_generated_tokens == 4
     assert b.num_generated_tokens == 2
-    assert sched.block_manager.num_free_blocks == 3
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 3
 
 
 # ------------------------------------------------------------------------------------ prefix sharing
@@ -320,7 +320,7 @@ def test_last_running_request_that_needs_a_block_preempts_itself() -> None:
 def test_without_forking_identical_prompts_in_same_step_share_two_blocks_and_recompute_the_third() -> None:
     # The prefix cache alone (fork_prompts=False): the sharing that forking improves on.
     sched = make_scheduler(num_blocks=16, fork_prompts=False)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(0, 12), max_new_tokens=2)
     b = make_request("b", tokens(0, 12), max_new_tokens=2)
     sched.add_request(a)
@@ -344,7 +344,7 @@ def test_without_forking_identical_prompts_in_same_step_share_two_blocks_and_rec
 
 def test_preempted_request_uncaches_blocks_hashed_in_same_step() -> None:
     sched = make_scheduler(num_blocks=4, scheduler_type="prefill_first")
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(0, 8), max_new_tokens=5)
     sched.add_request(a)
     assert plan(run_step(sched)) == [("a", 8, True)]
@@ -377,7 +377,7 @@ def test_finished_prompt_blocks_are_hit_by_a_later_identical_prompt() -> None:
     a = make_request("a", tokens(0, 9), max_new_tokens=1)
     sched.add_request(a)
     run_step(sched)
-    assert sched.block_manager.num_free_blocks == 8
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 8
     b = make_request("b", tokens(0, 9), max_new_tokens=1)
     sched.add_request(b)
     out = sched.schedule()
@@ -389,7 +389,7 @@ def test_finished_prompt_blocks_are_hit_by_a_later_identical_prompt() -> None:
 def test_prompts_sharing_two_full_blocks_in_same_step_share_them_and_are_not_forked() -> None:
     # Same first 8 tokens, different last 4: the prefix cache shares the 2 full blocks, nothing is forked.
     sched = make_scheduler(num_blocks=16)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(0, 12), max_new_tokens=2)
     b = make_request("b", tokens(0, 8) + tokens(500, 4), max_new_tokens=2)
     sched.add_request(a)
@@ -411,7 +411,7 @@ def forked(out: SchedulerOutput) -> list[tuple[str, str]]:
 
 def test_identical_prompts_are_prefilled_once_and_forked_with_their_own_first_tokens() -> None:
     sched = make_scheduler(num_blocks=16)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a, b, c = (make_request(rid, tokens(0, 10), max_new_tokens=3) for rid in "abc")
     for req in (a, b, c):
         sched.add_request(req)
@@ -463,7 +463,7 @@ def test_identical_prompts_are_prefilled_once_and_forked_with_their_own_first_to
 
 def test_prompt_of_whole_blocks_is_forked_without_a_copy() -> None:
     sched = make_scheduler(num_blocks=16)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     reqs = [make_request(rid, tokens(0, 8), max_new_tokens=2) for rid in "abc"]
     for req in reqs:
         sched.add_request(req)
@@ -480,7 +480,7 @@ def test_prompt_of_whole_blocks_is_forked_without_a_copy() -> None:
 
 def test_chunked_prompt_parks_its_samples_until_its_last_chunk_even_when_the_budget_is_spent() -> None:
     sched = make_scheduler(num_blocks=16, max_batch_tokens=16)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(0, 37), max_new_tokens=2)
     b = make_request("b", tokens(0, 37), max_new_tokens=2)
     c = make_request("c", tokens(0, 37), max_new_tokens=2)
@@ -553,7 +553,7 @@ def test_no_forking_without_block_sharing_and_none_for_scoring_requests() -> Non
 
 def test_a_fork_may_finish_at_its_first_token_and_a_parent_at_its_own() -> None:
     sched = make_scheduler(num_blocks=16)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a = make_request("a", tokens(0, 10), max_new_tokens=1)
     b = Request("b", tokens(0, 10), SamplingParams(max_new_tokens=5, eos_token_ids=(8,)))
     c = make_request("c", tokens(0, 10), max_new_tokens=3)
@@ -586,7 +586,7 @@ def test_cancelling_a_parked_fork_leaves_its_parent_and_the_other_forks() -> Non
     outs = run_to_completion(sched)
     assert [forked(o) for o in outs] == [[("a", "c")], []]
     assert a.num_generated_tokens == 2 and c.num_generated_tokens == 2
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 16
 
 
 def test_cancelling_a_parent_hands_its_forks_back_to_the_head_of_the_queue() -> None:
@@ -599,7 +599,7 @@ def test_cancelling_a_parent_hands_its_forks_back_to_the_head_of_the_queue() -> 
     assert a.forks == [b, c] and list(sched.waiting) == [d]  # d waits behind the spent budget
     sched.finish_request("a", RequestStatus.CANCELLED)
     assert list(sched.waiting) == [b, c, d] and b.fork_parent is None and c.fork_parent is None
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 16
     # b is admitted and prefills the prompt itself: the 2 full blocks a computed are in the prefix
     # cache, b computes the last 4 tokens; c parks on b, and d fits in the rest of the budget.
     out = sched.schedule()
@@ -607,7 +607,7 @@ def test_cancelling_a_parent_hands_its_forks_back_to_the_head_of_the_queue() -> 
     sched.update_from_output(out, runner_output(out))
     run_to_completion(sched)
     assert b.num_generated_tokens == 2 and c.num_generated_tokens == 2 and c.num_cached_prompt_tokens == 12
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 16
 
 
 def test_preempted_parent_keeps_its_forks_and_forks_them_after_its_recompute() -> None:
@@ -630,15 +630,15 @@ def test_preempted_parent_keeps_its_forks_and_forks_them_after_its_recompute() -
     out = sched.schedule()
     assert plan(out) == [("a", 8, True)] and forked(out) == [("a", "b"), ("a", "c")]
     sched.update_from_output(out, runner_output(out))
-    assert [sched.block_manager.blocks[i].ref_count for i in a.block_table] == [3, 3, 3]
+    assert [sched.kv_cache_manager.block_manager.blocks[i].ref_count for i in a.block_table] == [3, 3, 3]
     run_to_completion(sched)
     assert [r.num_generated_tokens for r in (a, b, c)] == [2, 2, 2]
-    assert sched.block_manager.num_free_blocks == 4
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 4
 
 
 def test_preempted_forks_give_back_their_shares_and_are_recomputed() -> None:
     sched = make_scheduler(num_blocks=5)
-    bm = sched.block_manager
+    bm = sched.kv_cache_manager.block_manager
     a, b, c = (make_request(rid, tokens(0, 10), max_new_tokens=6) for rid in "abc")
     for req in (a, b, c):
         sched.add_request(req)
@@ -681,7 +681,7 @@ def test_scoring_request_is_chunked_like_a_prompt_and_never_samples() -> None:
     plans = [plan(out) for out in run_to_completion(sched)]
     assert plans == [[("s", 16, False)], [("s", 16, False)], [("s", 5, False)]]
     assert req.num_generated_tokens == 0
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 16
 
 
 @pytest.mark.parametrize(
@@ -720,7 +720,7 @@ def test_update_appends_token_logprob_and_weight_version_then_finishes_at_max_ne
     sched.update_from_output(out, RunnerOutput(sampled_token_ids=[43], logprobs=[-1.5]))
     assert req.generated_tokens == [42, 43] and req.generated_logprobs == [-0.5, -1.5]
     assert req.status == RequestStatus.FINISHED and req.finish_reason == "length"
-    assert req.block_table == [] and sched.block_manager.num_free_blocks == 8
+    assert req.block_table == [] and sched.kv_cache_manager.block_manager.num_free_blocks == 8
     assert not sched.has_unfinished() and sched.requests == {}
 
 
@@ -738,7 +738,7 @@ def test_update_finishes_on_a_stop_token_and_leaves_the_others_running() -> None
     assert b.status == RequestStatus.DECODING and b.generated_tokens == [8]
     assert a.generated_logprobs == [] and sched.running == [b] and list(sched.requests) == ["b"]
     # b holds 1 block (4 computed tokens); the block of its 5th token comes with the next schedule().
-    assert sched.block_manager.num_free_blocks == 8 - 1
+    assert sched.kv_cache_manager.block_manager.num_free_blocks == 8 - 1
 
 
 def test_update_records_scores_and_finishes_a_scoring_request_with_reason_scored() -> None:
@@ -754,7 +754,7 @@ def test_update_records_scores_and_finishes_a_scoring_request_with_reason_scored
     assert updated == [req]
     assert req.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
     assert req.status == RequestStatus.FINISHED and req.finish_reason == "scored"
-    assert req.num_generated_tokens == 0 and sched.block_manager.num_free_blocks == 16
+    assert req.num_generated_tokens == 0 and sched.kv_cache_manager.block_manager.num_free_blocks == 16
 
 
 def test_finish_request_cancels_waiting_and_running_requests_and_frees_their_blocks() -> None:
@@ -770,7 +770,7 @@ def test_finish_request_cancels_waiting_and_running_requests_and_frees_their_blo
     assert sched.finish_request("a", RequestStatus.FAILED, "boom") is a
     assert a.finish_reason == "error" and a.block_table == []
     assert sched.finish_request("a", RequestStatus.FAILED) is None
-    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 8
+    assert not sched.has_unfinished() and sched.kv_cache_manager.block_manager.num_free_blocks == 8
 
 
 def test_add_request_refuses_an_id_in_use() -> None:

@@ -54,14 +54,13 @@ def test_bad_tensors_are_refused(make, error: type[Exception], match: str) -> No
 
 
 class VersionCounter:
-    """What a WeightWatch needs of an engine: ``bump_weight_version``."""
+    """What a WeightWatch needs of an engine: ``weight_version`` and ``set_weight_version``."""
 
     def __init__(self) -> None:
         self.weight_version = 0
 
-    def bump_weight_version(self) -> int:
-        self.weight_version += 1
-        return self.weight_version
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
 
 
 def test_a_watch_notices_in_place_writes_and_replaced_tensors_once() -> None:

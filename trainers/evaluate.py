@@ -148,7 +148,7 @@ def evaluate_model(
     prompts = [encode_prompt(tokenizer, p, max_prompt_length) for p in heldout[prompt_column]]
     config = engine_config or rollout.ContinuousBatchingConfig()
     if config.num_blocks is None:
-        block = config.resolved_block_size(next(model.parameters()).device.type)
+        block = config.resolved_page_size(next(model.parameters()).device.type)
         blocks = sum(-(-(len(p) + max_new_tokens) // block) for p in prompts) + 8
         config = dataclasses.replace(config, num_blocks=blocks)
     # Plain greedy, as the trainer's own evaluation: no processor of the model's generation config.

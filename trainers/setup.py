@@ -273,7 +273,7 @@ def engine_config_for(
     if config.engine.get("num_blocks") is not None:
         return config.engine_config()
     base = config.engine_config()
-    block = base.resolved_block_size(device_type)
+    block = base.resolved_page_size(device_type)
     per_seq = -(-(config.max_prompt_length + config.max_new_tokens) // block) + 1
     in_flight = (config.effective_prefetch + 1) * config.batch_size
     wanted = in_flight * per_seq + 8
