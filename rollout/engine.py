@@ -12,12 +12,15 @@ step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
@@ -30,7 +33,6 @@ from .cpu_offload import CPUOffloadPool
 from .engine_requests import EngineRequests
 from .engine_spec import EngineSpec
 from .engine_stats import EngineStats, ProgressLog
-from .engine_warmup import Warmup
 from .kv_cache import PagedKVCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
@@ -38,9 +40,12 @@ from .models import UnsupportedModelError, check_model_supported
 from .requests import Request, RequestStatus
 from .scheduler import Scheduler
 from .scheduler_output import RunnerOutput, SchedulerOutput
+from .static_step import mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -137,7 +142,10 @@ class Engine(EngineRequests):
             async_batching=spec.async_batching,
         )
         self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
-        self._warmup = Warmup(self.runner, model, spec.device)
+        # What the warmup found: whether it ran, its seconds, the compilations and captures at its end.
+        self._warm_done = False
+        self._warm_seconds: float | None = None
+        self._warm_counts = (0, 0)
         self._queue = BatchQueue(self.scheduler, self.runner, self._record_stats) if spec.async_batching else None
         self._arrivals = 0
         self._progress = ProgressLog(self.config.progress_log_interval)
@@ -150,8 +158,8 @@ class Engine(EngineRequests):
         """The engine's counters, read now from their owners (vLLM's ``make_stats``): the scheduler, the KV cache
         manager and block pool, the runner, the cache, the warmup, the batch queue and the step loop. A snapshot: it
         does not change as the engine steps on (its lists do: they are the loop's own)."""
-        compiles, captures = self._warmup.counts()
-        warm = self._warmup
+        compiles, captures = self._compile_counts()
+        warm_compiles, warm_captures = self._warm_counts
         return dataclasses.replace(
             self._counts,
             num_preemptions=self.scheduler.num_preemptions,
@@ -162,10 +170,10 @@ class Engine(EngineRequests):
             kv_cache_bytes=self.cache.size_bytes,
             kv_cache_capacity_tokens={g.name: self.num_blocks * self.block_size for g in self.cache.groups},
             num_compiles=compiles,
-            num_compiles_after_warmup=compiles - warm.compiles_at if warm.done else 0,
+            num_compiles_after_warmup=compiles - warm_compiles if self._warm_done else 0,
             num_cuda_graph_captures=captures,
-            num_cuda_graph_captures_after_warmup=captures - warm.captures_at if warm.done else 0,
-            warmup_seconds=warm.seconds,
+            num_cuda_graph_captures_after_warmup=captures - warm_captures if self._warm_done else 0,
+            warmup_seconds=self._warm_seconds,
             num_async_steps=self._queue.num_async_steps if self._queue is not None else 0,
         )
 
@@ -284,18 +292,29 @@ class Engine(EngineRequests):
         self._progress.tick(self._counts.num_generated_tokens, len(self.scheduler.running), waiting, free)
 
     # ------------------------------------------------------------------ warmup
+    def _compile_counts(self) -> tuple[int, int]:
+        """The runner's dynamo compilations and CUDA graph captures so far, warmup included."""
+        graphs = self.runner.graphs
+        return self.runner.compile_counter.count, graphs.num_captures if graphs is not None else 0
+
     def warmup_plan(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The (path, padded shape) pairs ``warmup`` runs; empty when every path is eager (``Warmup.plan``)."""
-        return self._warmup.plan()
+        """The (path, padded shape) pairs ``warmup`` runs: two per compiled or graphed path
+        (``static_step.warmup_shapes``); empty when every path is eager."""
+        rule = self.runner.padding
+        if rule is None:
+            return []
+        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
 
     def warmup(self, progress_bar: bool = True) -> float:
-        """Compile (and on CUDA capture) the step shapes before the first request (``Warmup.run``).
+        """Compile (and on CUDA capture) the step shapes before the first request.
 
         Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding block
         (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and the request counters of
-        ``stats`` are as they were; later compilations count in ``stats.num_compiles_after_warmup``. A no-op when there
-        is nothing to compile, when it already ran, or when an earlier engine on the same model did (``generate_batch``
-        builds an engine per call). Not thread-safe against ``step()``: the manager pauses its loop first.
+        ``stats`` are as they were; later compilations count in ``stats.num_compiles_after_warmup``. A no-op (logged at
+        debug) when there is nothing to compile, when it already ran, or when an earlier engine on the same model object
+        warmed up the same ``dynamic=True`` compile configs and padding (``static_step.warm_key``: its graphs serve any
+        cache size; ``generate_batch`` builds an engine per call). Not thread-safe against ``step()``: the manager
+        pauses its loop first.
 
         Args:
             progress_bar: show a tqdm bar over the shapes.
@@ -308,13 +327,39 @@ class Engine(EngineRequests):
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        plan = self.warmup_plan()
+        if not plan or self._warm_done:
+            logger.debug("warmup: nothing to compile or capture, or done already")
+            return 0.0
+        runner = self.runner
+        assert runner.padding is not None  # a plan means a static path, which has a padding rule
+        key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
+        if warmed_before(self.model, key):
+            logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
+            self._warm_done, self._warm_seconds = True, 0.0
+            return 0.0
         self._quiesce()  # a step in flight would run beside the warmup's forwards
-        return self._warmup.run(progress_bar)
+        t0 = time.perf_counter()
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
+            runner.warmup(plan, lambda: bar.update(1))
+        self._warm_seconds = time.perf_counter() - t0
+        self._warm_done = True
+        self._warm_counts = self._compile_counts()
+        mark_warmed(self.model, key)
+        logger.info(
+            "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
+            len(plan),
+            " and ".join(runner.static_paths),
+            self._warm_seconds,
+            *self._warm_counts,
+        )
+        return self._warm_seconds
 
     @property
     def warmed_up(self) -> bool:
         """True once ``warmup()`` has run with something to compile or capture."""
-        return self._warmup.done
+        return self._warm_done
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -38,7 +38,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # shapes they use; flash (flash-attn's kernels and support rules) is a leaf just below attention, and
 # attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
 # scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them;
-# engine_warmup (the static step's warmup), batch_queue (async batching's step function) and engine_requests (the
+# batch_queue (async batching's step function) and engine_requests (the
 # engine's request intake, a base class of the engine) just below the engine.
 LAYERS = [
     "checks",
@@ -71,7 +71,6 @@ LAYERS = [
     "model_runner",
     "engine_spec",
     "engine_stats",
-    "engine_warmup",
     "batch_queue",
     "engine_requests",
     "engine",

@@ -161,7 +161,6 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def _events(job: Job, submission: Submission) -> AsyncIterator[str]:
         views = [ChoiceView(job, info.tokenizer, job.prompt_of(i)) for i in range(job.num_choices)]
         finals: list[Any] = [None] * job.num_choices
-        chunk = responses.chat_chunk if job.chat else responses.completion_chunk
         choice_of = responses.chat_chunk_choice if job.chat else responses.completion_chunk_choice
         try:
             async for index, out in submission:
@@ -169,9 +168,9 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
                 if out.is_finished():
                     finals[index] = out
                 if choice is not None:
-                    yield f"data: {json.dumps(chunk(job, info, [choice]))}\n\n"
+                    yield f"data: {json.dumps(responses.stream_chunk(job, info, [choice]))}\n\n"
             if job.include_usage:
-                yield f"data: {json.dumps(chunk(job, info, [], responses.usage(job, finals)))}\n\n"
+                yield f"data: {json.dumps(responses.stream_chunk(job, info, [], responses.usage(job, finals)))}\n\n"
         except APIError as e:  # the status line is sent: the error goes in the stream, as vLLM does
             yield sse_error(e)
         finally:

@@ -268,13 +268,14 @@ def completion_response(
     }
 
 
-def completion_chunk(
+def stream_chunk(
     job: Job, info: ModelInfo, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    """One streamed ``/v1/completions`` chunk (the same object as the answer, with partial choices)."""
+    """One streamed chunk: of ``/v1/completions`` (the answer's object, with partial choices) or of
+    ``/v1/chat/completions`` (``openai.types.chat.ChatCompletionChunk``) as ``job.chat`` says."""
     return {
         "id": job.request_id,
-        "object": "text_completion",
+        "object": "chat.completion.chunk" if job.chat else "text_completion",
         "created": job.created,
         "model": info.name,
         "choices": choices,
@@ -346,20 +347,6 @@ def chat_response(job: Job, outputs: list[GenerationOutput], info: ModelInfo) ->
         "usage": usage(job, outputs),
         "prompt_token_ids": list(job.prompts[0]) if job.return_token_ids else None,
         "system_fingerprint": None,
-    }
-
-
-def chat_chunk(
-    job: Job, info: ModelInfo, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None
-) -> dict[str, Any]:
-    """One streamed ``/v1/chat/completions`` chunk (``openai.types.chat.ChatCompletionChunk``)."""
-    return {
-        "id": job.request_id,
-        "object": "chat.completion.chunk",
-        "created": job.created,
-        "model": info.name,
-        "choices": choices,
-        "usage": usage_,
     }
 
 
