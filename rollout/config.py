@@ -45,12 +45,12 @@ class ContinuousBatchingConfig:
     Attributes:
         page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA and 32 on CPU (measured fastest).
         num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from ``max_memory_percent`` of the
-            usable memory (``kv_cache.num_blocks_for_memory``).
+            usable memory (``cache_sizing.num_blocks_for_memory``).
         max_batch_tokens: token budget of one engine step: query tokens (prefill chunks plus one per decoding request)
             computed in one forward (>= 1). ``None`` picks 2048 on CUDA and 512 on CPU.
         max_memory_percent: fraction (0, 1] of the usable memory the engine may take when ``num_blocks`` is ``None``:
             the KV cache plus one step's logits and sampling temporaries (``max_batch_tokens`` x vocabulary x (the model
-            dtype's bytes + 8 float32), see ``kv_cache.logits_workspace_bytes``). Usable memory is psutil's available
+            dtype's bytes + 8 float32), ``cache_sizing.logits_workspace_bytes``). Usable memory is psutil's available
             RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
             unused (``memory_reserved - memory_allocated``), so an engine built after another one was destroyed gets the
             same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use

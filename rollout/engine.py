@@ -58,7 +58,7 @@ class Engine(EngineRequests):
             dispatcher until ``close()`` (forwards without engine metadata still run the original). The KV cache holds
             the dtype attention computes in (``models.attention_dtype``: autocast's under accelerate's
             ``mixed_precision``), each layer's on that layer's device (a ``device_map``-sharded model gets its cache
-            sharded the same way). On CUDA the steps use flash-attn's paged kernels when ``attention.flash_support``
+            sharded the same way). On CUDA the steps use flash-attn's paged kernels when ``flash.flash_support``
             finds nothing against it, else SDPA (logged): decode-only steps ``flash_attn_with_kvcache`` (up to
             ``max_blocks_per_request``), the others ``flash_attn_varlen_func``. A model sharded by a ``tp_plan`` under
             ``torchrun`` runs one engine per rank in lockstep (``distributed.TensorParallel``): each rank's cache holds

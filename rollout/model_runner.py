@@ -143,7 +143,7 @@ class ModelRunner:
             the steps that fit it (``step_inputs.fits_decode_kernel``), eager or on the padded decode
             path; ``flash_attn_varlen_func`` for the other eager steps.
         max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
-            step reads (``ContinuousBatchingConfig.resolved_max_blocks_per_request``; 0: no step goes there).
+            step reads (``engine_spec.resolve_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
         seed: seed of the generator of sampled requests that have no seed of their own;
             None seeds it from the OS.
