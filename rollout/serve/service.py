@@ -83,11 +83,6 @@ class PauseHolder:
         self._thread: threading.Thread | None = None
         self._release = threading.Event()
 
-    @property
-    def held(self) -> bool:
-        """True between ``hold`` and ``release``."""
-        return self._thread is not None
-
     def hold(self) -> None:
         """Enter the pause (blocking: returns once the step in progress has ended); a no-op when held."""
         if self._thread is not None:
