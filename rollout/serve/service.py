@@ -254,15 +254,6 @@ class GenerationService:
             self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
         return submission
 
-    async def collect(self, job: Job) -> list[GenerationOutput]:
-        """The final output of every choice of a job, in choice order (see ``submit``)."""
-        submission = await self.submit(job)
-        outputs: list[GenerationOutput | None] = [None] * job.num_choices
-        async for index, out in submission:
-            if out.is_finished():
-                outputs[index] = out
-        return outputs  # type: ignore[return-value]
-
     def _done(self, rid: str, out: GenerationOutput) -> None:
         reason = (
             "error"
