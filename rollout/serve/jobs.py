@@ -22,18 +22,12 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SamplingParams' field names (which start its ValueError messages) in the API's words.
+# SamplingParams' field names (which start its ValueError messages) that the API spells otherwise; the
+# others a request sets (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
 API_NAMES = {
     "max_new_tokens": "max_tokens",
     "eos_token_ids": "stop_token_ids",
     "min_new_tokens": "min_tokens",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "temperature": "temperature",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop": "stop",
     "num_top_logprobs": "logprobs",
 }
 
@@ -270,7 +264,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0].rstrip(":")
-        param = API_NAMES.get(name)
+        param = API_NAMES.get(name, name if name in SamplingFields.model_fields else None)
         raise bad_request(f"{param or name}: {e}", param) from e
 
 
