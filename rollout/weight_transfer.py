@@ -197,12 +197,8 @@ class TransferGroup:
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = delta
                 iface = os.environ.get("GLOO_SOCKET_IFNAME")
-                gloo_device = (
-                    dist.ProcessGroupGloo.create_device(interface=iface)
-                    if iface
-                    else dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address, master_port))
-                )
-                options._devices = [gloo_device]
+                bind = {"interface": iface} if iface else {"hostname": _local_address(master_address, master_port)}
+                options._devices = [dist.ProcessGroupGloo.create_device(**bind)]
                 self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
         except Exception as e:
             raise RuntimeError(

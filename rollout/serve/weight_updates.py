@@ -139,9 +139,6 @@ class WeightUpdater:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             raise APIError(400, f"model_path: {message}", "model_path") from e
 
-    def _device(self) -> torch.device:
-        return next(self.manager.model.parameters()).device
-
     def weights_dtype(self) -> str:
         """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
         return str(next(self.manager.model.parameters()).dtype)
@@ -188,16 +185,11 @@ class WeightUpdater:
                 "init_info.rank_offset",
             )
         self.close_group()
+        device = next(self.manager.model.parameters()).device
         timeout = self.settings.timeout
         try:
             group = await asyncio.to_thread(
-                TransferGroup,
-                init.master_address,
-                init.master_port,
-                init.rank_offset,
-                init.world_size,
-                self._device(),
-                timeout,
+                TransferGroup, init.master_address, init.master_port, init.rank_offset, init.world_size, device, timeout
             )
         except RuntimeError as e:
             self.state.last_error = str(e)
