@@ -242,25 +242,23 @@ def write_output(ds: datasets.Dataset, results: Sequence[ScoreOutput], path: str
         path: output file; ``.jsonl`` or ``.parquet``; parent folders are created.
     """
     path = Path(path)
-    logprobs = [None if r.skipped else r.completion_logprobs for r in results]
-    sums = [None if r.skipped else r.logprob_sum for r in results]
-    counts = [None if r.skipped else r.num_tokens for r in results]
+    scores = [  # per row, the values of OUTPUT_COLUMNS
+        (None, None, None) if r.skipped else (r.completion_logprobs, r.logprob_sum, r.num_tokens) for r in results
+    ]
     existing = [c for c in OUTPUT_COLUMNS if c in ds.column_names]
     if existing:
         logger.warning("overwriting the input columns %s", existing)
         ds = ds.remove_columns(existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".parquet":
-        ds = ds.add_column(OUTPUT_COLUMNS[0], logprobs)
-        ds = ds.add_column(OUTPUT_COLUMNS[1], sums)
-        ds = ds.add_column(OUTPUT_COLUMNS[2], counts)
+        for k, column in enumerate(OUTPUT_COLUMNS):
+            ds = ds.add_column(column, [row_scores[k] for row_scores in scores])
         ds.to_parquet(str(path))
         return
     # jsonl written here rather than with Dataset.to_json, whose pandas writer rounds floats.
     with path.open("w", encoding="utf-8") as f:
-        for row, lp, s, n in zip(ds, logprobs, sums, counts):
-            row = dict(row)
-            row.update({OUTPUT_COLUMNS[0]: lp, OUTPUT_COLUMNS[1]: s, OUTPUT_COLUMNS[2]: n})
+        for row, row_scores in zip(ds, scores):
+            row = {**row, **dict(zip(OUTPUT_COLUMNS, row_scores))}
             f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
 
 

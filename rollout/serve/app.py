@@ -131,13 +131,11 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = jobs.completion_job(body, info)
-        return await _answer(job, request)
+        return await _answer(jobs.completion_job(body, info), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        job = jobs.chat_job(body, info)
-        return await _answer(job, request)
+        return await _answer(jobs.chat_job(body, info), request)
 
     async def _answer(job: Job, request: Request) -> Response:
         prompt_logprobs = await service.prompt_logprobs(job.prompts) if job.scores_prompt else None
