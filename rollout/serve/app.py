@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import rollout
 
 from . import jobs, metrics, responses
-from .errors import APIError, install_handlers, sse_error
+from .errors import APIError, bad_request, install_handlers, sse_error
 from .jobs import Job
 from .protocol import (
     AbortRequest,
@@ -214,8 +214,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     @app.post("/start_weight_update", dependencies=[Depends(control)])
     async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, Any]:
         if body is not None and not body.is_checkpoint_format:
-            raise APIError(
-                400,
+            raise bad_request(
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )
