@@ -169,13 +169,9 @@ def chat_prompt_text(tokenizer, prompt: str) -> str:
 def tokenize_rows(
     tokenizer, prompts: Sequence[str], completions: Sequence[str], chat_template: bool = False, separator: str = ""
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Token ids of each (prompt, completion) pair.
+    """Token ids of each (prompt, completion) pair, by the rule of the module docstring's "Tokenization".
 
-    The prompt's ids are the prompt text's; the completion's are the ids of prompt + separator +
-    completion (one text) after the prompt's ids, so the separator's tokens are scored as part of
-    the completion. A row whose joint ids do not start with the prompt's ids has its completion
-    (with the separator) tokenized on its own instead (no special tokens). A prompt text that
-    already starts with the tokenizer's BOS text gets no second BOS.
+    A completion tokenized on its own (joint ids that do not start with the prompt's) gets no special tokens.
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
