@@ -146,14 +146,12 @@ def generate_batch(
     cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
     drop = cb_config.drop_unsupported_processors
     base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
-    jobs: list[tuple[str, list[int], SamplingParams]] = []
-    ids = iter(_output_ids(len(prompts), num_samples))
-    seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(prompts) * num_samples)
-    for prompt in prompts:
-        for _ in range(num_samples):
-            seed = seeds[len(jobs)]
-            params = base_params if seed is None else build_sampling_params(base_params, seed=seed)
-            jobs.append((next(ids), prompt, params))
+    expanded = [p for p in prompts for _ in range(num_samples)]  # the G samples of a prompt next to each other
+    seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(expanded))
+    jobs: list[tuple[str, list[int], SamplingParams]] = [
+        (rid, prompt, base_params if seed is None else build_sampling_params(base_params, seed=seed))
+        for rid, prompt, seed in zip(_output_ids(len(prompts), num_samples), expanded, seeds)
+    ]
     hint = [len(prompt) + p.max_new_tokens for _, prompt, p in jobs]
     engine = Engine(
         model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer, fallback_compile_config=gc.compile_config

@@ -49,14 +49,7 @@ def check_int(
         return
     if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return
-    if minimum is not None and maximum is not None:
-        bound = f" in [{minimum}, {maximum}]"
-    elif minimum is not None:
-        bound = f" >= {minimum}"
-    elif maximum is not None:
-        bound = f" <= {maximum}"
-    else:
-        bound = ""
+    bound = _bound_text(minimum, maximum, min_open=False, max_open=False)
     raise ValueError(f"{name} must be {'None or ' if allow_none else ''}an int{bound}, got {value!r}")
 
 
@@ -89,15 +82,19 @@ def check_number(
         below = maximum is None or (value < maximum if max_open else value <= maximum)
         if above and below:
             return
-    if minimum is not None and maximum is not None:
-        bound = f" in {'(' if min_open else '['}{minimum}, {maximum}{')' if max_open else ']'}"
-    elif minimum is not None:
-        bound = f" {'>' if min_open else '>='} {minimum}"
-    elif maximum is not None:
-        bound = f" {'<' if max_open else '<='} {maximum}"
-    else:
-        bound = ""
+    bound = _bound_text(minimum, maximum, min_open=min_open, max_open=max_open)
     raise ValueError(f"{name} must be {'None or ' if allow_none else ''}a finite number{bound}, got {value!r}")
+
+
+def _bound_text(minimum: float | None, maximum: float | None, *, min_open: bool, max_open: bool) -> str:
+    """The range of a check's message: `` in (0, 1]``, `` >= 1``, `` <= 2`` or nothing."""
+    if minimum is not None and maximum is not None:
+        return f" in {'(' if min_open else '['}{minimum}, {maximum}{')' if max_open else ']'}"
+    if minimum is not None:
+        return f" {'>' if min_open else '>='} {minimum}"
+    if maximum is not None:
+        return f" {'<' if max_open else '<='} {maximum}"
+    return ""
 
 
 def token_ids(value: Any, name: str, vocab_size: int | None = None, allow_empty: bool = False) -> list[int]:

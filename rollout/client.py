@@ -256,12 +256,11 @@ class RolloutClient:
                 failed on its side (500: it keeps its last complete weights, or reports partial ones).
             RuntimeError: this side's broadcast failed. The group is closed after any failure.
         """
+        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if metas is None:
-            pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-            metas, iterator = describe(pairs), iter(pairs)
-        else:
-            pairs_iter = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-            iterator = iter(pairs_iter)
+            pairs = list(pairs)  # read twice: described, then sent
+            metas = describe(pairs)
+        iterator = iter(pairs)
         if self.group is None:
             self.init_weight_transfer()
         assert self.group is not None

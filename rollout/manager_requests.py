@@ -73,9 +73,8 @@ class RequestMethods:
                 strings (``build_sampling_params( manager.default_params, stop=["</answer>"])``).
 
         Returns:
-            The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other
-            than the driver, None: the request is checked but not queued (the driver's is run by every
-            rank), as in transformers.
+            The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other than the
+            driver, None: the request is checked but not queued (the driver's is run by every rank), as in transformers.
 
         Raises:
             ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings without a tokenizer, or
@@ -140,9 +139,8 @@ class RequestMethods:
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
 
         Raises:
-            ValueError: a bad prompt (its index is named), a bad sampling value, a seed list of the wrong length, stop
-                strings without a tokenizer, or a logits-processor value other than the generation config's under
-                ``per_request_processors=False``; nothing is queued.
+            ValueError: as for ``add_request`` (a bad prompt's index is named), or a seed list of the wrong length;
+                nothing is queued.
             QueueFullError: the batch does not fit the queue and ``block`` is False; nothing is queued.
         """
         if request_id is not None:

@@ -73,9 +73,7 @@ class OutputRouter:
             a reader with nothing to read returns once it is False.
     """
 
-    def __init__(
-        self, cond: threading.Condition | None = None, producing: Callable[[], bool] = lambda: True
-    ) -> None:
+    def __init__(self, cond: threading.Condition | None = None, producing: Callable[[], bool] = lambda: True) -> None:
         self._cond = cond or threading.Condition()
         self._producing = producing
         self._handles: dict[str, RequestHandle] = {}
@@ -168,9 +166,7 @@ class OutputRouter:
         with self._cond:
             while True:
                 if request_id is not None:
-                    handle = self._handles.get(request_id)
-                    if handle is None:
-                        raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
+                    handle = self._handle(request_id)
                     if handle.final is not None:
                         return self._deliver(handle)
                 else:
@@ -204,9 +200,7 @@ class OutputRouter:
                 iterating thread), no timeout is given and the next chunk is not there yet.
         """
         with self._cond:
-            handle = self._handles.get(request_id)
-            if handle is None:
-                raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
+            handle = self._handle(request_id)
         while True:
             if refuse_wait is not None and timeout is None and handle.stream.empty():
                 message = refuse_wait()
@@ -247,13 +241,18 @@ class OutputRouter:
         except RuntimeError:
             loop = None
         with self._cond:
-            handle = self._handles.get(request_id)
-            if handle is None:
-                raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
+            handle = self._handle(request_id)
             handle.callback = (callback, loop)
             if handle.final is not None:
                 self._call_handler(handle, handle.final)
                 self._deliver(handle)
+
+    def _handle(self, request_id: str) -> RequestHandle:
+        """The request's handle; raises KeyError when the id is unknown or its result was already delivered."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise KeyError(f"request_id {request_id!r} is unknown or its result was already delivered")
+        return handle
 
     def _deliver(self, handle: RequestHandle) -> GenerationOutput:
         handle.delivered = True

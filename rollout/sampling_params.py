@@ -58,10 +58,6 @@ def _is_set(value: Any) -> bool:
     return value is not None
 
 
-def _above(bound: float) -> Callable[[Any], bool]:
-    return lambda value: value is not None and value > bound
-
-
 def _open_unit(value: Any) -> bool:
     return value is not None and 0.0 < value < 1.0
 
@@ -74,7 +70,7 @@ UNSUPPORTED_PROCESSOR_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guidance_scale": lambda v: v is not None and v != 1,
     "sequence_bias": _is_set,
     "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
-    "encoder_no_repeat_ngram_size": _above(0),
+    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
     "forced_bos_token_id": _is_set,
     "forced_eos_token_id": _is_set,
     "remove_invalid_values": lambda v: v is True,

@@ -169,13 +169,9 @@ def chat_prompt_text(tokenizer, prompt: str) -> str:
 def tokenize_rows(
     tokenizer, prompts: Sequence[str], completions: Sequence[str], chat_template: bool = False, separator: str = ""
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Token ids of each (prompt, completion) pair.
+    """Token ids of each (prompt, completion) pair, by the rule of the module docstring's "Tokenization".
 
-    The prompt's ids are the prompt text's; the completion's are the ids of prompt + separator +
-    completion (one text) after the prompt's ids, so the separator's tokens are scored as part of
-    the completion. A row whose joint ids do not start with the prompt's ids has its completion
-    (with the separator) tokenized on its own instead (no special tokens). A prompt text that
-    already starts with the tokenizer's BOS text gets no second BOS.
+    A completion tokenized on its own (joint ids that do not start with the prompt's) gets no special tokens.
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
@@ -242,25 +238,23 @@ def write_output(ds: datasets.Dataset, results: Sequence[ScoreOutput], path: str
         path: output file; ``.jsonl`` or ``.parquet``; parent folders are created.
     """
     path = Path(path)
-    logprobs = [None if r.skipped else r.completion_logprobs for r in results]
-    sums = [None if r.skipped else r.logprob_sum for r in results]
-    counts = [None if r.skipped else r.num_tokens for r in results]
+    scores = [  # per row, the values of OUTPUT_COLUMNS
+        (None, None, None) if r.skipped else (r.completion_logprobs, r.logprob_sum, r.num_tokens) for r in results
+    ]
     existing = [c for c in OUTPUT_COLUMNS if c in ds.column_names]
     if existing:
         logger.warning("overwriting the input columns %s", existing)
         ds = ds.remove_columns(existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".parquet":
-        ds = ds.add_column(OUTPUT_COLUMNS[0], logprobs)
-        ds = ds.add_column(OUTPUT_COLUMNS[1], sums)
-        ds = ds.add_column(OUTPUT_COLUMNS[2], counts)
+        for k, column in enumerate(OUTPUT_COLUMNS):
+            ds = ds.add_column(column, [row_scores[k] for row_scores in scores])
         ds.to_parquet(str(path))
         return
     # jsonl written here rather than with Dataset.to_json, whose pandas writer rounds floats.
     with path.open("w", encoding="utf-8") as f:
-        for row, lp, s, n in zip(ds, logprobs, sums, counts):
-            row = dict(row)
-            row.update({OUTPUT_COLUMNS[0]: lp, OUTPUT_COLUMNS[1]: s, OUTPUT_COLUMNS[2]: n})
+        for row, row_scores in zip(ds, scores):
+            row = {**row, **dict(zip(OUTPUT_COLUMNS, row_scores))}
             f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
 
 

@@ -136,10 +136,9 @@ def validate_rows(
             sequence of integer ids, an id lies outside the vocabulary, or (without ``skip_too_long``)
             len(prompt) + len(completion) exceeds the model's context. The message names the row.
     """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    if isinstance(completions, (str, bytes)) or not isinstance(completions, Sequence):
-        raise ValueError(f"completions must be a list of token-id lists, got {type(completions).__name__}")
+    for name, rows in (("prompts", prompts), ("completions", completions)):
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+            raise ValueError(f"{name} must be a list of token-id lists, got {type(rows).__name__}")
     if len(prompts) != len(completions):
         raise ValueError(
             f"prompts and completions must have the same length, got {len(prompts)} prompts and "
@@ -165,10 +164,6 @@ def validate_rows(
         out_completions.append(completion)
         skipped.append(too_long)
     return out_prompts, out_completions, skipped
-
-
-def _check_temperature(temperature: Any) -> None:
-    check_number("temperature", temperature, minimum=0, min_open=True)
 
 
 def _plan_jobs(
@@ -242,7 +237,7 @@ def score_with_engine(
         ValueError: see ``score``.
         RuntimeError: the engine is closed or has unfinished requests.
     """
-    _check_temperature(temperature)
+    check_number("temperature", temperature, minimum=0, min_open=True)
     rows_p, rows_c, skipped = validate_rows(engine.model, prompts, completions, skip_too_long)
     if engine.closed:
         raise RuntimeError("the engine is closed")
@@ -395,7 +390,7 @@ def score(
         UnsupportedModelError: the model cannot run on the paged engine.
     """
     check_int("batch_tokens", batch_tokens, minimum=1, allow_none=True)
-    _check_temperature(temperature)
+    check_number("temperature", temperature, minimum=0, min_open=True)
     rows_p, rows_c, skipped = validate_rows(model, prompts, completions, skip_too_long)
     config = resolve_continuous_batching_config(continuous_batching_config)
     if batch_tokens is not None:

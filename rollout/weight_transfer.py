@@ -97,10 +97,9 @@ def parse_metas(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequen
         ValueError: lists of different lengths, an unknown dtype name or a negative dimension; the message
             starts with the field's name (``update_info.dtype_names: ...``).
     """
-    if len(dtype_names) != len(names):
-        raise ValueError(f"update_info.dtype_names: {len(dtype_names)} entries for {len(names)} names")
-    if len(shapes) != len(names):
-        raise ValueError(f"update_info.shapes: {len(shapes)} entries for {len(names)} names")
+    for field, values in (("dtype_names", dtype_names), ("shapes", shapes)):
+        if len(values) != len(names):
+            raise ValueError(f"update_info.{field}: {len(values)} entries for {len(names)} names")
     metas = []
     for name, dname, shape in zip(names, dtype_names, shapes):
         dtype = getattr(torch, str(dname).removeprefix("torch."), None)
@@ -182,7 +181,6 @@ class TransferGroup:
         self.device = torch.device(device)
         self.timeout = timeout
         delta = datetime.timedelta(seconds=timeout)
-        where = f"{master_address}:{master_port}"
         try:
             # Rank 0 serves the store; wait_for_workers=False: the group's own rendezvous below waits for them.
             self._store = dist.TCPStore(
@@ -197,17 +195,13 @@ class TransferGroup:
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = delta
                 iface = os.environ.get("GLOO_SOCKET_IFNAME")
-                gloo_device = (
-                    dist.ProcessGroupGloo.create_device(interface=iface)
-                    if iface
-                    else dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address, master_port))
-                )
-                options._devices = [gloo_device]
+                bind = {"interface": iface} if iface else {"hostname": _local_address(master_address, master_port)}
+                options._devices = [dist.ProcessGroupGloo.create_device(**bind)]
                 self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
         except Exception as e:
             raise RuntimeError(
-                f"weight transfer: rank {rank} of {world_size} could not join the group at {where} within "
-                f"{timeout:g} s: {e}"
+                f"weight transfer: rank {rank} of {world_size} could not join the group at "
+                f"{master_address}:{master_port} within {timeout:g} s: {e}"
             ) from e
 
     def broadcast(self, tensor: torch.Tensor) -> Any:

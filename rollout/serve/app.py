@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import rollout
 
 from . import jobs, metrics, responses
-from .errors import APIError, install_handlers, sse_error
+from .errors import APIError, bad_request, install_handlers, sse_error
 from .jobs import Job
 from .protocol import (
     AbortRequest,
@@ -131,13 +131,11 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        job = jobs.completion_job(body, info)
-        return await _answer(job, request)
+        return await _answer(jobs.completion_job(body, info), request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        job = jobs.chat_job(body, info)
-        return await _answer(job, request)
+        return await _answer(jobs.chat_job(body, info), request)
 
     async def _answer(job: Job, request: Request) -> Response:
         prompt_logprobs = await service.prompt_logprobs(job.prompts) if job.scores_prompt else None
@@ -215,8 +213,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     @app.post("/start_weight_update", dependencies=[Depends(control)])
     async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, Any]:
         if body is not None and not body.is_checkpoint_format:
-            raise APIError(
-                400,
+            raise bad_request(
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )

@@ -114,13 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (ContinuousBatchingConfig fields)")
     helps = _config_help()
-    hints = {f.name: f.type for f in dataclasses.fields(ContinuousBatchingConfig)}
     for f in dataclasses.fields(ContinuousBatchingConfig):
         if f.name in _NOT_FLAGS:
             continue
-        annotation = (
-            hints[f.name] if isinstance(hints[f.name], str) else typing.get_type_hints(ContinuousBatchingConfig)[f.name]
-        )
+        annotation = f.type if isinstance(f.type, str) else typing.get_type_hints(ContinuousBatchingConfig)[f.name]
         kind, choices = _flag_type(str(annotation))
         default = _SERVER_DEFAULTS.get(f.name, f.default)
         engine.add_argument(

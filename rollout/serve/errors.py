@@ -99,12 +99,11 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        first = errors[0]
         if any(
             e.get("type") in ("json_invalid", "model_attributes_type") and len(e.get("loc", ())) <= 2 for e in errors
         ):
-            first = errors[0]
             return JSONResponse(error_body(422, f"the body is not a JSON object: {first.get('msg')}"), status_code=422)
-        first = errors[0]
         param = _field_of(tuple(first.get("loc", ())))
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         if first.get("type") == "extra_forbidden":

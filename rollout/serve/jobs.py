@@ -22,18 +22,12 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SamplingParams' field names (which start its ValueError messages) in the API's words.
+# SamplingParams' field names (which start its ValueError messages) that the API spells otherwise; the
+# others a request sets (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
 API_NAMES = {
     "max_new_tokens": "max_tokens",
     "eos_token_ids": "stop_token_ids",
     "min_new_tokens": "min_tokens",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "temperature": "temperature",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop": "stop",
     "num_top_logprobs": "logprobs",
 }
 
@@ -251,7 +245,6 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
             raise bad_request(f"stop_token_ids: {t} is outside the vocabulary [0, {info.vocab_size})", "stop_token_ids")
         if t not in eos:
             eos.append(t)
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     try:
         return build_sampling_params(
             SamplingParams(),
@@ -265,12 +258,12 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
             eos_token_id=eos,
             repetition_penalty=req.repetition_penalty,
             min_new_tokens=req.min_tokens,
-            stop=stop or None,
+            stop=req.stop,
             num_top_logprobs=top_logprobs,
         )
     except ValueError as e:
         name = str(e).split(" ", 1)[0].rstrip(":")
-        param = API_NAMES.get(name)
+        param = API_NAMES.get(name, name if name in SamplingFields.model_fields else None)
         raise bad_request(f"{param or name}: {e}", param) from e
 
 
@@ -320,11 +313,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     check_supported(req)
     if req.logprobs and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
-    if (
-        req.max_tokens is not None
-        and req.max_completion_tokens is not None
-        and req.max_tokens != req.max_completion_tokens
-    ):
+    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_completion_tokens: differs from max_tokens; set one of them", "max_completion_tokens")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     ids = chat_prompt_ids(

@@ -11,6 +11,17 @@ from rollout import ContinuousBatchingManager
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# The engine's metrics, by name without the ``rollout:`` prefix: (Prometheus type, help text).
+_ENGINE_METRICS = {
+    "num_requests_running": ("gauge", "Requests admitted to the engine (holding KV blocks)."),
+    "num_requests_waiting": ("gauge", "Requests queued, not yet admitted."),
+    "generation_tokens_total": ("counter", "Tokens sampled since the server started."),
+    "prompt_tokens_total": ("counter", "Prompt tokens computed (prefix-cache hits excluded)."),
+    "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks held by requests (0 to 1)."),
+    "prefix_cache_hits_total": ("counter", "KV blocks taken from the prefix cache."),
+    "num_preemptions_total": ("counter", "Requests preempted for lack of KV blocks."),
+}
+
 
 def _metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
     lines = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
@@ -35,48 +46,17 @@ def render(manager: ContinuousBatchingManager, model_name: str, finished: dict[s
         engine = manager.engine
         stats = engine.stats
         used = 1.0 - engine.block_manager.num_free_blocks / max(engine.num_blocks, 1)
-        lines += _metric(
-            "rollout:num_requests_running",
-            "gauge",
-            "Requests admitted to the engine (holding KV blocks).",
-            [(label, len(engine.scheduler.running))],
-        )
-        lines += _metric(
-            "rollout:num_requests_waiting",
-            "gauge",
-            "Requests queued, not yet admitted.",
-            [(label, len(engine.scheduler.waiting))],
-        )
-        lines += _metric(
-            "rollout:generation_tokens_total",
-            "counter",
-            "Tokens sampled since the server started.",
-            [(label, stats.num_generated_tokens)],
-        )
-        lines += _metric(
-            "rollout:prompt_tokens_total",
-            "counter",
-            "Prompt tokens computed (prefix-cache hits excluded).",
-            [(label, stats.num_prompt_tokens_computed)],
-        )
-        lines += _metric(
-            "rollout:kv_cache_usage_perc",
-            "gauge",
-            "Fraction of KV-cache blocks held by requests (0 to 1).",
-            [(label, round(used, 6))],
-        )
-        lines += _metric(
-            "rollout:prefix_cache_hits_total",
-            "counter",
-            "KV blocks taken from the prefix cache.",
-            [(label, stats.num_prefix_cache_hit_blocks)],
-        )
-        lines += _metric(
-            "rollout:num_preemptions_total",
-            "counter",
-            "Requests preempted for lack of KV blocks.",
-            [(label, stats.num_preemptions)],
-        )
+        values = {
+            "num_requests_running": len(engine.scheduler.running),
+            "num_requests_waiting": len(engine.scheduler.waiting),
+            "generation_tokens_total": stats.num_generated_tokens,
+            "prompt_tokens_total": stats.num_prompt_tokens_computed,
+            "kv_cache_usage_perc": round(used, 6),
+            "prefix_cache_hits_total": stats.num_prefix_cache_hit_blocks,
+            "num_preemptions_total": stats.num_preemptions,
+        }
+        for name, (kind, help_) in _ENGINE_METRICS.items():
+            lines += _metric(f"rollout:{name}", kind, help_, [(label, values[name])])
     lines += _metric(
         "rollout:weight_version", "gauge", "Weight updates recorded by the engine.", [(label, manager.weight_version)]
     )

@@ -23,18 +23,21 @@ from pydantic import BaseModel, ConfigDict, Field
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage and no choice."""
+class _Body(BaseModel):
+    """A request body or part of one: an unknown field is refused (``extra="forbid"``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage and no choice."""
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Body):
     """The sampling fields that completions and chat share (OpenAI's, then vLLM's extras)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -93,10 +96,9 @@ class ToolFunction(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
-class Tool(BaseModel):
+class Tool(_Body):
     """One entry of ``tools``: only ``type: "function"`` exists in OpenAI's API."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: ToolFunction
 
@@ -130,7 +132,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=0)
 
 
-class UpdateWeightsRequest(BaseModel):
+class UpdateWeightsRequest(_Body):
     """``POST /update_weights_from_disk`` (SGLang's shape): a folder of safetensors files.
 
     Attributes:
@@ -139,19 +141,17 @@ class UpdateWeightsRequest(BaseModel):
         recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
     """
 
-    model_config = ConfigDict(extra="forbid")
     model_path: str
     recompute: bool = False
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(_Body):
     """``POST /abort_requests``: the ids to abort (the ``id`` of a response); none aborts every request."""
 
-    model_config = ConfigDict(extra="forbid")
     request_ids: list[str] | None = None
 
 
-class InitInfo(BaseModel):
+class InitInfo(_Body):
     """vLLM's ``NCCLInitInfo``: where the trainer's transfer group meets, and this server's rank in it.
 
     Attributes:
@@ -162,7 +162,6 @@ class InitInfo(BaseModel):
         packed: the default of ``update_info.packed`` (vLLM >= 0.28 moved it here).
     """
 
-    model_config = ConfigDict(extra="forbid")
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(1, ge=1)
@@ -170,22 +169,20 @@ class InitInfo(BaseModel):
     packed: bool | None = None
 
 
-class InitWeightTransferRequest(BaseModel):
+class InitWeightTransferRequest(_Body):
     """``POST /init_weight_transfer_engine``: ``{"init_info": {...}}`` (vLLM's body)."""
 
-    model_config = ConfigDict(extra="forbid")
     init_info: InitInfo
 
 
-class StartWeightUpdateRequest(BaseModel):
+class StartWeightUpdateRequest(_Body):
     """``POST /start_weight_update`` (vLLM's body; ``is_checkpoint_format`` must be true: rollout loads tensors
     named as ``model.named_parameters()``, which is the checkpoint's format for transformers models)."""
 
-    model_config = ConfigDict(extra="forbid")
     is_checkpoint_format: bool = True
 
 
-class UpdateInfo(BaseModel):
+class UpdateInfo(_Body):
     """vLLM's ``NCCLUpdateInfo``: the tensors the trainer is about to broadcast, in order.
 
     Attributes:
@@ -198,7 +195,6 @@ class UpdateInfo(BaseModel):
             the default here too).
     """
 
-    model_config = ConfigDict(extra="forbid")
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
@@ -206,8 +202,7 @@ class UpdateInfo(BaseModel):
     packed_buffer_size_bytes: int | None = Field(None, ge=1)
 
 
-class UpdateWeightsFromTrainerRequest(BaseModel):
+class UpdateWeightsFromTrainerRequest(_Body):
     """``POST /update_weights``: ``{"update_info": {...}}`` (vLLM's body)."""
 
-    model_config = ConfigDict(extra="forbid")
     update_info: UpdateInfo

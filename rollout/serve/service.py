@@ -35,6 +35,7 @@ from rollout import (
 
 from .errors import APIError
 from .jobs import Job, ModelInfo
+from .responses import finish_reason
 from .weight_updates import TransferSettings, WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,6 @@ class PauseHolder:
         self._manager = manager
         self._thread: threading.Thread | None = None
         self._release = threading.Event()
-
-    @property
-    def held(self) -> bool:
-        """True between ``hold`` and ``release``."""
-        return self._thread is not None
 
     def hold(self) -> None:
         """Enter the pause (blocking: returns once the step in progress has ended); a no-op when held."""
@@ -235,11 +231,9 @@ class GenerationService:
             raise APIError(503, self.weights.state.partial)
         queue_limit = self.manager.cb_config.max_queue_size
         limit = queue_limit or MAX_SEQUENCES_PER_JOB
-        if len(job.prompts) * job.n > limit:  # it would never fit: a 503 would invite endless retries
+        if job.num_choices > limit:  # it would never fit: a 503 would invite endless retries
             bound = f"--max-queue-size {queue_limit}" if queue_limit else f"limit of {limit} sequences per request"
-            raise APIError(
-                400, f"n: {len(job.prompts) * job.n} requests (prompts x n) exceed the server's {bound}", "n"
-            )
+            raise APIError(400, f"n: {job.num_choices} requests (prompts x n) exceed the server's {bound}", "n")
         expanded = [p for p in job.prompts for _ in range(job.n)]
         try:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
@@ -259,21 +253,8 @@ class GenerationService:
             self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
         return submission
 
-    async def collect(self, job: Job) -> list[GenerationOutput]:
-        """The final output of every choice of a job, in choice order (see ``submit``)."""
-        submission = await self.submit(job)
-        outputs: list[GenerationOutput | None] = [None] * job.num_choices
-        async for index, out in submission:
-            if out.is_finished():
-                outputs[index] = out
-        return outputs  # type: ignore[return-value]
-
     def _done(self, rid: str, out: GenerationOutput) -> None:
-        reason = (
-            "error"
-            if out.status == RequestStatus.FAILED
-            else {"cancelled": "abort"}.get(out.finish_reason or "", out.finish_reason or "error")
-        )
+        reason = "error" if out.status == RequestStatus.FAILED else finish_reason(out) or "error"
         self.finished[reason] += 1
         self._forget(rid)
 

@@ -25,7 +25,7 @@ from rollout import ContinuousBatchingManager
 from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
 from rollout.weights import copy_weights, plan_weight_copy
 
-from .errors import APIError
+from .errors import APIError, bad_request
 from .protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
@@ -40,9 +40,8 @@ class TransferSettings:
             one pause, so a failed transfer leaves the weights as they were (memory: one more copy of the
             tensors sent); ``in_place``: each bucket is copied into the live weights as it arrives, under a
             pause held for the whole ``/update_weights`` call, which makes a new weight version (memory: one
-            bucket; generation stops while it receives), so a failed transfer
-            leaves partial weights, which the server then reports (``/health`` 503, generation 503) until a
-            complete update.
+            bucket; generation stops while it receives), so a failed transfer leaves partial weights, which the
+            server then reports (``/health`` 503, generation 503) until a complete update.
         timeout: seconds the rendezvous and each broadcast may wait for the trainer before failing.
     """
 
@@ -139,9 +138,6 @@ class WeightUpdater:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             raise APIError(400, f"model_path: {message}", "model_path") from e
 
-    def _device(self) -> torch.device:
-        return next(self.manager.model.parameters()).device
-
     def weights_dtype(self) -> str:
         """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
         return str(next(self.manager.model.parameters()).dtype)
@@ -181,23 +177,17 @@ class WeightUpdater:
         if self.state.receiving:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         if init.rank_offset >= init.world_size:
-            raise APIError(
-                400,
+            raise bad_request(
                 f"init_info.rank_offset: {init.rank_offset} is not a rank of a world of {init.world_size} "
                 "(the trainer is rank 0, this server's one worker is rank rank_offset)",
                 "init_info.rank_offset",
             )
         self.close_group()
+        device = next(self.manager.model.parameters()).device
         timeout = self.settings.timeout
         try:
             group = await asyncio.to_thread(
-                TransferGroup,
-                init.master_address,
-                init.master_port,
-                init.rank_offset,
-                init.world_size,
-                self._device(),
-                timeout,
+                TransferGroup, init.master_address, init.master_port, init.rank_offset, init.world_size, device, timeout
             )
         except RuntimeError as e:
             self.state.last_error = str(e)
@@ -210,8 +200,7 @@ class WeightUpdater:
 
     def _need_group(self) -> TransferGroup:
         if self.state.group is None:
-            raise APIError(
-                400,
+            raise bad_request(
                 "no weight-transfer group: call /init_weight_transfer_engine first (a failed transfer closes it)",
                 "init_info",
             )
