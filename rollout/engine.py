@@ -329,7 +329,9 @@ class Engine(EngineRequests):
             raise RuntimeError("the engine is closed")
         plan = self.warmup_plan()
         if not plan or self._warm_done:
-            logger.debug("warmup: nothing to compile or capture, or done already")
+            logger.debug(
+                "warmup: %s", "already done for this engine" if plan else "no compiled or graphed path; nothing to do"
+            )
             return 0.0
         runner = self.runner
         assert runner.padding is not None  # a plan means a static path, which has a padding rule
