@@ -48,7 +48,8 @@ class EngineStats:
         num_compiles_after_warmup: those triggered by steps after ``Engine.warmup()`` (0 when warmup never ran).
         num_cuda_graph_captures: CUDA graphs captured, warmup included.
         num_cuda_graph_captures_after_warmup: those captured by steps after ``warmup()``.
-        warmup_seconds: wall time of ``warmup()`` (None when it never ran or had nothing to do).
+        warmup_seconds: wall time of ``warmup()`` (0.0 when an earlier engine on the model had compiled its
+            shapes; None when it never ran or had nothing to do).
         num_async_steps: async batching: steps scheduled and launched while the step before them ran.
     """
 
