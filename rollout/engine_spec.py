@@ -335,10 +335,13 @@ class EngineSpec:
                 ``max_new_tokens``, the prompt's length and the context), the request needs more blocks than the cache
                 has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records no logprobs.
         """
+        # A request is named once it has an id (the manager checks some before it assigns one).
+        who = f"request {request_id!r}: " if request_id is not None else ""
         if params.num_top_logprobs > 0 and not self.return_logprobs:
             raise ValueError(
-                f"num_top_logprobs: request {request_id!r} asks for {params.num_top_logprobs} top logprobs per "
-                "token, but the engine records no logprobs; pass ContinuousBatchingConfig(return_logprobs=True)"
+                f"num_top_logprobs: {who.rstrip(': ') or 'the request'} asks for {params.num_top_logprobs} top "
+                "logprobs per token, but the engine records no logprobs; pass "
+                "ContinuousBatchingConfig(return_logprobs=True)"
             )
         total = num_prompt_tokens + params.max_new_tokens
         context = self.context_length
@@ -347,7 +350,7 @@ class EngineSpec:
                 fix = f"shorten the prompt to at most {context - (0 if scoring else 1)} tokens"
             else:
                 fix = f"lower max_new_tokens to at most {context - num_prompt_tokens} or shorten the prompt"
-            what = "" if scoring else f"max_new_tokens: request {request_id!r}: "
+            what = "" if scoring else f"max_new_tokens: {who}"
             raise ValueError(
                 f"{what}prompt ({num_prompt_tokens} tokens)"
                 + ("" if scoring else f" plus max_new_tokens ({params.max_new_tokens})")
@@ -356,7 +359,7 @@ class EngineSpec:
         needed = self.layout.max_blocks_needed(total, self.max_batch_tokens, self.block_size)
         if needed > self.num_blocks:
             raise ValueError(
-                f"request {request_id!r}: prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
+                f"{who}prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
                 f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache "
                 f"has {self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens"
             )
