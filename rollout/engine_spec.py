@@ -336,10 +336,11 @@ class EngineSpec:
                 has, or it asks for top logprobs (``num_top_logprobs``) from an engine that records no logprobs.
         """
         # A request is named once it has an id (the manager checks some before it assigns one).
-        who = f"request {request_id!r}: " if request_id is not None else ""
+        name = f"request {request_id!r}" if request_id is not None else None
+        who = f"{name}: " if name is not None else ""
         if params.num_top_logprobs > 0 and not self.return_logprobs:
             raise ValueError(
-                f"num_top_logprobs: {who.rstrip(': ') or 'the request'} asks for {params.num_top_logprobs} top "
+                f"num_top_logprobs: {name or 'the request'} asks for {params.num_top_logprobs} top "
                 "logprobs per token, but the engine records no logprobs; pass "
                 "ContinuousBatchingConfig(return_logprobs=True)"
             )
