@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .config import ContinuousBatchingConfig
 from .distributed import TensorParallel
@@ -84,11 +85,8 @@ class RequestMethods:
             RuntimeError: the manager failed (the message names the cause) or was destroyed, or ``block`` would wait for
                 room without a timeout inside this thread's ``pause()``.
         """
-        params = request_params(
-            self.default_params,
+        params = self._params(
             sampling_params,
-            vocab_size=self._vocab_size,
-            per_request_processors=self.cb_config.per_request_processors,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,
@@ -148,11 +146,8 @@ class RequestMethods:
         if seed is None and sampling_params is not None:
             seed = sampling_params.seed
         seeds = derive_seeds(seed, len(inputs))
-        params = request_params(
-            self.default_params,
+        params = self._params(
             sampling_params,
-            vocab_size=self._vocab_size,
-            per_request_processors=self.cb_config.per_request_processors,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
             temperature=temperature,
@@ -166,6 +161,17 @@ class RequestMethods:
         for i, rid in zip(order, queued):
             ids[i] = rid
         return ids  # type: ignore[return-value]
+
+    def _params(self, sampling_params: SamplingParams | None, **values: Any) -> SamplingParams:
+        """A request's parameters: the manager's defaults, ``sampling_params`` and the per-request ``values``
+        (``intake.request_params``, with the manager's vocabulary and processor rule)."""
+        return request_params(
+            self.default_params,
+            sampling_params,
+            vocab_size=self._vocab_size,
+            per_request_processors=self.cb_config.per_request_processors,
+            **values,
+        )
 
     def _current_engine(self) -> Engine | None:
         """The engine, read under the lock; None once the manager was destroyed."""
