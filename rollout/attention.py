@@ -3,14 +3,17 @@
 One metadata class (``PagedAttentionMetadata``) and one function (``paged_attention``, reached through
 ``attention_registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike; only the sizes of the
 step's tensors differ (exact or padded, chosen by the input builder, ``step_inputs.PaddingRule``). Keys and
-values go into the cache through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU,
-and CUDA without flash-attn): the query rows attend in groups over their request's keys, gathered through every
-KV layer group's block tables: decode rows one per group (the query heads that share a KV head folded into the
-query axis, so grouped-query attention needs no copy of the keys), prefill chunks in sub-chunks.
+values go into the cache through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU
+with ``cpu_attention="sdpa"`` or without a C++ compiler, and CUDA without flash-attn): the query rows attend in
+groups over their request's keys, gathered through every KV layer group's block tables: decode rows one per
+group (the query heads that share a KV head folded into the query axis, so grouped-query attention needs no
+copy of the keys), prefill chunks in sub-chunks.
 CUDA path, when ``flash.choose_flash`` allows it: a decode-only step (one query token per request, every request
 within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache`` (eager, compiled or
 CUDA-graphed; the block table as wide as the longest request or the padded width), any other eager step through
 ``flash_attn_varlen_func`` over the whole flattened batch with a block table (vLLM's and nano-vllm's approach).
+CPU path (the default there): the same inputs and calls as the CUDA path, served by rollout's C++ kernel
+(``cpu_attention``), which reads the cache in place as flash-attn does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
 from .flash import flash_attn_varlen_func as _flash_attn_varlen_func
 from .flash import flash_attn_with_kvcache as _flash_attn_with_kvcache
 from .kv_cache import PagedKVCache
@@ -361,10 +365,13 @@ def _flash_attention(
         softcap=softcap or 0.0,
     )
     lengths = {k: v for k, v in f.items() if k != "block_tables"}  # cache_seqlens, or cu_seqlens_* and max_seqlen_*
+    on_cpu = k_cache.device.type == "cpu"
     if "cache_seqlens" in f:
-        assert _flash_attn_with_kvcache is not None
-        out = _flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, **lengths, **shared)
+        with_kvcache = cpu_attention.flash_attn_with_kvcache if on_cpu else _flash_attn_with_kvcache
+        assert with_kvcache is not None
+        out = with_kvcache(q.unsqueeze(1), kc, vc, **lengths, **shared)
         return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
-    assert _flash_attn_varlen_func is not None
-    out = _flash_attn_varlen_func(q, kc, vc, **lengths, **shared)
+    varlen = cpu_attention.flash_attn_varlen_func if on_cpu else _flash_attn_varlen_func
+    assert varlen is not None
+    out = varlen(q, kc, vc, **lengths, **shared)
     return out.to(query.dtype).unsqueeze(0)

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
 PREEMPTION_MODES = ("recompute", "offload")
+CPU_ATTENTION_CHOICES = ("auto", "paged", "sdpa")
 
 # Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see scripts/bench.py); on CUDA 256 matches
 # transformers' continuous batching default.
@@ -125,7 +126,12 @@ class ContinuousBatchingConfig:
             every request decodes one token goes through flash-attn's ``flash_attn_with_kvcache`` when each request's
             keys fit in this many blocks, else through the varlen kernel. 0 turns the fast path off; None sizes it for
             the longest request the cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where
-            the engine runs flash-attn (CUDA); no effect on CPU.
+            the engine runs a paged kernel (flash-attn on CUDA, rollout's on CPU).
+        cpu_attention: the attention kernel of an engine on CPU: ``"auto"`` (default) rollout's paged kernel
+            (``cpu_attention``, which reads the cache in place through the block tables; compiled with the machine's
+            C++ compiler the first time, about 20 s), falling back to SDPA over gathered keys with one warning when it
+            cannot be built; ``"paged"`` the kernel or a RuntimeError naming why not; ``"sdpa"`` SDPA. No effect on
+            CUDA (flash-attn or SDPA, see ``flash.choose_flash``).
         use_async_batching: schedule and prepare step k+1 (its batch and staged inputs, padded ones on a compiled or
             CUDA-graphed path) while step k's forward and sampling run (``batch_queue``; on CPU in a worker thread, on
             CUDA through a side stream and two staging buffer sets). Step k+1 is scheduled before step k's tokens are
@@ -175,6 +181,7 @@ class ContinuousBatchingConfig:
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
     max_blocks_per_request: int | None = None
+    cpu_attention: Literal["auto", "paged", "sdpa"] = "auto"
     use_async_batching: bool | None = None
     disable_nccl_graph_mixing: bool = True
     cpu_group_timeout: float | None = 300.0
@@ -243,6 +250,7 @@ class ContinuousBatchingConfig:
         check_int("q_padding_interval_size", self.q_padding_interval_size, minimum=0)
         check_int("kv_padding_interval_size", self.kv_padding_interval_size, minimum=0)
         check_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0, allow_none=True)
+        check_choice("cpu_attention", self.cpu_attention, CPU_ATTENTION_CHOICES)
         if self.use_async_batching is not None:
             check_bool("use_async_batching", self.use_async_batching)
         check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)

@@ -19,6 +19,7 @@ from transformers.generation import CompileConfig
 
 from .cache_sizing import num_blocks_for_model, offload_space_gib
 from .config import ContinuousBatchingConfig
+from .cpu_attention import choose_cpu_attention
 from .distributed import TensorParallel, tensor_parallel_mesh
 from .flash import choose_flash
 from .kv_cache import CacheLayout, CacheShape
@@ -200,8 +201,9 @@ class EngineSpec:
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
-        use_flash: the steps run flash-attn's paged kernels (CUDA), else SDPA.
-        max_blocks_per_request: the CUDA decode fast path's table width (0: off).
+        use_flash: the steps run paged kernels with flash-attn's inputs (flash-attn's on CUDA, ``cpu_attention``'s on
+            CPU), else SDPA over gathered keys.
+        max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
         return_logprobs: the engine records a logprob per generated token (the config's).
         tp: the tensor-parallel group of a ``tp_plan``-sharded model, else None.
@@ -284,7 +286,10 @@ class EngineSpec:
         context_length = model_context_length(model)
         head_dims = [shape.layer(i).head_dim for i in range(shape.num_layers)]
         odd = [d for d in head_dims if d % 8]
-        use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else max(head_dims), block_size)
+        if all(d.type == "cpu" for d in devices):
+            use_flash = choose_cpu_attention(config.cpu_attention)
+        else:
+            use_flash = choose_flash(devices, shape.dtype, odd[0] if odd else max(head_dims), block_size)
         padding = None
         if any(cuda_graphs) or any(c is not None for c in compile_configs):
             q_interval, kv_interval = resolve_padding_intervals(config, dev)

@@ -20,6 +20,7 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import rollout.attention as attention
+import rollout.cpu_attention as cpu_attention
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
 from rollout.engine_spec import resolve_max_blocks_per_request
@@ -60,6 +61,7 @@ def _engine(
         max_batch_tokens=max_batch_tokens,
         return_logprobs=True,
         max_blocks_per_request=max_blocks_per_request,
+        cpu_attention="sdpa",  # the SDPA reference; flash=True below turns the (stand-in) paged kernels on
         **overrides,
     )
     engine = Engine(model, config)
@@ -67,6 +69,9 @@ def _engine(
     if flash:
         monkeypatch.setattr(attention, "_flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
         monkeypatch.setattr(attention, "_flash_attn_with_kvcache", flash_reference.flash_attn_with_kvcache)
+        # The cache is on the CPU, where the steps would call rollout's kernel: the stand-ins check flash-attn's rules.
+        monkeypatch.setattr(cpu_attention, "flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
+        monkeypatch.setattr(cpu_attention, "flash_attn_with_kvcache", flash_reference.flash_attn_with_kvcache)
         engine.use_flash = engine.runner.use_flash = True
     return engine
 

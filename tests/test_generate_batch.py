@@ -185,7 +185,10 @@ def test_forked_groups_under_preemption_match_generate(preemption_mode: str) -> 
     model = tiny_llama()
     prompts = random_prompts(2, VOCAB_SIZE, min_len=18, max_len=18, seed=16)
     cfg = ContinuousBatchingConfig(
-        page_size=4, num_blocks=20, safety_margin=0.0, preemption_mode=preemption_mode,
+        page_size=4,
+        num_blocks=20,
+        safety_margin=0.0,
+        preemption_mode=preemption_mode,
         cpu_offload_space=0.01 if preemption_mode == "offload" else 0,
     )
     engine, out = _greedy_engine(model, [p for p in prompts for _ in range(4)], cfg, max_new=16)
@@ -258,9 +261,7 @@ def test_preemption_and_chunked_prefill_give_unconstrained_outputs() -> None:
 def test_scheduler_policies_match_generate(scheduler_type: str) -> None:
     model = tiny_llama()
     prompts = random_prompts(6, VOCAB_SIZE, min_len=5, max_len=25, seed=7)
-    config = ContinuousBatchingConfig(
-        block_size=8, num_blocks=64, scheduler_type=scheduler_type, max_batch_tokens=32
-    )
+    config = ContinuousBatchingConfig(block_size=8, num_blocks=64, scheduler_type=scheduler_type, max_batch_tokens=32)
     _, out = _greedy_engine(model, prompts, config)
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == reference_greedy(model, p, MAX_NEW, None)
@@ -368,7 +369,11 @@ def test_offload_preemption_restores_kv_instead_of_recomputing() -> None:
     prompts = random_prompts(8, VOCAB_SIZE, min_len=10, max_len=30, seed=6)
     _, reference = _greedy_engine(model, prompts, ContinuousBatchingConfig(block_size=4, num_blocks=256), max_new=16)
     cfg = ContinuousBatchingConfig(
-        block_size=4, num_blocks=14, safety_margin=0.0, preemption_mode="offload", cpu_offload_space=0.01,
+        block_size=4,
+        num_blocks=14,
+        safety_margin=0.0,
+        preemption_mode="offload",
+        cpu_offload_space=0.01,
         allow_block_sharing=False,
     )
     engine, out = _greedy_engine(model, prompts, cfg, max_new=16)

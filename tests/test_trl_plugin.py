@@ -151,8 +151,12 @@ def test_grpo_trainer_generates_with_manager_and_logs_importance_sampling(tiny_l
 
 def test_rejects_unsupported_sampling_options(tiny_llama_dir, tmp_path):
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, min_p=0.1,
-        report_to="none", bf16=False,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        min_p=0.1,
+        report_to="none",
+        bf16=False,
     )
     with pytest.raises(ValueError, match="min_p"):
         RolloutGRPOTrainer(

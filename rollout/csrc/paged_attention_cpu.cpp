@@ -1,0 +1,224 @@
+// Paged attention on CPU: each query row reads its sequence's keys and values in place, through the block
+// table, with no gather into a contiguous copy.
+//
+// Semantics are flash-attn 2's `flash_attn_varlen_func` with a paged cache (flash_attn_interface.py): the causal
+// mask is aligned to the bottom right of each sequence's (queries x keys) matrix, so query row i of a sequence of
+// q_len queries and k_len keys sits at position p = k_len - q_len + i and sees keys j with
+// p - window_left <= j <= p (window_left < 0: from key 0); softcap > 0 caps the scaled scores as
+// softcap * tanh(score / softcap). Rows after the last sequence (cu_seqlens_q[B] <= t < T) belong to no sequence:
+// their output is 0. vLLM's CPU backend has a kernel of this kind (`cpu_attention_with_kv_cache`); this one is
+// written for rollout from those semantics.
+//
+// Work is split over (tile of up to 16 query rows of one sequence, KV head), in parallel over ATen's OpenMP threads
+// (the build passes -fopenmp, whose calls resolve to torch's own libgomp): the tile's rows and the query heads
+// that share a KV head read each key and value once, while they are in the core's cache. Scores are computed in
+// float32 whatever the cache's dtype, then a softmax over each row's visible keys; the output has q's dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// The dot product of a float32 query and a key row of the cache (vectorized over D).
+template <typename scalar_t>
+inline float dot(const float* __restrict q, const scalar_t* __restrict k, int64_t D) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+// acc += p * v over D (vectorized).
+template <typename scalar_t>
+inline void add_scaled(float* __restrict acc, float p, const scalar_t* __restrict v, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+// The thread's scratch buffers, reused across its work items.
+struct Scratch {
+  std::vector<float> q, scores, acc;
+};
+
+// One tile of consecutive query rows of one sequence (rows r = 0..R-1 at positions p0 + r) and one KV head: the
+// tile's R x G queries (G query heads per KV head) over keys [lo(0), p0 + R - 1], row r masked to
+// [lo(r), p0 + r] where lo(r) = max(0, p0 + r - window_left) (0 without a window).
+template <typename scalar_t>
+void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t p0,
+                 int64_t window_left, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t kv_head,
+                 int64_t G, int64_t D, float scale, float softcap, scalar_t* out, int64_t out_row_stride, Scratch& s) {
+  const int64_t M = R * G;  // query vectors of the tile: m = r * G + g
+  auto lo_of = [&](int64_t r) { return window_left >= 0 ? std::max<int64_t>(0, p0 + r - window_left) : int64_t{0}; };
+  const int64_t jlo = lo_of(0), jhi = p0 + R - 1, n = jhi - jlo + 1;
+  // Calls fn(j, offset of key position j's row, this KV head's) for j = jlo..jhi, a block at a time: one table
+  // read per block, no division per key.
+  auto for_each_key = [&](auto&& fn) {
+    for (int64_t j = jlo; j <= jhi;) {
+      const int64_t block = j / block_size, last = std::min(jhi, (block + 1) * block_size - 1);
+      const int64_t base = static_cast<int64_t>(table[block]) * block_stride + kv_head * head_stride;
+      for (int64_t off = j - block * block_size; j <= last; ++j, ++off) fn(j, base + off * token_stride);
+    }
+  };
+
+  s.q.resize(M * D);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* qh = q + r * q_row_stride + (kv_head * G + g) * q_head_stride;
+      float* qm = s.q.data() + (r * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qm[d] = static_cast<float>(qh[d]);
+    }
+  // Scores: each key row is read once for the tile's M queries (dot products over D, vectorized).
+  s.scores.resize(M * n);
+  float* scores = s.scores.data();
+  const float* qs = s.q.data();
+  for_each_key([&](int64_t j, int64_t row) {
+    const scalar_t* kj = k_cache + row;
+    for (int64_t m = 0; m < M; ++m) scores[m * n + (j - jlo)] = dot(qs + m * D, kj, D);
+  });
+  // Softmax per query vector over its visible keys; masked keys get probability 0.
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = m / G;
+    const int64_t first = lo_of(r) - jlo, last = p0 + r - jlo;  // visible: [first, last]
+    float* sm = s.scores.data() + m * n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t i = first; i <= last; ++i) {
+      float v = sm[i] * scale;
+      if (softcap > 0.f) v = softcap * std::tanh(v / softcap);
+      sm[i] = v;
+      top = std::max(top, v);
+    }
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = (i >= first && i <= last) ? std::exp(sm[i] - top) : 0.f;
+      sm[i] = e;
+      total += e;
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < n; ++i) sm[i] *= inv;
+  }
+  // The weighted sum of the values: each value row is read once for the tile.
+  s.acc.assign(M * D, 0.f);
+  float* acc = s.acc.data();
+  for_each_key([&](int64_t j, int64_t row) {
+    const scalar_t* vj = v_cache + row;
+    for (int64_t m = 0; m < M; ++m) {
+      const float p = scores[m * n + (j - jlo)];
+      if (p != 0.f) add_scaled(acc + m * D, p, vj, D);  // 0: a key masked for this row
+    }
+  });
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      scalar_t* oh = out + r * out_row_stride + (kv_head * G + g) * D;
+      const float* am = s.acc.data() + (r * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(am[d]);
+    }
+}
+
+// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table int32 [B, W]. Sequence b's queries
+// are rows cu_seqlens_q[b]..cu_seqlens_q[b + 1] (no cu_seqlens_q: row b alone, T = B), its keys number
+// cu_seqlens_k[b + 1] - cu_seqlens_k[b] or seqused_k[b] (one of the two given).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+                           const std::optional<at::Tensor>& seqused_k, const at::Tensor& block_table, double scale,
+                           int64_t window_left, double softcap) {
+  TORCH_CHECK(q.device().is_cpu(), "rollout::paged_attention_cpu: q must be on the CPU");
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  // Strided caches are read as they are (a layer narrower than its cache slot is a view with wider rows).
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1,
+              "k_cache and v_cache must share strides, with a contiguous last dimension");
+  TORCH_CHECK(q.stride(2) == 1, "q must have a contiguous last dimension");
+  TORCH_CHECK(cu_seqlens_k.has_value() != seqused_k.has_value(), "give one of cu_seqlens_k and seqused_k");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt, "block_table must be int32 [B, W]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "the cache's head dim must be q's");
+  TORCH_CHECK(H % Hkv == 0, "KV heads (", Hkv, ") must divide query heads (", H, ")");
+  const int64_t B = block_table.size(0), W = block_table.size(1);
+  auto int32_host = [](const at::Tensor& t, int64_t n, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == n, name, " must be int32 [", n, "]");
+    return t.contiguous();
+  };
+  // Each sequence's first query row, query count and key count.
+  std::vector<int64_t> q_start(B), q_len(B), k_len(B);
+  if (cu_seqlens_q.has_value()) {
+    const auto cu = int32_host(*cu_seqlens_q, B + 1, "cu_seqlens_q");
+    const int32_t* c = cu.data_ptr<int32_t>();
+    TORCH_CHECK(c[0] == 0 && c[B] <= T, "cu_seqlens_q must start at 0 and end at most at T");
+    for (int64_t b = 0; b < B; ++b) q_start[b] = c[b], q_len[b] = c[b + 1] - c[b];
+  } else {
+    TORCH_CHECK(T == B, "without cu_seqlens_q, q must have one row per sequence");
+    for (int64_t b = 0; b < B; ++b) q_start[b] = b, q_len[b] = 1;
+  }
+  if (cu_seqlens_k.has_value()) {
+    const auto cu = int32_host(*cu_seqlens_k, B + 1, "cu_seqlens_k");
+    const int32_t* c = cu.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) k_len[b] = c[b + 1] - c[b];
+  } else {
+    const auto used = int32_host(*seqused_k, B, "seqused_k");
+    const int32_t* u = used.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) k_len[b] = u[b];
+  }
+  const auto tables = block_table.contiguous();
+
+  // The work: tiles of at most kRowTile consecutive rows of one sequence, checked before any work.
+  constexpr int64_t kRowTile = 16;
+  struct Tile {
+    int64_t row, count, pos;  // first row, rows, position of the first row among its sequence's keys
+    int32_t seq;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = q_len[b], m = k_len[b];
+    TORCH_CHECK(n >= 0 && n <= m, "sequence ", b, " has ", n, " queries but ", m, " keys");
+    TORCH_CHECK(m <= W * block_size, "sequence ", b, " has ", m, " keys, more than its table of ", W, " blocks holds");
+    for (int64_t i = 0; i < n; i += kRowTile)
+      tiles.push_back({q_start[b] + i, std::min(kRowTile, n - i), m - n + i, static_cast<int32_t>(b)});
+  }
+  auto out = at::zeros({T, H, D}, q.options());
+  const int64_t G = H / Hkv;
+  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int32_t* tp = tables.data_ptr<int32_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t q_row = q.stride(0), q_head = q.stride(1);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const Tile& tile = tiles[item / Hkv];
+        const int64_t kv_head = item % Hkv;
+        attend_tile<scalar_t>(qp + tile.row * q_row, q_row, q_head, tile.count, tile.pos, window_left, kp, vp,
+                              tp + tile.seq * W, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                              kv_head, G, D, fscale, fcap, op + tile.row * H * D, H * D, scratch);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rollout_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+      "Tensor? seqused_k, Tensor block_table, float scale, int window_left, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

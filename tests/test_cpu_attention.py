@@ -1,0 +1,193 @@
+"""rollout's paged CPU attention kernel (``rollout.cpu_attention``, ``rollout/csrc/paged_attention_cpu.cpp``).
+
+The kernel takes flash-attn's paged inputs, so it is checked against ``tests/flash_reference.py``'s
+``reference_attention`` (flash-attn 2's documented semantics: causal mask aligned to the bottom right, left
+window, softcap) over keys read through a block table; then an engine on it against ``model.generate``, a
+teacher-forced forward and the SDPA path, on tiny models of the three attention kinds it serves (GQA, sliding
+windows, softcap). The kernel is compiled on first use (about 20 s on 2 cores, once per machine).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import rollout.cpu_attention as cpu_attention
+import rollout.model_runner as model_runner
+from rollout import ContinuousBatchingConfig, Engine
+from rollout.static_step import FORWARDS
+from tests.flash_reference import reference_attention
+from tests.test_flash_path import tiny_gemma2_softcap
+from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
+from tests.utils import (
+    assert_close,
+    generate_in_order,
+    reference_greedy,
+    teacher_forced_logprobs,
+)
+
+NUM_BLOCKS, PAGE, HKV, H, D = 24, 8, 2, 6, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    reason = cpu_attention.load_kernel()
+    assert reason is None, reason  # this machine has a C++ compiler and ninja: the kernel must build
+
+
+def _cache(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, PAGE, HKV, D)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def _expected(q, k_cache, v_cache, q_lens, k_lens, table, scale, window, softcap) -> torch.Tensor:  # noqa: ANN001
+    """The reference, sequence by sequence, over keys gathered through the table; rows past the last sequence 0."""
+    out = torch.zeros_like(q)
+    start = 0
+    for b, (n, m) in enumerate(zip(q_lens, k_lens)):
+        slots = (table[b].long()[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:m]
+        k = k_cache.reshape(-1, HKV, D)[slots]
+        v = v_cache.reshape(-1, HKV, D)[slots]
+        if n:
+            out[start : start + n] = reference_attention(q[start : start + n], k, v, scale, True, (window, 0), softcap)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(-1, 0.0), (5, 0.0), (-1, 2.0), (3, 2.0)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_varlen_kernel_computes_flash_attns_paged_attention(window, softcap, dtype, atol) -> None:  # noqa: ANN001
+    k_cache, v_cache = _cache(dtype)
+    # A decode row, a chunk after cached keys, a whole prompt of more than one row tile (16), an empty sequence,
+    # and two rows of padding after the last sequence.
+    q_lens, k_lens = [1, 6, 21, 0], [13, 30, 21, 4]
+    table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))[:16].view(4, 4).int()
+    T = sum(q_lens) + 2
+    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cu_q = torch.tensor([0, 1, 7, 28, 28], dtype=torch.int32)
+    cu_k = torch.tensor([0, 13, 43, 64, 68], dtype=torch.int32)
+    out = cpu_attention.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, 21, 30, 0.3, True, (window, 0), softcap, block_table=table
+    )
+    expected = _expected(q.float(), k_cache.float(), v_cache.float(), q_lens, k_lens, table, 0.3, window, softcap)
+    assert out.dtype == dtype and out.shape == (T, H, D)
+    assert_close(out.float().flatten(), expected.flatten(), atol=atol)
+    assert torch.equal(out[28:].float(), torch.zeros(2, H, D))  # the padded rows: exactly 0
+
+
+def test_the_kvcache_form_is_the_varlen_kernel_with_one_query_per_sequence() -> None:
+    k_cache, v_cache = _cache()
+    lens = torch.tensor([1, 9, 32, 17], dtype=torch.int32)
+    table = torch.arange(16, dtype=torch.int32).flip(0).view(4, 4)
+    q = torch.randn(4, 1, H, D, generator=torch.Generator().manual_seed(3))
+    out = cpu_attention.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, 0.25, True, (7, 0), 0.0)
+    cu_q = torch.arange(5, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()])
+    varlen = cpu_attention.flash_attn_varlen_func(
+        q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, 32, 0.25, True, (7, 0), 0.0, block_table=table
+    )
+    assert out.shape == (4, 1, H, D) and torch.equal(out[:, 0], varlen)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"k_lens": [13, 40]}, "more than its table of 4 blocks holds"),  # 40 keys > 4 blocks of 8
+        ({"k_lens": [13, 3]}, "has 6 queries but 3 keys"),
+        ({"int64": True}, "must be int32"),
+        ({"dtype": torch.float64}, "must share a dtype"),
+    ],
+)
+def test_the_kernel_refuses_inputs_it_cannot_read_before_any_work(change: dict, message: str) -> None:
+    k_cache, v_cache = _cache()
+    k_lens = change.get("k_lens", [13, 30])
+    q = torch.randn(7, H, D).to(change.get("dtype", torch.float32))
+    cu_q = torch.tensor([0, 1, 7])
+    cu_k = torch.tensor([0, k_lens[0], sum(k_lens)])
+    if not change.get("int64"):
+        cu_q, cu_k = cu_q.int(), cu_k.int()
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_attention.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 6, 30, block_table=table)
+
+
+def test_a_right_window_or_a_non_causal_call_is_refused() -> None:
+    k_cache, v_cache = _cache()
+    q, table, lens = torch.randn(1, 1, H, D), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="no right window"):
+        cpu_attention.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, window_size=(4, 2))
+    with pytest.raises(ValueError, match="causal"):
+        cpu_attention.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, causal=False)
+
+
+def _engine(model, choice: str, **overrides: object) -> Engine:  # noqa: ANN001
+    config = ContinuousBatchingConfig(
+        page_size=4, num_blocks=160, max_batch_tokens=48, return_logprobs=True, cpu_attention=choice, **overrides
+    )
+    return Engine(model, config)
+
+
+@pytest.mark.parametrize(
+    "build", [tiny_llama, tiny_gemma, tiny_gemma2_softcap], ids=["llama_gqa", "gemma3_sliding", "gemma2_softcap"]
+)
+def test_an_engine_on_the_kernel_generates_what_generate_does_with_teacher_forced_logprobs(build) -> None:  # noqa: ANN001
+    model = build()
+    # Prompts of several blocks: chunked prefills (48-token budget), then decode steps of 5 requests.
+    prompts = random_prompts(5, VOCAB_SIZE, 10, 70, seed=5)
+    paged = _engine(model, "auto")
+    assert paged.use_flash  # the kernel built: every step takes it
+    outputs = generate_in_order(paged, prompts, max_new_tokens=12)
+    sdpa = generate_in_order(_engine(model, "sdpa"), prompts, max_new_tokens=12)
+    assert paged.stats.num_decode_fast_path_steps == len(paged.stats.decode_step_batch) > 0
+    for prompt, out, ref in zip(prompts, outputs, sdpa):
+        assert out.generated_tokens == reference_greedy(model, prompt, 12, eos_token_id=None)
+        expected = teacher_forced_logprobs(model, prompt, out.generated_tokens)
+        assert_close(out.logprobs, expected, atol=1e-4)
+        assert out.generated_tokens == ref.generated_tokens
+        assert_close(out.logprobs, ref.logprobs, atol=1e-4)
+
+
+def test_the_padded_decode_path_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The static-shape step without compiling (the plain forwards stand in for the compiled ones): padded decode
+    # rows, the padding block in the tables, filler rows reading one key.
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = tiny_llama()
+    prompts = random_prompts(5, VOCAB_SIZE, 10, 70, seed=6)
+    padded = _engine(model, "auto", default_compile_level=1)
+    calls: list[tuple[int, ...]] = []
+    kernel = cpu_attention.flash_attn_with_kvcache
+
+    def counting(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "flash_attn_with_kvcache", counting)
+    outputs = generate_in_order(padded, prompts, max_new_tokens=12)
+    assert calls and all(shape[0] % 4 == 0 for shape in calls)  # padded to the CPU's 4-row interval
+    for prompt, out in zip(prompts, outputs):
+        assert out.generated_tokens == reference_greedy(model, prompt, 12, eos_token_id=None)
+
+
+def test_cpu_attention_names_its_choices() -> None:
+    with pytest.raises(ValueError, match="cpu_attention"):
+        ContinuousBatchingConfig(cpu_attention="flash")
+    engine = _engine(tiny_llama(), "sdpa")
+    try:
+        assert not engine.use_flash
+    finally:
+        engine.close()
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_sdpa_on_auto_and_raises_on_paged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_attention, "load_kernel", lambda: "ninja is not installed (pip install ninja)")
+    with caplog.at_level(logging.WARNING, logger="rollout.cpu_attention"):
+        assert cpu_attention.choose_cpu_attention("auto") is False
+    assert "ninja is not installed" in caplog.text
+    with pytest.raises(RuntimeError, match="cpu_attention='paged': ninja is not installed"):
+        cpu_attention.choose_cpu_attention("paged")
+    assert cpu_attention.choose_cpu_attention("sdpa") is False
