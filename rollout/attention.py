@@ -9,9 +9,9 @@ groups over their request's keys, gathered through every KV layer group's block 
 group (the query heads that share a KV head folded into the query axis, so grouped-query attention needs no
 copy of the keys), prefill chunks in sub-chunks.
 CUDA path, when ``flash.choose_flash`` allows it: a decode-only step (one query token per request, every request
-within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache`` (eager, compiled or
-CUDA-graphed; the block table as wide as the longest request or the padded width), any other eager step through
-``flash_attn_varlen_func`` over the whole flattened batch with a block table (vLLM's and nano-vllm's approach).
+within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache``, any other step through
+``flash_attn_varlen_func`` over the whole flattened batch with a block table (vLLM's and nano-vllm's approach);
+both eager, compiled or CUDA-graphed, their inputs exact or padded to sizes fixed per shape (``step_inputs``).
 CPU path (the default there): the same inputs and calls as the CUDA path, served by rollout's C++ kernel
 (``cpu_attention``), which reads the cache in place as flash-attn does.
 """
@@ -67,10 +67,11 @@ class PagedAttentionMetadata:
         decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
         flash: the flash-attn inputs of a CUDA step (``step_inputs.StepBatch.flash``), else None. A step of
-            ``flash_attn_with_kvcache`` (eager, compiled or graphed) has ``cache_seqlens`` (int32 [B]: keys of
-            each request, this step's included), an eager varlen step ``cu_seqlens_q``, ``cu_seqlens_k``
-            (int32 [B + 1]), ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``, int32
-            [N, B, W] (rows padded with the padding block, or block 0 on an eager step).
+            ``flash_attn_with_kvcache`` has ``cache_seqlens`` (int32 [B]: keys of each request, this step's
+            included), a varlen step ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]; a padded step's filler
+            sequences repeat the last entry), ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``,
+            int32 [N, B, W] (rows padded with the padding block, or block 0 on an eager step). Eager, compiled
+            or graphed alike.
     """
 
     cache: PagedKVCache
@@ -340,7 +341,9 @@ def _flash_attention(
     mask, window and softcap; they differ in how the query rows map to requests:
 
     - varlen (``flash_attn_varlen_func``): the whole flattened batch, ``q`` [T, H, D], split by
-      ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``);
+      ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``). The rows past ``cu_seqlens_q[-1]`` (a padded step's
+      padding rows) belong to no sequence, and the kernel leaves their output unwritten: it is zeroed here,
+      as SDPA's is;
     - decode fast path (``flash_attn_with_kvcache``): every query row is one request's only token (row b
       is batch entry b, ``q`` [B, 1, H, D]). The step's keys and values are already in the cache
       (``paged_attention`` wrote them), so the kernel gets no ``k``/``v`` to append and ``cache_seqlens``
@@ -374,4 +377,9 @@ def _flash_attention(
     varlen = cpu_attention.flash_attn_varlen_func if on_cpu else _flash_attn_varlen_func
     assert varlen is not None
     out = varlen(q, kc, vc, **lengths, **shared)
+    # flash-attn leaves the padded rows (past cu_seqlens_q[-1]) unwritten, and unwritten memory may hold NaN: it
+    # would flow on into the padding slot's keys and values, and from there into a real row that reads the padding
+    # block under a mask (0 x NaN). No host read: traceable, graphable. (rollout's CPU kernel writes 0 there.)
+    real = torch.arange(q.shape[0], device=q.device) < f["cu_seqlens_q"][-1]
+    out = torch.where(real[:, None, None], out, 0)
     return out.to(query.dtype).unsqueeze(0)

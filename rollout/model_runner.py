@@ -139,9 +139,9 @@ class ModelRunner:
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: attention runs flash-attn's kernels (CUDA), not SDPA: ``flash_attn_with_kvcache`` for
-            the steps that fit it (``step_inputs.fits_decode_kernel``), eager or on the padded decode
-            path; ``flash_attn_varlen_func`` for the other eager steps.
+        use_flash: attention runs flash-attn's kernels (CUDA), not SDPA, eager, compiled or graphed alike:
+            ``flash_attn_with_kvcache`` for the steps that fit it (``step_inputs.fits_decode_kernel``), eager or
+            on the decode path; ``flash_attn_varlen_func`` for every other step.
         max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
             step reads (``engine_spec.resolve_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
@@ -266,9 +266,13 @@ class ModelRunner:
         path = self.path_of(scheduled)
         static = path in self._static
         kernel = "sdpa"
-        if self.use_flash and (not static or path == "decode"):
-            fits = fits_decode_kernel(scheduled, self.max_blocks_per_request, self.block_size)
-            kernel = "flash_decode" if fits else "sdpa" if static else "flash_varlen"
+        if self.use_flash:
+            # A padded varlen step of one-token chunks keeps the varlen kernel, the one its shapes were warmed
+            # with; a padded decode step too wide for the decode kernel's table takes it as an eager one does.
+            fits = (path == "decode" or not static) and fits_decode_kernel(
+                scheduled, self.max_blocks_per_request, self.block_size
+            )
+            kernel = "flash_decode" if fits else "flash_varlen"
         self.num_decode_fast_path_steps += kernel == "flash_decode"
         rule = self.padding if static else self._exact
         assert rule is not None
@@ -447,7 +451,7 @@ class ModelRunner:
             return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape, batch.flash_decode), run, batch)
+            return self.graphs.run((path, batch.shape, batch.kernel), run, batch)
         return run(batch)
 
     @torch.inference_mode()
@@ -458,23 +462,32 @@ class ModelRunner:
 
         The synthetic batches read and write the padding block only (``step_inputs.synthetic_batch``):
         no request's keys, no prefix-cache block, no random generator and no counter of requests change.
-        A decode shape warms the kernel its steps mostly take (``flash_attn_with_kvcache`` with ``use_flash``).
+        Each shape warms the kernel its steps take (``warmup_kernel``).
 
         Args:
             shapes: (path, padded shape) pairs, for paths in ``static_paths``.
             on_shape: called after each shape (a progress bar's update), or None.
         """
         assert self.padding is not None
-        flash_decode = self.use_flash and self.max_blocks_per_request > 0
         for path, shape in shapes:
-            batch = synthetic_batch(path, shape, self.padding, self._input_staging, len(self.sliding_windows))
-            batch.flash_decode = flash_decode and path == "decode"
+            kernel = self.warmup_kernel(path)
+            groups = len(self.sliding_windows)
+            batch = synthetic_batch(path, shape, self.padding, self._input_staging, groups, kernel)
             self.forward(batch)
             self._input_staging.release(self._input_staging.last_slot)
             if on_shape is not None:
                 on_shape()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def warmup_kernel(self, path: str) -> str:
+        """The kernel a padded path's steps take (``prepare_step``), which its warmup compiles or captures: SDPA
+        without flash-attn; with it ``flash_attn_with_kvcache`` on the decode path (unless
+        ``max_blocks_per_request`` is 0; a decode step too wide for it takes the varlen kernel, not warmed) and
+        ``flash_attn_varlen_func`` on the varlen path."""
+        if not self.use_flash:
+            return "sdpa"
+        return "flash_decode" if path == "decode" and self.max_blocks_per_request > 0 else "flash_varlen"
 
     def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
         """The step's KV copies before its forward: offloads, copy-on-write copies, restores.

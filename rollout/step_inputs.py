@@ -27,9 +27,17 @@ own. A step's padded sizes are its ``shape`` (the key of compiled shapes and cap
 (every other step): query rows, logits rows, decode rows, block-table width of the decode rows,
 prefill groups, block-table width of the prefill groups.
 
-One staged upload (``HostStaging``) carries the batch first, so a step of a given shape finds its tensors
-at the same addresses (a CUDA graph captured on them replays with no copy), then the score targets, async
-batching's placeholders and flash-attn's varlen inputs.
+flash-attn's varlen kernel (``flash_attn_varlen_func``, CUDA) runs eager, compiled and CUDA-graphed steps alike;
+its inputs are sized by the same rule, and on a padded step by the shape alone, so they add no axis to it:
+B sequences (the scheduled requests, then filler sequences of no query and no key: ``cu_seqlens`` repeats its
+last entry) with B = T on the decode path and Bd + G on the varlen path (a request is a decode row or has at
+least one prefill group), block tables max(Wd, Wp) wide (the longest request's keys, padded as above), and
+``max_seqlen_q`` = T, ``max_seqlen_k`` = that width in keys (the kernel's launch grid, fixed per shape as a
+CUDA graph needs). An eager step's are exact: its requests, its longest table, its longest lengths.
+
+One staged upload (``HostStaging``) carries the batch first (flash-attn's varlen inputs included), so a step
+of a given shape finds its tensors at the same addresses (a CUDA graph captured on them replays with no
+copy), then the score targets and async batching's placeholders.
 """
 
 from __future__ import annotations
@@ -143,7 +151,14 @@ class StepBatch:
         prefill_tables: int64 [N, G, Wp]; per layer group, each prefill group's request's block table,
             padded with the padding block.
         prefill_pos: int64 [G, Qs]; each row's position in its request (0 for fillers).
-        flash_varlen: ``flash_attn_varlen_func``'s inputs of an eager CUDA step (see ``flash``), or None.
+        varlen_cu_seqlens: int64 [2, B + 1]; ``flash_attn_varlen_func``'s ``cu_seqlens_q`` (row 0) and
+            ``cu_seqlens_k`` (row 1): the query rows and the keys (this step's included) of the requests,
+            cumulated, then filler sequences of none (the last entry repeated). None unless the step runs
+            that kernel (eager, compiled or graphed; sizes in the module docstring).
+        varlen_tables: int64 [N, B, W]; per layer group, each sequence's block table: a request's blocks
+            holding its keys, then the padding block (fillers: the padding block only). None unless that kernel.
+        varlen_max_seqlens: that kernel's (``max_seqlen_q``, ``max_seqlen_k``): (T, W * block_size) on a padded
+            step, fixed by its shape; the longest request's query rows and keys on an eager one.
         flash_decode: every row decodes through ``flash_attn_with_kvcache`` (eager, compiled or graphed).
     """
 
@@ -157,7 +172,9 @@ class StepBatch:
     prefill_rows: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
     prefill_pos: torch.Tensor | None = None
-    flash_varlen: dict | None = None
+    varlen_cu_seqlens: torch.Tensor | None = None
+    varlen_tables: torch.Tensor | None = None
+    varlen_max_seqlens: tuple[int, int] | None = None
     flash_decode: bool = False
 
     @property
@@ -166,8 +183,17 @@ class StepBatch:
         return "decode" if self.decode_rows is None else "varlen"
 
     @property
+    def kernel(self) -> str:
+        """The attention kernel: ``"flash_decode"``, ``"flash_varlen"`` or ``"sdpa"`` (a graph key with ``shape``)."""
+        if self.flash_decode:
+            return "flash_decode"
+        return "sdpa" if self.varlen_tables is None else "flash_varlen"
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path."""
+        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path. A padded
+        step's flash varlen inputs take their sizes from it (``varlen_sizes``), so they need no axis of their own.
+        """
         T, Wd = self.input_ids.shape[0], self.decode_tables.shape[-1]
         if self.decode_rows is None:
             return (T, Wd)
@@ -177,13 +203,28 @@ class StepBatch:
 
     @property
     def flash(self) -> dict | None:
-        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. The decode kernel's come from
-        the batch inside the forward, so a compiled or graphed step computes them too: ``cache_seqlens`` int32
-        [B] = ``decode_pos`` + 1 (a padded row reads one key, the padding slot), ``block_tables`` int32 [N, B, Wd].
+        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. Computed from the batch's own
+        tensors inside the forward, so a compiled or graphed step computes them too (the int32 casts included):
+
+        - the decode kernel: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (a padded row reads one key, the
+          padding slot), ``block_tables`` int32 [N, B, Wd];
+        - the varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 [B + 1] (rows of one contiguous tensor),
+          ``max_seqlen_q``, ``max_seqlen_k`` (ints), ``block_tables`` int32 [N, B, W].
         """
         if self.flash_decode:
             return {"cache_seqlens": (self.decode_pos + 1).int(), "block_tables": self.decode_tables.int()}
-        return self.flash_varlen
+        if self.varlen_tables is None:
+            return None
+        assert self.varlen_cu_seqlens is not None and self.varlen_max_seqlens is not None
+        cu = self.varlen_cu_seqlens.int()
+        max_q, max_k = self.varlen_max_seqlens
+        return {
+            "cu_seqlens_q": cu[0],
+            "cu_seqlens_k": cu[1],
+            "max_seqlen_q": max_q,
+            "max_seqlen_k": max_k,
+            "block_tables": self.varlen_tables.int(),
+        }
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the batch by field name (the None ones left out)."""
@@ -201,6 +242,18 @@ class StepBatch:
             targets[name].copy_(t, non_blocking=True)
 
 
+def varlen_sizes(shape: Sequence[int]) -> tuple[int, int]:
+    """(B, W) of a padded step's flash varlen inputs from its ``StepBatch.shape``: B sequences, tables W blocks wide.
+
+    B = T on the decode path (one request per row) and Bd + G on the varlen path (a request is one decode row
+    or has at least one prefill group); W = the widest of its tables (its longest request's keys, padded).
+    """
+    if len(shape) == 2:  # the decode path: (T, Wd)
+        return shape[0], shape[1]
+    _, _, Bd, Wd, G, Wp = shape
+    return Bd + G, max(Wd, Wp)
+
+
 def build_step_batch(
     scheduled: Sequence[ScheduledRequest],
     logits_rows: Sequence[int],
@@ -209,6 +262,7 @@ def build_step_batch(
     staging: HostStaging,
     extra: Sequence[np.ndarray] = (),
     num_groups: int = 1,
+    flash_varlen: bool = False,
 ) -> tuple[StepBatch, list[torch.Tensor]]:
     """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
@@ -221,9 +275,11 @@ def build_step_batch(
         rule: the padding rule.
         staging: the runner's input staging buffer.
         extra: more int64 or float64 host arrays to upload in the same copy, after the batch (the score
-            targets, the placeholders' rows, flash-attn's inputs).
+            targets, the placeholders' rows).
         num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
             ``block_tables[g]``.
+        flash_varlen: also build ``flash_attn_varlen_func``'s inputs (``StepBatch.varlen_cu_seqlens``, ...),
+            staged with the batch.
 
     Returns:
         The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
@@ -285,22 +341,48 @@ def build_step_batch(
             g_pos[i, :m] = np.arange(p0, p0 + m)
         g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
         arrays += [d_rows, g_rows, g_tables, g_pos]
-    return _stage(staging, arrays, decode_path, extra)
+    max_seqlens = None
+    if flash_varlen:
+        if rule.exact:  # the requests, their longest table and lengths: nothing to pad
+            k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+            B, W = len(scheduled), rule.table_width(max(k_lens))
+            max_seqlens = (max(e.num_scheduled_tokens for e in scheduled), max(k_lens))
+        else:
+            B, W = varlen_sizes((T, Wd) if decode_path else (T, R, Bd, Wd, G, Wp))
+            # Bounds fixed by the shape, not the step's maxima: the kernel's launch grid follows max_seqlen_q (a
+            # CUDA graph replays the grid it captured), and ints that varied per step would make dynamo recompile.
+            max_seqlens = (T, W * bs)
+        arrays += _flash_varlen_arrays(scheduled, N, B, W, bs, pad_block)
+    return _stage(staging, arrays, decode_path, extra, max_seqlens)
 
 
 def _stage(
-    staging: HostStaging, arrays: list[np.ndarray], decode_path: bool, extra: Sequence[np.ndarray] = ()
+    staging: HostStaging,
+    arrays: list[np.ndarray],
+    decode_path: bool,
+    extra: Sequence[np.ndarray] = (),
+    max_seqlens: tuple[int, int] | None = None,
 ) -> tuple[StepBatch, list[torch.Tensor]]:
     """Upload a batch's int64 arrays (ids, positions, slots, logits rows, decode tables, decode positions, then
-    on the varlen path decode rows, prefill rows, tables and positions), then ``extra``, in one copy."""
+    on the varlen path decode rows, prefill rows, tables and positions, then with ``max_seqlens`` flash-attn's
+    varlen cu_seqlens and tables), then ``extra``, in one copy."""
     t = staging.upload(*arrays, *extra)
     if decode_path:
-        return StepBatch(t[0], t[1], t[2], t[3], None, t[4], t[5]), t[len(arrays) :]
-    return StepBatch(t[0], t[1], t[2], t[3], t[6], t[4], t[5], t[7], t[8], t[9]), t[len(arrays) :]
+        batch, n = StepBatch(t[0], t[1], t[2], t[3], None, t[4], t[5]), 6
+    else:
+        batch, n = StepBatch(t[0], t[1], t[2], t[3], t[6], t[4], t[5], t[7], t[8], t[9]), 10
+    if max_seqlens is not None:
+        batch.varlen_cu_seqlens, batch.varlen_tables, batch.varlen_max_seqlens = t[n], t[n + 1], max_seqlens
+    return batch, t[len(arrays) :]
 
 
 def synthetic_batch(
-    path: str, shape: Sequence[int], rule: PaddingRule, staging: HostStaging, num_groups: int = 1
+    path: str,
+    shape: Sequence[int],
+    rule: PaddingRule,
+    staging: HostStaging,
+    num_groups: int = 1,
+    kernel: str = "sdpa",
 ) -> StepBatch:
     """A batch of the given padded shape that reads and writes the padding block only (warmup).
 
@@ -314,6 +396,9 @@ def synthetic_batch(
         rule: the runner's padding rule.
         staging: the runner's input staging buffer.
         num_groups: the cache's KV layer groups.
+        kernel: the attention kernel its steps run (``prepare_inputs``): "flash_varlen" stages flash-attn's
+            varlen inputs of the shape's sizes (``varlen_sizes``), every sequence a filler (every row's output
+            is then zeroed); "flash_decode" computes its inputs in the forward.
     """
     N, slot, block, qs = num_groups, rule.pad_slot, rule.pad_block, rule.subchunk_rows
 
@@ -326,7 +411,14 @@ def synthetic_batch(
     arrays = [full(T, 0), full(T, 0), full((N, T), slot), rows, full((N, Bd, Wd), block), full(Bd, 0)]
     if not decode:
         arrays += [full(Bd, T), full((G, qs), T), full((N, G, Wp), block), full((G, qs), 0)]
-    return _stage(staging, arrays, decode)[0]
+    max_seqlens = None
+    if kernel == "flash_varlen":
+        B, W = varlen_sizes(shape)
+        arrays += [full((2, B + 1), 0), full((N, B, W), block)]
+        max_seqlens = (T, W * rule.block_size)  # as ``build_step_batch`` bounds a padded step's
+    batch = _stage(staging, arrays, decode, max_seqlens=max_seqlens)[0]
+    batch.flash_decode = kernel == "flash_decode"
+    return batch
 
 
 @dataclass
@@ -381,25 +473,39 @@ def fits_decode_kernel(scheduled: Sequence[ScheduledRequest], max_blocks: int, b
     return bool(scheduled) and all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
 
 
-def _flash_varlen_arrays(scheduled: Sequence[ScheduledRequest], num_groups: int) -> list[np.ndarray]:
-    """int64 host arrays of flash-attn's varlen inputs.
+def _flash_varlen_arrays(
+    scheduled: Sequence[ScheduledRequest], num_groups: int, num_seqs: int, width: int, block_size: int, pad_block: int
+) -> list[np.ndarray]:
+    """int64 host arrays of flash-attn's varlen inputs, ``num_seqs`` sequences (the requests, then fillers).
+
+    Args:
+        scheduled: the step's requests, in batch order (its first sequences).
+        num_groups: the cache's KV layer groups (N).
+        num_seqs: B >= len(scheduled); the sequences past the requests are fillers of no query row and no key.
+        width: W, the tables' width in blocks (at least the longest request's).
+        block_size: tokens per block.
+        pad_block: the block of the tables' padding (a padded rule's padding block; block 0 on an eager step).
 
     Returns:
-        cu_seqlens_q [B+1], cu_seqlens_k [B+1], then the block table [B, W] of each layer group (rows
-        padded with 0; a sliding group's ``NULL_BLOCK`` entries, before its window, read as block 0,
-        which the kernel's window mask never lets a query attend to).
+        cu_seqlens [2, B + 1] (query rows, then keys, cumulated: the last entry repeated for the fillers), and
+        the block tables [N, B, W]: each request's blocks holding its keys, then ``pad_block`` (a sliding
+        group's ``NULL_BLOCK`` entries, before its window, read ``pad_block`` too, which the kernel's window
+        mask never lets a query attend to).
     """
     q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
     k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
-    zero = np.zeros(1, dtype=np.int64)
-    tables = []
-    for g in range(num_groups):
-        rows = [e.request.block_tables[g] for e in scheduled]
-        table = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int64)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = r
-        tables.append(np.maximum(table, 0))
-    return [np.concatenate([zero, np.cumsum(q_lens)]), np.concatenate([zero, np.cumsum(k_lens)]), *tables]
+    fillers = num_seqs - len(scheduled)
+    cu = np.zeros((2, num_seqs + 1), dtype=np.int64)
+    cu[0, 1:] = np.cumsum(np.pad(q_lens, (0, fillers)))
+    cu[1, 1:] = np.cumsum(np.pad(k_lens, (0, fillers)))
+    tables = np.full((num_groups, num_seqs, width), pad_block, dtype=np.int64)
+    for i, (entry, keys) in enumerate(zip(scheduled, k_lens)):
+        used = -(-int(keys) // block_size)  # its table may hold a block more than its keys so far
+        for g, table in enumerate(entry.request.block_tables):
+            row = table[:used]
+            tables[g, i, : len(row)] = row
+    tables[tables < 0] = pad_block
+    return [cu, tables]
 
 
 def prepare_inputs(
@@ -420,7 +526,8 @@ def prepare_inputs(
         staging: the runner's input staging buffer.
         num_groups: the cache's KV layer groups.
         kernel: "sdpa"; "flash_decode" (``fits_decode_kernel``; the batch's rows are its requests, so an
-            eager step or a padded decode-path one); "flash_varlen" (an eager CUDA step).
+            eager step or a padded decode-path one); "flash_varlen" (any other CUDA step with flash-attn,
+            eager or padded: its inputs sized by ``rule``, see the module docstring).
         sample_rows: async batching: the row of each request (by id) among the sampled tokens of the step
             prepared before, whose placeholders this step's inputs hold; None when every token is known.
 
@@ -453,20 +560,10 @@ def prepare_inputs(
     placeholders = _placeholders(scheduled, sample_rows) if sample_rows is not None else [[]]
     if placeholders[0]:
         extra.append(np.asarray(placeholders, dtype=np.int64))
-    if kernel == "flash_varlen":
-        extra += _flash_varlen_arrays(scheduled, num_groups)
     rows = logits_rows + score_rows
-    batch, staged = build_step_batch(scheduled, rows, decode_path, rule, staging, extra, num_groups)
+    flash_varlen = kernel == "flash_varlen"
+    batch, staged = build_step_batch(scheduled, rows, decode_path, rule, staging, extra, num_groups, flash_varlen)
     batch.flash_decode = kernel == "flash_decode"
-    if kernel == "flash_varlen":
-        cu_q, cu_k, *tables = staged[-2 - num_groups :]
-        batch.flash_varlen = {
-            "cu_seqlens_q": cu_q.to(torch.int32),
-            "cu_seqlens_k": cu_k.to(torch.int32),
-            "max_seqlen_q": max(e.num_scheduled_tokens for e in scheduled),
-            "max_seqlen_k": max(e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled),
-            "block_tables": torch.stack(tables).to(torch.int32),  # [N, B, W]
-        }
     if plan.score_segments:
         plan.score_target_ids, plan.score_temperatures = staged[0], staged[1].float()
     plan.num_sample_rows = len(logits_rows)

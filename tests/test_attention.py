@@ -326,7 +326,9 @@ def test_metadata_moves_to_a_layer_device_once_per_step() -> None:
         torch.tensor([[2, 3], [4, 5]]),
         torch.tensor([[[1, 2]], [[3, 0]]]).view(1, 2, 2),
         torch.tensor([[3, 4], [5, 0]]),
-        flash_varlen={"cu_seqlens_q": torch.tensor([0, 5], dtype=torch.int32), "max_seqlen_q": 5},
+        varlen_cu_seqlens=torch.tensor([[0, 5], [0, 9]]),
+        varlen_tables=torch.tensor([[[1, 2, 3]]]),
+        varlen_max_seqlens=(5, 9),
     )
     meta = PagedAttentionMetadata.from_batch(cache, 4, batch)
     assert meta.decode_gather is None and meta.prefill_gather is None  # flash-attn reads the block tables

@@ -2,9 +2,10 @@
 thread's current device, and a model sharded over a GPU and the CPU. Issue 11: the decode fast path
 (``flash_attn_with_kvcache``) against the varlen kernel and against SDPA, in bf16; CUDA graphs of the
 static-shape step (replay equals the uncaptured step and the eager path; nothing captured or compiled after
-warmup). Issue 11 item 4: async batching on a GPU (inputs staged on a side stream into two buffer sets,
-results read back through pinned memory) gives the synchronous loop's outputs, also with CUDA graphs, and the
-staging's events keep a copy from overwriting a buffer still being read.
+warmup; issue 21: graphed and compiled varlen steps run flash-attn's varlen kernel as eager ones do). Issue 11
+item 4: async batching on a GPU (inputs staged on a side stream into two buffer sets, results read back through
+pinned memory) gives the synchronous loop's outputs, also with CUDA graphs, and the staging's events keep a copy
+from overwriting a buffer still being read.
 
 Every test here is marked ``cuda`` and skipped without a CUDA GPU (tests/conftest.py). The CPU tests of the
 same logic, with faked GPUs, are in test_attention.py, test_engine.py, test_models.py and test_kv_cache.py.
@@ -197,6 +198,49 @@ def test_cuda_graphed_decode_steps_call_flash_attn_with_kvcache_like_eager_steps
     stats = graphed_engine.stats
     assert stats.num_decode_fast_path_steps == len(stats.decode_step_batch) > 0 and stats.num_cuda_graph_captures > 0
     assert_greedy_agrees(graphed, eager, prompts, tiny_gemma().to(GPU), BF16_ATOL)
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["inputs_shared", "inputs_copied"])
+def test_cuda_graphed_varlen_steps_call_flash_attn_varlen_func_like_eager_steps(async_batching: bool) -> None:
+    # Issue 21: a graphed varlen step (prefill chunks beside decode rows) runs flash-attn's varlen kernel on
+    # inputs padded to its shape (filler sequences, padded tables, max_seqlen bounds fixed per shape), and the
+    # rows the kernel leaves unwritten (padded rows) are zeroed inside the graph.
+    pytest.importorskip("flash_attn")
+    model = tiny_gemma().to(GPU, torch.bfloat16)
+    prompts = _prompts()
+    graphed_engine = _bf16_engine(model, None, use_cuda_graph=True, use_async_batching=async_batching)
+    graphed, eager = generate_in_order(graphed_engine, prompts), generate_in_order(_bf16_engine(model, None), prompts)
+    stats = graphed_engine.stats
+    assert stats.num_padded_steps == stats.num_steps and 0 < len(stats.decode_step_batch) < stats.num_steps
+    assert stats.num_decode_fast_path_steps == len(stats.decode_step_batch) and stats.num_cuda_graph_captures > 0
+    assert_greedy_agrees(graphed, eager, prompts, tiny_gemma().to(GPU), BF16_ATOL)
+
+
+def test_a_flash_engine_compiles_and_captures_nothing_after_warmup() -> None:
+    # Issue 21: the warmup stages each shape's flash varlen inputs, so inductor (level 1, flash-attn's custom ops
+    # in the graph) and the CUDA graphs of its shapes serve every later step: one decode shape, two varlen ones.
+    pytest.importorskip("flash_attn")
+    model = tiny_llama().to(GPU, torch.bfloat16)
+    flash_sizes = dict(page_size=256, num_blocks=32, kv_padding_interval_size=32 * 256)
+    engine = Engine(model, _graph_config(use_cuda_graph=True, default_compile_level=1, **flash_sizes))
+    try:
+        if not engine.use_flash:
+            pytest.skip("the engine does not use flash-attn on this GPU (see the log for the reason)")
+        engine.warmup(progress_bar=False)
+        stats = engine.stats
+        assert stats.num_cuda_graph_captures == len(engine.warmup_plan()) == 3
+        for i, prompt in enumerate(_prompts()):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=12), request_id=f"r{i}")
+        graphed = run_engine(engine)
+        stats = engine.stats
+        assert stats.num_padded_steps == stats.num_steps > 0
+        assert stats.num_decode_fast_path_steps == len(stats.decode_step_batch) > 0
+        assert stats.num_cuda_graph_captures_after_warmup == 0 and stats.num_compiles_after_warmup == 0
+    finally:
+        engine.close()
+    eager = generate_in_order(Engine(model, _graph_config(**flash_sizes)), _prompts(), max_new_tokens=12)
+    graphed_in_order = [graphed[f"r{i}"] for i in range(len(eager))]
+    assert_greedy_agrees(graphed_in_order, eager, _prompts(), tiny_llama().to(GPU), BF16_ATOL)
 
 
 def test_a_request_wider_than_the_decode_table_takes_the_varlen_kernel_on_gpu() -> None:

@@ -11,23 +11,36 @@ would refuse fails the test.
 
 Issue 13, case 8: the reference used to accept a 4-token page and fp32 keys, so the test ran the flash
 path on a cache the real kernel refuses.
+
+Issue 21: padded (compiled or CUDA-graphed) steps run the same kernels as eager ones. Their varlen inputs are
+padded to sizes fixed by the step's shape (filler sequences, padded tables, bounds for max_seqlen), checked by
+hand and on every step of an engine; rows past ``cu_seqlens_q[-1]``, which the kernel leaves unwritten, come
+out zero even when the kernel leaves NaN there; warmup stages the same inputs, so (with CPU stand-ins for a
+CUDA graph and for flash-attn's custom op under dynamo) nothing is captured or compiled after it.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
+from transformers.generation import CompileConfig
 
 import rollout.attention as attention
 import rollout.cpu_attention as cpu_attention
 import rollout.model_runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout.block_manager import NULL_BLOCK
 from rollout.engine_spec import resolve_max_blocks_per_request
+from rollout.host_staging import HostStaging
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
-from rollout.static_step import FORWARDS
+from rollout.static_step import FORWARDS, CapturedGraph, CUDAGraphs
+from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, synthetic_batch, varlen_sizes
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
 from tests.tiny_models import (
@@ -403,3 +416,394 @@ def test_kvcache_reference_reads_each_sequence_through_its_table_row_up_to_its_l
     windowed = flash_reference.flash_attn_with_kvcache(**_kvcache_inputs(window_size=(2, 0), softcap=0.5))
     expected = flash_reference.reference_attention(args["q"][0], k[2, 2:5], v[2, 2:5], None, False, (-1, -1), 0.5)
     assert torch.equal(windowed[0], expected)
+
+
+# ---------------------------------------------------------------- padded varlen steps (issue 21)
+def _padded_rule(**change: int) -> PaddingRule:
+    """Block size 4 (the inputs' layout needs no 256-token page), padding block 20, 2-row prefill groups."""
+    values = dict(q_interval=4, kv_interval=8, max_batch_tokens=16, max_keys=80, block_size=4, pad_block=20)
+    return PaddingRule(**{**values, **change}, subchunk_rows=2)
+
+
+def test_padded_varlen_inputs_by_hand_have_filler_sequences_and_padded_tables() -> None:
+    # Request a decodes position 5 (6 keys, blocks [3, 7]); request b computes positions 2..4 (5 keys) in 2
+    # sub-chunks, its table a block ahead of its keys. Group 1 is a sliding group whose first block of a left.
+    a = Request("a", list(range(10, 16)), SamplingParams())
+    a.num_computed_tokens, a.block_tables = 5, [[3, 7], [NULL_BLOCK, 8]]
+    b = Request("b", [30, 31, 32, 33, 34], SamplingParams())
+    b.num_computed_tokens, b.block_tables = 2, [[9, 11, 13], [10, 12, 14]]
+    scheduled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 3, True)]
+    staging = HostStaging(torch.device("cpu"))
+    batch, _ = build_step_batch(scheduled, [0, 3], False, _padded_rule(), staging, num_groups=2, flash_varlen=True)
+    assert batch.shape == (4, 4, 4, 2, 2, 2) and batch.kernel == "flash_varlen"  # T, R, Bd, Wd, G, Wp
+    # B = Bd + G = 6 sequences, 4 of them fillers (no query, no key); tables max(Wd, Wp) = 2 blocks wide.
+    assert varlen_sizes(batch.shape) == (6, 2)
+    flash = batch.flash
+    assert flash["cu_seqlens_q"].tolist() == [0, 1, 4, 4, 4, 4, 4]
+    assert flash["cu_seqlens_k"].tolist() == [0, 6, 11, 11, 11, 11, 11]
+    assert flash["block_tables"].tolist() == [
+        [[3, 7], [9, 11], [20, 20], [20, 20], [20, 20], [20, 20]],  # b's block 13 holds no key yet
+        [[20, 8], [10, 12], [20, 20], [20, 20], [20, 20], [20, 20]],  # the NULL block reads the padding block
+    ]
+    assert (flash["max_seqlen_q"], flash["max_seqlen_k"]) == (4, 8)  # T rows, 2 blocks of keys: fixed per shape
+    tensors = (flash["cu_seqlens_q"], flash["cu_seqlens_k"], flash["block_tables"])
+    assert all(t.dtype == torch.int32 and t.is_contiguous() for t in tensors)
+
+    # The decode path: one sequence per row (B = T = 4), the table as wide as the decode rows' (Wd = 2).
+    decode = [ScheduledRequest(a, 1, True)]
+    batch, _ = build_step_batch(decode, [0], True, _padded_rule(), staging, num_groups=2, flash_varlen=True)
+    assert batch.shape == (4, 2) and varlen_sizes(batch.shape) == (4, 2)
+    assert batch.flash["cu_seqlens_q"].tolist() == [0, 1, 1, 1, 1]
+    assert batch.flash["cu_seqlens_k"].tolist() == [0, 6, 6, 6, 6]
+    assert batch.flash["block_tables"][:, :2].tolist() == [[[3, 7], [20, 20]], [[20, 8], [20, 20]]]
+    assert (batch.flash["max_seqlen_q"], batch.flash["max_seqlen_k"]) == (4, 8)
+
+    # An eager step keeps the exact sizes: its two requests, their longest table, their longest lengths.
+    exact = PaddingRule.exact_rule(4)
+    batch, _ = build_step_batch(scheduled, [0, 3], False, exact, staging, num_groups=2, flash_varlen=True)
+    assert batch.flash["cu_seqlens_q"].tolist() == [0, 1, 4] and batch.flash["cu_seqlens_k"].tolist() == [0, 6, 11]
+    assert batch.flash["block_tables"].tolist() == [[[3, 7], [9, 11]], [[0, 8], [10, 12]]]
+    assert (batch.flash["max_seqlen_q"], batch.flash["max_seqlen_k"]) == (3, 6)
+
+
+def test_a_warmup_batch_stages_the_flash_varlen_inputs_of_its_shape_as_a_real_step_does() -> None:
+    # A graph captured on the warmup's batch replays real steps of its shape: same tensors, same sizes, same bounds.
+    a = Request("a", list(range(10, 16)), SamplingParams())
+    a.num_computed_tokens, a.block_table = 5, [3, 7]
+    b = Request("b", [30, 31, 32, 33, 34], SamplingParams())
+    b.num_computed_tokens, b.block_table = 2, [9, 11]
+    staging = HostStaging(torch.device("cpu"))
+    for path, scheduled in (("varlen", [(a, 1), (b, 3)]), ("decode", [(a, 1), (b, 1)])):
+        steps = [ScheduledRequest(r, n, True) for r, n in scheduled]
+        real, _ = build_step_batch(steps, [0, 1], path == "decode", _padded_rule(), staging, flash_varlen=True)
+        warm = synthetic_batch(path, real.shape, _padded_rule(), staging, kernel="flash_varlen")
+        assert warm.kernel == real.kernel == "flash_varlen" and warm.shape == real.shape
+        shapes = {name: tuple(t.shape) for name, t in real.tensors().items()}
+        assert {name: tuple(t.shape) for name, t in warm.tensors().items()} == shapes
+        assert warm.varlen_max_seqlens == real.varlen_max_seqlens
+        # Every warmup sequence is a filler: no row is computed, every row's output is zeroed.
+        assert warm.varlen_cu_seqlens.abs().sum() == 0 and (warm.varlen_tables == 20).all()
+
+
+class _Steps:
+    """Records each step's inputs as the runner prepares them: (scheduled, rule, batch)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[tuple[list[ScheduledRequest], PaddingRule, object]] = []
+        prepare = model_runner.prepare_inputs
+
+        def recording(scheduled, decode_path, rule, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            out = prepare(scheduled, decode_path, rule, *args, **kwargs)
+            self.steps.append((list(scheduled), rule, out[0]))
+            return out
+
+        monkeypatch.setattr(model_runner, "prepare_inputs", recording)
+
+
+def _record_varlen_calls(monkeypatch: pytest.MonkeyPatch, kernel=flash_reference.flash_attn_varlen_func) -> list:  # noqa: ANN001
+    """Swap ``kernel`` in for flash_attn_varlen_func, recording each call's (T, cu_seqlens_q, cu_seqlens_k, block
+    table shape, max_seqlen_q, max_seqlen_k)."""
+    calls: list[tuple] = []
+
+    def recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        table = kwargs["block_table"]
+        calls.append(
+            (q.shape[0], cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), tuple(table.shape), max_seqlen_q, max_seqlen_k)
+        )
+        return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", recording)
+    return calls
+
+
+def _assert_padded_varlen_inputs(scheduled: list[ScheduledRequest], rule: PaddingRule, batch) -> None:  # noqa: ANN001
+    """A padded step's varlen inputs: B = ``varlen_sizes`` sequences (the requests, then fillers of nothing),
+    tables as wide as the rule pads its longest request's keys, bounds fixed by the shape."""
+    B, W = varlen_sizes(batch.shape)
+    T, n = batch.input_ids.shape[0], len(scheduled)
+    q_lens = [e.num_scheduled_tokens for e in scheduled]
+    k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
+    cu = batch.varlen_cu_seqlens
+    assert tuple(cu.shape) == (2, B + 1) and B >= n
+    assert cu[0, : n + 1].tolist() == [0, *itertools.accumulate(q_lens)]
+    assert cu[1, : n + 1].tolist() == [0, *itertools.accumulate(k_lens)]
+    assert (cu[:, n:] == cu[:, n : n + 1]).all()  # the fillers repeat the last entry
+    assert W == rule.table_width(max(k_lens)) and batch.varlen_tables.shape[1:] == (B, W)
+    assert (batch.varlen_tables[:, n:] == rule.pad_block).all()
+    assert batch.varlen_max_seqlens == (T, W * rule.block_size)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma], ids=["llama_gqa", "gemma3_sliding"])
+def test_the_padded_varlen_path_calls_flash_attn_varlen_func_and_generates_what_eager_and_sdpa_generate(  # noqa: ANN001
+    build, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compiled and CUDA-graphed varlen path runs this padded forward (uncompiled here).
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = build().to(torch.float16)
+    # Chunked prefills beside other requests' decode rows (96-token steps), query rows padded to a multiple of 32.
+    prompts = random_prompts(5, VOCAB_SIZE, 20, 300, seed=29)
+    padded_engine = _engine(model, True, monkeypatch, default_compile_level=1, q_padding_interval_size=32)
+    eager = generate_in_order(_engine(model, True, monkeypatch), prompts)
+    sdpa = generate_in_order(_engine(model, False, monkeypatch), prompts)
+    steps, calls = _Steps(monkeypatch), _record_varlen_calls(monkeypatch)
+    padded = generate_in_order(padded_engine, prompts)
+    stats = padded_engine.stats
+    assert padded_engine.runner.static_paths == ["varlen", "decode"] and stats.num_padded_steps == stats.num_steps
+    varlen = [(s, rule, b) for s, rule, b in steps.steps if b.path == "varlen"]
+    assert len(varlen) == stats.num_steps - len(stats.decode_step_batch) >= 5
+    assert all(b.kernel == "flash_varlen" for _, _, b in varlen)  # no varlen step on SDPA any more
+    assert any(any(e.num_scheduled_tokens == 1 for e in s) and len(s) > 1 for s, _, _ in varlen)  # mixed steps
+    for scheduled, rule, batch in varlen:
+        _assert_padded_varlen_inputs(scheduled, rule, batch)
+    # The kernel got them as built: per step, one call per layer with the padded sizes.
+    expected = [
+        (b.input_ids.shape[0], *b.varlen_cu_seqlens.tolist(), tuple(b.varlen_tables.shape[1:]), *b.varlen_max_seqlens)
+        for _, _, b in varlen
+    ]
+    layers = model.config.num_hidden_layers
+    assert calls == [call for call in expected for _ in range(layers)]
+    assert any(call[1][-1] < call[0] for call in calls)  # padded rows past the last sequence
+    # The same kernels as the eager engine's, on padded inputs: its tokens; SDPA's up to a half-precision near-tie.
+    for p, e in zip(padded, eager):
+        assert p.generated_tokens == e.generated_tokens
+        assert_close(p.logprobs, e.logprobs, atol=1e-3)
+    assert_greedy_agrees(padded, sdpa, prompts, build(), ATOL)
+
+
+def test_a_padded_decode_step_too_wide_for_the_decode_table_takes_the_padded_varlen_kernel(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = tiny_llama().to(torch.float16)
+    long, short = random_prompts(1, VOCAB_SIZE, 250, 250, seed=3)[0], random_prompts(1, VOCAB_SIZE, 100, 100)[0]
+    # As the eager test above: 9 decode steps, the last 3 of which need a second block for the long request.
+    narrow = dict(max_blocks_per_request=1, max_batch_tokens=512)
+    padded_engine = _engine(model, True, monkeypatch, default_compile_level=1, **narrow)
+    eager = generate_in_order(_engine(model, True, monkeypatch, **narrow), [long, short])
+    steps = _Steps(monkeypatch)
+    padded = generate_in_order(padded_engine, [long, short])
+    stats = padded_engine.stats
+    assert stats.num_padded_steps == stats.num_steps == 10 and stats.num_decode_fast_path_steps == 6
+    wide = [(s, rule, b) for s, rule, b in steps.steps if b.path == "decode" and b.kernel == "flash_varlen"]
+    assert len(wide) == 3
+    for scheduled, rule, batch in wide:
+        _assert_padded_varlen_inputs(scheduled, rule, batch)
+        # Two requests on 4 padded rows (CPU's interval): 4 sequences, 2 of them fillers; 2 blocks of 256 keys.
+        assert batch.shape == (4, 2) and batch.flash["cu_seqlens_q"].tolist() == [0, 1, 2, 2, 2]
+        assert (batch.flash["max_seqlen_q"], batch.flash["max_seqlen_k"]) == (4, 2 * PAGE)
+    for p, e in zip(padded, eager):
+        assert p.generated_tokens == e.generated_tokens
+        assert_close(p.logprobs, e.logprobs, atol=1e-3)
+
+
+def _nan_past_the_sequences(q, k, v, cu_seqlens_q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    """flash_reference's varlen kernel, leaving NaN where the real one leaves memory unwritten: the rows past
+    ``cu_seqlens_q[-1]``."""
+    out = flash_reference.flash_attn_varlen_func(q, k, v, cu_seqlens_q, *args, **kwargs)
+    out[int(cu_seqlens_q[-1]) :] = float("nan")
+    return out
+
+
+def test_rows_past_the_last_sequence_come_out_zero_when_the_kernel_leaves_nan_there(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", _nan_past_the_sequences)
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = 4, 2, 16
+    k_cache = torch.randn(3 * PAGE, Hkv, D, generator=g).to(torch.float16)
+    v_cache = torch.randn(3 * PAGE, Hkv, D, generator=g).to(torch.float16)
+    query = torch.randn(1, H, 6, D, generator=g).to(torch.float16)  # 6 rows: 3 real, 3 padding
+    # Two sequences (2 rows over 300 keys in blocks [2, 0]; 1 row over 5 keys in block 1), then a filler.
+    flash = {
+        "cu_seqlens_q": torch.tensor([0, 2, 3, 3], dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor([0, 300, 305, 305], dtype=torch.int32),
+        "max_seqlen_q": 6,
+        "max_seqlen_k": 2 * PAGE,
+        "block_tables": torch.tensor([[[2, 0], [1, 2], [2, 2]]], dtype=torch.int32),
+    }
+    out = attention._flash_attention(query, k_cache, v_cache, flash, 0, PAGE, D**-0.5, None, None)
+    assert out.shape == (1, 6, H, D) and out.dtype == torch.float16
+    assert torch.equal(out[0, 3:], torch.zeros(3, H, D, dtype=torch.float16))
+    # The real rows are the kernel's, untouched by the guard.
+    q = query[0].transpose(0, 1)
+    kc, vc = k_cache.view(3, PAGE, Hkv, D), v_cache.view(3, PAGE, Hkv, D)
+    keys = [torch.cat([kc[2], kc[0, :44]]), kc[1, :5]]
+    values = [torch.cat([vc[2], vc[0, :44]]), vc[1, :5]]
+    for rows, k, v in zip((slice(0, 2), slice(2, 3)), keys, values):
+        expected = flash_reference.reference_attention(q[rows], k, v, D**-0.5, True, (-1, -1), 0.0)
+        assert torch.equal(out[0, rows], expected)
+
+
+def test_nan_left_in_padded_rows_reaches_neither_the_padding_slot_nor_a_token(monkeypatch) -> None:  # noqa: ANN001
+    # Gemma 3's sliding layers (window 8) read the padding block where a block left the window (past position
+    # 263), under the mask: a NaN written there by a padded row would turn their outputs to NaN (0 x NaN).
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = tiny_gemma().to(torch.float16)
+    prompts = random_prompts(5, VOCAB_SIZE, 250, 300, seed=31)
+    outputs, pads = [], []
+    for kernel in (flash_reference.flash_attn_varlen_func, _nan_past_the_sequences):
+        engine = _engine(model, True, monkeypatch, default_compile_level=1, max_blocks_per_request=0)
+        calls = _record_varlen_calls(monkeypatch, kernel)
+        pad_block = engine.runner.padding.pad_block
+        pad = slice(pad_block * PAGE, (pad_block + 1) * PAGE)
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(p, SamplingParams(max_new_tokens=10), request_id=f"r{i}")
+            out = run_engine(engine)
+            pads.append(torch.stack([t[pad] for t in (*engine.cache.key, *engine.cache.value)]))
+        finally:
+            engine.close()
+        outputs.append([out[f"r{i}"] for i in range(len(prompts))])
+        assert sum(call[1][-1] < call[0] for call in calls) > 20  # steps with rows left NaN
+    assert all(torch.isfinite(p).all() for p in pads) and torch.equal(pads[0], pads[1])
+    for clean, nan in zip(*outputs):
+        assert clean.generated_tokens == nan.generated_tokens and clean.logprobs == nan.logprobs
+        assert all(math.isfinite(x) for x in nan.logprobs)
+
+
+class _ReplayByCalling:
+    """A stand-in for a captured CUDA graph on CPU: replay runs the forward again on the graph's static inputs,
+    with the ints (``varlen_max_seqlens``) it was captured with, as a replayed graph keeps its launch sizes."""
+
+    def __init__(self, fn, inputs: StepBatch, output: torch.Tensor) -> None:  # noqa: ANN001
+        self.fn, self.inputs, self.output = fn, inputs, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn(self.inputs))
+
+
+class _CPUGraphs(CUDAGraphs):
+    """``CUDAGraphs`` on CPU: a capture keeps a copy of the batch (a step staged elsewhere is copied into it)."""
+
+    def capture(self, fn, batch: StepBatch) -> CapturedGraph:  # noqa: ANN001
+        static = batch.clone()
+        output = fn(static)
+        return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
+
+
+def test_graphed_flash_steps_replay_the_warmups_graphs_on_their_own_varlen_inputs(monkeypatch) -> None:  # noqa: ANN001
+    # One padded size per axis but the prefill groups (2 or 4), as tests/test_cuda.py's graph tests: 64-token
+    # steps of at most 4 requests, both intervals at their caps. Replays copy each step's inputs into the
+    # warmup's batch: a varlen input left out of the copy would replay the warmup's filler sequences.
+    monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
+    model = tiny_llama().to(torch.float16)
+    prompts = random_prompts(6, VOCAB_SIZE, 20, 300, seed=37)
+    sizes = dict(max_batch_tokens=64, max_requests_per_batch=4)
+    engine = _engine(
+        model,
+        True,
+        monkeypatch,
+        default_compile_level=1,
+        q_padding_interval_size=64,
+        kv_padding_interval_size=32 * PAGE,
+        **sizes,
+    )
+    engine.runner.graphs = _CPUGraphs(torch.device("cpu"))
+    engine.runner.cuda_graph_paths = {"varlen": True, "decode": True}
+    engine.warmup(progress_bar=False)
+    assert list(engine.runner.graphs.graphs) == [
+        ("varlen", (64, 64, 64, 32, 2, 32), "flash_varlen"),
+        ("varlen", (64, 64, 64, 32, 4, 32), "flash_varlen"),
+        ("decode", (64, 32), "flash_decode"),
+    ]
+    graphed = generate_in_order(engine, prompts)
+    eager = generate_in_order(_engine(model, True, monkeypatch, **sizes), prompts)
+    stats = engine.stats
+    assert stats.num_padded_steps == stats.num_steps > 10 and 0 < len(stats.decode_step_batch) < stats.num_steps
+    assert stats.num_cuda_graph_captures == 3 and stats.num_cuda_graph_captures_after_warmup == 0
+    for g, e in zip(graphed, eager):
+        assert g.generated_tokens == e.generated_tokens
+        assert_close(g.logprobs, e.logprobs, atol=1e-3)
+
+
+@torch.library.custom_op("rollout_tests::flash_attn_varlen", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    block_table: torch.Tensor,
+) -> torch.Tensor:
+    """flash_reference's varlen kernel as a custom op, opaque to dynamo as flash-attn's own op is (flash-attn
+    >= 2.7 registers ``flash_attn::_flash_attn_varlen_forward`` with a fake implementation)."""
+    window = (window_left, window_right)
+    return flash_reference.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        0.0,
+        softmax_scale,
+        causal,
+        window,
+        softcap,
+        block_table=block_table,
+    )
+
+
+@_varlen_op.register_fake
+def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _traceable_varlen(  # noqa: ANN202
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,  # noqa: ANN001
+    block_table,  # noqa: ANN001
+):
+    """``flash_attn_varlen_func``'s signature over ``_varlen_op``."""
+    return _varlen_op(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        *window_size,
+        softcap,
+        block_table,
+    )
+
+
+def test_the_padded_flash_varlen_step_traces_whole_and_compiles_nothing_after_warmup(monkeypatch) -> None:  # noqa: ANN001
+    # fullgraph=True on dynamo's eager backend, dynamic=True: no graph break in the varlen inputs, the int32
+    # casts or the padded rows' guard, and no recompilation for a step size or bound the warmup did not see.
+    model = tiny_gemma().to(torch.float16)
+    prompts = random_prompts(6, VOCAB_SIZE, 20, 300, seed=41)
+    config = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=True)
+    engine = _engine(model, True, monkeypatch, varlen_compile_config=config, q_padding_interval_size=16)
+    eager = generate_in_order(_engine(model, True, monkeypatch), prompts)
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", _traceable_varlen)
+    steps = _Steps(monkeypatch)
+    engine.warmup(progress_bar=False)
+    assert engine.runner.static_paths == ["varlen"] and engine.stats.num_compiles > 0
+    compiled = generate_in_order(engine, prompts)
+    stats = engine.stats
+    padded = [b for _, rule, b in steps.steps if not rule.exact]
+    assert padded and all(b.kernel == "flash_varlen" for b in padded)
+    # Steps of a size (so a max_seqlen_q) and group count (so a sequence count) the warmup's did not have.
+    warm = {shape for _, shape in engine.warmup_plan()}
+    assert {b.shape[0] for b in padded} - {shape[0] for shape in warm} and len({b.shape[4] for b in padded}) == 2
+    assert stats.num_compiles_after_warmup == 0
+    for c, e in zip(compiled, eager):
+        assert c.generated_tokens == e.generated_tokens
+        assert_close(c.logprobs, e.logprobs, atol=1e-3)
