@@ -150,23 +150,35 @@ def test_an_engine_on_the_kernel_generates_what_generate_does_with_teacher_force
         assert_close(out.logprobs, ref.logprobs, atol=1e-4)
 
 
-def test_the_padded_decode_path_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_padded_paths_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # The static-shape step without compiling (the plain forwards stand in for the compiled ones): padded decode
-    # rows, the padding block in the tables, filler rows reading one key.
+    # rows, the padding block in the tables, filler rows reading one key; padded varlen steps with filler
+    # sequences of no query and no key, and query rows past the last sequence.
     monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
     model = tiny_llama()
     prompts = random_prompts(5, VOCAB_SIZE, 10, 70, seed=6)
     padded = _engine(model, "auto", default_compile_level=1)
-    calls: list[tuple[int, ...]] = []
-    kernel = cpu_attention.flash_attn_with_kvcache
+    calls: dict[str, list[tuple[int, ...]]] = {"flash_attn_with_kvcache": [], "flash_attn_varlen_func": []}
 
-    def counting(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(tuple(q.shape))
-        return kernel(q, *args, **kwargs)
+    def counting(name: str) -> object:
+        kernel = getattr(cpu_attention, name)
 
-    monkeypatch.setattr(cpu_attention, "flash_attn_with_kvcache", counting)
+        def call(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            calls[name].append(tuple(q.shape))
+            return kernel(q, *args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(cpu_attention, name, counting(name))
     outputs = generate_in_order(padded, prompts, max_new_tokens=12)
-    assert calls and all(shape[0] % 4 == 0 for shape in calls)  # padded to the CPU's 4-row interval
+    assert padded.stats.num_padded_steps == padded.stats.num_steps
+    # Every step ran the kernel, in one of its two forms, on rows padded to the CPU's 4-row interval.
+    layers = model.config.num_hidden_layers
+    assert len(calls["flash_attn_with_kvcache"]) == layers * len(padded.stats.decode_step_batch) > 0
+    varlen_steps = padded.stats.num_steps - len(padded.stats.decode_step_batch)
+    assert len(calls["flash_attn_varlen_func"]) == layers * varlen_steps > 0
+    assert all(shape[0] % 4 == 0 for shapes in calls.values() for shape in shapes)
     for prompt, out in zip(prompts, outputs):
         assert out.generated_tokens == reference_greedy(model, prompt, 12, eos_token_id=None)
 

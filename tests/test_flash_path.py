@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -60,6 +61,15 @@ PAGE = 256  # the smallest page flash-attn's paged kernel accepts
 ATOL = 0.02
 
 
+def use_kernel(monkeypatch: pytest.MonkeyPatch, kind: str, kernel: Callable[..., torch.Tensor]) -> None:
+    """Route the steps' flash-attn calls of ``kind`` ("varlen" or "kvcache") to ``kernel``: flash-attn's own (a
+    CUDA cache) and rollout's CPU kernel (a CPU cache, where these tests run: the stand-ins check flash-attn's
+    rules on the inputs both take)."""
+    name = "flash_attn_varlen_func" if kind == "varlen" else "flash_attn_with_kvcache"
+    monkeypatch.setattr(attention, "_" + name, kernel)
+    monkeypatch.setattr(cpu_attention, name, kernel)
+
+
 def _engine(
     model,  # noqa: ANN001
     flash: bool,
@@ -80,11 +90,8 @@ def _engine(
     engine = Engine(model, config)
     assert engine.cache.dtype == torch.float16 and engine.block_size == PAGE
     if flash:
-        monkeypatch.setattr(attention, "_flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
-        monkeypatch.setattr(attention, "_flash_attn_with_kvcache", flash_reference.flash_attn_with_kvcache)
-        # The cache is on the CPU, where the steps would call rollout's kernel: the stand-ins check flash-attn's rules.
-        monkeypatch.setattr(cpu_attention, "flash_attn_varlen_func", flash_reference.flash_attn_varlen_func)
-        monkeypatch.setattr(cpu_attention, "flash_attn_with_kvcache", flash_reference.flash_attn_with_kvcache)
+        use_kernel(monkeypatch, "varlen", flash_reference.flash_attn_varlen_func)
+        use_kernel(monkeypatch, "kvcache", flash_reference.flash_attn_with_kvcache)
         engine.use_flash = engine.runner.use_flash = True
     return engine
 
@@ -512,7 +519,7 @@ def _record_varlen_calls(monkeypatch: pytest.MonkeyPatch, kernel=flash_reference
         )
         return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", recording)
+    use_kernel(monkeypatch, "varlen", recording)
     return calls
 
 
@@ -603,7 +610,7 @@ def _nan_past_the_sequences(q, k, v, cu_seqlens_q, *args, **kwargs):  # noqa: AN
 
 
 def test_rows_past_the_last_sequence_come_out_zero_when_the_kernel_leaves_nan_there(monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", _nan_past_the_sequences)
+    use_kernel(monkeypatch, "varlen", _nan_past_the_sequences)
     g = torch.Generator().manual_seed(0)
     H, Hkv, D = 4, 2, 16
     k_cache = torch.randn(3 * PAGE, Hkv, D, generator=g).to(torch.float16)
@@ -792,7 +799,7 @@ def test_the_padded_flash_varlen_step_traces_whole_and_compiles_nothing_after_wa
     config = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=True)
     engine = _engine(model, True, monkeypatch, varlen_compile_config=config, q_padding_interval_size=16)
     eager = generate_in_order(_engine(model, True, monkeypatch), prompts)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", _traceable_varlen)
+    use_kernel(monkeypatch, "varlen", _traceable_varlen)
     steps = _Steps(monkeypatch)
     engine.warmup(progress_bar=False)
     assert engine.runner.static_paths == ["varlen"] and engine.stats.num_compiles > 0
