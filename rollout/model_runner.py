@@ -128,14 +128,12 @@ class ModelRunner:
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: attention runs flash-attn's kernels (CUDA), not SDPA, eager, compiled or graphed alike:
-            ``flash_attn_with_kvcache`` for the steps that fit it (``step_inputs.fits_decode_kernel``), eager or
-            on the decode path; ``flash_attn_varlen_func`` for every other step.
+        use_flash: attention runs paged kernels with flash-attn's inputs (flash-attn's on CUDA, rollout's on CPU),
+            not SDPA: the decode kernel for the steps that fit it (``prepare_step``), the varlen kernel otherwise.
         max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
             step reads (``engine_spec.resolve_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
-        seed: seed of the generator of sampled requests that have no seed of their own;
-            None seeds it from the OS.
+        seed: seed of the generator of sampled requests that have no seed of their own; None: from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
         return_logprobs: return one logprob per sampled token.
         compile_configs: the (varlen, decode) compile configs; None runs that path uncompiled.
@@ -287,9 +285,8 @@ class ModelRunner:
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start a step's KV copies, forward and sampling; ``collect`` waits for them.
 
-        Without ``async_batching`` the step is computed before this returns. With it, on CPU the worker
-        thread computes it (one step at a time, in launch order, so a step's KV writes land before the
-        next step's forward reads or overwrites any block); on CUDA it is enqueued on the current stream.
+        Without ``async_batching`` the step is computed before this returns. With it, on CPU the worker thread
+        computes it (one step at a time, in launch order); on CUDA it is enqueued on the current stream.
 
         Args:
             prepared: the step.
@@ -475,12 +472,10 @@ class ModelRunner:
         return "flash_decode" if path == "decode" and self.max_blocks_per_request > 0 else "flash_varlen"
 
     def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's KV copies before its forward: offloads, copy-on-write copies, restores.
+        """The step's KV copies before its forward: offloads, copy-on-write copies, restores, in that order.
 
-        Offloads first: a victim's freed blocks may already be handed to a restored request, or be
-        the destination of a copy-on-write, in the same step (and are written by this step's
-        forward, after the copies). Copies before restores: a copy's source block, freed in the
-        same pass, may be a restored request's block.
+        A victim's freed blocks may be handed, in the same step, to a restored request or a copy-on-write; a copy's
+        source block, freed in the same pass, may be a restored request's block.
         """
         pool = self.offload_pool
         if pool is not None:

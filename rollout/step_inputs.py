@@ -187,13 +187,13 @@ class StepBatch:
 
     @property
     def flash(self) -> dict | None:
-        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. Computed from the batch's own
-        tensors inside the forward, so a compiled or graphed step computes them too (the int32 casts included):
+        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA, computed inside the forward (so a
+        compiled or graphed step computes them too, the int32 casts included):
 
-        - the decode kernel: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (a padded row reads one key, the
-          padding slot), ``block_tables`` int32 [N, B, Wd];
-        - the varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 [B + 1] (rows of one contiguous tensor),
-          ``max_seqlen_q``, ``max_seqlen_k`` (ints), ``block_tables`` int32 [N, B, W].
+        - the decode kernel: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (a padded row reads the padding
+          slot), ``block_tables`` int32 [N, B, Wd];
+        - the varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 [B + 1], ``max_seqlen_q``, ``max_seqlen_k``
+          (ints), ``block_tables`` int32 [N, B, W].
         """
         if self.flash_decode:
             return {"cache_seqlens": (self.decode_pos + 1).int(), "block_tables": self.decode_tables.int()}
