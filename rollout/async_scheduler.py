@@ -1,22 +1,17 @@
 """Async batching's scheduler: the next step is scheduled while the step before it runs.
 
-vLLM v1's ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py): a subclass of the synchronous ``Scheduler`` with
-the same rule and two hooks around a per-request placeholder count. When a step that samples a request's next token is
-scheduled, the request gets a placeholder (``Request.num_output_placeholders``); the scheduling rule counts placeholders
-as tokens of the request, so the next step is scheduled before the token is known, and the model runner copies the
-sampled token into that step's inputs on the device. When the token arrives (``update_from_output``) the placeholder
-goes and the blocks its token completes are hashed for the prefix cache. Nothing scheduled is ever taken back: a row of
-a request that a stop token or a stop string ended in the step before is computed and dropped, like the row of a request
-cancelled in flight.
+vLLM v1's ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py): a subclass of ``Scheduler`` with two hooks
+around a per-request placeholder count. A request scheduled to sample gets a placeholder
+(``Request.num_output_placeholders``), which the scheduling rule counts as a token, so the next step is scheduled
+before the token is known; the model runner copies the sampled token into that step's inputs on the device. When the
+token arrives (``update_from_output``) the placeholder goes and the blocks it completes are hashed. Nothing scheduled
+is taken back: a row of a request that ended in the step before is computed and dropped.
 
-A running request waits for the step in flight instead of being scheduled with a placeholder when (``_defer``): that
-step samples its last token (``max_new_tokens``: vLLM's check), its parked forks join it in that step (they take its
-blocks when the step's results arrive), or it has logits processors (they read the tokens so far, which the placeholder
-is not).
+A running request waits for the step in flight instead (``_defer``) when that step samples its last token, its parked
+forks join it in that step, or it has logits processors (they read the tokens so far).
 
-What a user sees is what the synchronous loop gives: greedy tokens, logprobs, seeded samples (each draw is indexed by
-the token's position in the request), weight versions (a weight update waits for the step in flight:
-``Engine.set_weight_version``). A row's bits may differ where the batches differ, as between any two batch compositions.
+Greedy tokens, logprobs, seeded samples and weight versions are what the synchronous loop gives (a weight update waits
+for the step in flight); a row's bits may differ where the batches differ.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Paged attention: one layer's attention over the paged KV cache, for every kind of step.
 
 One metadata class (``PagedAttentionMetadata``) and one function (``paged_attention``, reached through
-``attention_registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike; only the sizes of the
-step's tensors differ (exact or padded, chosen by the input builder, ``step_inputs.PaddingRule``). Keys and
-values go into the cache through ``PagedKVCache.write``; every read then comes from the cache. SDPA path (CPU
-with ``cpu_attention="sdpa"`` or without a C++ compiler, and CUDA without flash-attn): the query rows attend in
-groups over their request's keys, gathered through every KV layer group's block tables: decode rows one per
-group (the query heads that share a KV head folded into the query axis, so grouped-query attention needs no
-copy of the keys), prefill chunks in sub-chunks.
-CUDA path, when ``flash.choose_flash`` allows it: a decode-only step (one query token per request, every request
-within ``max_blocks_per_request`` blocks) goes through ``flash_attn_with_kvcache``, any other step through
-``flash_attn_varlen_func`` over the whole flattened batch with a block table (vLLM's and nano-vllm's approach);
-both eager, compiled or CUDA-graphed, their inputs exact or padded to sizes fixed per shape (``step_inputs``).
-CPU path (the default there): the same inputs and calls as the CUDA path, served by rollout's C++ kernel
-(``cpu_attention``), which reads the cache in place as flash-attn does.
+``attention_registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike, on inputs exact or padded
+(``step_inputs.PaddingRule``). Keys and values go into the cache through ``PagedKVCache.write``; every read then
+comes from the cache. SDPA path (CPU with ``cpu_attention="sdpa"`` or without a C++ compiler, CUDA without
+flash-attn): the query rows attend in groups over their request's keys, gathered through the block tables: decode
+rows one per group (the query heads sharing a KV head folded into the query axis: no copy of the keys for
+grouped-query attention), prefill chunks in sub-chunks. CUDA path (``flash.choose_flash``): a step that fits it
+(``step_inputs.fits_decode_kernel``) goes through ``flash_attn_with_kvcache``, any other through
+``flash_attn_varlen_func`` over the flattened batch with a block table (vLLM's and nano-vllm's approach). CPU path
+(the default there): the same calls, served by rollout's C++ kernel (``cpu_attention``), which reads the cache in
+place as flash-attn does.
 """
 
 from __future__ import annotations
@@ -45,12 +42,10 @@ class PagedAttentionMetadata:
     - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
       Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
 
-    Shapes are the sizes the input builder chose (``step_inputs.PaddingRule``): exact on an eager path,
-    padded on a compiled or graphed one. T query rows; Bd decode groups reading Ld keys; G prefill groups
-    of Qs rows reading Lp keys; N KV layer groups of the cache (``kv_cache.CacheLayout``), each with its
-    own slots, a layer reading its group's (``group_of``). Filler groups and filler rows (there to fill a
-    size) point at row T, read the padding block and are dropped. Padded query rows (on a padded path)
-    write the padding slot and belong to no group: their attention output is 0.
+    Shapes are the input builder's (``step_inputs``): T query rows; Bd decode groups reading Ld keys; G prefill
+    groups of Qs rows reading Lp keys; N KV layer groups, a layer reading its group's (``group_of``). Filler
+    groups and rows point at row T, read the padding block and are dropped. Padded query rows write the padding
+    slot and belong to no group: their attention output is 0.
 
     Attributes:
         cache: the paged KV cache.
@@ -66,12 +61,8 @@ class PagedAttentionMetadata:
         prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
         decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
-        flash: the flash-attn inputs of a CUDA step (``step_inputs.StepBatch.flash``), else None. A step of
-            ``flash_attn_with_kvcache`` has ``cache_seqlens`` (int32 [B]: keys of each request, this step's
-            included), a varlen step ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [B + 1]; a padded step's filler
-            sequences repeat the last entry), ``max_seqlen_q`` and ``max_seqlen_k``; both have ``block_tables``,
-            int32 [N, B, W] (rows padded with the padding block, or block 0 on an eager step). Eager, compiled
-            or graphed alike.
+        flash: the flash-attn (or CPU kernel) inputs of the step (``step_inputs.StepBatch.flash``: names,
+            dtypes and shapes), else None.
     """
 
     cache: PagedKVCache
@@ -344,15 +335,12 @@ def _flash_attention(
       ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``). The rows past ``cu_seqlens_q[-1]`` (a padded step's
       padding rows) belong to no sequence, and the kernel leaves their output unwritten: it is zeroed here,
       as SDPA's is;
-    - decode fast path (``flash_attn_with_kvcache``): every query row is one request's only token (row b
-      is batch entry b, ``q`` [B, 1, H, D]). The step's keys and values are already in the cache
-      (``paged_attention`` wrote them), so the kernel gets no ``k``/``v`` to append and ``cache_seqlens``
-      counts this step's key. With one query token, flash-attn ignores ``causal`` and aligns the window
-      to the last key, as the SDPA decode mask does.
+    - decode fast path (``flash_attn_with_kvcache``): row b is request b's only token (``q`` [B, 1, H, D]). The
+      step's keys and values are already in the cache, so the kernel gets no ``k``/``v`` and ``cache_seqlens``
+      counts this step's key. With one query token flash-attn aligns the window to the last key, as SDPA's mask.
 
-    The kernels need q in the cache's dtype (fp16 or bf16, checked when the engine chose this path); a
-    query in another dtype (an fp32 rotary embedding under autocast) is cast, and the output is returned
-    in the query's dtype, which the model's output projection expects.
+    q is cast to the cache's dtype (fp16 or bf16 on CUDA: an fp32 rotary embedding under autocast gives another);
+    the output is returned in the query's dtype, which the model's output projection expects.
 
     Returns:
         [1, T, H, D] (T = B on the decode fast path).

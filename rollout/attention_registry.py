@@ -1,11 +1,9 @@
 """The model's switch to paged attention, a dispatcher registered with ``transformers.AttentionInterface``.
 
-The engine runs the user's own model object, switched to the implementation ``dispatcher_name(original)``
-("rollout_paged|sdpa" for an SDPA model). When the forward carries a step's metadata (the
-``rollout_batch`` kwarg) the dispatcher runs ``attention.paged_attention``; otherwise it calls the
-model's original implementation with the mask that implementation's own mask function builds, so a
-training forward is exactly what it was before the engine touched the model. Several engines may share
-one model: the first switches it, only the last restores it.
+The engine switches the user's own model object to ``dispatcher_name(original)`` ("rollout_paged|sdpa" for an SDPA
+model). A forward carrying a step's metadata (the ``rollout_batch`` kwarg) runs ``attention.paged_attention``; any
+other calls the original implementation with the mask its own mask function builds, so a training forward is what it
+was before. Several engines may share one model: the first switches it, only the last restores it.
 """
 
 from __future__ import annotations

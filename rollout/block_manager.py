@@ -1,18 +1,13 @@
 """Block pool of the paged KV cache: ref counts, free queue and prefix caching.
 
-Prefix caching follows vLLM's automatic prefix caching: a full block is identified by a hash chained over
-(parent block hash, the block's token ids, the weight version). Hits compare the stored token ids, so a hash
-collision can never hand a request the KV of other tokens. Freed blocks that carry a hash go to the tail of an
-LRU free queue and keep their hash until the block is handed out again, so the next turn of a conversation, or a
-prompt sampled again later, finds its blocks still there.
+Prefix caching follows vLLM's: a full block is identified by a hash chained over (parent hash, the block's token
+ids, the weight version); hits compare the stored token ids, so a collision never hands out the KV of other tokens.
+Freed hashed blocks go to the tail of an LRU free queue and keep their hash until handed out again, so a later turn
+or prompt finds them. Only full blocks are hashed; the G samples of one prompt share every block, the partial last one
+included, by forking (``share``; the KV cache manager copies a shared partial block before a request writes it).
 
-Only full blocks are hashed. The G samples of one prompt submitted together share more: the scheduler prefills
-the prompt once and forks the others from it (``share``: every block, the partial last one included; the KV
-cache manager copies a shared partial block before a request writes into it).
-
-One pool serves every layer group of the cache (see ``kv_cache_manager``): a block id belongs to one group at a
-time, and a block's hash is chained from a root that names its group, so the same tokens cached by two groups
-are two entries (vLLM v1 keys its prefix cache by block hash and group id).
+One pool serves every layer group of the cache: a block id belongs to one group at a time, and a block's hash chain
+starts from a root naming its group (vLLM v1 keys its prefix cache by block hash and group id).
 """
 
 from __future__ import annotations

@@ -126,14 +126,12 @@ def num_blocks_for_model(
 ) -> int:
     """The blocks an engine built now on ``model`` sizes from memory (``num_blocks`` unset).
 
-    A block here is what ``ContinuousBatchingConfig.num_blocks`` counts: ``page_size`` tokens of KV in every
-    layer, each at its own shape (a whole-model block). The engine lays that memory out per layer group
-    (``CacheLayout.pool_blocks``): with sliding-window groups it holds more block ids (Gemma-3's 6 groups: 6 per
-    whole-model block). The cache holds the dtype attention computes in (``models.attention_dtype``); block
-    size, token budget and share come from ``config`` (``max_memory_percent``, or its device default) unless
-    ``memory_percent`` is given. The step's logits workspace (``logits_workspace_bytes``) comes out of the share
-    on the last layer's device (where the head computes the logits). Each device of a ``device_map``-sharded
-    model holds its own layers' share of every block, so the tightest device decides.
+    A block here is what ``ContinuousBatchingConfig.num_blocks`` counts: ``page_size`` tokens of KV in every layer
+    (a whole-model block), which the engine lays out per layer group (``CacheLayout.pool_blocks``). The cache holds
+    the dtype attention computes in; block size, token budget and share come from ``config`` unless
+    ``memory_percent`` is given. The step's logits workspace (``logits_workspace_bytes``) comes out of the share on
+    the last layer's device. Each device of a ``device_map``-sharded model holds its own layers' share of every
+    block, so the tightest device decides.
 
     Args:
         model: a supported decoder-only model (``check_model_supported``).

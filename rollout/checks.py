@@ -1,10 +1,8 @@
 """The checks of user input, written once: bools, ints, numbers, choices and token-id lists.
 
-Every public entry point (the config, ``SamplingParams``, ``generate_batch``, the manager's
-``add_request(s)``, ``score``) validates what it is given with these helpers, once, and passes the
-checked values down; nothing below the boundary checks again. Each failure is a ``ValueError`` whose
-message starts with the argument's name and shows the bad value, so a caller can tell which argument to
-fix. This module imports nothing of rollout's: everything else may import it.
+Every public entry point (the config, ``SamplingParams``, ``generate_batch``, the manager's ``add_request(s)``,
+``score``) validates its input with these helpers, once, and passes the checked values down. Each failure is a
+``ValueError`` whose message starts with the argument's name and shows the bad value. Leaf module.
 """
 
 from __future__ import annotations

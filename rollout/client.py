@@ -1,17 +1,15 @@
 """A client of ``rollout-serve`` for trainers: generation over HTTP, and the trainer's weights streamed in.
 
-``RolloutClient`` wraps the server's HTTP API (httpx; no GPU, no vLLM needed) and owns the trainer's side
-of the weight-transfer group (``rollout.weight_transfer``): the trainer is rank 0, serves the group's
-store on a free port, and broadcasts its tensors in packed buckets while the HTTP call ``/update_weights``
-has the server receive them. A send runs its broadcasts in a thread of its own while the HTTP call waits
-in the caller's thread, so a failure on either side surfaces as an exception, never a hang: the server
-bounds each broadcast by its ``--weight-transfer-timeout``, the client bounds the HTTP call and the
-thread by ``timeout`` (TRL's ``WeightTransferClient`` splits the two sides the same way).
+``RolloutClient`` wraps the server's HTTP API (httpx; no GPU, no vLLM needed) and owns the trainer's side of the
+weight-transfer group (``rollout.weight_transfer``): the trainer is rank 0, serves the group's store on a free port and
+broadcasts its tensors in packed buckets, in a thread of its own, while the HTTP call ``/update_weights`` has the
+server receive them. A failure on either side surfaces as an exception, never a hang: the server bounds each broadcast
+by its ``--weight-transfer-timeout``, the client the HTTP call and the thread by ``timeout`` (as TRL's
+``WeightTransferClient``).
 
-``RolloutWeightTransfer`` is the same thing behind TRL's ``WeightTransferProtocol``
-(trl/experimental/async_grpo/async_grpo_trainer.py: ``init_weight_transfer``, ``pause``,
-``send_weights(iterator)``, ``resume``, ``destroy``), so that ``AsyncGRPOTrainer(..., weight_transfer=...)``
-streams into rollout-serve.
+``RolloutWeightTransfer`` is the same behind TRL's ``WeightTransferProtocol``
+(trl/experimental/async_grpo/async_grpo_trainer.py), so that ``AsyncGRPOTrainer(..., weight_transfer=...)`` streams
+into rollout-serve.
 """
 
 from __future__ import annotations

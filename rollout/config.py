@@ -1,11 +1,9 @@
 """Engine configuration: one validated dataclass, and the one conversion of what callers pass for it.
 
-Every field is checked in ``__post_init__`` (with the shared helpers of ``checks``): a bad value fails with a
-``ValueError`` naming the field and its allowed values before anything is allocated or accepted. Building a config has
-no side effect; what depends on the device or the model is resolved by ``engine_spec``.
-``resolve_continuous_batching_config`` is the boundary every entry point calls: it accepts rollout's config, a
-``transformers.ContinuousBatchingConfig`` (``from_transformers``), None, or, as transformers still does with a
-deprecation warning, a config carried inside the ``GenerationConfig``.
+Every field is checked in ``__post_init__``: a bad value fails with a ``ValueError`` naming the field and its allowed
+values. Building a config has no side effect; what depends on the device or the model is resolved by ``engine_spec``.
+``resolve_continuous_batching_config``, which every entry point calls, accepts rollout's config, a transformers
+``ContinuousBatchingConfig``, None, or (deprecated, as in transformers) one inside the ``GenerationConfig``.
 """
 
 from __future__ import annotations
@@ -95,18 +93,13 @@ class ContinuousBatchingConfig:
             implement (typical_p, suppress_tokens, sequence_bias, ...; see
             ``sampling_params.unsupported_processor_fields``): True drops it with one warning per field, False refuses
             the config with a ValueError naming it.
-        default_compile_level: 0 (eager, the default) to 3. When a path has no compile config of its own
-            (``varlen_compile_config`` / ``decode_compile_config``), level 1 compiles it with ``mode="default",
-            dynamic=True``, level 2 with ``mode="max-autotune-no-cudagraphs", dynamic=True`` and level 3 with
-            ``mode="max-autotune-no-cudagraphs", dynamic=False`` (transformers' levels); at level 0 the generation
-            config's ``compile_config`` is used when the user set one (transformers' ``GenerationConfig`` defaults it to
-            None: nothing is compiled). What is compiled is the step's forward (the model through the paged cache and
-            the kept logits rows; sampling stays eager), one compiled function per path, shared by every engine with the
-            same config. A compiled path runs the static-shape step (see ``q_padding_interval_size``); ``warmup()``
-            (``generate_batch(warmup=True)``, the manager's ``warmup()``) compiles it before the first request, and
-            ``EngineStats.num_compiles`` / ``num_compiles_after_warmup`` count the compilations. With ``dynamic=False``
-            every padded shape compiles on first use (dynamo stops at ``torch._dynamo.config.recompile_limit``, 8, per
-            path, and runs further shapes uncompiled): level 3 suits few shapes.
+        default_compile_level: 0 (eager, the default) to 3, transformers' levels, for a path without a compile config
+            of its own: 1 compiles with ``mode="default", dynamic=True``, 2 with ``mode="max-autotune-no-cudagraphs",
+            dynamic=True``, 3 the same with ``dynamic=False``; at 0 the generation config's ``compile_config`` is used
+            when the user set one. The step's forward is compiled (sampling stays eager), one function per path and
+            config shared by every engine, and runs padded (``q_padding_interval_size``); ``warmup()`` compiles it
+            before the first request (``EngineStats.num_compiles`` counts). With ``dynamic=False`` every padded shape
+            compiles on first use, up to dynamo's ``recompile_limit`` (8) per path: level 3 suits few shapes.
         varlen_compile_config: a ``transformers.CompileConfig`` (or a dict of its fields) for the varlen path: every
             step that is not decode-only (prefill chunks, mixed, scoring). None: see ``default_compile_level``.
         decode_compile_config: the same for decode-only steps (one query token per request, sampled).
@@ -132,25 +125,19 @@ class ContinuousBatchingConfig:
             C++ compiler the first time, about 20 s), falling back to SDPA over gathered keys with one warning when it
             cannot be built; ``"paged"`` the kernel or a RuntimeError naming why not; ``"sdpa"`` SDPA. No effect on
             CUDA (flash-attn or SDPA, see ``flash.choose_flash``).
-        use_async_batching: schedule and prepare step k+1 (its batch and staged inputs, padded ones on a compiled or
-            CUDA-graphed path) while step k's forward and sampling run (``batch_queue``; on CPU in a worker thread, on
-            CUDA through a side stream and two staging buffer sets). Step k+1 is scheduled before step k's tokens are
-            known (placeholders filled on the device: ``async_scheduler``); a row of a request that step k ended is
-            computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the synchronous
-            loop gives; a row's bits may differ where the batches differ. None picks per device
-            (``engine_spec.resolve_async_batching``). Under tensor parallelism True raises a ValueError before the
-            engine allocates anything, None is off.
+        use_async_batching: schedule and prepare step k+1 while step k's forward and sampling run (``batch_queue``;
+            placeholders for step k's tokens filled on the device: ``async_scheduler``); a row of a request that step
+            k ended is computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the
+            synchronous loop gives. None picks per device (``engine_spec.resolve_async_batching``). Under tensor
+            parallelism True raises a ValueError before anything is allocated, None is off.
         disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for graph-captured
-            collectives running beside other collectives (transformers' meaning): rollout never replays two such graphs
-            at once, and NCCL is faster without it. NCCL reads the ``NCCL_GRAPH_MIXING_SUPPORT`` variable when a
-            communicator starts: a tensor-parallel engine on CUDA sets it to ``"0"`` unless it is already set
-            (``distributed.disable_nccl_graph_mixing``), which covers the communicators started after it; export
-            ``NCCL_GRAPH_MIXING_SUPPORT=0`` in the launch environment to cover those the model's loading started.
-            Building a config changes no environment variable. No effect on CPU.
-        cpu_group_timeout: seconds (> 0) a collective of the CPU (gloo) process group that the ranks of a
-            tensor-parallel engine share its decisions over may wait for the other ranks before it raises (transformers'
-            meaning; gloo's own default is 30 minutes). None: no timeout. A manager's ranks exchange a message at least
-            every 50 ms while idle or paused, so only a stuck or dead rank runs into it.
+            collectives beside other collectives (transformers' meaning; rollout never replays two such graphs at once).
+            A tensor-parallel engine on CUDA sets ``NCCL_GRAPH_MIXING_SUPPORT=0`` unless set, which covers the
+            communicators started after it (a config alone changes no variable); export it at launch to cover those
+            the model's loading started.
+        cpu_group_timeout: seconds (> 0) a collective of the tensor-parallel ranks' CPU (gloo) group may wait for the
+            other ranks before it raises (transformers' meaning). None: no timeout. Idle or paused ranks exchange a
+            message at least every 50 ms, so only a stuck or dead rank runs into it.
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17); it sets ``page_size`` with a
             ``FutureWarning``. Both set to different values is a ``ValueError``.

@@ -39,24 +39,19 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 class CPUOffloadPool:
     """CPU memory that holds the KV blocks of requests preempted by offload.
 
-    One buffer of exactly ``num_blocks`` pool blocks, viewed as ``blocks`` of shape
-    ``[num_blocks, num_slots, 2, block_size, *row_shape]`` (2: key then value; the slots and row shape
-    of the cache's ``CacheLayout``: one slot per layer and (num_kv_heads, head_dim) when the layers
-    form one group). A pool block holds one cache block of every slot, contiguous, so a request's
-    blocks move in one copy per run of consecutive pool ids (the free list hands ids out ascending).
-    ``key[slot]`` and ``value[slot]`` are views ``[num_blocks, block_size, *row_shape]`` of it. The KV
-    cache manager allocates and frees pool blocks (bookkeeping); the model runner copies into and out of them.
+    One buffer of exactly ``num_blocks`` pool blocks, viewed as ``blocks`` [num_blocks, num_slots, 2, block_size,
+    *row_shape] (2: key then value; slots and row shape of the cache's ``CacheLayout``). A pool block holds one cache
+    block of every slot, contiguous, so a request's blocks move in one copy per run of consecutive pool ids (the free
+    list hands ids out ascending). ``key[slot]`` and ``value[slot]`` are views [num_blocks, block_size, *row_shape].
+    The KV cache manager allocates and frees pool blocks; the model runner copies into and out of them.
 
-    Pinned (for a CUDA cache), the buffer is allocated pageable and page-locked in place
-    (``cudaHostRegister``), so exactly ``size_bytes`` are pinned: torch's pinned allocator
-    (``pin_memory=True``) rounds each allocation up to a power of two, up to twice what was asked.
+    Pinned (for a CUDA cache), the buffer is allocated pageable and page-locked in place (``cudaHostRegister``), so
+    exactly ``size_bytes`` are pinned (torch's pinned allocator rounds up to a power of two).
 
-    Copies (CUDA cache): ``store`` enqueues the device-to-host copies on the current stream, without
-    waiting, and records an event per device; ``read_blocks`` waits for it before the host reads the pool.
-    ``load`` makes the current stream wait for those events, enqueues the host-to-device copies and records
-    its own (``close`` waits for all before unpinning). A freed pool block is only written again by a
-    later ``store``, which the stream orders after the ``load`` that read it, so one stream (the engine's
-    thread) needs no other synchronisation.
+    Copies (CUDA cache): ``store`` enqueues the device-to-host copies on the current stream and records an event per
+    device, which ``read_blocks`` waits for; ``load`` makes the current stream wait for those events, enqueues the
+    host-to-device copies and records its own (``close`` waits for all before unpinning). A freed pool block is only
+    written again by a later ``store``, ordered after the ``load`` that read it on the one stream.
 
     Args:
         shape: the cache's shape.

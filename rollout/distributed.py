@@ -1,30 +1,22 @@
 """Tensor parallelism through transformers' ``tp_plan``: one engine per rank, every rank in lockstep.
 
-A model loaded under ``torchrun`` with ``from_pretrained(..., tp_plan="auto")`` (or a
-``DistributedConfig``) holds DTensor shards of its weights: each rank's attention computes its own
-``num_key_value_heads / tp_size`` KV heads, and the forward's collectives give every rank the same
-full-vocabulary logits. rollout runs one engine per rank on such a model (DESIGN: "rank 0 scheduling
-and broadcasting the batch; no home-made distributed runtime"), following the contract of
-transformers' continuous batching (``generation/continuous_batching/distributed.py``, whose ideas this
-module reuses: a dedicated gloo group for control messages, a driver that owns the request queue):
+A model loaded under ``torchrun`` with ``tp_plan="auto"`` (or a ``DistributedConfig``) holds DTensor shards: each
+rank's attention computes ``num_key_value_heads / tp_size`` KV heads and the forward's collectives give every rank
+the same logits. rollout runs one engine per rank, after transformers' continuous batching
+(``generation/continuous_batching/distributed.py``: a gloo group for control messages, a driver owning the queue):
 
-- every rank calls the same rollout API (``generate_batch``, the manager, ``score``) with the same
-  inputs; the TP driver (TP rank 0) decides what enters each step (new requests, cancels, a
-  recompute after a weight update, the weight version, a stop) and shares it over a CPU process
-  group created with ``cpu_group_timeout``;
-- each rank's KV cache holds its own KV heads (``models.layer_kv_shapes`` reads the local shard);
-  ``num_key_value_heads % tp_size != 0`` is refused (``check_kv_heads_divisible``);
-- the engine's size (blocks, offload pool) is the smallest any rank measured, so every rank's
-  scheduler takes the same decisions;
-- after each step the driver's sampled tokens, logprobs and scores are broadcast (``share_output``):
-  every rank appends the same token whatever its own sampler drew;
-- only the driver returns results: elsewhere ``add_request`` returns None, ``generate_batch`` an
-  empty dict and ``score`` an empty list.
+- every rank calls the same rollout API with the same inputs; the driver (TP rank 0) decides what enters each step
+  (requests, cancels, recomputes, the weight version, a stop) and shares it over a CPU group (``cpu_group_timeout``);
+- each rank's KV cache holds its own KV heads; ``num_key_value_heads % tp_size != 0`` is refused
+  (``check_kv_heads_divisible``);
+- the engine's size is the smallest any rank measured, so every rank's scheduler decides alike;
+- after each step the driver's sampled tokens, logprobs and scores are broadcast (``share_output``);
+- only the driver returns results: elsewhere ``add_request`` returns None, ``generate_batch`` an empty dict and
+  ``score`` an empty list.
 
-The CPU group is created once per process and set of ranks (``dist.new_group`` is collective: every
-rank must build its first engine in the same order), and reused by every engine after it. Two engines
-must not step at the same time on one rank (a manager running while ``generate_batch`` builds a second
-engine on the same model): their collectives would interleave in a different order on each rank.
+The CPU group is created once per process and set of ranks (``dist.new_group`` is collective: every rank builds its
+first engine in the same order). Two engines must not step at once on one rank: their collectives would interleave
+in a different order on each rank.
 """
 
 from __future__ import annotations

@@ -59,11 +59,8 @@ class Engine(EngineRequests):
             the dtype attention computes in (``models.attention_dtype``: autocast's under accelerate's
             ``mixed_precision``), each layer's on that layer's device (a ``device_map``-sharded model gets its cache
             sharded the same way). On CUDA the steps use flash-attn's paged kernels when ``flash.flash_support``
-            finds nothing against it, else SDPA (logged): decode-only steps ``flash_attn_with_kvcache`` (up to
-            ``max_blocks_per_request``), the others ``flash_attn_varlen_func``. A model sharded by a ``tp_plan`` under
-            ``torchrun`` runs one engine per rank in lockstep (``distributed.TensorParallel``): each rank's cache holds
-            its own KV heads, the cache size is the smallest any rank measured, the driver's sampled tokens are every
-            rank's.
+            finds nothing against it, else SDPA (logged). A model sharded by a ``tp_plan`` under ``torchrun`` runs one
+            engine per rank in lockstep (``distributed.TensorParallel``).
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than what holds this many tokens (an
             int), or these requests of that many tokens each (a sequence: the whole job of ``generate_batch``), memory
@@ -74,15 +71,12 @@ class Engine(EngineRequests):
             ``GenerationConfig`` defaults it to None): compiles the paths that have no compile config of their own when
             ``default_compile_level`` is 0.
 
-    Compiled and CUDA-graphed paths (``EngineSpec.compile_configs``, ``EngineSpec.cuda_graphs``) run
-    the static-shape step (``static_step``): the cache gets one padding block more than the block
-    manager hands out; ``warmup()`` compiles or captures before the first request.
+    Compiled and CUDA-graphed paths run padded (``static_step``): the cache gets one padding block more than the
+    block manager hands out; ``warmup()`` compiles or captures before the first request.
 
     With ``spec.async_batching`` true, a step is in flight between calls of ``step()`` (``batch_queue``):
-    ``in_flight`` says so and ``drain()`` finishes it. A request cancelled or stopped meanwhile has its row of
-    that step computed and dropped. ``set_weight_version``, ``recompute_in_flight``, ``warmup()`` and
-    ``close()`` finish it first. It composes with compiled and CUDA-graphed paths and every KV layer group; it
-    is off under tensor parallelism (``engine_spec.resolve_async_batching``).
+    ``in_flight`` says so and ``drain()`` finishes it; ``set_weight_version``, ``recompute_in_flight``, ``warmup()``
+    and ``close()`` finish it first. A request cancelled or stopped meanwhile has its row computed and dropped.
 
     Raises:
         UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a layer's weights
@@ -310,11 +304,9 @@ class Engine(EngineRequests):
 
         Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding block
         (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and the request counters of
-        ``stats`` are as they were; later compilations count in ``stats.num_compiles_after_warmup``. A no-op (logged at
-        debug) when there is nothing to compile, when it already ran, or when an earlier engine on the same model object
-        warmed up the same ``dynamic=True`` compile configs and padding (``static_step.warm_key``: its graphs serve any
-        cache size; ``generate_batch`` builds an engine per call). Not thread-safe against ``step()``: the manager
-        pauses its loop first.
+        ``stats`` are as they were. A no-op (logged at debug) when there is nothing to compile, when it already ran, or
+        when an earlier engine on the same model warmed up the same ``dynamic=True`` configs and padding
+        (``static_step.warm_key``). Not thread-safe against ``step()``: the manager pauses its loop first.
 
         Args:
             progress_bar: show a tqdm bar over the shapes.

@@ -29,17 +29,13 @@ from .static_step import PaddingRule
 
 __all__ = ["EngineSpec"]
 
-# Padding intervals (tokens) of the static-shape path (rollout/static_step.py). Levels 1 and 2 compile with dynamic
-# shapes, so an interval changes the work a step does, not what is compiled; with static shapes (level 3, CUDA graphs) a
-# smaller interval means more shapes to compile or capture.
-# CPU, measured with SmolLM2-135M fp32 on the 2-core machine (gsm8k prompts, decoding requests of 60-150 keys, 1 thread,
-# min over interleaved runs): padding the keys to 64 made the uncompiled padded decode step of 32 requests 4-7% slower
-# than the eager one, to 32 (one CPU page) 0-1%. A decode step costs about 4 ms of CPU per row past 4 rows (1 row 43 ms,
-# 4 rows 66, 8 rows 81, 16 rows 111, 32 rows 176), so the query rows are padded to a multiple of 4: 1.5 padded rows on
-# average, not 7.5 as with 16.
-# CUDA: transformers' query preset (generation/continuous_batching/initialization.py, FALLBACK_DEFAULTS: 64). Its key
-# preset, 64 pages of 256, sizes flash-attn's block-table reads; the padded step gathers every padded key of every
-# decode row, so it takes 4 pages instead.
+# Padding intervals (tokens) of the padded step. With dynamic shapes (levels 1-2) an interval changes a step's work, not
+# what is compiled; with static shapes (level 3, CUDA graphs) a smaller one means more shapes to compile or capture.
+# CPU (SmolLM2-135M fp32, the 2-core machine, gsm8k decodes of 60-150 keys, 1 thread): keys padded to 64 made the padded
+# decode step of 32 requests 4-7% slower than eager, to 32 (one page) 0-1%; a decode row past 4 costs about 4 ms (1 row
+# 43 ms, 4 rows 66, 32 rows 176), so query rows pad to a multiple of 4 (1.5 padded rows on average, 7.5 with 16).
+# CUDA: transformers' query preset (continuous_batching/initialization.py FALLBACK_DEFAULTS: 64); its key preset of 64
+# pages sizes flash-attn's table reads, while the padded step gathers every padded key, so 4 pages here.
 DEFAULT_Q_PADDING_CUDA = 64
 DEFAULT_KV_PADDING_CUDA = 4 * 256
 DEFAULT_Q_PADDING_CPU = 4
@@ -98,13 +94,10 @@ def resolve_padding_intervals(config: ContinuousBatchingConfig, device_type: str
 def resolve_async_batching(config: ContinuousBatchingConfig, device_type: str, tensor_parallel: bool = False) -> bool:
     """Whether the engine prepares step k+1 while step k runs on a device type.
 
-    The explicit value, else: off on CPU, where the host work it hides is a small share of a SmolLM2-135M decode step
-    (fp32, 2 cores; docs/profile.md) while its worker thread's second OpenMP team slows every kernel a little (measured
-    0.80x-0.95x the synchronous loop's tokens/s; docs/engine.md "Async batching"); on CUDA, on when CUDA graphs are
-    asked for (``use_cuda_graph`` true for a path), as transformers decides (``decide_use_async_batching``): with graphs
-    the forward no longer hides the host's work behind its own launch time. Off under tensor parallelism: the ranks
-    share the driver's sampled tokens after each step (``distributed.TensorParallel.share_output``), while a step
-    scheduled ahead reads its rank's own tokens on the device before that.
+    The explicit value, else: off on CPU (its worker thread's second OpenMP team slows every kernel more than the host
+    work it hides: 0.80x-0.95x the synchronous tokens/s; docs/engine.md "Async batching"); on CUDA, on when a path is
+    CUDA-graphed, as transformers' ``decide_use_async_batching``. Off under tensor parallelism: a step scheduled ahead
+    would read its rank's own sampled tokens, not the driver's (``TensorParallel.share_output``).
 
     Args:
         config: the engine's configuration.
@@ -201,8 +194,7 @@ class EngineSpec:
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
-        use_flash: the steps run paged kernels with flash-attn's inputs (flash-attn's on CUDA, ``cpu_attention``'s on
-            CPU), else SDPA over gathered keys.
+        use_flash: the steps run paged kernels (flash-attn's on CUDA, ``cpu_attention``'s on CPU), else SDPA.
         max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
         return_logprobs: the engine records a logprob per generated token (the config's).

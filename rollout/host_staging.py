@@ -25,25 +25,18 @@ class _StagingSet:
 class HostStaging:
     """Moves a step's small host arrays to the device in one copy, through buffers kept across steps.
 
-    On CUDA the arrays are packed into one pinned host buffer and copied with one non-blocking copy into
-    one device buffer; both are reused (grown when a step needs more), so the device tensors a step
-    reads sit at the same addresses each time, as a replayed CUDA graph needs. Before a host buffer is
-    refilled, the host waits for the event of its previous copy (long done in practice: each step ends
-    by reading its results). On CPU the packed array itself is returned, a new one each time.
+    On CUDA the arrays are packed into one pinned host buffer and copied with one non-blocking copy into one
+    device buffer; both are reused (grown when a step needs more), so a step's device tensors sit at the same
+    addresses each time, as a replayed CUDA graph needs. A host buffer is refilled after the event of its previous
+    copy. On CPU the packed array itself is returned, a new one each time.
 
-    With one buffer set and no copy stream (the synchronous loop), the copy runs on the current stream:
-    the device buffer is overwritten by the next upload in stream order after everything already
-    enqueued that reads it, so do not keep the returned tensors past the step.
+    With one buffer set and no copy stream (the synchronous loop) the copy runs on the current stream, and the next
+    upload overwrites the device buffer in stream order: do not keep the returned tensors past the step.
 
-    Async batching stages step k + 1 while step k's forward runs: ``num_buffers=2`` alternates two
-    buffer sets (double buffering) and ``copy_stream`` runs the copies on a side stream, so that the
-    copy of step k + 1 overlaps step k's forward instead of queuing behind it. Then an upload into a set
-    first makes the side stream wait for that set's ``release`` event (every reader of the set's previous
-    contents was enqueued before it on the current stream), and the current stream waits for the copy
-    before anything enqueued after the upload. The caller calls ``release(slot)`` once it has enqueued
-    the last reader of an upload (the step's forward), or when it drops the upload. This is the pattern
-    of transformers' ``ContinuousBatchingAsyncIOs`` (two host/device IO pairs, an H2D stream and events),
-    built here on rollout's packed staging.
+    Async batching (transformers' ``ContinuousBatchingAsyncIOs`` pattern): ``num_buffers=2`` alternates two buffer
+    sets and ``copy_stream`` runs the copies on a side stream, overlapping step k's forward. An upload into a set
+    first makes the side stream wait for that set's ``release`` event, and the current stream waits for the copy.
+    The caller calls ``release(slot)`` once it has enqueued the last reader of an upload, or drops the upload.
 
     Args:
         device: where the tensors go.

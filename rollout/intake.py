@@ -1,16 +1,10 @@
 """The manager's intake: checking requests in the caller's thread, the inbox of checked requests and cancels.
 
-A request is checked once, in the caller's thread and outside the manager's lock, before it is queued:
-``request_params`` builds its sampling parameters, ``checked_request`` and ``checked_batch`` its prompt and whether it
-can ever fit the engine's cache; ``derive_seeds`` spreads one seed over a batch. Nothing is queued when a check fails.
-
-Callers' threads put requests (already checked, as ``Request`` objects) and cancels into the inbox; the manager's loop
-drains it between engine steps (vLLM's engine-core input queue), so no caller touches the engine. ``max_queue_size``
-bounds the requests not yet admitted (in the inbox or in the scheduler's waiting queue): ``put`` refuses a batch that
-does not fit, or waits for room.
-
-The inbox shares the manager's condition variable: every method expects to be called with it held (or takes it), and
-waiting callers are woken by the manager's ``notify_all``.
+A request is checked once, in the caller's thread and outside the manager's lock, before it is queued
+(``request_params``, ``checked_request``, ``checked_batch``; ``derive_seeds`` spreads one seed over a batch); nothing
+is queued when a check fails. Callers put checked ``Request`` objects and cancels into the inbox, which the manager's
+loop drains between steps (vLLM's engine-core input queue). ``max_queue_size`` bounds the requests not yet admitted:
+``put`` refuses a batch that does not fit, or waits for room. The inbox shares the manager's condition variable.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """The paged K/V tensors of every attention layer, grouped by layer kind and shape (their sizing from
 memory is ``cache_sizing``'s, the CPU offload pool ``cpu_offload``'s).
 
-Layer groups. Layers are grouped by what their cache must hold: (sliding window, KV heads, head dim). A
-sliding-window group keeps, for each request, only the blocks its next queries read, so a Gemma-3 model (5
-sliding layers to 1 global) holds a whole sequence in 1 layer of 6 and a window of it in the other 5. Each group
-has its own block table per request (``Request.block_tables``), as in vLLM v1's hybrid KV cache manager
-(``vllm/v1/core/kv_cache_coordinator.py``, ``single_type_kv_cache_manager.py``): one table shared by all groups
-cannot work, since a sliding group gives back the blocks that left its window while a full group keeps the same
-positions. transformers' continuous batching (``cache_allocators/sliding_attention.py``) keeps a sliding group
-in a ring buffer of ``ceil(window / page)`` pages per request instead, which cannot share them (prefix caching
-is off for the whole cache, a fork copies them) nor give the flash kernel a block table; with block tables,
-prefix caching, forks, copy-on-write and the flash path work on sliding groups unchanged.
+Layer groups. Layers are grouped by what their cache must hold: (sliding window, KV heads, head dim). A sliding
+group keeps, per request, only the blocks its next queries read (a Gemma-3 model holds a whole sequence in 1 layer
+of 6). Each group has its own block table per request (``Request.block_tables``), as in vLLM v1's hybrid KV cache
+manager (``vllm/v1/core/kv_cache_coordinator.py``): a sliding group gives back the blocks that left its window while
+a full group keeps the same positions. transformers keeps a sliding group in a ring buffer per request instead
+(``cache_allocators/sliding_attention.py``), which cannot share pages nor give the flash kernel a block table.
 
-Memory. The groups draw on one pool of block ids, so memory moves to whichever group needs it. For that, one
-block id must mean the same bytes in every group: the layers are split into groups of equal size k (the gcd of
-the layer counts of each kind: Gemma-3's 5:1 gives 6 groups of one layer), and tensor slot j holds the j-th
-layer of every group (vLLM's ``KVCacheTensor`` shared by one layer of each group). A block id belongs to one
-group at a time, so the layers sharing a slot never write the same block. Layers whose token rows differ (head
-dims, KV-head counts) share slots padded to the widest row (``CacheLayout.row_shape``; vLLM gives narrower
-groups more tokens per block instead). A model sharded over devices keeps each slot on one device.
+Memory. The groups draw on one pool of block ids, so one block id must mean the same bytes in every group: the
+layers are split into groups of equal size k (the gcd of the layer counts of each kind: Gemma-3's 5:1 gives 6
+groups of one layer), and tensor slot j holds the j-th layer of every group (vLLM's ``KVCacheTensor``). A block id
+belongs to one group at a time, so the layers sharing a slot never write the same block. Layers whose token rows
+differ share slots padded to the widest row (``CacheLayout.row_shape``). A model sharded over devices keeps each
+slot on one device.
 """
 
 from __future__ import annotations

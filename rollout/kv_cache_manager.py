@@ -1,35 +1,27 @@
 """The one owner of every request's KV blocks, in every layer group of the cache.
 
-The scheduler reasons in tokens and asks this manager for the blocks behind them (vLLM v1's
-``KVCacheManager``). Only this module writes ``request.block_tables``, ``request.group_block_hashes``
-and ``request.offloaded``: ``get_computed_blocks`` (prefix-cache hits, or the tokens of KV offloaded to
-CPU memory), ``allocate_slots`` (the blocks for n more tokens, or a refusal that changes nothing but the
-return of blocks that fell out of a sliding window), ``cache_blocks``, ``free``, ``uncache``, ``fork``
-(prompt forking), and ``offload``, ``finish_restore``, ``drop_offloaded`` (the CPU pool's blocks).
+The scheduler reasons in tokens and asks this manager for the blocks behind them (vLLM v1's ``KVCacheManager``).
+Only this module writes ``request.block_tables``, ``request.group_block_hashes`` and ``request.offloaded``:
+``get_computed_blocks`` (prefix-cache hits, or the tokens of KV offloaded to CPU), ``allocate_slots`` (the blocks
+for n more tokens, or a refusal that changes nothing but the return of blocks that left a sliding window),
+``cache_blocks``, ``free``, ``uncache``, ``fork`` (prompt forking), and ``offload``, ``finish_restore``,
+``drop_offloaded`` (the CPU pool's blocks).
 
-Layer groups (``kv_cache.CacheLayout``; vLLM v1's hybrid KV cache manager: one
-``SingleTypeKVCacheManager`` per group over a shared ``BlockPool``): each group has its own block table
-per request, all drawing on one block pool. A request holds the same positions in every group, except
-that a sliding-window group with window W keeps only the blocks its next queries read: from
-``window_start_block(W, c)`` on, c being the tokens computed. Blocks before it go back to the pool as the
-request decodes and its chunked prefill advances (at ``allocate_slots``); their table entries become
-``NULL_BLOCK``. Given n more tokens, a full group holds ``ceil((c + n) / block_size)`` blocks afterwards,
-a sliding group those from ``window_start_block(W, c)`` to that end. A prefix-cache hit that nobody
-holds sits in the free queue and costs a free block when taken; one that another request holds costs nothing.
+Layer groups (``kv_cache.CacheLayout``; vLLM v1's hybrid KV cache manager): each group has its own block table per
+request, all drawing on one block pool. A request holds the same positions in every group, except that a sliding
+group with window W keeps only the blocks its next queries read, from ``window_start_block(W, c)`` on (c the tokens
+computed); earlier blocks go back to the pool at ``allocate_slots`` and their entries become ``NULL_BLOCK``. A
+prefix-cache hit that nobody holds costs a free block when taken; one another request holds costs nothing.
 
-Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of p
-blocks needs the blocks 0..p-1 in every full group and, in a sliding group, only those the next query
-reads, ``window_start_block(W, p * block_size)``..p-1 (``NULL_BLOCK`` before them). Block hashes are
-chained over the tokens, not the blocks, so a group finds its window's blocks whatever it evicted before
-them; the hit is the longest p that every group can serve. Nothing else needs a rule of its own:
-recompute frees every group's blocks; offload copies, per group, the blocks the next queries read and
-restores them to the same positions; a fork shares every table, ``NULL_BLOCK`` entries included.
+Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of p blocks needs
+blocks 0..p-1 in every full group and, in a sliding group, only ``window_start_block(W, p * block_size)``..p-1.
+Block hashes are chained over the tokens, not the blocks, so a group finds its window's blocks whatever it evicted
+before them; the hit is the longest p every group can serve. Recompute frees every group's blocks; offload copies,
+per group, the blocks the next queries read and restores them to the same positions; a fork shares every table.
 
-Copy-on-write (vLLM v0's block manager, whose ``fork`` shares a sequence's blocks with its ``n`` sibling
-samples and copies a shared last block on the first append): a block that the step writes and that
-another request also holds costs one fresh block more; the request takes the fresh block in its place
-and, when the shared block already holds some of its tokens, the step copies it first
-(``take_block_copies``). After a fork only each group's partial last block is ever written while shared:
+Copy-on-write (vLLM v0's ``fork``): a block that the step writes and that another request also holds costs one fresh
+block more, which the request takes in its place; when the shared block already holds some of its tokens, the step
+copies it first (``take_block_copies``). After a fork only each group's partial last block is written while shared:
 of G requests sharing it, the first G - 1 to write copy it and the last writes it in place.
 """
 

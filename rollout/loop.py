@@ -4,12 +4,10 @@ Between two engine steps, with the manager's lock held, the loop hands the inbox
 (``intake.Inbox.drain``), waits while anyone holds the pause (``pausing.PauseGate``), and reads the stop flags
 (``lifecycle.Lifecycle``): a hard stop fails every request at once; a stop ends the loop once the engine is idle. Each
 step runs outside the lock, marked in the pause gate so that a new pause waits for it, and its updated requests go to
-their result handles (``outputs.OutputRouter.publish``). With async batching a step stays in flight between two calls of
-``Engine.step``: the step stays marked while one is, and a pause or a hard stop first has the engine finish it
-(``Engine.drain``), so that nothing runs on the model while a pause is held. Weights changed by the pause holders
-without ``update_weights`` are noticed when the pause ends (``weights.WeightWatch``). Whatever the loop raises fails the
-manager and every request, so that no reader waits for ever; its end closes the engine unless it is kept for the next
-session.
+their result handles (``outputs.OutputRouter.publish``). With async batching a pause or a hard stop first has the
+engine finish the step in flight (``Engine.drain``). Weights changed under a pause without ``update_weights`` are
+noticed when it ends. Whatever the loop raises fails the manager and every request; its end closes the engine unless
+it is kept for the next session.
 """
 
 from __future__ import annotations

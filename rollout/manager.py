@@ -1,31 +1,25 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
-Threads that add, cancel or read requests (the methods of ``manager_requests.py``) never touch the engine: they put
-commands in an inbox (``intake.py``) that the loop (``loop.py``'s ``GenerationLoop``, run in the manager's thread)
-drains between steps, and read results from the per-request handles of an ``OutputRouter`` (``outputs.py``). One
-condition variable guards the inbox, the handles, the pause (``pausing.py``: holders, the in-step flag) and the
-lifecycle (``lifecycle.py``: state, stop flags, the loop's thread). A request is checked once, in the caller's thread
-and outside the lock, before it is queued (``intake.py``'s checks): the loop only hands checked ``Request`` objects to
-the engine.
+Threads that add, cancel or read requests (``manager_requests.py``) never touch the engine: they put commands in an
+inbox (``intake.py``, each request checked once in the caller's thread, outside the lock) that the loop
+(``loop.GenerationLoop``, in the manager's thread) drains between steps, and read results from the per-request
+handles of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the pause
+(``pausing.py``) and the lifecycle (``lifecycle.py``: state, stop flags, the loop's thread).
 
-``pause()`` is the trainer's window on the model: the loop finishes its current step and waits; the caller may run an
-optimizer step, ``load_state_dict`` or a training forward/backward on the same model object; on exit the loop resumes
-with the KV cache and every in-flight request kept. ``update_weights`` copies new tensors in place under a pause
-(``weights.py``) and bumps the weight version, which each generated token records; prefix-cache blocks computed under an
-older version are never reused by requests admitted later. By default in-flight requests keep their KV (PipelineRL's
-in-flight weight update); ``recompute=True`` re-prefills them under the new weights (AReaL's). Weights changed without
-``update_weights`` are noticed too: the manager compares a fingerprint of the parameters (``weights.WeightWatch``) when
-requests are added, when it starts and when a pause ends, and bumps the weight version when they changed. A manager kept
-for the next session is its model's persistent manager (``persistence.py``).
+``pause()`` is the trainer's window on the model: the loop finishes its step and waits while the caller trains the
+same model object; on exit the loop resumes with the KV cache and every in-flight request kept. ``update_weights``
+copies new tensors in place under a pause (``weights.py``) and bumps the weight version, which each generated token
+records and prefix-cache hashes include. In-flight requests keep their KV by default (PipelineRL); ``recompute=True``
+re-prefills them (AReaL). Weights changed without ``update_weights`` are noticed by a fingerprint
+(``weights.WeightWatch``) checked when requests are added, at start and when a pause ends. A manager kept for the
+next session is its model's persistent manager (``persistence.py``).
 
-On a model sharded by a ``tp_plan`` (tensor parallelism under ``torchrun``) every rank runs a manager and calls it the
-same way; the loop is ``tp_loop.TensorParallelLoop``, where the driver (TP rank 0) decides what enters each step for
-every rank, and only the driver's ``add_request`` queues and returns an id.
+Under tensor parallelism every rank runs a manager and calls it the same way; the loop is
+``tp_loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
 
-A thread inside its own ``pause()`` cannot wait for the loop (the loop waits for that pause): ``stop``, ``destroy`` and
-the calls that would wait for ever (``get_result``, ``request_id_iter``, ``join`` without a timeout,
-``add_request(block=True)`` on a full queue) raise ``RuntimeError`` there instead of hanging, as transformers' ``stop``
-does.
+A thread inside its own ``pause()`` cannot wait for the loop: ``stop``, ``destroy`` and the calls that would wait for
+ever (``get_result``, ``request_id_iter``, ``join`` without a timeout, ``add_request(block=True)`` on a full queue)
+raise ``RuntimeError`` there instead of hanging, as transformers' ``stop`` does.
 """
 
 from __future__ import annotations
@@ -74,9 +68,8 @@ class ContinuousBatchingManager(RequestMethods):
         generation_config: default sampling values of requests (max_new_tokens, do_sample, temperature, top_k, top_p,
             eos_token_id, the logits processors and stop strings of ``SamplingParams``); per-request arguments of
             ``add_request`` override them. A ``GenerationConfig`` is completed by the model's ``generation_config``
-            (transformers' rule: a field left unset, None, takes the model's value, so a checkpoint's ``top_k 20`` or
-            ``repetition_penalty 1.05`` apply). A ``SamplingParams`` is taken exactly as it is, the model's generation
-            config unread: what a trainer passes, whose rollouts must follow its own config and nothing else.
+            (transformers' rule: a field left None takes the model's value, so a checkpoint's ``top_k 20`` applies). A
+            ``SamplingParams`` is taken as it is, the model's config unread (what a trainer passes).
         continuous_batching_config: engine configuration: rollout's, or a ``transformers.ContinuousBatchingConfig``
             (converted, see ``ContinuousBatchingConfig.from_transformers``); None takes the one the generation config
             carries (deprecated, with a warning) or the defaults.

@@ -1,30 +1,24 @@
 """The model runner: a scheduled step in, sampled tokens, logprobs and scores out.
 
-``ModelRunner.execute`` does the device work of one step, as nano-vllm's and vLLM's runners
-do: the KV copies of offload preemption and of copy-on-write, one flattened forward of the model
-through the paged cache, then sampling (a forked request samples from its parent's logits row) and
-the logprobs of scoring requests. It reads requests but changes none: ``Scheduler.update_from_output``
-applies what it returns.
+``ModelRunner.execute`` does the device work of one step, as nano-vllm's and vLLM's runners do: the KV copies
+of offload preemption and of copy-on-write, one flattened forward of the model through the paged cache, then
+sampling (a forked request samples from its parent's logits row) and the logprobs of scoring requests. It reads
+requests but changes none: ``Scheduler.update_from_output`` applies what it returns.
 
-Host work per step is batched so that the device runs without waiting on Python: the step's inputs
-(``step_inputs``: token ids, positions, slots, block tables, kept rows, score targets) are built with
-numpy and reach the device in one copy through a pinned staging buffer, the sampler's per-row values in
-a second one, the random numbers of all sampled requests come from one vectorised draw
-(``sampling.step_uniforms``), and the results (tokens, logprobs, scores) come back in one device-to-host
-copy, the step's only host sync outside the model's forward.
+Host work is batched so that the device does not wait on Python: the step's inputs (``step_inputs``) are built
+with numpy and reach the device in one copy through a pinned staging buffer, the sampler's per-row values in a
+second, the random numbers of all sampled requests come from one vectorised draw (``sampling.step_uniforms``),
+and the results come back in one device-to-host copy, the step's only host sync outside the forward.
 
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
 
-- ``prepare_step``: the host work (the step's inputs, exact or padded for a compiled or CUDA-graphed path,
-  sampling rows and random numbers) and the staged upload of the inputs;
+- ``prepare_step``: the host work (inputs, exact or padded; sampling rows and random numbers) and the upload;
 - ``launch``: the KV copies, the forward and the sampling. A step scheduled while the one before it runs
   holds placeholders for the tokens that step samples (``Request.num_output_placeholders``); ``launch``
-  writes those tokens into its input ids on the device first (vLLM v1's async scheduling and transformers'
-  "carry over" of tokens between batches do the same). On CPU a worker thread runs it (torch releases the
-  GIL inside its kernels, so the host's Python overlaps them); on CUDA it is enqueued on the current stream
-  from the calling thread, with the inputs copied on a side stream into two staging buffer sets used in
-  turn and the results copied back into pinned memory;
+  writes those tokens into its input ids on the device first (as vLLM v1's async scheduling does). On CPU a
+  worker thread runs it (torch releases the GIL inside its kernels); on CUDA it is enqueued on the current
+  stream, the inputs copied on a side stream into two staging buffer sets used in turn;
 - ``collect``: waits for the launched step and reads its results back in one copy.
 """
 
@@ -67,10 +61,9 @@ class PreparedStep:
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
         uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
             ``sampling.step_uniforms``); None when nothing is sampled.
-        placeholders: int64 [2, P] on the device: row 0 the rows of ``batch.input_ids`` (a padded batch
-            keeps the real rows first, at the same indices) that hold a placeholder, row 1 the index of
-            the token that replaces each among the previous step's sampled tokens; None when every input
-            token is known.
+        placeholders: int64 [2, P] on the device: row 0 the rows of ``batch.input_ids`` that hold a
+            placeholder, row 1 the index of the token replacing each among the previous step's sampled
+            tokens; None when every input token is known.
         staging_slot: the input staging buffer set holding the inputs.
     """
 
@@ -125,28 +118,22 @@ class LaunchedStep:
 class ModelRunner:
     """Runs the model on a flattened variable-length batch through the paged cache, then samples.
 
-    The batch of a step is one sequence of T scheduled tokens, ``input_ids`` [1, T] and
-    ``position_ids`` [1, T] (each token's position in its own request). Only the rows
-    whose logits are sampled or scored go through the LM head (``logits_to_keep``).
+    A step is one sequence of T scheduled tokens, ``input_ids`` [1, T] and ``position_ids`` [1, T] (each
+    token's position in its own request); only the rows sampled or scored go through the LM head.
 
-    Two paths: a decode-only step (one token per request, each sampled) is the "decode" path, every
-    other step (prefill chunks, mixed, scoring) the "varlen" path. Every step has one input builder
-    (``step_inputs.prepare_inputs``) and one forward over the same paged attention; padding is a choice
-    of sizes: a path that is neither compiled nor CUDA-graphed keeps the exact sizes, one that is runs
-    padded (``padding``), through its compiled forward and, on CUDA, a captured graph per padded shape.
-    Sampling stays eager.
+    A decode-only step (one token per request, each sampled) takes the "decode" path, every other step the
+    "varlen" path. A path that is compiled or CUDA-graphed runs padded (``padding``), through its compiled
+    forward and, on CUDA, a captured graph per padded shape; others keep the exact sizes. Sampling stays eager.
 
     Args:
         model: a ``transformers`` causal LM whose attention is the paged dispatcher.
         cache: the paged KV cache.
-        use_flash: attention runs flash-attn's kernels (CUDA), not SDPA, eager, compiled or graphed alike:
-            ``flash_attn_with_kvcache`` for the steps that fit it (``step_inputs.fits_decode_kernel``), eager or
-            on the decode path; ``flash_attn_varlen_func`` for every other step.
+        use_flash: attention runs paged kernels with flash-attn's inputs (flash-attn's on CUDA, rollout's on CPU),
+            not SDPA: the decode kernel for the steps that fit it (``prepare_step``), the varlen kernel otherwise.
         max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
             step reads (``engine_spec.resolve_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
-        seed: seed of the generator of sampled requests that have no seed of their own;
-            None seeds it from the OS.
+        seed: seed of the generator of sampled requests that have no seed of their own; None: from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
         return_logprobs: return one logprob per sampled token.
         compile_configs: the (varlen, decode) compile configs; None runs that path uncompiled.
@@ -254,13 +241,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """The host work of a step that is not empty: its inputs staged on the device (the padded batch on
-        a compiled or CUDA-graphed path), its sampling rows and random numbers drawn (``step_uniforms``:
-        a sampled token's counter is its index among the request's generated tokens, placeholders of the
-        step in flight counted, so that a seeded request draws the same numbers whatever the batching).
-
-        Steps must be prepared in the order they are launched: a step's placeholders are filled from the
-        sampled tokens of the step prepared before it.
+        """The host work of a step that is not empty: its inputs staged on the device (padded on a compiled or
+        graphed path), its random numbers drawn (``step_uniforms``: a sampled token's counter is its index among
+        the request's generated tokens, placeholders counted, so a seeded request draws the same whatever the
+        batching). Steps are prepared in launch order: placeholders come from the step prepared before.
         """
         scheduled = scheduler_output.scheduled
         path = self.path_of(scheduled)
@@ -301,9 +285,8 @@ class ModelRunner:
     def launch(self, prepared: PreparedStep, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Start a step's KV copies, forward and sampling; ``collect`` waits for them.
 
-        Without ``async_batching`` the step is computed before this returns. With it, on CPU the worker
-        thread computes it (one step at a time, in launch order, so a step's KV writes land before the
-        next step's forward reads or overwrites any block); on CUDA it is enqueued on the current stream.
+        Without ``async_batching`` the step is computed before this returns. With it, on CPU the worker thread
+        computes it (one step at a time, in launch order); on CUDA it is enqueued on the current stream.
 
         Args:
             prepared: the step.
@@ -482,20 +465,17 @@ class ModelRunner:
 
     def warmup_kernel(self, path: str) -> str:
         """The kernel a padded path's steps take (``prepare_step``), which its warmup compiles or captures: SDPA
-        without flash-attn; with it ``flash_attn_with_kvcache`` on the decode path (unless
-        ``max_blocks_per_request`` is 0; a decode step too wide for it takes the varlen kernel, not warmed) and
-        ``flash_attn_varlen_func`` on the varlen path."""
+        without flash-attn, else the decode kernel on the decode path (unless ``max_blocks_per_request`` is 0; a
+        step too wide for it takes the varlen kernel, not warmed) and the varlen kernel on the varlen path."""
         if not self.use_flash:
             return "sdpa"
         return "flash_decode" if path == "decode" and self.max_blocks_per_request > 0 else "flash_varlen"
 
     def _move_kv(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's KV copies before its forward: offloads, copy-on-write copies, restores.
+        """The step's KV copies before its forward: offloads, copy-on-write copies, restores, in that order.
 
-        Offloads first: a victim's freed blocks may already be handed to a restored request, or be
-        the destination of a copy-on-write, in the same step (and are written by this step's
-        forward, after the copies). Copies before restores: a copy's source block, freed in the
-        same pass, may be a restored request's block.
+        A victim's freed blocks may be handed, in the same step, to a restored request or a copy-on-write; a copy's
+        source block, freed in the same pass, may be a restored request's block.
         """
         pool = self.offload_pool
         if pool is not None:

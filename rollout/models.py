@@ -1,8 +1,7 @@
 """Introspection of a model: the one place that reads a model's config for the engine, the API and scoring.
 
-Whether the paged engine can run a model (``check_model_supported``), its context length, vocabulary,
-per-layer KV shapes and sliding windows, the device each layer computes on and the dtype its attention
-computes in. Loading a model (``load_model``) and provisioning the default one are in ``loading.py``.
+Whether the paged engine can run a model (``check_model_supported``), its context length, vocabulary, per-layer KV
+shapes and sliding windows, each layer's device and its attention's dtype. Loading a model is ``loading.py``'s.
 """
 
 import itertools

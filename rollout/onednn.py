@@ -8,14 +8,11 @@ oneDNN only when it is clearly faster (``prefer_onednn``: MKL's time at least ``
 the fastest of a few calls: ``measure_linear`` says why not the median).
 The table is per process (``KERNELS``), so each shape is measured once for every engine and step after it.
 
-Why not always oneDNN: on the 2-core Zen 4 EPYC (AVX-512) the project measures on, oneDNN dispatches its
-AVX-512 kernels (``brg_matmul:avx512_core``) while MKL keeps its AVX2 code on an AMD CPU (its timings do not
-move under ``MKL_ENABLE_INSTRUCTIONS=AVX2``); there oneDNN was 1.1-2.7x faster at 32 and 512 rows (docs/profile.md).
-On a 2-core EPYC with AVX2 only (issue 22), both run AVX2 kernels and oneDNN is slower on every projection at
-1-8 rows and on k/v at 32 rows, faster only on the lm_head; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces that
-profile here. At few rows both kernels take tens of microseconds, where oneDNN's per-call overhead shows.
-The load matters too (``measure_linear``): on a busy machine MKL's calls wait for descheduled threads about
-twice as long as oneDNN's, and a process that measures then keeps that load's choice (nothing measures again).
+Why not always oneDNN (docs/profile.md): on the project's Zen 4 EPYC (AVX-512) oneDNN runs AVX-512 kernels while
+MKL keeps AVX2 code on an AMD CPU, and oneDNN was 1.1-2.7x faster at 32 and 512 rows; on an AVX2-only EPYC (issue
+22; ``ONEDNN_MAX_CPU_ISA=AVX2`` reproduces it) oneDNN is slower on every projection at 1-8 rows (its per-call
+overhead) and on k/v at 32 rows, faster only on the lm_head. Load matters too (``measure_linear``): a process
+keeps the choice measured under its load.
 
 How each forward gets there: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) around the
 engine's forwards, eager and compiled. In eager steps it calls the chosen kernel directly; in a compiled step it
@@ -324,10 +321,8 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``OneDNNLinear`` maps linear layers on this device and dtype: float32 on a CPU with oneDNN.
-
-    (bfloat16 and float16 ``F.linear`` on CPU already run oneDNN; CUDA keeps cuBLAS.)
-    """
+    """Whether ``OneDNNLinear`` maps linear layers on this device and dtype: float32 on a CPU with oneDNN (bfloat16
+    and float16 ``F.linear`` on CPU already run oneDNN; CUDA keeps cuBLAS)."""
     return device.type == "cpu" and dtype == torch.float32 and MKLDNN_AVAILABLE
 
 

@@ -1,15 +1,11 @@
 """Result delivery: per-request handles, streamed snapshots, asyncio result handlers.
 
-The ``OutputRouter`` is the reader side of the persistent manager (DESIGN's OutputRouter): each
-request has its own handle (its final output, a queue of streamed snapshots, an optional
-callback), so no reader requeues another's result. A streamed chunk is a snapshot that never
-changes after it is handed out. Each final result is delivered once: by ``get_result``, by the end
-of ``stream``, or to a result handler.
+The ``OutputRouter`` is the reader side of the persistent manager: each request has its own handle (its final
+output, a queue of streamed snapshots that never change once handed out, an optional callback), so no reader requeues
+another's result. Each final result is delivered once: by ``get_result``, the end of ``stream``, or a result handler.
 
-The producer (the manager's loop) calls ``publish`` after each engine step and ``finish`` for
-requests that end outside a step (cancelled in the inbox, failed); readers call ``get_result``,
-``stream`` and ``register_handler``. The router holds no thread: it can be driven and tested
-from one.
+The producer (the manager's loop) calls ``publish`` after each engine step and ``finish`` for requests that end
+outside a step; readers call ``get_result``, ``stream`` and ``register_handler``. The router holds no thread.
 """
 
 from __future__ import annotations

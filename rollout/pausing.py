@@ -1,14 +1,12 @@
 """The manager's pause: who holds the model, whether a step runs, and the waits a pause would make endless.
 
-``ContinuousBatchingManager.pause()`` is a ``PauseGate``'s ``hold()``: any number of holders, in any
-number of threads, re-entrant in each; the loop runs no step while one holds the gate, and ``hold``
-returns only once the step in progress (if any) has ended. The gate shares the manager's condition
-variable, so the loop's check of the holders and its mark of a step starting happen under the same
-lock as every other piece of the manager's state.
+``ContinuousBatchingManager.pause()`` is a ``PauseGate``'s ``hold()``: any number of holders, re-entrant in each
+thread; the loop runs no step while one holds the gate, and ``hold`` returns once the step in progress has ended. The
+gate shares the manager's condition variable (and lock) with the rest of the manager's state.
 
-A thread inside its own pause cannot wait for the loop, which waits for that pause to end:
-``refusal``/``refuse_if_held`` give the ``RuntimeError`` message that ``stop``, ``destroy``,
-``join`` and the waiting reads raise there instead of hanging.
+A thread inside its own pause cannot wait for the loop, which waits for that pause to end: ``refusal`` and
+``refuse_if_held`` give the ``RuntimeError`` message that ``stop``, ``destroy``, ``join`` and the waiting reads raise
+there instead of hanging.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The model-to-manager link: each model's persistent manager, in one weak mapping.
 
-A persistent manager (``continuous_batching_context_manager(..., persistent_manager=True)``,
-``generate_batch(..., persistent_manager=True)``, ``stop(keep_for_next_session=True)``) is reused by
-the next call with that model, by ``generate_batch``, and returned by ``init_continuous_batching``.
-This module is the one place that links a model to a manager. The mapping is keyed weakly by the
-model object, but a registered manager references its model, so a model stays alive until its
-persistent manager is destroyed (Python has no ephemerons).
-
-It sits below the manager, which registers itself (``persist``) and leaves the link on
-``destroy()``; the entry points (``api.py``, and the methods ``attach`` binds on a model) look the
-manager up.
+A persistent manager (``persistent_manager=True``, or ``stop(keep_for_next_session=True)``) is reused by the next
+call with that model and returned by ``init_continuous_batching``; this module is the one place that links them. The
+mapping is keyed weakly by the model, but a registered manager references its model, so a model stays alive until
+its persistent manager is destroyed. The manager registers itself (``persist``) and leaves on ``destroy()``; the
+entry points look it up.
 """
 
 from __future__ import annotations

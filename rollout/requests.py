@@ -100,10 +100,8 @@ class GenerationOutput:
 class Request:
     """Engine-side state of one sequence.
 
-    The scheduling rule is vLLM v1's: ``num_computed_tokens`` (tokens whose KV is
-    in the cache) catches up with ``num_tokens`` (prompt plus generated tokens).
-    A step that brings it level samples one new token. Chunked prefill, prefix-cache
-    hits and recompute after preemption are all instances of that one rule.
+    The scheduling rule is vLLM v1's: ``num_computed_tokens`` catches up with ``num_tokens`` (prompt plus generated
+    tokens); a step that brings it level samples one new token.
 
     Attributes:
         request_id: unique id.
@@ -126,10 +124,8 @@ class Request:
         fork_parent: while this request waits for another request's prefill of the same tokens (a
             "parked" fork, see ``Scheduler``), that request; None otherwise.
         forks: the requests parked on this one; they are forked from it when its prefill completes.
-        num_output_placeholders: tokens that steps in flight will sample for the request and that
-            ``token_ids`` does not hold yet (vLLM v1's count): always 0 with the synchronous scheduler; with
-            async batching (``async_scheduler.AsyncScheduler``) the next step is scheduled before those
-            tokens are known, its scheduling rule counting them as tokens of the request.
+        num_output_placeholders: tokens that steps in flight will sample for the request and that ``token_ids``
+            does not hold yet (vLLM v1's count; ``async_scheduler.AsyncScheduler``); 0 with the synchronous one.
     """
 
     def __init__(

@@ -1,23 +1,16 @@
 """Batched per-request sampling and logprobs.
 
-One pass over the step's logits handles requests with different processors, temperatures,
-top-k, top-p, min-p and seeds. The order is ``model.generate``'s: the logits processors
-(``logits_processors.py``: repetition penalty, no-repeat n-grams, bad words, min_length,
-min_new_tokens) on the raw logits of every request that has them, greedy or not; then, for sampled
-requests only, temperature, top-k, top-p and min-p. Greedy requests take the argmax of the processed
-logits.
+One pass over the step's logits handles requests with different processors, temperatures, top-k, top-p, min-p and
+seeds, in ``model.generate``'s order: the logits processors (``logits_processors.py``) on the raw logits of every
+request that has them, greedy or not; then, for sampled requests only, temperature, top-k, top-p and min-p. Greedy
+requests take the argmax of the processed logits.
 
-A token is drawn by inverse-CDF sampling: one uniform number per request and a search in the
-float64 cumulative distribution (one number per token, instead of one per vocabulary entry as the
-exponential race needs). A request with a seed takes the ``t``-th number of its own
-counter-based stream for its ``t``-th generated token (``seeded_uniforms``: SplitMix64 jumped to
-position ``t``), so its completion depends neither on the other requests of the batch nor on
-preemptions, and the numbers of a whole step come from one vectorised computation; the requests
-without a seed share one draw of the engine's generator per step (``step_uniforms``).
-
-Host work per step is batched: a step's small per-row arrays (rows, temperatures, top-k, top-p,
-min-p, uniforms) reach the device in one copy through a pinned staging buffer (``host_staging.py``'s
-``HostStaging``), and nothing here reads a device value back on the host.
+A token is drawn by inverse-CDF sampling: one uniform number per request and a search in the float64 cumulative
+distribution. A request with a seed takes the ``t``-th number of its own counter-based stream for its ``t``-th
+generated token (``seeded_uniforms``: SplitMix64 jumped to position ``t``), so its completion depends neither on the
+batch nor on preemptions; requests without a seed share one draw of the engine's generator per step
+(``step_uniforms``). A step's per-row arrays reach the device in one copy (``host_staging.HostStaging``), and nothing
+here reads a device value back on the host.
 """
 
 from __future__ import annotations
@@ -185,11 +178,9 @@ def sample_tokens(
     Args:
         logits: float32 [B, V], raw; row b belongs to the request with ``params[b]``.
         params: the sampling parameters of each row.
-        logprobs_mode: "temperature": log_softmax(logits / T) of the raw logits at the token (T = 1
-            for requests that do not sample); "raw": log_softmax(logits); "sampled": log of the
-            probability of the token in the distribution it was drawn from: after the logits
-            processors, temperature, top-k, top-p and min-p (greedy rows: log_softmax of the
-            processed logits, which is the raw logprob for a request without processors).
+        logprobs_mode: "temperature": log_softmax(logits / T) of the raw logits at the token (T = 1 for
+            requests that do not sample); "raw": log_softmax(logits); "sampled": the token's log-probability in
+            the distribution it was drawn from (greedy rows: log_softmax of the processed logits).
         return_logprobs: compute the sampled tokens' logprobs at all.
         token_ids: each row's sequence so far (prompt then generated tokens), read by the logits
             processors; None is allowed when no row has any.

@@ -1,19 +1,14 @@
 """Per-request sampling parameters, and the one function that builds them.
 
-``SamplingParams`` is checked when it is constructed, so a value that exists is valid (only the
-end-of-sequence ids wait for the vocabulary size: see ``check_vocab``). ``build_sampling_params`` is
-the one place that turns user input into it: a ``transformers.GenerationConfig`` (the model's own,
-overridden by the caller's, as ``model.generate`` does) or an existing ``SamplingParams``, plus
-per-request overrides in ``model.generate``'s keyword names. It is called once at the public
-boundary (``generate_batch``, the manager's ``add_request(s)``) and the result is passed down whole.
+``SamplingParams`` is checked when constructed, so a value that exists is valid (only the end-of-sequence ids wait
+for the vocabulary size: ``check_vocab``). ``build_sampling_params`` is the one place that turns user input into it:
+a ``transformers.GenerationConfig`` (the model's, overridden by the caller's, as ``model.generate`` does) or a
+``SamplingParams``, plus per-request overrides in ``model.generate``'s keyword names; it is called once at the public
+boundary and the result is passed down whole.
 
-The logits processors (repetition penalty, no-repeat n-grams, bad words, minimum lengths, min-p)
-and the stop strings follow ``model.generate``'s meaning of the ``GenerationConfig`` fields of the
-same names; ``stop`` is vLLM's per-request stop strings. A ``GenerationConfig`` field whose
-processor rollout does not implement is dropped with one warning, or refused
-(``drop_unsupported_processors=False``); see ``unsupported_processor_fields``.
-
-Leaf module: it imports nothing of rollout's but ``checks``.
+The logits processors and stop strings follow ``model.generate``'s meaning of the ``GenerationConfig`` fields;
+``stop`` is vLLM's per-request stop strings. A field whose processor rollout lacks is dropped with one warning, or
+refused (``drop_unsupported_processors=False``; ``unsupported_processor_fields``). Leaf module but for ``checks``.
 """
 
 from __future__ import annotations

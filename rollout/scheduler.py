@@ -1,46 +1,36 @@
 """The scheduler: which requests compute how many tokens in the next step, and the state update after it.
 
 One rule, vLLM v1's: a request's ``num_computed_tokens`` catches up with its ``num_tokens`` under the step's token
-budget (``max_batch_tokens``). A new prompt, a prompt longer than the budget (chunked prefill), a prompt partly found in
-the prefix cache, a decode (one token) and a request re-prefilled after preemption are all this rule; every step may mix
-them. The scheduler reasons in tokens; the KV cache manager gives (or refuses) the blocks behind them.
+budget (``max_batch_tokens``). New prompts, chunked prefills, prefix-cache hits, decodes and re-prefills after
+preemption are all this rule, mixed in any step. The scheduler reasons in tokens; the KV cache manager gives (or
+refuses) the blocks behind them.
 
 Policies:
-- ``fifo``: running requests first, in admission order, then waiting requests in
-  arrival order. A new request is admitted only if the free blocks left after its
-  allocation stay above ``safety_margin`` of the cache, so running requests can
-  keep decoding without preemption.
-- ``prefill_first``: waiting requests are admitted first, then running requests
-  get what is left of the budget. Lowers time to first token.
+- ``fifo``: running requests first, in admission order, then waiting requests in arrival order. A new request is
+  admitted only if the free blocks left after its allocation stay above ``safety_margin`` of the cache.
+- ``prefill_first``: waiting requests first, then running requests get what is left of the budget.
 
-Preemption: when a running request needs a block and none is free, the most recently admitted running request is
-evicted: its blocks are freed and it goes back to the head of the queue. With recompute, its prompt plus generated
-tokens are computed again when it is re-admitted (its full blocks may still be found in the prefix cache); with offload,
-its KV is copied to a CPU pool and copied back on re-admission.
+Preemption: when a running request needs a block and none is free, the most recently admitted running request goes
+back to the head of the queue, its blocks freed. With recompute its tokens are computed again on re-admission (its
+full blocks may still be in the prefix cache); with offload its KV is copied to a CPU pool and back.
 
-Prompt forking: a waiting request whose tokens equal those of a generation request whose prefill is in flight (admitted,
-nothing sampled since) is not prefilled again. It is parked on that request (``request.fork_parent``; it is then in
-neither queue) and, in the step that completes the parent's prefill, it samples its first token from the parent's logits
-row and takes the parent's blocks (``KVCacheManager.fork``: full blocks shared, the partial last block copied when first
-written). So the G samples of a prompt compute it once, whatever the block size: the prefix cache alone shares full
-blocks only, none of a prompt shorter than a block. This is vLLM v0's ``n`` sampling (one sequence group prefilled, then
-forked), found here by matching tokens, so it holds however the samples arrive (``num_return_sequences``,
-``add_requests([p] * G)``, G calls of ``add_request``). A request parks only on a prefill computed under the current
-weight version (after a weight update without recompute, a prefill in flight holds KV of the old weights; the prefix
-cache keys blocks by version for the same reason). Parking is tried for the head of the waiting queue only and costs no
-budget; like an admission it needs free blocks (less the safety margin): one per parked fork, the block each takes at
-its first write. Parked forks sample in their parent's step without counting against ``max_requests_per_batch`` (they
-compute no token). A parent preempted or recomputed keeps its forks; a parent cancelled or failed hands them back to the
-head of the queue, where the first is admitted and the others park on it.
+Prompt forking (vLLM v0's ``n`` sampling, found by matching tokens): a waiting request whose tokens equal those of a
+generation request whose prefill is in flight (admitted, nothing sampled since, under the current weight version) is
+parked on it (``request.fork_parent``; in neither queue). In the step that completes the parent's prefill it samples
+its first token from the parent's logits row and takes the parent's blocks (``KVCacheManager.fork``: full blocks
+shared, the partial last block copied when first written), so G samples of a prompt compute it once, however they
+arrive. Only the head of the waiting queue parks; it costs no budget and, like an admission, one free block (less the
+safety margin). Parked forks sample in their parent's step outside ``max_requests_per_batch``. A parent preempted or
+recomputed keeps its forks; one cancelled or failed hands them back to the head of the queue.
 
 Counts advance when a step is scheduled (vLLM v1's ``_update_after_schedule``): ``schedule`` moves each scheduled
-request's ``num_computed_tokens`` past the tokens the step computes, and each ``ScheduledRequest`` keeps where they
-start. ``update_from_output`` then writes the sampled tokens. Async batching is the subclass
-``async_scheduler.AsyncScheduler``, which schedules the next step while one is in flight, counting the tokens it will
-sample as placeholders (``Request.num_output_placeholders``); this class never counts any.
+request's ``num_computed_tokens`` past the tokens the step computes, each ``ScheduledRequest`` keeping where they
+start; ``update_from_output`` then writes the sampled tokens. Async batching is the subclass
+``async_scheduler.AsyncScheduler``, which counts the tokens a step in flight will sample as placeholders
+(``Request.num_output_placeholders``); this class never counts any.
 
-The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``: at admission, preemption and
-the end of ``schedule``, in ``update_from_output`` after the forward, and in ``finish_request``.
+The scheduler is the one writer of a request's status, tokens and ``num_computed_tokens``: at admission, preemption
+and the end of ``schedule``, in ``update_from_output`` and in ``finish_request``.
 """
 
 from __future__ import annotations

@@ -13,22 +13,16 @@ to a jsonl or parquet file (by extension). A null completion cell (csv's empty c
 completion: zero tokens, sum 0.0. Rows skipped with ``--skip-too-long`` get nulls in the
 three columns.
 
-Tokenization: the prompt text alone, and prompt + ``--separator`` + completion as one text; the
-completion's tokens (the separator's included) are the joint tokens after the prompt's. The default
-separator is none, TRL's rule for prompt/completion datasets: the texts are joined as they are, so
-"2+2=" and "4" score "4" right after "=". When no prompt ends and no completion starts with
-whitespace, a warning shows how the texts run together and names ``--separator`` and
-``--chat-template``. When the joint tokens do not start with the prompt's tokens (a merge across the
-boundary), that row's completion is tokenized on its own, and a warning says how many rows this
-happened to. With ``--chat-template`` the prompt is the tokenizer's chat template of one user message
-with the assistant turn opened (``add_generation_prompt=True``), and the completion text is appended
-to it as the assistant's reply (no end-of-turn token is added). A prompt that already starts with the
-tokenizer's BOS text gets no second BOS.
+Tokenization: the prompt text alone, and prompt + ``--separator`` + completion as one text; the completion's
+tokens (the separator's included) are the joint tokens after the prompt's. The default separator is none (TRL's
+rule: "2+2=" and "4" score "4" right after "="); when no prompt ends and no completion starts with whitespace, a
+warning names ``--separator`` and ``--chat-template``. A row whose joint tokens do not start with the prompt's (a
+merge across the boundary) has its completion tokenized on its own, counted in a warning. With ``--chat-template``
+the prompt is the chat template of one user message with the assistant turn opened, and the completion is appended
+as the reply (no end-of-turn token). A prompt that already starts with the BOS text gets no second BOS.
 
-Errors in the input (a missing, empty or blank file, a file without rows, a missing column or one
-that is empty in every row, an unreadable file, a non-text cell, a row longer than the model's
-context) end the script with exit status 1 and a one-line message; bad flags with argparse's usage
-and status 2.
+Errors in the input (a missing, empty, blank or unreadable file, no rows, a missing or all-empty column, a non-text
+cell, a row longer than the model's context) exit with status 1 and a one-line message; bad flags with status 2.
 
 Example (``rollout-score`` is the same as ``python scripts/score_dataset.py``):
     rollout-score --dataset data.jsonl --prompt-column prompt \

@@ -1,28 +1,20 @@
 """Logprob scoring: per-token logprobs of given completions, teacher-forced through the engine.
 
-Each row (prompt, completion) becomes one prefill-only *scoring request*: the engine computes the
-row's tokens through the paged cache and records ``log_softmax(logits / T)`` at every completion
-token; nothing is sampled. Compared with a padded ``model(...)`` forward per batch of rows this gives
-
-- no padding: rows are packed into the step's token budget (``max_batch_tokens``); a row longer than
-  the budget is chunked over several steps (chunked prefill);
-- prefix sharing: rows are submitted grouped by prompt, so the completions of one prompt find its
-  full KV blocks in the prefix cache and compute only the tokens after them (hits are capped below
-  the first scored position, whose logits must be computed);
-- only the scored positions go through the LM head.
+Each row (prompt, completion) becomes one prefill-only *scoring request*: the engine computes the row's tokens
+through the paged cache and records ``log_softmax(logits / T)`` at every completion token; nothing is sampled.
+Against a padded ``model(...)`` forward per batch of rows this gives no padding (rows packed into the token budget,
+long rows chunked), prefix sharing (rows grouped by prompt find its full blocks in the prefix cache; hits are capped
+below the first scored position) and an LM head over the scored positions only.
 
 Decisions:
-    - Prompt logprobs (``include_prompt=True``) do not depend on the completion (causal attention),
-      so they are computed once per distinct prompt, by the first row of the group, and copied to the
-      other rows of the group, which keep sharing the prompt's cached blocks.
-    - Identical (prompt, completion) rows are scored once.
-    - An empty completion costs no engine work (unless its prompt's logprobs are asked for and no
-      other row of that prompt computes them).
-    - Every input is checked before the engine is built: a bad row fails the whole call with a
-      ``ValueError`` naming the row, and nothing is computed.
-    - Requests are fed to the engine in a bounded window (``MAX_IN_FLIGHT``), so a dataset of any
-      size keeps a bounded queue; the KV cache is sized for a few steps' worth of rows, not for the
-      whole dataset.
+    - Prompt logprobs (``include_prompt=True``) do not depend on the completion (causal attention): computed once
+      per distinct prompt, by the first row of the group, and copied to the others.
+    - Identical (prompt, completion) rows are scored once; an empty completion costs no engine work (unless its
+      prompt's logprobs are asked for and no other row of that prompt computes them).
+    - Every input is checked before the engine is built: a bad row fails the whole call with a ``ValueError``
+      naming the row, and nothing is computed.
+    - Requests are fed in a bounded window (``MAX_IN_FLIGHT``), so the queue stays bounded and the KV cache is
+      sized for a few steps' worth of rows, not for the whole dataset.
 """
 
 from __future__ import annotations

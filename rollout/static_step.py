@@ -1,12 +1,9 @@
 """The step's one forward, compiled or CUDA-graphed: compiled forwards, compile counting, CUDA graphs, warmup.
 
-Every step, eager, compiled or CUDA-graphed, runs ``step_forward`` on a batch from the one input builder
-(``step_inputs``), over the same paged attention (``attention.paged_attention``). The two paths (``PATHS``:
-"decode" for decode-only steps, "varlen" for every other) run copies of it with code objects of their own
-(``FORWARDS``), so each keeps its own dynamo cache; their compiled versions are shared by every engine with
-the same ``CompileConfig`` (``compiled_forward``), so a new engine (each ``generate_batch`` call builds one)
-finds the graphs compiled before it. Compilations are counted per thread while a runner's forward runs
-(``CompileCounter``), through dynamo's compile-start callback.
+Every step, eager, compiled or CUDA-graphed, runs ``step_forward`` on a batch from ``step_inputs``. The two paths
+(``PATHS``) run copies of it with code objects of their own (``FORWARDS``), so each keeps its own dynamo cache; their
+compiled versions are shared by every engine with the same ``CompileConfig`` (``compiled_forward``), so a new engine
+finds the graphs compiled before it. ``CompileCounter`` counts compilations per thread while a forward runs.
 
 CUDA graphs (``CUDAGraphs``): one per padded shape and kernel, captured on first use (or in warmup), kept in
 an LRU sharing one memory pool, replayed on the step's own staged inputs (no copy) where it can.
@@ -32,23 +29,18 @@ from .onednn import MKL, OneDNNLinear
 from .step_inputs import PaddingRule, StepBatch
 
 PATHS = ("varlen", "decode")
-# Captured CUDA graphs kept per runner (both paths together), least recently used evicted first. Each
-# graph holds its own static inputs (a few small int64 vectors and the decode block table) and its
-# output logits; their temporaries share one memory pool, so memory grows with the largest shape, not
-# with the count. 64 covers the decode shapes of a workload whose batch size and lengths vary over a
-# few intervals each; a workload beyond it captures again (``EngineStats.num_cuda_graph_captures``).
+# Captured CUDA graphs kept per runner (both paths), least recently used evicted first. Their temporaries share one
+# memory pool, so memory grows with the largest shape, not the count. 64 covers the decode shapes of a workload whose
+# batch size and lengths vary over a few intervals each (beyond: ``EngineStats.num_cuda_graph_captures`` grows).
 CUDA_GRAPH_CAPACITY = 64
 
 
 def warmup_shapes(path: str, rule: PaddingRule) -> list[tuple[int, ...]]:
     """The padded shapes that ``warmup`` runs for a path: the smallest and the next size of every axis.
 
-    Two shapes that differ in every axis that can vary: a path compiled with ``dynamic=True`` traces
-    symbolic sizes at once and the second shape confirms no size was specialised; with
-    ``dynamic=None`` (automatic) the second compilation makes every varying axis symbolic. Then any
-    later shape reuses the graph. With ``dynamic=False``, and for CUDA graphs, every new shape needs a
-    graph of its own: these two are compiled or captured now, the others on first use (counted in
-    ``EngineStats.num_compiles_after_warmup`` / ``num_cuda_graph_captures_after_warmup``).
+    Two shapes that differ in every axis that can vary: with ``dynamic=True`` the second confirms no size was
+    specialised; with ``dynamic=None`` its compilation makes every varying axis symbolic. With ``dynamic=False``, and
+    for CUDA graphs, every other shape compiles or captures on first use (``EngineStats.*_after_warmup``).
 
     Args:
         path: "varlen" or "decode".
@@ -235,14 +227,12 @@ class CapturedGraph:
 class CUDAGraphs:
     """Captured CUDA graphs of a runner's padded forwards, one per key (path, shape, kernel), in an LRU.
 
-    Capture (first use of a key): the forward runs once on a side stream (it writes the same keys and values
-    the replay writes again; it also compiles, when the path is compiled), then is captured into a
-    ``torch.cuda.CUDAGraph`` in the runner's memory pool (thread-local capture mode, so another thread's CUDA
-    work cannot invalidate it), then replayed. Its static inputs are the step's own staged tensors
-    (``share_inputs``) or a clone; a step staged elsewhere is copied into them before the replay. The output
-    (the kept logits, float32 [R, V]) lives in the pool: valid until the next replay, so the step samples
-    from it first. Each graph's output stays allocated while the graph is kept, so no other capture reuses
-    its memory; the replays of one runner never overlap (one stream), so their temporaries may share addresses.
+    Capture (first use of a key): the forward runs once on a side stream (writing the keys and values the replay
+    writes again; compiling a compiled path), is captured into a ``torch.cuda.CUDAGraph`` in the runner's memory pool
+    (thread-local capture mode), then replayed. Its static inputs are the step's own staged tensors
+    (``share_inputs``) or a clone; a step staged elsewhere is copied into them first. The output (the kept logits,
+    float32 [R, V]) stays allocated while the graph is kept and is valid until the next replay; the replays of one
+    runner never overlap (one stream), so their temporaries may share addresses.
 
     Args:
         device: the CUDA device of the model and cache.

@@ -1,43 +1,34 @@
 """The step's one input builder: a batch of device inputs per step, its sizes exact or padded.
 
 Every step, eager, compiled or CUDA-graphed, is built by ``prepare_inputs`` (over ``build_step_batch``) and
-runs the one forward of ``static_step`` over the same paged attention; padding is only a choice of sizes
-(``PaddingRule``). An eager step keeps the exact sizes (``PaddingRule.exact_rule``). A compiled forward is
-reused only while its inputs keep the shapes it was traced for (and a CUDA graph replays exactly one set of
-shapes), so a step whose path is compiled or graphed runs on padded inputs:
+runs the one forward of ``static_step``; padding is only a choice of sizes (``PaddingRule``). An eager step
+keeps the exact sizes. A compiled forward is reused only while its input shapes stay those it was traced for
+(a CUDA graph replays one set of shapes), so a compiled or graphed step runs on padded inputs:
 
-- the flattened query rows are padded to a multiple of ``q_padding_interval_size`` (capped at the token
-  budget); a padded row is token 0 at position 0, writes the padding slot (the cache's extra last block,
-  which the block manager never hands out) and its logits are dropped;
-- the logits rows and the decode rows of a varlen step are padded to a multiple of the same interval
-  (the decode path keeps one logits row per query row);
-- the chunks of the requests that compute more than one token are cut into sub-chunks of
-  ``SUBCHUNK_ROWS`` rows (the prefill groups, padded to an even count);
-- the keys every group reads are padded to a multiple of ``kv_padding_interval_size``, then to whole
-  blocks of its request's block table (padded with the padding block).
+- query rows are padded to a multiple of ``q_interval`` (capped at the token budget); a padded row is token 0
+  at position 0, writes the padding slot (the cache's extra last block, never handed out) and is dropped;
+- the logits rows and the decode rows of a varlen step are padded to a multiple of the same interval;
+- a request's chunk of more than one token is cut into prefill groups of ``SUBCHUNK_ROWS`` rows (an even
+  number of groups);
+- the keys every group reads are padded to a multiple of ``kv_interval``, then to whole blocks of its
+  request's table (padded with the padding block).
 
-Slots and block tables are built for every KV layer group of the cache (``kv_cache.CacheLayout``): each
-layer reads its own group's (``PagedAttentionMetadata.group_of``), so sliding-window groups and layers of
-other shapes run padded too. A sliding group's ``NULL_BLOCK`` entries (blocks that left the window) read
-the padding block, which the layer's window mask never lets a query attend to.
+Slots and tables are built per KV layer group (``kv_cache.CacheLayout``; each layer reads its group's,
+``PagedAttentionMetadata.group_of``). A sliding group's ``NULL_BLOCK`` entries read the padding block, which
+the window mask never lets a query attend to.
 
-Every padded size is at least 2: dynamo specialises sizes 0 and 1, which would compile graphs of their
-own. A step's padded sizes are its ``shape`` (the key of compiled shapes and captured graphs):
-``(T, Wd)`` on the decode path (decode-only steps) and ``(T, R, Bd, Wd, G, Wp)`` on the varlen path
-(every other step): query rows, logits rows, decode rows, block-table width of the decode rows,
-prefill groups, block-table width of the prefill groups.
+Every padded size is at least 2 (dynamo specialises 0 and 1). A step's padded sizes are its ``shape``, the key
+of compiled shapes and captured graphs: ``(T, Wd)`` on the decode path (decode-only steps), ``(T, R, Bd, Wd, G,
+Wp)`` on the varlen path: query rows, logits rows, decode rows, their table width, prefill groups, their width.
 
-flash-attn's varlen kernel (``flash_attn_varlen_func``, CUDA) runs eager, compiled and CUDA-graphed steps alike;
-its inputs are sized by the same rule, and on a padded step by the shape alone, so they add no axis to it:
-B sequences (the scheduled requests, then filler sequences of no query and no key: ``cu_seqlens`` repeats its
-last entry) with B = T on the decode path and Bd + G on the varlen path (a request is a decode row or has at
-least one prefill group), block tables max(Wd, Wp) wide (the longest request's keys, padded as above), and
-``max_seqlen_q`` = T, ``max_seqlen_k`` = that width in keys (the kernel's launch grid, fixed per shape as a
-CUDA graph needs). An eager step's are exact: its requests, its longest table, its longest lengths.
+flash-attn's ``flash_attn_varlen_func`` (CUDA) takes inputs sized by the same rule, on a padded step by the shape
+alone (no axis of their own): B sequences (the requests, then fillers of no query and no key), B = T on the
+decode path and Bd + G on the varlen path, tables max(Wd, Wp) wide, ``max_seqlen_q`` = T and ``max_seqlen_k`` =
+that width in keys (the launch grid, fixed per shape as a CUDA graph needs). An eager step's are exact.
 
-One staged upload (``HostStaging``) carries the batch first (flash-attn's varlen inputs included), so a step
-of a given shape finds its tensors at the same addresses (a CUDA graph captured on them replays with no
-copy), then the score targets and async batching's placeholders.
+One staged upload (``HostStaging``) carries the batch (flash-attn's inputs included) first, so a step of a given
+shape finds its tensors at the same addresses (a graph captured on them replays with no copy), then the score
+targets and async batching's placeholders.
 """
 
 from __future__ import annotations
@@ -55,12 +46,9 @@ from .scheduler import ScheduledRequest
 
 # Smallest padded size of every axis: dynamo specialises 0 and 1 (a graph of their own each).
 MIN_PADDED_SIZE = 2
-# Rows of one prefill group: a request's chunk is cut into sub-chunks of this many rows, each reading
-# its request's keys up to its last row. Smaller sub-chunks pad fewer rows at the end of a chunk but
-# re-read the request's keys once more each (the gather is G x Lp). Measured with 32, 64 and 128 on
-# SmolLM2 prefill steps of 512 tokens (gsm8k prompts of 60-150 tokens, 1 thread, the loaded 2-core CPU):
-# the uncompiled padded step was 4-8% slower than the eager one with each, within the machine's noise;
-# 64 re-reads the keys half as often as 32.
+# Rows of one prefill group; each re-reads its request's keys (the gather is G x Lp). 32, 64 and 128 measured
+# alike on SmolLM2 prefill steps of 512 tokens (gsm8k, 1 thread, the loaded 2-core CPU: padded 4-8% slower
+# than eager, within noise); 64 re-reads the keys half as often as 32.
 SUBCHUNK_ROWS = 64
 
 
@@ -86,15 +74,13 @@ class PaddingRule:
     Attributes:
         q_interval: query rows, logits rows and decode rows are padded to a multiple of this.
         kv_interval: the keys each group reads are padded to a multiple of this (then to whole blocks).
-        max_batch_tokens: the token budget: the most query rows a padded step has (unless the real
-            step has more, which the scheduler never schedules).
+        max_batch_tokens: the token budget: the most query rows a padded step has (unless the real step has more).
         max_keys: the most keys one request can have (the cache's tokens); caps the padded keys.
         block_size: tokens per block.
         pad_block: the padding block's id (the cache's last block, never handed to a request).
         subchunk_rows: rows of a prefill group (``SUBCHUNK_ROWS``).
-        exact: every size is the real one (an eager step: nothing to compile, so nothing to pad); the
-            intervals and caps are then unused, and ``pad_block`` (block 0 by ``exact_rule``) is read only
-            under a mask and never written.
+        exact: every size is the real one (an eager step); the intervals and caps are then unused, and
+            ``pad_block`` (block 0 by ``exact_rule``) is read only under a mask and never written.
     """
 
     q_interval: int
@@ -191,9 +177,7 @@ class StepBatch:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path. A padded
-        step's flash varlen inputs take their sizes from it (``varlen_sizes``), so they need no axis of their own.
-        """
+        """The padded sizes: (T, Wd) on the decode path, (T, R, Bd, Wd, G, Wp) on the varlen path."""
         T, Wd = self.input_ids.shape[0], self.decode_tables.shape[-1]
         if self.decode_rows is None:
             return (T, Wd)
@@ -203,13 +187,13 @@ class StepBatch:
 
     @property
     def flash(self) -> dict | None:
-        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA. Computed from the batch's own
-        tensors inside the forward, so a compiled or graphed step computes them too (the int32 casts included):
+        """flash-attn's inputs (``PagedAttentionMetadata.flash``), None for SDPA, computed inside the forward (so a
+        compiled or graphed step computes them too, the int32 casts included):
 
-        - the decode kernel: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (a padded row reads one key, the
-          padding slot), ``block_tables`` int32 [N, B, Wd];
-        - the varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 [B + 1] (rows of one contiguous tensor),
-          ``max_seqlen_q``, ``max_seqlen_k`` (ints), ``block_tables`` int32 [N, B, W].
+        - the decode kernel: ``cache_seqlens`` int32 [B] = ``decode_pos`` + 1 (a padded row reads the padding
+          slot), ``block_tables`` int32 [N, B, Wd];
+        - the varlen kernel: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 [B + 1], ``max_seqlen_q``, ``max_seqlen_k``
+          (ints), ``block_tables`` int32 [N, B, W].
         """
         if self.flash_decode:
             return {"cache_seqlens": (self.decode_pos + 1).int(), "block_tables": self.decode_tables.int()}
@@ -243,11 +227,8 @@ class StepBatch:
 
 
 def varlen_sizes(shape: Sequence[int]) -> tuple[int, int]:
-    """(B, W) of a padded step's flash varlen inputs from its ``StepBatch.shape``: B sequences, tables W blocks wide.
-
-    B = T on the decode path (one request per row) and Bd + G on the varlen path (a request is one decode row
-    or has at least one prefill group); W = the widest of its tables (its longest request's keys, padded).
-    """
+    """(B, W) of a padded step's flash varlen inputs from its ``StepBatch.shape``: B sequences, tables W blocks wide
+    (see the module docstring)."""
     if len(shape) == 2:  # the decode path: (T, Wd)
         return shape[0], shape[1]
     _, _, Bd, Wd, G, Wp = shape
@@ -267,19 +248,16 @@ def build_step_batch(
     """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
     Args:
-        scheduled: the step's requests, in batch order. A query token past a request's known tokens (a
-            placeholder of async batching, ``Request.num_output_placeholders``) is staged as token 0; the
-            runner writes the real token into ``input_ids`` on the device before the forward.
+        scheduled: the step's requests, in batch order. A placeholder (async batching) is staged as token 0;
+            the runner writes the real token into ``input_ids`` on the device before the forward.
         logits_rows: the flattened rows whose logits are kept (sampled rows, then scored rows).
         decode_path: every request computes one token (a decode-only step).
         rule: the padding rule.
         staging: the runner's input staging buffer.
         extra: more int64 or float64 host arrays to upload in the same copy, after the batch (the score
             targets, the placeholders' rows).
-        num_groups: the cache's KV layer groups (N): slots and tables are built from each request's
-            ``block_tables[g]``.
-        flash_varlen: also build ``flash_attn_varlen_func``'s inputs (``StepBatch.varlen_cu_seqlens``, ...),
-            staged with the batch.
+        num_groups: the cache's KV layer groups (N), of each request's ``block_tables``.
+        flash_varlen: also build ``flash_attn_varlen_func``'s inputs (``StepBatch.varlen_cu_seqlens``, ...).
 
     Returns:
         The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
@@ -293,6 +271,7 @@ def build_step_batch(
     slots = np.full((N, T), pad_slot, dtype=np.int64)
     decodes: list[tuple[int, int, np.ndarray]] = []  # (row, position, tables [N, blocks])
     groups: list[tuple[int, int, int, np.ndarray]] = []  # (first row, rows, first position, tables)
+    seqs: list[tuple[int, np.ndarray]] = []  # (last key, tables) of each request
     start = 0
     for entry in scheduled:
         req, n = entry.request, entry.num_scheduled_tokens
@@ -306,6 +285,7 @@ def build_step_batch(
             tables[g, : len(table)] = table
         tables[tables < 0] = pad_block  # NULL_BLOCK (left a sliding window): the padding block
         slots[:, start : start + n] = tables[:, p // bs] * bs + p % bs
+        seqs.append((c + n - 1, tables))
         if n == 1:
             decodes.append((start, c, tables))
         else:
@@ -342,17 +322,20 @@ def build_step_batch(
         g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
         arrays += [d_rows, g_rows, g_tables, g_pos]
     max_seqlens = None
-    if flash_varlen:
+    if flash_varlen:  # cu_seqlens [2, B + 1] (query rows, then keys; fillers repeat the last entry), tables
+        q_lens = [e.num_scheduled_tokens for e in scheduled]
+        k_lens = [last + 1 for last, _ in seqs]
         if rule.exact:  # the requests, their longest table and lengths: nothing to pad
-            k_lens = [e.num_computed_tokens + e.num_scheduled_tokens for e in scheduled]
             B, W = len(scheduled), rule.table_width(max(k_lens))
-            max_seqlens = (max(e.num_scheduled_tokens for e in scheduled), max(k_lens))
+            max_seqlens = (max(q_lens), max(k_lens))
         else:
             B, W = varlen_sizes((T, Wd) if decode_path else (T, R, Bd, Wd, G, Wp))
             # Bounds fixed by the shape, not the step's maxima: the kernel's launch grid follows max_seqlen_q (a
             # CUDA graph replays the grid it captured), and ints that varied per step would make dynamo recompile.
             max_seqlens = (T, W * bs)
-        arrays += _flash_varlen_arrays(scheduled, N, B, W, bs, pad_block)
+        cu = np.zeros((2, B + 1), dtype=np.int64)
+        cu[:, 1:] = np.cumsum(np.pad([q_lens, k_lens], ((0, 0), (0, B - len(scheduled)))), axis=1)
+        arrays += [cu, tables_of(seqs, B, W)]
     return _stage(staging, arrays, decode_path, extra, max_seqlens)
 
 
@@ -386,9 +369,8 @@ def synthetic_batch(
 ) -> StepBatch:
     """A batch of the given padded shape that reads and writes the padding block only (warmup).
 
-    Its forward compiles (or captures) what a real step of that shape runs, and changes nothing but
-    the padding block: every row writes the padding slot, every group reads the padding block. It is
-    staged as a real step is, so a graph captured on it replays later steps of its shape with no copy.
+    Its forward compiles (or captures) what a real step of that shape runs and changes nothing but the
+    padding block. It is staged as a real step is, so a graph captured on it replays later steps with no copy.
 
     Args:
         path: "varlen" or "decode".
@@ -397,8 +379,7 @@ def synthetic_batch(
         staging: the runner's input staging buffer.
         num_groups: the cache's KV layer groups.
         kernel: the attention kernel its steps run (``prepare_inputs``): "flash_varlen" stages flash-attn's
-            varlen inputs of the shape's sizes (``varlen_sizes``), every sequence a filler (every row's output
-            is then zeroed); "flash_decode" computes its inputs in the forward.
+            varlen inputs of the shape's sizes, every sequence a filler (every row's output is then zeroed).
     """
     N, slot, block, qs = num_groups, rule.pad_slot, rule.pad_block, rule.subchunk_rows
 
@@ -425,9 +406,8 @@ def synthetic_batch(
 class LogitsPlan:
     """Which rows of a step's logits are for what.
 
-    The first ``num_sample_rows`` rows are the last query token of each sampled
-    request, in batch order. The rest are scored positions of scoring requests:
-    row ``num_sample_rows + j`` predicts ``score_targets[j]``; ``score_segments``
+    The first ``num_sample_rows`` rows are the last query token of each sampled request, in batch order. The
+    rest are scored positions: row ``num_sample_rows + j`` predicts ``score_targets[j]``; ``score_segments``
     says, in order, how many of those rows belong to which request.
     """
 
@@ -441,71 +421,11 @@ class LogitsPlan:
     score_temperatures: torch.Tensor | None = None
 
 
-def _placeholders(scheduled: Sequence[ScheduledRequest], sample_rows: dict[str, int]) -> list[list[int]]:
-    """Where a step's inputs hold placeholders: tokens that the step before it samples (async batching).
-
-    A request's query tokens past its known ``token_ids`` are such tokens; the scheduling rule lets a
-    request have one (its last query token), sampled by the step launched just before.
-
-    Args:
-        scheduled: the step's requests, in batch order.
-        sample_rows: the row of each request (by id) among the sampled tokens of the step before.
-
-    Returns:
-        [rows, sources]: the flattened input rows that hold one, and for each the index of the token that
-        replaces it among the previous step's sampled tokens; both empty when none.
-    """
-    rows: list[int] = []
-    sources: list[int] = []
-    end = 0
-    for entry in scheduled:
-        end += entry.num_scheduled_tokens
-        if entry.num_computed_tokens + entry.num_scheduled_tokens > entry.request.num_tokens:
-            rows.append(end - 1)
-            sources.append(sample_rows[entry.request.request_id])
-    return [rows, sources]
-
-
 def fits_decode_kernel(scheduled: Sequence[ScheduledRequest], max_blocks: int, block_size: int) -> bool:
     """Whether a step fits ``flash_attn_with_kvcache``: every request computes one token and its keys (this one
     included) fit in ``max_blocks`` blocks (0: none does); transformers' scheduler applies the same rule."""
     limit = max_blocks * block_size  # keys a table row can address
     return bool(scheduled) and all(e.num_scheduled_tokens == 1 and e.num_computed_tokens < limit for e in scheduled)
-
-
-def _flash_varlen_arrays(
-    scheduled: Sequence[ScheduledRequest], num_groups: int, num_seqs: int, width: int, block_size: int, pad_block: int
-) -> list[np.ndarray]:
-    """int64 host arrays of flash-attn's varlen inputs, ``num_seqs`` sequences (the requests, then fillers).
-
-    Args:
-        scheduled: the step's requests, in batch order (its first sequences).
-        num_groups: the cache's KV layer groups (N).
-        num_seqs: B >= len(scheduled); the sequences past the requests are fillers of no query row and no key.
-        width: W, the tables' width in blocks (at least the longest request's).
-        block_size: tokens per block.
-        pad_block: the block of the tables' padding (a padded rule's padding block; block 0 on an eager step).
-
-    Returns:
-        cu_seqlens [2, B + 1] (query rows, then keys, cumulated: the last entry repeated for the fillers), and
-        the block tables [N, B, W]: each request's blocks holding its keys, then ``pad_block`` (a sliding
-        group's ``NULL_BLOCK`` entries, before its window, read ``pad_block`` too, which the kernel's window
-        mask never lets a query attend to).
-    """
-    q_lens = np.asarray([e.num_scheduled_tokens for e in scheduled], dtype=np.int64)
-    k_lens = np.asarray([e.num_computed_tokens for e in scheduled], dtype=np.int64) + q_lens
-    fillers = num_seqs - len(scheduled)
-    cu = np.zeros((2, num_seqs + 1), dtype=np.int64)
-    cu[0, 1:] = np.cumsum(np.pad(q_lens, (0, fillers)))
-    cu[1, 1:] = np.cumsum(np.pad(k_lens, (0, fillers)))
-    tables = np.full((num_groups, num_seqs, width), pad_block, dtype=np.int64)
-    for i, (entry, keys) in enumerate(zip(scheduled, k_lens)):
-        used = -(-int(keys) // block_size)  # its table may hold a block more than its keys so far
-        for g, table in enumerate(entry.request.block_tables):
-            row = table[:used]
-            tables[g, i, : len(row)] = row
-    tables[tables < 0] = pad_block
-    return [cu, tables]
 
 
 def prepare_inputs(
@@ -525,11 +445,11 @@ def prepare_inputs(
         rule: the sizes (exact on an eager path, padded on a compiled or graphed one).
         staging: the runner's input staging buffer.
         num_groups: the cache's KV layer groups.
-        kernel: "sdpa"; "flash_decode" (``fits_decode_kernel``; the batch's rows are its requests, so an
-            eager step or a padded decode-path one); "flash_varlen" (any other CUDA step with flash-attn,
-            eager or padded: its inputs sized by ``rule``, see the module docstring).
+        kernel: "sdpa"; "flash_decode" (``fits_decode_kernel``: an eager step or a padded decode-path one);
+            "flash_varlen" (any other CUDA step with flash-attn, its inputs sized by ``rule``).
         sample_rows: async batching: the row of each request (by id) among the sampled tokens of the step
-            prepared before, whose placeholders this step's inputs hold; None when every token is known.
+            prepared before; a request's query token past its known ``token_ids`` (at most one, its last) is a
+            placeholder for that step's token. None when every token is known.
 
     Returns:
         The batch; the logits rows it keeps first (sampled rows, then scored rows); their plan, with the
@@ -539,6 +459,7 @@ def prepare_inputs(
     plan = LogitsPlan()
     logits_rows: list[int] = []
     score_rows: list[int] = []
+    placeholders: list[list[int]] = [[], []]  # the input rows holding one, the sampled token replacing each
     start = 0
     for entry in scheduled:
         req, n, c = entry.request, entry.num_scheduled_tokens, entry.num_computed_tokens
@@ -554,10 +475,12 @@ def prepare_inputs(
                 score_rows.extend(range(start + lo - c, start + hi - c))
                 plan.score_targets.extend(req.token_ids[lo + 1 : hi + 1])
                 plan.score_segments.append((req, hi - lo))
+        if sample_rows is not None and c + n > req.num_tokens:
+            placeholders[0].append(start + n - 1)
+            placeholders[1].append(sample_rows[req.request_id])
         start += n
     temps = [req.score_temperature for req, count in plan.score_segments for _ in range(count)]
     extra = [np.asarray(plan.score_targets, dtype=np.int64), np.asarray(temps, dtype=np.float64)]
-    placeholders = _placeholders(scheduled, sample_rows) if sample_rows is not None else [[]]
     if placeholders[0]:
         extra.append(np.asarray(placeholders, dtype=np.int64))
     rows = logits_rows + score_rows

@@ -1,19 +1,14 @@
 """Stop strings: does the text of a request's last tokens contain one of its stop strings?
 
-The engine works on token ids and a stop string is text, so the tokenizer spells each token id
-once (``token_texts``, cached per tokenizer) and a ``StopStringMatcher`` reads those spellings
-after each sampled token. The test is ``model.generate``'s for ``stop_strings``: a stop string
-matches when it occurs in the concatenated text of the last tokens and ends inside the text of
-the newest token. Checking after every token, that finds each stop string the first time it is
-complete; a string that was already complete earlier (in the prompt) does not match again.
+The tokenizer spells each token id once (``token_texts``, cached per tokenizer) and a ``StopStringMatcher`` reads
+those spellings after each sampled token. The test is ``model.generate``'s: a stop string matches when it occurs in
+the text of the last tokens and ends inside the newest token's, so each is found the first time it is complete (one
+already complete in the prompt does not match again).
 
-Each token is spelled as the text it adds after other text, in bytes: for byte-level BPE
-vocabularies (GPT-2, Llama-3, SmolLM2) the bytes its characters stand for, so a stop string may
-end inside a multi-byte character's bytes; for byte-fallback tokens (``<0x0A>``) their byte;
-otherwise the UTF-8 of the text the tokenizer decodes it to after a fixed prefix (which keeps
-the leading space of SentencePiece's ``▁`` tokens). Special tokens are spelled as written.
-
-Leaf module: it imports nothing of rollout's.
+Each token is spelled as the bytes it adds after other text: for byte-level BPE vocabularies (GPT-2, Llama-3,
+SmolLM2) the bytes its characters stand for (a stop string may end inside a multi-byte character); for byte-fallback
+tokens (``<0x0A>``) their byte; otherwise the UTF-8 of its text decoded after a fixed prefix (keeping the leading
+space of SentencePiece's ``▁`` tokens). Special tokens are spelled as written. Leaf module (no rollout imports).
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """The manager's generation loop on a tensor-parallel model: every rank's loop runs the same steps.
 
-Each rank runs its own manager and loop on its shard of the model; the steps' collectives need every rank in the same
-step. The loop therefore goes in rounds, each opened by one collective (``TensorParallel.agree``, a MAX all-reduce of a
-few ints over the CPU group) that settles, for all ranks at once:
+The loop goes in rounds, each opened by one collective (``TensorParallel.agree``, a MAX all-reduce of a few ints over
+the CPU group) that settles for all ranks:
 
-- what enters the engine: the driver (TP rank 0) takes its inbox (requests, cancels, a recompute asked by
-  ``update_weights(recompute=True)``) and broadcasts it; the other ranks' ``add_request`` queue nothing, so the driver's
-  order is every rank's order;
-- the weight version: the driver's, adopted by every rank (it enters prefix-cache hashes, so the ranks' cache hits,
-  hence their schedules, must agree);
-- whether a step may run: not while any rank holds a pause, nor while the ranks have entered different numbers of pauses
-  (a rank whose ``update_weights`` has not started yet would otherwise step with old weights beside ranks with new
-  ones). A pause is collective, as in transformers: every rank calls ``pause()`` / ``update_weights`` the same number of
-  times;
-- stopping: the driver's stop (a stop asked on another rank waits for the driver's, so a rank that stops first cannot
-  end the loop before the driver's requests ran); a hard stop from any rank.
+- what enters the engine: the driver (TP rank 0) broadcasts its inbox (requests, cancels, a recompute); the other
+  ranks' ``add_request`` queue nothing, so the driver's order is every rank's;
+- the weight version: the driver's (it enters prefix-cache hashes, so the ranks' schedules must agree on it);
+- whether a step may run: not while any rank holds a pause, nor while the ranks have entered different numbers of
+  pauses (a pause is collective, as in transformers: every rank calls ``pause()`` / ``update_weights`` alike);
+- stopping: the driver's stop (another rank's waits for it); a hard stop from any rank.
 
-A rank marks a step as running (``PauseGate.begin_step``) when it sends its state without a pause held, so a pause asked
-after that waits for the round (and its step) to end; in a pause round the mark is lifted and the loop polls every
-``POLL_SECONDS``, so ranks exchange a message at least that often and a long pause never runs into
-``cpu_group_timeout``. Sources of the design: transformers' ``ContinuousBatchProcessor._update_tp_group_state`` (one
-all-reduce of the payload size, the stop status and the pause request, then a broadcast of the driver's payload).
+A rank marks a step as running (``PauseGate.begin_step``) when it sends its state without a pause held, so a later
+pause waits for the round; in a pause round the loop polls every ``POLL_SECONDS``, so a long pause never runs into
+``cpu_group_timeout``. Source: transformers' ``ContinuousBatchProcessor._update_tp_group_state``.
 """
 
 from __future__ import annotations

@@ -3,20 +3,16 @@
 The layout is vLLM's weight-transfer engine (``vllm/distributed/weight_transfer``: ``NCCLInitInfo``,
 ``NCCLUpdateInfo``, ``packed_tensor.py``), rebuilt on plain ``torch.distributed`` so that it runs on a CPU:
 
-* **The group.** The trainer is rank 0 and hosts a ``TCPStore`` on ``master_address:master_port``; each
-  server joins as ``rank_offset + its worker rank`` of ``world_size``. The group is a
-  ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) built directly on that store, never the
-  default group: a server or trainer that already runs ``torch.distributed`` (tensor parallelism, DDP)
-  keeps its own groups untouched, and no ``init_process_group`` is needed.
-* **The announcement.** Before the bytes, the receiver learns every tensor's name, dtype and shape
-  (``update_info``: ``names``, ``dtype_names``, ``shapes``, ``packed``), so that it allocates its
-  receive buffers and checks the names against its model before anything is sent.
-* **Packed buckets.** With ``packed``, consecutive tensors are concatenated as bytes into buckets and
-  each bucket is one broadcast; both sides cut the same buckets from the announcement by vLLM's rule
-  (a bucket closes once its size exceeds ``bucket_bytes``). Without ``packed``, one broadcast per tensor.
-* **Bounded failure.** Every collective of the group has the group's timeout: a receiver whose sender
-  died sees the closed connection at once, one whose sender stalls gets an error after ``timeout``
-  seconds, never a hang (TRL issues 6796, 7131 describe the hangs of NCCL groups without one).
+* **The group.** The trainer is rank 0 and hosts a ``TCPStore`` on ``master_address:master_port``; each server joins
+  as ``rank_offset + its worker rank`` of ``world_size``. The group is a ``ProcessGroupGloo`` (CPU) or
+  ``ProcessGroupNCCL`` (CUDA) built on that store, never the default group, so existing groups (tensor parallelism,
+  DDP) are untouched and no ``init_process_group`` is needed.
+* **The announcement.** Before the bytes, the receiver learns every tensor's name, dtype and shape (``update_info``:
+  ``names``, ``dtype_names``, ``shapes``, ``packed``), to allocate its buffers and check the names first.
+* **Packed buckets.** With ``packed``, consecutive tensors are concatenated as bytes into buckets, one broadcast each,
+  cut by vLLM's rule (a bucket closes once its size exceeds ``bucket_bytes``); without it, one broadcast per tensor.
+* **Bounded failure.** Every collective has the group's timeout: a dead sender is seen at once, a stalled one after
+  ``timeout`` seconds, never a hang (TRL issues 6796, 7131 describe the hangs of NCCL groups without one).
 """
 
 from __future__ import annotations

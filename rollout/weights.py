@@ -1,16 +1,12 @@
 """Copying new weights into a model in place (the data path of ``update_weights``); noticing hand-made changes.
 
-Two steps, so that a bad tensor is refused before anything is copied: ``plan_weight_copy`` pairs
-each given tensor with the model's parameter or buffer of that name and checks it; ``copy_weights``
-copies under ``torch.no_grad()``. Tied weights (``lm_head.weight`` is ``embed_tokens.weight``) keep
-both names, as in ``state_dict()``, so a full state dict of a tied model is accepted; the shared
-tensor is then written once per name, with the same value.
+Two steps, so that a bad tensor is refused before anything is copied: ``plan_weight_copy`` pairs each given tensor
+with the model's parameter or buffer of that name and checks it; ``copy_weights`` copies under ``torch.no_grad()``.
+Tied weights keep both names, as in ``state_dict()``, so a full state dict of a tied model is accepted.
 
-``weights_fingerprint`` lets a manager notice that the parameters changed without
-``update_weights`` (an optimizer step on the shared model), so that it never serves prefix-cache
-blocks computed under the old weights: a ``WeightWatch`` keeps the fingerprint last recorded and
-bumps the engine's weight version when the parameters moved since, or when ``update_weights`` copied
-new ones (the one place a weight version is made).
+A ``WeightWatch`` keeps the last ``weights_fingerprint`` and bumps the engine's weight version (the one place a
+version is made) when the parameters moved without ``update_weights`` (an optimizer step on the shared model) or
+``update_weights`` copied new ones, so no prefix-cache block of the old weights is served.
 """
 
 from __future__ import annotations

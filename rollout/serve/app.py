@@ -1,13 +1,11 @@
 """The FastAPI application: routes that only translate.
 
-A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``jobs.py``), hands it to
-the ``GenerationService`` (which alone talks to the manager) and writes the outputs back in OpenAI's
-shapes (``responses.py``), as one JSON body or as server-sent events. Errors are OpenAI's error body
-(``errors.py``).
+A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``jobs.py``), hands it to the
+``GenerationService`` (which alone talks to the manager) and writes the outputs back in OpenAI's shapes
+(``responses.py``), as one JSON body or as server-sent events. Errors are OpenAI's error body (``errors.py``).
 
-Every ``/v1`` route and every control route needs ``Authorization: Bearer KEY`` when the server has an
-API key; ``/health``, ``/version`` and ``/metrics`` never do (probes and scrapers carry no key, as with
-vLLM). Control routes answer 404 unless the server was started with ``--enable-control``.
+Every ``/v1`` and control route needs ``Authorization: Bearer KEY`` when the server has an API key; ``/health``,
+``/version`` and ``/metrics`` never do (as with vLLM). Control routes answer 404 unless ``--enable-control``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``rollout-serve`` (also ``python -m rollout.serve``): parse flags, load the model, start one manager, run uvicorn.
 
-Every field of ``ContinuousBatchingConfig`` that takes a plain value is a flag of the same name in
-kebab case (``--max-batch-tokens 256``, ``--allow-block-sharing false``); unset flags keep the config's
-defaults, except ``return_logprobs``, which the server turns on (RL clients read logprobs).
+Every plain-valued field of ``ContinuousBatchingConfig`` is a flag of the same name in kebab case (``--max-batch-tokens
+256``, ``--allow-block-sharing false``); unset flags keep the config's defaults, but ``return_logprobs`` is on.
 
-SIGINT/SIGTERM: the server stops taking connections and requests (new ones get a 503), lets the
-in-flight ones finish for up to ``--shutdown-timeout`` seconds (``--shutdown-abort``: ends them at
-once with finish reason ``abort``), then stops the manager, bounded by the same timeout again.
+SIGINT/SIGTERM: the server stops taking connections and requests (new ones get a 503), lets the in-flight ones finish
+for up to ``--shutdown-timeout`` seconds (``--shutdown-abort``: ends them at once with finish reason ``abort``), then
+stops the manager, bounded by the same timeout again.
 """
 
 from __future__ import annotations

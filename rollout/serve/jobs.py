@@ -1,9 +1,8 @@
 """A request body becomes a checked ``Job`` once, at the HTTP boundary.
 
-``completion_job`` and ``chat_job`` check everything that needs the model or the tokenizer (token ids
-in the vocabulary, an empty prompt, ``max_tokens`` past the context, the fields the engine cannot
-honour) and build the one ``SamplingParams`` of the request; nothing is queued when a check fails, and
-the 400 names the field. The job's outputs become OpenAI's shapes in ``responses.py``.
+``completion_job`` and ``chat_job`` check everything that needs the model or the tokenizer (token ids in the
+vocabulary, an empty prompt, ``max_tokens`` past the context, the fields the engine cannot honour) and build the
+request's one ``SamplingParams``; nothing is queued when a check fails, and the 400 names the field.
 """
 
 from __future__ import annotations

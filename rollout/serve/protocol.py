@@ -1,16 +1,11 @@
 """The HTTP API's request bodies, with OpenAI's and vLLM's field names.
 
-Each request model checks what pydantic can check alone (ranges, types, no unknown field), so a bad
-value is refused with a 400 naming the field before any work. What needs the model or the tokenizer
-(token ids in the vocabulary, the context length, the template) is checked in ``jobs.py``.
+Each request model checks what pydantic can check alone (ranges, types, no unknown field: ``extra="forbid"``), so a
+bad value is refused with a 400 naming the field before any work; what needs the model or the tokenizer is checked in
+``jobs.py``. Fields OpenAI or vLLM define that the engine cannot honour are declared here and refused in
+``jobs.check_supported`` unless set to their no-op value (docs/serving.md lists them).
 
-Unknown fields are refused (``extra="forbid"``): a field the server does not know would otherwise be
-ignored silently. Fields OpenAI or vLLM define that the engine cannot honour are declared here and
-refused in ``jobs.check_supported`` when set to anything but their no-op value; docs/serving.md
-lists them.
-
-Responses are plain dicts in the ``openai`` package's shapes (``openai.types.Completion``,
-``ChatCompletion`` and their chunks), with vLLM's extra fields; ``responses.py`` builds them.
+Responses are plain dicts in the ``openai`` package's shapes, with vLLM's extra fields (``responses.py``).
 """
 
 from __future__ import annotations

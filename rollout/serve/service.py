@@ -1,17 +1,13 @@
 """The server's one persistent manager, seen from asyncio: submit, stream, cancel, pause, score.
 
-``GenerationService`` owns the ``ContinuousBatchingManager`` of the server and is the only code that
-calls it. A job's requests are queued with one ``add_requests`` call (the ``n`` samples of a prompt
-next to each other, so the engine forks them from one prefill; a ``seed`` s gives sample k of the job
-the seed s + k, the manager's rule), and their outputs come back through result handlers that the
-manager runs in the server's event loop. A request whose reader goes away (a closed stream, an
-abandoned call, a task cancelled at shutdown) is cancelled in the engine, which frees its KV blocks.
+``GenerationService`` owns the server's ``ContinuousBatchingManager`` and is the only code that calls it. A job's
+requests are queued with one ``add_requests`` call (the ``n`` samples of a prompt together, forked from one prefill;
+a ``seed`` s gives sample k the seed s + k), and their outputs come back through result handlers run in the server's
+event loop. A request whose reader goes away is cancelled in the engine, which frees its KV blocks.
 
-The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is a context held by one thread:
-``PauseHolder`` holds it in a thread of its own until ``/resume``.
-
-New weights, from a folder on disk or streamed by a trainer, go through the service's ``WeightUpdater``
-(``weight_updates.py``), which shares the service's model lock and its ``abort``.
+The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``PauseHolder`` holds it
+in a thread of its own until ``/resume``. New weights, from disk or streamed by a trainer, go through the service's
+``WeightUpdater`` (``weight_updates.py``), which shares the service's model lock and its ``abort``.
 """
 
 from __future__ import annotations
