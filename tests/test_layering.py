@@ -35,7 +35,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 # manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
 # cache_sizing (the cache's size from memory) and cpu_offload (the offload pool) sit just above kv_cache, whose
-# shapes they use; flash (flash-attn's kernels and support rules) is a leaf just below attention, and
+# shapes they use; flash (flash-attn's kernels and support rules) and cpu_attention (rollout's paged CPU kernel with
+# flash-attn's API) are leaves just below attention, and
 # attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
 # scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them;
 # batch_queue (async batching's step function) and engine_requests (the
@@ -60,6 +61,7 @@ LAYERS = [
     "async_scheduler",
     "distributed",
     "flash",
+    "cpu_attention",
     "attention",
     "attention_registry",
     "host_staging",
