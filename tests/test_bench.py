@@ -159,6 +159,26 @@ def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, t
         systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), 0, 1, onednn=False)
 
 
+def test_bench_rollout_sdpa_runs_sdpa_and_generates_what_rollout_does(tiny_llama, tmp_path, monkeypatch):
+    import rollout.cpu_attention as cpu_attention
+
+    choices: list[str] = []
+    choose = cpu_attention.choose_cpu_attention
+
+    def recording(choice: str) -> bool:
+        choices.append(choice)
+        return choose(choice)
+
+    monkeypatch.setattr("rollout.engine_spec.choose_cpu_attention", recording)
+    systems = ["rollout", "rollout-sdpa", "hf-static"]
+    w = _check_report_json(_run(tiny_llama, systems, _tiny_workload()), tmp_path, systems)
+    assert "sdpa" in choices and "auto" in choices  # each system's engines, with its own attention
+    assert w["greedy_match"]["rollout-sdpa/hf-static"] == {"matches": 4, "total": 4}
+    assert w["greedy_match"]["rollout/hf-static"] == {"matches": 4, "total": 4}
+    with pytest.raises(ValueError, match="rollout-sdpa only"):
+        systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), 0, 1, cpu_attention="sdpa")
+
+
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
 def test_bench_rollout_async_column_equals_rollout_over_two_rounds(tiny_llama, tmp_path, do_sample):
     systems = ["rollout-async", "rollout"]

@@ -130,6 +130,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "q_padding_interval_size",
         "kv_padding_interval_size",
         "max_blocks_per_request",
+        "cpu_attention",
         "use_async_batching",
         "disable_nccl_graph_mixing",
         "cpu_group_timeout",

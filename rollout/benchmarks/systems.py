@@ -198,8 +198,10 @@ def run_rollout(
     (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
     layers (system ``rollout-mkl``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
     ``rollout-sdpa``, eager only)."""
-    if (not onednn or cpu_attention != "auto") and (compile_level or async_batching):
-        raise ValueError("onednn=False and cpu_attention are the eager synchronous systems rollout-mkl and -sdpa only")
+    if not onednn and (compile_level or async_batching):
+        raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
+    if cpu_attention != "auto" and (compile_level or async_batching):
+        raise ValueError("cpu_attention is set by the eager synchronous system rollout-sdpa only")
     cb_config = rollout.ContinuousBatchingConfig(
         seed=seed, default_compile_level=compile_level, use_async_batching=async_batching, cpu_attention=cpu_attention
     )
