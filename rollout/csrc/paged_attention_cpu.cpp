@@ -9,9 +9,10 @@
 // their output is 0. vLLM's CPU backend has a kernel of this kind (`cpu_attention_with_kv_cache`); this one is
 // written for rollout from those semantics.
 //
-// Work is split over (tile of up to 16 query rows of one sequence, KV head), in parallel over ATen's OpenMP threads
-// (the build passes -fopenmp, whose calls resolve to torch's own libgomp): the tile's rows and the query heads
-// that share a KV head read each key and value once, while they are in the core's cache. Scores are computed in
+// Work is split over tiles of up to 16 query rows of one sequence, in parallel over ATen's OpenMP threads (the build
+// passes -fopenmp, whose calls resolve to torch's own libgomp). A tile computes every head, so each key and value
+// row of the cache (all KV heads, contiguous) is read once per tile, in cache order: the kernel streams the blocks
+// as they lie in memory (per KV head, a row would be a 1/Hkv slice of every cache line span). Scores are computed in
 // float32 whatever the cache's dtype, then a softmax over each row's visible keys; the output has q's dtype.
 
 #include <ATen/ATen.h>
@@ -49,32 +50,33 @@ struct Scratch {
   std::vector<float> q, scores, acc;
 };
 
-// One tile of consecutive query rows of one sequence (rows r = 0..R-1 at positions p0 + r) and one KV head: the
-// tile's R x G queries (G query heads per KV head) over keys [lo(0), p0 + R - 1], row r masked to
-// [lo(r), p0 + r] where lo(r) = max(0, p0 + r - window_left) (0 without a window).
+// One tile of consecutive query rows of one sequence (rows r = 0..R-1 at positions p0 + r), every head: the tile's
+// R x H queries over keys [lo(0), p0 + R - 1], row r masked to [lo(r), p0 + r] where
+// lo(r) = max(0, p0 + r - window_left) (0 without a window). Query head h reads KV head h / G. Each key and value
+// row (every KV head's, contiguous in the cache) is read once for the whole tile, in cache order.
 template <typename scalar_t>
 void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t p0,
                  int64_t window_left, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
-                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t kv_head,
+                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t H,
                  int64_t G, int64_t D, float scale, float softcap, scalar_t* out, int64_t out_row_stride, Scratch& s) {
-  const int64_t M = R * G;  // query vectors of the tile: m = r * G + g
+  const int64_t M = R * H;  // query vectors of the tile: m = r * H + h
   auto lo_of = [&](int64_t r) { return window_left >= 0 ? std::max<int64_t>(0, p0 + r - window_left) : int64_t{0}; };
   const int64_t jlo = lo_of(0), jhi = p0 + R - 1, n = jhi - jlo + 1;
-  // Calls fn(j, offset of key position j's row, this KV head's) for j = jlo..jhi, a block at a time: one table
-  // read per block, no division per key.
+  // Calls fn(j, offset of key position j's row) for j = jlo..jhi, a block at a time: one table read per block, no
+  // division per key.
   auto for_each_key = [&](auto&& fn) {
     for (int64_t j = jlo; j <= jhi;) {
       const int64_t block = j / block_size, last = std::min(jhi, (block + 1) * block_size - 1);
-      const int64_t base = static_cast<int64_t>(table[block]) * block_stride + kv_head * head_stride;
+      const int64_t base = static_cast<int64_t>(table[block]) * block_stride;
       for (int64_t off = j - block * block_size; j <= last; ++j, ++off) fn(j, base + off * token_stride);
     }
   };
 
   s.q.resize(M * D);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* qh = q + r * q_row_stride + (kv_head * G + g) * q_head_stride;
-      float* qm = s.q.data() + (r * G + g) * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const scalar_t* qh = q + r * q_row_stride + h * q_head_stride;
+      float* qm = s.q.data() + (r * H + h) * D;
       for (int64_t d = 0; d < D; ++d) qm[d] = static_cast<float>(qh[d]);
     }
   // Scores: each key row is read once for the tile's M queries (dot products over D, vectorized).
@@ -82,12 +84,15 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   float* scores = s.scores.data();
   const float* qs = s.q.data();
   for_each_key([&](int64_t j, int64_t row) {
-    const scalar_t* kj = k_cache + row;
-    for (int64_t m = 0; m < M; ++m) scores[m * n + (j - jlo)] = dot(qs + m * D, kj, D);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t m = r * H + h;
+        scores[m * n + (j - jlo)] = dot(qs + m * D, k_cache + row + (h / G) * head_stride, D);
+      }
   });
   // Softmax per query vector over its visible keys; masked keys get probability 0.
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t r = m / G;
+    const int64_t r = m / H;
     const int64_t first = lo_of(r) - jlo, last = p0 + r - jlo;  // visible: [first, last]
     float* sm = s.scores.data() + m * n;
     float top = -std::numeric_limits<float>::infinity();
@@ -110,16 +115,15 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   s.acc.assign(M * D, 0.f);
   float* acc = s.acc.data();
   for_each_key([&](int64_t j, int64_t row) {
-    const scalar_t* vj = v_cache + row;
     for (int64_t m = 0; m < M; ++m) {
       const float p = scores[m * n + (j - jlo)];
-      if (p != 0.f) add_scaled(acc + m * D, p, vj, D);  // 0: a key masked for this row
+      if (p != 0.f) add_scaled(acc + m * D, p, v_cache + row + ((m % H) / G) * head_stride, D);  // 0: masked key
     }
   });
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      scalar_t* oh = out + r * out_row_stride + (kv_head * G + g) * D;
-      const float* am = s.acc.data() + (r * G + g) * D;
+    for (int64_t h = 0; h < H; ++h) {
+      scalar_t* oh = out + r * out_row_stride + h * D;
+      const float* am = s.acc.data() + (r * H + h) * D;
       for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(am[d]);
     }
 }
@@ -190,7 +194,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   auto out = at::zeros({T, H, D}, q.options());
   const int64_t G = H / Hkv;
-  const int64_t items = static_cast<int64_t>(tiles.size()) * Hkv;
+  const int64_t items = static_cast<int64_t>(tiles.size());
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -202,11 +206,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
-        const Tile& tile = tiles[item / Hkv];
-        const int64_t kv_head = item % Hkv;
+        const Tile& tile = tiles[item];
         attend_tile<scalar_t>(qp + tile.row * q_row, q_row, q_head, tile.count, tile.pos, window_left, kp, vp,
                               tp + tile.seq * W, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                              kv_head, G, D, fscale, fcap, op + tile.row * H * D, H * D, scratch);
+                              H, G, D, fscale, fcap, op + tile.row * H * D, H * D, scratch);
       }
     });
   });
