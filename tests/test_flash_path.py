@@ -40,8 +40,8 @@ from rollout.host_staging import HostStaging
 from rollout.requests import Request
 from rollout.scheduler import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
-from rollout.static_step import FORWARDS, CapturedGraph, CUDAGraphs
-from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, synthetic_batch, varlen_sizes
+from rollout.static_step import FORWARDS
+from rollout.step_inputs import PaddingRule, build_step_batch, synthetic_batch, varlen_sizes
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
 from tests.tiny_models import (
@@ -53,7 +53,7 @@ from tests.tiny_models import (
     tiny_gemma,
     tiny_llama,
 )
-from tests.utils import assert_close, assert_greedy_agrees, generate_in_order, run_engine
+from tests.utils import CPUGraphs, assert_close, assert_greedy_agrees, generate_in_order, run_engine
 
 PAGE = 256  # the smallest page flash-attn's paged kernel accepts
 # Two kernels in half precision round differently: a greedy token can flip at a near-tie, so the paths are
@@ -664,26 +664,6 @@ def test_nan_left_in_padded_rows_reaches_neither_the_padding_slot_nor_a_token(mo
         assert all(math.isfinite(x) for x in nan.logprobs)
 
 
-class _ReplayByCalling:
-    """A stand-in for a captured CUDA graph on CPU: replay runs the forward again on the graph's static inputs,
-    with the ints (``varlen_max_seqlens``) it was captured with, as a replayed graph keeps its launch sizes."""
-
-    def __init__(self, fn, inputs: StepBatch, output: torch.Tensor) -> None:  # noqa: ANN001
-        self.fn, self.inputs, self.output = fn, inputs, output
-
-    def replay(self) -> None:
-        self.output.copy_(self.fn(self.inputs))
-
-
-class _CPUGraphs(CUDAGraphs):
-    """``CUDAGraphs`` on CPU: a capture keeps a copy of the batch (a step staged elsewhere is copied into it)."""
-
-    def capture(self, fn, batch: StepBatch) -> CapturedGraph:  # noqa: ANN001
-        static = batch.clone()
-        output = fn(static)
-        return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
-
-
 def test_graphed_flash_steps_replay_the_warmups_graphs_on_their_own_varlen_inputs(monkeypatch) -> None:  # noqa: ANN001
     # One padded size per axis but the prefill groups (2 or 4), as tests/test_cuda.py's graph tests: 64-token
     # steps of at most 4 requests, both intervals at their caps. Replays copy each step's inputs into the
@@ -701,7 +681,7 @@ def test_graphed_flash_steps_replay_the_warmups_graphs_on_their_own_varlen_input
         kv_padding_interval_size=32 * PAGE,
         **sizes,
     )
-    engine.runner.graphs = _CPUGraphs(torch.device("cpu"))
+    engine.runner.graphs = CPUGraphs(torch.device("cpu"))
     engine.runner.cuda_graph_paths = {"varlen": True, "decode": True}
     engine.warmup(progress_bar=False)
     assert list(engine.runner.graphs.graphs) == [

@@ -26,7 +26,7 @@ from rollout.block_manager import NULL_BLOCK
 from rollout.requests import Request
 from rollout.sampling import HostStaging
 from rollout.scheduler import ScheduledRequest
-from rollout.static_step import FORWARDS, CapturedGraph, CUDAGraphs, warmup_shapes
+from rollout.static_step import FORWARDS, warmup_shapes
 from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from tests.tiny_models import (
     VOCAB_SIZE,
@@ -37,7 +37,7 @@ from tests.tiny_models import (
     tiny_llama,
     tiny_mistral,
 )
-from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
+from tests.utils import CPUGraphs, assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
 # Dynamo's eager backend: traces the forward as inductor would, runs the traced graph without compiling it.
 TRACE_ONLY = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=True)
@@ -377,26 +377,9 @@ def test_compile_level_1_matches_generate_and_compiles_nothing_after_warmup() ->
         engine.close()
 
 
-class _ReplayByCalling:
-    """A stand-in for a captured CUDA graph on CPU: replay runs the forward on the static inputs again."""
-
-    def __init__(self, fn, inputs: StepBatch, output: torch.Tensor) -> None:  # noqa: ANN001
-        self.fn, self.inputs, self.output = fn, inputs, output
-
-    def replay(self) -> None:
-        self.output.copy_(self.fn(self.inputs))
-
-
-class _CPUGraphs(CUDAGraphs):
-    def capture(self, fn, batch: StepBatch) -> CapturedGraph:  # noqa: ANN001
-        static = batch.clone()
-        output = fn(static)
-        return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
-
-
 def test_graph_lru_replays_with_the_steps_inputs_and_evicts_the_least_recently_used() -> None:
     rule = PaddingRule(q_interval=4, kv_interval=4, max_batch_tokens=16, max_keys=64, block_size=4, pad_block=15)
-    graphs = _CPUGraphs(torch.device("cpu"), capacity=2)
+    graphs = CPUGraphs(torch.device("cpu"), capacity=2)
 
     def forward(b: StepBatch) -> torch.Tensor:
         return (b.input_ids * 10 + b.positions).float()

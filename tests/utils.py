@@ -10,6 +10,8 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout import Engine, GenerationOutput, RequestStatus, SamplingParams
+from rollout.static_step import CapturedGraph, CUDAGraphs
+from rollout.step_inputs import StepBatch
 
 
 def assert_close(actual: Sequence[float] | torch.Tensor, expected: Sequence[float] | torch.Tensor, atol: float) -> None:
@@ -185,3 +187,23 @@ class StepControl:
         """Wait until ``n`` steps have ended; False after ``timeout`` seconds."""
         with self._cond:
             return self._cond.wait_for(lambda: self.finished >= n, timeout)
+
+
+class _ReplayByCalling:
+    """A stand-in for a captured CUDA graph on CPU: replay runs the forward again on the graph's static inputs,
+    with the ints (``varlen_max_seqlens``) it was captured with, as a replayed graph keeps its launch sizes."""
+
+    def __init__(self, fn: Callable[[StepBatch], torch.Tensor], inputs: StepBatch, output: torch.Tensor) -> None:
+        self.fn, self.inputs, self.output = fn, inputs, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn(self.inputs))
+
+
+class CPUGraphs(CUDAGraphs):
+    """``CUDAGraphs`` on CPU: a capture keeps a copy of the batch (a step staged elsewhere is copied into it)."""
+
+    def capture(self, fn: Callable[[StepBatch], torch.Tensor], batch: StepBatch) -> CapturedGraph:
+        static = batch.clone()
+        output = fn(static)
+        return CapturedGraph(_ReplayByCalling(fn, static, output), static, output)
