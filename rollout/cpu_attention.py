@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _BUILD_LOCK = threading.Lock()
+# The result of the process's one build and load (``load_kernel``): empty until then.
+_LOADED: list[str | None] = []
 
 
 def _cpu_digest() -> str:
@@ -52,40 +54,47 @@ def _cpu_digest() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
-@functools.cache
 def load_kernel() -> str | None:
     """Build (once per machine) and load the kernel; None when loaded, else why it could not be.
 
-    Thread-safe; the result is kept for the process. The build runs torch's C++ extension builder, which
-    needs a C++ compiler and ninja; ninja's pip package puts its binary beside Python, which may not be on
-    ``PATH`` (a virtual environment used without activating it), so its directory is added for the build.
+    Thread-safe: the first call builds and loads, under a lock, and its result is kept for the process (the
+    operator and its fake can be registered only once), so engines built at once in two threads wait for one build.
     """
     with _BUILD_LOCK:
-        if shutil.which("ninja") is None:
-            try:
-                import ninja  # type: ignore[import-untyped]
+        if not _LOADED:
+            _LOADED.append(_build_and_load())
+        return _LOADED[0]
 
-                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-            except ImportError:
-                return "ninja is not installed (pip install ninja)"
+
+def _build_and_load() -> str | None:
+    """``load_kernel``'s one build. torch's C++ extension builder needs a C++ compiler and ninja; ninja's pip
+    package puts its binary beside Python, which may not be on ``PATH`` (a virtual environment used without
+    activating it), so its directory is added for the build."""
+    if shutil.which("ninja") is None:
         try:
-            from torch.utils.cpp_extension import load
+            import ninja  # type: ignore[import-untyped]
 
-            logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
-            load(
-                name=f"rollout_cpu_attention_{_cpu_digest()}",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                is_python_module=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - any build or load failure means "not available", with its reason
-            return f"the kernel did not build: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            return "ninja is not installed (pip install ninja)"
+    try:
+        from torch.utils.cpp_extension import load
 
-        @torch.library.register_fake("rollout_cpu::paged_attention")
-        def _fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, scale, window_left, softcap):
-            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
+        load(
+            name=f"rollout_cpu_attention_{_cpu_digest()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means "not available", with its reason
+        return f"the kernel did not build: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
 
-        return None
+    @torch.library.register_fake("rollout_cpu::paged_attention")
+    def _fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, scale, window_left, softcap):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return None
 
 
 def choose_cpu_attention(choice: str) -> bool:

@@ -203,3 +203,24 @@ def test_a_kernel_that_cannot_build_falls_back_to_sdpa_on_auto_and_raises_on_pag
     with pytest.raises(RuntimeError, match="cpu_attention='paged': ninja is not installed"):
         cpu_attention.choose_cpu_attention("paged")
     assert cpu_attention.choose_cpu_attention("sdpa") is False
+
+
+def test_engines_built_at_once_in_two_threads_wait_for_one_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    builds: list[int] = []
+
+    def slow_build() -> None:
+        builds.append(1)
+        time.sleep(0.2)  # both threads ask while the first build runs
+
+    monkeypatch.setattr(cpu_attention, "_LOADED", [])
+    monkeypatch.setattr(cpu_attention, "_build_and_load", slow_build)
+    results: list[str | None] = []
+    threads = [threading.Thread(target=lambda: results.append(cpu_attention.load_kernel())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert builds == [1] and results == [None, None]
