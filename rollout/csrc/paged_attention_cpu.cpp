@@ -18,107 +18,217 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// The dot product of a float32 query and a key row of the cache (vectorized over D).
-template <typename scalar_t>
-inline float dot(const float* __restrict q, const scalar_t* __restrict k, int64_t D) {
-  float sum = 0.f;
+// 16 float32 lanes as a GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones (the compiler splits
+// it for the ISA -march=native gives), so the loops below are written once for every x86 machine.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// The sum of the 16 lanes as a tree of shuffles where AVX-512 has one (an in-order chain of 15 scalar adds otherwise,
+// which is what GCC makes of `omp simd reduction` here).
+inline float hsum(f32x16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  const float* l = reinterpret_cast<const float*>(&v);
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  for (int i = 0; i < 16; i += 4) s0 += l[i], s1 += l[i + 1], s2 += l[i + 2], s3 += l[i + 3];
+  return (s0 + s1) + (s2 + s3);
+#endif
+}
+
+// The dot product of a float32 query and a float32 key row. kD > 0 (a multiple of 16) fixes D at compile time: a few
+// vector FMAs and one lane sum; kD = 0 reads D at run time.
+template <int kD>
+inline float dot(const float* __restrict q, const float* __restrict k, int64_t D) {
+  if constexpr (kD > 0) {
+    f32x16 acc = load16(q) * load16(k);
+    for (int d = 16; d < kD; d += 16) acc += load16(q + d) * load16(k + d);
+    return hsum(acc);
+  } else {
+    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * k[d];
+    return sum;
+  }
 }
 
 // acc += p * v over D (vectorized).
-template <typename scalar_t>
-inline void add_scaled(float* __restrict acc, float p, const scalar_t* __restrict v, int64_t D) {
+template <int kD>
+inline void add_scaled(float* __restrict acc, float p, const float* __restrict v, int64_t D) {
+  const int64_t n = kD > 0 ? kD : D;
 #pragma omp simd
-  for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
+}
+
+// exp(x) lane by lane for x <= 0 (std::exp is a scalar libm call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
+// Cephes' degree-6 polynomial for expf (relative error about 1e-7), times 2^n built in the exponent bits. n is
+// rounded with the 1.5 * 2^23 trick, whose sum also holds n in its low mantissa bits. x below -87 gives about 1e-38
+// rather than 0 (masked keys are set to 0 apart).
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 magic = f32x16{} + 12582912.f;
+  x = x < -87.f ? f32x16{} - 87.f : x;
+  const f32x16 t = x * 1.44269504088896341f + magic;
+  const f32x16 n = t - magic;
+  f32x16 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  f32x16 y = f32x16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const i32x16 bits = ((reinterpret_cast<i32x16>(t) - reinterpret_cast<i32x16>(magic)) + 127) << 23;
+  return y * reinterpret_cast<f32x16>(bits);
+}
+
+// A key or value row of one KV head as float32: the cache row itself for a float32 cache, else converted into buf.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* row, float* buf, int64_t D) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
 }
 
 // The thread's scratch buffers, reused across its work items. The scores of a tile take R x H x (keys) floats:
 // 16 rows x 32 heads x 32k keys is 64 MB per thread, the price of reading every cache row once per tile.
 struct Scratch {
-  std::vector<float> q, scores, acc;
+  std::vector<float> q, scores, acc, row;
 };
 
 // One tile of consecutive query rows of one sequence (rows r = 0..R-1 at positions p0 + r), every head: the tile's
 // R x H queries over keys [lo(0), p0 + R - 1], row r masked to [lo(r), p0 + r] where
-// lo(r) = max(0, p0 + r - window_left) (0 without a window). Query head h reads KV head h / G. Each key and value
-// row (every KV head's, contiguous in the cache) is read once for the whole tile, in cache order.
-template <typename scalar_t>
+// lo(r) = max(0, p0 + r - window_left) (0 without a window). Query heads g*G..g*G+G-1 read KV head g. Each key and
+// value row is read once for the whole tile, in cache order, and used by its G x R queries while it is in L1.
+template <typename scalar_t, int kD>
 void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, int64_t R, int64_t p0,
                  int64_t window_left, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
                  int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t H,
-                 int64_t G, int64_t D, float scale, float softcap, scalar_t* out, int64_t out_row_stride, Scratch& s) {
+                 int64_t G, int64_t D_runtime, float scale, float softcap, scalar_t* out, int64_t out_row_stride,
+                 const scalar_t* after, Scratch& s) {
+  const int64_t D = kD > 0 ? kD : D_runtime;
+  const int64_t Hkv = H / G;
   const int64_t M = R * H;  // query vectors of the tile: m = r * H + h
   auto lo_of = [&](int64_t r) { return window_left >= 0 ? std::max<int64_t>(0, p0 + r - window_left) : int64_t{0}; };
   const int64_t jlo = lo_of(0), jhi = p0 + R - 1, n = jhi - jlo + 1;
-  // Calls fn(j, offset of key position j's row) for j = jlo..jhi, a block at a time: one table read per block, no
-  // division per key.
-  auto for_each_key = [&](auto&& fn) {
+  // Calls fn(i = j - jlo, offset of key position j's row) for j = jlo..jhi, a block at a time: one table read per
+  // block, no division per key.
+  // Each key row is fetched ahead: while a block is read, the same rows of the next block (of the table, or at the
+  // last block, of the stream read after this one: the values' first block, then the next tile's keys) are
+  // prefetched, so the cache lines arrive while the rows before them are computed on (blocks lie anywhere in the
+  // cache, so the hardware prefetchers, which follow addresses, cannot guess the next one).
+  const int64_t row_bytes = Hkv * head_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t last_block = jhi / block_size;
+  auto block_start = [&](const scalar_t* cache, int64_t block) {
+    return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[block]) * block_stride);
+  };
+  auto for_each_key = [&](const scalar_t* cache, const char* following, auto&& fn) {
     for (int64_t j = jlo; j <= jhi;) {
       const int64_t block = j / block_size, last = std::min(jhi, (block + 1) * block_size - 1);
       const int64_t base = static_cast<int64_t>(table[block]) * block_stride;
-      for (int64_t off = j - block * block_size; j <= last; ++j, ++off) fn(j, base + off * token_stride);
+      const char* next = block < last_block ? block_start(cache, block + 1) : following;
+      for (int64_t off = j - block * block_size; j <= last; ++j, ++off) {
+        if (next != nullptr) {
+          const char* ahead = next + off * token_stride * static_cast<int64_t>(sizeof(scalar_t));
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+        }
+        fn(j - jlo, base + off * token_stride);
+      }
     }
   };
 
   s.q.resize(M * D);
+  s.row.resize(D);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) {
       const scalar_t* qh = q + r * q_row_stride + h * q_head_stride;
       float* qm = s.q.data() + (r * H + h) * D;
       for (int64_t d = 0; d < D; ++d) qm[d] = static_cast<float>(qh[d]);
     }
-  // Scores: each key row is read once for the tile's M queries (dot products over D, vectorized).
+  // Scores: each key row is read once for the tile's queries of its KV head.
   s.scores.resize(M * n);
   float* scores = s.scores.data();
   const float* qs = s.q.data();
-  for_each_key([&](int64_t j, int64_t row) {
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t m = r * H + h;
-        scores[m * n + (j - jlo)] = dot(qs + m * D, k_cache + row + (h / G) * head_stride, D);
-      }
+  float* buf = s.row.data();
+  for_each_key(k_cache, block_start(v_cache, jlo / block_size), [&](int64_t i, int64_t row) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* k = as_float(k_cache + row + g * head_stride, buf, D);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m) scores[m * n + i] = dot<kD>(qs + m * D, k, D);
+    }
   });
   // Softmax per query vector over its visible keys; masked keys get probability 0.
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = m / H;
     const int64_t first = lo_of(r) - jlo, last = p0 + r - jlo;  // visible: [first, last]
-    float* sm = s.scores.data() + m * n;
+    float* sm = scores + m * n;
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t i = first; i <= last; ++i) {
-      float v = sm[i] * scale;
-      if (softcap > 0.f) v = softcap * std::tanh(v / softcap);
-      sm[i] = v;
-      top = std::max(top, v);
+    if (softcap > 0.f) {
+      for (int64_t i = first; i <= last; ++i) sm[i] = softcap * std::tanh(sm[i] * scale / softcap);
+    } else {
+#pragma omp simd
+      for (int64_t i = first; i <= last; ++i) sm[i] *= scale;
     }
-    float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = (i >= first && i <= last) ? std::exp(sm[i] - top) : 0.f;
-      sm[i] = e;
-      total += e;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = first; i <= last; ++i) top = std::max(top, sm[i]);
+    // exp(score - top) 16 keys at a time; the last group is padded in a copy, its padding left out of the sum.
+    f32x16 sums{};
+    for (int64_t i = first; i <= last; i += 16) {
+      const int64_t count = std::min<int64_t>(16, last + 1 - i);
+      float lanes[16];
+      std::fill(lanes, lanes + 16, top);
+      std::copy(sm + i, sm + i + count, lanes);
+      f32x16 e = exp_nonpositive(load16(lanes) - top);
+      if (count < 16) {
+        store16(lanes, e);
+        std::fill(lanes + count, lanes + 16, 0.f);
+        e = load16(lanes);
+      }
+      sums += e;
+      store16(lanes, e);
+      std::copy(lanes, lanes + count, sm + i);
     }
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < n; ++i) sm[i] *= inv;
+    const float inv = 1.f / hsum(sums);
+    std::fill(sm, sm + first, 0.f);
+    std::fill(sm + last + 1, sm + n, 0.f);
+#pragma omp simd
+    for (int64_t i = first; i <= last; ++i) sm[i] *= inv;
   }
-  // The weighted sum of the values: each value row is read once for the tile.
+  // The weighted sum of the values: each value row is read once for the tile's queries of its KV head.
   s.acc.assign(M * D, 0.f);
   float* acc = s.acc.data();
-  for_each_key([&](int64_t j, int64_t row) {
-    for (int64_t m = 0; m < M; ++m) {
-      const float p = scores[m * n + (j - jlo)];
-      if (p != 0.f) add_scaled(acc + m * D, p, v_cache + row + ((m % H) / G) * head_stride, D);  // 0: masked key
+  for_each_key(v_cache, reinterpret_cast<const char*>(after), [&](int64_t i, int64_t row) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* v = as_float(v_cache + row + g * head_stride, buf, D);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m) add_scaled<kD>(acc + m * D, scores[m * n + i], v, D);
     }
   });
   for (int64_t r = 0; r < R; ++r)
@@ -208,9 +318,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
         const Tile& tile = tiles[item];
-        attend_tile<scalar_t>(qp + tile.row * q_row, q_row, q_head, tile.count, tile.pos, window_left, kp, vp,
-                              tp + tile.seq * W, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                              H, G, D, fscale, fcap, op + tile.row * H * D, H * D, scratch);
+        // The next tile's first key block, fetched ahead while this tile's values are read.
+        const scalar_t* after = nullptr;
+        if (item + 1 < end) {
+          const Tile& coming = tiles[item + 1];
+          const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, coming.pos - window_left) : 0;
+          after = kp + static_cast<int64_t>(tp[coming.seq * W + lo / block_size]) * k_cache.stride(0) +
+                  (lo % block_size) * k_cache.stride(1);
+        }
+        auto run = [&](auto head_dim) {
+          attend_tile<scalar_t, decltype(head_dim)::value>(
+              qp + tile.row * q_row, q_row, q_head, tile.count, tile.pos, window_left, kp, vp, tp + tile.seq * W,
+              block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H, G, D, fscale, fcap,
+              op + tile.row * H * D, H * D, after, scratch);
+        };
+        // The usual head dims get unrolled loops; any other runs the same code with D read at run time.
+        if (D == 64) {
+          run(std::integral_constant<int, 64>{});
+        } else if (D == 128) {
+          run(std::integral_constant<int, 128>{});
+        } else {
+          run(std::integral_constant<int, 0>{});
+        }
       }
     });
   });
