@@ -224,6 +224,8 @@ class Engine(EngineRequests):
         rank adopts the driver's."""
         self._quiesce()
         self.scheduler.weight_version = version
+        if self.runner.packs is not None:
+            self.runner.packs.clear()  # the copies of the old weights (each is remade on its next use)
 
     def recompute_in_flight(self) -> None:
         """Drop the KV of every unfinished request so it is re-prefilled under the current weights (after finishing the

@@ -24,19 +24,21 @@ prepares step k + 1 while step k's forward and sampling run:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
 from .cpu_offload import CPUOffloadPool
 from .kv_cache import PagedKVCache
-from .onednn import AUTO, MKL, is_dtensor, linear_kernel_policy
+from .onednn import AUTO, MKL, PackedWeights, is_dtensor, linear_kernel_policy, packing_fits, packing_wanted
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -185,6 +187,15 @@ class ModelRunner:
             # Tensor parallelism: sharded layers keep their own linear, and each rank would measure the
             # replicated ones apart (a choice per rank, so logits rounded differently per rank).
             self._linear_policy = MKL
+        # Their weights reordered once into oneDNN's blocked layout (rollout/onednn.py: MKL and oneDNN reorder a
+        # plain weight at every call), where the copies fit in memory.
+        self.packs: PackedWeights | None = None
+        if (
+            self._linear_policy != MKL
+            and packing_wanted()
+            and packing_fits(model, psutil.virtual_memory().available)
+        ):
+            self.packs = PackedWeights()
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.async_batching = async_batching
@@ -431,7 +442,8 @@ class ModelRunner:
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
 
         def run(b: StepBatch) -> torch.Tensor:
-            return self.compile_counter.run(fn, self.model, self.cache, b, *args)
+            with self.packs.active() if self.packs is not None else contextlib.nullcontext():
+                return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
             return self.graphs.run((path, batch.shape, batch.kernel), run, batch)

@@ -241,3 +241,70 @@ def test_an_unknown_switch_value_is_refused_naming_the_variable(monkeypatch: pyt
         linear_kernel_policy()
     with pytest.raises(ValueError, match="policy must be"):
         OneDNNLinear("mkl")
+
+
+def test_packed_weights_equal_f_linear_and_follow_in_place_updates() -> None:
+    torch.manual_seed(0)
+    packs = onednn.PackedWeights()
+    x, w, b = torch.randn(3, 5, 64), torch.randn(48, 64), torch.randn(48)
+    torch.testing.assert_close(packs.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=1e-5)
+    torch.testing.assert_close(packs.linear(x[0], w, None), F.linear(x[0], w), rtol=0, atol=1e-5)
+    first = packs.packed(w)
+    assert len(packs) == 1 and packs.packed(w) is first  # made once, reused
+    # A transposed weight and a strided input, as onednn_linear takes them.
+    wt, xs = torch.randn(64, 48).t(), torch.randn(3, 5, 128)[..., ::2]
+    torch.testing.assert_close(packs.linear(xs, wt, b), F.linear(xs, wt, b), rtol=0, atol=1e-5)
+    assert len(packs) == 2
+    with torch.no_grad():
+        w.mul_(-2.0)  # an in-place update bumps the version counter: the copy is remade
+    torch.testing.assert_close(packs.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=1e-5)
+    assert packs.packed(w) is not first and len(packs) == 2
+    packs.clear()
+    assert len(packs) == 0
+
+
+def test_an_inference_tensor_weight_is_not_packed() -> None:
+    # An inference tensor has no version counter, so a change to it could not be seen: it runs unpacked.
+    with torch.inference_mode():
+        w = torch.randn(8, 16)
+    x = torch.randn(2, 16)
+    packs = onednn.PackedWeights()
+    assert packs.packed(w) is None
+    torch.testing.assert_close(packs.linear(x, w, None), F.linear(x, w), rtol=0, atol=1e-5)
+    assert len(packs) == 0
+
+
+def test_packing_fits_counts_the_float32_matrices() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4).double())
+    matrices = 16 * 8 * 4  # the float64 layer and the biases are not counted
+    assert onednn.packing_fits(model, 2 * matrices)
+    assert not onednn.packing_fits(model, 2 * matrices - 1)
+
+
+def test_the_engine_packs_each_linear_weight_once_and_drops_them_on_a_new_weight_version(monkeypatch) -> None:
+    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
+    monkeypatch.delenv(onednn.PACK_ENV_VAR, raising=False)
+    model = tiny_llama()
+    engine = Engine(model, _config(num_blocks=64))
+    prompts = random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=62)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_new_tokens=5), request_id=f"p{i}")
+    out = run_engine(engine)
+    # Every projection of every layer and the lm_head: 7 per layer + 1.
+    assert len(engine.runner.packs) == 7 * model.config.num_hidden_layers + 1
+    assert [out[f"p{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 5, None) for p in prompts]
+    engine.set_weight_version(engine.weight_version + 1)
+    assert len(engine.runner.packs) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_rollout_pack_weights_off_leaves_the_weights_unpacked(monkeypatch, value: str) -> None:
+    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
+    monkeypatch.setenv(onednn.PACK_ENV_VAR, value)
+    assert Engine(tiny_llama(), _config(num_blocks=64)).runner.packs is None
+
+
+def test_a_bad_rollout_pack_weights_value_names_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv(onednn.PACK_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="ROLLOUT_PACK_WEIGHTS must be one of auto, 1, true, on, yes or 0"):
+        onednn.packing_wanted()
