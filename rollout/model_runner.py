@@ -38,7 +38,16 @@ from transformers.generation import CompileConfig
 
 from .cpu_offload import CPUOffloadPool
 from .kv_cache import PagedKVCache
-from .onednn import AUTO, MKL, PackedWeights, is_dtensor, linear_kernel_policy, packing_fits, packing_wanted
+from .onednn import (
+    AUTO,
+    MKL,
+    PackedWeights,
+    is_dtensor,
+    linear_kernel_policy,
+    packing_fits,
+    packing_wanted,
+    sibling_groups,
+)
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
 from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -195,7 +204,7 @@ class ModelRunner:
             and packing_wanted()
             and packing_fits(model, psutil.virtual_memory().available)
         ):
-            self.packs = PackedWeights()
+            self.packs = PackedWeights(sibling_groups(model))
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.async_batching = async_batching

@@ -329,10 +329,38 @@ def _version_of(weight: torch.Tensor) -> int | None:
 
 @dataclass(frozen=True)
 class _Pack:
-    weight: torch.Tensor
-    data_ptr: int
-    version: int
+    key: tuple[tuple[int, int, int], ...]  # (id, data_ptr, version) of each tensor packed
     packed: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+# Sibling projections that read the same input, run as one GEMM on their stacked weights (vLLM's qkv_proj and
+# gate_up_proj): the attention's query, key and value projections, the gated MLP's gate and up projections.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class _Siblings:
+    weights: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    sizes: tuple[int, ...]  # each member's output features
+
+
+def sibling_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, ...]]:
+    """The model's ``FUSED_SIBLINGS`` groups: children of one module with those names, all ``nn.Linear`` on float32
+    weights with one input width, all with or all without a bias."""
+    groups = []
+    for module in model.modules():
+        for names in FUSED_SIBLINGS:
+            members = [getattr(module, name, None) for name in names]
+            if (
+                all(type(m) is torch.nn.Linear for m in members)
+                and len({m.in_features for m in members}) == 1
+                and len({m.bias is None for m in members}) == 1
+                and all(m.weight.dtype == torch.float32 and not is_dtensor(m.weight) for m in members)
+            ):
+                groups.append(tuple(members))
+    return groups
 
 
 class PackedWeights:
@@ -346,32 +374,82 @@ class PackedWeights:
     manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version). The copies cost the
     linear weights' memory once more, so the runner packs only where they fit (``packing_fits``).
 
-    Thread-safe; the runner makes the copies active around its forwards (``active``), where ``OneDNNLinear`` and the
-    compiled step's linear ops find them.
+    Sibling projections (``groups``, from ``sibling_groups``) are packed stacked, as one weight: the first member's
+    call computes every member's output in one GEMM and the others' calls on the same input tensor take their part
+    (a call on another input, or out of order, runs on the member's own copy).
+
+    Thread-safe (the fused outputs are kept per thread); the runner makes the copies active around its forwards
+    (``active``), where ``OneDNNLinear`` and the compiled step's linear ops find them.
+
+    Args:
+        groups: sibling linear layers to fuse, each in call order.
+        rows_hint: the rows oneDNN chooses its blocked layout for (any row count runs on it).
     """
 
-    def __init__(self, rows_hint: int = PACK_ROWS_HINT) -> None:
+    def __init__(self, groups: Sequence[Sequence[torch.nn.Linear]] = (), rows_hint: int = PACK_ROWS_HINT) -> None:
         self.rows_hint = rows_hint
         self._packs: dict[int, _Pack] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()
+        # id(weight) -> (its group, its place in it)
+        self._siblings: dict[int, tuple[_Siblings, int]] = {}
+        for group in groups:
+            siblings = _Siblings(
+                tuple(m.weight for m in group), tuple(m.bias for m in group), tuple(m.out_features for m in group)
+            )
+            for i, m in enumerate(group):
+                self._siblings[id(m.weight)] = (siblings, i)
+
+    def _pack(
+        self, key_id: int, tensors: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+    ) -> _Pack | None:
+        """The copy of ``tensors`` stacked (one tensor: itself), made now if any of them or their biases is new or
+        changed; None where one has no version counter (an inference tensor, whose changes could not be seen)."""
+        key = []
+        for t in (*tensors, *(b for b in biases if b is not None)):
+            version = _version_of(t)
+            if version is None:
+                return None
+            key.append((id(t), t.data_ptr(), version))
+        entry = self._packs.get(key_id)
+        if entry is None or entry.key != tuple(key):
+            with self._lock:
+                weight = tensors[0].detach() if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
+                bias = None
+                if len(tensors) > 1 and biases[0] is not None:
+                    bias = torch.cat([b.detach() for b in biases])
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+                entry = _Pack(tuple(key), packed, bias)
+                self._packs[key_id] = entry
+        return entry
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of ``weight`` (float32 [N, K]), made now if it is new or changed; None where it cannot be
-        packed (an inference tensor, whose changes could not be seen)."""
-        version = _version_of(weight)
-        if version is None:
-            return None
-        entry = self._packs.get(id(weight))
-        ptr = weight.data_ptr()
-        if entry is None or entry.weight is not weight or entry.data_ptr != ptr or entry.version != version:
-            with self._lock:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.rows_hint)
-                entry = _Pack(weight, ptr, version, packed)
-                self._packs[id(weight)] = entry
-        return entry.packed
+        """The packed copy of ``weight`` alone (float32 [N, K]), made now if it is new or changed; None where it
+        cannot be packed (an inference tensor)."""
+        entry = self._pack(id(weight), [weight], [None])
+        return entry.packed if entry is not None else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` on the packed copy of ``weight`` (shapes as ``onednn_linear``)."""
+        """``F.linear(x, weight, bias)`` on the packed copy of ``weight`` or of its siblings (shapes as
+        ``onednn_linear``)."""
+        found = self._siblings.get(id(weight))
+        if found is not None:
+            siblings, i = found
+            if siblings.weights[i] is weight and siblings.biases[i] is bias:
+                kept = getattr(self._local, "fused", None)
+                if kept is not None and kept[0] is siblings and kept[1] is x and kept[2][i] is not None:
+                    out = kept[2][i]
+                    kept[2][i] = None  # each part is served once
+                    return out
+                if i == 0:
+                    entry = self._pack(id(siblings), siblings.weights, siblings.biases)
+                    if entry is not None:
+                        y = torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
+                        # Contiguous parts: the model views its projections' outputs into heads.
+                        parts: list[torch.Tensor | None] = [t.contiguous() for t in y.split(siblings.sizes, dim=-1)]
+                        self._local.fused = (siblings, x, parts)
+                        first, parts[0] = parts[0], None
+                        return first
         packed = self.packed(weight) if weight.dim() == 2 else None
         if packed is None:
             return _onednn(x, weight, bias)
@@ -382,8 +460,10 @@ class PackedWeights:
         """Drop every copy (each is made again on its weight's next use)."""
         with self._lock:
             self._packs.clear()
+        self._local = threading.local()
 
     def __len__(self) -> int:
+        """The copies held: one per weight packed alone, one per sibling group."""
         return len(self._packs)
 
     @contextlib.contextmanager
@@ -394,6 +474,7 @@ class PackedWeights:
             yield self
         finally:
             _ACTIVE_PACKS.reset(token)
+            self._local.fused = None  # no output outlives the forward
 
 
 # The packed weights of the forward running in this thread (``PackedWeights.active``), read when a linear layer

@@ -21,7 +21,7 @@ from rollout.onednn import (
 )
 from rollout.static_step import FORWARDS
 from tests.test_static_step import TRACE_ONLY, _config
-from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
+from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama, tiny_qwen2
 from tests.utils import reference_greedy, run_engine
 
 pytestmark = pytest.mark.skipif(not MKLDNN_AVAILABLE, reason="this torch build has no oneDNN")
@@ -290,8 +290,8 @@ def test_the_engine_packs_each_linear_weight_once_and_drops_them_on_a_new_weight
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_new_tokens=5), request_id=f"p{i}")
     out = run_engine(engine)
-    # Every projection of every layer and the lm_head: 7 per layer + 1.
-    assert len(engine.runner.packs) == 7 * model.config.num_hidden_layers + 1
+    # Per layer q/k/v stacked, o, gate/up stacked and down; then the lm_head.
+    assert len(engine.runner.packs) == 4 * model.config.num_hidden_layers + 1
     assert [out[f"p{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 5, None) for p in prompts]
     engine.set_weight_version(engine.weight_version + 1)
     assert len(engine.runner.packs) == 0
@@ -308,3 +308,42 @@ def test_a_bad_rollout_pack_weights_value_names_the_variable(monkeypatch) -> Non
     monkeypatch.setenv(onednn.PACK_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="ROLLOUT_PACK_WEIGHTS must be one of auto, 1, true, on, yes or 0"):
         onednn.packing_wanted()
+
+
+def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_linear() -> None:
+    # tiny_qwen2's q/k/v projections have biases; its MLP's gate/up have none.
+    model = tiny_qwen2()
+    groups = onednn.sibling_groups(model)
+    layers = model.config.num_hidden_layers
+    assert len(groups) == 2 * layers
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert groups[0] == (attn.q_proj, attn.k_proj, attn.v_proj) and groups[1] == (mlp.gate_proj, mlp.up_proj)
+    packs = onednn.PackedWeights(groups)
+    x, other = torch.randn(1, 5, attn.q_proj.in_features), torch.randn(1, 5, attn.q_proj.in_features)
+    with torch.no_grad(), packs.active():
+        outs = [packs.linear(x, m.weight, m.bias) for m in groups[0]]
+        assert len(packs) == 1  # one stacked copy, no copy of a member alone
+        # Out of order (k first) or on another input: the member's own copy.
+        k_first = packs.linear(other, attn.k_proj.weight, attn.k_proj.bias)
+        assert len(packs) == 2
+        for m, out in zip(groups[0], outs):
+            assert out.is_contiguous()
+            torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=0, atol=1e-5)
+        torch.testing.assert_close(k_first, F.linear(other, attn.k_proj.weight, attn.k_proj.bias), rtol=0, atol=1e-5)
+        # An update of one member remakes the stacked copy.
+        attn.v_proj.bias.add_(1.0)
+        outs = [packs.linear(x, m.weight, m.bias) for m in groups[0]]
+        torch.testing.assert_close(outs[2], F.linear(x, attn.v_proj.weight, attn.v_proj.bias), rtol=0, atol=1e-5)
+
+
+def test_an_engine_with_fused_siblings_matches_generate_on_a_model_with_biases(monkeypatch) -> None:
+    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
+    monkeypatch.delenv(onednn.PACK_ENV_VAR, raising=False)
+    model = tiny_qwen2()
+    engine = Engine(model, _config(num_blocks=64))
+    prompts = random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=63)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"q{i}")
+    out = run_engine(engine)
+    assert len(engine.runner.packs) == 4 * model.config.num_hidden_layers + 1
+    assert [out[f"q{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 6, None) for p in prompts]
