@@ -49,7 +49,8 @@ Timing conventions:
       is a point, and a claim should quote a range from several rounds.
     - The JSON records the machine (CPU model and SIMD flags, torch's CPU capability, torch version, threads,
       commit: ``report.machine_info``) and, per workload, the linear kernel rollout chose per shape and row
-      bucket in this process (``linear_kernels``: ``rollout/onednn.py``).
+      bucket in this process (``linear_kernels``: ``rollout/onednn.py``; empty where rollout packs its weights,
+      as it does by default, since packed layers are not measured).
 
 ``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
 ``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
