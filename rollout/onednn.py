@@ -24,9 +24,10 @@ every call. Only the engine's own forwards run inside the mode: training and ``m
 
 Packed weights (``PackedWeights``, issue 23): where the copies fit in memory, each engine reorders its float32
 linear weights once into oneDNN's blocked layout, as vLLM's CPU backend does, and runs every such layer on them
-whatever the policy below says (except ``mkl``): on this project's machine a 30-layer pass of SmolLM2-135M's
-projections and lm_head took 116 ms on MKL, 86 on oneDNN with plain weights and 69 packed at 32 rows, and packed
-won at 2 and 512 rows too, also with oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``). The per-shape measurement
+whatever the policy below says (except ``mkl``): on this project's machine a pass of SmolLM2-135M's 211 linear
+layers took 118.7 ms on MKL, 87.2 on oneDNN with plain weights and 70.6 packed at 32 rows, and packed won at 2 and
+512 rows too (``scripts/bench_cpu_linear.py`` at ``450a0c9``; also with oneDNN held to AVX2,
+``ONEDNN_MAX_CPU_ISA=AVX2``, in a trial). The per-shape measurement
 below is then unused; it remains the choice where the weights are not packed. ``ROLLOUT_PACK_WEIGHTS=0`` turns
 packing off.
 
