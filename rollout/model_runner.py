@@ -199,11 +199,7 @@ class ModelRunner:
         # Their weights reordered once into oneDNN's blocked layout (rollout/onednn.py: MKL and oneDNN reorder a
         # plain weight at every call), where the copies fit in memory.
         self.packs: PackedWeights | None = None
-        if (
-            self._linear_policy != MKL
-            and packing_wanted()
-            and packing_fits(model, psutil.virtual_memory().available)
-        ):
+        if self._linear_policy != MKL and packing_wanted() and packing_fits(model, psutil.virtual_memory().available):
             self.packs = PackedWeights(sibling_groups(model))
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

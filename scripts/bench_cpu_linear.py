@@ -40,7 +40,9 @@ def main() -> None:
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
 
-        def one_pass(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        def one_pass(
+            linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs: dict[int, torch.Tensor] = inputs
+        ) -> None:
             for w in weights:
                 linear(inputs[w.shape[1]], w)
 

@@ -281,10 +281,13 @@ def test_packing_fits_counts_the_float32_matrices() -> None:
     assert not onednn.packing_fits(model, 2 * matrices - 1)
 
 
-def test_the_engine_packs_each_linear_weight_once_and_drops_them_on_a_new_weight_version(monkeypatch) -> None:
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-biases"])
+def test_the_engine_packs_each_linear_weight_once_and_drops_them_on_a_new_weight_version(
+    monkeypatch, make_model
+) -> None:
     monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
     monkeypatch.delenv(onednn.PACK_ENV_VAR, raising=False)
-    model = tiny_llama()
+    model = make_model()
     engine = Engine(model, _config(num_blocks=64))
     prompts = random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=62)
     for i, p in enumerate(prompts):
@@ -334,16 +337,3 @@ def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_lin
         attn.v_proj.bias.add_(1.0)
         outs = [packs.linear(x, m.weight, m.bias) for m in groups[0]]
         torch.testing.assert_close(outs[2], F.linear(x, attn.v_proj.weight, attn.v_proj.bias), rtol=0, atol=1e-5)
-
-
-def test_an_engine_with_fused_siblings_matches_generate_on_a_model_with_biases(monkeypatch) -> None:
-    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
-    monkeypatch.delenv(onednn.PACK_ENV_VAR, raising=False)
-    model = tiny_qwen2()
-    engine = Engine(model, _config(num_blocks=64))
-    prompts = random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=63)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"q{i}")
-    out = run_engine(engine)
-    assert len(engine.runner.packs) == 4 * model.config.num_hidden_layers + 1
-    assert [out[f"q{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 6, None) for p in prompts]

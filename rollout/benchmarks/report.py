@@ -21,7 +21,13 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The /proc/cpuinfo flags that decide which kernels MKL and oneDNN dispatch (SIMD width, FMA, AMX, VNNI).
 KERNEL_FLAG_PREFIXES = ("avx", "fma", "amx", "sse4", "f16c")
 # Environment variables that change which linear kernel runs.
-KERNEL_ENV_VARS = ("ROLLOUT_ONEDNN_LINEAR", "ROLLOUT_PACK_WEIGHTS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+KERNEL_ENV_VARS = (
+    "ROLLOUT_ONEDNN_LINEAR",
+    "ROLLOUT_PACK_WEIGHTS",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 def machine_info(device) -> dict:
