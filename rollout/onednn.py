@@ -446,8 +446,12 @@ class PackedWeights:
                     entry = self._pack(id(siblings), siblings.weights, siblings.biases)
                     if entry is not None:
                         y = torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
-                        # Contiguous parts: the model views its projections' outputs into heads.
-                        parts: list[torch.Tensor | None] = [t.contiguous() for t in y.split(siblings.sizes, dim=-1)]
+                        # Each part a contiguous tensor of its own: the model views its projections' outputs into
+                        # heads, and a compiled step may reuse an op's output buffer once it is dead, which must not
+                        # be a sibling's memory (a one-row part is contiguous as a view, so it is copied too).
+                        parts: list[torch.Tensor | None] = [
+                            t.clone(memory_format=torch.contiguous_format) for t in y.split(siblings.sizes, dim=-1)
+                        ]
                         self._local.fused = (siblings, x, parts)
                         first, parts[0] = parts[0], None
                         return first

@@ -329,6 +329,9 @@ def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_lin
         # Out of order (k first) or on another input: the member's own copy.
         k_first = packs.linear(other, attn.k_proj.weight, attn.k_proj.bias)
         assert len(packs) == 2
+        one_row = x[:, :1]  # a one-row part is contiguous as a view: each part still has memory of its own
+        single = [packs.linear(one_row, m.weight, m.bias) for m in groups[0]]
+        assert len({t.untyped_storage().data_ptr() for t in single}) == 3 and len(packs) == 2
         for m, out in zip(groups[0], outs):
             assert out.is_contiguous()
             torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=0, atol=1e-5)
