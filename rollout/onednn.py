@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .weights import optimizer_steps
+
 # Read once: dynamo does not trace ``torch.backends`` (a call inside a compiled step breaks its graph).
 MKLDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
@@ -372,7 +374,9 @@ class PackedWeights:
     reordered once (``_C::onednn_mm``, docs/profile.md). Here a weight's copy is made the first time a step uses it
     (``torch.ops.mkldnn._reorder_linear_weight``) and remade when the weight is not the one packed: another tensor,
     storage or version counter (an in-place update: ``update_weights``, an optimizer step; the same test as the
-    manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version). The copies cost the
+    manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version) and before the first
+    forward after any optimizer step in the process (``weights.optimizer_steps``: a fused optimizer writes without
+    bumping versions). The copies cost the
     linear weights' memory once more, so the runner packs only where they fit (``packing_fits``).
 
     Sibling projections (``groups``, from ``sibling_groups``) are packed stacked, as one weight: the first member's
@@ -392,6 +396,7 @@ class PackedWeights:
         self._packs: dict[int, _Pack] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._optimizer_steps = optimizer_steps()
         # id(weight) -> (its group, its place in it)
         self._siblings: dict[int, tuple[_Siblings, int]] = {}
         for group in groups:
@@ -473,7 +478,12 @@ class PackedWeights:
 
     @contextlib.contextmanager
     def active(self) -> Any:
-        """Within it, this thread's float32 linear layers under ``OneDNNLinear`` run on these copies."""
+        """Within it, this thread's float32 linear layers under ``OneDNNLinear`` run on these copies (all dropped
+        first if an optimizer step was taken since the last forward: a fused optimizer bumps no version counter)."""
+        steps = optimizer_steps()
+        if steps != self._optimizer_steps:
+            self.clear()
+            self._optimizer_steps = steps
         token = _ACTIVE_PACKS.set(self)
         try:
             yield self

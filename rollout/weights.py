@@ -16,10 +16,29 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 logger = logging.getLogger(__name__)
+
+# Optimizer steps taken in this process by any torch optimizer, counted by a global post-step hook: a fused
+# optimizer (``AdamW(fused=True)``, transformers' ``adamw_torch_fused``) writes the parameters in place without
+# bumping their version counters, so the version alone would miss its updates. Process-wide on purpose: it is a
+# fact about the process's tensors that every engine and manager reads, never writes.
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` optimizer steps this process has taken (any optimizer, any model)."""
+    return _OPTIMIZER_STEPS[0]
 
 
 class VersionedEngine(Protocol):
@@ -99,10 +118,11 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[int, ...]:
     under ``no_grad`` or ``inference_mode``) bumps its version counter ``_version``; assigning a new
     tensor (``param.data = ...``, ``model.to(...)``) changes its storage address. The fingerprint is
     the pair (storage address, version) of every parameter, in order: a few microseconds per hundred
-    parameters, no tensor is read. Buffers are left out: some models rewrite theirs in their own
-    forward (dynamic RoPE), and no training step changes them. A tensor-parallel shard (DTensor)
-    reports no storage of its own (``data_ptr()`` is 0): its local tensor's address is taken, with the
-    DTensor's version, which in-place ops on the DTensor bump.
+    parameters, no tensor is read. The process's optimizer step count (``optimizer_steps``) is appended: a fused
+    optimizer writes without bumping versions (so any optimizer step, of any model, counts as a change). Buffers
+    are left out: some models rewrite theirs in their own forward (dynamic RoPE), and no training step changes
+    them. A tensor-parallel shard (DTensor) reports no storage of its own (``data_ptr()`` is 0): its local
+    tensor's address is taken, with the DTensor's version, which in-place ops on the DTensor bump.
 
     Returns:
         A tuple of ints to compare with ``==``.
@@ -113,6 +133,7 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[int, ...]:
             storage = param.to_local() if _is_dtensor(param) else param
             out.append(storage.data_ptr())
             out.append(param._version)
+    out.append(optimizer_steps())  # a fused optimizer's step bumps no version
     return tuple(out)
 
 

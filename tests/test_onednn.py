@@ -340,3 +340,27 @@ def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_lin
         attn.v_proj.bias.add_(1.0)
         outs = [packs.linear(x, m.weight, m.bias) for m in groups[0]]
         torch.testing.assert_close(outs[2], F.linear(x, attn.v_proj.weight, attn.v_proj.bias), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_an_optimizer_step_on_the_shared_model_reaches_the_next_forward(monkeypatch, fused: bool) -> None:
+    # A fused AdamW (transformers' default adamw_torch_fused) writes the parameters without bumping their version
+    # counters: the packed copies are dropped on any optimizer step (found by a break-test of the packing).
+    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
+    monkeypatch.delenv(onednn.PACK_ENV_VAR, raising=False)
+    model = tiny_llama()
+    engine = Engine(model, _config(num_blocks=64, allow_block_sharing=False))
+    first, second = (random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=s) for s in (64, 65))
+    for i, p in enumerate(first):
+        engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"a{i}")
+    run_engine(engine)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused, foreach=None if fused else True)
+    ids = torch.tensor([first[0] + first[1]])
+    model(ids, labels=ids).loss.backward()
+    versions = [p._version for p in model.parameters()]
+    optimizer.step()
+    assert ([p._version for p in model.parameters()] == versions) == fused  # fused: no version moved
+    for i, p in enumerate(second):
+        engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"b{i}")
+    out = run_engine(engine)
+    assert [out[f"b{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 6, None) for p in second]

@@ -94,3 +94,14 @@ def test_a_watch_bumps_the_version_only_when_the_weights_changed(caplog: pytest.
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)
     assert watch.bump_if_changed(None) and not watch.changed()  # no engine: only recorded
+
+
+def test_a_fused_optimizer_step_is_noticed_though_it_bumps_no_version() -> None:
+    model = tiny_llama()
+    watch = WeightWatch(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(ids, labels=ids).loss.backward()
+    versions = [p._version for p in model.parameters()]
+    torch.optim.AdamW(model.parameters(), lr=0.01, fused=True).step()
+    assert [p._version for p in model.parameters()] == versions
+    assert watch.changed() and watch.record() and not watch.changed()
