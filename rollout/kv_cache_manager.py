@@ -137,7 +137,14 @@ class KVCacheManager:
             for g, window in enumerate(windows)
             if window is not None and p > 0
         }
-        while p > 0 and not all(all(b is not None for b in found[g][self._window_start(g, p * bs) : p]) for g in found):
+
+        def window_found(g: int) -> bool:
+            # Every block of the window found; a lookup returns fewer entries than asked (none at all with
+            # prefix caching off), and a missing entry is a miss, not a hit.
+            window = found[g][self._window_start(g, p * bs) : p]
+            return len(window) == p - self._window_start(g, p * bs) and all(b is not None for b in window)
+
+        while p > 0 and not all(window_found(g) for g in found):
             p -= 1
         if p == 0:
             return [], 0

@@ -195,3 +195,15 @@ def test_generate_batch_sizes_a_sliding_model_s_cache_for_its_windows() -> None:
         assert engine.num_blocks == 4 * (63 + 5 * 19) + 1
     finally:
         engine.close()
+
+
+def test_without_prefix_caching_a_sliding_group_claims_no_prefix_hit() -> None:
+    # With prefix caching off the block lookup returns no entry at all; an empty window was read as all found,
+    # so a 13-token prompt (window 8) was admitted as 12 tokens already computed, with no blocks behind them.
+    model = tiny_mistral(sliding_window=8)
+    prompt = random_prompts(4, VOCAB_SIZE, min_len=4, max_len=30, seed=7)[0]
+    assert len(prompt) == 13
+    engine = Engine(model, ContinuousBatchingConfig(page_size=4, num_blocks=64, allow_block_sharing=False))
+    request = engine.add_request(prompt, SamplingParams(max_new_tokens=4), request_id="x")
+    assert engine.kv_cache_manager.get_computed_blocks(request, engine.weight_version) == ([], 0)
+    assert run_engine(engine)["x"].generated_tokens == reference_greedy(model, prompt, 4, None)
