@@ -141,8 +141,9 @@ class KVCacheManager:
         def window_found(g: int) -> bool:
             # Every block of the window found; a lookup returns fewer entries than asked (none at all with
             # prefix caching off), and a missing entry is a miss, not a hit.
-            window = found[g][self._window_start(g, p * bs) : p]
-            return len(window) == p - self._window_start(g, p * bs) and all(b is not None for b in window)
+            start = self._window_start(g, p * bs)
+            window = found[g][start:p]
+            return len(window) == p - start and all(b is not None for b in window)
 
         while p > 0 and not all(window_found(g) for g in found):
             p -= 1

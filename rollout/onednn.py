@@ -87,6 +87,21 @@ BUDGET_S = 0.05
 MAX_MEASURED_ROWS = 256
 
 
+def _switch_value(var: str, on_label: str = "", off_label: str = "") -> str:
+    """The environment variable ``var``, lower-cased: one of ``AUTO_VALUES``, ``ON_VALUES`` or ``OFF_VALUES``.
+
+    Raises:
+        ValueError: any other value; the message names ``var`` and the values (labelled) it takes.
+    """
+    value = os.environ.get(var, "").strip().lower()
+    if value not in (*OFF_VALUES, *ON_VALUES, *AUTO_VALUES):
+        raise ValueError(
+            f"{var} must be one of auto, {', '.join(ON_VALUES)}{on_label} or {', '.join(OFF_VALUES)}{off_label}; "
+            f"got {os.environ[var]!r}"
+        )
+    return value
+
+
 def linear_kernel_policy() -> str:
     """The linear kernel policy of an engine built now, from ``ROLLOUT_ONEDNN_LINEAR``.
 
@@ -97,12 +112,7 @@ def linear_kernel_policy() -> str:
     Raises:
         ValueError: any other value (the message names the variable and the values it takes).
     """
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value not in (*OFF_VALUES, *ON_VALUES, *AUTO_VALUES):
-        raise ValueError(
-            f"{ENV_VAR} must be one of auto, {', '.join(ON_VALUES)} (oneDNN) or {', '.join(OFF_VALUES)} (MKL); "
-            f"got {os.environ[ENV_VAR]!r}"
-        )
+    value = _switch_value(ENV_VAR, " (oneDNN)", " (MKL)")
     if not MKLDNN_AVAILABLE or value in OFF_VALUES:
         return MKL
     return ONEDNN if value in ON_VALUES else AUTO
@@ -376,8 +386,8 @@ class PackedWeights:
     storage or version counter (an in-place update: ``update_weights``, an optimizer step; the same test as the
     manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version) and before the first
     forward after any optimizer step in the process (``weights.optimizer_steps``: a fused optimizer writes without
-    bumping versions). The copies cost the
-    linear weights' memory once more, so the runner packs only where they fit (``packing_fits``).
+    bumping versions). The copies cost the linear weights' memory once more, so the runner packs only where they fit
+    (``packing_fits``).
 
     Sibling projections (``groups``, from ``sibling_groups``) are packed stacked, as one weight: the first member's
     call computes every member's output in one GEMM and the others' calls on the same input tensor take their part
@@ -503,13 +513,7 @@ def packing_wanted() -> bool:
     Raises:
         ValueError: any other value than those and the off values (``0``, ``false``, ``off``, ``no``).
     """
-    value = os.environ.get(PACK_ENV_VAR, "").strip().lower()
-    if value not in (*OFF_VALUES, *ON_VALUES, *AUTO_VALUES):
-        raise ValueError(
-            f"{PACK_ENV_VAR} must be one of auto, {', '.join(ON_VALUES)} or {', '.join(OFF_VALUES)}; "
-            f"got {os.environ[PACK_ENV_VAR]!r}"
-        )
-    return value not in OFF_VALUES
+    return _switch_value(PACK_ENV_VAR) not in OFF_VALUES
 
 
 def packing_fits(model: torch.nn.Module, available_bytes: int) -> bool:

@@ -209,14 +209,9 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       float lanes[16];
       std::fill(lanes, lanes + 16, top);
       std::copy(sm + i, sm + i + count, lanes);
-      f32x16 e = exp_nonpositive(load16(lanes) - top);
-      if (count < 16) {
-        store16(lanes, e);
-        std::fill(lanes + count, lanes + 16, 0.f);
-        e = load16(lanes);
-      }
-      sums += e;
-      store16(lanes, e);
+      store16(lanes, exp_nonpositive(load16(lanes) - top));
+      std::fill(lanes + count, lanes + 16, 0.f);
+      sums += load16(lanes);
       std::copy(lanes, lanes + count, sm + i);
     }
     const float inv = 1.f / hsum(sums);
