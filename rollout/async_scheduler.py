@@ -54,5 +54,5 @@ class AsyncScheduler(Scheduler):
         for entry in scheduler_output.scheduled:
             req = entry.request
             if entry.sample and req.status in _RUNNING:
-                kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens), self.weight_version)
+                kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens), req.kv_version)
         return updated

@@ -303,14 +303,22 @@ class KVCacheManager:
         child.group_block_hashes = [list(hashes) for hashes in parent.group_block_hashes]
 
     # ------------------------------------------------------------------ prefix cache
-    def cache_blocks(self, request: Request, num_tokens: int, weight_version: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int, weight_version: int | None) -> None:
         """Hash the full blocks among the request's first ``num_tokens`` tokens that are not hashed yet, per group.
 
         Called at schedule time with the tokens the step will have computed: within each layer the
         step writes every new key and value before any attention reads the cache, so the G samples
         of a prompt admitted in the same step already share its blocks. A ``NULL_BLOCK`` position of a
         sliding group gets its hash (the chain goes on through it) but registers nothing.
+
+        Args:
+            request: the request.
+            num_tokens: its tokens whose KV is (or, within this step, will be) in its blocks.
+            weight_version: the version that computed all of that KV (``Request.kv_version``); None when it mixes
+                versions: nothing is hashed, since no version names the blocks.
         """
+        if weight_version is None:
+            return
         bm = self.block_manager
         bs = self.block_size
         for g, table in enumerate(self._tables(request)):

@@ -109,6 +109,10 @@ class Request:
         params: sampling parameters.
         token_ids: prompt followed by the generated tokens.
         num_computed_tokens: tokens whose KV is in this request's blocks.
+        kv_version: the weight version that computed all of the request's KV (the scheduler writes it when it
+            schedules tokens), or None while the KV mixes versions (a request that spans a weight update without
+            recompute keeps its KV): then none of its blocks is published in the prefix cache, so no other request
+            ever reads KV that its version does not name (DESIGN.md, section 3). Offloaded KV keeps its version.
         block_tables: one block table per layer group of the cache (``kv_cache.CacheLayout``): the
             physical block ids, in sequence order; a sliding-window group has ``NULL_BLOCK`` where a
             block fell out of its window.
@@ -148,6 +152,7 @@ class Request:
         self.record_timestamps = record_timestamps
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed_tokens = 0
+        self.kv_version: int | None = None
         self.block_tables: list[list[int]] = [[]]
         self.group_block_hashes: list[list[bytes | None]] = [[]]
         self.status = RequestStatus.PENDING
@@ -220,7 +225,11 @@ class Request:
         top: tuple[list[int], list[float]] | None = None,
     ) -> None:
         """Record a sampled token, its logprob, weight version and top logprobs ((ids, logprobs); ignored for
-        a request with ``num_top_logprobs`` 0), and decide whether the request is done."""
+        a request with ``num_top_logprobs`` 0), and decide whether the request is done.
+
+        Stop strings count only once the request is as long as ``min_new_tokens`` and ``min_length`` ask, as its
+        end-of-sequence ids (banned until then by the logits processors): vLLM's rule (vllm-project/vllm PR 22014).
+        ``model.generate`` differs here: its stop-string criterion ignores the minimum lengths."""
         self.token_ids.append(token)
         if logprob is not None:
             self.generated_logprobs.append(logprob)
@@ -232,7 +241,12 @@ class Request:
             self.timestamps.append(time.perf_counter())
         if token in self.params.eos_token_ids:
             self.finish_reason = FINISH_STOP
-        elif self.stop_matcher is not None and self.stop_matcher.matches(self.token_ids, len(self.prompt_ids)):
+        elif (
+            self.stop_matcher is not None
+            and self.num_generated_tokens >= self.params.min_new_tokens
+            and self.num_tokens >= self.params.min_length
+            and self.stop_matcher.matches(self.token_ids, len(self.prompt_ids))
+        ):
             self.finish_reason = FINISH_STOP
         elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish_reason = FINISH_LENGTH

@@ -225,6 +225,7 @@ class Scheduler:
         child.fork_parent = None
         self.kv_cache_manager.fork(parent, child)
         child.num_computed_tokens = num_computed_tokens
+        child.kv_version = parent.kv_version
         if child.num_preemptions == 0:
             child.num_cached_prompt_tokens = child.num_prompt_tokens
         child.status = RequestStatus.DECODING
@@ -304,8 +305,9 @@ class Scheduler:
                 if victim is req:
                     return
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, c + n))
+            self._compute_under_current_weights(req, fresh=False)
             # Blocks of known tokens only (a placeholder's block is hashed once its token is known).
-            kv.cache_blocks(req, min(c + n, req.num_tokens), self.weight_version)
+            kv.cache_blocks(req, min(c + n, req.num_tokens), req.kv_version)
             self._budget -= n
             i += 1
 
@@ -354,8 +356,23 @@ class Scheduler:
             self.running.append(req)
             self._remember_prefill(req, recomputed)
             chosen[id(req)] = ScheduledRequest(req, n, self._samples(req, num_cached + n))
-            kv.cache_blocks(req, num_cached + n, self.weight_version)
+            # Prefix-cache hits are the current version's; restored KV keeps the version it was computed under.
+            self._compute_under_current_weights(req, fresh=recomputed)
+            kv.cache_blocks(req, num_cached + n, req.kv_version)
             self._budget -= n
+
+    def _compute_under_current_weights(self, req: Request, fresh: bool) -> None:
+        """The tokens scheduled now for ``req`` are computed under ``self.weight_version``: its ``kv_version`` stays a
+        version only while all of its KV is that version's.
+
+        Args:
+            req: a request scheduled in the step being built.
+            fresh: its KV before these tokens is the current version's or none (an admission that is not a restore).
+        """
+        if fresh:
+            req.kv_version = self.weight_version
+        elif req.kv_version != self.weight_version:
+            req.kv_version = None
 
     @staticmethod
     def _samples(req: Request, num_tokens_after_step: int) -> bool:

@@ -215,6 +215,32 @@ def test_stop_strings_may_start_in_the_prompt_and_stop_reads_only_generated_text
     assert outputs["vllm"].finish_reason == ("stop" if len(vllm_style) < len(full) else "length")
 
 
+@pytest.mark.parametrize("field", ["stop", "stop_strings"])
+def test_stop_strings_count_only_once_min_new_tokens_are_generated(llama_plain, field: str) -> None:  # noqa: ANN001
+    # vLLM's rule (its issue 21987, fixed in PR 22014): a stop string that completes before min_new_tokens
+    # tokens exist does not end the request; it used to end it with 2 tokens and finish reason "stop".
+    model, _, tokenizer = llama_plain
+    prompt = PROMPTS[0]
+    full = reference(model, prompt, eos_token_id=None)
+    text = spelled(tokenizer, full)
+    # The shortest end of the first two tokens' text that ends inside the second and occurs once in the whole text.
+    head = spelled(tokenizer, full[:2])
+    first = len(spelled(tokenizer, full[:1]))
+    stop = next(head[i:] for i in range(len(head) - 1, -1, -1) if i < first and text.count(head[i:]) == 1)
+    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=32), tokenizer=tokenizer)
+    try:
+        base = SamplingParams(max_new_tokens=MAX_NEW, **{field: (stop,)})
+        engine.add_request(prompt, base, request_id="plain")
+        engine.add_request(prompt, dataclasses.replace(base, min_new_tokens=10), request_id="min_new_tokens")
+        engine.add_request(prompt, dataclasses.replace(base, min_length=len(prompt) + 10), request_id="min_length")
+        outputs = run_engine(engine)
+    finally:
+        engine.close()
+    assert outputs["plain"].generated_tokens == full[:2] and outputs["plain"].finish_reason == "stop"
+    for rid in ("min_new_tokens", "min_length"):  # the string never completes again: the request runs to its length
+        assert outputs[rid].generated_tokens == full and outputs[rid].finish_reason == "length"
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(llama_plain) -> None:  # noqa: ANN001
     model, _, _ = llama_plain
     attention = model.config._attn_implementation

@@ -524,3 +524,33 @@ def test_hermes_tool_calls_are_parsed_out_of_the_text() -> None:
     )
     content, calls = parse_tool_calls(two)
     assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]
+
+
+def test_a_stop_string_before_min_tokens_does_not_end_the_request(
+    client: openai.OpenAI, model: torch.nn.Module, tokenizer: object
+) -> None:
+    # vLLM's rule (its issue 21987): stop strings count once min_tokens tokens exist. The stop string is the text
+    # of the second greedy token: it ended the request with 2 tokens, finish reason "stop".
+    def once_at_second_token(prompt: list[int]) -> bool:
+        full = reference_greedy(model, prompt, 16, None)
+        return tokenizer.decode(full).count(tokenizer.decode([full[1]])) == 1
+
+    prompt = next(p for p in random_prompts(20, seed=13) if once_at_second_token(p))
+    full = reference_greedy(model, prompt, 16, None)
+    stop = tokenizer.decode([full[1]])
+    for extra, expected, reason in (({"min_tokens": 10}, full, "length"), ({}, full[:2], "stop")):
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+            extra_body={**extra, "ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert out.choices[0].token_ids == expected and out.choices[0].finish_reason == reason
+    chat_prompt = next(p for p in ([4, *q, 9] for q in random_prompts(20, seed=14)) if once_at_second_token(p))
+    chat_full = reference_greedy(model, chat_prompt, 16, None)
+    content = " ".join(f"t{t}" for t in chat_prompt[1:-1])
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=16, temperature=0,
+        stop=[tokenizer.decode([chat_full[1]])],
+        extra_body={"min_tokens": 10, "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert chat.model_extra["prompt_token_ids"] == chat_prompt
+    assert chat.choices[0].token_ids == chat_full and chat.choices[0].finish_reason == "length"
