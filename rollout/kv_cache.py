@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from .kv_group_policy import group_policies
 from .models import layer_kv_shapes, layer_sliding_windows
 
 logger = logging.getLogger(__name__)
@@ -100,31 +101,6 @@ class CacheShape:
     def bytes_per_token(self) -> int:
         """Bytes of K and V of one token over all layers (each at its own shape, no padding)."""
         return 2 * sum(self.layer(i).row for i in range(self.num_layers)) * self.element_size
-
-
-def window_start_block(sliding_window: int | None, num_computed_tokens: int, block_size: int) -> int:
-    """The first block that queries from position ``num_computed_tokens`` on read, in a layer with that window.
-
-    A query at position p reads keys p - window + 1 .. p, so every block before block
-    ``max(0, num_computed_tokens - window + 1) // block_size`` is read by no later query (vLLM v1's
-    ``SlidingWindowManager.get_num_skipped_tokens``). 0 for full attention (``sliding_window`` None).
-    """
-    if sliding_window is None:
-        return 0
-    return max(0, num_computed_tokens - sliding_window + 1) // block_size
-
-
-def max_blocks_held(sliding_window: int | None, num_tokens: int, max_chunk: int, block_size: int) -> int:
-    """The most blocks a request of ``num_tokens`` tokens holds at once in a group with this window.
-
-    Full attention: ``ceil(num_tokens / block_size)``. A sliding window W, with chunks of at most
-    ``max_chunk`` tokens: the blocks of positions [c - W + 1, c + n) for a chunk of n tokens from
-    position c, at most ``1 + ceil((W + max_chunk - 2) / block_size)``, and never more than full attention.
-    """
-    full = -(-num_tokens // block_size)
-    if sliding_window is None:
-        return full
-    return min(full, 1 + -(-(sliding_window + max_chunk - 2) // block_size))
 
 
 @dataclass(frozen=True)
@@ -243,7 +219,7 @@ class CacheLayout:
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int, block_size: int) -> int:
         """The most block ids a request of ``num_tokens`` tokens holds at once, over all groups."""
-        return sum(max_blocks_held(w, num_tokens, max_chunk, block_size) for w in self.sliding_windows)
+        return sum(p.max_blocks_held(num_tokens, max_chunk) for p in group_policies(self.sliding_windows, block_size))
 
     def slots_by_device(self) -> list[tuple[torch.device, list[int]]]:
         """The tensor slots grouped by the device that holds them, in slot order."""

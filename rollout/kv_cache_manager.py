@@ -8,16 +8,14 @@ for n more tokens, or a refusal that changes nothing but the return of blocks th
 ``drop_offloaded`` (the CPU pool's blocks).
 
 Layer groups (``kv_cache.CacheLayout``; vLLM v1's hybrid KV cache manager): each group has its own block table per
-request, all drawing on one block pool. A request holds the same positions in every group, except that a sliding
-group with window W keeps only the blocks its next queries read, from ``window_start_block(W, c)`` on (c the tokens
-computed); earlier blocks go back to the pool at ``allocate_slots`` and their entries become ``NULL_BLOCK``. A
-prefix-cache hit that nobody holds costs a free block when taken; one another request holds costs nothing.
-
-Prefix caching in sliding groups (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``): a hit of p blocks needs
-blocks 0..p-1 in every full group and, in a sliding group, only ``window_start_block(W, p * block_size)``..p-1.
-Block hashes are chained over the tokens, not the blocks, so a group finds its window's blocks whatever it evicted
-before them; the hit is the longest p every group can serve. Recompute frees every group's blocks; offload copies,
-per group, the blocks the next queries read and restores them to the same positions; a fork shares every table.
+request, all drawing on one block pool, and a policy of its kind (``kv_group_policy``: full attention or sliding
+window) that says which blocks its queries read and which prefix hits it can serve. A request holds the same
+positions in every group, except that a sliding group keeps only the blocks its next queries read, from the policy's
+``window_start(c)`` on (c the tokens computed); earlier blocks go back to the pool at ``allocate_slots`` and their
+entries become ``NULL_BLOCK``. A prefix-cache hit that nobody holds costs a free block when taken; one another request
+holds costs nothing. The hit is the longest prefix every group can serve (each group's ``find_hit``). Recompute frees
+every group's blocks; offload copies, per group, the blocks the next queries read and restores them to the same
+positions; a fork shares every table.
 
 Copy-on-write (vLLM v0's ``fork``): a block that the step writes and that another request also holds costs one fresh
 block more, which the request takes in its place; when the shared block already holds some of its tokens, the step
@@ -31,7 +29,7 @@ from collections.abc import Sequence
 
 from .block_manager import NULL_BLOCK, BlockManager, group_root, hash_block
 from .cpu_offload import CPUOffloadPool
-from .kv_cache import max_blocks_held, window_start_block
+from .kv_group_policy import group_policies
 from .requests import Request
 
 
@@ -58,13 +56,10 @@ class KVCacheManager:
         offload_pool: CPUOffloadPool | None = None,
         sliding_windows: Sequence[int | None] | None = None,
     ) -> None:
-        windows = [None] if sliding_windows is None else list(sliding_windows)
-        if not windows or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"sliding_windows must hold one window >= 1 (or None) per group, got {sliding_windows}")
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.sliding_windows = windows
-        self.num_groups = len(windows)
+        self.groups = group_policies([None] if sliding_windows is None else sliding_windows, self.block_size)
+        self.num_groups = len(self.groups)
         self.safety_margin_blocks = int(safety_margin * block_manager.num_blocks)
         self.offload_pool = offload_pool
         self.num_offloads = 0  # preempted requests whose KV went to the CPU pool
@@ -83,11 +78,8 @@ class KVCacheManager:
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds at once, over all groups, when it is
-        computed in chunks of at most ``max_chunk`` tokens (``kv_cache.max_blocks_held``)."""
-        return sum(max_blocks_held(w, num_tokens, max_chunk, self.block_size) for w in self.sliding_windows)
-
-    def _window_start(self, group: int, num_computed_tokens: int) -> int:
-        return window_start_block(self.sliding_windows[group], num_computed_tokens, self.block_size)
+        computed in chunks of at most ``max_chunk`` tokens (each group's ``max_blocks_held``)."""
+        return sum(policy.max_blocks_held(num_tokens, max_chunk) for policy in self.groups)
 
     def _tables(self, request: Request) -> list[list[int]]:
         """The request's block tables, one per group (a new request has one empty table)."""
@@ -121,42 +113,16 @@ class KVCacheManager:
         max_hit = request.num_tokens - 1
         if request.score_from is not None:
             max_hit = min(max_hit, request.score_from - 1)
-        bm = self.block_manager
-        bs = self.block_size
-        windows = self.sliding_windows
-        if windows == [None]:
-            hits = bm.find_cached_prefix(request.token_ids, weight_version, max_hit)
-            return hits, len(hits) * bs
-        # Full groups bound the hit from the start; sliding groups then need their window below it.
-        p = max_hit // bs
-        for g, window in enumerate(windows):
-            if window is None and p > 0:
-                p = len(bm.find_cached_prefix(request.token_ids, weight_version, p * bs, group=g))
-        found = {
-            g: bm.lookup(request.token_ids, weight_version, p, group=g)
-            for g, window in enumerate(windows)
-            if window is not None and p > 0
-        }
-
-        def window_found(g: int) -> bool:
-            # Every block of the window found; a lookup returns fewer entries than asked (none at all with
-            # prefix caching off), and a missing entry is a miss, not a hit.
-            start = self._window_start(g, p * bs)
-            window = found[g][start:p]
-            return len(window) == p - start and all(b is not None for b in window)
-
-        while p > 0 and not all(window_found(g) for g in found):
-            p -= 1
-        if p == 0:
-            return [], 0
-        hits: list[int] = []
-        for g, window in enumerate(windows):
-            if window is None:
-                hits += bm.find_cached_prefix(request.token_ids, weight_version, p * bs, group=g)
-            else:
-                start = self._window_start(g, p * bs)
-                hits += [NULL_BLOCK] * start + [b for b in found[g][start:p] if b is not None]
-        return hits, p * bs
+        # Each group answers its longest hit up to the bound; a shorter answer lowers the bound for every group (a
+        # sliding group's window moves with it) until all answer the same length, the longest they share.
+        bm, p = self.block_manager, max_hit // self.block_size
+        while True:
+            found = [policy.find_hit(bm, request.token_ids, weight_version, p) for policy in self.groups]
+            shortest = min(len(hits) for hits in found)
+            if all(len(hits) == shortest for hits in found):
+                break
+            p = shortest
+        return [b for hits in found for b in hits], shortest * self.block_size
 
     def allocate_slots(
         self,
@@ -171,8 +137,8 @@ class KVCacheManager:
         After success the request holds, in each full group, ``blocks_needed(num_computed_tokens +
         num_new_computed_tokens + num_new_tokens)`` blocks: its old ones, then ``new_computed_blocks`` (shared
         prefix-cache hits), then fresh ones; a sliding group those from its window start on (``NULL_BLOCK``
-        before it). A sliding group's blocks that fell out of the window (before ``window_start_block(W,
-        num_computed_tokens)``) go back to the pool first, refusal or not: no query reads them again. An
+        before it). A sliding group's blocks that fell out of the window (before its policy's
+        ``window_start(num_computed_tokens)``) go back to the pool first, refusal or not: no query reads them again. An
         old block that the new tokens write and that another request holds too is replaced by a fresh one
         (copy-on-write, see the module docstring); the copy is queued for ``take_block_copies``.
 
@@ -197,11 +163,10 @@ class KVCacheManager:
         hits = [list(new_computed_blocks[g * per_group : (g + 1) * per_group]) for g in range(self.num_groups)]
         fresh: list[int] = []
         shared: list[list[int]] = []
-        for g, window in enumerate(self.sliding_windows):
-            if window is not None:
-                self._drop_out_of_window(request, g)
+        for g, policy in enumerate(self.groups):
+            self._drop_skipped(request, g)
             held = len(tables[g]) + len(hits[g])
-            fresh.append(need - max(held, self._window_start(g, start)))
+            fresh.append(need - max(held, policy.window_start(start)))
             # Hits and restores go to a request that holds no block yet: only a running request can
             # write into blocks it shares.
             shared.append([] if new_computed_blocks else self._shared_blocks_written(request, g, num_new_tokens))
@@ -228,25 +193,19 @@ class KVCacheManager:
             table = tables[g]
             if shared[g]:
                 self._copy_on_write(request, g, shared[g])
-            window_start = self._window_start(g, start)
+            window_start = self.groups[g].window_start(start)
             if len(table) < window_start:  # a restore into a sliding group: its window only
                 table.extend([NULL_BLOCK] * (window_start - len(table)))
             if fresh[g] > 0:
                 table.extend(bm.allocate(fresh[g]))
         return True
 
-    def _drop_out_of_window(self, request: Request, group: int) -> None:
-        """Give back a sliding group's blocks before the window of the request's next queries."""
-        table = request.block_tables[group]
-        i = min(self._window_start(group, request.num_computed_tokens), len(table)) - 1
-        dropped: list[int] = []
-        while i >= 0 and table[i] != NULL_BLOCK:  # everything before a NULL_BLOCK was dropped earlier
-            dropped.append(table[i])
-            table[i] = NULL_BLOCK
-            i -= 1
+    def _drop_skipped(self, request: Request, group: int) -> None:
+        """Give back a group's blocks that the request's next queries do not read (a sliding window's only)."""
+        dropped = self.groups[group].drop_skipped(request.block_tables[group], request.num_computed_tokens)
         if dropped:
             # Cached ones stay findable until reused: another request's window may start there.
-            self.block_manager.free(dropped[::-1])
+            self.block_manager.free(dropped)
 
     def _shared_blocks_written(self, request: Request, group: int, num_new_tokens: int) -> list[int]:
         """Indices into a group's block table of the blocks that the next tokens write and others hold too."""
@@ -364,8 +323,8 @@ class KVCacheManager:
         full group the first ``ceil(num_tokens / block_size)``, in a sliding group those from its window start."""
         end = self.blocks_needed(num_tokens)
         out: list[int] = []
-        for g, table in enumerate(request.block_tables):
-            out += table[self._window_start(g, num_tokens) : end]
+        for policy, table in zip(self.groups, request.block_tables):
+            out += table[policy.window_start(num_tokens) : end]
         return out
 
     def offload(self, request: Request) -> tuple[list[int], list[int]] | None:

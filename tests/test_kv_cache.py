@@ -366,17 +366,3 @@ def test_offload_of_a_grouped_cache_moves_every_slot_of_each_block() -> None:
     pool.load(cache, ids, [0, 11])
     assert torch.equal(cache.key[0][0:BS], expected[0]) and torch.equal(cache.key[3][11 * BS :], expected[1])
     assert torch.equal(cache.value[1][0:BS], -expected[0])
-
-
-@pytest.mark.parametrize("window", [1, 5, 8, 9])
-@pytest.mark.parametrize("chunk", [1, 3, 10])
-def test_max_blocks_held_is_the_most_a_sliding_request_holds(window: int, chunk: int) -> None:
-    # Brute force over every position a chunk of n <= chunk tokens can start at: the blocks of positions
-    # [max(0, c - window + 1), c + n) that a request holds while the chunk is computed.
-    bs = 4
-    held = max(
-        -(-(c + n) // bs) - kv_cache.window_start_block(window, c, bs) for c in range(200) for n in range(1, chunk + 1)
-    )
-    assert kv_cache.max_blocks_held(window, 1000, chunk, bs) == held
-    assert kv_cache.max_blocks_held(None, 1000, chunk, bs) == 250
-    assert kv_cache.max_blocks_held(window, 6, chunk, bs) == min(2, held)  # never more than the full blocks

@@ -34,6 +34,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # loading (load_model, the default model's provisioning) is a leaf beside models.
 # host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
 # manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
+# kv_group_policy (what full and sliding-window layer groups do differently) sits between the block pool it looks up
+# and kv_cache, which sizes groups with it.
 # cache_sizing (the cache's size from memory) and cpu_offload (the offload pool) sit just above kv_cache, whose
 # shapes they use; flash (flash-attn's kernels and support rules) and cpu_attention (rollout's paged CPU kernel with
 # flash-attn's API) are leaves just below attention, and
@@ -52,6 +54,7 @@ LAYERS = [
     "weights",
     "weight_transfer",
     "block_manager",
+    "kv_group_policy",
     "kv_cache",
     "cache_sizing",
     "cpu_offload",
