@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import is_int, token_ids
+from .checks import FieldError, is_int, token_ids
 from .engine import Engine
 from .outputs import OutputRouter, ended_output
 from .requests import Request, RequestStatus
@@ -90,13 +90,16 @@ def check_fits(
         name: how the message names the argument (``"input_ids"``, ``"inputs[3]"``).
 
     Raises:
-        ValueError: ``Engine.check_request``'s message, prefixed with ``name``.
+        FieldError: ``Engine.check_request``'s message, prefixed with ``name``; its ``field`` is ``name`` when the
+            prompt alone cannot fit, else the field at fault (``max_new_tokens``, ``num_top_logprobs``).
         RuntimeError: there is no engine (the manager was destroyed).
     """
     if engine is None:
         raise RuntimeError("the manager was destroyed and accepts no request")
     try:
         engine.check_request(request_id, len(prompt), params)
+    except FieldError as e:
+        raise FieldError(name if e.field == "input_ids" else e.field, f"{name}: {e}") from e
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
 

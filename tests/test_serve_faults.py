@@ -86,6 +86,24 @@ def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns
         assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 500
 
 
+def test_a_value_the_engine_refuses_is_a_400_naming_the_field_its_check_named() -> None:
+    """``--per-request-processors false``: the manager's own check refuses a request's processor values. Its
+    ``FieldError`` names the field; every such refusal was answered as ``max_tokens`` before."""
+    model = tiny_llama()
+    model.generation_config.do_sample, model.generation_config.top_p = True, 1.0  # OpenAI's defaults
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=16, return_logprobs=True, per_request_processors=False)
+    with running_server(model, tiny_tokenizer(), config) as srv:
+        url = f"{srv.url}/v1/completions"
+        assert httpx.post(url, json={"prompt": [5, 6], "max_tokens": 2}, timeout=60).status_code == 200
+        for field, value in [("repetition_penalty", 1.3), ("min_tokens", 1), ("top_k", 5)]:
+            refused = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 2, field: value}, timeout=60)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == field and error["message"].startswith(f"{field}: ")
+            assert "per_request_processors is False" in error["message"]
+        assert not srv.manager.engine.requests
+
+
 def test_engine_flags_are_config_fields_and_the_server_turns_logprobs_on() -> None:
     args = build_parser().parse_args(
         ["--max-batch-tokens", "64", "--allow-block-sharing", "false", "--max-queue-size", "7"]

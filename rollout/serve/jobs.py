@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout import SamplingParams, build_sampling_params
+from rollout import FieldError, SamplingParams, build_sampling_params
 from rollout.sampling_params import MAX_TOP_LOGPROBS
 
 from .chat import chat_prompt_ids
@@ -21,8 +21,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SamplingParams' field names (which start its ValueError messages) that the API spells otherwise; the
-# others a request sets (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
+# The engine's field names (``FieldError.field``) that the API spells otherwise; the others a request sets
+# (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
 API_NAMES = {
     "max_new_tokens": "max_tokens",
     "eos_token_ids": "stop_token_ids",
@@ -260,10 +260,27 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
             stop=req.stop,
             num_top_logprobs=top_logprobs,
         )
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0].rstrip(":")
-        param = API_NAMES.get(name, name if name in SamplingFields.model_fields else None)
-        raise bad_request(f"{param or name}: {e}", param) from e
+    except FieldError as e:
+        raise field_error(e, prompt_param=None) from e
+
+
+def api_param(field: str, prompt_param: str | None) -> str | None:
+    """The request field an engine-side ``FieldError.field`` is about, as the API spells it; None when it has none.
+
+    Args:
+        field: the engine's name (``max_new_tokens``, ``inputs[3]``...).
+        prompt_param: what the API calls the prompt (``prompt``, ``messages``); None when no prompt is at issue.
+    """
+    if field in ("input_ids", "prompt_ids") or field.startswith("inputs["):
+        return prompt_param
+    name = API_NAMES.get(field, field)
+    return name if name in SamplingFields.model_fields else None
+
+
+def field_error(error: FieldError, prompt_param: str | None) -> APIError:
+    """A 400 naming the API field of an engine-side ``FieldError`` (``api_param``) in ``param`` and the message."""
+    param = api_param(error.field, prompt_param)
+    return bad_request(f"{param}: {error}" if param else str(error), param)
 
 
 def _new_id(prefix: str, req: SamplingFields) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from rollout import (
     ContinuousBatchingManager,
+    FieldError,
     GenerationOutput,
     QueueFullError,
     RequestStatus,
@@ -30,7 +31,7 @@ from rollout import (
 )
 
 from .errors import APIError
-from .jobs import Job, ModelInfo
+from .jobs import Job, ModelInfo, field_error
 from .responses import finish_reason
 from .weight_updates import TransferSettings, WeightUpdater
 
@@ -217,8 +218,9 @@ class GenerationService:
         Waits while a ``pause(mode="wait")`` holds new requests back.
 
         Raises:
-            APIError: 503 with Retry-After when the queue is full or the server shuts down; 400 when a request
-                can never fit the KV cache; 500 when the engine failed. Nothing is queued then.
+            APIError: 503 with Retry-After when the queue is full or the server shuts down; 400 naming the field the
+                engine refused (a request that can never fit the KV cache: ``max_tokens``; a sampling value that
+                ``--per-request-processors false`` fixes); 500 when the engine failed. Nothing is queued then.
         """
         await self._admit.wait()
         if not self.accepting:
@@ -235,8 +237,10 @@ class GenerationService:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
         except QueueFullError as e:
             raise APIError(503, f"the queue is full: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
-        except ValueError as e:  # the engine's own check: the request can never fit the KV cache
-            raise APIError(400, f"max_tokens: {e}", "max_tokens") from e
+        except FieldError as e:  # the engine's own checks (the KV cache's size, per-request processors)
+            raise field_error(e, "messages" if job.chat else "prompt") from e
+        except ValueError as e:  # a check that names no field of the request
+            raise APIError(400, str(e)) from e
         except RuntimeError as e:
             raise APIError(500, f"the engine cannot take requests: {e}") from e
         if any(rid is None for rid in ids):

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from rollout import ContinuousBatchingManager
+from rollout import ContinuousBatchingManager, FieldError
 from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
 from rollout.weights import copy_weights, plan_weight_copy
 
@@ -29,6 +29,9 @@ from .errors import APIError, bad_request
 from .protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
+
+# The ``update_info`` list that announces each attribute ``plan_weight_copy`` compares (its ``FieldError.field``).
+UPDATE_INFO_FIELDS = {"shape": "update_info.shapes", "dtype": "update_info.dtype_names"}
 
 
 @dataclass(frozen=True)
@@ -222,16 +225,16 @@ class WeightUpdater:
         """The announced tensors, checked against the model's parameters before any byte is received."""
         try:
             metas = parse_metas(info.names, info.dtype_names, info.shapes)
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
+        except FieldError as e:
+            raise APIError(400, str(e), e.field) from e
         try:  # meta tensors: only names, shapes and dtypes are compared
             plan_weight_copy(
                 self.manager.model, [(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in metas]
             )
         except KeyError as e:
             raise APIError(400, f"update_info.names: {e.args[0]}", "update_info.names") from e
-        except ValueError as e:
-            param = "update_info.shapes" if "shape" in str(e) else "update_info.dtype_names"
+        except FieldError as e:  # its field is the tensor's attribute that differs
+            param = UPDATE_INFO_FIELDS[e.field]
             raise APIError(400, f"{param}: {e}", param) from e
         return metas
 
