@@ -434,6 +434,9 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
         ({"prompt": [5, 6], "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
         ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),
+        ({"prompt": [5, 6], "use_beam_search": True}, 400, "use_beam_search"),
+        ({"prompt": [5, 6], "return_hidden_states": True}, 400, "return_hidden_states"),
+        ({"prompt": [5, 6], "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [5, 6], "n": MAX_QUEUE_SIZE + 1}, 400, "n"),
     ],
@@ -448,6 +451,46 @@ def test_bad_input_is_refused_naming_the_field_before_any_work(
     assert error["param"] == param
     assert error["message"].startswith(param.split(".")[0])
     assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
+
+
+# What vllm-router 0.1.17 forwards (captured in front of an echo server): every body re-serialised with SGLang's
+# no_stop_trim, return_hidden_states... and vLLM's echo, stream, skip_special_tokens at their defaults.
+ROUTER_COMPLETION = {
+    "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0.0, "n": 1, "stream": False, "logprobs": 0,
+    "echo": False, "seed": 3, "no_stop_trim": False, "ignore_eos": True, "skip_special_tokens": True,
+    "return_hidden_states": False, "return_token_ids": True,
+}  # fmt: skip
+ROUTER_CHAT = {
+    "model": MODEL, "messages": [{"role": "user", "content": "t5 t6 t7"}], "n": 1, "stream": False, "max_tokens": 6,
+    "temperature": 0.0, "logprobs": False, "no_stop_trim": False, "ignore_eos": True, "add_generation_prompt": True,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+    "return_hidden_states": False, "include_reasoning": True, "return_token_ids": True,
+}  # fmt: skip
+
+
+def test_bodies_as_vllm_router_forwards_them_are_answered(srv: RunningServer, model: torch.nn.Module) -> None:
+    completion = _post(srv, "/v1/completions", ROUTER_COMPLETION)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["token_ids"] == reference_greedy(model, [5, 6, 7], 6, None)
+    chat = _post(srv, "/v1/chat/completions", ROUTER_CHAT)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["token_ids"] == reference_greedy(model, [4, 5, 6, 7, 9], 6, None)
+    assert _post(srv, "/v1/chat/completions", {**ROUTER_CHAT, "echo": True}).json()["error"]["param"] == "echo"
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_no_stop_trim_keeps_the_stop_string(
+    srv: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"prompt": "t5 t6 t7", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = _post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    with caplog.at_level("WARNING", logger="rollout.serve.protocol"):
+        extra = _post(srv, "/v1/completions", {**body, "priority": 0, "cache_salt": "x", "guided_json": None})
+    assert extra.status_code == 200 and extra.json()["choices"][0]["text"] == plain
+    assert "['cache_salt', 'guided_json', 'priority']" in caplog.text
+    stop = plain.split()[2]  # the third generated word
+    cut = _post(srv, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]["text"]
+    kept = _post(srv, "/v1/completions", {**body, "stop": [stop], "no_stop_trim": True}).json()["choices"][0]["text"]
+    assert not cut.endswith(stop) and kept == cut + stop
 
 
 def test_malformed_json_answers_422(srv: RunningServer) -> None:

@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from rollout import FieldError
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's error types by HTTP status.
@@ -89,7 +91,8 @@ def install_handlers(app: FastAPI) -> None:
     """Answer ``APIError`` and FastAPI's validation errors with OpenAI's body.
 
     A body that is not JSON answers 422; a JSON body with a bad field 400 naming the field (OpenAI and
-    vLLM answer 400 there, where FastAPI would answer 422).
+    vLLM answer 400 there, where FastAPI would answer 422). A model validator's ``rollout.FieldError`` gives its
+    ``field`` and its message; a field's own check gives pydantic's location and message.
     """
 
     @app.exception_handler(APIError)
@@ -104,6 +107,9 @@ def install_handlers(app: FastAPI) -> None:
             e.get("type") in ("json_invalid", "model_attributes_type") and len(e.get("loc", ())) <= 2 for e in errors
         ):
             return JSONResponse(error_body(422, f"the body is not a JSON object: {first.get('msg')}"), status_code=422)
+        raised = (first.get("ctx") or {}).get("error")
+        if isinstance(raised, FieldError):  # a model validator's: it names its field
+            return JSONResponse(error_body(400, str(raised), raised.field), status_code=400)
         param = _field_of(tuple(first.get("loc", ())))
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         if first.get("type") == "extra_forbidden":
