@@ -180,6 +180,33 @@ def test_prompt_logprobs_equal_rollout_score(srv: RunningServer, model: torch.nn
     assert_close(got, expected, atol=1e-5)
 
 
+def test_prompt_logprobs_are_scored_by_the_running_engine_while_another_stream_flows(
+    srv: RunningServer, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM computes prompt logprobs in the step that prefills the prompt; here a scoring request of the running
+    engine does: nobody's generation pauses and no second engine (with a KV cache of its own) is built."""
+    pauses: list[int] = []
+    pause = srv.manager.pause
+    monkeypatch.setattr(srv.manager, "pause", lambda: pauses.append(1) or pause())
+    body = {"prompt": [5, 6, 7], "max_tokens": 450, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    (streaming,) = srv.manager.engine.requests.values()
+    prompt = random_prompts(1, seed=17, min_len=300, max_len=300)[0]
+    before = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
+    choice = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()["choices"][0]
+    after = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
+    reader.join(120)
+    assert not pauses
+    assert before[0] < after[0] < 450  # the stream decoded in the steps that scored the prompt, and went on
+    assert after[1] - before[1] >= len(prompt)  # the running engine computed the scored prompt
+    got = [entry[str(tok)]["logprob"] for entry, tok in zip(choice["prompt_logprobs"][1:], prompt[1:])]
+    assert_close(got, score(model, [prompt], [[]], include_prompt=True)[0].prompt_logprobs, atol=1e-4)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 450, None)
+
+
 def test_echo_with_logprobs_puts_the_prompt_first(srv: RunningServer, model: torch.nn.Module) -> None:
     body = {"prompt": "t5 t6 t7", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
     choice = _post(srv, "/v1/completions", body).json()["choices"][0]
@@ -431,6 +458,7 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
         ({"prompt": [5, 6], "logprobs": 21}, 400, "logprobs"),
         ({"prompt": [5, 6], "logprobs": 2, "echo": True}, 400, "logprobs"),
         ({"prompt": [5, 6], "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+        ({"prompt": [5, 6], "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs"),
         ({"prompt": [5, 6], "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
         ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),

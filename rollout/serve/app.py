@@ -38,7 +38,8 @@ from .protocol import (
     UpdateWeightsRequest,
 )
 from .responses import ChoiceView
-from .service import GenerationService, Submission
+from .service import GenerationService
+from .submission import Submission
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,6 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         return await _answer(jobs.chat_job(body, info), request)
 
     async def _answer(job: Job, request: Request) -> Response:
-        prompt_logprobs = await service.prompt_logprobs(job.prompts) if job.scores_prompt else None
         submission = await service.submit(job)
         if job.stream:
             return StreamingResponse(_events(job, submission), media_type="text/event-stream")
@@ -145,6 +145,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
             return Response(status_code=499)  # nobody reads it: the client is gone
         if job.chat:
             return JSONResponse(responses.chat_response(job, outputs, info))
+        prompt_logprobs = submission.prompt_logprobs if job.scores_prompt else None
         return JSONResponse(responses.completion_response(job, outputs, prompt_logprobs, info))
 
     async def _collect(job: Job, submission: Submission) -> list[Any]:

@@ -206,6 +206,8 @@ class CompletionRequest(SamplingFields):
             raise _refuse("suffix", "not supported")
         if self.stream and self.echo:
             raise _refuse("echo", "not supported with stream=true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise _refuse("prompt_logprobs", "not supported with stream=true")
         return self
 
 

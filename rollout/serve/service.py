@@ -3,7 +3,10 @@
 ``GenerationService`` owns the server's ``ContinuousBatchingManager`` and is the only code that calls it. A job's
 requests are queued with one ``add_requests`` call (the ``n`` samples of a prompt together, forked from one prefill;
 a ``seed`` s gives sample k the seed s + k), and their outputs come back through result handlers run in the server's
-event loop. A request whose reader goes away is cancelled in the engine, which frees its KV blocks.
+event loop, into the job's ``Submission`` (``submission.py``). A job that shows its prompts' logprobs
+(``prompt_logprobs``, ``echo`` with ``logprobs``) also queues one scoring request per prompt
+(``add_scoring_requests``): the running engine computes it in its steps beside everyone's generation. A request whose
+reader goes away is cancelled in the engine, which frees its KV blocks.
 
 The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``PauseHolder`` holds it
 in a thread of its own until ``/resume``. New weights, from disk or streamed by a trainer, go through the service's
@@ -17,7 +20,6 @@ import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 from rollout import (
@@ -27,12 +29,12 @@ from rollout import (
     QueueFullError,
     RequestStatus,
     model_context_length,
-    score,
 )
 
 from .errors import APIError
 from .jobs import Job, ModelInfo, field_error
 from .responses import finish_reason
+from .submission import Submission
 from .weight_updates import TransferSettings, WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -105,61 +107,6 @@ class PauseHolder:
             thread.join()
 
 
-class Submission:
-    """The requests of one job in the engine, read as an async iterator of (choice index, output).
-
-    Each choice's outputs come in order; its last one is final. Without streaming only final outputs come.
-    Leaving the iteration early (a closed stream, an exception, a cancelled task) cancels every request
-    that has not ended; so does ``close``.
-
-    Args:
-        service: the service that queued the requests.
-        request_ids: the engine's request id of each choice, in choice order.
-        job_id: the response's ``id``.
-    """
-
-    def __init__(self, service: GenerationService, request_ids: list[str], job_id: str) -> None:
-        self._service = service
-        self.job_id = job_id
-        self.request_ids = request_ids
-        self._pending = set(request_ids)
-        self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
-
-    def deliver(self, index: int, out: GenerationOutput) -> None:
-        """The manager's result handler (run in the event loop): queue a choice's new output."""
-        self._queue.put_nowait((index, out))
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
-        """Yield (choice index, output) until every choice ended.
-
-        Raises:
-            APIError: 500 when the engine failed a request (the message is the engine's error).
-        """
-        try:
-            while self._pending:
-                index, out = await self._queue.get()
-                rid = self.request_ids[index]
-                if out.is_finished():
-                    if rid not in self._pending:
-                        continue
-                    self._pending.discard(rid)
-                    self._service._done(rid, out)
-                    if out.status == RequestStatus.FAILED:
-                        raise APIError(500, f"the engine failed while generating: {out.error}")
-                yield index, out
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Cancel the requests that have not ended (their KV blocks are freed); idempotent."""
-        for rid in list(self._pending):
-            self._service.manager.cancel_request(rid)
-            self._service.finished["abort"] += 1
-            self._service._forget(rid)
-        self._pending.clear()
-        self._service._jobs.pop(self.job_id, None)
-
-
 # Sequences (prompts x n) one request may ask for when the queue is unbounded (--max-queue-size 0): each queued
 # sequence holds host memory (its request state and sampling rows), and one request with n = 1,000,000 had the
 # kernel kill the server for memory. A GRPO step of 256 prompts x 16 samples is 4,096.
@@ -187,16 +134,17 @@ class GenerationService:
         self.info = info
         self.finished: Counter[str] = Counter()
         self.accepting = True
-        self._in_flight: set[str] = set()  # engine request ids
-        self._jobs: dict[str, list[str]] = {}  # a response's id -> its engine request ids, while it runs
+        self._in_flight: set[str] = set()  # engine request ids (choices and scoring requests)
+        self._scoring: set[str] = set()  # the scoring requests among them
+        self._jobs: dict[str, list[str]] = {}  # a response's id -> its engine request ids, while one runs
+        self._job_pending: dict[str, int] = {}  # a response's id -> how many of its requests have not ended
         self._idle = asyncio.Event()
         self._idle.set()
         self._admit = asyncio.Event()  # cleared by pause(mode="wait"): new jobs wait before being queued
         self._admit.set()
         self._pause = PauseHolder(manager)
         self._pause_mode: str | None = None
-        self._model_lock = threading.Lock()  # one scoring pass or weight copy on the model at a time
-        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self._model_lock, self.abort)
+        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort)
 
     # ------------------------------------------------------------------ health
     @property
@@ -235,6 +183,7 @@ class GenerationService:
         expanded = [p for p in job.prompts for _ in range(job.n)]
         try:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
+            score_ids = self._add_scoring(job, ids)
         except QueueFullError as e:
             raise APIError(503, f"the queue is full: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
         except FieldError as e:  # the engine's own checks (the KV cache's size, per-request processors)
@@ -243,39 +192,49 @@ class GenerationService:
             raise APIError(400, str(e)) from e
         except RuntimeError as e:
             raise APIError(500, f"the engine cannot take requests: {e}") from e
-        if any(rid is None for rid in ids):
+        if any(rid is None for rid in ids + score_ids):
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        self._in_flight.update(ids)
+        all_ids = ids + score_ids
+        self._in_flight.update(all_ids)
+        self._scoring.update(score_ids)
         self._idle.clear()
-        submission = Submission(self, ids, job.request_id)
-        self._jobs[job.request_id] = ids
+        self._jobs[job.request_id] = all_ids
+        self._job_pending[job.request_id] = len(all_ids)
+        submission = Submission(ids, score_ids, job.request_id, functools.partial(self._end_request, job.request_id))
         for index, rid in enumerate(ids):
             self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
+        for index, rid in enumerate(score_ids):
+            self.manager.register_result_handler(rid, functools.partial(submission.deliver_score, index))
         return submission
 
-    def _done(self, rid: str, out: GenerationOutput) -> None:
-        reason = "error" if out.status == RequestStatus.FAILED else finish_reason(out) or "error"
-        self.finished[reason] += 1
-        self._forget(rid)
+    def _add_scoring(self, job: Job, queued: list[str]) -> list[str]:
+        """Queue the scoring request of each of the job's prompts when it shows their logprobs; on a refusal the
+        job's ``queued`` requests are cancelled first (nothing of a refused job stays queued)."""
+        if not job.scores_prompt:
+            return []
+        try:
+            return self.manager.add_scoring_requests(job.prompts)
+        except BaseException:
+            for rid in queued:
+                self.manager.cancel_request(rid)
+            raise
 
-    def _forget(self, rid: str) -> None:
+    def _end_request(self, job_id: str, rid: str, out: GenerationOutput | None) -> None:
+        """A request of job ``job_id`` ended (``out``: its final output) or was given up (None: cancelled here)."""
+        if out is None:
+            self.manager.cancel_request(rid)
+        if rid in self._scoring:
+            self._scoring.discard(rid)
+        elif out is None:
+            self.finished["abort"] += 1
+        else:
+            self.finished["error" if out.status == RequestStatus.FAILED else finish_reason(out) or "error"] += 1
         self._in_flight.discard(rid)
         if not self._in_flight:
             self._idle.set()
-
-    async def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
-        """The logprob of every prompt token after the first, by ``rollout.score`` under a pause of the engine.
-
-        Returns:
-            Per prompt, float [len(prompt) - 1] in nats (log_softmax of the raw logits).
-        """
-
-        def run() -> list[list[float]]:
-            with self._model_lock, self.manager.pause():
-                scores = score(self.manager.model, prompts, [[] for _ in prompts], include_prompt=True)
-            return [list(s.prompt_logprobs or []) for s in scores]
-
-        return await asyncio.to_thread(run)
+        self._job_pending[job_id] -= 1
+        if not self._job_pending[job_id]:
+            del self._job_pending[job_id], self._jobs[job_id]
 
     def abort(self, request_ids: list[str] | None = None) -> int:
         """Cancel in-flight requests; they end with finish reason ``abort`` and their partial tokens.

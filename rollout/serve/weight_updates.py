@@ -5,7 +5,8 @@ by a trainer (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/upd
 ``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weight_transfer.TransferGroup``;
 ``TransferSettings`` says whether they are staged first (atomic) or copied bucket by bucket (in place).
 Both reach the model through ``manager.update_weights``, which makes a new weight version.
-``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``) and shares its model lock.
+``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``), whose ``abort`` it calls after a failed
+in-place transfer.
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ class WeightUpdater:
     Args:
         manager: the server's manager.
         settings: how streamed weights are taken (atomic or in place, the timeout).
-        model_lock: held around every weight copy (the service holds it around scoring passes too).
         abort: cancels every in-flight request (the service's ``abort``): an in-place transfer that fails
             part way calls it before its pause ends, so no token is sampled from a mix of two versions.
 
@@ -98,13 +98,12 @@ class WeightUpdater:
         self,
         manager: ContinuousBatchingManager,
         settings: TransferSettings,
-        model_lock: threading.Lock,
         abort: Callable[[], int],
     ) -> None:
         self.manager = manager
         self.settings = settings
         self.state = TransferState()
-        self._model_lock = model_lock
+        self._model_lock = threading.Lock()  # one weight copy at a time
         self._abort = abort
 
     async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
