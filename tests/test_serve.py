@@ -284,6 +284,48 @@ def test_pause_wait_returns_once_in_flight_requests_finished_and_holds_new_ones(
     assert late["r"].json()["choices"][0]["token_ids"] == result["ids"]
 
 
+def test_a_resume_while_a_wait_pause_waits_cancels_the_pause(srv: RunningServer, model: torch.nn.Module) -> None:
+    """The resume used to be answered while the wait went on; once the stream drained the pause took hold anyway,
+    /is_paused said false and new requests got no answer."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    paused: dict = {}
+    pauser = threading.Thread(target=lambda: paused.update(r=_post(srv, "/pause", params={"mode": "wait"}, timeout=60)))
+    pauser.start()
+    wait_until(lambda: httpx.get(f"{srv.url}/is_paused").json()["is_paused"])  # pending: new requests held back
+    assert _post(srv, "/resume").json() == {"status": "resumed"}
+    pauser.join(10)
+    assert paused["r"].json() == {"status": "cancelled", "mode": "wait"}
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+    reader.join(60)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 300, None)
+    late = _post(srv, "/v1/completions", {**body, "max_tokens": 4}, timeout=30)  # answered: nothing holds the engine
+    assert late.json()["choices"][0]["token_ids"] == result["ids"][:4]
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+
+
+def test_a_wait_pause_on_a_server_paused_with_keep_returns_at_once(srv: RunningServer, model: torch.nn.Module) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    try:
+        assert _post(srv, "/pause", params={"mode": "keep"}).json()["status"] == "paused"
+        generated = srv.manager.engine.stats.num_generated_tokens
+        again = _post(srv, "/pause", params={"mode": "wait"}, timeout=10)  # the frozen request would never finish
+        assert again.json() == {"status": "paused", "mode": "wait"}
+        assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": True}
+        assert srv.manager.engine.stats.num_generated_tokens == generated and srv.manager.engine.requests
+    finally:
+        _post(srv, "/resume").raise_for_status()
+    reader.join(60)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 120, None)
+
+
 def test_trl_vllm_client_health_models_pause_and_resume(srv: RunningServer) -> None:
     from accelerate import PartialState
     from trl.experimental.async_grpo.vllm_client import VLLMClient

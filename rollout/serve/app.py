@@ -177,8 +177,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     # ------------------------------------------------------------------ control
     @app.post("/pause", dependencies=[Depends(control)])
     async def pause(mode: str = "keep") -> dict[str, Any]:
-        await service.pause(mode)
-        return {"status": "paused", "mode": mode}
+        paused = await service.pause(mode)
+        return {"status": "paused" if paused else "cancelled", "mode": mode}  # cancelled: a /resume came first
 
     @app.post("/resume", dependencies=[Depends(control)])
     async def resume() -> dict[str, Any]:

@@ -8,9 +8,9 @@ event loop, into the job's ``Submission`` (``submission.py``). A job that shows 
 (``add_scoring_requests``): the running engine computes it in its steps beside everyone's generation. A request whose
 reader goes away is cancelled in the engine, which frees its KV blocks.
 
-The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``PauseHolder`` holds it
-in a thread of its own until ``/resume``. New weights, from disk or streamed by a trainer, go through the service's
-``WeightUpdater`` (``weight_updates.py``), which shares the service's model lock and its ``abort``.
+The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``pause.ServerPause`` holds
+it in a thread of its own until ``/resume``, by vLLM's rules. New weights, from disk or streamed by a trainer, go
+through the service's ``WeightUpdater`` (``weight_updates.py``), which calls the service's ``abort``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 from collections import Counter
 from typing import Any
 
@@ -33,6 +32,7 @@ from rollout import (
 
 from .errors import APIError
 from .jobs import Job, ModelInfo, field_error
+from .pause import PAUSE_MODES, ServerPause
 from .responses import finish_reason
 from .submission import Submission
 from .weight_updates import TransferSettings, WeightUpdater
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 # Retry-After (seconds) of a 503 for a full queue.
 RETRY_AFTER_SECONDS = 1
-PAUSE_MODES = ("keep", "abort", "wait")
 
 
 def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) -> ModelInfo:
@@ -69,42 +68,6 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
         tokenizer=tokenizer,
         logprobs=manager.cb_config.return_logprobs,
     )
-
-
-class PauseHolder:
-    """Holds ``manager.pause()`` in a thread of its own between ``hold`` and ``release``.
-
-    Args:
-        manager: the manager to pause.
-    """
-
-    def __init__(self, manager: ContinuousBatchingManager) -> None:
-        self._manager = manager
-        self._thread: threading.Thread | None = None
-        self._release = threading.Event()
-
-    def hold(self) -> None:
-        """Enter the pause (blocking: returns once the step in progress has ended); a no-op when held."""
-        if self._thread is not None:
-            return
-        entered = threading.Event()
-        self._release.clear()
-
-        def run() -> None:
-            with self._manager.pause():
-                entered.set()
-                self._release.wait()
-
-        self._thread = threading.Thread(target=run, name="rollout-serve-pause", daemon=True)
-        self._thread.start()
-        entered.wait()
-
-    def release(self) -> None:
-        """Leave the pause (the loop steps again); a no-op when not held."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._release.set()
-            thread.join()
 
 
 # Sequences (prompts x n) one request may ask for when the queue is unbounded (--max-queue-size 0): each queued
@@ -140,10 +103,7 @@ class GenerationService:
         self._job_pending: dict[str, int] = {}  # a response's id -> how many of its requests have not ended
         self._idle = asyncio.Event()
         self._idle.set()
-        self._admit = asyncio.Event()  # cleared by pause(mode="wait"): new jobs wait before being queued
-        self._admit.set()
-        self._pause = PauseHolder(manager)
-        self._pause_mode: str | None = None
+        self._pause = ServerPause(manager)
         self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort)
 
     # ------------------------------------------------------------------ health
@@ -170,7 +130,7 @@ class GenerationService:
                 engine refused (a request that can never fit the KV cache: ``max_tokens``; a sampling value that
                 ``--per-request-processors false`` fixes); 500 when the engine failed. Nothing is queued then.
         """
-        await self._admit.wait()
+        await self._pause.admit.wait()
         if not self.accepting:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         if self.weights.state.partial is not None:
@@ -256,35 +216,31 @@ class GenerationService:
     # ------------------------------------------------------------------ control
     @property
     def paused(self) -> bool:
-        """True between ``pause`` and ``resume``."""
-        return self._pause_mode is not None
+        """True from ``pause`` until ``resume`` (a ``wait`` pause that still waits included)."""
+        return self._pause.paused
 
-    async def pause(self, mode: str) -> None:
-        """Pause generation.
+    async def pause(self, mode: str) -> bool:
+        """Pause generation (``pause.ServerPause``'s rules).
 
         Args:
             mode: ``keep``: in-flight requests stay frozen with their KV; ``abort``: they end now with finish
                 reason ``abort`` and their partial tokens; ``wait``: returns once they have finished, new
-                ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``.
+                ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``. On a paused
+                server ``keep`` and ``wait`` return at once.
+
+        Returns:
+            True once paused; False when a ``resume`` cancelled a ``wait`` that still waited.
 
         Raises:
             APIError: 400 for another mode.
         """
         if mode not in PAUSE_MODES:
             raise APIError(400, f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        self._pause_mode = mode
-        if mode == "wait":
-            self._admit.clear()
-            await self._idle.wait()
-        elif mode == "abort":
-            self.abort()
-        await asyncio.to_thread(self._pause.hold)
+        return await self._pause.pause(mode, self._idle, self.abort)
 
     async def resume(self) -> None:
-        """End the pause: the engine steps again and waiting requests are queued."""
-        await asyncio.to_thread(self._pause.release)
-        self._pause_mode = None
-        self._admit.set()
+        """End the pause (or cancel a pending ``wait``): the engine steps again and held-back requests are queued."""
+        await self._pause.resume()
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (blocks of running requests stay theirs)."""
@@ -297,14 +253,14 @@ class GenerationService:
         Safe to call from a signal handler in the event loop's thread.
         """
         self.accepting = False
-        self._admit.set()  # jobs waiting on a pause(wait) get their 503
+        self._pause.admit.set()  # jobs waiting on a pause(wait) get their 503
         if abort:
             self.abort()
 
     def shutdown(self, timeout: float) -> None:
         """End the pause, stop the manager (finishing its requests, at most ``timeout`` seconds) and destroy it."""
         self.accepting = False
-        self._pause.release()
+        self._pause.release_at_shutdown()
         self.weights.close_group()
         self.manager.stop(block=True, timeout=timeout)
         if self.manager.is_running():
