@@ -132,6 +132,45 @@ def test_a_paused_request_keeps_its_kv_and_continues_under_the_new_weights() -> 
         assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
 
 
+@pytest.mark.parametrize(
+    ("how", "mode"),
+    [("reset_running_requests", "atomic"), ("start_weight_update", "atomic"), ("start_weight_update", "in_place")],
+)
+def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_weights(how: str, mode: str) -> None:
+    """vLLM's flow: pause keep, ``/reset_prefix_cache?reset_running_requests=true``, the streamed update, resume (or
+    the update's own ``recompute``). From the switch on, the request's logprobs are those of a forward of the new
+    model over everything it holds (its KV was recomputed), and its versions say where the switch is. The flag used
+    to be answered 200 and ignored: the request went on over its old KV (up to 7 nats off)."""
+    trained = tiny_llama(seed=1)
+    with server(mode) as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        client.init_weight_transfer()
+        answer: dict = {}
+        body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
+        caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
+        caller.start()
+        wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+        client.pause("keep")
+        if how == "reset_running_requests":
+            reset = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=30)
+            assert reset.json() == {"success": True}
+        client.send_weights(trained.named_parameters(), recompute=how == "start_weight_update")
+        client.resume()
+        caller.join(60)
+    choice = answer["r"]["choices"][0]
+    ids, logprobs, versions = choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["weight_versions"]
+    k = versions.index(1)
+    assert 0 < k < len(ids) == 200 and versions == [0] * k + [1] * (200 - k)
+    assert ids[k:] == reference_greedy(trained, PROMPT + ids[:k], 200 - k, None)
+    assert_close(logprobs[k:], teacher_forced_logprobs(trained, PROMPT + ids[:k], ids[k:]), 1e-4)
+
+
+def test_a_control_route_refuses_a_query_parameter_it_does_not_honour() -> None:
+    with server() as srv:
+        response = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_all": "true"}, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "reset_all"
+        assert "reset_running_requests" in response.json()["error"]["message"]
+
+
 def test_a_bad_announcement_is_a_400_naming_the_field_before_any_byte() -> None:
     with server() as srv, RolloutClient(srv.url, timeout=30) as client:
         no_group = httpx.post(f"{srv.url}/update_weights", json={"update_info": update_info([])}, timeout=10)

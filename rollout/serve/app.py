@@ -92,6 +92,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         await authorized(request)
         if not settings.enable_control:
             raise APIError(404, f"{request.url.path} is a control route: start the server with --enable-control")
+        refuse_unknown_query(request)
 
     # ------------------------------------------------------------------ open routes
     @app.get("/health")
@@ -176,8 +177,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     # ------------------------------------------------------------------ control
     @app.post("/pause", dependencies=[Depends(control)])
-    async def pause(mode: str = "keep") -> dict[str, Any]:
-        paused = await service.pause(mode)
+    async def pause(mode: str = "keep", clear_cache: bool = False) -> dict[str, Any]:
+        paused = await service.pause(mode, clear_cache)
         return {"status": "paused" if paused else "cancelled", "mode": mode}  # cancelled: a /resume came first
 
     @app.post("/resume", dependencies=[Depends(control)])
@@ -190,8 +191,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         return {"is_paused": service.paused}
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(control)])
-    async def reset_prefix_cache() -> dict[str, bool]:
-        await service.reset_prefix_cache()
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> dict[str, bool]:
+        await service.reset_prefix_cache(reset_running_requests)
         return {"success": True}
 
     @app.post("/abort_requests", dependencies=[Depends(control)])
@@ -216,7 +217,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )
-        service.weights.start_weight_update()
+        service.weights.start_weight_update(body.recompute if body is not None else False)
         return {"success": True}
 
     @app.post("/update_weights", dependencies=[Depends(control)])
@@ -242,6 +243,23 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         return {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": info.max_model_len}}}
 
     return app
+
+
+def refuse_unknown_query(request: Request) -> None:
+    """Refuse a query parameter the matched route does not declare (FastAPI ignores them): a control call's flag that
+    is not honoured must not be answered 200 (``?reset_running_requests=true`` was, before it was supported).
+
+    Raises:
+        APIError: 400 naming the first unknown parameter and the route's own.
+    """
+    route = request.scope.get("route")
+    known = {p.alias for p in getattr(getattr(route, "dependant", None), "query_params", [])}
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise APIError(
+            400, f"{unknown[0]}: not a parameter of {request.url.path} (its parameters: {allowed})", unknown[0]
+        )
 
 
 async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:

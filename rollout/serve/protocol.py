@@ -331,9 +331,15 @@ class InitWeightTransferRequest(_Body):
 
 class StartWeightUpdateRequest(_Body):
     """``POST /start_weight_update`` (vLLM's body; ``is_checkpoint_format`` must be true: rollout loads tensors
-    named as ``model.named_parameters()``, which is the checkpoint's format for transformers models)."""
+    named as ``model.named_parameters()``, which is the checkpoint's format for transformers models).
+
+    Attributes:
+        recompute: rollout's, as on ``/update_weights_from_disk``: when the update takes effect, in-flight requests
+            drop their KV and are re-prefilled under the new weights (AReaL's); false keeps it (PipelineRL's).
+    """
 
     is_checkpoint_format: bool = True
+    recompute: bool = False
 
 
 class UpdateInfo(_Body):

@@ -219,7 +219,7 @@ class GenerationService:
         """True from ``pause`` until ``resume`` (a ``wait`` pause that still waits included)."""
         return self._pause.paused
 
-    async def pause(self, mode: str) -> bool:
+    async def pause(self, mode: str, clear_cache: bool = False) -> bool:
         """Pause generation (``pause.ServerPause``'s rules).
 
         Args:
@@ -227,6 +227,10 @@ class GenerationService:
                 reason ``abort`` and their partial tokens; ``wait``: returns once they have finished, new
                 ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``. On a paused
                 server ``keep`` and ``wait`` return at once.
+            clear_cache: vLLM's flag (whose default is true there): once paused, forget the prefix cache and the
+                KV of the requests ``keep`` froze, which are re-prefilled at ``resume`` under the weights of then
+                (``reset_prefix_cache(reset_running_requests=True)``). False keeps both (PipelineRL's in-flight
+                update).
 
         Returns:
             True once paused; False when a ``resume`` cancelled a ``wait`` that still waited.
@@ -236,15 +240,20 @@ class GenerationService:
         """
         if mode not in PAUSE_MODES:
             raise APIError(400, f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        return await self._pause.pause(mode, self._idle, self.abort)
+        paused = await self._pause.pause(mode, self._idle, self.abort)
+        if paused and clear_cache:
+            await self.reset_prefix_cache(reset_running_requests=True)
+        return paused
 
     async def resume(self) -> None:
         """End the pause (or cancel a pending ``wait``): the engine steps again and held-back requests are queued."""
         await self._pause.resume()
 
-    async def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (blocks of running requests stay theirs)."""
-        await asyncio.to_thread(self.manager.reset_prefix_cache)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Forget every cached prefix block; with ``reset_running_requests`` (vLLM's flag) drop the KV of every
+        in-flight request too, which is re-prefilled when the engine steps again (after a ``resume``, under the
+        weights of then). Otherwise blocks of running requests stay theirs."""
+        await asyncio.to_thread(self.manager.reset_prefix_cache, reset_running_requests)
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self, abort: bool) -> None:

@@ -61,6 +61,7 @@ class TransferState:
         group: the joined group, or None (never initialised, or closed after a failure).
         packed: ``init_info.packed``, the default of ``update_info.packed``.
         updating: between ``/start_weight_update`` and ``/finish_weight_update``.
+        recompute: the open update re-prefills in-flight requests when it takes effect.
         receiving: an ``/update_weights`` call is receiving now.
         staged: atomic mode: the (name, tensor) pairs received since the update started.
         partial: in-place mode: why the live weights are a mix of two versions, or None.
@@ -71,6 +72,7 @@ class TransferState:
     group: TransferGroup | None = None
     packed: bool = False
     updating: bool = False
+    recompute: bool = False
     receiving: bool = False
     staged: list[tuple[str, torch.Tensor]] | None = None
     partial: str | None = None
@@ -208,8 +210,12 @@ class WeightUpdater:
             )
         return self.state.group
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, recompute: bool = False) -> None:
         """Open an update: the tensors of the next ``/update_weights`` calls form one new weight version.
+
+        Args:
+            recompute: when the update takes effect (atomic: at ``finish``; in place: at each ``/update_weights``),
+                in-flight requests drop their KV and are re-prefilled under the new weights.
 
         Raises:
             APIError: 400 without a group; 409 while a transfer receives.
@@ -218,6 +224,7 @@ class WeightUpdater:
         if self.state.receiving:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         self.state.updating = True
+        self.state.recompute = recompute
         self.state.staged = []
 
     def _check_update(self, info: UpdateInfo) -> list[TensorMeta]:
@@ -291,7 +298,7 @@ class WeightUpdater:
                         self._abort()  # before the pause ends: no token is sampled from a mix of two versions
                     raise
                 # Recorded before the pause ends, or the loop would notice the change and bump on its own.
-                self.manager.update_weights(None)
+                self.manager.update_weights(None, recompute=t.recompute)
                 return received
 
         try:
@@ -333,7 +340,7 @@ class WeightUpdater:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         if not t.updating:
             raise APIError(400, "no weight update is open: call /start_weight_update first")
-        staged = t.staged
+        staged, recompute = t.staged, t.recompute
         t.updating, t.staged = False, None
         if self.settings.mode == "in_place":  # each /update_weights recorded its copy: a new version
             t.partial = None
@@ -341,6 +348,6 @@ class WeightUpdater:
 
         def run() -> int:
             with self._model_lock:
-                return self.manager.update_weights(staged)
+                return self.manager.update_weights(staged, recompute=recompute)
 
         return await asyncio.to_thread(run)
