@@ -196,13 +196,14 @@ def test_prompt_logprobs_are_scored_by_the_running_engine_while_another_stream_f
     (streaming,) = srv.manager.engine.requests.values()
     prompt = random_prompts(1, seed=17, min_len=300, max_len=300)[0]
     before = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
-    choice = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}).json()["choices"][0]
+    scored = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0})
     after = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
     reader.join(120)
     assert not pauses
     assert before[0] < after[0] < 450  # the stream decoded in the steps that scored the prompt, and went on
     assert after[1] - before[1] >= len(prompt)  # the running engine computed the scored prompt
-    got = [entry[str(tok)]["logprob"] for entry, tok in zip(choice["prompt_logprobs"][1:], prompt[1:])]
+    entries = scored.json()["choices"][0]["prompt_logprobs"]
+    got = [entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], prompt[1:])]
     assert_close(got, score(model, [prompt], [[]], include_prompt=True)[0].prompt_logprobs, atol=1e-4)
     assert result["ids"] == reference_greedy(model, [5, 6, 7], 450, None)
 

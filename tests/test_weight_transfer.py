@@ -134,7 +134,12 @@ def test_a_paused_request_keeps_its_kv_and_continues_under_the_new_weights() -> 
 
 @pytest.mark.parametrize(
     ("how", "mode"),
-    [("reset_running_requests", "atomic"), ("start_weight_update", "atomic"), ("start_weight_update", "in_place")],
+    [
+        ("reset_running_requests", "atomic"),
+        ("pause_clear_cache", "atomic"),
+        ("start_weight_update", "atomic"),
+        ("start_weight_update", "in_place"),
+    ],
 )
 def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_weights(how: str, mode: str) -> None:
     """vLLM's flow: pause keep, ``/reset_prefix_cache?reset_running_requests=true``, the streamed update, resume (or
@@ -149,7 +154,11 @@ def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_we
         caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
         caller.start()
         wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
-        client.pause("keep")
+        if how == "pause_clear_cache":  # vLLM's pause flag (its default there)
+            paused = httpx.post(f"{srv.url}/pause", params={"mode": "keep", "clear_cache": "true"}, timeout=30)
+            assert paused.json() == {"status": "paused", "mode": "keep"}
+        else:
+            client.pause("keep")
         if how == "reset_running_requests":
             reset = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=30)
             assert reset.json() == {"success": True}
