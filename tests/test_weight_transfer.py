@@ -173,6 +173,44 @@ def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_we
     assert_close(logprobs[k:], teacher_forced_logprobs(trained, PROMPT + ids[:k], ids[k:]), 1e-4)
 
 
+def test_an_in_place_sync_holds_a_new_request_until_resume_and_health_stays_ok() -> None:
+    """TRL's worker keeps sending during syncs: under /pause?mode=keep a completion sent while a successful in-place
+    update streams in waits for /resume and completes under the new weights, as in atomic mode (it used to get 503
+    "the weights are partial", and /health 503 throughout). 503 is for a transfer that failed part way (below)."""
+    trained = tiny_llama(seed=1)
+    pairs = [(n, p.detach()) for n, p in trained.named_parameters()]
+    gate = threading.Event()
+
+    def held_mid_way() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, pair in enumerate(pairs):
+            if i == 8:
+                gate.wait(60)
+            yield pair
+
+    with server("in_place") as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        client.init_weight_transfer()
+        client.pause("keep")
+        sent: dict = {}
+        sender = threading.Thread(target=lambda: sent.update(v=client.send_weights(held_mid_way(), describe(pairs))))
+        sender.start()
+        wait_until(lambda: status(srv)["tensors_received"] > 0)  # buckets are in the live weights
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+        answer: dict = {}
+        body = {**GREEDY, "ignore_eos": True}
+        caller = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{srv.url}/v1/completions", json=body)))
+        caller.start()
+        time.sleep(0.5)
+        assert "r" not in answer  # waiting, not refused
+        gate.set()
+        sender.join(60)
+        assert sent["v"] == 1 and "r" not in answer and status(srv)["weights"] == "complete"
+        client.resume()
+        caller.join(60)
+    choice = answer["r"].json()["choices"][0]
+    assert choice["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+    assert choice["weight_versions"] == [1] * 8
+
+
 def test_a_control_route_refuses_a_query_parameter_it_does_not_honour() -> None:
     with server() as srv:
         response = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_all": "true"}, timeout=10)

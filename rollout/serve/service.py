@@ -131,10 +131,10 @@ class GenerationService:
                 ``--per-request-processors false`` fixes); 500 when the engine failed. Nothing is queued then.
         """
         await self._pause.admit.wait()
+        await self.weights.until_no_copy()
         if not self.accepting:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        if self.weights.state.partial is not None:
-            raise APIError(503, self.weights.state.partial)
+        self._refuse_on_partial_weights()
         queue_limit = self.manager.cb_config.max_queue_size
         limit = queue_limit or MAX_SEQUENCES_PER_JOB
         if job.num_choices > limit:  # it would never fit: a 503 would invite endless retries
@@ -165,7 +165,17 @@ class GenerationService:
             self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
         for index, rid in enumerate(score_ids):
             self.manager.register_result_handler(rid, functools.partial(submission.deliver_score, index))
+        try:  # a transfer that failed meanwhile aborted what was in flight before this job was: refuse it too
+            self._refuse_on_partial_weights()
+        except APIError:
+            submission.close()
+            raise
         return submission
+
+    def _refuse_on_partial_weights(self) -> None:
+        """Raise a 503 while an in-place transfer that failed part way left the weights partial."""
+        if self.weights.state.partial is not None:
+            raise APIError(503, self.weights.state.partial)
 
     def _add_scoring(self, job: Job, queued: list[str]) -> list[str]:
         """Queue the scoring request of each of the job's prompts when it shows their logprobs; on a refusal the

@@ -31,6 +31,11 @@ from .protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
 
+# What /health and generation answer (503) while the live weights mix two versions.
+PARTIAL_WEIGHTS = (
+    "the weights are partial: a weight transfer copied some tensors and did not finish; "
+    "send a complete update (/start_weight_update, /update_weights, /finish_weight_update)"
+)
 # The ``update_info`` list that announces each attribute ``plan_weight_copy`` compares (its ``FieldError.field``).
 UPDATE_INFO_FIELDS = {"shape": "update_info.shapes", "dtype": "update_info.dtype_names"}
 
@@ -44,8 +49,9 @@ class TransferSettings:
             one pause, so a failed transfer leaves the weights as they were (memory: one more copy of the
             tensors sent); ``in_place``: each bucket is copied into the live weights as it arrives, under a
             pause held for the whole ``/update_weights`` call, which makes a new weight version (memory: one
-            bucket; generation stops while it receives), so a failed transfer leaves partial weights, which the
-            server then reports (``/health`` 503, generation 503) until a complete update.
+            bucket; generation stops while it receives, and requests sent meanwhile wait, as under any pause),
+            so a failed transfer leaves partial weights, which the server then reports (``/health`` 503,
+            generation 503) until a complete update.
         timeout: seconds the rendezvous and each broadcast may wait for the trainer before failing.
     """
 
@@ -106,6 +112,9 @@ class WeightUpdater:
         self.settings = settings
         self.state = TransferState()
         self._model_lock = threading.Lock()  # one weight copy at a time
+        self._copies = 0  # copies into the live weights under way
+        self._no_copy = asyncio.Event()  # set while none is
+        self._no_copy.set()
         self._abort = abort
 
     async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
@@ -137,10 +146,30 @@ class WeightUpdater:
                 return self.manager.update_weights(tensors, recompute=recompute)
 
         try:
-            return await asyncio.to_thread(run)
+            return await self._copying(run)
         except (KeyError, ValueError, TypeError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             raise APIError(400, f"model_path: {message}", "model_path") from e
+
+    async def until_no_copy(self) -> None:
+        """Return once no copy into the live weights is under way.
+
+        The service queues new requests only then: the manager records weights changed by hand when a request is
+        added, and would record a half-copied model as a weight version of its own (an in-place transfer made two
+        versions when a request came in the middle). The copies run under a pause, so the wait costs no step.
+        """
+        await self._no_copy.wait()
+
+    async def _copying(self, run: Callable[[], Any]) -> Any:
+        """Run ``run`` (a copy into the live weights) in a thread; ``until_no_copy`` waits meanwhile."""
+        self._copies += 1
+        self._no_copy.clear()
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self._copies -= 1
+            if not self._copies:
+                self._no_copy.set()
 
     def weights_dtype(self) -> str:
         """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
@@ -280,20 +309,23 @@ class WeightUpdater:
             assert t.staged is not None
             t.staged.extend(pairs)
 
+        copied: list[int] = []  # buckets this call copied into the live weights
+
         def copy(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            t.partial = (
-                "the weights are partial: a weight transfer copied some tensors and did not finish; "
-                "send a complete update (/start_weight_update, /update_weights, /finish_weight_update)"
-            )
+            copied.append(len(pairs))
             copy_weights(plan_weight_copy(self.manager.model, pairs))
 
         def run() -> int:
             if not in_place:
                 return receive(group, metas, stage, bucket_bytes, packed, progress)
+            # A transfer that succeeds is invisible to clients: requests sent meanwhile wait for this pause (and the
+            # client's) like any paused request; only one that fails after a copy leaves partial weights.
             with self._model_lock, self.manager.pause():
                 try:
                     received = receive(group, metas, copy, bucket_bytes, packed, progress)
                 except Exception:
+                    if copied:
+                        t.partial = PARTIAL_WEIGHTS
                     if t.partial is not None:
                         self._abort()  # before the pause ends: no token is sampled from a mix of two versions
                     raise
@@ -302,7 +334,7 @@ class WeightUpdater:
                 return received
 
         try:
-            t.bytes_received = await asyncio.to_thread(run)
+            t.bytes_received = await (self._copying(run) if in_place else asyncio.to_thread(run))
         except Exception as e:
             self.close_group()
             t.updating, t.staged = False, None
@@ -350,4 +382,4 @@ class WeightUpdater:
             with self._model_lock:
                 return self.manager.update_weights(staged, recompute=recompute)
 
-        return await asyncio.to_thread(run)
+        return await self._copying(run)
