@@ -327,6 +327,29 @@ def test_a_wait_pause_on_a_server_paused_with_keep_returns_at_once(srv: RunningS
     assert result["ids"] == reference_greedy(model, [5, 6, 7], 120, None)
 
 
+def test_get_load_counts_requests_waiting_or_running_and_server_info_has_the_parallel_layout(
+    srv: RunningServer,
+) -> None:
+    """What vllm-router's power_of_two policy polls (``{"load": n}``) and what TRL reads of /server_info."""
+    assert httpx.get(f"{srv.url}/get_load").json() == {"load": 0}
+    _post(srv, "/pause", params={"mode": "keep"}).raise_for_status()
+    answer: dict = {}
+    body = {"prompt": [[5, 6], [7, 8]], "max_tokens": 3, "n": 2}
+    caller = threading.Thread(target=lambda: answer.update(r=_post(srv, "/v1/completions", body)))
+    try:
+        caller.start()
+        wait_until(lambda: httpx.get(f"{srv.url}/get_load").json() == {"load": 4})  # 2 prompts x n=2, held
+    finally:
+        _post(srv, "/resume").raise_for_status()
+    caller.join(60)
+    assert len(answer["r"].json()["choices"]) == 4
+    assert httpx.get(f"{srv.url}/get_load").json() == {"load": 0}
+    config = httpx.get(f"{srv.url}/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert config["parallel_config"]["data_parallel_size"] == 1 and config["lora_config"] is None
+    assert config["model_config"]["dtype"] == "torch.float32"
+    assert config["weight_transfer_config"] == {"backend": "gloo"}
+
+
 def test_trl_vllm_client_health_models_pause_and_resume(srv: RunningServer) -> None:
     from accelerate import PartialState
     from trl.experimental.async_grpo.vllm_client import VLLMClient

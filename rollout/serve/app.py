@@ -26,20 +26,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import rollout
 
 from . import jobs, metrics, responses
-from .errors import APIError, bad_request, install_handlers, sse_error
+from .errors import APIError, install_handlers, sse_error
 from .jobs import Job
-from .protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    InitWeightTransferRequest,
-    StartWeightUpdateRequest,
-    UpdateWeightsFromTrainerRequest,
-    UpdateWeightsRequest,
-)
+from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceView
 from .service import GenerationService
 from .submission import Submission
+from .weight_routes import weight_router
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +103,11 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def metrics_page() -> Response:
         text = metrics.render(service.manager, info.name, dict(service.finished))
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, int]:
+        # What vllm-router's power_of_two policy polls: requests waiting plus running (SGLang's route).
+        return {"load": service.load}
 
     # ------------------------------------------------------------------ /v1
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -199,49 +197,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def abort_requests(body: AbortRequest | None = None) -> dict[str, int]:
         return {"num_aborted": service.abort(body.request_ids if body is not None else None)}
 
-    @app.post("/update_weights_from_disk", dependencies=[Depends(control)])
-    async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
-        version = await service.weights.update_weights_from_disk(body.model_path, body.recompute)
-        return {"success": True, "weight_version": version}
-
-    # vLLM's weight transfer from a trainer: init once, then start, update (one or more), finish per version.
-    @app.post("/init_weight_transfer_engine", dependencies=[Depends(control)])
-    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
-        await service.weights.init_weight_transfer(body.init_info)
-        return {"success": True}
-
-    @app.post("/start_weight_update", dependencies=[Depends(control)])
-    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, Any]:
-        if body is not None and not body.is_checkpoint_format:
-            raise bad_request(
-                "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
-                "is_checkpoint_format",
-            )
-        service.weights.start_weight_update(body.recompute if body is not None else False)
-        return {"success": True}
-
-    @app.post("/update_weights", dependencies=[Depends(control)])
-    async def update_weights(body: UpdateWeightsFromTrainerRequest) -> dict[str, Any]:
-        return {"success": True, **await service.weights.update_weights(body.update_info)}
-
-    @app.post("/finish_weight_update", dependencies=[Depends(control)])
-    async def finish_weight_update() -> dict[str, Any]:
-        return {"success": True, "weight_version": await service.weights.finish_weight_update()}
-
-    @app.get("/weight_transfer", dependencies=[Depends(control)])
-    async def weight_transfer() -> dict[str, Any]:
-        return service.weights.transfer_status()
-
-    @app.get("/get_world_size", dependencies=[Depends(control)])
-    async def get_world_size() -> dict[str, int]:
-        return {"world_size": 1}  # the workers that join a transfer group: this server has one
-
-    @app.get("/server_info", dependencies=[Depends(control)])
-    async def server_info() -> dict[str, Any]:
-        # The part of vLLM's /server_info that TRL's VLLMClient reads (get_dtype): the weights' dtype.
-        dtype = service.weights.weights_dtype()
-        return {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": info.max_model_len}}}
-
+    app.include_router(weight_router(service, control))
     return app
 
 

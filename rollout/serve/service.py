@@ -106,6 +106,11 @@ class GenerationService:
         self._pause = ServerPause(manager)
         self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort)
 
+    @property
+    def load(self) -> int:
+        """Requests waiting or running: every engine request of the jobs in flight (choices and prompt scores)."""
+        return len(self._in_flight)
+
     # ------------------------------------------------------------------ health
     @property
     def error(self) -> str | None:

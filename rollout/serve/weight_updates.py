@@ -171,6 +171,10 @@ class WeightUpdater:
             if not self._copies:
                 self._no_copy.set()
 
+    def backend(self) -> str:
+        """The transfer group's torch.distributed backend: ``nccl`` for a CUDA model, ``gloo`` otherwise."""
+        return "nccl" if next(self.manager.model.parameters()).device.type == "cuda" else "gloo"
+
     def weights_dtype(self) -> str:
         """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
         return str(next(self.manager.model.parameters()).dtype)
