@@ -595,6 +595,21 @@ def test_malformed_json_answers_422(srv: RunningServer) -> None:
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_json_body_without_content_type_is_read_as_json_and_a_form_type_is_named(
+    srv: RunningServer, model: torch.nn.Module
+) -> None:
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": True}).encode()
+    bare = httpx.post(f"{srv.url}/v1/completions", content=body, timeout=60)  # httpx sends no Content-Type
+    assert "content-type" not in bare.request.headers
+    assert bare.status_code == 200, bare.text
+    assert bare.json()["choices"][0]["token_ids"] == reference_greedy(model, [5, 6, 7], 4, EOS_TOKEN_ID)
+    form = httpx.post(  # what `curl -d` sends
+        f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert form.status_code == 415 and form.json()["error"]["param"] == "Content-Type"
+    assert "application/json" in form.json()["error"]["message"]
+
+
 def test_openai_client_raises_bad_request_with_the_message(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL, prompt=[5], top_p=2.0)

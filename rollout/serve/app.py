@@ -68,7 +68,10 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         yield
         await asyncio.to_thread(service.shutdown, settings.shutdown_timeout)
 
-    app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan)
+    # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON, as vLLM reads it (FastAPI
+    # >= 0.132 refuses it); one whose Content-Type is not JSON (curl -d's form-urlencoded) is a 415 saying so: a
+    # browser page cannot post one cross-site without the header, which keeps a key-less local server out of reach.
+    app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan, strict_content_type=False)
     app.state.service = service
     install_handlers(app)
     info = service.info
