@@ -69,8 +69,8 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(service.shutdown, settings.shutdown_timeout)
 
     # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON, as vLLM reads it (FastAPI
-    # >= 0.132 refuses it); one whose Content-Type is not JSON (curl -d's form-urlencoded) is a 415 saying so: a
-    # browser page cannot post one cross-site without the header, which keeps a key-less local server out of reach.
+    # >= 0.132 refuses it, against requests a web page can send cross-site without a preflight: --api-key guards
+    # against those); one whose Content-Type is not JSON (curl -d's form-urlencoded) is a 415 saying so.
     app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan, strict_content_type=False)
     app.state.service = service
     install_handlers(app)
