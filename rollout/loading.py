@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.distributed import DistributedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ def load_model(
         device: where to put the model (ignored with ``tp_plan``: each rank's shard goes to the device
             transformers picks for it, ``cuda:LOCAL_RANK`` or the CPU).
         tp_plan: ``"auto"`` (or a plan dict) shards the weights over the processes of the ``torchrun``
-            launch by tensor parallelism, through ``from_pretrained(tp_plan=...)``; every rank must
+            launch by tensor parallelism, through ``from_pretrained(distributed_config=DistributedConfig(
+            tp_plan=...))`` (transformers' current form; ``tp_plan=`` itself is deprecated); every rank must
             call this. None loads the whole model in this process.
 
     Returns:
@@ -168,7 +170,8 @@ def load_model(
         if tp_plan is None:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan=tp_plan)
+            distributed = DistributedConfig(tp_plan=tp_plan)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, distributed_config=distributed)
     except OSError as e:
         raise OSError(
             f"cannot load {name_or_path!r}: pass a local Hugging Face model folder, or "
