@@ -114,16 +114,23 @@ def test_streamed_weights_give_the_senders_greedy_tokens_and_logprobs(mode: str)
         assert greedy(srv)["token_ids"] == before["token_ids"]
 
 
+def _in_flight_greedy(srv: RunningServer, client: RolloutClient) -> tuple[threading.Thread, dict]:
+    """A 200-token greedy request of ``client`` in a thread, once it has sampled a few tokens; its answer lands in
+    the dict's ``r``."""
+    answer: dict = {}
+    body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
+    caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
+    caller.start()
+    wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+    return caller, answer
+
+
 def test_a_paused_request_keeps_its_kv_and_continues_under_the_new_weights() -> None:
     """TRL's order: pause(keep), send, resume; the request in flight reports both weight versions."""
     trained = tiny_llama(seed=1)
     with server() as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
         client.init_weight_transfer()
-        answer: dict = {}
-        body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
-        caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
-        caller.start()
-        wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+        caller, answer = _in_flight_greedy(srv, client)
         client.pause("keep")
         client.send_weights(trained.named_parameters())
         client.resume()
@@ -149,11 +156,7 @@ def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_we
     trained = tiny_llama(seed=1)
     with server(mode) as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
         client.init_weight_transfer()
-        answer: dict = {}
-        body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
-        caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
-        caller.start()
-        wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+        caller, answer = _in_flight_greedy(srv, client)
         if how == "pause_clear_cache":  # vLLM's pause flag (its default there)
             paused = httpx.post(f"{srv.url}/pause", params={"mode": "keep", "clear_cache": "true"}, timeout=30)
             assert paused.json() == {"status": "paused", "mode": "keep"}
