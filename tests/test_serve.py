@@ -437,6 +437,8 @@ def test_abort_requests_by_response_id(srv: RunningServer) -> None:
     caller = threading.Thread(target=lambda: answer.update(r=_post(srv, "/v1/completions", body)))
     caller.start()
     wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 0 and srv.manager.engine.requests)
+    twin = _post(srv, "/v1/completions", body)  # a second job cannot take the id of one in flight
+    assert twin.status_code == 400 and twin.json()["error"]["param"] == "request_id"
     assert _post(srv, "/abort_requests", {"request_ids": ["cmpl-to-abort"]}).json() == {"num_aborted": 1}
     caller.join(60)
     choice = answer["r"].json()["choices"][0]

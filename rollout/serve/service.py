@@ -70,6 +70,10 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
     )
 
 
+def _drop(out: GenerationOutput) -> None:
+    """The result handler of a request nobody reads."""
+
+
 # Sequences (prompts x n) one request may ask for when the queue is unbounded (--max-queue-size 0): each queued
 # sequence holds host memory (its request state and sampling rows), and one request with n = 1,000,000 had the
 # kernel kill the server for memory. A GRPO step of 256 prompts x 16 samples is 4,096.
@@ -140,6 +144,8 @@ class GenerationService:
         if not self.accepting:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self._refuse_on_partial_weights()
+        if job.request_id in self._jobs:  # the body's own request_id: two jobs cannot share their response's id
+            raise APIError(400, f"request_id: {job.request_id!r} is in flight already", "request_id")
         queue_limit = self.manager.cb_config.max_queue_size
         limit = queue_limit or MAX_SEQUENCES_PER_JOB
         if job.num_choices > limit:  # it would never fit: a 503 would invite endless retries
@@ -192,6 +198,7 @@ class GenerationService:
         except BaseException:
             for rid in queued:
                 self.manager.cancel_request(rid)
+                self.manager.register_result_handler(rid, _drop)  # nobody reads it: its result is not kept
             raise
 
     def _end_request(self, job_id: str, rid: str, out: GenerationOutput | None) -> None:
