@@ -5,7 +5,9 @@ A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``jo
 (``responses.py``), as one JSON body or as server-sent events. Errors are OpenAI's error body (``errors.py``).
 
 Every ``/v1`` and control route needs ``Authorization: Bearer KEY`` when the server has an API key; ``/health``,
-``/version`` and ``/metrics`` never do (as with vLLM). Control routes answer 404 unless ``--enable-control``.
+``/version``, ``/metrics`` and ``/get_load`` never do (as with vLLM; a router polls the last). Control routes answer
+404 unless ``--enable-control``, and 400 for a query parameter they do not declare. The weight routes are their own
+router (``weight_routes.py``).
 """
 
 from __future__ import annotations
