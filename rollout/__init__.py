@@ -2,6 +2,7 @@
 
 from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
 from .cache_sizing import num_blocks_for_model, usable_memory_bytes
+from .checks import FieldError
 from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
@@ -18,6 +19,7 @@ __all__ = [
     "is_attached",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
+    "FieldError",
     "QueueFullError",
     "continuous_batching_context_manager",
     "init_continuous_batching",

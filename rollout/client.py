@@ -231,6 +231,7 @@ class RolloutClient:
         named_tensors: NamedTensors,
         metas: Sequence[TensorMeta] | None = None,
         packed: bool = True,
+        recompute: bool = False,
     ) -> int:
         """Stream tensors into the server's live weights as one new weight version.
 
@@ -245,6 +246,8 @@ class RolloutClient:
             metas: the names, dtypes and shapes of what ``named_tensors`` yields (``weight_transfer.describe``);
                 None reads them from ``named_tensors`` (materialised as a list of references, no copy).
             packed: buckets of ``bucket_bytes`` (True) or one broadcast per tensor.
+            recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
+                under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
 
         Returns:
             The server's new weight version.
@@ -264,7 +267,8 @@ class RolloutClient:
         assert self.group is not None
         group = self.group
         t0 = time.perf_counter()
-        self._call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+        start = {"is_checkpoint_format": True, **({"recompute": True} if recompute else {})}  # vLLM's body without it
+        self._call("POST", "/start_weight_update", json=start)
         result: dict[str, Any] = {}
 
         def broadcast() -> None:

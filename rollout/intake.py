@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import is_int, token_ids
+from .checks import FieldError, check_int, is_int, token_ids
 from .engine import Engine
 from .outputs import OutputRouter, ended_output
 from .requests import Request, RequestStatus
@@ -78,7 +78,12 @@ def request_params(
 
 
 def check_fits(
-    engine: Engine | None, request_id: str | None, prompt: list[int], params: SamplingParams, name: str
+    engine: Engine | None,
+    request_id: str | None,
+    prompt: list[int],
+    params: SamplingParams,
+    name: str,
+    scoring: bool = False,
 ) -> None:
     """Raise ValueError (naming the argument) when the request can never fit the engine's cache.
 
@@ -88,15 +93,19 @@ def check_fits(
         prompt: the checked prompt token ids.
         params: the request's sampling parameters (``max_new_tokens`` counts).
         name: how the message names the argument (``"input_ids"``, ``"inputs[3]"``).
+        scoring: a scoring request (it generates nothing: the prompt alone must fit).
 
     Raises:
-        ValueError: ``Engine.check_request``'s message, prefixed with ``name``.
+        FieldError: ``Engine.check_request``'s message, prefixed with ``name``; its ``field`` is ``name`` when the
+            prompt alone cannot fit, else the field at fault (``max_new_tokens``, ``num_top_logprobs``).
         RuntimeError: there is no engine (the manager was destroyed).
     """
     if engine is None:
         raise RuntimeError("the manager was destroyed and accepts no request")
     try:
-        engine.check_request(request_id, len(prompt), params)
+        engine.check_request(request_id, len(prompt), params, scoring)
+    except FieldError as e:
+        raise FieldError(name if e.field == "input_ids" else e.field, f"{name}: {e}") from e
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
 
@@ -152,6 +161,25 @@ def checked_batch(
     return [items[i] for i in order], order
 
 
+def checked_scoring_batch(engine: Engine | None, inputs: Sequence[Any], score_from: int, vocab_size: int) -> list[Item]:
+    """Scoring requests for the inbox: every prompt checked, and ``score_from`` against each.
+
+    Raises:
+        FieldError: a bad prompt or one that can never fit (``inputs[i]``), or ``score_from`` outside
+            ``[1, len(prompt)]``.
+        RuntimeError: there is no engine (the manager was destroyed).
+    """
+    params = SamplingParams(max_new_tokens=1)  # nothing is sampled; the fit check counts the prompt alone
+    items: list[Item] = []
+    for i, prompt_ids in enumerate(inputs):
+        name = f"inputs[{i}]"
+        prompt = token_ids(prompt_ids, name, vocab_size)
+        check_int("score_from", score_from, minimum=1, maximum=len(prompt))
+        check_fits(engine, None, prompt, params, name, scoring=True)
+        items.append((None, prompt, params))
+    return items
+
+
 @dataclass
 class _Cancel:
     request_id: str
@@ -204,12 +232,16 @@ class Inbox:
         timeout: float | None,
         still_open: Callable[[], bool],
         refuse_wait: str | None = None,
+        score_from: int | None = None,
+        score_temperature: float = 1.0,
     ) -> list[str]:
         """Queue checked requests in order and open their result handles.
 
         Args:
             items: (request id or None for ``req_<n>``, prompt token ids, sampling parameters).
             streaming, record_timestamps: as for ``add_request``.
+            score_from, score_temperature: make every request a scoring request (``Request.score_from``); None for
+                generation requests.
             block: wait for queue room (request by request) instead of refusing the batch.
             timeout: most seconds to wait with ``block``; None waits for ever.
             still_open: False once the manager stopped; a waiting caller then gives up.
@@ -250,7 +282,7 @@ class Inbox:
                         raise RuntimeError("the manager stopped while add_request waited for room")
                 rid = rid if rid is not None else self._new_id()
                 self._outputs.open(rid, streaming)
-                self._items.append(Request(rid, prompt, params, record_timestamps))
+                self._items.append(Request(rid, prompt, params, record_timestamps, score_from, score_temperature))
                 self._num_requests += 1
                 ids.append(rid)
             self._cond.notify_all()

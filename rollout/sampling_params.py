@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from .checks import check_bool, check_int, check_number, is_int, is_number
+from .checks import FieldError, check_bool, check_int, check_number, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class SamplingParams:
             ``ContinuousBatchingConfig(return_logprobs=True)``. 0 costs nothing.
 
     Raises:
-        ValueError: a value out of its range; the message starts with the field's name.
+        FieldError: a value out of its range; ``field`` names the field, and the message starts with it.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -214,7 +214,7 @@ class SamplingParams:
         return table
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field when a value is out of its allowed range.
+        """Raise FieldError naming the field when a value is out of its allowed range.
 
         Construction already runs this without a vocabulary; pass ``vocab_size`` to also bound
         the end-of-sequence ids (or call ``check_vocab``).
@@ -234,11 +234,11 @@ class SamplingParams:
         for name in ("stop_strings", "stop"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
-                raise ValueError(f"{name} must be a non-empty str or a list of non-empty str, got {value!r}")
+                raise FieldError(name, f"{name} must be a non-empty str or a list of non-empty str, got {value!r}")
         self.check_vocab(vocab_size)
 
     def check_vocab(self, vocab_size: int | None) -> None:
-        """Raise ValueError unless every end-of-sequence and bad-word id lies in ``[0, vocab_size)``.
+        """Raise FieldError unless every end-of-sequence and bad-word id lies in ``[0, vocab_size)``.
 
         With ``vocab_size`` None only the lower bound (and the type) is checked.
         """
@@ -249,15 +249,17 @@ class SamplingParams:
         bound = vocab_size if vocab_size is not None else "vocab_size"
         eos = self.eos_token_ids
         if not isinstance(eos, tuple) or not all(in_vocab(tok) for tok in eos):
-            raise ValueError(
-                f"eos_token_ids must be token ids in [0, {bound}) (eos_token_id of a GenerationConfig), got {eos!r}"
+            raise FieldError(
+                "eos_token_ids",
+                f"eos_token_ids must be token ids in [0, {bound}) (eos_token_id of a GenerationConfig), got {eos!r}",
             )
         bad = self.bad_words_ids
         if not isinstance(bad, tuple) or not all(
             isinstance(seq, tuple) and seq and all(in_vocab(tok) for tok in seq) for seq in bad
         ):
-            raise ValueError(
-                f"bad_words_ids must be a list of non-empty lists of token ids in [0, {bound}), got {bad!r}"
+            raise FieldError(
+                "bad_words_ids",
+                f"bad_words_ids must be a list of non-empty lists of token ids in [0, {bound}), got {bad!r}",
             )
 
 
@@ -301,10 +303,11 @@ def _from_generation_config(gc: GenerationConfig, drop_unsupported_processors: b
     unsupported = unsupported_processor_fields(gc)
     if unsupported and not drop_unsupported_processors:
         shown = ", ".join(f"{name}={getattr(gc, name)!r}" for name in unsupported)
-        raise ValueError(
+        raise FieldError(
+            unsupported[0],
             f"generation_config sets {shown}: rollout does not implement the logits processor of "
             f"{'this field' if len(unsupported) == 1 else 'these fields'}; unset it, or pass "
-            "ContinuousBatchingConfig(drop_unsupported_processors=True) to drop it with a warning"
+            "ContinuousBatchingConfig(drop_unsupported_processors=True) to drop it with a warning",
         )
     new = [name for name in unsupported if name not in _warned_unsupported]
     if new:
@@ -383,8 +386,8 @@ def build_sampling_params(
         The parameters; ``base`` itself when it is a ``SamplingParams`` and nothing overrides it.
 
     Raises:
-        ValueError: a value out of range (the message names the field), or an unsupported processor
-            field with ``drop_unsupported_processors=False`` (the message names it).
+        FieldError: a value out of range, or an unsupported processor field with
+            ``drop_unsupported_processors=False``; ``field`` names it, and so does the message.
     """
     given = {
         "max_new_tokens": max_new_tokens,
@@ -429,14 +432,15 @@ def check_processors_unchanged(params: SamplingParams, defaults: SamplingParams)
     stop strings may still differ per request.
 
     Raises:
-        ValueError: naming every field of ``PROCESSOR_FIELDS`` that differs, with both values.
+        FieldError: naming every field of ``PROCESSOR_FIELDS`` that differs, with both values (``field``: the first).
     """
     differ = [name for name in PROCESSOR_FIELDS if getattr(params, name) != getattr(defaults, name)]
     if differ:
         mine = ", ".join(f"{name}={getattr(params, name)!r}" for name in differ)
         theirs = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in differ)
-        raise ValueError(
+        raise FieldError(
+            differ[0],
             f"{mine}: per_request_processors is False, so every request uses the generation config's "
             f"logits-processor values ({theirs}); pass ContinuousBatchingConfig(per_request_processors=True) "
-            "to set them per request"
+            "to set them per request",
         )

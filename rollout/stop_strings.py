@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from .checks import FieldError
+
 # Text the tokenizer decodes before a token to read that token's spelling in running text.
 _ANCHOR = "abcdef"
 
@@ -114,15 +116,16 @@ def check_tokenizer(stop_strings: Sequence[str], stop: Sequence[str], tokenizer:
     """Refuse stop strings when there is no tokenizer to spell the tokens.
 
     Raises:
-        ValueError: ``stop_strings`` or ``stop`` is non-empty and ``tokenizer`` is None; the message
-            names the field(s) and where a tokenizer goes.
+        FieldError: ``stop_strings`` or ``stop`` is non-empty and ``tokenizer`` is None; ``field`` and the
+            message name the field(s) (the first in ``field``) and the message says where a tokenizer goes.
     """
     if tokenizer is not None or not (stop_strings or stop):
         return
     names = [name for name, value in (("stop_strings", stop_strings), ("stop", stop)) if value]
-    raise ValueError(
+    raise FieldError(
+        names[0],
         f"{' and '.join(names)} {'need' if len(names) > 1 else 'needs'} a tokenizer to read the text of the "
-        "tokens: pass tokenizer= to generate_batch, init_continuous_batching or ContinuousBatchingManager"
+        "tokens: pass tokenizer= to generate_batch, init_continuous_batching or ContinuousBatchingManager",
     )
 
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checks import FieldError
+
 logger = logging.getLogger(__name__)
 
 # vLLM's default packed buffer (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``): 1 GiB.
@@ -90,19 +92,25 @@ def parse_metas(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequen
     """Metadata from ``update_info``'s three parallel lists.
 
     Raises:
-        ValueError: lists of different lengths, an unknown dtype name or a negative dimension; the message
-            starts with the field's name (``update_info.dtype_names: ...``).
+        FieldError: lists of different lengths, an unknown dtype name or a negative dimension; ``field`` is
+            the field's name (``update_info.dtype_names``), which the message starts with.
     """
     for field, values in (("dtype_names", dtype_names), ("shapes", shapes)):
         if len(values) != len(names):
-            raise ValueError(f"update_info.{field}: {len(values)} entries for {len(names)} names")
+            raise FieldError(
+                f"update_info.{field}", f"update_info.{field}: {len(values)} entries for {len(names)} names"
+            )
     metas = []
     for name, dname, shape in zip(names, dtype_names, shapes):
         dtype = getattr(torch, str(dname).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"update_info.dtype_names: {dname!r} (for {name}) is not a torch dtype")
+            raise FieldError(
+                "update_info.dtype_names", f"update_info.dtype_names: {dname!r} (for {name}) is not a torch dtype"
+            )
         if any(int(d) < 0 for d in shape):
-            raise ValueError(f"update_info.shapes: {list(shape)} (for {name}) has a negative dimension")
+            raise FieldError(
+                "update_info.shapes", f"update_info.shapes: {list(shape)} (for {name}) has a negative dimension"
+            )
         metas.append(TensorMeta(name, dtype, tuple(int(d) for d in shape)))
     return metas
 

@@ -18,6 +18,8 @@ from typing import Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .checks import FieldError
+
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,8 @@ def plan_weight_copy(
     Raises:
         TypeError: a value is not a tensor.
         KeyError: the model has no parameter or buffer of that name.
-        ValueError: a shape or dtype differs from the destination's.
+        FieldError: a shape or dtype differs from the destination's (``field``: ``"shape"`` or ``"dtype"``, the
+            attribute of the named tensor that differs; a ``ValueError``).
     """
     pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else (named_tensors or []))
     # remove_duplicate=False: tied weights keep both names, as in state_dict().
@@ -80,9 +83,11 @@ def plan_weight_copy(
             raise KeyError(f"update_weights: the model has no parameter or buffer named {name!r}")
         target = targets[name]
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"update_weights: {name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+            raise FieldError(
+                "shape", f"update_weights: {name} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
+            )
         if tensor.dtype != target.dtype:
-            raise ValueError(f"update_weights: {name} has dtype {target.dtype}, got {tensor.dtype}")
+            raise FieldError("dtype", f"update_weights: {name} has dtype {target.dtype}, got {tensor.dtype}")
         plan.append((target, tensor))
     return plan
 

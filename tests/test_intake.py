@@ -7,12 +7,14 @@ import threading
 
 import pytest
 
+from rollout.checks import FieldError
 from rollout.intake import (
     Inbox,
     QueueFullError,
     check_fits,
     checked_batch,
     checked_request,
+    checked_scoring_batch,
     derive_seeds,
     request_params,
 )
@@ -48,9 +50,11 @@ class FittingEngine:
         self.capacity = capacity
         self.checked: list[tuple[str | None, int, SamplingParams]] = []
 
-    def check_request(self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_request(
+        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
+    ) -> None:
         self.checked.append((request_id, num_prompt_tokens, params))
-        if num_prompt_tokens + params.max_new_tokens > self.capacity:
+        if num_prompt_tokens + (0 if scoring else params.max_new_tokens) > self.capacity:
             raise ValueError(f"request {request_id!r} needs more tokens than the cache holds")
 
 
@@ -171,3 +175,14 @@ def test_fail_all_ends_the_queued_requests() -> None:
     inbox.fail_all("RuntimeError: boom")
     out = router.get_result(rid)
     assert out.status == RequestStatus.FAILED and out.error == "RuntimeError: boom" and inbox.num_waiting() == 0
+
+
+def test_checked_scoring_batch_fits_the_prompt_alone_and_bounds_score_from() -> None:
+    engine = FittingEngine(capacity=8)
+    items = checked_scoring_batch(engine, [[5] * 8, [6, 7]], 1, vocab_size=256)  # nothing is generated: 8 fit
+    assert [prompt for _, prompt, _ in items] == [[5] * 8, [6, 7]]
+    with pytest.raises(ValueError, match=r"^inputs\[1\]: "):
+        checked_scoring_batch(engine, [[5], [5] * 9], 1, vocab_size=256)
+    with pytest.raises(FieldError, match="score_from") as caught:
+        checked_scoring_batch(engine, [[5, 6]], 3, vocab_size=256)
+    assert caught.value.field == "score_from"

@@ -69,6 +69,28 @@ def test_load_model_casts_to_requested_dtype(tmp_path: Path) -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("smollm2-135m", "did you mean 'smollm2-135m-instruct'?"),
+        ("HuggingFaceTB/SmolLM2-135M", "did you mean 'HuggingFaceTB/SmolLM2-135M-Instruct'?"),
+        ("/no/such/model", "no such folder (/no/such/model)"),
+    ],
+)
+def test_a_missing_folder_or_a_misspelt_alias_is_refused_before_any_hub_request(
+    monkeypatch: pytest.MonkeyPatch, name: str, says: str
+) -> None:
+    def hub(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Hub request was made")
+
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", hub)
+    with pytest.raises(loading.ModelNotFoundError) as caught:
+        load_model(name)
+    assert says in str(caught.value) and "'smollm2-135m-instruct', 'HuggingFaceTB/SmolLM2-135M-Instruct'" in str(
+        caught.value
+    )
+
+
 def test_default_model_dir_follows_rollout_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path))
     assert default_model_dir() == tmp_path / "models" / "smollm2-135m-instruct"

@@ -180,6 +180,34 @@ def test_prompt_logprobs_equal_rollout_score(srv: RunningServer, model: torch.nn
     assert_close(got, expected, atol=1e-5)
 
 
+def test_prompt_logprobs_are_scored_by_the_running_engine_while_another_stream_flows(
+    srv: RunningServer, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM computes prompt logprobs in the step that prefills the prompt; here a scoring request of the running
+    engine does: nobody's generation pauses and no second engine (with a KV cache of its own) is built."""
+    pauses: list[int] = []
+    pause = srv.manager.pause
+    monkeypatch.setattr(srv.manager, "pause", lambda: pauses.append(1) or pause())
+    body = {"prompt": [5, 6, 7], "max_tokens": 450, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    (streaming,) = srv.manager.engine.requests.values()
+    prompt = random_prompts(1, seed=17, min_len=300, max_len=300)[0]
+    before = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
+    scored = _post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0})
+    after = (streaming.num_generated_tokens, srv.manager.engine.stats.num_prompt_tokens_computed)
+    reader.join(120)
+    assert not pauses
+    assert before[0] < after[0] < 450  # the stream decoded in the steps that scored the prompt, and went on
+    assert after[1] - before[1] >= len(prompt)  # the running engine computed the scored prompt
+    entries = scored.json()["choices"][0]["prompt_logprobs"]
+    got = [entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], prompt[1:])]
+    assert_close(got, score(model, [prompt], [[]], include_prompt=True)[0].prompt_logprobs, atol=1e-4)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 450, None)
+
+
 def test_echo_with_logprobs_puts_the_prompt_first(srv: RunningServer, model: torch.nn.Module) -> None:
     body = {"prompt": "t5 t6 t7", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
     choice = _post(srv, "/v1/completions", body).json()["choices"][0]
@@ -255,6 +283,71 @@ def test_pause_wait_returns_once_in_flight_requests_finished_and_holds_new_ones(
     _post(srv, "/resume").raise_for_status()
     waiter.join(60)
     assert late["r"].json()["choices"][0]["token_ids"] == result["ids"]
+
+
+def test_a_resume_while_a_wait_pause_waits_cancels_the_pause(srv: RunningServer, model: torch.nn.Module) -> None:
+    """The resume used to be answered while the wait went on; once the stream drained the pause took hold anyway,
+    /is_paused said false and new requests got no answer."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    paused: dict = {}
+    pauser = threading.Thread(target=lambda: paused.update(r=_post(srv, "/pause", params={"mode": "wait"}, timeout=60)))
+    pauser.start()
+    wait_until(lambda: httpx.get(f"{srv.url}/is_paused").json()["is_paused"])  # pending: new requests held back
+    assert _post(srv, "/resume").json() == {"status": "resumed"}
+    pauser.join(10)
+    assert paused["r"].json() == {"status": "cancelled", "mode": "wait"}
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+    reader.join(60)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 300, None)
+    late = _post(srv, "/v1/completions", {**body, "max_tokens": 4}, timeout=30)  # answered: nothing holds the engine
+    assert late.json()["choices"][0]["token_ids"] == result["ids"][:4]
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+
+
+def test_a_wait_pause_on_a_server_paused_with_keep_returns_at_once(srv: RunningServer, model: torch.nn.Module) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    started, result = threading.Event(), {}
+    reader = threading.Thread(target=_stream_tokens, args=(srv, body, started, result))
+    reader.start()
+    assert started.wait(60)
+    try:
+        assert _post(srv, "/pause", params={"mode": "keep"}).json()["status"] == "paused"
+        generated = srv.manager.engine.stats.num_generated_tokens
+        again = _post(srv, "/pause", params={"mode": "wait"}, timeout=10)  # the frozen request would never finish
+        assert again.json() == {"status": "paused", "mode": "wait"}
+        assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": True}
+        assert srv.manager.engine.stats.num_generated_tokens == generated and srv.manager.engine.requests
+    finally:
+        _post(srv, "/resume").raise_for_status()
+    reader.join(60)
+    assert result["ids"] == reference_greedy(model, [5, 6, 7], 120, None)
+
+
+def test_get_load_counts_requests_waiting_or_running_and_server_info_has_the_parallel_layout(
+    srv: RunningServer,
+) -> None:
+    """What vllm-router's power_of_two policy polls (``{"load": n}``) and what TRL reads of /server_info."""
+    assert httpx.get(f"{srv.url}/get_load").json() == {"load": 0}
+    _post(srv, "/pause", params={"mode": "keep"}).raise_for_status()
+    answer: dict = {}
+    body = {"prompt": [[5, 6], [7, 8]], "max_tokens": 3, "n": 2}
+    caller = threading.Thread(target=lambda: answer.update(r=_post(srv, "/v1/completions", body)))
+    try:
+        caller.start()
+        wait_until(lambda: httpx.get(f"{srv.url}/get_load").json() == {"load": 4})  # 2 prompts x n=2, held
+    finally:
+        _post(srv, "/resume").raise_for_status()
+    caller.join(60)
+    assert len(answer["r"].json()["choices"]) == 4
+    assert httpx.get(f"{srv.url}/get_load").json() == {"load": 0}
+    config = httpx.get(f"{srv.url}/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert config["parallel_config"]["data_parallel_size"] == 1 and config["lora_config"] is None
+    assert config["model_config"]["dtype"] == "torch.float32"
+    assert config["weight_transfer_config"] == {"backend": "gloo"}
 
 
 def test_trl_vllm_client_health_models_pause_and_resume(srv: RunningServer) -> None:
@@ -344,6 +437,8 @@ def test_abort_requests_by_response_id(srv: RunningServer) -> None:
     caller = threading.Thread(target=lambda: answer.update(r=_post(srv, "/v1/completions", body)))
     caller.start()
     wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 0 and srv.manager.engine.requests)
+    twin = _post(srv, "/v1/completions", body)  # a second job cannot take the id of one in flight
+    assert twin.status_code == 400 and twin.json()["error"]["param"] == "request_id"
     assert _post(srv, "/abort_requests", {"request_ids": ["cmpl-to-abort"]}).json() == {"num_aborted": 1}
     caller.join(60)
     choice = answer["r"].json()["choices"][0]
@@ -431,9 +526,13 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
         ({"prompt": [5, 6], "logprobs": 21}, 400, "logprobs"),
         ({"prompt": [5, 6], "logprobs": 2, "echo": True}, 400, "logprobs"),
         ({"prompt": [5, 6], "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+        ({"prompt": [5, 6], "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs"),
         ({"prompt": [5, 6], "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": [5, 6], "stop_token_ids": [300]}, 400, "stop_token_ids"),
         ({"prompt": [5, 6], "guided_json": {}}, 400, "guided_json"),
+        ({"prompt": [5, 6], "use_beam_search": True}, 400, "use_beam_search"),
+        ({"prompt": [5, 6], "return_hidden_states": True}, 400, "return_hidden_states"),
+        ({"prompt": [5, 6], "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [5, 6], "n": MAX_QUEUE_SIZE + 1}, 400, "n"),
     ],
@@ -450,12 +549,67 @@ def test_bad_input_is_refused_naming_the_field_before_any_work(
     assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
 
 
+# What vllm-router 0.1.17 forwards (captured in front of an echo server): every body re-serialised with SGLang's
+# no_stop_trim, return_hidden_states... and vLLM's echo, stream, skip_special_tokens at their defaults.
+ROUTER_COMPLETION = {
+    "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0.0, "n": 1, "stream": False, "logprobs": 0,
+    "echo": False, "seed": 3, "no_stop_trim": False, "ignore_eos": True, "skip_special_tokens": True,
+    "return_hidden_states": False, "return_token_ids": True,
+}  # fmt: skip
+ROUTER_CHAT = {
+    "model": MODEL, "messages": [{"role": "user", "content": "t5 t6 t7"}], "n": 1, "stream": False, "max_tokens": 6,
+    "temperature": 0.0, "logprobs": False, "no_stop_trim": False, "ignore_eos": True, "add_generation_prompt": True,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+    "return_hidden_states": False, "include_reasoning": True, "return_token_ids": True,
+}  # fmt: skip
+
+
+def test_bodies_as_vllm_router_forwards_them_are_answered(srv: RunningServer, model: torch.nn.Module) -> None:
+    completion = _post(srv, "/v1/completions", ROUTER_COMPLETION)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["token_ids"] == reference_greedy(model, [5, 6, 7], 6, None)
+    chat = _post(srv, "/v1/chat/completions", ROUTER_CHAT)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["token_ids"] == reference_greedy(model, [4, 5, 6, 7, 9], 6, None)
+    assert _post(srv, "/v1/chat/completions", {**ROUTER_CHAT, "echo": True}).json()["error"]["param"] == "echo"
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_no_stop_trim_keeps_the_stop_string(
+    srv: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"prompt": "t5 t6 t7", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = _post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    with caplog.at_level("WARNING", logger="rollout.serve.protocol"):
+        extra = _post(srv, "/v1/completions", {**body, "priority": 0, "cache_salt": "x", "guided_json": None})
+    assert extra.status_code == 200 and extra.json()["choices"][0]["text"] == plain
+    assert "['cache_salt', 'guided_json', 'priority']" in caplog.text
+    stop = plain.split()[2]  # the third generated word
+    cut = _post(srv, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]["text"]
+    kept = _post(srv, "/v1/completions", {**body, "stop": [stop], "no_stop_trim": True}).json()["choices"][0]["text"]
+    assert not cut.endswith(stop) and kept == cut + stop
+
+
 def test_malformed_json_answers_422(srv: RunningServer) -> None:
     response = httpx.post(
         f"{srv.url}/v1/completions", content=b'{"prompt": [5,', headers={"content-type": "application/json"}
     )
     assert response.status_code == 422
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_json_body_without_content_type_is_read_as_json_and_a_form_type_is_named(
+    srv: RunningServer, model: torch.nn.Module
+) -> None:
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": True}).encode()
+    bare = httpx.post(f"{srv.url}/v1/completions", content=body, timeout=60)  # httpx sends no Content-Type
+    assert "content-type" not in bare.request.headers
+    assert bare.status_code == 200, bare.text
+    assert bare.json()["choices"][0]["token_ids"] == reference_greedy(model, [5, 6, 7], 4, EOS_TOKEN_ID)
+    form = httpx.post(  # what `curl -d` sends
+        f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert form.status_code == 415 and form.json()["error"]["param"] == "Content-Type"
+    assert "application/json" in form.json()["error"]["message"]
 
 
 def test_openai_client_raises_bad_request_with_the_message(client: openai.OpenAI) -> None:

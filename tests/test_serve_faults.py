@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from rollout import ContinuousBatchingConfig
+from rollout import ContinuousBatchingConfig, RolloutClient
 from rollout.serve import ServerSettings
 from rollout.serve.cli import build_parser, config_from_args
 from rollout.serve.service import MAX_SEQUENCES_PER_JOB
@@ -86,6 +87,24 @@ def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns
         assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 500
 
 
+def test_a_value_the_engine_refuses_is_a_400_naming_the_field_its_check_named() -> None:
+    """``--per-request-processors false``: the manager's own check refuses a request's processor values. Its
+    ``FieldError`` names the field; every such refusal was answered as ``max_tokens`` before."""
+    model = tiny_llama()
+    model.generation_config.do_sample, model.generation_config.top_p = True, 1.0  # OpenAI's defaults
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=16, return_logprobs=True, per_request_processors=False)
+    with running_server(model, tiny_tokenizer(), config) as srv:
+        url = f"{srv.url}/v1/completions"
+        assert httpx.post(url, json={"prompt": [5, 6], "max_tokens": 2}, timeout=60).status_code == 200
+        for field, value in [("repetition_penalty", 1.3), ("min_tokens", 1), ("top_k", 5)]:
+            refused = httpx.post(url, json={"prompt": [5, 6], "max_tokens": 2, field: value}, timeout=60)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == field and error["message"].startswith(f"{field}: ")
+            assert "per_request_processors is False" in error["message"]
+        assert not srv.manager.engine.requests
+
+
 def test_engine_flags_are_config_fields_and_the_server_turns_logprobs_on() -> None:
     args = build_parser().parse_args(
         ["--max-batch-tokens", "64", "--allow-block-sharing", "false", "--max-queue-size", "7"]
@@ -98,31 +117,43 @@ def test_engine_flags_are_config_fields_and_the_server_turns_logprobs_on() -> No
         build_parser().parse_args(["--scheduler-type", "lifo"])
 
 
-def test_python_m_rollout_serve_serves_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
-    model, tokenizer = tiny_llama(), tiny_tokenizer()
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+def _start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``python -m rollout.serve`` on a free port of 127.0.0.1 (unless ``flags`` give a host), healthy."""
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "rollout.serve", "--model", str(tmp_path / "model"), "--served-model-name", "tiny",
-        "--host", "0.0.0.0", "--port", str(port), "--num-blocks", "64", "--shutdown-timeout", "20",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "rollout.serve", "--model", str(model_dir), "--port", str(port), *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            return False
+
+    wait_until(up, timeout=180, interval=0.2)
+    return proc, url
+
+
+def _save_tiny(folder: Path, context: int = 512) -> Path:
+    model, tokenizer = tiny_llama(), tiny_tokenizer()
+    model.config.max_position_embeddings = context
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_python_m_rollout_serve_serves_and_shuts_down_gracefully_on_sigterm(tmp_path: Path) -> None:
+    proc, url = _start_server(
+        _save_tiny(tmp_path / "model"), "--served-model-name", "tiny", "--host", "0.0.0.0", "--num-blocks", "64",
+        "--shutdown-timeout", "20",
+    )  # fmt: skip
     try:
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                return False
-
-        wait_until(up, timeout=120, interval=0.2)
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
         ids: list[int] = []
         finish = []
+        refused = None
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -130,15 +161,104 @@ def test_python_m_rollout_serve_serves_and_shuts_down_gracefully_on_sigterm(tmp_
                 if not ids:  # in flight: stop the server now; the stream must still complete
                     proc.send_signal(signal.SIGTERM)
                     time.sleep(0.2)
+                    with pytest.raises(httpx.ConnectError) as refused:  # the listening socket is closed
+                        httpx.get(f"{url}/health", timeout=5)
                 for choice in json.loads(line[6:])["choices"]:
                     ids += choice["token_ids"]
                     finish.append(choice["finish_reason"])
-        assert len(ids) == 200 and finish[-1] == "length"
-        # uvicorn re-raises the signal once it has shut down, so the exit status is SIGTERM's.
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert len(ids) == 200 and finish[-1] == "length" and refused is not None
+        assert proc.wait(timeout=60) == 0  # a clean exit: the signal is not re-raised
     finally:
         if proc.poll() is None:
             proc.kill()
     output = proc.stdout.read() if proc.stdout else ""
     assert "without --api-key" in output  # bound to 0.0.0.0 with no key: warned
     assert "Application shutdown complete" in output  # the lifespan ran: the manager was stopped and destroyed
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_ends_streams_with_a_final_event_and_exits_cleanly_with_a_transfer_group_open(
+    tmp_path: Path, signals: int
+) -> None:
+    """One SIGINT: in-flight requests get --shutdown-timeout seconds, then end with finish reason abort (a stream
+    used to be cut by uvicorn without a final event, and a KeyboardInterrupt traceback followed). A second: they end
+    at once (it used to force uvicorn's exit past the manager: a traceback, exit -2, or SIGABRT mid-step)."""
+    proc, url = _start_server(
+        _save_tiny(tmp_path / "model", context=8192), "--num-blocks", "400", "--enable-control",
+        "--shutdown-timeout", "2" if signals == 1 else "120",
+    )  # fmt: skip
+    client = RolloutClient(url, timeout=60)
+    try:
+        client.init_weight_transfer()
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        t0 = time.monotonic()
+        for _ in range(signals):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        reader.join(60)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t0 < 30  # not the 120 s of --shutdown-timeout with two signals
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    output = proc.stdout.read() if proc.stdout else ""
+    for crash in ("Traceback", "KeyboardInterrupt", "terminate called"):
+        assert crash not in output, output[-3000:]
+    assert "Application shutdown complete" in output
+
+
+def test_a_missing_model_folder_a_misspelt_alias_and_a_busy_port_answer_one_line_before_loading(
+    tmp_path: Path,
+) -> None:
+    """A new user's mistakes: an 80-line traceback for a missing folder, 51 s of Hub retries for `smollm2-135m`,
+    and a busy port found after the model and its cache were loaded."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    cases = {
+        "--model": ([str(tmp_path / "missing")], ["no such folder", "'smollm2-135m-instruct'"]),
+        "--model ": (["smollm2-135m"], ["did you mean 'smollm2-135m-instruct'?"]),
+        "--port": ([str(_save_tiny(tmp_path / "model")), "--port", str(port)], [f"{port} is already in use"]),
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = {
+        flag: subprocess.Popen(
+            [sys.executable, "-m", "rollout.serve", "--model", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for flag, (args, _) in cases.items()
+    }
+    try:
+        for flag, proc in runs.items():
+            out, err = proc.communicate(timeout=150)
+            lines = err.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+            assert lines[0].startswith(f"rollout-serve: error: {flag.strip()} ")
+            assert all(says in lines[0] for says in cases[flag][1]), lines[0]
+            assert "loading" not in out + err  # answered before the model is loaded
+    finally:
+        busy.close()
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()

@@ -114,22 +114,111 @@ def test_streamed_weights_give_the_senders_greedy_tokens_and_logprobs(mode: str)
         assert greedy(srv)["token_ids"] == before["token_ids"]
 
 
+def _in_flight_greedy(srv: RunningServer, client: RolloutClient) -> tuple[threading.Thread, dict]:
+    """A 200-token greedy request of ``client`` in a thread, once it has sampled a few tokens; its answer lands in
+    the dict's ``r``."""
+    answer: dict = {}
+    body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
+    caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
+    caller.start()
+    wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+    return caller, answer
+
+
 def test_a_paused_request_keeps_its_kv_and_continues_under_the_new_weights() -> None:
     """TRL's order: pause(keep), send, resume; the request in flight reports both weight versions."""
     trained = tiny_llama(seed=1)
     with server() as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
         client.init_weight_transfer()
-        answer: dict = {}
-        body = {**GREEDY, "max_tokens": 200, "ignore_eos": True}
-        caller = threading.Thread(target=lambda: answer.update(r=client.generate(**body)))
-        caller.start()
-        wait_until(lambda: srv.manager.engine.stats.num_generated_tokens > 3)
+        caller, answer = _in_flight_greedy(srv, client)
         client.pause("keep")
         client.send_weights(trained.named_parameters())
         client.resume()
         caller.join(60)
         versions = answer["r"]["choices"][0]["weight_versions"]
         assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+
+
+@pytest.mark.parametrize(
+    ("how", "mode"),
+    [
+        ("reset_running_requests", "atomic"),
+        ("pause_clear_cache", "atomic"),
+        ("start_weight_update", "atomic"),
+        ("start_weight_update", "in_place"),
+    ],
+)
+def test_a_recompute_asked_for_reprefills_the_in_flight_request_under_the_new_weights(how: str, mode: str) -> None:
+    """vLLM's flow: pause keep, ``/reset_prefix_cache?reset_running_requests=true``, the streamed update, resume (or
+    the update's own ``recompute``). From the switch on, the request's logprobs are those of a forward of the new
+    model over everything it holds (its KV was recomputed), and its versions say where the switch is. The flag used
+    to be answered 200 and ignored: the request went on over its old KV (up to 7 nats off)."""
+    trained = tiny_llama(seed=1)
+    with server(mode) as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        client.init_weight_transfer()
+        caller, answer = _in_flight_greedy(srv, client)
+        if how == "pause_clear_cache":  # vLLM's pause flag (its default there)
+            paused = httpx.post(f"{srv.url}/pause", params={"mode": "keep", "clear_cache": "true"}, timeout=30)
+            assert paused.json() == {"status": "paused", "mode": "keep"}
+        else:
+            client.pause("keep")
+        if how == "reset_running_requests":
+            reset = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=30)
+            assert reset.json() == {"success": True}
+        client.send_weights(trained.named_parameters(), recompute=how == "start_weight_update")
+        client.resume()
+        caller.join(60)
+    choice = answer["r"]["choices"][0]
+    ids, logprobs, versions = choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["weight_versions"]
+    k = versions.index(1)
+    assert 0 < k < len(ids) == 200 and versions == [0] * k + [1] * (200 - k)
+    assert ids[k:] == reference_greedy(trained, PROMPT + ids[:k], 200 - k, None)
+    assert_close(logprobs[k:], teacher_forced_logprobs(trained, PROMPT + ids[:k], ids[k:]), 1e-4)
+
+
+def test_an_in_place_sync_holds_a_new_request_until_resume_and_health_stays_ok() -> None:
+    """TRL's worker keeps sending during syncs: under /pause?mode=keep a completion sent while a successful in-place
+    update streams in waits for /resume and completes under the new weights, as in atomic mode (it used to get 503
+    "the weights are partial", and /health 503 throughout). 503 is for a transfer that failed part way (below)."""
+    trained = tiny_llama(seed=1)
+    pairs = [(n, p.detach()) for n, p in trained.named_parameters()]
+    gate = threading.Event()
+
+    def held_mid_way() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, pair in enumerate(pairs):
+            if i == 8:
+                gate.wait(60)
+            yield pair
+
+    with server("in_place") as srv, RolloutClient(srv.url, bucket_bytes=BUCKET_BYTES, timeout=60) as client:
+        client.init_weight_transfer()
+        client.pause("keep")
+        sent: dict = {}
+        sender = threading.Thread(target=lambda: sent.update(v=client.send_weights(held_mid_way(), describe(pairs))))
+        sender.start()
+        wait_until(lambda: status(srv)["tensors_received"] > 0)  # buckets are in the live weights
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+        answer: dict = {}
+        body = {**GREEDY, "ignore_eos": True}
+        caller = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{srv.url}/v1/completions", json=body)))
+        caller.start()
+        time.sleep(0.5)
+        assert "r" not in answer  # waiting, not refused
+        gate.set()
+        sender.join(60)
+        assert sent["v"] == 1 and "r" not in answer and status(srv)["weights"] == "complete"
+        client.resume()
+        caller.join(60)
+    choice = answer["r"].json()["choices"][0]
+    assert choice["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+    assert choice["weight_versions"] == [1] * 8
+
+
+def test_a_control_route_refuses_a_query_parameter_it_does_not_honour() -> None:
+    with server() as srv:
+        response = httpx.post(f"{srv.url}/reset_prefix_cache", params={"reset_all": "true"}, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "reset_all"
+        assert "reset_running_requests" in response.json()["error"]["message"]
 
 
 def test_a_bad_announcement_is_a_400_naming_the_field_before_any_byte() -> None:

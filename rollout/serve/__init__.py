@@ -1,10 +1,12 @@
 """``rollout-serve``: the engine as an OpenAI- and vLLM-compatible HTTP server that RL trainers drive.
 
-Modules, one job each: ``protocol`` (request bodies), ``jobs`` (a body becomes a checked job),
+Modules, one job each: ``protocol`` (request bodies and their checks), ``jobs`` (a body becomes a checked job),
 ``responses`` (outputs become OpenAI's shapes), ``chat`` (chat template, Hermes tool calls), ``service``
-(the one manager, seen from asyncio), ``weight_updates`` (new weights from disk or from a trainer's
-transfer group), ``metrics`` (Prometheus text), ``errors`` (OpenAI's error body), ``app`` (the routes),
-``cli`` (flags and uvicorn). Needs the ``serve`` extra: ``pip install rollout[serve]``.
+(the one manager, seen from asyncio), ``submission`` (one job's requests, read from asyncio), ``pause`` (the
+pause that spans ``/pause`` and ``/resume``), ``weight_updates`` (new weights from disk or from a trainer's
+transfer group), ``weight_routes`` (their routes, an ``APIRouter``), ``metrics`` (Prometheus text), ``errors``
+(OpenAI's error body), ``app`` (the other routes), ``cli`` (flags and uvicorn). Needs the ``serve`` extra:
+``pip install rollout[serve]``.
 """
 
 from .app import ServerSettings, build_app

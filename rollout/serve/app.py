@@ -5,7 +5,9 @@ A route parses its body (``protocol.py``), turns it into a checked ``Job`` (``jo
 (``responses.py``), as one JSON body or as server-sent events. Errors are OpenAI's error body (``errors.py``).
 
 Every ``/v1`` and control route needs ``Authorization: Bearer KEY`` when the server has an API key; ``/health``,
-``/version`` and ``/metrics`` never do (as with vLLM). Control routes answer 404 unless ``--enable-control``.
+``/version``, ``/metrics`` and ``/get_load`` never do (as with vLLM; a router polls the last). Control routes answer
+404 unless ``--enable-control``, and 400 for a query parameter they do not declare. The weight routes are their own
+router (``weight_routes.py``).
 """
 
 from __future__ import annotations
@@ -26,19 +28,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import rollout
 
 from . import jobs, metrics, responses
-from .errors import APIError, bad_request, install_handlers, sse_error
+from .errors import APIError, install_handlers, sse_error
 from .jobs import Job
-from .protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    InitWeightTransferRequest,
-    StartWeightUpdateRequest,
-    UpdateWeightsFromTrainerRequest,
-    UpdateWeightsRequest,
-)
+from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest
 from .responses import ChoiceView
-from .service import GenerationService, Submission
+from .service import GenerationService
+from .submission import Submission
+from .weight_routes import weight_router
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +70,10 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         yield
         await asyncio.to_thread(service.shutdown, settings.shutdown_timeout)
 
-    app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan)
+    # strict_content_type=False: a JSON body sent without a Content-Type is read as JSON, as vLLM reads it (FastAPI
+    # >= 0.132 refuses it, against requests a web page can send cross-site without a preflight: --api-key guards
+    # against those); one whose Content-Type is not JSON (curl -d's form-urlencoded) is a 415 saying so.
+    app = FastAPI(title="rollout-serve", version=rollout.__version__, lifespan=lifespan, strict_content_type=False)
     app.state.service = service
     install_handlers(app)
     info = service.info
@@ -91,6 +90,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         await authorized(request)
         if not settings.enable_control:
             raise APIError(404, f"{request.url.path} is a control route: start the server with --enable-control")
+        refuse_unknown_query(request)
 
     # ------------------------------------------------------------------ open routes
     @app.get("/health")
@@ -108,6 +108,11 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     async def metrics_page() -> Response:
         text = metrics.render(service.manager, info.name, dict(service.finished))
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, int]:
+        # What vllm-router's power_of_two policy polls: requests waiting plus running (SGLang's route).
+        return {"load": service.load}
 
     # ------------------------------------------------------------------ /v1
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -136,7 +141,6 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         return await _answer(jobs.chat_job(body, info), request)
 
     async def _answer(job: Job, request: Request) -> Response:
-        prompt_logprobs = await service.prompt_logprobs(job.prompts) if job.scores_prompt else None
         submission = await service.submit(job)
         if job.stream:
             return StreamingResponse(_events(job, submission), media_type="text/event-stream")
@@ -145,6 +149,7 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
             return Response(status_code=499)  # nobody reads it: the client is gone
         if job.chat:
             return JSONResponse(responses.chat_response(job, outputs, info))
+        prompt_logprobs = submission.prompt_logprobs if job.scores_prompt else None
         return JSONResponse(responses.completion_response(job, outputs, prompt_logprobs, info))
 
     async def _collect(job: Job, submission: Submission) -> list[Any]:
@@ -175,9 +180,9 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
 
     # ------------------------------------------------------------------ control
     @app.post("/pause", dependencies=[Depends(control)])
-    async def pause(mode: str = "keep") -> dict[str, Any]:
-        await service.pause(mode)
-        return {"status": "paused", "mode": mode}
+    async def pause(mode: str = "keep", clear_cache: bool = False) -> dict[str, Any]:
+        paused = await service.pause(mode, clear_cache)
+        return {"status": "paused" if paused else "cancelled", "mode": mode}  # cancelled: a /resume came first
 
     @app.post("/resume", dependencies=[Depends(control)])
     async def resume() -> dict[str, Any]:
@@ -189,58 +194,33 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
         return {"is_paused": service.paused}
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(control)])
-    async def reset_prefix_cache() -> dict[str, bool]:
-        await service.reset_prefix_cache()
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> dict[str, bool]:
+        await service.reset_prefix_cache(reset_running_requests)
         return {"success": True}
 
     @app.post("/abort_requests", dependencies=[Depends(control)])
     async def abort_requests(body: AbortRequest | None = None) -> dict[str, int]:
         return {"num_aborted": service.abort(body.request_ids if body is not None else None)}
 
-    @app.post("/update_weights_from_disk", dependencies=[Depends(control)])
-    async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
-        version = await service.weights.update_weights_from_disk(body.model_path, body.recompute)
-        return {"success": True, "weight_version": version}
-
-    # vLLM's weight transfer from a trainer: init once, then start, update (one or more), finish per version.
-    @app.post("/init_weight_transfer_engine", dependencies=[Depends(control)])
-    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
-        await service.weights.init_weight_transfer(body.init_info)
-        return {"success": True}
-
-    @app.post("/start_weight_update", dependencies=[Depends(control)])
-    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, Any]:
-        if body is not None and not body.is_checkpoint_format:
-            raise bad_request(
-                "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
-                "is_checkpoint_format",
-            )
-        service.weights.start_weight_update()
-        return {"success": True}
-
-    @app.post("/update_weights", dependencies=[Depends(control)])
-    async def update_weights(body: UpdateWeightsFromTrainerRequest) -> dict[str, Any]:
-        return {"success": True, **await service.weights.update_weights(body.update_info)}
-
-    @app.post("/finish_weight_update", dependencies=[Depends(control)])
-    async def finish_weight_update() -> dict[str, Any]:
-        return {"success": True, "weight_version": await service.weights.finish_weight_update()}
-
-    @app.get("/weight_transfer", dependencies=[Depends(control)])
-    async def weight_transfer() -> dict[str, Any]:
-        return service.weights.transfer_status()
-
-    @app.get("/get_world_size", dependencies=[Depends(control)])
-    async def get_world_size() -> dict[str, int]:
-        return {"world_size": 1}  # the workers that join a transfer group: this server has one
-
-    @app.get("/server_info", dependencies=[Depends(control)])
-    async def server_info() -> dict[str, Any]:
-        # The part of vLLM's /server_info that TRL's VLLMClient reads (get_dtype): the weights' dtype.
-        dtype = service.weights.weights_dtype()
-        return {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": info.max_model_len}}}
-
+    app.include_router(weight_router(service, control))
     return app
+
+
+def refuse_unknown_query(request: Request) -> None:
+    """Refuse a query parameter the matched route does not declare (FastAPI ignores them): a control call's flag that
+    is not honoured must not be answered 200 (``?reset_running_requests=true`` was, before it was supported).
+
+    Raises:
+        APIError: 400 naming the first unknown parameter and the route's own.
+    """
+    route = request.scope.get("route")
+    known = {p.alias for p in getattr(getattr(route, "dependant", None), "query_params", [])}
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise APIError(
+            400, f"{unknown[0]}: not a parameter of {request.url.path} (its parameters: {allowed})", unknown[0]
+        )
 
 
 async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:

@@ -48,11 +48,6 @@ def chat_prompt_ids(
             "messages: the served model's tokenizer has no chat template; use /v1/completions with a prompt",
             "messages",
         )
-    if add_generation_prompt and continue_final_message:
-        raise bad_request(
-            "continue_final_message: cannot be true together with add_generation_prompt; set one of them",
-            "continue_final_message",
-        )
     try:
         text = tokenizer.apply_chat_template(
             messages,

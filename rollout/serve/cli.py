@@ -3,25 +3,39 @@
 Every plain-valued field of ``ContinuousBatchingConfig`` is a flag of the same name in kebab case (``--max-batch-tokens
 256``, ``--allow-block-sharing false``); unset flags keep the config's defaults, but ``return_logprobs`` is on.
 
-SIGINT/SIGTERM: the server stops taking connections and requests (new ones get a 503), lets the in-flight ones finish
-for up to ``--shutdown-timeout`` seconds (``--shutdown-abort``: ends them at once with finish reason ``abort``), then
-stops the manager, bounded by the same timeout again.
+Before anything heavy, the flags a new user gets wrong are checked and answered with one line that names the flag:
+a ``--model`` folder that does not exist or a misspelt alias (``loading.check_model_name``: no Hub request, no wait),
+and a ``--port`` in use (the socket is bound first and handed to uvicorn).
+
+SIGINT/SIGTERM: the server closes its listening socket (new connections are refused) and stops taking jobs, lets the
+in-flight requests finish for up to ``--shutdown-timeout`` seconds (``--shutdown-abort``: at once), then ends the rest
+with finish reason ``abort`` (a stream gets its final event and ``[DONE]``); a second signal ends them at once. Then
+the manager stops and is destroyed, and the process exits with status 0: no signal is re-raised (a
+``KeyboardInterrupt`` traceback) and no exit is forced past the manager (a thread mid-step at interpreter exit
+aborted the process: "terminate called without an active exception"). A signal before the server runs stops the
+manager and exits with status 130, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import errno
 import ipaddress
 import logging
+import signal
+import socket
+import sys
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import uvicorn
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
+from rollout.loading import ModelNotFoundError, check_model_name
 
 from .app import ServerSettings, build_app
 from .service import GenerationService, model_info
@@ -35,6 +49,8 @@ _NOT_FLAGS = {"varlen_compile_config", "decode_compile_config", "block_size"}
 # Defaults the server changes: RL clients read logprobs, so the engine records them.
 _SERVER_DEFAULTS = {"return_logprobs": True}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Seconds uvicorn waits for connections past --shutdown-timeout: the requests then ended send their final events.
+ABORT_GRACE_SECONDS = 5.0
 
 
 def _bool(text: str) -> bool:
@@ -151,24 +167,89 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the service at the first SIGINT/SIGTERM to stop taking jobs (and abort)."""
+def _fail(message: str) -> NoReturn:
+    """Exit with one line on stderr (argparse's exit status), no usage text and no traceback."""
+    print(f"rollout-serve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
-    def __init__(self, config: uvicorn.Config, service: GenerationService, abort: bool) -> None:
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's socket now, before the model is loaded; uvicorn listens on it later.
+
+    Raises:
+        SystemExit: the port is in use, or the address cannot be bound (one line naming the flag to change).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            _fail(f"--port {port}: {host}:{port} is already in use (another server?); pass another --port")
+        _fail(f"--host {host} --port {port}: cannot bind that address: {e.strerror or e}")
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with rollout's signal handling (the module docstring): the first SIGINT/SIGTERM begins a
+    graceful shutdown bounded by ``grace`` seconds, later ones abort what still runs; the lifespan's shutdown always
+    runs, and no signal is re-raised."""
+
+    def __init__(self, config: uvicorn.Config, service: GenerationService, abort: bool, grace: float) -> None:
         super().__init__(config)
         self._service = service
         self._abort = abort
+        self._grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        # Runs in the main thread, between two bytecodes of the event loop's own code: the work is handed to the loop.
+        # Neither uvicorn's signal record (re-raised after shutdown) nor its force_exit (which skips the lifespan's
+        # shutdown) is set.
+        first = not self.should_exit
+        self.should_exit = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_shutdown if first else self._end_requests, sig)
+
+    def _begin_shutdown(self, sig: int) -> None:
+        logger.info(
+            "%s: shutting down; in-flight requests %s (a second signal ends them at once)",
+            signal_name(sig),
+            "end now" if self._abort else f"get {self._grace:g} s to finish",
+        )
         self._service.begin_shutdown(self._abort)
-        super().handle_exit(sig, frame)
+        if not self._abort and self._loop is not None:
+            self._loop.call_later(self._grace, self._end_requests, None)
+
+    def _end_requests(self, sig: int | None) -> None:
+        ended = self._service.abort()
+        if ended:
+            reason = f"{signal_name(sig)} again" if sig is not None else "--shutdown-timeout passed"
+            logger.info("%s: ending the %d requests still in flight (finish reason abort)", reason, ended)
+
+
+def signal_name(sig: int) -> str:
+    """``SIGINT`` for 2."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM.
+    """Run the server until SIGINT/SIGTERM; exit with status 0 after a clean shutdown.
 
     Raises:
-        SystemExit: bad flags (argparse's message), or a config value the engine refuses.
+        SystemExit: bad flags (argparse's message, or one line naming the flag: a ``--model`` that is no folder and
+            no alias, a ``--port`` in use), a config value the engine refuses, or 130 for a signal that came before
+            the server ran.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -177,31 +258,55 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        check_model_name(args.model)
+    except ModelNotFoundError as e:
+        _fail(f"--model {e}")
+    sock = bind_socket(args.host, args.port)
     if not _is_loopback(args.host) and args.api_key is None:
         logger.warning(
             "serving on %s without --api-key: anyone who can reach this address can generate%s",
             args.host,
             " and change the weights" if args.enable_control else "",
         )
-    model, tokenizer = load_model(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+    try:
+        _serve(args, config, sock)
+    except KeyboardInterrupt:
+        logger.info("interrupted while starting: stopped")
+        raise SystemExit(130) from None
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, config: ContinuousBatchingConfig, sock: socket.socket) -> None:
+    """Load the model, start the manager and serve on ``sock`` until a signal ends it; the manager is destroyed on
+    every way out (the lifespan's shutdown does it after a signal)."""
+    try:
+        model, tokenizer = load_model(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+    except (OSError, ValueError) as e:  # a folder without a model, a Hub id that does not resolve
+        _fail(f"--model {args.model!r}: {e}")
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
-    manager.warmup(progress_bar=False)
-    manager.start()
-    service = GenerationService(
-        manager,
-        model_info(manager, tokenizer, args.served_model_name or args.model),
-        TransferSettings(mode=args.weight_transfer_mode, timeout=args.weight_transfer_timeout),
-    )
-    settings = ServerSettings(
-        api_key=args.api_key, enable_control=args.enable_control, shutdown_timeout=args.shutdown_timeout
-    )
-    app = build_app(service, settings)
-    uv_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
-    )
-    logger.info("serving %s on http://%s:%d", service.info.name, args.host, args.port)
-    _Server(uv_config, service, args.shutdown_abort).run()
+    try:
+        manager.warmup(progress_bar=False)
+        manager.start()
+        service = GenerationService(
+            manager,
+            model_info(manager, tokenizer, args.served_model_name or args.model),
+            TransferSettings(mode=args.weight_transfer_mode, timeout=args.weight_transfer_timeout),
+        )
+        settings = ServerSettings(
+            api_key=args.api_key, enable_control=args.enable_control, shutdown_timeout=args.shutdown_timeout
+        )
+        uv_config = uvicorn.Config(
+            build_app(service, settings),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=int(args.shutdown_timeout + ABORT_GRACE_SECONDS),
+        )
+        logger.info("serving %s on http://%s:%d", service.info.name, args.host, args.port)
+        _Server(uv_config, service, args.shutdown_abort, args.shutdown_timeout).run(sockets=[sock])
+    finally:
+        if manager.state != "destroyed":  # a signal (or an error) came before the lifespan's shutdown ran
+            manager.stop(block=True, timeout=args.shutdown_timeout, hard_stop=True)
+            manager.destroy()

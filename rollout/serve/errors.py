@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from rollout import FieldError
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's error types by HTTP status.
@@ -25,6 +27,7 @@ _TYPES = {
     404: "not_found_error",
     422: "invalid_request_error",
     409: "conflict_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -88,8 +91,10 @@ def _field_of(loc: tuple[Any, ...]) -> str | None:
 def install_handlers(app: FastAPI) -> None:
     """Answer ``APIError`` and FastAPI's validation errors with OpenAI's body.
 
-    A body that is not JSON answers 422; a JSON body with a bad field 400 naming the field (OpenAI and
-    vLLM answer 400 there, where FastAPI would answer 422).
+    A body that is not JSON answers 422, or 415 naming the header when its ``Content-Type`` is not JSON (a body
+    without one is read as JSON, as vLLM reads it); a JSON body with a bad field 400 naming the field (OpenAI and
+    vLLM answer 400 there, where FastAPI would answer 422). A model validator's ``rollout.FieldError`` gives its
+    ``field`` and its message; a field's own check gives pydantic's location and message.
     """
 
     @app.exception_handler(APIError)
@@ -103,7 +108,18 @@ def install_handlers(app: FastAPI) -> None:
         if any(
             e.get("type") in ("json_invalid", "model_attributes_type") and len(e.get("loc", ())) <= 2 for e in errors
         ):
+            content_type = request.headers.get("content-type", "")
+            if content_type and "json" not in content_type.lower():  # FastAPI reads only JSON-typed bodies
+                message = (
+                    f"Content-Type: {content_type!r} is not JSON; send the JSON body with 'Content-Type: "
+                    "application/json' (curl -d sends form-urlencoded: add -H 'Content-Type: application/json'), "
+                    "or with no Content-Type"
+                )
+                return JSONResponse(error_body(415, message, "Content-Type"), status_code=415)
             return JSONResponse(error_body(422, f"the body is not a JSON object: {first.get('msg')}"), status_code=422)
+        raised = (first.get("ctx") or {}).get("error")
+        if isinstance(raised, FieldError):  # a model validator's: it names its field
+            return JSONResponse(error_body(400, str(raised), raised.field), status_code=400)
         param = _field_of(tuple(first.get("loc", ())))
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         if first.get("type") == "extra_forbidden":

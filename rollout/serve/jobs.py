@@ -1,8 +1,9 @@
 """A request body becomes a checked ``Job`` once, at the HTTP boundary.
 
-``completion_job`` and ``chat_job`` check everything that needs the model or the tokenizer (token ids in the
-vocabulary, an empty prompt, ``max_tokens`` past the context, the fields the engine cannot honour) and build the
-request's one ``SamplingParams``; nothing is queued when a check fails, and the 400 names the field.
+``completion_job`` and ``chat_job`` check what needs the model or the tokenizer (the served name, token ids in the
+vocabulary, an empty prompt, ``max_tokens`` past the context, logprobs the engine does not record) and build the
+request's one ``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
+Nothing is queued when a check fails, and the 400 names the field.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout import SamplingParams, build_sampling_params
-from rollout.sampling_params import MAX_TOP_LOGPROBS
+from rollout import FieldError, SamplingParams, build_sampling_params
 
 from .chat import chat_prompt_ids
 from .errors import APIError, bad_request
@@ -21,8 +21,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SamplingParams' field names (which start its ValueError messages) that the API spells otherwise; the
-# others a request sets (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
+# The engine's field names (``FieldError.field``) that the API spells otherwise; the others a request sets
+# (temperature, top_k, top_p, min_p, repetition_penalty, seed, stop) it spells alike.
 API_NAMES = {
     "max_new_tokens": "max_tokens",
     "eos_token_ids": "stop_token_ids",
@@ -118,61 +118,6 @@ def check_model_name(requested: str | None, info: ModelInfo) -> None:
         )
 
 
-def check_supported(req: SamplingFields) -> None:
-    """Refuse, with a 400 naming the field, a value the engine cannot honour (docs/serving.md's "not supported")."""
-    if req.frequency_penalty != 0.0:
-        raise bad_request("frequency_penalty: not supported (only 0); use repetition_penalty", "frequency_penalty")
-    if req.presence_penalty != 0.0:
-        raise bad_request("presence_penalty: not supported (only 0); use repetition_penalty", "presence_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias: not supported", "logit_bias")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options: only allowed with stream=true", "stream_options")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise bad_request(
-            "stream_options.continuous_usage_stats: not supported", "stream_options.continuous_usage_stats"
-        )
-    if isinstance(req, CompletionRequest):
-        if req.logprobs is not None and req.logprobs > MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"logprobs: {req.logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS} (vLLM's max_logprobs)",
-                "logprobs",
-            )
-        if req.logprobs and req.echo:
-            raise bad_request(
-                "logprobs: alternatives of the prompt tokens (echo with logprobs > 0) are not supported: pass "
-                "logprobs=0 with echo, or echo=false",
-                "logprobs",
-            )
-        if req.prompt_logprobs is not None and req.prompt_logprobs > 0:
-            raise bad_request(
-                "prompt_logprobs: top alternatives of the prompt tokens are not supported: pass prompt_logprobs=0",
-                "prompt_logprobs",
-            )
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of: not supported (only equal to n)", "best_of")
-        if req.suffix:
-            raise bad_request("suffix: not supported", "suffix")
-        if req.stream and req.echo:
-            raise bad_request("echo: not supported with stream=true", "echo")
-    if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs: needs logprobs=true (OpenAI's rule)", "top_logprobs")
-        if req.top_logprobs is not None and req.top_logprobs > MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs: {req.top_logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS}",
-                "top_logprobs",
-            )
-        if req.prompt_logprobs is not None:
-            raise bad_request("prompt_logprobs: not supported on chat; use /v1/completions", "prompt_logprobs")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise bad_request(
-                "tool_choice: only 'auto' and 'none' are supported (a tool cannot be forced)", "tool_choice"
-            )
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise bad_request("response_format: structured output is not supported", "response_format")
-
-
 def _check_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
     if not ids:
         raise bad_request(f"{param}: the prompt is empty", param)
@@ -260,10 +205,27 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
             stop=req.stop,
             num_top_logprobs=top_logprobs,
         )
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0].rstrip(":")
-        param = API_NAMES.get(name, name if name in SamplingFields.model_fields else None)
-        raise bad_request(f"{param or name}: {e}", param) from e
+    except FieldError as e:
+        raise field_error(e, prompt_param=None) from e
+
+
+def api_param(field: str, prompt_param: str | None) -> str | None:
+    """The request field an engine-side ``FieldError.field`` is about, as the API spells it; None when it has none.
+
+    Args:
+        field: the engine's name (``max_new_tokens``, ``inputs[3]``...).
+        prompt_param: what the API calls the prompt (``prompt``, ``messages``); None when no prompt is at issue.
+    """
+    if field in ("input_ids", "prompt_ids") or field.startswith("inputs["):
+        return prompt_param
+    name = API_NAMES.get(field, field)
+    return name if name in SamplingFields.model_fields else None
+
+
+def field_error(error: FieldError, prompt_param: str | None) -> APIError:
+    """A 400 naming the API field of an engine-side ``FieldError`` (``api_param``) in ``param`` and the message."""
+    param = api_param(error.field, prompt_param)
+    return bad_request(f"{param}: {error}" if param else str(error), param)
 
 
 def _new_id(prefix: str, req: SamplingFields) -> str:
@@ -277,7 +239,6 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
         APIError: 400 naming the field (404 for another model's name).
     """
     check_model_name(req.model, info)
-    check_supported(req)
     if (req.logprobs is not None or req.prompt_logprobs is not None) and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     prompts = completion_prompts(req, info)
@@ -296,7 +257,7 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
         echo=req.echo,
         return_token_ids=req.return_token_ids,
         stop=params.stop,
-        include_stop=req.include_stop_str_in_output,
+        include_stop=req.include_stop,
         skip_special_tokens=req.skip_special_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()),
     )
@@ -309,11 +270,8 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
         APIError: 400 naming the field (404 for another model's name).
     """
     check_model_name(req.model, info)
-    check_supported(req)
     if req.logprobs and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
-    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
-        raise bad_request("max_completion_tokens: differs from max_tokens; set one of them", "max_completion_tokens")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     ids = chat_prompt_ids(
         info.tokenizer,
@@ -339,7 +297,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
         echo=False,
         return_token_ids=req.return_token_ids,
         stop=params.stop,
-        include_stop=req.include_stop_str_in_output,
+        include_stop=req.include_stop,
         skip_special_tokens=req.skip_special_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         tools=tools is not None,

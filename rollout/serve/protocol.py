@@ -1,38 +1,119 @@
 """The HTTP API's request bodies, with OpenAI's and vLLM's field names.
 
-Each request model checks what pydantic can check alone (ranges, types, no unknown field: ``extra="forbid"``), so a
-bad value is refused with a 400 naming the field before any work; what needs the model or the tokenizer is checked in
-``jobs.py``. Fields OpenAI or vLLM define that the engine cannot honour are declared here and refused in
-``jobs.check_supported`` unless set to their no-op value (docs/serving.md lists them).
+Each request model checks what pydantic can check alone, so a bad value is refused with a 400 naming the field before
+any work: ranges and types per field, and in model validators (vLLM's way) the cross-field rules and the fields the
+engine cannot honour, each raising a ``rollout.FieldError`` that names its field. What needs the model or the tokenizer
+is checked in ``jobs.py``.
+
+Unknown fields: a generation body (completions, chat) accepts them and logs a warning, as vLLM's ``OpenAIBaseModel``
+does, because routers and clients add fields of their own (vllm-router re-serialises every body with SGLang's
+``no_stop_trim``, ``return_hidden_states``... at their defaults). A field known to change the output that the engine
+does not implement (``UNSUPPORTED_FIELDS``: structured output, beam search...) is refused unless set to a no-op value:
+a request is never answered as if a field it set had been honoured. Control bodies (pause, weights) refuse every
+unknown field (``extra="forbid"``): a misspelt ``recompute`` must not be ignored.
 
 Responses are plain dicts in the ``openai`` package's shapes, with vLLM's extra fields (``responses.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout import FieldError
+from rollout.sampling_params import MAX_TOP_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 # A prompt: a text, a list of texts, a list of token ids, or a list of such lists (OpenAI's four shapes).
 Prompt = str | list[str] | list[int] | list[list[int]]
 
+# Fields of vLLM's and SGLang's generation bodies that would change the output and that rollout does not implement,
+# with the values that leave it unchanged (a request may send those). Any other unknown field is ignored with a
+# warning, as vLLM ignores it.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "early_stopping": (False,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),  # SGLang's structured output
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "prompt_embeds": (None,),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (None, False),
+    "chat_template": (None,),
+    "documents": (None, []),
+    "reasoning_effort": (None,),
+    "thinking_token_budget": (None,),
+    "vllm_xargs": (None, {}),
+    "lora_path": (None,),
+    "typical_p": (None, 1.0),
+    "response_format": (None, {"type": "text"}),  # on completions; chat declares its own
+}
+
+
+def _refuse(field: str, message: str) -> FieldError:
+    """The error of a model validator: the 400's ``param`` is ``field`` (``errors.install_handlers``)."""
+    return FieldError(field, f"{field}: {message}")
+
 
 class _Body(BaseModel):
-    """A request body or part of one: an unknown field is refused (``extra="forbid"``)."""
+    """A control body or part of one: an unknown field is refused (``extra="forbid"``)."""
 
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class _GenerationBody(BaseModel):
+    """A generation body or part of one: unknown fields are accepted and logged, unless in ``UNSUPPORTED_FIELDS``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _unknown_fields(self) -> Self:
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            no_ops = UNSUPPORTED_FIELDS.get(name)
+            if no_ops is not None and value not in no_ops:
+                allowed = " or ".join(repr(v) for v in no_ops)
+                raise _refuse(name, f"not supported (only {allowed}): it would change the output")
+        if extra:
+            logger.warning("%s: ignored the unknown fields %s", type(self).__name__, sorted(extra))
+        return self
+
+
+class StreamOptions(_GenerationBody):
     """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage and no choice."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
+    @model_validator(mode="after")
+    def _supported(self) -> Self:
+        if self.continuous_usage_stats:
+            raise _refuse("stream_options.continuous_usage_stats", "not supported")
+        return self
 
-class SamplingFields(_Body):
-    """The sampling fields that completions and chat share (OpenAI's, then vLLM's extras)."""
+
+class SamplingFields(_GenerationBody):
+    """The sampling fields that completions and chat share (OpenAI's, then vLLM's and SGLang's extras).
+
+    Attributes:
+        no_stop_trim: SGLang's (vllm-router sends it): keep the stop string in the text, as
+            ``include_stop_str_in_output`` does.
+        return_hidden_states: SGLang's (vllm-router sends it): only false (hidden states are not returned).
+    """
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -59,6 +140,28 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     request_id: str | None = None
+    # SGLang's, which vllm-router adds to every body it forwards.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+
+    @model_validator(mode="after")
+    def _sampling_supported(self) -> Self:
+        if self.frequency_penalty != 0.0:
+            raise _refuse("frequency_penalty", "not supported (only 0); use repetition_penalty")
+        if self.presence_penalty != 0.0:
+            raise _refuse("presence_penalty", "not supported (only 0); use repetition_penalty")
+        if self.logit_bias:
+            raise _refuse("logit_bias", "not supported")
+        if self.return_hidden_states:
+            raise _refuse("return_hidden_states", "not supported (only false)")
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "only allowed with stream=true")
+        return self
+
+    @property
+    def include_stop(self) -> bool:
+        """Keep the stop string in the text: vLLM's ``include_stop_str_in_output`` or SGLang's ``no_stop_trim``."""
+        return self.include_stop_str_in_output or self.no_stop_trim
 
 
 class CompletionRequest(SamplingFields):
@@ -81,6 +184,32 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _completion_supported(self) -> Self:
+        if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
+            raise _refuse(
+                "logprobs", f"{self.logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS} (vLLM's max_logprobs)"
+            )
+        if self.logprobs and self.echo:
+            raise _refuse(
+                "logprobs",
+                "alternatives of the prompt tokens (echo with logprobs > 0) are not supported: pass logprobs=0 with "
+                "echo, or echo=false",
+            )
+        if self.prompt_logprobs is not None and self.prompt_logprobs > 0:
+            raise _refuse(
+                "prompt_logprobs", "top alternatives of the prompt tokens are not supported: pass prompt_logprobs=0"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", "not supported (only equal to n)")
+        if self.suffix:
+            raise _refuse("suffix", "not supported")
+        if self.stream and self.echo:
+            raise _refuse("echo", "not supported with stream=true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise _refuse("prompt_logprobs", "not supported with stream=true")
+        return self
+
 
 class ToolFunction(BaseModel):
     """A function a chat request offers the model (OpenAI's ``tools[i].function``)."""
@@ -91,7 +220,7 @@ class ToolFunction(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
-class Tool(_Body):
+class Tool(_GenerationBody):
     """One entry of ``tools``: only ``type: "function"`` exists in OpenAI's API."""
 
     type: Literal["function"] = "function"
@@ -110,7 +239,11 @@ class ChatCompletionRequest(SamplingFields):
         top_logprobs: the N most likely tokens of each position (0 to 20; needs ``logprobs``).
         max_completion_tokens: OpenAI's newer name of ``max_tokens``.
         add_generation_prompt: append the assistant turn's opening (the template's own flag).
+        continue_final_message: leave the last (assistant) message open; not with ``add_generation_prompt``.
         chat_template_kwargs: extra variables of the chat template (``enable_thinking``...).
+        echo: vLLM's (prepend the last message to the answer): only false.
+        separate_reasoning, stream_reasoning, include_reasoning: SGLang's and vLLM's switches of a reasoning parser
+            (vllm-router sends them): rollout-serve runs none, so they change nothing.
     """
 
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -125,6 +258,32 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _chat_supported(self) -> Self:
+        if self.top_logprobs and not self.logprobs:
+            raise _refuse("top_logprobs", "needs logprobs=true (OpenAI's rule)")
+        if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise _refuse("top_logprobs", f"{self.top_logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None:
+            raise _refuse("prompt_logprobs", "not supported on chat; use /v1/completions")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise _refuse("tool_choice", "only 'auto' and 'none' are supported (a tool cannot be forced)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise _refuse("response_format", "structured output is not supported")
+        if self.echo:
+            raise _refuse("echo", "not supported on chat (only false)")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise _refuse("max_completion_tokens", "differs from max_tokens; set one of them")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise _refuse(
+                "continue_final_message", "cannot be true together with add_generation_prompt; set one of them"
+            )
+        return self
 
 
 class UpdateWeightsRequest(_Body):
@@ -172,9 +331,15 @@ class InitWeightTransferRequest(_Body):
 
 class StartWeightUpdateRequest(_Body):
     """``POST /start_weight_update`` (vLLM's body; ``is_checkpoint_format`` must be true: rollout loads tensors
-    named as ``model.named_parameters()``, which is the checkpoint's format for transformers models)."""
+    named as ``model.named_parameters()``, which is the checkpoint's format for transformers models).
+
+    Attributes:
+        recompute: rollout's, as on ``/update_weights_from_disk``: when the update takes effect, in-flight requests
+            drop their KV and are re-prefilled under the new weights (AReaL's); false keeps it (PipelineRL's).
+    """
 
     is_checkpoint_format: bool = True
+    recompute: bool = False
 
 
 class UpdateInfo(_Body):

@@ -220,14 +220,15 @@ def usage(job: Job, outputs: list[GenerationOutput]) -> dict[str, int]:
 
 
 def completion_response(
-    job: Job, outputs: list[GenerationOutput], prompt_logprobs: list[list[float]] | None, info: ModelInfo
+    job: Job, outputs: list[GenerationOutput], prompt_logprobs: list[list[float] | None] | None, info: ModelInfo
 ) -> dict[str, Any]:
     """The body of a non-streamed ``/v1/completions`` answer (``openai.types.Completion`` plus vLLM's fields).
 
     Args:
         job: the job.
         outputs: the final output of each choice, in choice order.
-        prompt_logprobs: per prompt, the logprobs of its tokens 1..end, when the job asked for them.
+        prompt_logprobs: per prompt, the logprobs of its tokens 1..end (None where its scoring was cancelled), when
+            the job shows them.
         info: the served model.
     """
     choices = []

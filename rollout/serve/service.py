@@ -3,11 +3,14 @@
 ``GenerationService`` owns the server's ``ContinuousBatchingManager`` and is the only code that calls it. A job's
 requests are queued with one ``add_requests`` call (the ``n`` samples of a prompt together, forked from one prefill;
 a ``seed`` s gives sample k the seed s + k), and their outputs come back through result handlers run in the server's
-event loop. A request whose reader goes away is cancelled in the engine, which frees its KV blocks.
+event loop, into the job's ``Submission`` (``submission.py``). A job that shows its prompts' logprobs
+(``prompt_logprobs``, ``echo`` with ``logprobs``) also queues one scoring request per prompt
+(``add_scoring_requests``): the running engine computes it in its steps beside everyone's generation. A request whose
+reader goes away is cancelled in the engine, which frees its KV blocks.
 
-The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``PauseHolder`` holds it
-in a thread of its own until ``/resume``. New weights, from disk or streamed by a trainer, go through the service's
-``WeightUpdater`` (``weight_updates.py``), which shares the service's model lock and its ``abort``.
+The pause of ``/pause`` spans HTTP calls, while ``manager.pause()`` is held by one thread: ``pause.ServerPause`` holds
+it in a thread of its own until ``/resume``, by vLLM's rules. New weights, from disk or streamed by a trainer, go
+through the service's ``WeightUpdater`` (``weight_updates.py``), which calls the service's ``abort``.
 """
 
 from __future__ import annotations
@@ -15,30 +18,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 from rollout import (
     ContinuousBatchingManager,
+    FieldError,
     GenerationOutput,
     QueueFullError,
     RequestStatus,
     model_context_length,
-    score,
 )
 
 from .errors import APIError
-from .jobs import Job, ModelInfo
+from .jobs import Job, ModelInfo, field_error
+from .pause import PAUSE_MODES, ServerPause
 from .responses import finish_reason
+from .submission import Submission
 from .weight_updates import TransferSettings, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
 # Retry-After (seconds) of a 503 for a full queue.
 RETRY_AFTER_SECONDS = 1
-PAUSE_MODES = ("keep", "abort", "wait")
 
 
 def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) -> ModelInfo:
@@ -68,95 +70,8 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
     )
 
 
-class PauseHolder:
-    """Holds ``manager.pause()`` in a thread of its own between ``hold`` and ``release``.
-
-    Args:
-        manager: the manager to pause.
-    """
-
-    def __init__(self, manager: ContinuousBatchingManager) -> None:
-        self._manager = manager
-        self._thread: threading.Thread | None = None
-        self._release = threading.Event()
-
-    def hold(self) -> None:
-        """Enter the pause (blocking: returns once the step in progress has ended); a no-op when held."""
-        if self._thread is not None:
-            return
-        entered = threading.Event()
-        self._release.clear()
-
-        def run() -> None:
-            with self._manager.pause():
-                entered.set()
-                self._release.wait()
-
-        self._thread = threading.Thread(target=run, name="rollout-serve-pause", daemon=True)
-        self._thread.start()
-        entered.wait()
-
-    def release(self) -> None:
-        """Leave the pause (the loop steps again); a no-op when not held."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._release.set()
-            thread.join()
-
-
-class Submission:
-    """The requests of one job in the engine, read as an async iterator of (choice index, output).
-
-    Each choice's outputs come in order; its last one is final. Without streaming only final outputs come.
-    Leaving the iteration early (a closed stream, an exception, a cancelled task) cancels every request
-    that has not ended; so does ``close``.
-
-    Args:
-        service: the service that queued the requests.
-        request_ids: the engine's request id of each choice, in choice order.
-        job_id: the response's ``id``.
-    """
-
-    def __init__(self, service: GenerationService, request_ids: list[str], job_id: str) -> None:
-        self._service = service
-        self.job_id = job_id
-        self.request_ids = request_ids
-        self._pending = set(request_ids)
-        self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
-
-    def deliver(self, index: int, out: GenerationOutput) -> None:
-        """The manager's result handler (run in the event loop): queue a choice's new output."""
-        self._queue.put_nowait((index, out))
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
-        """Yield (choice index, output) until every choice ended.
-
-        Raises:
-            APIError: 500 when the engine failed a request (the message is the engine's error).
-        """
-        try:
-            while self._pending:
-                index, out = await self._queue.get()
-                rid = self.request_ids[index]
-                if out.is_finished():
-                    if rid not in self._pending:
-                        continue
-                    self._pending.discard(rid)
-                    self._service._done(rid, out)
-                    if out.status == RequestStatus.FAILED:
-                        raise APIError(500, f"the engine failed while generating: {out.error}")
-                yield index, out
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Cancel the requests that have not ended (their KV blocks are freed); idempotent."""
-        for rid in list(self._pending):
-            self._service.manager.cancel_request(rid)
-            self._service.finished["abort"] += 1
-            self._service._forget(rid)
-        self._pending.clear()
-        self._service._jobs.pop(self.job_id, None)
+def _drop(out: GenerationOutput) -> None:
+    """The result handler of a request nobody reads."""
 
 
 # Sequences (prompts x n) one request may ask for when the queue is unbounded (--max-queue-size 0): each queued
@@ -186,16 +101,19 @@ class GenerationService:
         self.info = info
         self.finished: Counter[str] = Counter()
         self.accepting = True
-        self._in_flight: set[str] = set()  # engine request ids
-        self._jobs: dict[str, list[str]] = {}  # a response's id -> its engine request ids, while it runs
+        self._in_flight: set[str] = set()  # engine request ids (choices and scoring requests)
+        self._scoring: set[str] = set()  # the scoring requests among them
+        self._jobs: dict[str, list[str]] = {}  # a response's id -> its engine request ids, while one runs
+        self._job_pending: dict[str, int] = {}  # a response's id -> how many of its requests have not ended
         self._idle = asyncio.Event()
         self._idle.set()
-        self._admit = asyncio.Event()  # cleared by pause(mode="wait"): new jobs wait before being queued
-        self._admit.set()
-        self._pause = PauseHolder(manager)
-        self._pause_mode: str | None = None
-        self._model_lock = threading.Lock()  # one scoring pass or weight copy on the model at a time
-        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self._model_lock, self.abort)
+        self._pause = ServerPause(manager)
+        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort)
+
+    @property
+    def load(self) -> int:
+        """Requests waiting or running: every engine request of the jobs in flight (choices and prompt scores)."""
+        return len(self._in_flight)
 
     # ------------------------------------------------------------------ health
     @property
@@ -217,14 +135,17 @@ class GenerationService:
         Waits while a ``pause(mode="wait")`` holds new requests back.
 
         Raises:
-            APIError: 503 with Retry-After when the queue is full or the server shuts down; 400 when a request
-                can never fit the KV cache; 500 when the engine failed. Nothing is queued then.
+            APIError: 503 with Retry-After when the queue is full or the server shuts down; 400 naming the field the
+                engine refused (a request that can never fit the KV cache: ``max_tokens``; a sampling value that
+                ``--per-request-processors false`` fixes); 500 when the engine failed. Nothing is queued then.
         """
-        await self._admit.wait()
+        await self._pause.admit.wait()
+        await self.weights.until_no_copy()
         if not self.accepting:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        if self.weights.state.partial is not None:
-            raise APIError(503, self.weights.state.partial)
+        self._refuse_on_partial_weights()
+        if job.request_id in self._jobs:  # the body's own request_id: two jobs cannot share their response's id
+            raise APIError(400, f"request_id: {job.request_id!r} is in flight already", "request_id")
         queue_limit = self.manager.cb_config.max_queue_size
         limit = queue_limit or MAX_SEQUENCES_PER_JOB
         if job.num_choices > limit:  # it would never fit: a 503 would invite endless retries
@@ -233,45 +154,69 @@ class GenerationService:
         expanded = [p for p in job.prompts for _ in range(job.n)]
         try:
             ids = self.manager.add_requests(expanded, sampling_params=job.params, streaming=job.stream)
+            score_ids = self._add_scoring(job, ids)
         except QueueFullError as e:
             raise APIError(503, f"the queue is full: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
-        except ValueError as e:  # the engine's own check: the request can never fit the KV cache
-            raise APIError(400, f"max_tokens: {e}", "max_tokens") from e
+        except FieldError as e:  # the engine's own checks (the KV cache's size, per-request processors)
+            raise field_error(e, "messages" if job.chat else "prompt") from e
+        except ValueError as e:  # a check that names no field of the request
+            raise APIError(400, str(e)) from e
         except RuntimeError as e:
             raise APIError(500, f"the engine cannot take requests: {e}") from e
-        if any(rid is None for rid in ids):
+        if any(rid is None for rid in ids + score_ids):
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        self._in_flight.update(ids)
+        all_ids = ids + score_ids
+        self._in_flight.update(all_ids)
+        self._scoring.update(score_ids)
         self._idle.clear()
-        submission = Submission(self, ids, job.request_id)
-        self._jobs[job.request_id] = ids
+        self._jobs[job.request_id] = all_ids
+        self._job_pending[job.request_id] = len(all_ids)
+        submission = Submission(ids, score_ids, job.request_id, functools.partial(self._end_request, job.request_id))
         for index, rid in enumerate(ids):
             self.manager.register_result_handler(rid, functools.partial(submission.deliver, index))
+        for index, rid in enumerate(score_ids):
+            self.manager.register_result_handler(rid, functools.partial(submission.deliver_score, index))
+        try:  # a transfer that failed meanwhile aborted what was in flight before this job was: refuse it too
+            self._refuse_on_partial_weights()
+        except APIError:
+            submission.close()
+            raise
         return submission
 
-    def _done(self, rid: str, out: GenerationOutput) -> None:
-        reason = "error" if out.status == RequestStatus.FAILED else finish_reason(out) or "error"
-        self.finished[reason] += 1
-        self._forget(rid)
+    def _refuse_on_partial_weights(self) -> None:
+        """Raise a 503 while an in-place transfer that failed part way left the weights partial."""
+        if self.weights.state.partial is not None:
+            raise APIError(503, self.weights.state.partial)
 
-    def _forget(self, rid: str) -> None:
+    def _add_scoring(self, job: Job, queued: list[str]) -> list[str]:
+        """Queue the scoring request of each of the job's prompts when it shows their logprobs; on a refusal the
+        job's ``queued`` requests are cancelled first (nothing of a refused job stays queued)."""
+        if not job.scores_prompt:
+            return []
+        try:
+            return self.manager.add_scoring_requests(job.prompts)
+        except BaseException:
+            for rid in queued:
+                self.manager.cancel_request(rid)
+                self.manager.register_result_handler(rid, _drop)  # nobody reads it: its result is not kept
+            raise
+
+    def _end_request(self, job_id: str, rid: str, out: GenerationOutput | None) -> None:
+        """A request of job ``job_id`` ended (``out``: its final output) or was given up (None: cancelled here)."""
+        if out is None:
+            self.manager.cancel_request(rid)
+        if rid in self._scoring:
+            self._scoring.discard(rid)
+        elif out is None:
+            self.finished["abort"] += 1
+        else:
+            self.finished["error" if out.status == RequestStatus.FAILED else finish_reason(out) or "error"] += 1
         self._in_flight.discard(rid)
         if not self._in_flight:
             self._idle.set()
-
-    async def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
-        """The logprob of every prompt token after the first, by ``rollout.score`` under a pause of the engine.
-
-        Returns:
-            Per prompt, float [len(prompt) - 1] in nats (log_softmax of the raw logits).
-        """
-
-        def run() -> list[list[float]]:
-            with self._model_lock, self.manager.pause():
-                scores = score(self.manager.model, prompts, [[] for _ in prompts], include_prompt=True)
-            return [list(s.prompt_logprobs or []) for s in scores]
-
-        return await asyncio.to_thread(run)
+        self._job_pending[job_id] -= 1
+        if not self._job_pending[job_id]:
+            del self._job_pending[job_id], self._jobs[job_id]
 
     def abort(self, request_ids: list[str] | None = None) -> int:
         """Cancel in-flight requests; they end with finish reason ``abort`` and their partial tokens.
@@ -293,39 +238,44 @@ class GenerationService:
     # ------------------------------------------------------------------ control
     @property
     def paused(self) -> bool:
-        """True between ``pause`` and ``resume``."""
-        return self._pause_mode is not None
+        """True from ``pause`` until ``resume`` (a ``wait`` pause that still waits included)."""
+        return self._pause.paused
 
-    async def pause(self, mode: str) -> None:
-        """Pause generation.
+    async def pause(self, mode: str, clear_cache: bool = False) -> bool:
+        """Pause generation (``pause.ServerPause``'s rules).
 
         Args:
             mode: ``keep``: in-flight requests stay frozen with their KV; ``abort``: they end now with finish
                 reason ``abort`` and their partial tokens; ``wait``: returns once they have finished, new
-                ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``.
+                ones wait (not queued) meanwhile. In every mode new requests wait for ``resume``. On a paused
+                server ``keep`` and ``wait`` return at once.
+            clear_cache: vLLM's flag (whose default is true there): once paused, forget the prefix cache and the
+                KV of the requests ``keep`` froze, which are re-prefilled at ``resume`` under the weights of then
+                (``reset_prefix_cache(reset_running_requests=True)``). False keeps both (PipelineRL's in-flight
+                update).
+
+        Returns:
+            True once paused; False when a ``resume`` cancelled a ``wait`` that still waited.
 
         Raises:
             APIError: 400 for another mode.
         """
         if mode not in PAUSE_MODES:
             raise APIError(400, f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        self._pause_mode = mode
-        if mode == "wait":
-            self._admit.clear()
-            await self._idle.wait()
-        elif mode == "abort":
-            self.abort()
-        await asyncio.to_thread(self._pause.hold)
+        paused = await self._pause.pause(mode, self._idle, self.abort)
+        if paused and clear_cache:
+            await self.reset_prefix_cache(reset_running_requests=True)
+        return paused
 
     async def resume(self) -> None:
-        """End the pause: the engine steps again and waiting requests are queued."""
-        await asyncio.to_thread(self._pause.release)
-        self._pause_mode = None
-        self._admit.set()
+        """End the pause (or cancel a pending ``wait``): the engine steps again and held-back requests are queued."""
+        await self._pause.resume()
 
-    async def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (blocks of running requests stay theirs)."""
-        await asyncio.to_thread(self.manager.reset_prefix_cache)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Forget every cached prefix block; with ``reset_running_requests`` (vLLM's flag) drop the KV of every
+        in-flight request too, which is re-prefilled when the engine steps again (after a ``resume``, under the
+        weights of then). Otherwise blocks of running requests stay theirs."""
+        await asyncio.to_thread(self.manager.reset_prefix_cache, reset_running_requests)
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self, abort: bool) -> None:
@@ -334,14 +284,14 @@ class GenerationService:
         Safe to call from a signal handler in the event loop's thread.
         """
         self.accepting = False
-        self._admit.set()  # jobs waiting on a pause(wait) get their 503
+        self._pause.admit.set()  # jobs waiting on a pause(wait) get their 503
         if abort:
             self.abort()
 
     def shutdown(self, timeout: float) -> None:
         """End the pause, stop the manager (finishing its requests, at most ``timeout`` seconds) and destroy it."""
         self.accepting = False
-        self._pause.release()
+        self._pause.release_at_shutdown()
         self.weights.close_group()
         self.manager.stop(block=True, timeout=timeout)
         if self.manager.is_running():

@@ -5,7 +5,8 @@ by a trainer (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/upd
 ``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weight_transfer.TransferGroup``;
 ``TransferSettings`` says whether they are staged first (atomic) or copied bucket by bucket (in place).
 Both reach the model through ``manager.update_weights``, which makes a new weight version.
-``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``) and shares its model lock.
+``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``), whose ``abort`` it calls after a failed
+in-place transfer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from rollout import ContinuousBatchingManager
+from rollout import ContinuousBatchingManager, FieldError
 from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
 from rollout.weights import copy_weights, plan_weight_copy
 
@@ -29,6 +30,14 @@ from .errors import APIError, bad_request
 from .protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
+
+# What /health and generation answer (503) while the live weights mix two versions.
+PARTIAL_WEIGHTS = (
+    "the weights are partial: a weight transfer copied some tensors and did not finish; "
+    "send a complete update (/start_weight_update, /update_weights, /finish_weight_update)"
+)
+# The ``update_info`` list that announces each attribute ``plan_weight_copy`` compares (its ``FieldError.field``).
+UPDATE_INFO_FIELDS = {"shape": "update_info.shapes", "dtype": "update_info.dtype_names"}
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,9 @@ class TransferSettings:
             one pause, so a failed transfer leaves the weights as they were (memory: one more copy of the
             tensors sent); ``in_place``: each bucket is copied into the live weights as it arrives, under a
             pause held for the whole ``/update_weights`` call, which makes a new weight version (memory: one
-            bucket; generation stops while it receives), so a failed transfer leaves partial weights, which the
-            server then reports (``/health`` 503, generation 503) until a complete update.
+            bucket; generation stops while it receives, and requests sent meanwhile wait, as under any pause),
+            so a failed transfer leaves partial weights, which the server then reports (``/health`` 503,
+            generation 503) until a complete update.
         timeout: seconds the rendezvous and each broadcast may wait for the trainer before failing.
     """
 
@@ -57,6 +67,7 @@ class TransferState:
         group: the joined group, or None (never initialised, or closed after a failure).
         packed: ``init_info.packed``, the default of ``update_info.packed``.
         updating: between ``/start_weight_update`` and ``/finish_weight_update``.
+        recompute: the open update re-prefills in-flight requests when it takes effect.
         receiving: an ``/update_weights`` call is receiving now.
         staged: atomic mode: the (name, tensor) pairs received since the update started.
         partial: in-place mode: why the live weights are a mix of two versions, or None.
@@ -67,6 +78,7 @@ class TransferState:
     group: TransferGroup | None = None
     packed: bool = False
     updating: bool = False
+    recompute: bool = False
     receiving: bool = False
     staged: list[tuple[str, torch.Tensor]] | None = None
     partial: str | None = None
@@ -82,7 +94,6 @@ class WeightUpdater:
     Args:
         manager: the server's manager.
         settings: how streamed weights are taken (atomic or in place, the timeout).
-        model_lock: held around every weight copy (the service holds it around scoring passes too).
         abort: cancels every in-flight request (the service's ``abort``): an in-place transfer that fails
             part way calls it before its pause ends, so no token is sampled from a mix of two versions.
 
@@ -95,13 +106,15 @@ class WeightUpdater:
         self,
         manager: ContinuousBatchingManager,
         settings: TransferSettings,
-        model_lock: threading.Lock,
         abort: Callable[[], int],
     ) -> None:
         self.manager = manager
         self.settings = settings
         self.state = TransferState()
-        self._model_lock = model_lock
+        self._model_lock = threading.Lock()  # one weight copy at a time
+        self._copies = 0  # copies into the live weights under way
+        self._no_copy = asyncio.Event()  # set while none is
+        self._no_copy.set()
         self._abort = abort
 
     async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
@@ -133,10 +146,34 @@ class WeightUpdater:
                 return self.manager.update_weights(tensors, recompute=recompute)
 
         try:
-            return await asyncio.to_thread(run)
+            return await self._copying(run)
         except (KeyError, ValueError, TypeError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             raise APIError(400, f"model_path: {message}", "model_path") from e
+
+    async def until_no_copy(self) -> None:
+        """Return once no copy into the live weights is under way.
+
+        The service queues new requests only then: the manager records weights changed by hand when a request is
+        added, and would record a half-copied model as a weight version of its own (an in-place transfer made two
+        versions when a request came in the middle). The copies run under a pause, so the wait costs no step.
+        """
+        await self._no_copy.wait()
+
+    async def _copying(self, run: Callable[[], Any]) -> Any:
+        """Run ``run`` (a copy into the live weights) in a thread; ``until_no_copy`` waits meanwhile."""
+        self._copies += 1
+        self._no_copy.clear()
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self._copies -= 1
+            if not self._copies:
+                self._no_copy.set()
+
+    def backend(self) -> str:
+        """The transfer group's torch.distributed backend: ``nccl`` for a CUDA model, ``gloo`` otherwise."""
+        return "nccl" if next(self.manager.model.parameters()).device.type == "cuda" else "gloo"
 
     def weights_dtype(self) -> str:
         """The dtype of the model's weights, as torch spells it (``"torch.float32"``)."""
@@ -206,8 +243,12 @@ class WeightUpdater:
             )
         return self.state.group
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, recompute: bool = False) -> None:
         """Open an update: the tensors of the next ``/update_weights`` calls form one new weight version.
+
+        Args:
+            recompute: when the update takes effect (atomic: at ``finish``; in place: at each ``/update_weights``),
+                in-flight requests drop their KV and are re-prefilled under the new weights.
 
         Raises:
             APIError: 400 without a group; 409 while a transfer receives.
@@ -216,22 +257,23 @@ class WeightUpdater:
         if self.state.receiving:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         self.state.updating = True
+        self.state.recompute = recompute
         self.state.staged = []
 
     def _check_update(self, info: UpdateInfo) -> list[TensorMeta]:
         """The announced tensors, checked against the model's parameters before any byte is received."""
         try:
             metas = parse_metas(info.names, info.dtype_names, info.shapes)
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
+        except FieldError as e:
+            raise APIError(400, str(e), e.field) from e
         try:  # meta tensors: only names, shapes and dtypes are compared
             plan_weight_copy(
                 self.manager.model, [(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in metas]
             )
         except KeyError as e:
             raise APIError(400, f"update_info.names: {e.args[0]}", "update_info.names") from e
-        except ValueError as e:
-            param = "update_info.shapes" if "shape" in str(e) else "update_info.dtype_names"
+        except FieldError as e:  # its field is the tensor's attribute that differs
+            param = UPDATE_INFO_FIELDS[e.field]
             raise APIError(400, f"{param}: {e}", param) from e
         return metas
 
@@ -271,29 +313,32 @@ class WeightUpdater:
             assert t.staged is not None
             t.staged.extend(pairs)
 
+        copied: list[int] = []  # buckets this call copied into the live weights
+
         def copy(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            t.partial = (
-                "the weights are partial: a weight transfer copied some tensors and did not finish; "
-                "send a complete update (/start_weight_update, /update_weights, /finish_weight_update)"
-            )
+            copied.append(len(pairs))
             copy_weights(plan_weight_copy(self.manager.model, pairs))
 
         def run() -> int:
             if not in_place:
                 return receive(group, metas, stage, bucket_bytes, packed, progress)
+            # A transfer that succeeds is invisible to clients: requests sent meanwhile wait for this pause (and the
+            # client's) like any paused request; only one that fails after a copy leaves partial weights.
             with self._model_lock, self.manager.pause():
                 try:
                     received = receive(group, metas, copy, bucket_bytes, packed, progress)
                 except Exception:
+                    if copied:
+                        t.partial = PARTIAL_WEIGHTS
                     if t.partial is not None:
                         self._abort()  # before the pause ends: no token is sampled from a mix of two versions
                     raise
                 # Recorded before the pause ends, or the loop would notice the change and bump on its own.
-                self.manager.update_weights(None)
+                self.manager.update_weights(None, recompute=t.recompute)
                 return received
 
         try:
-            t.bytes_received = await asyncio.to_thread(run)
+            t.bytes_received = await (self._copying(run) if in_place else asyncio.to_thread(run))
         except Exception as e:
             self.close_group()
             t.updating, t.staged = False, None
@@ -331,7 +376,7 @@ class WeightUpdater:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         if not t.updating:
             raise APIError(400, "no weight update is open: call /start_weight_update first")
-        staged = t.staged
+        staged, recompute = t.staged, t.recompute
         t.updating, t.staged = False, None
         if self.settings.mode == "in_place":  # each /update_weights recorded its copy: a new version
             t.partial = None
@@ -339,6 +384,6 @@ class WeightUpdater:
 
         def run() -> int:
             with self._model_lock:
-                return self.manager.update_weights(staged)
+                return self.manager.update_weights(staged, recompute=recompute)
 
-        return await asyncio.to_thread(run)
+        return await self._copying(run)
