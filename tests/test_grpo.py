@@ -68,14 +68,27 @@ def tiny_config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, **overrides) -> GRPOTrainer:
+def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, accelerator=None, **overrides) -> GRPOTrainer:
     return GRPOTrainer(
         tiny_config(tmp_path, **overrides),
         model=tiny_llama(),
         tokenizer=tiny_tokenizer(),
         train_dataset=dataset if dataset is not None else token_dataset(),
         reward_funcs=[reward],
+        accelerator=accelerator,
     )
+
+
+def accumulating_accelerator(monkeypatch, steps: int, where: str):
+    """An Accelerator with ``gradient_accumulation_steps`` ``steps`` given to the trainer ("accelerator"), or None
+    with the variable ``accelerate launch --gradient_accumulation_steps`` sets, so the trainer's own has it
+    ("launcher")."""
+    from accelerate import Accelerator
+
+    if where == "launcher":
+        monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", str(steps))
+        return None
+    return Accelerator(cpu=True, gradient_accumulation_steps=steps)
 
 
 # ---------------------------------------------------------------------- advantages and loss
@@ -197,6 +210,49 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
     assert scale > 1e-2
     for g, p in zip(got, model.parameters()):
         assert_close(g, p.grad, atol=1e-4 * scale)  # fp32: padded micro-batches vs one unpadded sequence
+
+
+@pytest.mark.parametrize("where", ["accelerator", "launcher"])
+def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_unchanged(
+    tmp_path, monkeypatch, accelerate_state, where
+):
+    """Issue 30: with accelerate's gradient_accumulation_steps 4 the gradient of a fixed batch was 0.25x the one
+    with 1 (the trainer normalises over its micro-batches, then ``accelerator.backward`` divided by 4 again), and
+    grad_norm was logged 4x too small. Now both equal the ones with 1."""
+    T = 0.7
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    completions = [[20, 21, 22, 2], [30, 31], [40], [50, 51, 52, 53, 54]]
+    results = []
+    for steps in (1, 4):
+        accelerator = accumulating_accelerator(monkeypatch, steps, where) if steps > 1 else None
+        trainer = tiny_trainer(tmp_path / str(steps), accelerator=accelerator, max_steps=2, micro_batch_size=3)
+        assert trainer.accelerator.gradient_accumulation_steps == steps
+        model = trainer.unwrapped
+        behaviour = [[lp - 0.2 for lp in teacher_forced_logprobs(model, p, c, T)] for p, c in zip(prompts, completions)]
+        prep = _Prepared(
+            prompt_ids=prompts,
+            completion_ids=completions,
+            behaviour_logprobs=behaviour,
+            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            sample_mask=torch.ones(4),
+            staleness=[[0] * len(c) for c in completions],
+            rewards=torch.zeros(4),
+            rewards_per_func=torch.zeros(4, 1),
+            finish_length=torch.zeros(4),
+            zero_spread=torch.zeros(2),
+        )
+        model.zero_grad(set_to_none=True)
+        trainer._forward_backward(prep)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        results.append((grads, trainer.train()))  # synchronous: the same samples and steps in both runs
+    (grads_1, rows_1), (grads_4, rows_4) = results
+    scale = max(float(g.abs().max()) for g in grads_1)
+    assert scale > 1e-3
+    for a, b in zip(grads_4, grads_1):
+        assert_close(a, b, atol=1e-6 * scale)
+    assert [r["grad_norm"] for r in rows_4] == pytest.approx([r["grad_norm"] for r in rows_1], rel=1e-5)
+    assert [r["loss"] for r in rows_4] == pytest.approx([r["loss"] for r in rows_1], rel=1e-5)
 
 
 # ---------------------------------------------------------------------- engine memory next to training

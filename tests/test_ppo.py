@@ -41,7 +41,7 @@ def token_dataset(n: int = 64) -> datasets.Dataset:
     return datasets.Dataset.from_list([{"prompt": f"t{5 + i % 7} t{20 + i % 11} t{40 + i % 5}"} for i in range(n)])
 
 
-def tiny_trainer(tmp_path, **overrides) -> PPOTrainer:
+def tiny_trainer(tmp_path, accelerator=None, **overrides) -> PPOTrainer:
     values = dict(
         model="tiny",
         batch_size=8,
@@ -66,6 +66,7 @@ def tiny_trainer(tmp_path, **overrides) -> PPOTrainer:
         tokenizer=tiny_tokenizer(),
         train_dataset=token_dataset(),
         reward_funcs=[low_token_reward],
+        accelerator=accelerator,
     )
 
 
@@ -267,6 +268,47 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
     for name, p in module.named_parameters():
         if p.grad is not None:
             assert_close(grads[name], p.grad, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("where", ["accelerator", "launcher"])
+def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_unchanged(
+    tmp_path, monkeypatch, accelerate_state, where
+):
+    """Issue 30: PPO's mini-batch loss is normalised over its micro-batches, and ``accelerator.backward`` divided
+    it by accelerate's gradient_accumulation_steps again (4: a 0.25x gradient, grad_norm logged 4x too small).
+    The gradient of one PPO step on a fixed batch and the logged grad norms now equal the ones with 1."""
+    from tests.test_grpo import accumulating_accelerator
+
+    results = []
+    for steps in (1, 4):
+        accelerator = accumulating_accelerator(monkeypatch, steps, where) if steps > 1 else None
+        trainer = tiny_trainer(tmp_path / str(steps), accelerator=accelerator, max_grad_norm=1e9, num_mini_batches=1)
+        assert trainer.accelerator.gradient_accumulation_steps == steps
+        module: PolicyWithValue = trainer.unwrapped
+        torch.nn.init.normal_(module.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(3))
+        trainer.manager.start()
+        try:
+            traj = _trajectory(trainer)
+        finally:
+            trainer.close()
+        grads: dict[str, torch.Tensor] = {}
+
+        def record_step(*args, grads=grads, module=module, **kwargs):
+            grads.update({name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
+
+        trainer.optimizer.step = record_step
+        stats = trainer.ppo_step(traj, 0)
+        rows = tiny_trainer(tmp_path / f"run{steps}", accelerator=accelerator, num_mini_batches=2).train()
+        results.append((traj.completion_ids, grads, stats, rows))
+    (ids_1, grads_1, stats_1, rows_1), (ids_4, grads_4, stats_4, rows_4) = results
+    assert ids_4 == ids_1  # the same samples: the gradients are of one batch
+    scale = max(float(g.abs().max()) for g in grads_1.values())
+    assert scale > 1e-3 and set(grads_4) == set(grads_1)
+    for name, g in grads_1.items():
+        assert_close(grads_4[name], g, atol=1e-6 * scale)
+    assert (stats_4.grad_norm, stats_4.value_grad_norm) == pytest.approx((stats_1.grad_norm, stats_1.value_grad_norm))
+    for key in ("grad_norm", "value_grad_norm", "policy_loss", "value_loss"):
+        assert [r[key] for r in rows_4] == pytest.approx([r[key] for r in rows_1], rel=1e-5), key
 
 
 def test_training_run_writes_the_run_folder_and_the_policy_reloads(tmp_path):

@@ -41,7 +41,7 @@ from .remote import RemoteRollouts
 from .rewards import RewardFunc, compute_rewards
 from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
 from .runs import TIMING_KEYS, RunFolder, flat_config, nanstd, resolve_output_dir, sample_seed, source_commit, summary
-from .setup import engine_config_for, setup_accelerator, setup_data, setup_policy
+from .setup import backward, engine_config_for, setup_accelerator, setup_data, setup_policy
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class GRPOTrainer:
                     logps, logps.detach(), behaviour.to(device), adv, cfg.epsilon, eps_high, cfg.is_cap
                 )
                 loss = aggregate_loss(per_token, mask, cfg.loss_type, normaliser)
-                acc.backward(loss)
+                backward(acc, loss)
             sums["loss"] += float(loss.detach())
             m = mask.bool()
             if m.any():

@@ -59,7 +59,7 @@ from .prompts import encode_prompt
 from .rewards import RewardFunc, compute_rewards
 from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
 from .runs import RunFolder, flat_config, nanstd, sample_seed, summary
-from .setup import engine_config_for, setup_accelerator, setup_data, setup_policy
+from .setup import backward, engine_config_for, setup_accelerator, setup_data, setup_policy
 from .value_model import PolicyWithValue
 
 logger = logging.getLogger(__name__)
@@ -437,7 +437,7 @@ class PPOTrainer:
                             with torch.no_grad():
                                 ent = entropy_from_logits(logits.detach())
                         loss = ((pg + cfg.vf_coef * vf - cfg.entropy_coef * ent) * m).sum() / normaliser
-                        acc.backward(loss)
+                        backward(acc, loss)
                     with torch.no_grad():
                         log_r = torch.log(ratio.clamp(min=1e-30))
                         sums["pg"] += float((pg * m).sum())

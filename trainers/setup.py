@@ -123,10 +123,36 @@ def setup_accelerator(config: Any, accelerator: Accelerator | None, prefix: str)
             f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
             f"dtype must be 'float32', got {config.dtype!r}"
         )
+    if accelerator.gradient_accumulation_steps > 1:
+        logger.info(
+            "gradient_accumulation_steps %d (from the launcher or the accelerator): the trainer accumulates each "
+            "step's gradient over its own micro-batches (micro_batch_size) and normalises the loss once over the "
+            "step's batch, so the setting changes neither the gradient nor the optimizer steps (see setup.backward)",
+            accelerator.gradient_accumulation_steps,
+        )
     accelerator.wait_for_everyone()  # every process checked the folder before the main one writes to it
     if accelerator.device.type == "cpu":
         set_cpu_threads(config.cpu_threads)
     return accelerator, output_dir
+
+
+def backward(accelerator: Accelerator, loss: torch.Tensor) -> None:
+    """``accelerator.backward`` of a micro-batch's part of a step's loss, normalised once.
+
+    The trainers divide each micro-batch's loss by the step's global token or sequence count, so the
+    micro-batches' gradients add up to the gradient of the step's loss: the accumulation is already in
+    the loss. ``accelerator.backward`` divides by ``gradient_accumulation_steps`` again (set with
+    ``Accelerator(gradient_accumulation_steps=N)`` or ``accelerate launch --gradient_accumulation_steps N``),
+    which made the gradient, the logged grad_norm and the clip N times smaller (TRL issues 5619, 6024
+    report the same double division). Multiplying by N first undoes it, whatever N is, and keeps
+    ``accelerator.backward``'s loss scaling under fp16.
+
+    Args:
+        accelerator: the run's Accelerator; ``accumulate()`` is never entered, so its optimizer steps
+            and zeroes at every call and only this division depends on N.
+        loss: a 0-d tensor, the micro-batch's part of the step's loss.
+    """
+    accelerator.backward(loss * accelerator.gradient_accumulation_steps)
 
 
 def set_cpu_threads(threads: int | None) -> None:
