@@ -15,8 +15,9 @@ import rollout
 import trainers.grpo as grpo_module
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
+from trainers.arguments import load_config
 from trainers.cli import parse_config
-from trainers.config import ConfigError, GRPOConfig, load_config
+from trainers.config import ConfigError, GRPOConfig
 from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
 from trainers.loss import (
     aggregate_loss,
