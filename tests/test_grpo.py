@@ -18,7 +18,7 @@ from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 from trainers.arguments import load_config
 from trainers.cli import parse_config
 from trainers.config import ConfigError, GRPOConfig
-from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
+from trainers.grpo import TIMING_KEYS, GRPOTrainer, GRPOTrajectory, summary
 from trainers.loss import (
     aggregate_loss,
     completion_logprobs,
@@ -77,6 +77,24 @@ def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, accelerator=No
         train_dataset=dataset if dataset is not None else token_dataset(),
         reward_funcs=[reward],
         accelerator=accelerator,
+    )
+
+
+def fixed_trajectory(prompts, completions, behaviour, advantages, loss_mask=None) -> GRPOTrajectory:
+    """A trajectory of given samples, all fresh and kept (what ``_forward_backward`` reads)."""
+    n = len(completions)
+    return GRPOTrajectory(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        behaviour_logprobs=behaviour,
+        scores=torch.zeros(n),
+        scores_per_func=torch.zeros(n, 1),
+        staleness=[[0] * len(c) for c in completions],
+        dropped=torch.zeros(n),
+        truncated=torch.zeros(n),
+        loss_mask=loss_mask,
+        advantages=torch.as_tensor(advantages, dtype=torch.float32),
+        zero_spread=torch.zeros(max(n // 4, 1)),
     )
 
 
@@ -180,20 +198,8 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
     shifts = [[0.3, 0.3, 1.0, 0.3], [-1.0, -1.0], [0.3], [0.3, -1.0, 0.3, -1.0, 0.3]]
     current = [teacher_forced_logprobs(model, p, c, T) for p, c in zip(prompts, completions)]
     behaviour = [[lp - d for lp, d in zip(row, sh)] for row, sh in zip(current, shifts)]
-    prep = _Prepared(
-        prompt_ids=prompts,
-        completion_ids=completions,
-        behaviour_logprobs=behaviour,
-        advantages=advantages,
-        sample_mask=torch.ones(4),
-        staleness=[[0] * len(c) for c in completions],
-        rewards=torch.zeros(4),
-        rewards_per_func=torch.zeros(4, 1),
-        finish_length=torch.zeros(4),
-        zero_spread=torch.zeros(2),
-    )
     model.zero_grad(set_to_none=True)
-    trainer._forward_backward(prep)
+    trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, advantages))
     got = [p.grad.clone() for p in model.parameters()]
     assert sorted(forwarded) == sorted(c for c, a in zip(completions, advantages.tolist()) if a != 0)
 
@@ -230,20 +236,8 @@ def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_u
         assert trainer.accelerator.gradient_accumulation_steps == steps
         model = trainer.unwrapped
         behaviour = [[lp - 0.2 for lp in teacher_forced_logprobs(model, p, c, T)] for p, c in zip(prompts, completions)]
-        prep = _Prepared(
-            prompt_ids=prompts,
-            completion_ids=completions,
-            behaviour_logprobs=behaviour,
-            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-            sample_mask=torch.ones(4),
-            staleness=[[0] * len(c) for c in completions],
-            rewards=torch.zeros(4),
-            rewards_per_func=torch.zeros(4, 1),
-            finish_length=torch.zeros(4),
-            zero_spread=torch.zeros(2),
-        )
         model.zero_grad(set_to_none=True)
-        trainer._forward_backward(prep)
+        trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, [1.0, -1.0, 0.5, -0.5]))
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         results.append((grads, trainer.train()))  # synchronous: the same samples and steps in both runs
@@ -254,6 +248,36 @@ def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_u
         assert_close(a, b, atol=1e-6 * scale)
     assert [r["grad_norm"] for r in rows_4] == pytest.approx([r["grad_norm"] for r in rows_1], rel=1e-5)
     assert [r["loss"] for r in rows_4] == pytest.approx([r["loss"] for r in rows_1], rel=1e-5)
+
+
+def test_loss_mask_takes_masked_tokens_out_of_the_loss_and_its_normaliser(tmp_path):
+    """A trajectory's ``loss_mask`` (0 on tokens the model did not sample, as an episode's environment replies) leaves
+    those tokens out of the loss and of dapo's token count: the gradient is the hand-written
+    -sum_i A_i sum_t m_it log p_it / sum m, behaviour logprobs equal to the current ones (w = 1)."""
+    T = 0.7
+    trainer = tiny_trainer(tmp_path, temperature=T, micro_batch_size=2)
+    model = trainer.unwrapped
+    prompts = [[5, 6, 7], [8, 9], [10, 11]]
+    completions = [[20, 21, 22, 2], [30, 31, 32], [40, 41]]
+    loss_mask = [[1, 0, 0, 1], [1, 1, 1], [0, 1]]
+    advantages = [1.0, -0.5, 2.0]
+    behaviour = [teacher_forced_logprobs(model, p, c, T) for p, c in zip(prompts, completions)]
+    model.zero_grad(set_to_none=True)
+    stats = trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, advantages, loss_mask))
+    got = [p.grad.clone() for p in model.parameters()]
+    assert stats.trained_tokens == 6 and stats.is_tokens == 6
+
+    model.zero_grad(set_to_none=True)
+    loss = 0.0
+    for p, c, a, m in zip(prompts, completions, advantages, loss_mask):
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / T
+        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        loss = loss - a * (torch.tensor(m, dtype=torch.float32) * logp).sum() / 6
+    loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in model.parameters())
+    assert scale > 1e-2
+    for g, p in zip(got, model.parameters()):
+        assert_close(g, p.grad, atol=1e-4 * scale)
 
 
 # ---------------------------------------------------------------------- engine memory next to training
@@ -267,7 +291,7 @@ def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(t
     try:
         model = trainer.unwrapped
         wanted = 8 * (-(-(256 + 10) // 32) + 1) + 8  # in flight x (blocks per sequence + 1) + 8 = 88
-        assert trainer.manager.engine.num_blocks == wanted  # a CPU has room for it
+        assert trainer.backend.engine.num_blocks == wanted  # a CPU has room for it
         state = 3 * sum(p.numel() * 4 for p in model.parameters())
         usable = 3 * state // 2
         per_block = (2 * 2 * 2 * 16 * 4) * 32  # bytes per token (2 layers, 2 KV heads, dim 16, fp32) x 32
@@ -354,11 +378,11 @@ def test_async_wait_never_trains_on_tokens_older_than_max_staleness(tmp_path):
     trained: list[int] = []
     original = trainer._forward_backward
 
-    def record(prep):
-        for s, keep in zip(prep.staleness, prep.sample_mask.tolist()):
-            if keep:
+    def record(trajectory):
+        for s, dropped in zip(trajectory.staleness, trajectory.dropped.tolist()):
+            if not dropped:
                 trained.extend(s)
-        return original(prep)
+        return original(trajectory)
 
     trainer._forward_backward = record
     rows = trainer.train()
@@ -414,7 +438,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_with_bf16_rollouts(tmp_path, a
     cache used to be fp32 while the keys and values arrived in bf16: the first rollout step failed."""
     trainer = tiny_trainer(tmp_path, max_steps=2, mixed_precision="bf16")
     assert trainer.accelerator.mixed_precision == "bf16"
-    assert trainer.manager.engine.cache.dtype == torch.bfloat16
+    assert trainer.backend.engine.cache.dtype == torch.bfloat16
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
     rows = trainer.train()
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
@@ -646,7 +670,7 @@ def test_the_model_s_generation_config_does_not_reach_the_rollouts(tmp_path):
         train_dataset=token_dataset(),
         reward_funcs=[low_token_reward],
     )
-    assert trainer.manager.default_params == rollout.SamplingParams(
+    assert trainer.backend.default_params == rollout.SamplingParams(
         max_new_tokens=10, do_sample=True, temperature=1.0, eos_token_ids=tuple(trainer.eos_token_ids)
     )
     (row,) = trainer.train()

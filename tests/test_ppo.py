@@ -187,7 +187,7 @@ def _trajectory(trainer: PPOTrainer, step: int = 0) -> PPOTrajectory:
 def test_engine_logprobs_equal_the_trainers_first_epoch_old_logprobs(tmp_path, value_model):
     """The ratio against the engine's logprobs is 1 at the weights that sampled (within 1e-4)."""
     trainer = tiny_trainer(tmp_path, value_model=value_model, ppo_epochs=1, num_mini_batches=1)
-    trainer.manager.start()
+    trainer.backend.start()
     try:
         traj = _trajectory(trainer)
         m = traj.mask.bool()
@@ -222,17 +222,6 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
     # A value head that is not zero, so the value loss reaches the trunk in "head" mode.
     torch.manual_seed(3)
     torch.nn.init.normal_(module.value_head.weight, std=0.3)
-    trainer.manager.start()
-    try:
-        traj = _trajectory(trainer)
-    finally:
-        trainer.close()
-    n = len(traj.completion_ids)
-    # Shift the old logprobs by +-0.4 on alternate tokens and the old values by +-0.1: both clips bite.
-    shift = torch.tensor([0.4 if (b + t) % 2 else -0.4 for b in range(n) for t in range(traj.mask.shape[1])])
-    traj.old_logprobs = (traj.old_logprobs + shift.view(n, -1)) * traj.mask
-    traj.values = (traj.values + 0.1 * shift.view(n, -1) / 0.4) * traj.mask
-    traj.advantages = torch.randn(traj.mask.shape, generator=torch.Generator().manual_seed(0)) * traj.mask
     grads: dict[str, torch.Tensor] = {}
 
     def record_step(*args, **kwargs):
@@ -240,8 +229,19 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
             if p.grad is not None:
                 grads[name] = p.grad.clone()
 
-    trainer.optimizer.step = record_step
-    stats = trainer.ppo_step(traj, 0)
+    trainer.backend.start()
+    try:
+        traj = _trajectory(trainer)
+        n = len(traj.completion_ids)
+        # Shift the old logprobs by +-0.4 on alternate tokens and the old values by +-0.1: both clips bite.
+        shift = torch.tensor([0.4 if (b + t) % 2 else -0.4 for b in range(n) for t in range(traj.mask.shape[1])])
+        traj.old_logprobs = (traj.old_logprobs + shift.view(n, -1)) * traj.mask
+        traj.values = (traj.values + 0.1 * shift.view(n, -1) / 0.4) * traj.mask
+        traj.advantages = torch.randn(traj.mask.shape, generator=torch.Generator().manual_seed(0)) * traj.mask
+        trainer.optimizer.step = record_step
+        stats = trainer.ppo_step(traj, 0)  # the weights are not stepped: the step's update changes nothing
+    finally:
+        trainer.close()
     assert stats.clip_fraction > 0.1 and stats.value_clip_fraction > 0.1
 
     module.zero_grad(set_to_none=True)
@@ -286,18 +286,18 @@ def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_u
         assert trainer.accelerator.gradient_accumulation_steps == steps
         module: PolicyWithValue = trainer.unwrapped
         torch.nn.init.normal_(module.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(3))
-        trainer.manager.start()
-        try:
-            traj = _trajectory(trainer)
-        finally:
-            trainer.close()
         grads: dict[str, torch.Tensor] = {}
 
         def record_step(*args, grads=grads, module=module, **kwargs):
             grads.update({name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
 
-        trainer.optimizer.step = record_step
-        stats = trainer.ppo_step(traj, 0)
+        trainer.backend.start()
+        try:
+            traj = _trajectory(trainer)
+            trainer.optimizer.step = record_step
+            stats = trainer.ppo_step(traj, 0)
+        finally:
+            trainer.close()
         rows = tiny_trainer(tmp_path / f"run{steps}", accelerator=accelerator, num_mini_batches=2).train()
         results.append((traj.completion_ids, grads, stats, rows))
     (ids_1, grads_1, stats_1, rows_1), (ids_4, grads_4, stats_4, rows_4) = results

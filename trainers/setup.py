@@ -17,12 +17,15 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import rollout
 
+from .backend import RolloutBackend
 from .config import ConfigError
 from .prompts import eos_token_ids
+from .remote import RemoteRollouts
 from .rewards import RewardFunc, required_columns, resolve_reward_func, reward_name
 from .runs import resolve_output_dir
 from .tasks import build_datasets
@@ -318,3 +321,34 @@ def engine_config_for(
             fits,
         )
     return config.engine_config(num_blocks=min(wanted, fits))
+
+
+def rollout_backend(
+    config: Any, policy: PreTrainedModel, accelerator: Accelerator, eos_token_ids: Sequence[int]
+) -> RolloutBackend:
+    """The trainer's rollout backend on ``policy``: the ``rollout-serve`` at ``config.rollout_server``
+    (``trainers.remote.RemoteRollouts``; the main process streams the weights, every process learns their
+    version), else a persistent ``rollout.ContinuousBatchingManager`` on the policy object itself (no copy of
+    the weights), its cache sized by ``engine_config_for``."""
+    if config.rollout_server:
+
+        def share_version(version: int) -> int:
+            return int(broadcast_object_list([version])[0]) if accelerator.num_processes > 1 else version
+
+        return RemoteRollouts(
+            config.rollout_server,
+            policy,
+            api_key=config.rollout_api_key,
+            bucket_bytes=config.weight_sync_bucket_mb << 20,
+            is_sender=accelerator.is_main_process,
+            share_version=share_version,
+        )
+    # Exactly the config's sampling: the model's generation config (a checkpoint's top_k, top_p or
+    # repetition_penalty) must not reach the rollouts, or the policy trained on is not the one sampled from.
+    params = rollout.SamplingParams(
+        max_new_tokens=config.max_new_tokens,
+        do_sample=True,
+        temperature=config.temperature,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+    return rollout.ContinuousBatchingManager(policy, params, engine_config_for(config, policy, accelerator.device.type))
