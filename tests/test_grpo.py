@@ -28,6 +28,7 @@ from trainers.loss import (
     zero_spread_groups,
 )
 from trainers.rewards import compute_rewards, resolve_reward_func
+from trainers.setup import engine_config_for
 
 REQUIRED_METRICS = (
     "step",
@@ -299,14 +300,14 @@ def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(t
         share = 0.5 * (usable - state) / usable  # 1/6: below the CPU default 0.25
         fits = int((usable * share - workspace) // per_block)
         assert 0 < fits < wanted
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == fits
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == fits
         # An explicit share replaces the training default; an explicit num_blocks is taken as is.
         trainer.config.engine["max_memory_percent"] = 0.1
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == int(
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == int(
             (usable * 0.1 - workspace) // per_block
         )
         trainer.config.engine["num_blocks"] = 500
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == 500
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == 500
     finally:
         trainer.close()
 

@@ -51,7 +51,7 @@ from .prompts import encode_prompt
 from .rewards import RewardFunc, compute_rewards
 from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
 from .runs import RunFolder, flat_config, nanstd, sample_seed, summary
-from .setup import engine_config_for, rollout_backend, setup_accelerator, setup_data, setup_policy
+from .setup import rollout_backend, setup_accelerator, setup_data, setup_policy
 from .trajectory import TrainerState, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -173,12 +173,6 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
     def setup_backend(self, policy: PreTrainedModel) -> RolloutBackend:
         """The rollout backend on ``policy`` (``trainers.setup.rollout_backend``)."""
         return rollout_backend(self.config, policy, self.accelerator, self.eos_token_ids)
-
-    def _engine_config(
-        self, model: PreTrainedModel, usable_bytes: int | None = None
-    ) -> rollout.ContinuousBatchingConfig:
-        """The engine's settings (``trainers.setup.engine_config_for``); ``usable_bytes`` None measures the device."""
-        return engine_config_for(self.config, model, self.accelerator.device.type, usable_bytes)
 
     def setup_queue(self) -> RolloutQueue:
         """The rollout queue over the backend, with the config's sampling and staleness bound."""
