@@ -1,9 +1,10 @@
 """Setup steps every trainer runs before its first step, in this order: the accelerator and the run
 folder, CPU threads, the datasets and reward functions (a bad column fails before the model loads),
-the policy and its tokenizer, the context check, and the engine's settings.
+the policy and its tokenizer, the context check, the engine's settings and the rollout backend; and the
+one backward the trainers' losses go through (``backward``).
 
-Module functions of a config with the fields ``trainers.config.validate_common`` checks, shared by
-the GRPO and PPO trainers (torchtune's ``_setup_*`` steps, composed by each recipe's ``__init__``).
+Module functions of a ``trainers.config.TrainerConfig``, composed by ``trainers.recipe.Recipe.__init__``
+(torchtune's ``_setup_*`` steps).
 """
 
 from __future__ import annotations
