@@ -112,6 +112,36 @@ def test_bad_arguments_name_the_key(argv, message):
         parse_config(argv)
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("max_steps: 2.5", "max_steps must be an int, got '2.5'"),
+        ("max_steps: [1, 2]", "max_steps must be an int"),
+        ("temperature: warm", "temperature must be a number, got 'warm'"),
+        ("save_model: maybe", "save_model must be true or false, got 'maybe'"),
+        ("loss_type: sum", r"loss_type must be one of \('dapo', 'grpo'\), got 'sum'"),
+        ("engine: [1]", "engine must be a YAML mapping"),
+        ("max_steps: null", "max_steps must be an int, got 'null'"),
+    ],
+)
+def test_a_file_value_of_the_wrong_type_is_refused_by_the_fields_parser(tmp_path, line, message):
+    # The file's values go through the flags' type functions: one rule wherever a value comes from.
+    path = tmp_path / "c.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=f"c.yaml: {message}"):
+        parse_config(["--config", str(path)])
+
+
+def test_null_sets_an_optional_field_from_the_command_line_and_yaml_reads_no_as_text(tmp_path):
+    from trainers.ppo_config import PPOConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("eval_steps: 5\nkl_coef: 0.1\nkl_target: 2.0\nmixed_precision: no\nreward_weights: [1, 0.5]\n")
+    config = parse_config(["--config", str(path), "--eval_steps", "null", "--set", "kl_target=null"], PPOConfig)
+    assert (config.eval_steps, config.kl_target, config.mixed_precision) == (None, None, "no")
+    assert config.reward_weights == [1.0, 0.5] and all(type(w) is float for w in config.reward_weights)
+
+
 def test_a_missing_config_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"--config .*nothere.yaml: no such file"):
         parse_config(["--config", str(tmp_path / "nothere.yaml")])

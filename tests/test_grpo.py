@@ -15,9 +15,10 @@ import rollout
 import trainers.grpo as grpo_module
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
+from trainers.arguments import load_config
 from trainers.cli import parse_config
-from trainers.config import ConfigError, GRPOConfig, load_config
-from trainers.grpo import TIMING_KEYS, GRPOTrainer, _Prepared, summary
+from trainers.config import ConfigError, GRPOConfig
+from trainers.grpo import TIMING_KEYS, GRPOTrainer, GRPOTrajectory, summary
 from trainers.loss import (
     aggregate_loss,
     completion_logprobs,
@@ -27,6 +28,7 @@ from trainers.loss import (
     zero_spread_groups,
 )
 from trainers.rewards import compute_rewards, resolve_reward_func
+from trainers.setup import engine_config_for
 
 REQUIRED_METRICS = (
     "step",
@@ -68,14 +70,45 @@ def tiny_config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**values)
 
 
-def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, **overrides) -> GRPOTrainer:
+def tiny_trainer(tmp_path, dataset=None, reward=low_token_reward, accelerator=None, **overrides) -> GRPOTrainer:
     return GRPOTrainer(
         tiny_config(tmp_path, **overrides),
         model=tiny_llama(),
         tokenizer=tiny_tokenizer(),
         train_dataset=dataset if dataset is not None else token_dataset(),
         reward_funcs=[reward],
+        accelerator=accelerator,
     )
+
+
+def fixed_trajectory(prompts, completions, behaviour, advantages, loss_mask=None) -> GRPOTrajectory:
+    """A trajectory of given samples, all fresh and kept (what ``_forward_backward`` reads)."""
+    n = len(completions)
+    return GRPOTrajectory(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        behaviour_logprobs=behaviour,
+        scores=torch.zeros(n),
+        scores_per_func=torch.zeros(n, 1),
+        staleness=[[0] * len(c) for c in completions],
+        dropped=torch.zeros(n),
+        truncated=torch.zeros(n),
+        loss_mask=loss_mask,
+        advantages=torch.as_tensor(advantages, dtype=torch.float32),
+        zero_spread=torch.zeros(max(n // 4, 1)),
+    )
+
+
+def accumulating_accelerator(monkeypatch, steps: int, where: str):
+    """An Accelerator with ``gradient_accumulation_steps`` ``steps`` given to the trainer ("accelerator"), or None
+    with the variable ``accelerate launch --gradient_accumulation_steps`` sets, so the trainer's own has it
+    ("launcher")."""
+    from accelerate import Accelerator
+
+    if where == "launcher":
+        monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", str(steps))
+        return None
+    return Accelerator(cpu=True, gradient_accumulation_steps=steps)
 
 
 # ---------------------------------------------------------------------- advantages and loss
@@ -166,20 +199,8 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
     shifts = [[0.3, 0.3, 1.0, 0.3], [-1.0, -1.0], [0.3], [0.3, -1.0, 0.3, -1.0, 0.3]]
     current = [teacher_forced_logprobs(model, p, c, T) for p, c in zip(prompts, completions)]
     behaviour = [[lp - d for lp, d in zip(row, sh)] for row, sh in zip(current, shifts)]
-    prep = _Prepared(
-        prompt_ids=prompts,
-        completion_ids=completions,
-        behaviour_logprobs=behaviour,
-        advantages=advantages,
-        sample_mask=torch.ones(4),
-        staleness=[[0] * len(c) for c in completions],
-        rewards=torch.zeros(4),
-        rewards_per_func=torch.zeros(4, 1),
-        finish_length=torch.zeros(4),
-        zero_spread=torch.zeros(2),
-    )
     model.zero_grad(set_to_none=True)
-    trainer._forward_backward(prep)
+    trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, advantages))
     got = [p.grad.clone() for p in model.parameters()]
     assert sorted(forwarded) == sorted(c for c, a in zip(completions, advantages.tolist()) if a != 0)
 
@@ -199,6 +220,67 @@ def test_training_step_gradient_equals_the_hand_written_policy_gradient(tmp_path
         assert_close(g, p.grad, atol=1e-4 * scale)  # fp32: padded micro-batches vs one unpadded sequence
 
 
+@pytest.mark.parametrize("where", ["accelerator", "launcher"])
+def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_unchanged(
+    tmp_path, monkeypatch, accelerate_state, where
+):
+    """Issue 30: with accelerate's gradient_accumulation_steps 4 the gradient of a fixed batch was 0.25x the one
+    with 1 (the trainer normalises over its micro-batches, then ``accelerator.backward`` divided by 4 again), and
+    grad_norm was logged 4x too small. Now both equal the ones with 1."""
+    T = 0.7
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    completions = [[20, 21, 22, 2], [30, 31], [40], [50, 51, 52, 53, 54]]
+    results = []
+    for steps in (1, 4):
+        accelerator = accumulating_accelerator(monkeypatch, steps, where) if steps > 1 else None
+        trainer = tiny_trainer(tmp_path / str(steps), accelerator=accelerator, max_steps=2, micro_batch_size=3)
+        assert trainer.accelerator.gradient_accumulation_steps == steps
+        model = trainer.unwrapped
+        behaviour = [[lp - 0.2 for lp in teacher_forced_logprobs(model, p, c, T)] for p, c in zip(prompts, completions)]
+        model.zero_grad(set_to_none=True)
+        trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, [1.0, -1.0, 0.5, -0.5]))
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        results.append((grads, trainer.train()))  # synchronous: the same samples and steps in both runs
+    (grads_1, rows_1), (grads_4, rows_4) = results
+    scale = max(float(g.abs().max()) for g in grads_1)
+    assert scale > 1e-3
+    for a, b in zip(grads_4, grads_1):
+        assert_close(a, b, atol=1e-6 * scale)
+    assert [r["grad_norm"] for r in rows_4] == pytest.approx([r["grad_norm"] for r in rows_1], rel=1e-5)
+    assert [r["loss"] for r in rows_4] == pytest.approx([r["loss"] for r in rows_1], rel=1e-5)
+
+
+def test_loss_mask_takes_masked_tokens_out_of_the_loss_and_its_normaliser(tmp_path):
+    """A trajectory's ``loss_mask`` (0 on tokens the model did not sample, as an episode's environment replies) leaves
+    those tokens out of the loss and of dapo's token count: the gradient is the hand-written
+    -sum_i A_i sum_t m_it log p_it / sum m, behaviour logprobs equal to the current ones (w = 1)."""
+    T = 0.7
+    trainer = tiny_trainer(tmp_path, temperature=T, micro_batch_size=2)
+    model = trainer.unwrapped
+    prompts = [[5, 6, 7], [8, 9], [10, 11]]
+    completions = [[20, 21, 22, 2], [30, 31, 32], [40, 41]]
+    loss_mask = [[1, 0, 0, 1], [1, 1, 1], [0, 1]]
+    advantages = [1.0, -0.5, 2.0]
+    behaviour = [teacher_forced_logprobs(model, p, c, T) for p, c in zip(prompts, completions)]
+    model.zero_grad(set_to_none=True)
+    stats = trainer._forward_backward(fixed_trajectory(prompts, completions, behaviour, advantages, loss_mask))
+    got = [p.grad.clone() for p in model.parameters()]
+    assert stats.trained_tokens == 6 and stats.is_tokens == 6
+
+    model.zero_grad(set_to_none=True)
+    loss = 0.0
+    for p, c, a, m in zip(prompts, completions, advantages, loss_mask):
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / T
+        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+        loss = loss - a * (torch.tensor(m, dtype=torch.float32) * logp).sum() / 6
+    loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in model.parameters())
+    assert scale > 1e-2
+    for g, p in zip(got, model.parameters()):
+        assert_close(g, p.grad, atol=1e-4 * scale)
+
+
 # ---------------------------------------------------------------------- engine memory next to training
 def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(tmp_path):
     """Issue 13 case 4: without engine.num_blocks the cache holds the sequences in flight, but never more
@@ -210,7 +292,7 @@ def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(t
     try:
         model = trainer.unwrapped
         wanted = 8 * (-(-(256 + 10) // 32) + 1) + 8  # in flight x (blocks per sequence + 1) + 8 = 88
-        assert trainer.manager.engine.num_blocks == wanted  # a CPU has room for it
+        assert trainer.backend.engine.num_blocks == wanted  # a CPU has room for it
         state = 3 * sum(p.numel() * 4 for p in model.parameters())
         usable = 3 * state // 2
         per_block = (2 * 2 * 2 * 16 * 4) * 32  # bytes per token (2 layers, 2 KV heads, dim 16, fp32) x 32
@@ -218,14 +300,14 @@ def test_engine_cache_holds_the_batches_in_flight_capped_by_the_training_share(t
         share = 0.5 * (usable - state) / usable  # 1/6: below the CPU default 0.25
         fits = int((usable * share - workspace) // per_block)
         assert 0 < fits < wanted
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == fits
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == fits
         # An explicit share replaces the training default; an explicit num_blocks is taken as is.
         trainer.config.engine["max_memory_percent"] = 0.1
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == int(
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == int(
             (usable * 0.1 - workspace) // per_block
         )
         trainer.config.engine["num_blocks"] = 500
-        assert trainer._engine_config(model, usable_bytes=usable).num_blocks == 500
+        assert engine_config_for(trainer.config, model, "cpu", usable_bytes=usable).num_blocks == 500
     finally:
         trainer.close()
 
@@ -297,11 +379,11 @@ def test_async_wait_never_trains_on_tokens_older_than_max_staleness(tmp_path):
     trained: list[int] = []
     original = trainer._forward_backward
 
-    def record(prep):
-        for s, keep in zip(prep.staleness, prep.sample_mask.tolist()):
-            if keep:
+    def record(trajectory):
+        for s, dropped in zip(trajectory.staleness, trajectory.dropped.tolist()):
+            if not dropped:
                 trained.extend(s)
-        return original(prep)
+        return original(trajectory)
 
     trainer._forward_backward = record
     rows = trainer.train()
@@ -357,7 +439,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_with_bf16_rollouts(tmp_path, a
     cache used to be fp32 while the keys and values arrived in bf16: the first rollout step failed."""
     trainer = tiny_trainer(tmp_path, max_steps=2, mixed_precision="bf16")
     assert trainer.accelerator.mixed_precision == "bf16"
-    assert trainer.manager.engine.cache.dtype == torch.bfloat16
+    assert trainer.backend.engine.cache.dtype == torch.bfloat16
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
     rows = trainer.train()
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
@@ -589,7 +671,7 @@ def test_the_model_s_generation_config_does_not_reach_the_rollouts(tmp_path):
         train_dataset=token_dataset(),
         reward_funcs=[low_token_reward],
     )
-    assert trainer.manager.default_params == rollout.SamplingParams(
+    assert trainer.backend.default_params == rollout.SamplingParams(
         max_new_tokens=10, do_sample=True, temperature=1.0, eos_token_ids=tuple(trainer.eos_token_ids)
     )
     (row,) = trainer.train()

@@ -41,7 +41,7 @@ def token_dataset(n: int = 64) -> datasets.Dataset:
     return datasets.Dataset.from_list([{"prompt": f"t{5 + i % 7} t{20 + i % 11} t{40 + i % 5}"} for i in range(n)])
 
 
-def tiny_trainer(tmp_path, **overrides) -> PPOTrainer:
+def tiny_trainer(tmp_path, accelerator=None, **overrides) -> PPOTrainer:
     values = dict(
         model="tiny",
         batch_size=8,
@@ -66,6 +66,7 @@ def tiny_trainer(tmp_path, **overrides) -> PPOTrainer:
         tokenizer=tiny_tokenizer(),
         train_dataset=token_dataset(),
         reward_funcs=[low_token_reward],
+        accelerator=accelerator,
     )
 
 
@@ -186,7 +187,7 @@ def _trajectory(trainer: PPOTrainer, step: int = 0) -> PPOTrajectory:
 def test_engine_logprobs_equal_the_trainers_first_epoch_old_logprobs(tmp_path, value_model):
     """The ratio against the engine's logprobs is 1 at the weights that sampled (within 1e-4)."""
     trainer = tiny_trainer(tmp_path, value_model=value_model, ppo_epochs=1, num_mini_batches=1)
-    trainer.manager.start()
+    trainer.backend.start()
     try:
         traj = _trajectory(trainer)
         m = traj.mask.bool()
@@ -221,17 +222,6 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
     # A value head that is not zero, so the value loss reaches the trunk in "head" mode.
     torch.manual_seed(3)
     torch.nn.init.normal_(module.value_head.weight, std=0.3)
-    trainer.manager.start()
-    try:
-        traj = _trajectory(trainer)
-    finally:
-        trainer.close()
-    n = len(traj.completion_ids)
-    # Shift the old logprobs by +-0.4 on alternate tokens and the old values by +-0.1: both clips bite.
-    shift = torch.tensor([0.4 if (b + t) % 2 else -0.4 for b in range(n) for t in range(traj.mask.shape[1])])
-    traj.old_logprobs = (traj.old_logprobs + shift.view(n, -1)) * traj.mask
-    traj.values = (traj.values + 0.1 * shift.view(n, -1) / 0.4) * traj.mask
-    traj.advantages = torch.randn(traj.mask.shape, generator=torch.Generator().manual_seed(0)) * traj.mask
     grads: dict[str, torch.Tensor] = {}
 
     def record_step(*args, **kwargs):
@@ -239,8 +229,19 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
             if p.grad is not None:
                 grads[name] = p.grad.clone()
 
-    trainer.optimizer.step = record_step
-    stats = trainer.ppo_step(traj, 0)
+    trainer.backend.start()
+    try:
+        traj = _trajectory(trainer)
+        n = len(traj.completion_ids)
+        # Shift the old logprobs by +-0.4 on alternate tokens and the old values by +-0.1: both clips bite.
+        shift = torch.tensor([0.4 if (b + t) % 2 else -0.4 for b in range(n) for t in range(traj.mask.shape[1])])
+        traj.old_logprobs = (traj.old_logprobs + shift.view(n, -1)) * traj.mask
+        traj.values = (traj.values + 0.1 * shift.view(n, -1) / 0.4) * traj.mask
+        traj.advantages = torch.randn(traj.mask.shape, generator=torch.Generator().manual_seed(0)) * traj.mask
+        trainer.optimizer.step = record_step
+        stats = trainer.ppo_step(traj, 0)  # the weights are not stepped: the step's update changes nothing
+    finally:
+        trainer.close()
     assert stats.clip_fraction > 0.1 and stats.value_clip_fraction > 0.1
 
     module.zero_grad(set_to_none=True)
@@ -267,6 +268,47 @@ def test_one_ppo_step_gradients_equal_the_hand_written_loss(tmp_path, value_mode
     for name, p in module.named_parameters():
         if p.grad is not None:
             assert_close(grads[name], p.grad, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("where", ["accelerator", "launcher"])
+def test_gradient_accumulation_set_in_accelerate_leaves_gradient_and_grad_norm_unchanged(
+    tmp_path, monkeypatch, accelerate_state, where
+):
+    """Issue 30: PPO's mini-batch loss is normalised over its micro-batches, and ``accelerator.backward`` divided
+    it by accelerate's gradient_accumulation_steps again (4: a 0.25x gradient, grad_norm logged 4x too small).
+    The gradient of one PPO step on a fixed batch and the logged grad norms now equal the ones with 1."""
+    from tests.test_grpo import accumulating_accelerator
+
+    results = []
+    for steps in (1, 4):
+        accelerator = accumulating_accelerator(monkeypatch, steps, where) if steps > 1 else None
+        trainer = tiny_trainer(tmp_path / str(steps), accelerator=accelerator, max_grad_norm=1e9, num_mini_batches=1)
+        assert trainer.accelerator.gradient_accumulation_steps == steps
+        module: PolicyWithValue = trainer.unwrapped
+        torch.nn.init.normal_(module.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(3))
+        grads: dict[str, torch.Tensor] = {}
+
+        def record_step(*args, grads=grads, module=module, **kwargs):
+            grads.update({name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None})
+
+        trainer.backend.start()
+        try:
+            traj = _trajectory(trainer)
+            trainer.optimizer.step = record_step
+            stats = trainer.ppo_step(traj, 0)
+        finally:
+            trainer.close()
+        rows = tiny_trainer(tmp_path / f"run{steps}", accelerator=accelerator, num_mini_batches=2).train()
+        results.append((traj.completion_ids, grads, stats, rows))
+    (ids_1, grads_1, stats_1, rows_1), (ids_4, grads_4, stats_4, rows_4) = results
+    assert ids_4 == ids_1  # the same samples: the gradients are of one batch
+    scale = max(float(g.abs().max()) for g in grads_1.values())
+    assert scale > 1e-3 and set(grads_4) == set(grads_1)
+    for name, g in grads_1.items():
+        assert_close(grads_4[name], g, atol=1e-6 * scale)
+    assert (stats_4.grad_norm, stats_4.value_grad_norm) == pytest.approx((stats_1.grad_norm, stats_1.value_grad_norm))
+    for key in ("grad_norm", "value_grad_norm", "policy_loss", "value_loss"):
+        assert [r[key] for r in rows_4] == pytest.approx([r[key] for r in rows_1], rel=1e-5), key
 
 
 def test_training_run_writes_the_run_folder_and_the_policy_reloads(tmp_path):

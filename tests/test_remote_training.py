@@ -1,5 +1,5 @@
-"""GRPO with its rollouts on a rollout-serve in another process (``rollout_server``): the trainer's weights reach the
-server after every optimizer step. An in-process run checks the weights and the staleness bound; a two-process run
+"""GRPO and PPO with their rollouts on a rollout-serve in another process (``rollout_server``): the trainer's weights
+reach the server after every step. In-process runs check the weights and the staleness bound; a two-process run
 (``python -m rollout.serve`` and ``accelerate launch scripts/train_grpo.py --rollout_server URL``) checks that after
 the last step the server's greedy tokens and logprobs equal the saved model's forward.
 """
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from rollout import ContinuousBatchingConfig
 from tests.serve_utils import free_port, running_server
 from tests.test_grpo import low_token_reward, tiny_config, token_dataset
+from tests.test_ppo import tiny_trainer as tiny_ppo_trainer
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 from trainers.grpo import GRPOTrainer
@@ -46,6 +47,21 @@ def test_in_process_server_ends_with_the_trainers_weights_and_staleness_stays_bo
         assert abs(rows[0]["is_ratio_max"] - 1) < 1e-3  # step 1 trains on the weights that sampled it
         assert srv.manager.weight_version == 4  # the first send, then one per step
         for (name, trained), (_, live) in zip(trainer.unwrapped.named_parameters(), served.named_parameters()):
+            assert torch.equal(trained, live), name
+
+
+def test_ppo_on_an_in_process_server_ends_with_the_trainers_weights_and_staleness_stays_bounded(tmp_path: Path) -> None:
+    """Issue 31: PPO takes ``rollout_server`` through the same backend as GRPO."""
+    served = tiny_llama(seed=3)
+    config = ContinuousBatchingConfig(num_blocks=128, page_size=16, return_logprobs=True)
+    with running_server(served, tiny_tokenizer(), config) as srv:
+        trainer = tiny_ppo_trainer(tmp_path, rollout_server=srv.url, max_steps=3, async_rollouts=True, max_staleness=1)
+        rows = trainer.train()
+        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        assert all(r["staleness_max"] <= 1 for r in rows)
+        assert rows[0]["logprob_diff_max"] < 1e-3  # step 1: the server's logprobs are the trainer's, same weights
+        assert srv.manager.weight_version == 4  # the first send, then one per step
+        for (name, trained), (_, live) in zip(trainer.policy.named_parameters(), served.named_parameters()):
             assert torch.equal(trained, live), name
 
 

@@ -1,36 +1,32 @@
-"""The GRPO trainer's settings: one validated dataclass, loaded from YAML.
+"""The trainers' settings: ``TrainerConfig``, the fields every recipe shares, and ``GRPOConfig``, which extends it.
 
-``load_config(path, **overrides)`` reads a YAML mapping with ``yaml.safe_load``, applies command-line
-overrides on top, and builds ``GRPOConfig``. Every key is checked before anything heavy happens (model
-load, process group, dataset): an unknown key, a value of the wrong type or out of range raises
-``ConfigError`` whose message names the key (and suggests the closest known key for a typo).
+Typed dataclasses in the style of TRL's configs: the argument parser (``trainers.arguments``, a
+``transformers.HfArgumentParser``) converts every value, from the YAML file, the flags or ``--set``, by
+its field's type, and ``__post_init__`` checks ranges and the fields that depend on each other. A bad
+value raises ``ConfigError`` naming the key, before the model loads. ``trainers.ppo_config.PPOConfig``
+extends the same base.
 
-The ``engine`` mapping holds ``rollout.ContinuousBatchingConfig`` fields; it is validated by that
-class. ``return_logprobs`` and ``logprobs_mode`` are fixed by the trainer (True, "temperature").
+The ``engine`` mapping holds ``rollout.ContinuousBatchingConfig`` fields; that class validates them.
+``return_logprobs`` and ``logprobs_mode`` are fixed by the trainers (True, "temperature").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
-import yaml
 from transformers import SchedulerType
 
 import rollout
 
 from .rewards import resolve_reward_func
 
-LOSS_TYPES = ("dapo", "grpo")
-STALE_POLICIES = ("wait", "drop")
-DTYPES = ("float32", "bfloat16", "float16")
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
+DType = Literal["float32", "bfloat16", "float16"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+StalePolicy = Literal["wait", "drop"]
+LossType = Literal["dapo", "grpo"]
 # Engine fields the trainer owns: the behaviour logprobs must be log_softmax(logits / T).
 ENGINE_FIXED = {"return_logprobs": True, "logprobs_mode": "temperature"}
 
@@ -39,9 +35,24 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the key."""
 
 
+def check_one_of(name: str, value: Any, allowed: Any, nullable: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is one of the ``Literal`` type ``allowed`` (or None when ``nullable``)."""
+    choices = get_args(allowed)
+    if value not in choices and not (nullable and value is None):
+        raise ConfigError(f"{name} must be one of {choices}{' or null' if nullable else ''}, got {value!r}")
+
+
+def check_at_least(config: Any, names: tuple[str, ...], low: float, strict: bool = False) -> None:
+    """Raise ConfigError naming the first of ``names`` below ``low`` (or not above it when ``strict``)."""
+    for name in names:
+        value = getattr(config, name)
+        if value < low or (strict and value == low):
+            raise ConfigError(f"{name} must be {'>' if strict else '>='} {low:g}, got {value!r}")
+
+
 @dataclass
-class GRPOConfig:
-    """Settings of a GRPO run.
+class TrainerConfig:
+    """The settings every trainer shares; ``GRPOConfig`` and ``PPOConfig`` extend it (not used on its own).
 
     Model and data:
         model: local Hugging Face folder or an alias understood by ``rollout.load_model``
@@ -66,7 +77,7 @@ class GRPOConfig:
             docs/grpo_training.md before giving it weight.
         reward_weights: one weight per reward function; None weighs each 1.0.
 
-    Evaluation (held-out accuracy, greedy through the same manager; see ``trainers.evaluate``):
+    Evaluation (held-out accuracy, greedy through the same rollout backend; see ``trainers.evaluate``):
         eval_size: held-out problems per evaluation (0: no evaluation). For "arithmetic" they come
             from ``eval_seed`` and exclude every training question; for a GSM8K file without
             ``eval_dataset`` the file's last ``eval_size`` rows are held out of training.
@@ -78,8 +89,7 @@ class GRPOConfig:
         eval_max_new_tokens: most tokens per greedy evaluation completion.
 
     Generation:
-        num_generations: G, samples per prompt (>= 2; group-normalised advantages need two).
-        batch_size: completions per process per step; a multiple of ``num_generations``.
+        batch_size: completions per process per step (``num_generations`` per prompt).
         max_prompt_length: prompts longer than this keep their last tokens (TRL's rule).
         max_new_tokens: most tokens per completion.
         temperature: sampling temperature; the trainer divides its logits by the same value,
@@ -93,17 +103,9 @@ class GRPOConfig:
         lr_scheduler_type: the learning-rate schedule after warm-up, a ``transformers.SchedulerType``
             ("constant_with_warmup", "linear", "cosine", ...; ``transformers.get_scheduler``).
         warmup_steps: linear warm-up steps of the learning rate.
-        micro_batch_size: sequences per training forward/backward (gradients accumulate over
-            the micro-batches of a step; one optimizer step per step).
-        epsilon, epsilon_high: PPO clip range [1 - epsilon, 1 + epsilon_high] of the ratio
-            pi_theta / pi_prox (epsilon_high None means epsilon).
-        is_cap: truncation of the importance weight pi_prox / pi_behaviour (TRL's
-            ``vllm_importance_sampling_cap``, token_truncate mode).
-        loss_type: "dapo": sum of per-token losses over the global batch divided by the number
-            of completion tokens of the global batch (the default); "grpo": mean over each
-            sequence's tokens, then mean over the global batch's sequences.
-        scale_rewards: divide the group-centred rewards by the group's std (+ advantage_eps).
-        advantage_eps: eps of (r - mean_group) / (std_group + eps).
+        micro_batch_size: sequences per training forward/backward; gradients accumulate over the
+            micro-batches of an optimizer step and the loss is normalised once over its batch, so
+            accelerate's ``gradient_accumulation_steps`` changes nothing (``trainers.setup.backward``).
 
     Asynchronous rollouts:
         async_rollouts: generate the next batches while the trainer works on the current one.
@@ -114,15 +116,12 @@ class GRPOConfig:
             ``prefetch_batches`` ahead without waiting and drop (mask out of the loss) every
             sample with a token older than max_staleness.
         prefetch_batches: batches kept in flight beyond the one being trained (None: max_staleness).
-        train_outside_pause: run the training forward/backward while the engine keeps
-            generating (only the optimizer step holds ``pause()``). Off by default; see the
-            trainer module's docstring.
 
     Run:
-        max_steps: optimizer steps (one batch each).
+        max_steps: training steps (one rollout batch each).
         seed: seed of torch, of the dataset order and of the sampling seeds.
         output_dir: metrics.jsonl, timing.jsonl, the evaluation samples, trackers' logs and the
-            final model go here. None (the default): ``$ROLLOUT_HOME/runs/grpo-<UTC date-time>``
+            final model go here. None (the default): ``$ROLLOUT_HOME/runs/<algo>-<UTC date-time>``
             (``~/.cache/rollout/runs/...``), a new folder for every run, outside any checkout.
         overwrite_output_dir: allow ``output_dir`` to hold an earlier run (its metrics.jsonl or
             model); without it such a folder is refused before the model loads.
@@ -137,18 +136,21 @@ class GRPOConfig:
             memory next to training (``max_memory_percent``, else
             ``trainers.setup.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
 
-    Remote rollouts:
+    Remote rollouts (``trainers.remote``):
         rollout_server: the URL of a ``rollout-serve --enable-control`` on the same model; rollouts are
-            generated there over HTTP and the weights are streamed to it after every optimizer step
-            (``trainers.remote``). None: the engine runs in the trainer's process on the trained model.
+            generated there over HTTP and the weights are streamed to it after every step. None: the
+            engine runs in the trainer's process on the trained model.
         rollout_api_key: the server's ``--api-key``.
         weight_sync_bucket_mb: bucket size of the weight stream, in MiB; 16 was the fastest on this CPU
             (docs/weight_sync.md: large buckets lose the overlap of packing and sending).
     """
 
+    trainer_name: ClassVar[str] = "trainer"  # names the trainer in messages ("GRPO", "PPO")
+    default_config_file: ClassVar[str | None] = None  # the recipe in configs/ the command line starts from
+
     model: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
+    dtype: DType = "float32"
+    mixed_precision: MixedPrecision | None = None
     dataset: str = "arithmetic"
     dataset_size: int = 2000
     dataset_seed: int = 0
@@ -162,7 +164,6 @@ class GRPOConfig:
     eval_steps: int | None = None
     eval_max_new_tokens: int = 96
 
-    num_generations: int = 4
     batch_size: int = 16
     max_prompt_length: int = 256
     max_new_tokens: int = 64
@@ -176,18 +177,11 @@ class GRPOConfig:
     warmup_steps: int = 0
     lr_scheduler_type: str = "constant_with_warmup"
     micro_batch_size: int = 8
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    is_cap: float = 3.0
-    loss_type: Literal["dapo", "grpo"] = "dapo"
-    scale_rewards: bool = True
-    advantage_eps: float = 1e-4
 
     async_rollouts: bool = False
     max_staleness: int = 0
-    stale_policy: Literal["wait", "drop"] = "wait"
+    stale_policy: StalePolicy = "wait"
     prefetch_batches: int | None = None
-    train_outside_pause: bool = False
 
     max_steps: int = 30
     seed: int = 0
@@ -198,14 +192,156 @@ class GRPOConfig:
     log_completions: int = 0
     cpu_threads: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
+
     rollout_server: str | None = None
     rollout_api_key: str | None = None
     weight_sync_bucket_mb: int = 16
 
     def __post_init__(self) -> None:
-        validate_common(self)
-        if self.num_generations < 1:
-            raise ConfigError(f"num_generations must be >= 1, got {self.num_generations!r}")
+        check_at_least(
+            self,
+            ("dataset_size", "batch_size", "max_prompt_length", "max_new_tokens", "micro_batch_size", "max_steps"),
+            1,
+        )
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 (the trainer samples), got {self.temperature!r}")
+        check_at_least(self, ("learning_rate",), 0, strict=True)
+        nonnegative = ("weight_decay", "max_grad_norm", "warmup_steps", "max_staleness", "dataset_seed")
+        check_at_least(self, (*nonnegative, "log_completions", "eval_size", "eval_seed"), 0)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        schedules = [t.value for t in SchedulerType]
+        if self.lr_scheduler_type not in schedules:
+            raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {self.lr_scheduler_type!r}")
+        check_one_of("stale_policy", self.stale_policy, StalePolicy)
+        check_one_of("dtype", self.dtype, DType)
+        check_one_of("mixed_precision", self.mixed_precision, MixedPrecision, nullable=True)
+        if self.mixed_precision not in (None, "no") and self.dtype != "float32":
+            raise ConfigError(
+                f"mixed_precision {self.mixed_precision!r} keeps float32 master weights under autocast; "
+                f"dtype must be 'float32', got {self.dtype!r}"
+            )
+        for name in ("prefetch_batches", "eval_steps", "cpu_threads"):
+            value = getattr(self, name)
+            low = 0 if name == "prefetch_batches" else 1
+            if value is not None and value < low:
+                raise ConfigError(f"{name} must be >= {low} or null, got {value!r}")
+        check_at_least(self, ("eval_max_new_tokens", "weight_sync_bucket_mb"), 1)
+        if self.log_with is not None:
+            # accelerate's own list: an unknown name would fail only after the model and engine are built.
+            from accelerate.utils import LoggerType
+
+            trackers = tuple(t.value for t in LoggerType)
+            if self.log_with not in trackers:
+                raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
+        self._check_rewards()
+        if self.rollout_server is not None and not self.rollout_server.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout_server must be an http:// or https:// URL, got {self.rollout_server!r}")
+
+    def _check_rewards(self) -> None:
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs must name at least one reward function")
+        for spec in self.reward_funcs:
+            if isinstance(spec, str) and ":" not in spec:  # a 'module:function' is imported by the trainer
+                try:
+                    resolve_reward_func(spec)
+                except ValueError as e:  # the one message, from the function the trainer resolves with
+                    raise ConfigError(str(e)) from e
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values but reward_funcs has {len(self.reward_funcs)}"
+            )
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_generations(self) -> int:
+        """Completions per prompt (a field of ``GRPOConfig``; 1 for PPO)."""
+        return 1
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts per process per step: batch_size // num_generations."""
+        return self.batch_size // self.num_generations
+
+    @property
+    def effective_prefetch(self) -> int:
+        """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
+        if not self.async_rollouts or self.max_staleness == 0:
+            return 0
+        return self.max_staleness if self.prefetch_batches is None else self.prefetch_batches
+
+    def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
+        """The engine's configuration: ``engine`` plus the fields the trainer fixes.
+
+        Raises:
+            ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
+        """
+        known = rollout.ContinuousBatchingConfig.field_names()
+        for key, value in self.engine.items():
+            if key not in known:
+                raise ConfigError(f"unknown key engine.{key}{suggest(key, known)}")
+            if key in ENGINE_FIXED and value != ENGINE_FIXED[key]:
+                raise ConfigError(
+                    f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the {self.trainer_name} trainer, got {value!r}"
+                )
+        try:
+            return rollout.ContinuousBatchingConfig(**{**self.engine, **ENGINE_FIXED, **extra})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"engine: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready mapping (``<algo>_config.json`` of the run folder)."""
+        return dataclasses.asdict(self)
+
+
+def suggest(key: str, known: list[str], as_flag: bool = False) -> str:
+    """`` (did you mean 'x'?)`` (or ``--x`` ``as_flag``) for the closest of ``known``, or an empty string."""
+    close = difflib.get_close_matches(key, known, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {'--' + close[0] if as_flag else repr(close[0])}?)"
+
+
+@dataclass
+class GRPOConfig(TrainerConfig):
+    """Settings of a GRPO run: the fields of ``TrainerConfig`` (see its docstring) and these.
+
+    Generation:
+        num_generations: G, samples per prompt (>= 2; group-normalised advantages need two);
+            ``batch_size`` must be a multiple of it.
+
+    The loss (``trainers.loss``):
+        epsilon, epsilon_high: PPO clip range [1 - epsilon, 1 + epsilon_high] of the ratio
+            pi_theta / pi_prox (epsilon_high None means epsilon).
+        is_cap: truncation of the importance weight pi_prox / pi_behaviour (TRL's
+            ``vllm_importance_sampling_cap``, token_truncate mode).
+        loss_type: "dapo": sum of per-token losses over the global batch divided by the number
+            of completion tokens of the global batch (the default); "grpo": mean over each
+            sequence's tokens, then mean over the global batch's sequences.
+        scale_rewards: divide the group-centred rewards by the group's std (+ advantage_eps).
+        advantage_eps: eps of (r - mean_group) / (std_group + eps).
+
+    Asynchronous rollouts:
+        train_outside_pause: run the training forward/backward while the engine keeps
+            generating (only the optimizer step holds ``pause()``). Off by default; see
+            docs/grpo_trainer.md.
+    """
+
+    trainer_name: ClassVar[str] = "GRPO"
+    default_config_file: ClassVar[str | None] = "grpo_default.yaml"
+
+    num_generations: int = 4  # a field here, the base's property (1) elsewhere
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    is_cap: float = 3.0
+    loss_type: LossType = "dapo"
+    scale_rewards: bool = True
+    advantage_eps: float = 1e-4
+    train_outside_pause: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_generations < 2:
             raise ConfigError(
                 "num_generations must be >= 2 (advantages are normalised within each group), "
@@ -216,300 +352,8 @@ class GRPOConfig:
                 f"batch_size ({self.batch_size}) must be a multiple of num_generations ({self.num_generations}): "
                 "each prompt's G completions are trained on the same process"
             )
-        for name in ("epsilon", "is_cap", "advantage_eps"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_at_least(self, ("epsilon", "is_cap", "advantage_eps"), 0, strict=True)
         if self.epsilon_high is not None and self.epsilon_high <= 0:
             raise ConfigError(f"epsilon_high must be > 0 or null, got {self.epsilon_high!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.weight_sync_bucket_mb < 1:
-            raise ConfigError(f"weight_sync_bucket_mb must be >= 1, got {self.weight_sync_bucket_mb!r}")
-        if self.rollout_server is not None and not self.rollout_server.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout_server must be an http:// or https:// URL, got {self.rollout_server!r}")
+        check_one_of("loss_type", self.loss_type, LossType)
         self.engine_config()  # validate the engine mapping now
-
-    # ------------------------------------------------------------------ derived values
-    @property
-    def prompts_per_batch(self) -> int:
-        """Prompts per process per step: batch_size // num_generations."""
-        return self.batch_size // self.num_generations
-
-    @property
-    def effective_prefetch(self) -> int:
-        """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
-        return effective_prefetch(self)
-
-    def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
-        """The engine's configuration: ``engine`` plus the fields the trainer fixes.
-
-        Raises:
-            ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
-        """
-        return engine_config(self, "GRPO", **extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def validate_common(config: Any) -> None:
-    """Check the fields every trainer config shares (data, evaluation, sampling, optimisation, async
-    rollouts, run); the trainer-specific ones are checked by the config itself.
-
-    Raises:
-        ConfigError: naming the first bad key.
-    """
-    if config.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` (accelerate's spelling) as false
-        config.mixed_precision = "no"
-    _check_types(config)
-    for name in ("dataset_size", "batch_size", "max_prompt_length", "max_new_tokens", "micro_batch_size", "max_steps"):
-        if getattr(config, name) < 1:
-            raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)!r}")
-    if config.temperature <= 0:
-        raise ConfigError(f"temperature must be > 0 (the trainer samples), got {config.temperature!r}")
-    if config.learning_rate <= 0:
-        raise ConfigError(f"learning_rate must be > 0, got {config.learning_rate!r}")
-    for name in (
-        "weight_decay",
-        "max_grad_norm",
-        "warmup_steps",
-        "max_staleness",
-        "dataset_seed",
-        "log_completions",
-        "eval_size",
-        "eval_seed",
-    ):
-        if getattr(config, name) < 0:
-            raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)!r}")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(config, name) < 1:
-            raise ConfigError(f"{name} must be in [0, 1), got {getattr(config, name)!r}")
-    schedules = [t.value for t in SchedulerType]
-    if config.lr_scheduler_type not in schedules:
-        raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {config.lr_scheduler_type!r}")
-    if config.stale_policy not in STALE_POLICIES:
-        raise ConfigError(f"stale_policy must be one of {STALE_POLICIES}, got {config.stale_policy!r}")
-    if config.dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {DTYPES}, got {config.dtype!r}")
-    if config.mixed_precision is not None and config.mixed_precision not in MIXED_PRECISIONS:
-        raise ConfigError(f"mixed_precision must be one of {MIXED_PRECISIONS} or null, got {config.mixed_precision!r}")
-    if config.mixed_precision not in (None, "no") and config.dtype != "float32":
-        raise ConfigError(
-            f"mixed_precision {config.mixed_precision!r} keeps float32 master weights under autocast; "
-            f"dtype must be 'float32', got {config.dtype!r}"
-        )
-    if config.prefetch_batches is not None and config.prefetch_batches < 0:
-        raise ConfigError(f"prefetch_batches must be >= 0 or null, got {config.prefetch_batches!r}")
-    if config.eval_steps is not None and config.eval_steps < 1:
-        raise ConfigError(f"eval_steps must be >= 1 or null, got {config.eval_steps!r}")
-    if config.eval_max_new_tokens < 1:
-        raise ConfigError(f"eval_max_new_tokens must be >= 1, got {config.eval_max_new_tokens!r}")
-    if config.cpu_threads is not None and config.cpu_threads < 1:
-        raise ConfigError(f"cpu_threads must be >= 1 or null, got {config.cpu_threads!r}")
-    if config.log_with is not None:
-        # accelerate's own list: an unknown name would fail only after the model and engine are built.
-        from accelerate.utils import LoggerType
-
-        trackers = tuple(t.value for t in LoggerType)
-        if config.log_with not in trackers:
-            raise ConfigError(f"log_with must be null or one of {trackers}, got {config.log_with!r}")
-    if not config.reward_funcs:
-        raise ConfigError("reward_funcs must name at least one reward function")
-    for spec in config.reward_funcs:
-        if isinstance(spec, str) and ":" not in spec:  # a 'module:function' is imported by the trainer
-            try:
-                resolve_reward_func(spec)
-            except ValueError as e:  # the one message, from the function the trainer resolves with
-                raise ConfigError(str(e)) from e
-    if config.reward_weights is not None and len(config.reward_weights) != len(config.reward_funcs):
-        raise ConfigError(
-            f"reward_weights has {len(config.reward_weights)} values but reward_funcs has {len(config.reward_funcs)}"
-        )
-
-
-def effective_prefetch(config: Any) -> int:
-    """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
-    if not config.async_rollouts or config.max_staleness == 0:
-        return 0
-    return config.max_staleness if config.prefetch_batches is None else config.prefetch_batches
-
-
-def engine_config(config: Any, trainer: str, **extra: Any) -> rollout.ContinuousBatchingConfig:
-    """The engine's configuration: ``config.engine`` plus the fields the trainer fixes.
-
-    Raises:
-        ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
-    """
-    known = rollout.ContinuousBatchingConfig.field_names()
-    for key, value in config.engine.items():
-        if key not in known:
-            raise ConfigError(f"unknown key engine.{key}{_suggest(key, known)}")
-        if key in ENGINE_FIXED and value != ENGINE_FIXED[key]:
-            raise ConfigError(f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the {trainer} trainer, got {value!r}")
-    values = {**config.engine, **ENGINE_FIXED, **extra}
-    try:
-        return rollout.ContinuousBatchingConfig(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"engine: {e}") from e
-
-
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_types(config: Any) -> None:
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if not _matches(value, hints[f.name]):
-            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if origin is Literal:
-        return value in args
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if origin is list:
-        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
-    return isinstance(value, tp)
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if tp is type(None):
-        return "null"
-    if origin is list:
-        return f"a list of {_describe(args[0])}"
-    if origin is dict:
-        return "a mapping"
-    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-def parse_int(text: str) -> int:
-    """An int written any way a number is written ("30", "5e3", "1_000", "2.0"); argparse's ``type`` for ints.
-
-    Raises:
-        ValueError: not a number, or not a whole one.
-    """
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-    if not math.isfinite(value) or value != int(value):
-        raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-def _coerce_number(value: Any, tp: Any) -> Any:
-    """``value`` converted to the number type in ``tp`` when it is a number written another way.
-
-    YAML 1.1 reads ``1e-5`` (no dot) as a string and ``5e3`` too; a whole float may fill an int
-    field. Anything else is returned unchanged for the type check to judge.
-    """
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    if isinstance(value, bool):
-        return value
-    if int in args and float not in args:
-        if isinstance(value, str):
-            try:
-                return parse_int(value.strip())
-            except ValueError:
-                return value
-        if isinstance(value, float) and math.isfinite(value) and value == int(value):
-            return int(value)
-    if float in args and isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            return value
-        return number if math.isfinite(number) else value
-    if typing.get_origin(tp) is list and isinstance(value, list):
-        return [_coerce_number(v, typing.get_args(tp)[0]) for v in value]
-    return value
-
-
-def coerce_numbers(values: dict[str, Any], cls: type) -> dict[str, Any]:
-    """``values`` with every number written as a string (or a whole float for an int) converted to
-    the type of ``cls``'s field of the same name; unknown keys are left as they are."""
-    hints = typing.get_type_hints(cls)
-    return {k: _coerce_number(v, hints[k]) if k in hints else v for k, v in values.items()}
-
-
-def read_yaml_config(path: str | Path) -> dict[str, Any]:
-    """The mapping of a YAML config file (empty for an empty file).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ConfigError: not valid YAML, or not a mapping (the message names the file).
-    """
-    text = Path(path).read_text()
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: a trainer config must be a YAML mapping, got {type(loaded).__name__}")
-    return loaded
-
-
-def config_from_dict(values: dict[str, Any], cls: type = GRPOConfig) -> Any:
-    """Build a ``cls`` (GRPOConfig, PPOConfig) from a mapping (numbers may be written as strings, e.g. "1e-5").
-
-    Raises:
-        ConfigError: an unknown key (named, with the closest known key), or a bad value.
-    """
-    if not isinstance(values, dict):
-        raise ConfigError(f"a trainer config must be a mapping of keys to values, got {type(values).__name__}")
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in known:
-            raise ConfigError(f"unknown key {key!r}{_suggest(str(key), known)}")
-    values = coerce_numbers(values, cls)
-    if isinstance(values.get("engine"), dict):
-        values["engine"] = coerce_numbers(values["engine"], rollout.ContinuousBatchingConfig)
-    return cls(**values)
-
-
-def load_config(path: str | Path | None = None, cls: type = GRPOConfig, **overrides: Any) -> Any:
-    """Read a YAML config and apply overrides (None values are ignored).
-
-    Args:
-        path: a YAML file holding a mapping; None starts from the defaults.
-        **overrides: values that replace the file's.
-
-    Raises:
-        ConfigError: unknown key, bad value, or a file that is not a YAML mapping.
-        FileNotFoundError: ``path`` does not exist.
-    """
-    values: dict[str, Any] = read_yaml_config(path) if path is not None else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return config_from_dict(values, cls)
-    except ConfigError as e:
-        where = f"{path}: " if path is not None else ""
-        raise ConfigError(f"{where}{e}") from e

@@ -1,4 +1,4 @@
-"""Held-out evaluation of a policy: greedy answers through a rollout manager, scored by their last number.
+"""Held-out evaluation of a policy: greedy answers through a rollout backend, scored by their last number.
 
 A completion is right when the last number in its text equals the problem's answer (after
 normalisation: "1,234" = "1234", "7.0" = "7"). The rule does not look for an "Answer:" line, so a
@@ -18,6 +18,7 @@ import torch
 
 import rollout
 
+from .backend import RolloutBackend
 from .prompts import encode_prompt, eos_token_ids
 from .tasks import normalize_number
 
@@ -64,7 +65,7 @@ class EvalResult:
 
 
 def evaluate_greedy(
-    manager: rollout.ContinuousBatchingManager,
+    backend: RolloutBackend,
     tokenizer: Any,
     prompt_ids: Sequence[Sequence[int]],
     answers: Sequence[str],
@@ -72,13 +73,13 @@ def evaluate_greedy(
     eos_token_ids: Sequence[int],
     questions: Sequence[str] | None = None,
 ) -> EvalResult:
-    """Greedy completions of the prompts on a running manager, scored by ``is_correct``.
+    """Greedy completions of the prompts on a running backend, scored by ``is_correct``.
 
-    The requests are queued under ``manager.pause()`` so the engine admits them in one go: the
+    The requests are queued under ``backend.pause()`` so a local engine admits them in one go: the
     steps, hence the completions, do not depend on thread timing.
 
     Args:
-        manager: a started manager on the model to evaluate.
+        backend: a started rollout backend on the model to evaluate (a manager, a server).
         tokenizer: decodes the completions (special tokens skipped).
         prompt_ids: one token-id list per problem.
         answers: the expected final number of each problem.
@@ -97,15 +98,15 @@ def evaluate_greedy(
         raise ValueError(f"{len(prompt_ids)} prompts but {len(answers)} answers")
     if not prompt_ids:
         return EvalResult(0, 0, 0)
-    with manager.pause():
-        ids = manager.add_requests(
+    with backend.pause():
+        ids = backend.add_requests(
             prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_token_ids)
         )
     outputs = []
     for rid in ids:
-        out = manager.get_result(rid)
+        out = backend.get_result(rid)
         if out is None or out.status != rollout.RequestStatus.FINISHED:
-            raise RuntimeError(f"evaluation request {rid} did not finish: {out.error if out else 'manager ended'}")
+            raise RuntimeError(f"evaluation request {rid} did not finish: {out.error if out else 'backend ended'}")
         outputs.append(out)
     texts = tokenizer.batch_decode([o.generated_tokens for o in outputs], skip_special_tokens=True)
     samples = []
@@ -170,7 +171,7 @@ def evaluate_model(
 
 
 def evaluate_sharded(
-    manager: rollout.ContinuousBatchingManager,
+    backend: RolloutBackend,
     tokenizer: Any,
     accelerator: Any,
     heldout: Any,
@@ -179,10 +180,10 @@ def evaluate_sharded(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
 ) -> tuple[EvalResult, list[dict[str, Any]]]:
-    """Greedy held-out accuracy over all processes of a run, each answering its shard on its own manager.
+    """Greedy held-out accuracy over all processes of a run, each answering its shard on its own backend.
 
     Args:
-        manager: this process's started manager on the policy.
+        backend: this process's started rollout backend on the policy.
         tokenizer: decodes the completions.
         accelerator: the run's ``accelerate.Accelerator`` (sums the counts, gathers the samples).
         heldout: a ``datasets.Dataset`` with ``prompt_column`` and ``answer`` (optionally ``question``).
@@ -199,7 +200,7 @@ def evaluate_sharded(
     rank, world = accelerator.process_index, accelerator.num_processes
     shard = heldout.select(range(rank, len(heldout), world))
     result = evaluate_greedy(
-        manager,
+        backend,
         tokenizer,
         [encode(p) for p in shard[prompt_column]],
         shard["answer"],

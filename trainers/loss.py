@@ -110,14 +110,23 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
 
 
 def pad_batch(
-    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_token_id: int
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-pad the prompts and right-pad the completions, so all completions start at one column.
 
+    Args:
+        prompt_ids, completion_ids: B token lists each.
+        pad_token_id: the id written in padding positions.
+        loss_masks: B lists of 0/1, one per completion token (0: a token not trained on, such as an
+            environment's reply inside an episode); None: every completion token counts.
+
     Returns:
         input_ids int64 [B, P + L], attention_mask int64 [B, P + L], position_ids int64 [B, P + L]
-        (0 at the first real token of each row), completion_mask float32 [B, L]; P is the longest
-        prompt and L the longest completion.
+        (0 at the first real token of each row), completion_mask float32 [B, L] (0 at padding and where
+        ``loss_masks`` is 0); P is the longest prompt and L the longest completion.
     """
     B = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
@@ -129,7 +138,10 @@ def pad_batch(
         input_ids[b, P : P + len(c)] = torch.tensor(list(c), dtype=torch.int64)
         attention[b, P - len(p) : P + len(c)] = 1
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, attention, position_ids, attention[:, P:].float()
+    completion_mask = attention[:, P:].float()
+    for b, m in enumerate(loss_masks or []):
+        completion_mask[b, : len(m)] *= torch.tensor(list(m), dtype=torch.float32)
+    return input_ids, attention, position_ids, completion_mask
 
 
 def completion_logprobs(
@@ -139,6 +151,7 @@ def completion_logprobs(
     temperature: float,
     pad_token_id: int,
     supports_logits_to_keep: bool = True,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(logits / T) of each completion token under one padded forward.
 
@@ -151,11 +164,12 @@ def completion_logprobs(
         temperature: the sampling temperature T.
         pad_token_id: id written in padding positions (masked out).
         supports_logits_to_keep: the model's forward accepts ``logits_to_keep``.
+        loss_masks: per completion token, 0 where it is not trained on (see ``pad_batch``); None: all are.
 
     Returns:
-        logprobs float32 [B, L] (0 at padding), completion mask float32 [B, L].
+        logprobs float32 [B, L] (0 at padding and masked tokens), completion mask float32 [B, L].
     """
-    input_ids, attention, position_ids, comp_mask = pad_batch(prompt_ids, completion_ids, pad_token_id)
+    input_ids, attention, position_ids, comp_mask = pad_batch(prompt_ids, completion_ids, pad_token_id, loss_masks)
     device = next(model.parameters()).device
     L = comp_mask.shape[1]
     kwargs = dict(

@@ -1,34 +1,34 @@
-"""The PPO trainer's settings: one validated dataclass, loaded from YAML like ``GRPOConfig``.
+"""The PPO trainer's settings: ``PPOConfig`` extends ``trainers.config.TrainerConfig`` with the value model, GAE,
+the KL penalty and the optimisation passes per batch.
 
-The fields shared with GRPO (model, data, held-out evaluation, sampling, AdamW, asynchronous rollouts,
-run folder, ``engine``) mean the same and are checked by the same code (``trainers.config.validate_common``);
-the PPO fields are checked here. A bad value raises ``ConfigError`` naming the key, before any work.
+The fields shared with GRPO (model, data, held-out evaluation, sampling, AdamW, asynchronous rollouts, run folder,
+``engine``, remote rollouts) are the base's and mean the same; the PPO fields are checked here. A bad value raises
+``ConfigError`` naming the key, before any work.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-import rollout
+from .config import ConfigError, TrainerConfig, check_at_least, check_one_of
 
-from .config import ConfigError, effective_prefetch, engine_config, validate_common
-
-VALUE_MODELS = ("head", "critic")
-KL_ESTIMATORS = ("k1", "k3")
+ValueModel = Literal["head", "critic"]
+KLEstimator = Literal["k1", "k3"]
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(TrainerConfig):
     """Settings of a PPO run (the defaults are ``configs/ppo_default.yaml``, the recipe of docs/ppo_run.md).
 
-    Model, data, evaluation, generation, optimisation, asynchronous rollouts and run: the fields of
-    the same names in ``trainers.config.GRPOConfig`` (see its docstring), with these differences:
+    Model, data, evaluation, generation, optimisation, asynchronous rollouts, run and remote rollouts: the
+    fields of ``trainers.config.TrainerConfig`` (see its docstring), with these differences:
         batch_size: prompts per process per step, one completion each (PPO samples no group).
         learning_rate: the policy's AdamW learning rate (the value model has its own).
         micro_batch_size: sequences per training forward/backward; gradients accumulate over the
             micro-batches of a mini-batch.
+        reward_weights, temperature, async_rollouts, max_staleness, log_completions: other defaults
+            ([1.0, 0.5], 0.7, true, 1, 2).
 
     Value model:
         value_model: "head": a linear value head on the policy's last hidden state (one forward
@@ -59,37 +59,16 @@ class PPOConfig:
         entropy_coef: weight of the entropy bonus (0: off; the entropy is still logged).
     """
 
-    model: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
-    dataset: str = "arithmetic"
-    dataset_size: int = 2000
-    dataset_seed: int = 0
-    prompt_column: str = "prompt"
-    reward_funcs: list[str] = field(default_factory=lambda: ["correctness", "format_if_correct"])
+    trainer_name: ClassVar[str] = "PPO"
+    default_config_file: ClassVar[str | None] = "ppo_default.yaml"
+
     reward_weights: list[float] | None = field(default_factory=lambda: [1.0, 0.5])
-
-    eval_size: int = 200
-    eval_dataset: str | None = None
-    eval_seed: int = 1234
-    eval_steps: int | None = None
-    eval_max_new_tokens: int = 96
-
-    batch_size: int = 16
-    max_prompt_length: int = 256
-    max_new_tokens: int = 64
     temperature: float = 0.7
+    async_rollouts: bool = True
+    max_staleness: int = 1
+    log_completions: int = 2
 
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "constant_with_warmup"
-    micro_batch_size: int = 8
-
-    value_model: Literal["head", "critic"] = "head"
+    value_model: ValueModel = "head"
     value_learning_rate: float = 1e-3
     vf_coef: float = 0.1
     cliprange_value: float = 0.2
@@ -97,7 +76,7 @@ class PPOConfig:
     lam: float = 1.0
     whiten_advantages: bool = True
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_estimator: KLEstimator = "k1"
     kl_target: float | None = None
     kl_horizon: int = 10000
     ppo_epochs: int = 1
@@ -105,44 +84,21 @@ class PPOConfig:
     epsilon: float = 0.2
     entropy_coef: float = 0.0
 
-    async_rollouts: bool = True
-    max_staleness: int = 1
-    stale_policy: Literal["wait", "drop"] = "wait"
-    prefetch_batches: int | None = None
-
-    max_steps: int = 30
-    seed: int = 0
-    output_dir: str | None = None
-    overwrite_output_dir: bool = False
-    log_with: str | None = None
-    save_model: bool = True
-    log_completions: int = 2
-    cpu_threads: int | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
-
     def __post_init__(self) -> None:
-        validate_common(self)
-        for name in ("value_learning_rate", "epsilon", "kl_horizon"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("vf_coef", "cliprange_value", "kl_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        super().__post_init__()
+        check_at_least(self, ("value_learning_rate", "epsilon", "kl_horizon"), 0, strict=True)
+        check_at_least(self, ("vf_coef", "cliprange_value", "kl_coef", "entropy_coef"), 0)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        for name in ("ppo_epochs", "num_mini_batches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        check_at_least(self, ("ppo_epochs", "num_mini_batches"), 1)
         if self.batch_size % self.num_mini_batches:
             raise ConfigError(
                 f"num_mini_batches ({self.num_mini_batches}) must divide batch_size ({self.batch_size}): "
                 "every optimizer step takes the same number of sequences"
             )
-        if self.value_model not in VALUE_MODELS:
-            raise ConfigError(f"value_model must be one of {VALUE_MODELS}, got {self.value_model!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        check_one_of("value_model", self.value_model, ValueModel)
+        check_one_of("kl_estimator", self.kl_estimator, KLEstimator)
         if self.kl_target is not None and self.kl_target <= 0:
             raise ConfigError(f"kl_target must be > 0 or null, got {self.kl_target!r}")
         if self.kl_target is not None and self.kl_coef == 0:
@@ -150,32 +106,6 @@ class PPOConfig:
         self.engine_config()  # validate the engine mapping now
 
     @property
-    def prompts_per_batch(self) -> int:
-        """Prompts per process per step: ``batch_size`` (one completion each)."""
-        return self.batch_size
-
-    @property
-    def num_generations(self) -> int:
-        """Completions per prompt: 1."""
-        return 1
-
-    @property
     def uses_reference(self) -> bool:
         """A reference policy is kept (a KL penalty is on)."""
         return self.kl_coef > 0 or self.kl_target is not None
-
-    @property
-    def effective_prefetch(self) -> int:
-        """Batches kept in flight beyond the one being trained (0 in synchronous mode)."""
-        return effective_prefetch(self)
-
-    def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
-        """The engine's configuration: ``engine`` plus the fields the trainer fixes.
-
-        Raises:
-            ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
-        """
-        return engine_config(self, "PPO", **extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

@@ -1,9 +1,8 @@
 """The trainer's rollouts on a ``rollout-serve`` in another process or on another machine.
 
-``RemoteRollouts`` stands in for the trainer's local ``ContinuousBatchingManager``: it offers the part of
-the manager's interface that ``GRPOTrainer`` and ``trainers.evaluate`` use (``start``, ``add_request``,
-``add_requests``, ``get_result``, ``pause``, ``weight_version``, ``update_weights``, ``stop``, ``destroy``),
-so the trainer's step is the same code against either backend.
+``RemoteRollouts`` is a ``trainers.backend.RolloutBackend``, as the trainer's local
+``ContinuousBatchingManager`` is: the recipe (GRPO and PPO alike), the rollout queue and the evaluation run the
+same code against either.
 
 - Each request is one ``/v1/completions`` call with the prompt's token ids, the request's own seed,
   ``logprobs: 0`` and ``return_token_ids``, run by a pool of threads; the answer becomes a
@@ -25,13 +24,15 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import httpx
 import torch
 
 import rollout
+
+from .backend import BatchOptions, NamedTensors, RequestOptions, RolloutBackend
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ logger = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 64
 
 
-class RemoteRollouts:
-    """A ``rollout-serve`` (started with ``--enable-control``) as the trainer's rollout engine.
+class RemoteRollouts(RolloutBackend):
+    """A ``rollout-serve`` (started with ``--enable-control``) as the trainer's rollout backend.
 
     Args:
         url: the server's base URL.
@@ -93,7 +94,7 @@ class RemoteRollouts:
         self._version = 0
         self.state = "running"
 
-    def stop(self, hard_stop: bool = False, **_: Any) -> None:
+    def stop(self, *, hard_stop: bool = False) -> None:
         """Stop taking requests; with ``hard_stop`` drop the ones not answered yet."""
         for future in self._futures.values():
             if hard_stop:
@@ -110,12 +111,9 @@ class RemoteRollouts:
         """True between ``start`` and ``stop``."""
         return self.state == "running"
 
-    # The server keeps generating while the trainer "pauses" (the rollout queue's throughput leaves out
-    # the pauses of an engine that stops for them, not of this one).
-    pause_stops_generation = False
-
     def pause(self) -> contextlib.AbstractContextManager[None]:
-        """Nothing to hold: the server's weights move only through ``update_weights``."""
+        """Nothing to hold: the server's weights move only through ``update_weights``, and it keeps generating
+        while the trainer trains (``trainers.recipe`` tells the rollout queue so, for its throughput)."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ weights
@@ -131,54 +129,55 @@ class RemoteRollouts:
         self.sync_seconds.append(time.perf_counter() - t0)
         return version
 
-    def update_weights(self, named_tensors: Any = None, **_: Any) -> int:
+    def update_weights(self, named_tensors: NamedTensors | None = None) -> int:
         """Send the model's parameters to the server (called after each optimizer step, on every process).
 
         Args:
-            named_tensors: ignored: the model's current parameters are sent (the local manager's
+            named_tensors: None: the model's current parameters are sent (the local manager's
                 ``update_weights(None)`` records the same change).
 
         Returns:
             The new weight version, counted from ``start``.
+
+        Raises:
+            ValueError: ``named_tensors`` given (only the model's own parameters are streamed; refused, not ignored).
         """
+        if named_tensors is not None:
+            raise ValueError(
+                "RemoteRollouts.update_weights streams the model's own parameters: named_tensors must be None"
+            )
         server_version = self._send() if self.is_sender else 0
         self._version = self._share_version(server_version) - self._base
         return self._version
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self,
-        input_ids: Sequence[int],
-        request_id: str | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        do_sample: bool = True,
-        seed: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        record_timestamps: bool = False,
-        **_: Any,
+        self, input_ids: Sequence[int], request_id: str | None = None, **options: Unpack[RequestOptions]
     ) -> str:
-        """Send one request; returns its id at once (``get_result`` waits for the answer)."""
+        """Send one request (a ``/v1/completions`` call on a thread); returns its id at once (``get_result`` waits
+        for the answer). Without ``temperature`` it samples at 1.0; ``do_sample=False`` is greedy."""
         if request_id is None:
             self._count += 1
             request_id = f"remote_{self._count}"
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        eos = options.get("eos_token_id")
+        temperature = options.get("temperature")
         body: dict[str, Any] = {
             "prompt": list(input_ids),
-            "temperature": (temperature if temperature is not None else 1.0) if do_sample else 0.0,
+            "temperature": 0.0 if options.get("do_sample") is False else 1.0 if temperature is None else temperature,
             "top_p": 1.0,
-            "stop_token_ids": eos,
+            "stop_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
         }
-        if max_new_tokens is not None:
-            body["max_tokens"] = max_new_tokens
-        if seed is not None:
-            body["seed"] = seed
-        self._futures[request_id] = self._pool.submit(self._run, request_id, list(input_ids), body, record_timestamps)
+        if options.get("max_new_tokens") is not None:
+            body["max_tokens"] = options["max_new_tokens"]
+        if options.get("seed") is not None:
+            body["seed"] = options["seed"]
+        timestamps = bool(options.get("record_timestamps"))
+        self._futures[request_id] = self._pool.submit(self._run, request_id, list(input_ids), body, timestamps)
         return request_id
 
-    def add_requests(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
+    def add_requests(self, inputs: Sequence[Sequence[int]], **options: Unpack[BatchOptions]) -> list[str]:
         """``add_request`` for each prompt, in order."""
-        return [self.add_request(p, **kwargs) for p in prompts]
+        return [self.add_request(p, **options) for p in inputs]
 
     def _run(self, rid: str, prompt: list[int], body: dict[str, Any], timestamps: bool) -> rollout.GenerationOutput:
         try:
@@ -206,6 +205,3 @@ class RemoteRollouts:
             return future.result(timeout)
         except concurrent.futures.CancelledError:
             return None
-
-    def __iter__(self) -> Iterator[rollout.GenerationOutput]:
-        raise NotImplementedError("RemoteRollouts answers get_result(request_id) only")

@@ -1,5 +1,6 @@
-"""The rollout queue both trainers draw their batches from: batches submitted to a persistent manager
-ahead of training, at most ``max_staleness`` weight versions old, and the engine's throughput over them.
+"""The rollout queue both trainers draw their batches from: batches submitted to the rollout backend
+(``trainers.backend.RolloutBackend``: the persistent manager, or a server) ahead of training, at most
+``max_staleness`` weight versions old, and the engine's throughput over them.
 
 Batch ``j`` is the one step ``j`` trains on. ``fill(current)`` submits every batch that may run now:
 batch ``current`` always, and up to ``prefetch`` batches beyond it, each only once the weights are
@@ -22,19 +23,21 @@ import torch
 
 import rollout
 
+from .backend import RolloutBackend
+
 THROUGHPUT_WINDOW = 4  # batches over which rollout_tokens_per_s is measured
 
 
 @dataclass
 class RolloutBatch:
-    """One process's share of a step's prompts, submitted to the manager.
+    """One process's share of a step's prompts, submitted to the backend.
 
     Attributes:
         index: the step that trains on it.
         rows: the dataset rows, one per prompt.
         prompt_ids: token ids, one list per prompt.
         request_ids: prompt-major: the G samples of prompt i are ``[i*G, (i+1)*G)``.
-        submit_version: the manager's weight version at submission.
+        submit_version: the backend's weight version at submission.
         submit_time: ``time.perf_counter()`` at submission.
     """
 
@@ -47,10 +50,10 @@ class RolloutBatch:
 
 
 class RolloutQueue:
-    """Batches of sampled completions on a persistent manager, ahead of the trainer by a bounded staleness.
+    """Batches of sampled completions on a rollout backend, ahead of the trainer by a bounded staleness.
 
     Args:
-        manager: a ``rollout.ContinuousBatchingManager`` on the policy (started by the trainer).
+        backend: the rollout backend (started by the trainer).
         rows_for_batch: the dataset rows of batch j on this process (called at submission).
         encode: token ids of one row's prompt.
         samples_per_prompt: completions per prompt (GRPO's G; 1 for PPO).
@@ -58,14 +61,16 @@ class RolloutQueue:
         prefetch: batches kept in flight beyond the one being trained (0: synchronous).
         max_staleness: most weight versions a trained token may lag the weights it is trained on.
         stale_policy: "wait" or "drop" (see the module docstring).
-        request_kwargs: ``manager.add_request`` keyword arguments of every request (sampling settings).
+        request_kwargs: ``backend.add_request`` keyword arguments of every request (sampling settings).
         seed: the sampling seed of request (batch j, prompt i, sample g).
         id_prefix: request ids are ``{id_prefix}_b{j}_p{i}_g{g}``.
+        pauses_stop_generation: the backend generates nothing while paused (a local engine), so the
+            throughput leaves the pauses out; False for a server, which keeps generating.
     """
 
     def __init__(
         self,
-        manager: rollout.ContinuousBatchingManager,
+        backend: RolloutBackend,
         rows_for_batch: Callable[[int], list[dict[str, Any]]],
         encode: Callable[[dict[str, Any]], list[int]],
         samples_per_prompt: int,
@@ -76,8 +81,10 @@ class RolloutQueue:
         request_kwargs: dict[str, Any],
         seed: Callable[[int, int, int], int],
         id_prefix: str,
+        pauses_stop_generation: bool = True,
     ) -> None:
-        self.manager = manager
+        self.backend = backend
+        self.pauses_stop_generation = pauses_stop_generation
         self.rows_for_batch = rows_for_batch
         self.encode = encode
         self.samples_per_prompt = samples_per_prompt
@@ -95,16 +102,16 @@ class RolloutQueue:
         self._throughput: deque[tuple[int, float]] = deque(maxlen=THROUGHPUT_WINDOW)
 
     def submit(self, j: int) -> None:
-        """Queue batch ``j``'s requests on the manager."""
+        """Queue batch ``j``'s requests on the backend."""
         rows = self.rows_for_batch(j)
         prompt_ids = [self.encode(r) for r in rows]
         request_ids = []
         # Queued under a pause, the batch reaches the engine in one go: in synchronous mode the
         # steps, and so the samples and metrics, do not depend on thread timing.
-        with self.manager.pause():
+        with self.backend.pause():
             for i, ids in enumerate(prompt_ids):
                 for g in range(self.samples_per_prompt):
-                    rid = self.manager.add_request(
+                    rid = self.backend.add_request(
                         ids,
                         request_id=f"{self.id_prefix}_b{j}_p{i}_g{g}",
                         seed=self.seed(j, i, g),
@@ -112,10 +119,10 @@ class RolloutQueue:
                         **self.request_kwargs,
                     )
                     if rid is None:
-                        raise RuntimeError("the rollout manager stopped and accepts no request")
+                        raise RuntimeError("the rollout backend stopped and accepts no request")
                     request_ids.append(rid)
         self.pending.append(
-            RolloutBatch(j, rows, prompt_ids, request_ids, self.manager.weight_version, time.perf_counter())
+            RolloutBatch(j, rows, prompt_ids, request_ids, self.backend.weight_version, time.perf_counter())
         )
         self.next_batch = j + 1
 
@@ -125,7 +132,7 @@ class RolloutQueue:
             return False
         if j == current or self.stale_policy == "drop":
             return True
-        return self.manager.weight_version >= j - self.max_staleness
+        return self.backend.weight_version >= j - self.max_staleness
 
     def fill(self, current: int) -> None:
         """Submit every batch that may run now (batch ``current`` always)."""
@@ -143,9 +150,9 @@ class RolloutQueue:
         assert batch.index == step, f"batch {batch.index} came out of the queue for step {step}"
         outputs = []
         for rid in batch.request_ids:
-            out = self.manager.get_result(rid)
+            out = self.backend.get_result(rid)
             if out is None or out.status != rollout.RequestStatus.FINISHED:
-                error = out.error if out is not None else "the manager ended before it finished"
+                error = out.error if out is not None else "the backend ended before it finished"
                 raise RuntimeError(f"rollout request {rid} did not finish: {error}")
             outputs.append(out)
         return batch, outputs
@@ -153,18 +160,18 @@ class RolloutQueue:
     def staleness(self, outputs: Sequence[rollout.GenerationOutput]) -> tuple[list[list[int]], torch.Tensor]:
         """Per-token staleness (current weight version - version the token was sampled under) and
         bool [N]: the samples with a token older than ``max_staleness``."""
-        version = self.manager.weight_version
+        version = self.backend.weight_version
         stale = [[version - v for v in o.weight_versions] for o in outputs]
         too_old = torch.tensor([max(s, default=0) > self.max_staleness for s in stale], dtype=torch.bool)
         return stale, too_old
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """``manager.pause()``, its interval remembered so the throughput leaves it out."""
+        """``backend.pause()``, its interval remembered so the throughput leaves it out."""
         t0 = time.perf_counter()
-        with self.manager.pause():
+        with self.backend.pause():
             yield
-        if getattr(self.manager, "pause_stops_generation", True):  # a remote server keeps generating
+        if self.pauses_stop_generation:
             self._pauses.append((t0, time.perf_counter()))
 
     def throughput(self, batch: RolloutBatch, outputs: Sequence[rollout.GenerationOutput]) -> float:

@@ -1,9 +1,10 @@
 """Setup steps every trainer runs before its first step, in this order: the accelerator and the run
 folder, CPU threads, the datasets and reward functions (a bad column fails before the model loads),
-the policy and its tokenizer, the context check, and the engine's settings.
+the policy and its tokenizer, the context check, the engine's settings and the rollout backend; and the
+one backward the trainers' losses go through (``backward``).
 
-Module functions of a config with the fields ``trainers.config.validate_common`` checks, shared by
-the GRPO and PPO trainers (torchtune's ``_setup_*`` steps, composed by each recipe's ``__init__``).
+Module functions of a ``trainers.config.TrainerConfig``, composed by ``trainers.recipe.Recipe.__init__``
+(torchtune's ``_setup_*`` steps).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import rollout
 
+from .backend import RolloutBackend
 from .config import ConfigError
 from .prompts import eos_token_ids
+from .remote import RemoteRollouts
 from .rewards import RewardFunc, required_columns, resolve_reward_func, reward_name
 from .runs import resolve_output_dir
 from .tasks import build_datasets
@@ -123,10 +127,36 @@ def setup_accelerator(config: Any, accelerator: Accelerator | None, prefix: str)
             f"mixed precision {accelerator.mixed_precision!r} keeps float32 master weights under autocast; "
             f"dtype must be 'float32', got {config.dtype!r}"
         )
+    if accelerator.gradient_accumulation_steps > 1:
+        logger.info(
+            "gradient_accumulation_steps %d (from the launcher or the accelerator): the trainer accumulates each "
+            "step's gradient over its own micro-batches (micro_batch_size) and normalises the loss once over the "
+            "step's batch, so the setting changes neither the gradient nor the optimizer steps (see setup.backward)",
+            accelerator.gradient_accumulation_steps,
+        )
     accelerator.wait_for_everyone()  # every process checked the folder before the main one writes to it
     if accelerator.device.type == "cpu":
         set_cpu_threads(config.cpu_threads)
     return accelerator, output_dir
+
+
+def backward(accelerator: Accelerator, loss: torch.Tensor) -> None:
+    """``accelerator.backward`` of a micro-batch's part of a step's loss, normalised once.
+
+    The trainers divide each micro-batch's loss by the step's global token or sequence count, so the
+    micro-batches' gradients add up to the gradient of the step's loss: the accumulation is already in
+    the loss. ``accelerator.backward`` divides by ``gradient_accumulation_steps`` again (set with
+    ``Accelerator(gradient_accumulation_steps=N)`` or ``accelerate launch --gradient_accumulation_steps N``),
+    which made the gradient, the logged grad_norm and the clip N times smaller (TRL issues 5619, 6024
+    report the same double division). Multiplying by N first undoes it, whatever N is, and keeps
+    ``accelerator.backward``'s loss scaling under fp16.
+
+    Args:
+        accelerator: the run's Accelerator; ``accumulate()`` is never entered, so its optimizer steps
+            and zeroes at every call and only this division depends on N.
+        loss: a 0-d tensor, the micro-batch's part of the step's loss.
+    """
+    accelerator.backward(loss * accelerator.gradient_accumulation_steps)
 
 
 def set_cpu_threads(threads: int | None) -> None:
@@ -292,3 +322,34 @@ def engine_config_for(
             fits,
         )
     return config.engine_config(num_blocks=min(wanted, fits))
+
+
+def rollout_backend(
+    config: Any, policy: PreTrainedModel, accelerator: Accelerator, eos_token_ids: Sequence[int]
+) -> RolloutBackend:
+    """The trainer's rollout backend on ``policy``: the ``rollout-serve`` at ``config.rollout_server``
+    (``trainers.remote.RemoteRollouts``; the main process streams the weights, every process learns their
+    version), else a persistent ``rollout.ContinuousBatchingManager`` on the policy object itself (no copy of
+    the weights), its cache sized by ``engine_config_for``."""
+    if config.rollout_server:
+
+        def share_version(version: int) -> int:
+            return int(broadcast_object_list([version])[0]) if accelerator.num_processes > 1 else version
+
+        return RemoteRollouts(
+            config.rollout_server,
+            policy,
+            api_key=config.rollout_api_key,
+            bucket_bytes=config.weight_sync_bucket_mb << 20,
+            is_sender=accelerator.is_main_process,
+            share_version=share_version,
+        )
+    # Exactly the config's sampling: the model's generation config (a checkpoint's top_k, top_p or
+    # repetition_penalty) must not reach the rollouts, or the policy trained on is not the one sampled from.
+    params = rollout.SamplingParams(
+        max_new_tokens=config.max_new_tokens,
+        do_sample=True,
+        temperature=config.temperature,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+    return rollout.ContinuousBatchingManager(policy, params, engine_config_for(config, policy, accelerator.device.type))
