@@ -50,7 +50,7 @@ from .onednn import (
 )
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
-from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from .static_step import FORWARDS, PATHS, CompileCounter, CUDAGraphs, compiled_forward
 from .step_inputs import LogitsPlan, PaddingRule, StepBatch, fits_decode_kernel, prepare_inputs, synthetic_batch
 

@@ -42,7 +42,7 @@ import torch
 
 from .host_staging import HostStaging
 from .requests import Request
-from .scheduler import ScheduledRequest
+from .scheduler_output import ScheduledRequest
 
 # Smallest padded size of every axis: dynamo specialises 0 and 1 (a graph of their own each).
 MIN_PADDED_SIZE = 2
