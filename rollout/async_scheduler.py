@@ -17,7 +17,8 @@ for the step in flight); a row's bits may differ where the batches differ.
 from __future__ import annotations
 
 from .requests import Request, RequestStatus
-from .scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_output import RunnerOutput, SchedulerOutput
 
 __all__ = ["AsyncScheduler"]
 

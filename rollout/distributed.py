@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from .config import ContinuousBatchingConfig
 from .models import UnsupportedModelError, layer_kv_shapes
-from .scheduler import RunnerOutput
+from .scheduler_output import RunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 ``Engine.step()`` is three calls, as in nano-vllm and vLLM v1: ``scheduler.schedule()`` ->
 ``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output`` (counts, tokens,
-statuses, finished requests and their blocks). The engine builds the parts, queues requests and keeps statistics; it
-changes no request itself. The background manager, ``generate_batch`` and ``score`` all drive this class; it holds no
-global state.
+statuses, finished requests and their blocks). The engine builds the parts, queues requests (through the part that
+checks and builds them, ``engine_requests.EngineRequests``) and keeps statistics; it changes no request itself. The
+background manager, ``generate_batch`` and ``score`` all drive this class; it holds no global state.
 
 With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an ``AsyncScheduler`` and the
 step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_queue``).
@@ -38,6 +38,7 @@ from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models import UnsupportedModelError, check_model_supported
 from .requests import Request, RequestStatus
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .static_step import mark_warmed, warm_key, warmed_before, warmup_shapes
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Engine(EngineRequests):
+class Engine:
     """Continuous-batching engine for one model replica.
 
     Args:
@@ -99,8 +100,6 @@ class Engine(EngineRequests):
         self.config = config or ContinuousBatchingConfig()
         self.spec = spec = EngineSpec.resolve(model, self.config, max_tokens_hint, fallback_compile_config)
         self.model = model
-        self.tokenizer = tokenizer
-        self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
         # The spec's values that callers read off the engine.
         self.device, self.tp, self.num_blocks = spec.device, spec.tp, spec.num_blocks
         self.block_size, self.max_batch_tokens = spec.block_size, spec.max_batch_tokens
@@ -135,13 +134,13 @@ class Engine(EngineRequests):
             padding=spec.padding,
             async_batching=spec.async_batching,
         )
+        self._intake = EngineRequests(spec, self.scheduler, tokenizer)  # checks, builds and queues requests
         self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
         # What the warmup found: whether it ran, its seconds, the compilations and captures at its end.
         self._warm_done = False
         self._warm_seconds: float | None = None
         self._warm_counts = (0, 0)
         self._queue = BatchQueue(self.scheduler, self.runner, self._record_stats) if spec.async_batching else None
-        self._arrivals = 0
         self._progress = ProgressLog(self.config.progress_log_interval)
         self._step_fn = self._queue.step if self._queue is not None else self._step_sync  # chosen once, as vLLM's
         self._original_attn = enable_paged_attention(model)
@@ -194,7 +193,88 @@ class Engine(EngineRequests):
         """
         return obj if self.tp is None else self.tp.broadcast_object(obj)
 
-    # ------------------------------------------------------------------ requests (and EngineRequests')
+    # ------------------------------------------------------------------ requests
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request, by id (the scheduler's; do not change it)."""
+        return self.scheduler.requests
+
+    @property
+    def tokenizer(self) -> object | None:
+        """The tokenizer requests with stop strings need (None refuses them); a manager may set it later."""
+        return self._intake.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: object | None) -> None:
+        self._intake.tokenizer = tokenizer
+
+    def check_request(
+        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
+    ) -> None:
+        """Raise ValueError if this engine can never run a request (``EngineSpec.check_request``: the context, the
+        cache, top logprobs), or if it has stop strings and the engine no tokenizer; changes nothing."""
+        self._intake.check_request(request_id, num_prompt_tokens, params, scoring)
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        record_timestamps: bool = False,
+        score_from: int | None = None,
+        score_temperature: float = 1.0,
+    ) -> Request:
+        """Check and queue a request; returns its state object.
+
+        The entry point for code that drives an engine directly: everything is checked here, once (``generate_batch``,
+        the manager and ``score`` check at their own boundary, then ``check_request`` and ``enqueue`` the requests they
+        built).
+
+        Args:
+            prompt_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
+            params: sampling parameters.
+            request_id: unique id (default ``req_<n>``).
+            record_timestamps: record a timestamp per generated token.
+            score_from: make this a scoring request: no token is generated, and the logprobs of
+                ``prompt_ids[score_from:]`` are recorded in ``prompt_logprobs`` (1 <= score_from <= len(prompt_ids)).
+            score_temperature: logits are divided by this before the log-softmax (> 0).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary, a
+                duplicate request id, a request that can never fit the cache, or score_from / score_temperature out of
+                range.
+            RuntimeError: the engine is closed.
+        """
+        self._check_open()
+        return self._intake.add_request(
+            prompt_ids, params, request_id, record_timestamps, score_from, score_temperature
+        )
+
+    def stop_matcher(self, params: SamplingParams) -> StopStringMatcher:
+        """The matcher of a request's stop strings, built once per set of strings.
+
+        The first call for a tokenizer spells its vocabulary (``stop_strings.token_texts``).
+
+        Raises:
+            ValueError: the engine has no tokenizer.
+        """
+        return self._intake.stop_matcher(params)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built and checked by the caller (see ``check_request``).
+
+        Raises:
+            ValueError: its id is already in use by an unfinished request, or it has stop strings and the engine no
+                tokenizer.
+            RuntimeError: the engine is closed.
+        """
+        self._check_open()
+        self._intake.enqueue(request)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
         """End a request with a final status (cancel, fail), freeing its blocks. None if unknown.
 
@@ -319,8 +399,7 @@ class Engine(EngineRequests):
         Raises:
             RuntimeError: the engine is closed.
         """
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         plan = self.warmup_plan()
         if not plan or self._warm_done:
             logger.debug(

@@ -1,7 +1,7 @@
-"""The engine's request intake: check, build and queue requests (``EngineRequests``, a base class of ``Engine``).
+"""The engine's request intake (``EngineRequests``, a part the ``Engine`` owns): check, build and queue requests.
 
-``Engine`` builds the pieces these methods work through (the annotations below) and runs the steps; what an engine can
-never run is the spec's to say (``EngineSpec.check_request``), stop strings need the tokenizer.
+What an engine can never run is the spec's to say (``EngineSpec.check_request``); stop strings need the tokenizer,
+whose vocabulary is spelled once per engine for their matchers. ``Engine`` checks that it is open and delegates here.
 """
 
 from __future__ import annotations
@@ -19,27 +19,25 @@ __all__ = ["EngineRequests"]
 
 
 class EngineRequests:
-    """``add_request``, ``check_request``, ``enqueue`` and the stop-string matchers, of the engine."""
+    """Checks requests against what an engine can run, builds them and queues them in its scheduler.
 
-    # Set by Engine.__init__.
-    spec: EngineSpec
-    scheduler: Scheduler
-    tokenizer: object | None
-    vocab_size: int
-    _closed: bool
-    _arrivals: int  # requests queued so far (default ids count them)
-    _stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher]
+    Args:
+        spec: the engine's resolved settings (its limits and vocabulary).
+        scheduler: the scheduler requests are queued in.
+        tokenizer: the model's tokenizer, for stop strings; None refuses them. Replaceable (``Engine.tokenizer``).
+    """
 
-    @property
-    def requests(self) -> dict[str, Request]:
-        """Every unfinished request, by id (the scheduler's; do not change it)."""
-        return self.scheduler.requests
+    def __init__(self, spec: EngineSpec, scheduler: Scheduler, tokenizer: object | None) -> None:
+        self.spec = spec
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.num_queued = 0  # requests queued so far (default ids count them)
+        self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
 
     def check_request(
         self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
     ) -> None:
-        """Raise ValueError if this engine can never run a request (``EngineSpec.check_request``: the context, the
-        cache, top logprobs), or if it has stop strings and the engine no tokenizer; changes nothing."""
+        """Raise ValueError if the engine can never run this request (``Engine.check_request``)."""
         self.spec.check_request(request_id, num_prompt_tokens, params, scoring)
         if params.needs_tokenizer:
             self.stop_matcher(params)
@@ -48,42 +46,21 @@ class EngineRequests:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        request_id: str | None = None,
-        record_timestamps: bool = False,
-        score_from: int | None = None,
-        score_temperature: float = 1.0,
+        request_id: str | None,
+        record_timestamps: bool,
+        score_from: int | None,
+        score_temperature: float,
     ) -> Request:
-        """Check and queue a request; returns its state object.
-
-        The entry point for code that drives an engine directly: everything is checked here, once (``generate_batch``,
-        the manager and ``score`` check at their own boundary, then ``check_request`` and ``enqueue`` the requests they
-        built).
-
-        Args:
-            prompt_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
-            params: sampling parameters.
-            request_id: unique id (default ``req_<n>``).
-            record_timestamps: record a timestamp per generated token.
-            score_from: make this a scoring request: no token is generated, and the logprobs of
-                ``prompt_ids[score_from:]`` are recorded in ``prompt_logprobs`` (1 <= score_from <= len(prompt_ids)).
-            score_temperature: logits are divided by this before the log-softmax (> 0).
-
-        Raises:
-            ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary, a
-                duplicate request id, a request that can never fit the cache, or score_from / score_temperature out of
-                range.
-            RuntimeError: the engine is closed.
-        """
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        prompt = token_ids(prompt_ids, f"input_ids of request {request_id!r}", self.vocab_size)
-        params.check_vocab(self.vocab_size)
+        """Check every argument, build the request and queue it (``Engine.add_request``: arguments and errors)."""
+        vocab_size = self.spec.vocab_size
+        prompt = token_ids(prompt_ids, f"input_ids of request {request_id!r}", vocab_size)
+        params.check_vocab(vocab_size)
         if score_from is not None:
             check_int("score_from", score_from, minimum=1, maximum=len(prompt))
             check_number("score_temperature", score_temperature, minimum=0, min_open=True)
         if request_id is None:
-            request_id = f"req_{self._arrivals}"
-            while request_id in self.requests:
+            request_id = f"req_{self.num_queued}"
+            while request_id in self.scheduler.requests:
                 request_id += "_"
         self.check_request(request_id, len(prompt), params)
         req = Request(request_id, prompt, params, record_timestamps, score_from, score_temperature)
@@ -91,32 +68,18 @@ class EngineRequests:
         return req
 
     def stop_matcher(self, params: SamplingParams) -> StopStringMatcher:
-        """The matcher of a request's stop strings, built once per set of strings.
-
-        The first call for a tokenizer spells its vocabulary (``stop_strings.token_texts``).
-
-        Raises:
-            ValueError: the engine has no tokenizer.
-        """
+        """The matcher of a request's stop strings, built once per set of strings (``Engine.stop_matcher``)."""
         key = (params.stop_strings, params.stop)
         matcher = self._stop_matchers.get(key)
         if matcher is None:
             check_tokenizer(params.stop_strings, params.stop, self.tokenizer)
-            texts = token_texts(self.tokenizer, self.vocab_size)
+            texts = token_texts(self.tokenizer, self.spec.vocab_size)
             matcher = self._stop_matchers[key] = StopStringMatcher(texts, params.stop_strings, params.stop)
         return matcher
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request built and checked by the caller (see ``check_request``).
-
-        Raises:
-            ValueError: its id is already in use by an unfinished request, or it has stop strings and the engine no
-                tokenizer.
-            RuntimeError: the engine is closed.
-        """
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        """Queue a request built and checked by the caller (``Engine.enqueue``)."""
         if request.params.needs_tokenizer:
             request.stop_matcher = self.stop_matcher(request.params)
         self.scheduler.add_request(request)
-        self._arrivals += 1
+        self.num_queued += 1

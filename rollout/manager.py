@@ -29,7 +29,8 @@ import functools
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -38,7 +39,7 @@ from .engine import Engine, EngineStats
 from .intake import Inbox, QueueFullError, derive_seeds
 from .lifecycle import Lifecycle, State
 from .loop import GenerationLoop
-from .manager_requests import RequestMethods
+from .manager_requests import ManagerRequests
 from .models import vocab_size
 from .outputs import OutputRouter
 from .pausing import PauseGate
@@ -53,13 +54,28 @@ __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persi
 
 logger = logging.getLogger(__name__)
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class ContinuousBatchingManager(RequestMethods):
+
+def _forwarded(method: Callable[Concatenate[ManagerRequests, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """A manager method that runs ``method`` on the manager's ``ManagerRequests``, with its name, signature and
+    docstring (``functools.wraps``): one definition of each request method, not a second signature to keep equal."""
+
+    @functools.wraps(method)
+    def forwarded(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(self._requests, *args, **kwargs)
+
+    return forwarded
+
+
+class ContinuousBatchingManager:
     """Runs a continuous-batching engine in a background thread.
 
-    The request methods (``add_request``, ``add_requests``, ``cancel_request``, ``get_result``, iteration,
-    ``request_id_iter``, ``register_result_handler``) come from ``RequestMethods`` (``manager_requests.py``); this class
-    builds the pieces and owns the lifecycle, the pause and the weights.
+    The request methods (``add_request``, ``add_requests``, ``add_scoring_requests``, ``cancel_request``,
+    ``get_result``, iteration, ``request_id_iter``, ``register_result_handler``) run on a part the manager owns,
+    ``ManagerRequests`` (``manager_requests.py``); this class builds the parts and owns the engine, lifecycle, pause
+    and weights.
 
     Args:
         model: a ``transformers`` decoder-only causal LM, shared with the trainer (never copied). Its attention is
@@ -102,13 +118,13 @@ class ContinuousBatchingManager(RequestMethods):
             GenerationConfig() if exact is not None else resolve_generation_config(model, generation_config)
         )
         self.cb_config = resolve_continuous_batching_config(continuous_batching_config, self.generation_config)
-        self._vocab_size = vocab_size(model)
-        self.default_params = build_sampling_params(
+        vocab = vocab_size(model)
+        defaults = build_sampling_params(
             exact if exact is not None else self.generation_config,
-            vocab_size=self._vocab_size,
+            vocab_size=vocab,
             drop_unsupported_processors=self.cb_config.drop_unsupported_processors,
         )
-        check_tokenizer(self.default_params.stop_strings, self.default_params.stop, tokenizer)
+        check_tokenizer(defaults.stop_strings, defaults.stop, tokenizer)
         self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
         self._fallback_compile_config = self.generation_config.compile_config
@@ -131,6 +147,19 @@ class ContinuousBatchingManager(RequestMethods):
         self._tp = self._engine.tp
         loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
         self._loop = loop_class(self._cond, self._inbox, self._outputs, self._pausing, self._life, self._weights)
+        self._requests = ManagerRequests(
+            defaults,
+            self.cb_config.per_request_processors,
+            vocab,
+            self._cond,
+            self._inbox,
+            self._outputs,
+            self._life,
+            self._pausing,
+            engine=lambda: self._engine,
+            tp=self._tp,
+            sync_weight_version=self._sync_weight_version,
+        )
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
     # ------------------------------------------------------------------ lifecycle
@@ -303,6 +332,30 @@ class ContinuousBatchingManager(RequestMethods):
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+    # ------------------------------------------------------------------ requests
+    # ManagerRequests' methods (manager_requests.py), each under its own name, signature and docstring.
+    add_request = _forwarded(ManagerRequests.add_request)
+    add_requests = _forwarded(ManagerRequests.add_requests)
+    add_scoring_requests = _forwarded(ManagerRequests.add_scoring_requests)
+    cancel_request = _forwarded(ManagerRequests.cancel_request)
+    get_result = _forwarded(ManagerRequests.get_result)
+    __iter__ = _forwarded(ManagerRequests.__iter__)
+    request_id_iter = _forwarded(ManagerRequests.request_id_iter)
+    register_result_handler = _forwarded(ManagerRequests.register_result_handler)
+
+    @property
+    def default_params(self) -> SamplingParams:
+        """The sampling parameters a request starts from (from the generation config; ``add_request``'s arguments and
+        ``sampling_params`` override them)."""
+        return self._requests.default_params
+
+    @default_params.setter
+    def default_params(self, params: SamplingParams) -> None:
+        self._requests.default_params = params
+
+    def _num_waiting_in_engine(self) -> int:
+        return len(self._engine.scheduler.waiting) if self._engine is not None else 0
 
     # ------------------------------------------------------------------ properties
     @property

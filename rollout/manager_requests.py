@@ -1,9 +1,9 @@
-"""The manager's request API: queue requests, cancel them, read their results.
+"""The manager's request API (``ManagerRequests``, a part the manager owns): queue requests, cancel them, read results.
 
-``RequestMethods`` is a base class of ``ContinuousBatchingManager`` (``manager.py``), which builds the pieces these
-methods work through (the annotations below) and owns the lifecycle, the pause and the weights. A request is checked
-once, in the caller's thread and outside the lock, before it is queued (``intake.py``'s checks, then its ``Inbox``);
-results come from the per-request handles of the ``OutputRouter`` (``outputs.py``).
+``ContinuousBatchingManager`` builds this part from its pieces and forwards its request methods here, docstrings
+included. A request is checked once, in the caller's thread and outside the lock, before it is queued (``intake.py``'s
+checks, then its ``Inbox``), where the manager's loop takes it; results come from the per-request handles of the
+``OutputRouter`` (``outputs.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .checks import check_number
-from .config import ContinuousBatchingConfig
 from .distributed import TensorParallel
 from .engine import Engine
 from .intake import Inbox, Item, checked_batch, checked_request, checked_scoring_batch, derive_seeds, request_params
@@ -23,22 +22,53 @@ from .pausing import PauseGate
 from .requests import GenerationOutput
 from .sampling_params import SamplingParams
 
+__all__ = ["ManagerRequests"]
 
-class RequestMethods:
-    """``add_request``, ``add_requests``, ``cancel_request`` and the ways to read results, of the manager."""
 
-    # Set by ContinuousBatchingManager.__init__.
-    default_params: SamplingParams
-    cb_config: ContinuousBatchingConfig
-    _vocab_size: int
-    _cond: threading.Condition
-    _engine: Engine | None
-    _tp: TensorParallel | None  # the engine's
-    _life: Lifecycle
-    _pausing: PauseGate
-    _outputs: OutputRouter
-    _inbox: Inbox
-    _sync_weight_version: Callable[[], None]  # notices weights changed by hand (the manager's)
+class ManagerRequests:
+    """``add_request``, ``add_requests``, ``cancel_request`` and the ways to read results, of one manager.
+
+    Args:
+        default_params: the sampling parameters a request starts from (the manager's ``default_params``).
+        per_request_processors: ``ContinuousBatchingConfig.per_request_processors`` (False: a request's logits-processor
+            values must be the defaults').
+        vocab_size: the model's vocabulary size (prompt and end-of-sequence ids lie below it).
+        cond: the manager's condition variable (it guards the engine, the inbox, the handles and the lifecycle).
+        inbox: where checked requests and cancels wait for the loop.
+        outputs: the per-request result handles.
+        life: the manager's lifecycle (whether it admits requests, and still accepts them while a caller waits).
+        pausing: the manager's pause gate (a wait inside the caller's own pause is refused).
+        engine: the manager's engine now (None once destroyed), called under ``cond``.
+        tp: the engine's tensor parallelism, or None.
+        sync_weight_version: notices weights changed by hand (the manager's), called before requests are queued on a
+            model without tensor parallelism (a tensor-parallel loop notices them itself, without a pause).
+    """
+
+    def __init__(
+        self,
+        default_params: SamplingParams,
+        per_request_processors: bool,
+        vocab_size: int,
+        cond: threading.Condition,
+        inbox: Inbox,
+        outputs: OutputRouter,
+        life: Lifecycle,
+        pausing: PauseGate,
+        engine: Callable[[], Engine | None],
+        tp: TensorParallel | None,
+        sync_weight_version: Callable[[], None],
+    ) -> None:
+        self.default_params = default_params
+        self._per_request_processors = per_request_processors
+        self._vocab_size = vocab_size
+        self._cond = cond
+        self._inbox = inbox
+        self._outputs = outputs
+        self._life = life
+        self._pausing = pausing
+        self._engine = engine
+        self._tp = tp
+        self._sync_weight_version = sync_weight_version
 
     def add_request(
         self,
@@ -199,14 +229,14 @@ class RequestMethods:
             self.default_params,
             sampling_params,
             vocab_size=self._vocab_size,
-            per_request_processors=self.cb_config.per_request_processors,
+            per_request_processors=self._per_request_processors,
             **values,
         )
 
     def _current_engine(self) -> Engine | None:
         """The engine, read under the lock; None once the manager was destroyed."""
         with self._cond:
-            return self._engine
+            return self._engine()
 
     def _enqueue(
         self,
@@ -236,9 +266,6 @@ class RequestMethods:
                 score_temperature=score_temperature,
             )
             return list(ids)
-
-    def _num_waiting_in_engine(self) -> int:
-        return len(self._engine.scheduler.waiting) if self._engine is not None else 0
 
     def cancel_request(self, request_id: str) -> None:
         """End a request: status CANCELLED with its partial tokens; its blocks are freed.

@@ -31,26 +31,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import torch
 from torch.profiler import record_function
 from transformers.generation import CompileConfig
 
 from .cpu_offload import CPUOffloadPool
 from .kv_cache import PagedKVCache
-from .onednn import (
-    AUTO,
-    MKL,
-    PackedWeights,
-    is_dtensor,
-    linear_kernel_policy,
-    packing_fits,
-    packing_wanted,
-    sibling_groups,
-)
+from .onednn import PackedWeights, linear_plan, sibling_groups
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
-from .scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from .static_step import FORWARDS, PATHS, CompileCounter, CUDAGraphs, compiled_forward
 from .step_inputs import LogitsPlan, PaddingRule, StepBatch, fits_decode_kernel, prepare_inputs, synthetic_batch
 
@@ -189,18 +179,11 @@ class ModelRunner:
             self.generator.seed()
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
-        # On CPU the step's float32 linear layers (eager and padded) run MKL or oneDNN, whichever is faster
-        # per shape on this CPU (rollout/onednn.py: the gain depends on the CPU; issue 22).
-        self._linear_policy = linear_kernel_policy() if self.device.type == "cpu" else MKL
-        if self._linear_policy == AUTO and any(is_dtensor(p) for p in model.parameters()):
-            # Tensor parallelism: sharded layers keep their own linear, and each rank would measure the
-            # replicated ones apart (a choice per rank, so logits rounded differently per rank).
-            self._linear_policy = MKL
-        # Their weights reordered once into oneDNN's blocked layout (rollout/onednn.py: MKL and oneDNN reorder a
-        # plain weight at every call), where the copies fit in memory.
-        self.packs: PackedWeights | None = None
-        if self._linear_policy != MKL and packing_wanted() and packing_fits(model, psutil.virtual_memory().available):
-            self.packs = PackedWeights(sibling_groups(model))
+        # On CPU the step's float32 linear layers (eager and padded) run oneDNN on their weights reordered once into
+        # its blocked layout where the copies fit in memory, else MKL (rollout/onednn.py: MKL and oneDNN reorder a
+        # plain weight at every call).
+        self._onednn, pack = linear_plan(model, self.device)
+        self.packs: PackedWeights | None = PackedWeights(sibling_groups(model)) if pack else None
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.async_batching = async_batching
@@ -444,7 +427,7 @@ class ModelRunner:
         """
         path = batch.path
         fn = self._forwards[path]  # the plain forward on an eager path
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._linear_policy)
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn)
 
         def run(b: StepBatch) -> torch.Tensor:
             with self.packs.active() if self.packs is not None else contextlib.nullcontext():

@@ -25,7 +25,7 @@ from transformers.generation import CompileConfig
 
 from .attention import METADATA_KWARG, PagedAttentionMetadata
 from .kv_cache import PagedKVCache
-from .onednn import MKL, OneDNNLinear
+from .onednn import OneDNNLinear
 from .step_inputs import PaddingRule, StepBatch
 
 PATHS = ("varlen", "decode")
@@ -71,12 +71,12 @@ def step_forward(
     block_size: int,
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
-    linear_policy: str,
+    onednn: bool,
 ) -> torch.Tensor:
     """The model's forward on a step's batch, then its kept logits rows in float32 [R, V].
 
-    ``linear_policy``: the kernel of the float32 CPU linear layers (``rollout/onednn.py``: ``"mkl"``, ``"onednn"``
-    or ``"auto"``, measured per shape; the runner's, a constant to dynamo).
+    ``onednn``: run the float32 CPU linear layers inside ``onednn.OneDNNLinear`` (the runner's ``onednn.linear_plan``,
+    a constant to dynamo); False keeps ``F.linear`` (MKL).
     """
     meta = PagedAttentionMetadata.from_batch(cache, block_size, batch)
     kwargs = {
@@ -88,7 +88,7 @@ def step_forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = batch.logits_rows
-    with contextlib.nullcontext() if linear_policy == MKL else OneDNNLinear(linear_policy):
+    with OneDNNLinear() if onednn else contextlib.nullcontext():
         logits = model(**kwargs).logits[0]
     if not logits_to_keep:
         logits = logits.index_select(0, batch.logits_rows)

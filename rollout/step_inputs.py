@@ -1,9 +1,10 @@
 """The step's one input builder: a batch of device inputs per step, its sizes exact or padded.
 
-Every step, eager, compiled or CUDA-graphed, is built by ``prepare_inputs`` (over ``build_step_batch``) and
-runs the one forward of ``static_step``; padding is only a choice of sizes (``PaddingRule``). An eager step
-keeps the exact sizes. A compiled forward is reused only while its input shapes stay those it was traced for
-(a CUDA graph replays one set of shapes), so a compiled or graphed step runs on padded inputs:
+Every step, eager, compiled or CUDA-graphed, is built by ``prepare_inputs`` (over ``build_step_batch``, which also
+builds the warmup's batches of no request: ``synthetic_batch``) and runs the one forward of ``static_step``; padding
+is only a choice of sizes (``PaddingRule``). An eager step keeps the exact sizes. A compiled forward is reused only
+while its input shapes stay those it was traced for (a CUDA graph replays one set of shapes), so a compiled or
+graphed step runs on padded inputs:
 
 - query rows are padded to a multiple of ``q_interval`` (capped at the token budget); a padded row is token 0
   at position 0, writes the padding slot (the cache's extra last block, never handed out) and is dropped;
@@ -42,7 +43,7 @@ import torch
 
 from .host_staging import HostStaging
 from .requests import Request
-from .scheduler import ScheduledRequest
+from .scheduler_output import ScheduledRequest
 
 # Smallest padded size of every axis: dynamo specialises 0 and 1 (a graph of their own each).
 MIN_PADDED_SIZE = 2
@@ -244,6 +245,7 @@ def build_step_batch(
     extra: Sequence[np.ndarray] = (),
     num_groups: int = 1,
     flash_varlen: bool = False,
+    shape: Sequence[int] | None = None,
 ) -> tuple[StepBatch, list[torch.Tensor]]:
     """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
@@ -258,14 +260,15 @@ def build_step_batch(
             targets, the placeholders' rows).
         num_groups: the cache's KV layer groups (N), of each request's ``block_tables``.
         flash_varlen: also build ``flash_attn_varlen_func``'s inputs (``StepBatch.varlen_cu_seqlens``, ...).
+        shape: padded sizes to build (``StepBatch.shape``) instead of the rule's for ``scheduled``: a warmup batch of
+            no request (``synthetic_batch``) at a shape its steps will have.
 
     Returns:
         The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
     """
     bs, pad_slot, pad_block, qs = rule.block_size, rule.pad_slot, rule.pad_block, rule.subchunk_rows
     N = num_groups
-    num_rows = sum(e.num_scheduled_tokens for e in scheduled)
-    T = rule.num_rows(num_rows)
+    T = shape[0] if shape is not None else rule.num_rows(sum(e.num_scheduled_tokens for e in scheduled))
     ids = np.zeros(T, dtype=np.int64)
     pos = np.zeros(T, dtype=np.int64)
     slots = np.full((N, T), pad_slot, dtype=np.int64)
@@ -300,63 +303,60 @@ def build_step_batch(
             out[:, i, :used] = tables[:, :used]
         return out
 
-    R = T if decode_path else rule.num_rows(len(logits_rows))
+    if shape is not None:  # the sizes given (T, Wd) or (T, R, Bd, Wd, G, Wp)
+        R, Bd, Wd, G, Wp = (T, T, shape[1], 0, 0) if decode_path else shape[1:]
+    else:  # the rule's for these requests
+        R = T if decode_path else rule.num_rows(len(logits_rows))
+        Bd = T if decode_path else rule.num_rows(len(decodes))
+        Wd = rule.table_width(max((c + 1 for _, c, _ in decodes), default=1))
+        G = rule.num_groups(len(groups))
+        Wp = rule.table_width(max((p0 + m for _, m, p0, _ in groups), default=1))
     rows = np.zeros(R, dtype=np.int64)
     rows[: len(logits_rows)] = logits_rows
-    Bd = T if decode_path else rule.num_rows(len(decodes))
-    Wd = rule.table_width(max((c + 1 for _, c, _ in decodes), default=1))
-    d_tables = tables_of([(c, tables) for _, c, tables in decodes], Bd, Wd)
     d_pos = np.zeros(Bd, dtype=np.int64)
     d_pos[: len(decodes)] = [c for _, c, _ in decodes]
-    arrays = [ids, pos, slots, rows, d_tables, d_pos]
+    # Staged in this order (``StepBatch`` field names): a step of a given shape finds its tensors at the same
+    # addresses (see the module docstring).
+    arrays = {
+        "input_ids": ids,
+        "positions": pos,
+        "slot_mapping": slots,
+        "logits_rows": rows,
+        "decode_tables": tables_of([(c, tables) for _, c, tables in decodes], Bd, Wd),
+        "decode_pos": d_pos,
+    }
     if not decode_path:
         d_rows = np.full(Bd, T, dtype=np.int64)
         d_rows[: len(decodes)] = [row for row, _, _ in decodes]
-        G = rule.num_groups(len(groups))
-        Wp = rule.table_width(max((p0 + m for _, m, p0, _ in groups), default=1))
         g_rows = np.full((G, qs), T, dtype=np.int64)
         g_pos = np.zeros((G, qs), dtype=np.int64)
         for i, (row, m, p0, _) in enumerate(groups):
             g_rows[i, :m] = np.arange(row, row + m)
             g_pos[i, :m] = np.arange(p0, p0 + m)
-        g_tables = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
-        arrays += [d_rows, g_rows, g_tables, g_pos]
+        arrays["decode_rows"] = d_rows
+        arrays["prefill_rows"] = g_rows
+        arrays["prefill_tables"] = tables_of([(p0 + m - 1, tables) for _, m, p0, tables in groups], G, Wp)
+        arrays["prefill_pos"] = g_pos
     max_seqlens = None
     if flash_varlen:  # cu_seqlens [2, B + 1] (query rows, then keys; fillers repeat the last entry), tables
-        q_lens = [e.num_scheduled_tokens for e in scheduled]
-        k_lens = [last + 1 for last, _ in seqs]
+        lens = np.array([[e.num_scheduled_tokens for e in scheduled], [last + 1 for last, _ in seqs]], dtype=np.int64)
         if rule.exact:  # the requests, their longest table and lengths: nothing to pad
-            B, W = len(scheduled), rule.table_width(max(k_lens))
-            max_seqlens = (max(q_lens), max(k_lens))
+            B, W = len(scheduled), rule.table_width(int(lens[1].max()))
+            max_seqlens = (int(lens[0].max()), int(lens[1].max()))
         else:
             B, W = varlen_sizes((T, Wd) if decode_path else (T, R, Bd, Wd, G, Wp))
             # Bounds fixed by the shape, not the step's maxima: the kernel's launch grid follows max_seqlen_q (a
             # CUDA graph replays the grid it captured), and ints that varied per step would make dynamo recompile.
             max_seqlens = (T, W * bs)
         cu = np.zeros((2, B + 1), dtype=np.int64)
-        cu[:, 1:] = np.cumsum(np.pad([q_lens, k_lens], ((0, 0), (0, B - len(scheduled)))), axis=1)
-        arrays += [cu, tables_of(seqs, B, W)]
-    return _stage(staging, arrays, decode_path, extra, max_seqlens)
-
-
-def _stage(
-    staging: HostStaging,
-    arrays: list[np.ndarray],
-    decode_path: bool,
-    extra: Sequence[np.ndarray] = (),
-    max_seqlens: tuple[int, int] | None = None,
-) -> tuple[StepBatch, list[torch.Tensor]]:
-    """Upload a batch's int64 arrays (ids, positions, slots, logits rows, decode tables, decode positions, then
-    on the varlen path decode rows, prefill rows, tables and positions, then with ``max_seqlens`` flash-attn's
-    varlen cu_seqlens and tables), then ``extra``, in one copy."""
-    t = staging.upload(*arrays, *extra)
-    if decode_path:
-        batch, n = StepBatch(t[0], t[1], t[2], t[3], None, t[4], t[5]), 6
-    else:
-        batch, n = StepBatch(t[0], t[1], t[2], t[3], t[6], t[4], t[5], t[7], t[8], t[9]), 10
-    if max_seqlens is not None:
-        batch.varlen_cu_seqlens, batch.varlen_tables, batch.varlen_max_seqlens = t[n], t[n + 1], max_seqlens
-    return batch, t[len(arrays) :]
+        cu[:, 1:] = np.cumsum(np.pad(lens, ((0, 0), (0, B - len(scheduled)))), axis=1)
+        arrays["varlen_cu_seqlens"] = cu
+        arrays["varlen_tables"] = tables_of(seqs, B, W)
+    # One copy: the batch, then ``extra``.
+    staged = staging.upload(*arrays.values(), *extra)
+    tensors = dict(zip(arrays, staged))
+    batch = StepBatch(**{"decode_rows": None, **tensors}, varlen_max_seqlens=max_seqlens)
+    return batch, staged[len(arrays) :]
 
 
 def synthetic_batch(
@@ -367,7 +367,8 @@ def synthetic_batch(
     num_groups: int = 1,
     kernel: str = "sdpa",
 ) -> StepBatch:
-    """A batch of the given padded shape that reads and writes the padding block only (warmup).
+    """A batch of the given padded shape that reads and writes the padding block only (warmup): the one builder's
+    (``build_step_batch``) batch of no request at that shape.
 
     Its forward compiles (or captures) what a real step of that shape runs and changes nothing but the
     padding block. It is staged as a real step is, so a graph captured on it replays later steps with no copy.
@@ -381,23 +382,8 @@ def synthetic_batch(
         kernel: the attention kernel its steps run (``prepare_inputs``): "flash_varlen" stages flash-attn's
             varlen inputs of the shape's sizes, every sequence a filler (every row's output is then zeroed).
     """
-    N, slot, block, qs = num_groups, rule.pad_slot, rule.pad_block, rule.subchunk_rows
-
-    def full(size: int | tuple[int, ...], value: int) -> np.ndarray:
-        return np.full(size, value, dtype=np.int64)
-
-    decode = path == "decode"
-    T, R, Bd, Wd, G, Wp = (shape[0], shape[0], shape[0], shape[1], 0, 0) if decode else shape
-    rows = np.arange(T, dtype=np.int64) if decode else full(R, 0)  # the decode path keeps every row
-    arrays = [full(T, 0), full(T, 0), full((N, T), slot), rows, full((N, Bd, Wd), block), full(Bd, 0)]
-    if not decode:
-        arrays += [full(Bd, T), full((G, qs), T), full((N, G, Wp), block), full((G, qs), 0)]
-    max_seqlens = None
-    if kernel == "flash_varlen":
-        B, W = varlen_sizes(shape)
-        arrays += [full((2, B + 1), 0), full((N, B, W), block)]
-        max_seqlens = (T, W * rule.block_size)  # as ``build_step_batch`` bounds a padded step's
-    batch = _stage(staging, arrays, decode, max_seqlens=max_seqlens)[0]
+    flash_varlen = kernel == "flash_varlen"
+    batch, _ = build_step_batch([], [], path == "decode", rule, staging, (), num_groups, flash_varlen, shape)
     batch.flash_decode = kernel == "flash_decode"
     return batch
 

@@ -9,7 +9,8 @@ from rollout.block_manager import BlockManager
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from rollout.scheduler import Scheduler
+from rollout.scheduler_output import RunnerOutput, SchedulerOutput
 
 BS = 4
 

@@ -78,7 +78,7 @@ def _check_report_json(result, tmp_path, systems):
         assert "avx2" in machine["cpu_flags"]
     assert all(f.startswith(("avx", "fma", "amx", "sse4", "f16c")) for f in machine["cpu_flags"])
     w = loaded["workloads"]["tiny"]
-    assert {"prompts", "generation", "systems", "ratios", "greedy_match", "decode_step", "linear_kernels"} <= w.keys()
+    assert {"prompts", "generation", "systems", "ratios", "greedy_match", "decode_step"} <= w.keys()
     assert set(w["systems"]) == set(systems)
     for summary in w["systems"].values():
         assert SYSTEM_KEYS <= summary.keys()

@@ -38,7 +38,7 @@ from rollout.block_manager import NULL_BLOCK
 from rollout.engine_spec import resolve_max_blocks_per_request
 from rollout.host_staging import HostStaging
 from rollout.requests import Request
-from rollout.scheduler import ScheduledRequest, SchedulerOutput
+from rollout.scheduler_output import ScheduledRequest, SchedulerOutput
 from rollout.scoring import score_with_engine
 from rollout.static_step import FORWARDS
 from rollout.step_inputs import PaddingRule, build_step_batch, synthetic_batch, varlen_sizes

@@ -1,9 +1,10 @@
 """rollout/ imports only point down: each module imports only modules listed before it in LAYERS.
 
 The check parses every module with ``ast`` and looks at every import, at module level, inside
-functions and under ``TYPE_CHECKING`` alike, so no cycle can hide in a lazy import. The subpackage
-``rollout/benchmarks/`` is one entry of LAYERS, the top one (a consumer of everything below it that no
-module of rollout/ imports); its own modules point down in BENCHMARK_LAYERS.
+functions and under ``TYPE_CHECKING`` alike, so no cycle can hide in a lazy import. Each subpackage
+(``rollout/serve/``, ``rollout/benchmarks/``) is one entry of LAYERS, near the top (a consumer of the package that
+no module of rollout/ imports); its own modules point down in their own order (SUBPACKAGE_LAYERS). The step's
+records are imported from their leaf module, ``scheduler_output``, never through ``scheduler``.
 """
 
 from __future__ import annotations
@@ -16,33 +17,30 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 
 # STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put them:
-# checks (the shared validation helpers), stop_strings (token spellings) and models (introspection) are
-# leaves, intake sits between outputs and the manager, weights, pausing (the pause gate) and lifecycle
-# (the state and stop flags the loop reads) are leaves of the manager, loop (what the manager's thread
-# runs) uses them with intake and outputs, persistence (the model-to-manager link) sits below the
-# manager that registers itself there, scoring and score_cli are entry points beside api; the benchmarks
-# (a subpackage) use all of it, the package's exports included. distributed (tensor parallelism: the
-# ranks' CPU group and what they share) sits between the scheduler, whose step results it broadcasts,
-# and the engine; tp_loop (the manager's loop on a tensor-parallel model) extends loop; onednn (the padded
-# step's CPU linear layers) sits just below static_step, its one user; step_inputs (the step's one input
-# builder) sits between them, below static_step's forward and model_runner, its users. async_scheduler (async batching's
-# scheduler subclass) sits just above the scheduler it extends; engine_spec (config x model x device,
-# resolved once) and engine_stats (the counters' record) sit just below the engine, their one user.
-# weight_transfer (the trainer-to-server
-# transfer group and its packed buckets) is a leaf beside weights; client (the HTTP client of rollout-serve and
-# the trainer's side of the transfer) is an entry point beside api.
-# loading (load_model, the default model's provisioning) is a leaf beside models.
-# host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both.
-# manager_requests (the manager's request methods, a base class of the manager) sits just below the manager.
-# kv_group_policy (what full and sliding-window layer groups do differently) sits between the block pool it looks up
-# and kv_cache, which sizes groups with it.
-# cache_sizing (the cache's size from memory) and cpu_offload (the offload pool) sit just above kv_cache, whose
-# shapes they use; flash (flash-attn's kernels and support rules) and cpu_attention (rollout's paged CPU kernel with
-# flash-attn's API) are leaves just below attention, and
-# attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
-# scheduler_output (a step's SchedulerOutput and RunnerOutput records) sits just below the scheduler that builds them;
-# batch_queue (async batching's step function) and engine_requests (the
-# engine's request intake, a base class of the engine) just below the engine.
+# checks (the shared validation helpers), stop_strings (token spellings) and models (introspection) are leaves, and so
+# are loading (load_model, the default model's provisioning), weights (in-place copies and the weight fingerprint;
+# onednn reads its optimizer-step count) and weight_transfer (the trainer-to-server transfer group and its packed
+# buckets). kv_group_policy (what full and sliding-window layer groups do differently) sits between the block pool it
+# looks up and kv_cache, which sizes groups with it. cache_sizing (the cache's size from memory) and cpu_offload (the
+# offload pool) sit just above kv_cache, whose shapes they use. scheduler_output (a step's SchedulerOutput and
+# RunnerOutput records) sits just below the scheduler that builds them; async_scheduler (async batching's scheduler
+# subclass) just above the scheduler it extends. distributed (tensor parallelism: the ranks' CPU group and what they
+# share) sits above the step records it broadcasts and below engine_spec, which resolves it. flash (flash-attn's
+# kernels and support rules) and cpu_attention (rollout's paged CPU kernel with flash-attn's API) are leaves just
+# below attention, and attention_registry (the model's switch to the paged dispatcher) sits just above the attention
+# it dispatches to. host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses
+# both (step_inputs uses host_staging too). onednn (the step's CPU linear layers, eager and padded) sits below
+# static_step and model_runner, its users; step_inputs (the step's one input builder) between them, below
+# static_step's forward and model_runner, its users. engine_spec (config x model x device, resolved once) and
+# engine_stats (the counters' record) sit below the engine; batch_queue (async batching's step function) and
+# engine_requests (the engine's request intake, a part it owns, which checks requests against the spec) just below the
+# engine. intake sits between outputs and the manager; pausing (the pause gate) and lifecycle (the state and stop
+# flags the loop reads) are leaves of the manager; loop (what the manager's thread runs) uses them with intake and
+# outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
+# link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
+# owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
+# of rollout-serve and the trainer's side of the transfer). The subpackages sit on top: serve (rollout-serve, over the
+# package's exports and a few modules) and the benchmarks, which use all of it.
 LAYERS = [
     "checks",
     "config",
@@ -97,12 +95,14 @@ LAYERS = [
     "benchmarks",
 ]
 
-# rollout/benchmarks/, low to high: the workloads and the report are leaves, the systems run the
-# workloads' prompts, and the generation benchmark (rollout-bench) runs the scoring one as a workload;
-# prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py) are leaves,
-# profile_step (scripts/profile_step.py) uses the workloads and the report;
-# tensor_parallel (scripts/bench_tp.py) uses the workloads and the report; serving (rollout-bench-serve) uses the
-# workloads and the report; weight_sync (scripts/bench_weight_sync.py) uses the report.
+# rollout/benchmarks/, low to high: the workloads, the report and vllm_peer (what runs in vLLM's own process) are
+# leaves, and so are prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py);
+# profile_step (scripts/profile_step.py) uses the workloads and the report; the systems run the workloads' prompts,
+# vllm_cpu runs vLLM's CPU build as one of them, and vllm_profile profiles it beside rollout's step; scoring
+# (rollout-bench-scoring) and manager (rollout-bench-manager) use the workloads; the generation benchmark
+# (rollout-bench) runs the systems and the scoring one as a workload; serving (rollout-bench-serve) and
+# tensor_parallel (scripts/bench_tp.py) use the workloads and the report; weight_sync (scripts/bench_weight_sync.py)
+# uses the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "report",
@@ -121,6 +121,35 @@ BENCHMARK_LAYERS = [
     "weight_sync",
     "__init__",
 ]
+
+# rollout/serve/, low to high: errors (OpenAI's error body) and protocol (the pydantic request bodies) are leaves;
+# chat (the chat template and tool calls) raises errors; jobs (a request body to a checked job) uses chat and
+# protocol; responses (outputs to OpenAI's shapes) reads jobs; metrics (Prometheus text) reads the manager only;
+# pause (the pause and resume holder, vLLM's rules) is a leaf; submission (a job's requests and their ends) raises
+# errors; weight_updates (new weights from disk or a trainer's transfer group) uses errors and protocol; service (the
+# one part that talks to the manager) uses jobs, responses, pause, submission and weight_updates; weight_routes (the
+# weight-transfer routes) use the service; app (the routes) uses the service and weight_routes; cli
+# (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and cli.
+SERVE_LAYERS = [
+    "errors",
+    "protocol",
+    "chat",
+    "jobs",
+    "responses",
+    "metrics",
+    "pause",
+    "submission",
+    "weight_updates",
+    "service",
+    "weight_routes",
+    "app",
+    "cli",
+    "__main__",
+    "__init__",
+]
+
+# Each subpackage of rollout/ and the order of its own modules.
+SUBPACKAGE_LAYERS = {"serve": SERVE_LAYERS, "benchmarks": BENCHMARK_LAYERS}
 
 
 def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:
@@ -175,9 +204,11 @@ def _files(module: str) -> tuple[list[Path], tuple[str, ...]]:
 
 
 def test_every_module_is_placed_in_the_layers() -> None:
-    modules = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert modules == set(LAYERS)
-    assert {p.stem for p in (PACKAGE / "benchmarks").glob("*.py")} == set(BENCHMARK_LAYERS)
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert {p.stem for p in PACKAGE.glob("*.py")} | subpackages == set(LAYERS)
+    assert subpackages == set(SUBPACKAGE_LAYERS)
+    for subpackage, layers in SUBPACKAGE_LAYERS.items():
+        assert {p.stem for p in (PACKAGE / subpackage).glob("*.py")} == set(layers), subpackage
 
 
 @pytest.mark.parametrize("module", LAYERS)
@@ -189,13 +220,39 @@ def test_module_imports_only_lower_layers(module: str) -> None:
     assert not upward, f"rollout/{module}.py imports {upward}, which are not below it in LAYERS"
 
 
-@pytest.mark.parametrize("module", BENCHMARK_LAYERS)
-def test_benchmark_module_imports_only_lower_benchmark_modules(module: str) -> None:
-    rank = {name: i for i, name in enumerate(BENCHMARK_LAYERS)}
-    imported = module_imports(PACKAGE / "benchmarks" / f"{module}.py", ("rollout", "benchmarks"))
-    inside = {parts[1] for parts in imported if parts[0] == "benchmarks"}
-    upward = sorted(m for m in inside if rank.get(m, len(BENCHMARK_LAYERS)) >= rank[module])
-    assert not upward, f"rollout/benchmarks/{module}.py imports {upward}, which are not below it in BENCHMARK_LAYERS"
+@pytest.mark.parametrize(
+    ("subpackage", "module"), [(sub, module) for sub, layers in SUBPACKAGE_LAYERS.items() for module in layers]
+)
+def test_subpackage_module_imports_only_lower_modules_of_its_subpackage(subpackage: str, module: str) -> None:
+    layers = SUBPACKAGE_LAYERS[subpackage]
+    rank = {name: i for i, name in enumerate(layers)}
+    imported = module_imports(PACKAGE / subpackage / f"{module}.py", ("rollout", subpackage))
+    inside = {parts[1] for parts in imported if parts[0] == subpackage}
+    upward = sorted(m for m in inside if rank.get(m, len(layers)) >= rank[module])
+    assert not upward, f"rollout/{subpackage}/{module}.py imports {upward}, which are not below it in its layers"
+
+
+def _step_records() -> set[str]:
+    """The names scheduler_output exports (its ``__all__``), read without importing it."""
+    tree = ast.parse((PACKAGE / "scheduler_output.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("scheduler_output.py has no __all__")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_step_records_are_imported_from_their_leaf_module(path: Path) -> None:
+    records = _step_records()
+    package = ("rollout", *path.relative_to(PACKAGE).parent.parts)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            target = (*base, *(node.module.split(".") if node.module else ()))
+            through = {alias.name for alias in node.names} & records
+            assert not (target == ("rollout", "scheduler") and through), (
+                f"{path.relative_to(PACKAGE)} imports {sorted(through)} through scheduler: use scheduler_output"
+            )
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:

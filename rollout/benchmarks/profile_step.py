@@ -130,7 +130,7 @@ def op_category(name: str) -> str | None:
     """
     if "::" not in name and "cpp_fused" not in name:
         return None
-    if name in MATMUL_OPS or name.startswith(("mkldnn::", "mkl::", "rollout::onednn_linear", "rollout::cpu_linear")):
+    if name in MATMUL_OPS or name.startswith(("mkldnn::", "mkl::", "rollout::onednn_linear")):
         return "matmul"
     if "scaled_dot_product" in name or "attention" in name:
         return "attention"
@@ -611,8 +611,8 @@ def markdown(report: dict) -> str:
             "`F.linear` in float32 (MKL's sgemm) against `rollout::onednn_linear` (oneDNN's inner product) on the "
             "same plain weight, median ms per call, for each linear shape of the model, on this machine "
             f"(CPU flags: {' '.join(m.get('cpu_flags') or []) or 'unknown'}; torch's CPU capability "
-            f"{m.get('cpu_capability', 'unknown')}). The engine does not take these figures as given: it "
-            "measures both kernels per shape and row bucket in its own process and runs the faster "
+            f"{m.get('cpu_capability', 'unknown')}). The engine runs neither on plain weights by default: it packs "
+            "its weights for oneDNN where the copies fit, else keeps MKL "
             "(`rollout/onednn.py`; `ROLLOUT_ONEDNN_LINEAR=1` forces oneDNN, `0` MKL):",
             "",
             "| rows | in | out | MKL ms | oneDNN ms | MKL / oneDNN |",

@@ -32,6 +32,7 @@ Example (``python scripts/bench_scoring.py`` takes the same arguments):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import time
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_engine
-from rollout.onednn import MKL, OneDNNLinear, linear_kernel_policy, onednn_linear_supported
+from rollout.onednn import OneDNNLinear, PackedWeights, linear_plan, sibling_groups
 from trainers.prompts import encode_prompt
 
 from .workloads import SAMPLE_QUESTIONS
@@ -236,9 +237,9 @@ def bench_scoring(
         ``ratio`` (rollout / padded), the same for completion tokens, wall seconds (best and all runs),
         process CPU seconds and their ratio (``cpu_time_ratio``, less sensitive to a shared machine), token counts
         (row, completion, padded forward positions, tokens rollout computed), ``max_abs_diff`` (against
-        the padded forward under the engine's linear kernel policy: MKL or oneDNN per shape on a float32 CPU
-        model, see ``rollout/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels``
-        (against the timed padded forward, MKL).
+        the padded forward on the engine's linear kernels: oneDNN on packed weights or MKL on a float32 CPU model,
+        see ``rollout/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels`` (against
+        the timed padded forward, MKL).
 
     Raises:
         FileNotFoundError, ValueError: see ``load_pairs``; ValueError for completions_per_question
@@ -266,15 +267,14 @@ def bench_scoring(
         padded_s.append(t)
         padded_cpu.append(cpu)
     kernel_diff = _max_abs_diff(ours, theirs)
-    # The engine runs its float32 CPU linear layers on MKL or oneDNN per shape and row bucket (measured,
-    # rollout/onednn.py) and the padded forward (as a trainer runs it) on MKL: another summation order on
-    # some layers, up to ~1e-4 over SmolLM2's 30 layers. The agreement check compares the engine with the
-    # padded forward under the same per-shape choice (untimed; its row counts may fall in other buckets, so
-    # the kernels can still differ on a layer), so it tests the engine's batching, attention and prefix
-    # reuse; the difference against MKL alone is reported beside it.
-    policy = linear_kernel_policy()
-    if policy != MKL and onednn_linear_supported(model.device, model.dtype):
-        with OneDNNLinear(policy):
+    # The engine runs its float32 CPU linear layers on oneDNN on packed weights (rollout/onednn.py) and the padded
+    # forward (as a trainer runs it) on MKL: another summation order, up to ~1e-4 over SmolLM2's 30 layers. The
+    # agreement check compares the engine with the padded forward on the engine's kernels (``linear_plan``; untimed),
+    # so it tests the engine's batching, attention and prefix reuse; the difference against MKL is reported beside it.
+    onednn, pack = linear_plan(model, model.device)
+    if onednn:
+        packs = PackedWeights(sibling_groups(model)) if pack else None
+        with OneDNNLinear(), packs.active() if packs is not None else contextlib.nullcontext():
             theirs, _ = padded_logprobs(model, prompts, completions, padded_batch_size, pad_id)
     diff = _max_abs_diff(ours, theirs)
     best_r, best_p = min(rollout_s), min(padded_s)

@@ -3,8 +3,8 @@
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
-  than MKL or oneDNN per shape as measured (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built;
-  ``rollout/onednn.py``): how much of rollout's lead over ``hf-static`` is the linear kernel.
+  than oneDNN on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``):
+  how much of rollout's lead over ``hf-static`` is the linear kernel.
 - ``rollout-sdpa``: ``rollout`` with ``cpu_attention="sdpa"`` (SDPA over gathered keys, not rollout's paged
   CPU kernel): what the kernel brings.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
