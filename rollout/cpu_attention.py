@@ -17,7 +17,11 @@ float32), any head dim and page size. Rows after ``cu_seqlens_q[-1]`` (padding) 
 The kernel is compiled once per machine with the C++ compiler and ninja (``torch.utils.cpp_extension``; about
 20 s on 2 cores; cached in torch's extension directory, ``TORCH_EXTENSIONS_DIR``) for the CPU it runs on
 (``-march=native``: the build's name carries a digest of the CPU's flags, so a cache shared by different CPUs
-builds one each). ``ContinuousBatchingConfig.cpu_attention`` chooses: ``"auto"`` uses it when it builds and
+builds one each). A build is guarded by an OS file lock (``filelock``), which the OS releases when its holder dies:
+torch's own guard is a lock file that a build killed midway leaves behind, and every later ``load`` of that name
+then waits on it forever (this hung CI's first tests). Under the OS lock no other rollout process is building, so a
+left-behind torch lock file is stale and removed; a lock not won within ``BUILD_LOCK_TIMEOUT_S`` seconds means
+SDPA. ``ContinuousBatchingConfig.cpu_attention`` chooses: ``"auto"`` uses it when it builds and
 falls back to SDPA with one warning when it does not, ``"paged"`` requires it, ``"sdpa"`` never builds it.
 """
 
@@ -32,12 +36,15 @@ import shutil
 import threading
 from pathlib import Path
 
+import filelock
 import torch
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _BUILD_LOCK = threading.Lock()
+# Seconds to wait for another process's build of the kernel (one build takes about 20 s on 2 cores).
+BUILD_LOCK_TIMEOUT_S = 600.0
 # The result of the process's one build and load (``load_kernel``): empty until then.
 _LOADED: list[str | None] = []
 
@@ -78,15 +85,23 @@ def _build_and_load() -> str | None:
         except ImportError:
             return "ninja is not installed (pip install ninja)"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
-        load(
-            name=f"rollout_cpu_attention_{_cpu_digest()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            is_python_module=False,
-        )
+        name = f"rollout_cpu_attention_{_cpu_digest()}"
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with filelock.FileLock(str(build_dir) + ".rollout.lock", timeout=BUILD_LOCK_TIMEOUT_S):
+            # torch's FileBaton lock file: we hold the OS lock, so a builder that left it is dead.
+            (build_dir / "lock").unlink(missing_ok=True)
+            logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
+            load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+            )
+    except filelock.Timeout:
+        return f"another process held the kernel's build lock for over {BUILD_LOCK_TIMEOUT_S:.0f} s"
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "not available", with its reason
         return f"the kernel did not build: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
 

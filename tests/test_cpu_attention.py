@@ -224,3 +224,23 @@ def test_engines_built_at_once_in_two_threads_wait_for_one_build(monkeypatch: py
     for t in threads:
         t.join()
     assert builds == [1] and results == [None, None]
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path) -> None:  # noqa: ANN001
+    """A build killed midway leaves torch's lock file in the build directory; torch's own ``load`` then waits on it
+    forever (CI's first tests hung so). Under rollout's OS lock the stale file is removed and the kernel loads."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    script = (
+        "import rollout.cpu_attention as c; from pathlib import Path; "
+        "from torch.utils.cpp_extension import _get_build_directory as d; "
+        "Path(d(f'rollout_cpu_attention_{c._cpu_digest()}', False), 'lock').touch(); print(c.load_kernel())"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None", out.stdout + out.stderr
+    name = f"rollout_cpu_attention_{cpu_attention._cpu_digest()}"
+    assert not (tmp_path / name / "lock").exists()
