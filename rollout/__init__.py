@@ -10,6 +10,7 @@ from .intake import QueueFullError
 from .loading import load_model, rollout_home
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, model_context_length
+from .pool import RolloutPool
 from .requests import GenerationOutput, RequestStatus
 from .sampling_params import SamplingParams, build_sampling_params
 from .scoring import ScoreOutput, score, score_with_engine
@@ -38,6 +39,7 @@ __all__ = [
     "score",
     "score_with_engine",
     "RolloutClient",
+    "RolloutPool",
     "RolloutServerError",
     "RolloutWeightTransfer",
     "num_blocks_for_model",

@@ -39,7 +39,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
 # link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
 # owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
-# of rollout-serve and the trainer's side of the transfer). The subpackages sit on top: serve (rollout-serve, over the
+# of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group). The
+# subpackages sit on top: serve (rollout-serve, over the
 # package's exports and a few modules) and the benchmarks, which use all of it.
 LAYERS = [
     "checks",
@@ -89,6 +90,7 @@ LAYERS = [
     "api",
     "scoring",
     "score_cli",
+    "pool",
     "client",
     "__init__",
     "serve",

@@ -1,0 +1,617 @@
+"""A fleet of ``rollout-serve`` replicas for one trainer: generation through a router, control fanned out, one weight
+broadcast.
+
+The three planes every multi-engine RL stack has converged on (OpenRLHF, slime, SkyRL, prime-rl, verl):
+
+* **Data plane.** Generation goes to one routing point: vLLM's router (``vllm-router --policy consistent_hash``) in
+  front of the replicas, with a session header (``X-Session-ID``) that keeps one session (the G samples of a prompt,
+  one trajectory) on one replica for its prefix cache; SkyRL and prime-rl run it so. Without a router the pool picks
+  the replica itself, by rendezvous hashing of the session key over the live replicas (the same key, the same replica,
+  and only the keys of a dropped replica move).
+* **Control plane.** Pause, resume, abort, prefix-cache reset, ``update_weights_from_disk`` and the four
+  weight-transfer calls go to every replica directly and concurrently, each with a timeout (routers carry generation
+  only).
+* **Weights.** One broadcast group of the trainer (rank 0) and every replica, replica i at its own ``rank_offset``
+  (a replica takes as many ranks as ``/get_world_size`` says), so each packed bucket is broadcast once, whatever the
+  number of replicas (vLLM's ``NCCLInitInfo``; OpenRLHF's and verl's groups).
+
+Failures (coarse, as everywhere): a replica that does not answer a call (connection refused, reset, timed out) is
+dropped from the pool and from the router (``/remove_worker``) with a warning that names it, unless it is the last
+one, whose error is raised. A weight send that fails drops the replicas that died, closes the group and, when the
+tensors can be read again (a state dict or a list), sends them again over a new group of the survivors. A generation
+that fails to connect is retried on the survivors. The last replica's failure is raised, as ``RolloutClient``
+(the one-server pool) always did.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from .weight_transfer import DEFAULT_BUCKET_BYTES, NamedTensors, TensorMeta, TransferGroup, describe, send, update_info
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SESSION_HEADER = "X-Session-ID"
+# Seconds a health probe may take before its replica counts as gone.
+HEALTH_TIMEOUT_S = 5.0
+# Router answers that mean "the replica behind me is gone" (vllm-router answers 502/503 when a worker fails).
+RETRYABLE_STATUS = (502, 503, 504)
+
+
+class RolloutServerError(RuntimeError):
+    """The server answered an error (OpenAI's error body); ``status`` and ``param`` say which and where."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host != "0.0.0.0" else "", 0))
+        return s.getsockname()[1]
+
+
+def _address_towards(url: str) -> str:
+    """This machine's address on the route to the server: where the server can reach the trainer's store."""
+    host = httpx.URL(url).host or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 80))  # a UDP connect sends nothing; it picks the interface
+        return s.getsockname()[0]
+
+
+def _answer(response: httpx.Response) -> Any:
+    """The JSON of a 2xx answer.
+
+    Raises:
+        RolloutServerError: a non-2xx answer (the server's message and field).
+    """
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            raise RolloutServerError(response.status_code, error.get("message", ""), error.get("param"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise RolloutServerError(response.status_code, response.text) from None
+    return response.json() if response.content else None
+
+
+def pick_replica(session: str, urls: Sequence[str]) -> str:
+    """The replica of a session without a router: rendezvous (highest random weight) hashing.
+
+    A key keeps its replica while that replica lives; when one is dropped, only its keys move (Thaler and Ravishankar,
+    "Using name-based mappings to increase hit rates", 1998). The hash is sha256, stable across processes (never
+    Python's salted ``hash``), so every trainer process picks the same replica for a session.
+
+    Args:
+        session: the session key.
+        urls: the live replicas, non-empty.
+    """
+    return max(urls, key=lambda url: hashlib.sha256(f"{url}\0{session}".encode()).digest())
+
+
+class RolloutPool:
+    """Clients of N ``rollout-serve`` replicas (started with ``--enable-control``) and, optionally, their router.
+
+    Args:
+        server_urls: the replicas' base URLs (a comma-separated string is split); every control and weight call
+            goes to each of them.
+        router_url: vLLM's router in front of them (``vllm-router --worker-urls ... --policy consistent_hash``);
+            generation goes there, with ``session_header``. None: to the replica ``pick_replica`` chooses.
+        api_key: the servers' (and router's) ``--api-key``, sent as ``Authorization: Bearer KEY``.
+        session_header: the header that carries a request's session key (the router hashes it).
+        timeout: seconds a generation or weight call may take (and the broadcast thread, and the transfer group's
+            rendezvous and collectives on this side).
+        control_timeout: seconds each replica gets to answer pause, resume, abort and prefix-cache reset.
+        bucket_bytes: the bucket bound of ``send_weights`` (vLLM's default 1 GiB; docs/weight_sync.md measures it).
+        model: the ``model`` field of generation requests (None: the servers' one model).
+
+    Attributes:
+        urls: the live replicas, in the order given (dropped ones removed).
+        dropped: each dropped replica's URL and why.
+        group: this side of the transfer group, or None.
+        last_send: the last weight send's ``seconds``, ``bytes``, ``weight_version`` and ``servers``.
+
+    Raises:
+        ValueError: no URL, a URL twice, or a URL that is not http(s).
+    """
+
+    def __init__(
+        self,
+        server_urls: str | Sequence[str],
+        router_url: str | None = None,
+        api_key: str | None = None,
+        session_header: str = DEFAULT_SESSION_HEADER,
+        timeout: float = 600.0,
+        control_timeout: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        model: str | None = None,
+    ) -> None:
+        if isinstance(server_urls, str):
+            server_urls = [u for u in server_urls.split(",") if u.strip()]
+        urls = [u.strip().rstrip("/") for u in server_urls]
+        if not urls:
+            raise ValueError("server_urls: at least one rollout-serve URL is needed")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"server_urls: a URL is given twice in {urls}")
+        for url in [*urls, *([router_url] if router_url else [])]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server_urls/router_url: {url!r} is not an http:// or https:// URL")
+        self.urls = urls
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.session_header = session_header
+        self.timeout = timeout
+        self.control_timeout = control_timeout
+        self.bucket_bytes = bucket_bytes
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = {url: httpx.Client(base_url=url, headers=headers, timeout=timeout) for url in urls}
+        self._router = (
+            httpx.Client(base_url=self.router_url, headers=headers, timeout=timeout) if self.router_url else None
+        )
+        self._lock = threading.Lock()  # guards urls and dropped against generation threads
+        self._executor = concurrent.futures.ThreadPoolExecutor(max(4, 2 * len(urls)), thread_name_prefix="rollout-pool")
+        self.dropped: dict[str, str] = {}
+        self.group: TransferGroup | None = None
+        self._group_urls: list[str] = []
+        self.last_send: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ membership
+    def drop(self, url: str, reason: str) -> None:
+        """Take a replica out of the pool and out of the router (``/remove_worker``), with a warning naming it.
+
+        Raises:
+            RuntimeError: it is the last replica (nothing would be left to generate on).
+        """
+        with self._lock:
+            if url not in self.urls:
+                return
+            if len(self.urls) == 1:
+                raise RuntimeError(f"the last rollout server {url} failed: {reason}")
+            self.urls.remove(url)
+            self.dropped[url] = reason
+        logger.warning(
+            "rollout server %s dropped from the pool (%d left: %s): %s", url, len(self.urls), self.urls, reason
+        )
+        if self._router is not None:
+            try:
+                self._router.post("/remove_worker", params={"url": url}, timeout=self.control_timeout)
+            except httpx.HTTPError as e:  # the router is gone too: generation will say so
+                logger.warning("the router at %s did not take %s out: %s", self.router_url, url, e)
+
+    def health(self) -> bool:
+        """True when every replica (and the router) answers ``/health`` with 200."""
+        return all(self._healthy(url) for url in self.urls) and (
+            self._router is None or self._probe(self._router, "/health")
+        )
+
+    def _probe(self, http: httpx.Client, path: str) -> bool:
+        try:
+            return http.get(path, timeout=HEALTH_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _healthy(self, url: str) -> bool:
+        return self._probe(self._http[url], "/health")
+
+    def drop_unhealthy(self) -> list[str]:
+        """Probe every replica's ``/health`` concurrently and drop those that do not answer 200 (the last one is
+        kept: its own calls then raise). Returns the dropped URLs."""
+        urls = list(self.urls)
+        healthy = list(self._executor.map(self._healthy, urls))
+        gone = [url for url, ok in zip(urls, healthy) if not ok]
+        for url in gone:
+            if len(self.urls) > 1:
+                self.drop(url, "/health does not answer 200")
+        return [url for url in gone if url not in self.urls]
+
+    def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.5) -> None:
+        """Poll every replica's (and the router's) ``/health`` until all answer 200.
+
+        Raises:
+            TimeoutError: not all healthy within ``timeout`` seconds (the message names those that are not).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.health():
+            if time.monotonic() > deadline:
+                waiting = [u for u in self.urls if not self._healthy(u)]
+                if self._router is not None and not self._probe(self._router, "/health"):
+                    waiting.append(f"the router {self.router_url}")
+                raise TimeoutError(f"rollout-serve at {', '.join(waiting)} was not healthy within {timeout:g} s")
+            time.sleep(interval)
+
+    # ------------------------------------------------------------------ fan-out
+    def _call(self, url: str, method: str, path: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """One HTTP call to one replica; the JSON answer.
+
+        Raises:
+            RolloutServerError: a non-2xx answer (the server's message and field).
+            httpx.HTTPError: no answer (connection refused, timeout).
+        """
+        return _answer(self._http[url].request(method, path, timeout=timeout or self.timeout, **kwargs))
+
+    def fan_out(
+        self,
+        method: str,
+        path: str,
+        *,
+        urls: Sequence[str] | None = None,
+        timeout: float | None = None,
+        bodies: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The same call to every replica, concurrently, each bounded by ``timeout`` (default ``timeout``).
+
+        A replica that does not answer (``httpx.HTTPError``: refused, reset, timed out) is dropped
+        (``drop``); an error it answers is raised after every call has ended.
+
+        Args:
+            method, path: the route.
+            urls: the replicas to call (default: every live one).
+            timeout: seconds each call may take.
+            bodies: a JSON body per replica (for per-replica fields such as ``rank_offset``).
+            kwargs: ``httpx.request`` arguments shared by every call (``json``, ``params``).
+
+        Returns:
+            Each answering replica's JSON answer, by URL.
+
+        Raises:
+            RolloutServerError: a replica answered an error (the first one, its URL in the message).
+            RuntimeError: the last replica did not answer.
+        """
+        targets = list(urls if urls is not None else self.urls)
+        futures = {
+            url: self._executor.submit(
+                self._call, url, method, path, timeout, **({"json": bodies[url]} if bodies else {}), **kwargs
+            )
+            for url in targets
+        }
+        answers: dict[str, Any] = {}
+        refused: list[tuple[str, RolloutServerError]] = []
+        for url, future in futures.items():
+            try:
+                answers[url] = future.result()
+            except RolloutServerError as e:
+                refused.append((url, e))
+            except httpx.HTTPError as e:
+                self.drop(url, f"{method} {path} got no answer: {type(e).__name__}: {e}")
+        if refused:
+            url, error = refused[0]
+            raise RolloutServerError(error.status, f"{url}: {error.message}", error.param) from error
+        return answers
+
+    # ------------------------------------------------------------------ generation
+    def _generation_target(self, session: str | None) -> tuple[httpx.Client, dict[str, str]]:
+        headers = {self.session_header: session} if session is not None else {}
+        if self._router is not None:
+            return self._router, headers
+        with self._lock:
+            urls = list(self.urls)
+        return self._http[pick_replica(session or "", urls) if len(urls) > 1 else urls[0]], headers
+
+    def _post_generation(self, path: str, body: dict[str, Any], session: str | None) -> Any:
+        """POST a generation body; a failure to reach a replica drops the dead ones and tries the survivors."""
+        while True:
+            http, headers = self._generation_target(session)
+            try:
+                response = http.post(path, json=body, headers=headers)
+                if response.status_code not in RETRYABLE_STATUS or len(self.urls) == 1:
+                    return _answer(response)
+                failure: str = f"{response.status_code} {response.text[:200]}"
+            except httpx.TransportError as e:
+                if len(self.urls) == 1:
+                    raise
+                failure = f"{type(e).__name__}: {e}"
+            if not self.drop_unhealthy():  # nobody died: the failure is the request's own
+                raise RolloutServerError(502, f"{path} failed and every replica is healthy: {failure}")
+            logger.warning("%s failed (%s); retrying on %s", path, failure, self.urls)
+
+    def generate(
+        self,
+        prompt: Sequence[int] | str | Sequence[Sequence[int]],
+        session: str | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """``POST /v1/completions`` with token ids and logprobs back: the response body.
+
+        Args:
+            prompt: token ids, a text, or a list of token-id lists.
+            session: the session key (sent as ``session_header``): requests with one key go to one replica.
+            params: the completions fields (``max_tokens``, ``temperature``, ``n``, ``seed``, ``stop_token_ids``...).
+                ``logprobs`` defaults to 0 and ``return_token_ids`` to True: each choice carries ``token_ids``,
+                ``logprobs.token_logprobs`` and ``weight_versions``.
+
+        Raises:
+            RolloutServerError: the server (or router) answered an error.
+            httpx.HTTPError: the last replica did not answer.
+        """
+        body = {"prompt": prompt, "logprobs": 0, "return_token_ids": True, **params}
+        if self.model is not None:
+            body.setdefault("model", self.model)
+        return self._post_generation("/v1/completions", body, session)
+
+    def chat(self, messages: list[dict[str, Any]], session: str | None = None, **params: Any) -> dict[str, Any]:
+        """``POST /v1/chat/completions`` (``logprobs`` and ``return_token_ids`` on): the response body."""
+        body = {"messages": messages, "logprobs": True, "return_token_ids": True, **params}
+        if self.model is not None:
+            body.setdefault("model", self.model)
+        return self._post_generation("/v1/chat/completions", body, session)
+
+    def score(self, prompt_ids: Sequence[int], session: str | None = None) -> list[float]:
+        """The logprob of each prompt token after the first under the current weights (nats).
+
+        Returns:
+            float [len(prompt_ids) - 1], from vLLM's ``prompt_logprobs`` (one token is generated and dropped).
+        """
+        body = self.generate(list(prompt_ids), session, max_tokens=1, prompt_logprobs=0, temperature=0)
+        entries = body["choices"][0]["prompt_logprobs"][1:]
+        return [entry[str(tok)]["logprob"] for entry, tok in zip(entries, prompt_ids[1:])]
+
+    # ------------------------------------------------------------------ control
+    def pause(self, mode: str = "keep") -> None:
+        """``POST /pause?mode=`` on every replica: ``keep`` freezes in-flight requests with their KV, ``abort`` ends
+        them, ``wait`` lets them finish (bounded by ``timeout``, the others by ``control_timeout``); new requests
+        wait for ``resume`` in every mode."""
+        timeout = self.timeout if mode == "wait" else self.control_timeout
+        self.fan_out("POST", "/pause", params={"mode": mode}, timeout=timeout)
+
+    def resume(self) -> None:
+        """``POST /resume`` on every replica."""
+        self.fan_out("POST", "/resume", timeout=self.control_timeout)
+
+    def is_paused(self) -> bool:
+        """``GET /is_paused``: True when every replica is paused."""
+        answers = self.fan_out("GET", "/is_paused", timeout=self.control_timeout)
+        return all(bool(a["is_paused"]) for a in answers.values())
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """``POST /abort_requests`` on every replica (None: every request); the number aborted in all."""
+        body = {"request_ids": list(request_ids)} if request_ids is not None else {}
+        answers = self.fan_out("POST", "/abort_requests", json=body, timeout=self.control_timeout)
+        return sum(int(a["num_aborted"]) for a in answers.values())
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache`` on every replica."""
+        self.fan_out("POST", "/reset_prefix_cache", timeout=self.control_timeout)
+
+    def transfer_statuses(self) -> dict[str, dict[str, Any]]:
+        """``GET /weight_transfer`` of every replica: its group, weight version and last error, by URL."""
+        return self.fan_out("GET", "/weight_transfer", timeout=self.control_timeout)
+
+    def weight_versions(self) -> dict[str, int]:
+        """Each replica's current weight version (the one its next tokens report), by URL."""
+        return {url: int(s["weight_version"]) for url, s in self.transfer_statuses().items()}
+
+    def weight_version(self) -> int:
+        """The replicas' current weight version.
+
+        Raises:
+            RuntimeError: the replicas report different versions (one missed an update; the message lists them).
+        """
+        versions = self.weight_versions()
+        if len(set(versions.values())) != 1:
+            raise RuntimeError(f"the rollout servers report different weight versions: {versions}")
+        return next(iter(versions.values()))
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """``POST /update_weights_from_disk`` on every replica (each must read ``model_path``); the new version.
+
+        Raises:
+            RolloutServerError: a replica refused the folder (400 naming ``model_path``).
+            RuntimeError: the replicas ended on different versions.
+        """
+        answers = self.fan_out("POST", "/update_weights_from_disk", json={"model_path": model_path})
+        return self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+
+    @staticmethod
+    def _one_version(versions: Mapping[str, int]) -> int:
+        if len(set(versions.values())) != 1:
+            raise RuntimeError(f"the rollout servers ended on different weight versions: {dict(versions)}")
+        return next(iter(versions.values()))
+
+    # ------------------------------------------------------------------ weight transfer
+    def init_weight_transfer(
+        self, master_address: str | None = None, master_port: int | None = None, world_size: int | None = None
+    ) -> None:
+        """Open one transfer group of this process (rank 0, serving the store) and every replica.
+
+        Each replica joins at its own ``rank_offset`` and takes as many ranks as its ``/get_world_size``; the
+        world is 1 + their sum. A replica that does not answer is dropped and the group is opened again over the
+        others.
+
+        Args:
+            master_address: the address the replicas reach this process at (default: this machine's address on
+                the route to the first replica; 127.0.0.1 for local ones).
+            master_port: the store's port (default: a free one). It and gloo's or NCCL's own connections must be
+                reachable from every replica (docs/scaling.md).
+            world_size: the expected world (1 + the replicas' ranks); None: computed. A different number raises.
+
+        Raises:
+            RolloutServerError: a replica refused the group (400).
+            RuntimeError: this side could not open the group, or the last replica failed, or ``world_size``
+                differs from the replicas' ranks.
+        """
+        self.close_weight_transfer()
+        while not self._open_group(master_address, master_port, world_size):
+            logger.warning("a rollout server left during the rendezvous; opening the group again over %s", self.urls)
+
+    def _open_group(self, master_address: str | None, master_port: int | None, world_size: int | None) -> bool:
+        """One rendezvous of this process and the live replicas; False when a replica was dropped meanwhile (that
+        rendezvous cannot complete: its thread ends at its timeout)."""
+        urls = list(self.urls)
+        sizes = self.fan_out("GET", "/get_world_size", urls=urls, timeout=self.control_timeout)
+        if set(sizes) != set(urls):
+            return False
+        world = 1 + sum(int(sizes[u]["world_size"]) for u in urls)
+        if world_size is not None and world_size != world:
+            raise RuntimeError(f"world_size: {world_size} given, but the trainer and the servers' ranks make {world}")
+        address = master_address or _address_towards(urls[0])
+        port = master_port or _free_port(address)
+        bodies, rank = {}, 1
+        for url in urls:
+            init = {"master_address": address, "master_port": port, "rank_offset": rank, "world_size": world}
+            bodies[url] = {"init_info": init}
+            rank += int(sizes[url]["world_size"])
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                result["group"] = TransferGroup(address, port, 0, world, "cpu", self.timeout)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+                result["error"] = e
+
+        thread = threading.Thread(target=join, name="rollout-transfer-init", daemon=True)
+        thread.start()
+        try:
+            self.fan_out("POST", "/init_weight_transfer_engine", urls=urls, bodies=bodies)
+        except RolloutServerError as e:
+            if set(self.urls) == set(urls):
+                raise RolloutServerError(
+                    e.status, f"a server did not join the transfer group at {address}:{port}: {e.message}", e.param
+                ) from e
+        except RuntimeError as e:
+            raise RuntimeError(f"no server joined the transfer group at {address}:{port}: {e}") from e
+        if set(self.urls) != set(urls):
+            return False
+        thread.join(self.timeout)
+        if "error" in result or "group" not in result:
+            raise RuntimeError(f"the trainer's side of the transfer group did not open: {result.get('error')}")
+        self.group = result["group"]
+        self._group_urls = urls
+        return True
+
+    def send_weights(
+        self,
+        named_tensors: NamedTensors,
+        metas: Sequence[TensorMeta] | None = None,
+        packed: bool = True,
+        recompute: bool = False,
+    ) -> int:
+        """Stream tensors into every replica's live weights as one new weight version, each bucket broadcast once.
+
+        ``/start_weight_update`` on every replica, then ``/update_weights`` on every replica (each receives) while a
+        thread broadcasts the buckets once to the whole group, then ``/finish_weight_update``. Opens the group
+        first if none is open or the replicas changed.
+
+        When a replica dies or times out, it is dropped and the group closed; when ``named_tensors`` can be read
+        again (a mapping or a sequence, not an iterator), the send is repeated over a new group of the survivors,
+        else the error is raised (the next send opens the new group).
+
+        Args:
+            named_tensors: a state dict or (name, tensor) pairs (an iterator is consumed once, lazily, when
+                ``metas`` is given), named as the servers' ``model.named_parameters()``. CPU or CUDA tensors;
+                a gloo group sends them from CPU.
+            metas: the names, dtypes and shapes of what ``named_tensors`` yields (``weight_transfer.describe``);
+                None reads them from ``named_tensors`` (materialised as a list of references, no copy).
+            packed: buckets of ``bucket_bytes`` (True) or one broadcast per tensor.
+            recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
+                under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
+
+        Returns:
+            The replicas' new weight version.
+
+        Raises:
+            RolloutServerError: a replica refused the announcement (400 naming the field) or the transfer failed on
+                its side (500: it keeps its last complete weights, or reports partial ones).
+            RuntimeError: this side's broadcast failed, the last replica failed, or the replicas ended on
+                different versions. The group is closed after any failure.
+        """
+        rereadable = isinstance(named_tensors, Mapping | Sequence)
+        pairs: Any = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if metas is None:
+            pairs = list(pairs)  # read twice: described, then sent
+            metas = describe(pairs)
+            rereadable = True
+        while True:
+            before = list(self.urls)
+            try:
+                return self._send_once(iter(pairs), metas, packed, recompute)
+            except Exception as e:
+                self.close_weight_transfer()  # the group's state is unknown after a failure: the next send opens anew
+                self.drop_unhealthy()
+                lost = [u for u in before if u not in self.urls]
+                if not lost or not rereadable:
+                    raise
+                logger.warning(
+                    "the weight send failed (%s) and %s left the pool; sending again to %s", e, lost, self.urls
+                )
+
+    def _send_once(
+        self, iterator: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta], packed: bool, recompute: bool
+    ) -> int:
+        if self.group is None or self._group_urls != self.urls:
+            self.init_weight_transfer()
+        assert self.group is not None
+        group, urls = self.group, list(self._group_urls)
+        t0 = time.perf_counter()
+        start = {"is_checkpoint_format": True, **({"recompute": True} if recompute else {})}  # vLLM's body without it
+        self._all(urls, "/start_weight_update", start)
+        result: dict[str, Any] = {}
+
+        def broadcast() -> None:
+            try:
+                result["bytes"] = send(group, metas, iterator, self.bucket_bytes, packed)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+                result["error"] = e
+
+        thread = threading.Thread(target=broadcast, name="rollout-transfer-send", daemon=True)
+        thread.start()
+        info = {"update_info": update_info(metas, packed, self.bucket_bytes)}
+        try:
+            self._all(urls, "/update_weights", info)
+        finally:
+            thread.join(self.timeout)
+        if "error" in result or thread.is_alive():
+            raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
+        answers = self._all(urls, "/finish_weight_update", None)
+        version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        seconds = time.perf_counter() - t0
+        self.last_send = {"seconds": seconds, "bytes": result["bytes"], "weight_version": version, "servers": urls}
+        logger.debug(
+            "sent %.1f MB of weights to %d servers in %.2f s (version %d)", result["bytes"] / 1e6, len(urls), seconds,
+            version,
+        )  # fmt: skip
+        return version
+
+    def _all(self, urls: list[str], path: str, body: Any) -> dict[str, Any]:
+        """POST to every replica of the group; any replica lost on the way fails the whole send."""
+        answers = self.fan_out("POST", path, urls=urls, json=body)
+        if set(answers) != set(urls):
+            lost = sorted(set(urls) - set(answers))
+            raise RuntimeError(f"{path}: {lost} did not answer")
+        return answers
+
+    def close_weight_transfer(self) -> None:
+        """Close this side of the transfer group (each server closes its own at its next init or failure)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+            self._group_urls = []
+
+    def close(self) -> None:
+        """Close the transfer group, the threads and the HTTP connections."""
+        self.close_weight_transfer()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for http in self._http.values():
+            http.close()
+        if self._router is not None:
+            self._router.close()
+
+    def __enter__(self) -> RolloutPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""``rollout.RolloutPool``: N real rollout-serve replicas (uvicorn on 127.0.0.1 in this process), one broadcast group
+of 1 + N ranks with each bucket broadcast once, control calls fanned out, sessions pinned to a replica, and a replica
+that does not answer dropped with a warning naming it while the others go on."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from rollout import ContinuousBatchingConfig, RolloutPool
+from rollout.pool import pick_replica
+from rollout.serve import TransferSettings
+from rollout.weight_transfer import describe, plan_buckets
+from tests.serve_utils import RunningServer, free_port, running_server
+from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
+
+CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16, return_logprobs=True)
+BUCKET_BYTES = 50_000  # the tiny Llama's 427 kB in about 9 buckets
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@contextlib.contextmanager
+def replicas(n: int) -> Iterator[list[RunningServer]]:
+    """``n`` servers on the same tiny Llama (seed 0), each a model object of its own."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(running_server(tiny_llama(), tiny_tokenizer(), CONFIG, transfer=TransferSettings()))
+            for _ in range(n)
+        ]
+
+
+def greedy(url: str) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+    response.raise_for_status()
+    return response.json()["choices"][0]
+
+
+def test_one_group_of_three_ranks_broadcasts_each_bucket_once_and_both_servers_end_on_the_senders_weights() -> None:
+    trained = tiny_llama(seed=1)
+    with replicas(2) as servers, RolloutPool([s.url for s in servers], bucket_bytes=BUCKET_BYTES, timeout=60) as pool:
+        pool.init_weight_transfer()
+        groups = [s.service.weights.state.group for s in servers]
+        assert [(g.rank, g.world_size) for g in groups] == [(1, 3), (2, 3)]
+        assert pool.group is not None and pool.group.world_size == 3
+        broadcasts = []
+        original = pool.group.broadcast
+        pool.group.broadcast = lambda t: broadcasts.append(t.numel()) or original(t)  # type: ignore[method-assign]
+        pairs = list(trained.named_parameters())
+        assert pool.send_weights(pairs) == 1
+        metas = describe(pairs)
+        buckets = plan_buckets(metas, BUCKET_BYTES)
+        assert len(broadcasts) == len(buckets) > 1  # once per bucket, not once per bucket and server
+        assert sum(broadcasts) == sum(m.nbytes for m in metas)
+        assert pool.weight_versions() == {s.url: 1 for s in servers}
+        want = reference_greedy(trained, PROMPT, 8, None)
+        for server in servers:
+            choice = greedy(server.url)
+            assert choice["token_ids"] == want and choice["weight_versions"] == [1] * 8
+            assert_close(choice["logprobs"]["token_logprobs"], teacher_forced_logprobs(trained, PROMPT, want), 1e-4)
+        # The second version goes over the same group.
+        assert pool.send_weights(dict(tiny_llama().named_parameters())) == 2
+        assert all(s.service.weights.state.group is g for s, g in zip(servers, groups))
+        assert greedy(servers[1].url)["token_ids"] == reference_greedy(tiny_llama(), PROMPT, 8, None)
+
+
+def test_control_calls_reach_every_server_and_a_session_stays_on_one_replica() -> None:
+    with replicas(2) as servers, RolloutPool([s.url for s in servers], timeout=60, control_timeout=10) as pool:
+        pool.pause()
+        assert all(s.service.paused for s in servers) and pool.is_paused()
+        pool.resume()
+        assert not any(s.service.paused for s in servers) and not pool.is_paused()
+        pool.reset_prefix_cache()
+        assert pool.abort() == 0
+        # Without a router the pool picks the replica by rendezvous hashing of the session key.
+        sessions = {f"prompt-{i}": pick_replica(f"prompt-{i}", pool.urls) for i in range(8)}
+        assert set(sessions.values()) == set(pool.urls)  # both replicas are used
+        for session, url in sessions.items():
+            before = {s.url: sum(s.service.finished.values()) for s in servers}
+            body = pool.generate(PROMPT, session=session, max_tokens=3, n=1, temperature=1.0, seed=1)
+            assert len(body["choices"][0]["token_ids"]) == 3
+            pool.generate(PROMPT, session=session, max_tokens=3, temperature=1.0, seed=2)
+            after = {s.url: sum(s.service.finished.values()) for s in servers}
+            assert {u: after[u] - before[u] for u in after} == {u: 2 if u == url else 0 for u in after}
+
+
+def test_a_server_that_does_not_answer_is_dropped_with_a_warning_and_the_others_get_the_weights(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    trained = tiny_llama(seed=1)
+    with replicas(1) as (server,), RolloutPool([dead, server.url], timeout=30, control_timeout=5) as pool:
+        with caplog.at_level("WARNING", logger="rollout.pool"):
+            pool.pause()
+        assert pool.urls == [server.url] and dead in pool.dropped
+        assert f"rollout server {dead} dropped from the pool" in caplog.text
+        pool.resume()
+        assert pool.send_weights(trained.named_parameters()) == 1
+        assert greedy(server.url)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+        # A generation for any session now lands on the survivor.
+        assert pool.generate(PROMPT, session="any", max_tokens=2)["choices"][0]["weight_versions"] == [1, 1]
+
+
+def test_the_last_server_failing_is_raised_and_bad_urls_are_refused() -> None:
+    with pytest.raises(ValueError, match="server_urls"):
+        RolloutPool([])
+    with pytest.raises(ValueError, match="twice"):
+        RolloutPool("http://a:1,http://a:1")
+    with pytest.raises(ValueError, match="ftp://x"):
+        RolloutPool(["ftp://x"])
+    with RolloutPool(f"http://127.0.0.1:{free_port()}", control_timeout=5) as pool, pytest.raises(RuntimeError):
+        pool.pause()
