@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_SESSION_HEADER = "X-Session-ID"
 # Seconds a health probe may take before its replica counts as gone.
 HEALTH_TIMEOUT_S = 5.0
-# Router answers that mean "the replica behind me is gone" (vllm-router answers 502/503 when a worker fails).
-RETRYABLE_STATUS = (502, 503, 504)
 
 
 class RolloutServerError(RuntimeError):
@@ -303,21 +301,24 @@ class RolloutPool:
         return self._http[pick_replica(session or "", urls) if len(urls) > 1 else urls[0]], headers
 
     def _post_generation(self, path: str, body: dict[str, Any], session: str | None) -> Any:
-        """POST a generation body; a failure to reach a replica drops the dead ones and tries the survivors."""
+        """POST a generation body; when it fails to reach a replica (no answer, or a 5xx) and a replica turns out
+        dead, the dead ones are dropped and the request is sent again (the router or the hash then picks a survivor).
+        """
         while True:
             http, headers = self._generation_target(session)
             try:
                 response = http.post(path, json=body, headers=headers)
-                if response.status_code not in RETRYABLE_STATUS or len(self.urls) == 1:
+                if response.status_code < 500:
                     return _answer(response)
-                failure: str = f"{response.status_code} {response.text[:200]}"
+                failure = f"{response.status_code} {response.text[:200]}"
             except httpx.TransportError as e:
-                if len(self.urls) == 1:
+                if len(self.urls) == 1 or not self.drop_unhealthy():
                     raise
                 failure = f"{type(e).__name__}: {e}"
-            if not self.drop_unhealthy():  # nobody died: the failure is the request's own
-                raise RolloutServerError(502, f"{path} failed and every replica is healthy: {failure}")
-            logger.warning("%s failed (%s); retrying on %s", path, failure, self.urls)
+            else:
+                if len(self.urls) == 1 or not self.drop_unhealthy():  # nobody died: the failure is the request's own
+                    return _answer(response)
+            logger.warning("%s failed (%s); sending it again to %s", path, failure, self.urls)
 
     def generate(
         self,

@@ -137,9 +137,13 @@ class TrainerConfig:
             ``trainers.setup.training_memory_percent``: 0.5 of what the gradients and AdamW moments leave).
 
     Remote rollouts (``trainers.remote``):
-        rollout_server: the URL of a ``rollout-serve --enable-control`` on the same model; rollouts are
-            generated there over HTTP and the weights are streamed to it after every step. None: the
-            engine runs in the trainer's process on the trained model.
+        rollout_server: the URL of a ``rollout-serve --enable-control`` on the same model, or several separated by
+            commas (a fleet: ``rollout.RolloutPool``); rollouts are generated there over HTTP and the weights are
+            streamed to every server after every step, one broadcast for all. None: the engine runs in the
+            trainer's process on the trained model.
+        rollout_router: vLLM's router in front of the ``rollout_server`` URLs (``vllm-router --policy
+            consistent_hash``): generation goes through it, with a session key per prompt so that a prompt's
+            samples share one replica's prefix cache. None: the trainer picks the replica by the same key.
         rollout_api_key: the server's ``--api-key``.
         weight_sync_bucket_mb: bucket size of the weight stream, in MiB; 16 was the fastest on this CPU
             (docs/weight_sync.md: large buckets lose the overlap of packing and sending).
@@ -194,6 +198,7 @@ class TrainerConfig:
     engine: dict[str, Any] = field(default_factory=dict)
 
     rollout_server: str | None = None
+    rollout_router: str | None = None
     rollout_api_key: str | None = None
     weight_sync_bucket_mb: int = 16
 
@@ -236,8 +241,17 @@ class TrainerConfig:
             if self.log_with not in trackers:
                 raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
         self._check_rewards()
-        if self.rollout_server is not None and not self.rollout_server.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout_server must be an http:// or https:// URL, got {self.rollout_server!r}")
+        if self.rollout_server is not None:
+            for url in self.rollout_server.split(","):
+                if not url.strip().startswith(("http://", "https://")):
+                    raise ConfigError(
+                        f"rollout_server must be http:// or https:// URLs separated by commas, got {url.strip()!r}"
+                    )
+        if self.rollout_router is not None:
+            if self.rollout_server is None:
+                raise ConfigError("rollout_router needs rollout_server: the URLs of the servers behind it")
+            if not self.rollout_router.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout_router must be an http:// or https:// URL, got {self.rollout_router!r}")
 
     def _check_rewards(self) -> None:
         if not self.reward_funcs:

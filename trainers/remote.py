@@ -1,16 +1,19 @@
-"""The trainer's rollouts on a ``rollout-serve`` in another process or on another machine.
+"""The trainer's rollouts on ``rollout-serve`` replicas in other processes or on other machines.
 
 ``RemoteRollouts`` is a ``trainers.backend.RolloutBackend``, as the trainer's local
 ``ContinuousBatchingManager`` is: the recipe (GRPO and PPO alike), the rollout queue and the evaluation run the
 same code against either.
 
+- The servers are a ``rollout.RolloutPool`` (one URL: one server), behind vLLM's router or not.
 - Each request is one ``/v1/completions`` call with the prompt's token ids, the request's own seed,
   ``logprobs: 0`` and ``return_token_ids``, run by a pool of threads; the answer becomes a
-  ``GenerationOutput`` with the sampled token ids, their logprobs and weight versions.
-- ``update_weights`` streams the trainer's parameters into the server (``RolloutClient.send_weights``:
-  the transfer group, packed buckets) and returns the new version; ``start`` sends them once first, so the
-  server generates from exactly the trainer's weights.
-- Weight versions are counted from that first send (the server's version then is version 0 here), so the
+  ``GenerationOutput`` with the sampled token ids, their logprobs and weight versions. Its session key is a hash of
+  the prompt's token ids, so a prompt's G samples go to one replica and share its prefix cache.
+- ``update_weights`` streams the trainer's parameters into every server (``RolloutPool.send_weights``:
+  one transfer group, each packed bucket broadcast once) and returns the new version; ``start`` sends them once
+  first, so the servers generate from exactly the trainer's weights. A server that dies is dropped (the pool warns
+  naming it) and the weights go to the survivors; a request it held is sent again to a survivor.
+- Weight versions are counted from that first send (the servers' version then is version 0 here), so the
   trainer's staleness arithmetic (``version now - version of a token``, ``max_staleness``) reads in steps
   as with a local manager. Under data parallelism the main process sends and every process learns the
   version from it (``share_version``).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,10 +45,10 @@ MAX_IN_FLIGHT = 64
 
 
 class RemoteRollouts(RolloutBackend):
-    """A ``rollout-serve`` (started with ``--enable-control``) as the trainer's rollout backend.
+    """``rollout-serve`` replicas (started with ``--enable-control``) as the trainer's rollout backend.
 
     Args:
-        url: the server's base URL.
+        url: the server's base URL, or the replicas' (a list).
         model: the policy whose ``named_parameters()`` are streamed (the unwrapped model).
         api_key: the server's ``--api-key``.
         bucket_bytes: the transfer's bucket bound.
@@ -52,20 +56,24 @@ class RemoteRollouts(RolloutBackend):
         share_version: called with the sender's new version on every process (collectively), returns it
             everywhere; identity for one process.
         timeout: seconds an HTTP call or a weight send may take.
+        router_url: vLLM's router in front of the replicas; None: the pool picks the replica of each prompt.
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         model: torch.nn.Module,
         api_key: str | None = None,
         bucket_bytes: int = 16 << 20,
         is_sender: bool = True,
         share_version: Callable[[int], int] = lambda v: v,
         timeout: float = 600.0,
+        router_url: str | None = None,
     ) -> None:
-        self.url = url
-        self.client = rollout.RolloutClient(url, api_key=api_key, timeout=timeout, bucket_bytes=bucket_bytes)
+        self.client = rollout.RolloutPool(
+            url, router_url, api_key=api_key, timeout=timeout, control_timeout=60.0, bucket_bytes=bucket_bytes
+        )
+        self.url = self.client.urls[0]
         self.model = model
         self.is_sender = is_sender
         self._share_version = share_version
@@ -130,7 +138,7 @@ class RemoteRollouts(RolloutBackend):
         return version
 
     def update_weights(self, named_tensors: NamedTensors | None = None) -> int:
-        """Send the model's parameters to the server (called after each optimizer step, on every process).
+        """Send the model's parameters to every server (called after each optimizer step, on every process).
 
         Args:
             named_tensors: None: the model's current parameters are sent (the local manager's
@@ -181,7 +189,8 @@ class RemoteRollouts(RolloutBackend):
 
     def _run(self, rid: str, prompt: list[int], body: dict[str, Any], timestamps: bool) -> rollout.GenerationOutput:
         try:
-            choice = self.client.generate(**body)["choices"][0]
+            session = hashlib.sha256(str(prompt).encode()).hexdigest()[:32]  # a prompt's G samples: one replica
+            choice = self.client.generate(session=session, **body)["choices"][0]
         except (rollout.RolloutServerError, httpx.HTTPError) as e:
             return rollout.GenerationOutput(rid, prompt, status=rollout.RequestStatus.FAILED, error=str(e))
         tokens = list(choice["token_ids"])

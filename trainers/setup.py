@@ -327,18 +327,19 @@ def engine_config_for(
 def rollout_backend(
     config: Any, policy: PreTrainedModel, accelerator: Accelerator, eos_token_ids: Sequence[int]
 ) -> RolloutBackend:
-    """The trainer's rollout backend on ``policy``: the ``rollout-serve`` at ``config.rollout_server``
-    (``trainers.remote.RemoteRollouts``; the main process streams the weights, every process learns their
-    version), else a persistent ``rollout.ContinuousBatchingManager`` on the policy object itself (no copy of
-    the weights), its cache sized by ``engine_config_for``."""
+    """The trainer's rollout backend on ``policy``: the ``rollout-serve`` replicas at ``config.rollout_server``
+    (behind ``config.rollout_router``, if set; ``trainers.remote.RemoteRollouts``; the main process streams the
+    weights, every process learns their version), else a persistent ``rollout.ContinuousBatchingManager`` on the
+    policy object itself (no copy of the weights), its cache sized by ``engine_config_for``."""
     if config.rollout_server:
 
         def share_version(version: int) -> int:
             return int(broadcast_object_list([version])[0]) if accelerator.num_processes > 1 else version
 
         return RemoteRollouts(
-            config.rollout_server,
+            config.rollout_server.split(","),
             policy,
+            router_url=config.rollout_router,
             api_key=config.rollout_api_key,
             bucket_bytes=config.weight_sync_bucket_mb << 20,
             is_sender=accelerator.is_main_process,
