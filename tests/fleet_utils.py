@@ -27,7 +27,8 @@ def vllm_router(worker_urls: Sequence[str], policy: str = "consistent_hash") -> 
     # Retries off: a failed worker is the pool's to handle (it drops it); the router's own retry would mask it.
     proc = subprocess.Popen(
         [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
-         "--log-level", "warning", "--disable-retries", "--health-check-interval-secs", "1"],
+         "--log-level", "warning", "--disable-retries", "--health-check-interval-secs", "1",
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -39,7 +39,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
 # link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
 # owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
-# of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group). The
+# of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group); fleet
+# (rollout-fleet: local replicas and the router) is an entry point of its own. The
 # subpackages sit on top: serve (rollout-serve, over the
 # package's exports and a few modules) and the benchmarks, which use all of it.
 LAYERS = [
@@ -92,6 +93,7 @@ LAYERS = [
     "score_cli",
     "pool",
     "client",
+    "fleet",
     "__init__",
     "serve",
     "benchmarks",
