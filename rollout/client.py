@@ -129,11 +129,17 @@ class RolloutClient:
                 raise TimeoutError(f"rollout-serve at {self.url} was not healthy within {timeout:g} s")
             time.sleep(interval)
 
-    def generate(self, prompt: Sequence[int] | str | Sequence[Sequence[int]], **params: Any) -> dict[str, Any]:
+    def generate(
+        self,
+        prompt: Sequence[int] | str | Sequence[Sequence[int]],
+        headers: Mapping[str, str] | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
         """``POST /v1/completions`` with token ids and logprobs back: the response body.
 
         Args:
             prompt: token ids, a text, or a list of token-id lists.
+            headers: extra HTTP headers of this request (``X-Session-ID``: a router keeps a session on one replica).
             params: the completions fields (``max_tokens``, ``temperature``, ``n``, ``seed``, ``stop_token_ids``...).
                 ``logprobs`` defaults to 0 and ``return_token_ids`` to True: each choice carries ``token_ids``,
                 ``logprobs.token_logprobs`` and ``weight_versions``.
@@ -141,7 +147,7 @@ class RolloutClient:
         body = {"prompt": prompt, "logprobs": 0, "return_token_ids": True, **params}
         if self.model is not None:
             body.setdefault("model", self.model)
-        return self._call("POST", "/v1/completions", json=body)
+        return self._call("POST", "/v1/completions", json=body, headers=dict(headers) if headers else None)
 
     def chat(self, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
         """``POST /v1/chat/completions`` (``logprobs`` and ``return_token_ids`` on): the response body."""

@@ -39,8 +39,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
 # link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
 # owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
-# of rollout-serve and the trainer's side of the transfer). The subpackages sit on top: serve (rollout-serve, over the
-# package's exports and a few modules) and the benchmarks, which use all of it.
+# of rollout-serve and the trainer's side of the transfer). environments (TRL's environment shape, tools, tool-call
+# parsing) is a leaf placed here; episodes (multi-turn trajectories) runs them over the manager and the client. The
+# subpackages sit on top: serve (rollout-serve, over the package's exports and a few modules) and the benchmarks, which
+# use all of it.
 LAYERS = [
     "checks",
     "config",
@@ -90,6 +92,8 @@ LAYERS = [
     "scoring",
     "score_cli",
     "client",
+    "environments",
+    "episodes",
     "__init__",
     "serve",
     "benchmarks",
