@@ -4,6 +4,7 @@ the loss sees only model tokens, and a run writes trajectories.jsonl and the hel
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import datasets
@@ -16,7 +17,8 @@ from tests.tiny_models import llama3_style_tokenizer, tiny_llama
 from trainers.config import ConfigError
 from trainers.environments import FEEDBACK, RetryArithmetic
 from trainers.loss import completion_logprobs
-from trainers.multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer
+from trainers.multiturn import MultiTurnGRPOConfig, MultiTurnGRPOTrainer, MultiTurnPPOConfig, MultiTurnPPOTrainer
+from trainers.ppo_loss import gae, token_rewards
 
 
 class Echo:
@@ -144,3 +146,64 @@ def test_retry_arithmetic_judges_each_answer() -> None:
         MultiTurnGRPOConfig(reward_funcs=["correctness"])
     with pytest.raises(ConfigError, match="environment must be one of"):
         MultiTurnGRPOConfig(environment="chess")
+
+
+# ---------------------------------------------------------------------------------------------- PPO
+def test_gae_passes_over_unmasked_tokens_and_the_reward_sits_on_the_last_model_token() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])  # model, model, environment x2, model, padding
+    scores = torch.tensor([2.0])
+    rewards = token_rewards(scores, mask)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]
+    values = torch.tensor([[0.3, -0.2, 5.0, 7.0, 0.4, 9.0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # The same recursion on the model tokens alone, as one three-token completion.
+    keep = [0, 1, 4]
+    ref_adv, ref_ret = gae(rewards[:, keep], values[:, keep], torch.ones(1, 3), gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[:, keep], ref_adv) and torch.allclose(ret[:, keep], ref_ret)
+    assert adv[0, [2, 3, 5]].tolist() == [0.0, 0.0, 0.0] and ret[0, [2, 3, 5]].tolist() == [0.0, 0.0, 0.0]
+    # A prefix mask keeps the one-turn result.
+    prefix = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert token_rewards(scores, prefix).tolist() == [[0.0, 0.0, 2.0, 0.0]]
+
+
+def test_ppo_on_episodes_masks_environment_tokens(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setitem(environments.ENVIRONMENTS, "echo", Echo)
+    tok = llama3_style_tokenizer()
+    tok.chat_template = ROLE_TEMPLATE
+    config = MultiTurnPPOConfig(
+        model="tiny",
+        environment="echo",
+        batch_size=4,
+        max_new_tokens=6,
+        max_turns=2,
+        max_episode_tokens=40,
+        max_steps=1,
+        learning_rate=1e-2,
+        value_learning_rate=1e-2,
+        micro_batch_size=2,
+        temperature=0.7,
+        async_rollouts=False,
+        max_staleness=0,
+        eval_size=0,
+        engine={"num_blocks": 64, "page_size": 16},
+        output_dir=str(tmp_path / "out"),
+        save_model=False,
+    )
+    trainer = MultiTurnPPOTrainer(config, model=tiny_llama(), tokenizer=tok, train_dataset=_rows(8))
+    trainer.backend.start()
+    try:
+        batch, episodes = trainer.queue.take(0)
+        with trainer.queue.paused():
+            traj = trainer.generate_trajectory(batch, episodes)
+        for b, ep in enumerate(episodes):
+            k = len(ep.loss_mask)
+            assert traj.mask[b, :k].tolist() == [float(m) for m in ep.loss_mask] and 0 in ep.loss_mask
+            off = [i for i, m in enumerate(ep.loss_mask) if not m]
+            assert traj.advantages[b, off].abs().sum() == 0 and traj.returns[b, off].abs().sum() == 0
+            last = max(i for i, m in enumerate(ep.loss_mask) if m)
+            assert traj.rewards[b, last] == pytest.approx(ep.reward)
+        stats = trainer.train_on(traj)
+        assert stats.tokens == pytest.approx(float(traj.mask.sum()) * trainer.config.ppo_epochs)
+        assert math.isfinite(stats.policy_loss) and math.isfinite(stats.value_loss)
+    finally:
+        trainer.close()

@@ -1,15 +1,17 @@
-"""GRPO on multi-turn episodes: each sample is an environment run to its end (``rollout.run_episodes``), trained
-with its loss mask.
+"""GRPO and PPO on multi-turn episodes: each sample is an environment run to its end (``rollout.run_episodes``),
+trained with its loss mask.
 
-What differs from single-turn GRPO (``trainers.grpo``), and nothing else does:
+What differs from single-turn training (``trainers.grpo``, ``trainers.ppo``), and nothing else does:
 - the rollout queue (``EpisodeQueue``) submits a batch's G episodes per prompt to a thread pool instead of G
   requests; each episode's turns are requests on the same backend (in process, ``rollout.ManagerTurns``; on a
   ``rollout_server``, ``rollout.ClientTurns`` with the session header), so the engine batches the turns of every
   episode in flight and turn k+1 reuses turn k's KV;
-- the trajectory (``generate_trajectory``) is the episodes' ``prompt_ids``, ``completion_ids`` (model and
-  environment ids interleaved) and ``loss_mask``, the engine's logprobs as the behaviour policy (0 on environment
-  ids, which the mask takes out), and the environment's ``get_reward`` as the score; GRPO's loss
-  (``GRPOTrainer._forward_backward``) already counts only masked tokens, in the loss and in its normaliser;
+- the scored batch (``score``, which both algorithms' ``generate_trajectory`` build on) is the episodes'
+  ``prompt_ids``, ``completion_ids`` (model and environment ids interleaved) and ``loss_mask``, the engine's logprobs
+  as the behaviour policy (0 on environment ids, which the mask takes out), and the environment's ``get_reward`` as
+  the score. GRPO's loss (``GRPOTrainer._forward_backward``) counts only masked tokens, in the loss and in its
+  normaliser; PPO's mask is the loss mask, so its losses, values and KL penalty skip environment tokens, its reward
+  sits on the last model token and GAE passes over environment tokens (``trainers.ppo_loss``);
 - the held-out evaluation runs greedy episodes: ``eval_accuracy`` is the share of episodes the environment counts a
   success (a positive reward), ``eval_first_attempt_accuracy`` the share rewarded 1.0 (right at once);
 - the run folder gains ``trajectories.jsonl``: ``log_trajectories`` episodes per step, every field of
@@ -32,15 +34,17 @@ import rollout
 
 from .config import ConfigError, GRPOConfig
 from .environments import ENVIRONMENTS, environment_factory
-from .grpo import GRPOTrainer, GRPOTrajectory
-from .loss import group_advantages, zero_spread_groups
+from .grpo import GRPOTrainer
+from .ppo import PPOTrainer
+from .ppo_config import PPOConfig
 from .rollout_queue import RolloutBatch, RolloutQueue
 from .runs import sample_seed
+from .trajectory import Trajectory
 
 
 @dataclass
-class MultiTurnGRPOConfig(GRPOConfig):
-    """Settings of a multi-turn GRPO run: ``GRPOConfig``'s fields and these.
+class EpisodeFields:
+    """The episode fields both multi-turn configs add (``MultiTurnGRPOConfig``, ``MultiTurnPPOConfig``).
 
     Episodes:
         environment: a name of ``trainers.environments.ENVIRONMENTS`` ("retry_arithmetic").
@@ -50,13 +54,11 @@ class MultiTurnGRPOConfig(GRPOConfig):
             each model turn.
         log_trajectories: episodes per step written to OUTPUT_DIR/trajectories.jsonl (0: none).
 
-    ``reward_funcs`` must be empty: the environment's ``get_reward`` is the score.
+    ``reward_funcs`` must be empty (and ``reward_weights`` None): the environment's ``get_reward`` is the score.
     """
 
-    trainer_name: ClassVar[str] = "multi-turn GRPO"
-    default_config_file: ClassVar[str | None] = "grpo_multiturn.yaml"
-
     reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] | None = None
     environment: str = "retry_arithmetic"
     environment_kwargs: dict[str, Any] | None = None
     max_turns: int = 2
@@ -64,7 +66,7 @@ class MultiTurnGRPOConfig(GRPOConfig):
     log_trajectories: int = 4
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[misc]
         if self.environment not in ENVIRONMENTS:
             raise ConfigError(f"environment must be one of {sorted(ENVIRONMENTS)}, got {self.environment!r}")
         for name in ("max_turns", "max_episode_tokens"):
@@ -78,15 +80,32 @@ class MultiTurnGRPOConfig(GRPOConfig):
             raise ConfigError(f"environment_kwargs: {e}") from e
 
     def _check_rewards(self) -> None:
-        if self.reward_funcs:
+        if self.reward_funcs or self.reward_weights is not None:
             raise ConfigError(
-                "reward_funcs must be empty for multi-turn GRPO: the environment's get_reward scores each episode"
+                "reward_funcs must be empty (reward_weights null) for multi-turn training: the environment's "
+                "get_reward scores each episode"
             )
 
     @property
     def limits(self) -> rollout.EpisodeLimits:
         """The episodes' bounds."""
-        return rollout.EpisodeLimits(self.max_turns, self.max_episode_tokens, self.max_new_tokens)
+        return rollout.EpisodeLimits(self.max_turns, self.max_episode_tokens, self.max_new_tokens)  # type: ignore[attr-defined]
+
+
+@dataclass
+class MultiTurnGRPOConfig(EpisodeFields, GRPOConfig):
+    """Settings of a multi-turn GRPO run: ``GRPOConfig``'s fields and the episode's (``EpisodeFields``)."""
+
+    trainer_name: ClassVar[str] = "multi-turn GRPO"
+    default_config_file: ClassVar[str | None] = "grpo_multiturn.yaml"
+
+
+@dataclass
+class MultiTurnPPOConfig(EpisodeFields, PPOConfig):
+    """Settings of a multi-turn PPO run: ``PPOConfig``'s fields and the episode's (``EpisodeFields``)."""
+
+    trainer_name: ClassVar[str] = "multi-turn PPO"
+    default_config_file: ClassVar[str | None] = None
 
 
 class EpisodeQueue(RolloutQueue):
@@ -157,14 +176,16 @@ class EpisodeQueue(RolloutQueue):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class MultiTurnGRPOTrainer(GRPOTrainer):
-    """GRPO on episodes of ``config.environment`` (see the module docstring).
+class EpisodeRecipe:
+    """What a recipe (``trainers.recipe.Recipe``) changes to train on episodes: the queue, ``score`` and the held-out
+    evaluation (see the module docstring). Placed before the algorithm's trainer class in the bases, so GRPO's and
+    PPO's ``generate_trajectory`` build their trajectories on this ``score``.
 
-    Args and errors: those of ``GRPOTrainer``, with a ``MultiTurnGRPOConfig``; the datasets' rows are passed to the
-    environment's ``reset`` (the arithmetic task's ``answer`` column).
+    Args and errors: those of the algorithm's trainer, with a config that has the ``EpisodeFields``; the datasets'
+    rows are passed to the environment's ``reset`` (the arithmetic task's ``answer`` column).
     """
 
-    config: MultiTurnGRPOConfig
+    config: Any
     progress_metrics: ClassVar[dict[str, str]] = {"reward": "reward_mean", "turns": "custom/episode_model_turns"}
 
     def _turns(self, greedy: bool) -> rollout.TurnBackend:
@@ -211,31 +232,25 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             run=self._run,
         )
 
-    def generate_trajectory(self, batch: RolloutBatch, episodes: list) -> GRPOTrajectory:  # type: ignore[override]
-        """The episodes as a trajectory with their loss masks, scored by the environment's reward."""
+    def score(self, batch: RolloutBatch, episodes: list) -> Trajectory:  # type: ignore[override]
+        """The episodes as a scored batch: their ids and loss masks, the engine's logprobs (0 on environment ids),
+        the environment's reward, staleness over model tokens; writes ``log_trajectories`` of them to
+        trajectories.jsonl and logs the episodes' turns, environment tokens and success."""
         cfg = self.config
-        scores = torch.tensor([ep.reward if ep.reward is not None else float("nan") for ep in episodes])
+        G = cfg.num_generations
+        scores = torch.tensor([ep.reward if ep.reward is not None else float("nan") for ep in episodes]).float()
         staleness, too_old = self.queue.staleness(episodes)
-        texts = self.tokenizer.batch_decode([ep.completion_ids for ep in episodes], skip_special_tokens=True)
         n = len(episodes)
         self._log_metric("episode_model_turns", sum(ep.num_model_turns for ep in episodes) / n)
         self._log_metric("episode_env_tokens", sum(len(ep.loss_mask) - sum(ep.loss_mask) for ep in episodes) / n)
         self._log_metric("episode_success", sum((ep.reward or 0) > 0 for ep in episodes) / n)
-        if self.accelerator.is_main_process and cfg.log_trajectories:
-            self.run_folder.append(
-                "trajectories.jsonl",
-                [
-                    {
-                        "step": self.state.global_step + 1,
-                        **ep.to_dict(),
-                        "logprobs_mode": "temperature",
-                        "temperature": cfg.temperature,
-                    }
-                    for ep in episodes[: cfg.log_trajectories]
-                ],
-            )
-        scores = scores.float()
-        return GRPOTrajectory(
+        if cfg.log_trajectories:
+            extra = {"logprobs_mode": "temperature", "temperature": cfg.temperature}
+            records = [
+                {"step": self.state.global_step + 1, **ep.to_dict(), **extra} for ep in episodes[: cfg.log_trajectories]
+            ]
+            self.run_folder.append("trajectories.jsonl", records)
+        return Trajectory(
             prompt_ids=[ep.prompt_ids for ep in episodes],
             completion_ids=[ep.completion_ids for ep in episodes],
             behaviour_logprobs=[ep.logprobs for ep in episodes],
@@ -246,11 +261,9 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
             truncated=torch.tensor(
                 [ep.finish_reason in ("length", "max_tokens") for ep in episodes], dtype=torch.float32
             ),
-            texts=texts,
-            prompts=[r[cfg.prompt_column] for r in batch.rows for _ in range(cfg.num_generations)],
+            texts=self.tokenizer.batch_decode([ep.completion_ids for ep in episodes], skip_special_tokens=True),
+            prompts=[r[cfg.prompt_column] for r in batch.rows for _ in range(G)],
             loss_mask=[ep.loss_mask for ep in episodes],
-            advantages=group_advantages(scores, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps),
-            zero_spread=zero_spread_groups(scores.view(-1, cfg.num_generations)).float(),
         )
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -298,9 +311,38 @@ class MultiTurnGRPOTrainer(GRPOTrainer):
         return {"environment": self.config.environment, "max_turns": self.config.max_turns}
 
 
+class MultiTurnGRPOTrainer(EpisodeRecipe, GRPOTrainer):
+    """GRPO on episodes (``EpisodeRecipe``): G episodes per prompt, group-normalised rewards, the loss on model
+    tokens only."""
+
+    config: MultiTurnGRPOConfig
+
+
+class MultiTurnPPOTrainer(EpisodeRecipe, PPOTrainer):
+    """PPO on episodes (``EpisodeRecipe``): one episode per prompt; values, GAE, the KL penalty and the losses on
+    model tokens only (``trainers.ppo_loss.gae`` carries values and advantages across environment tokens)."""
+
+    config: MultiTurnPPOConfig
+
+
+def train_multiturn_ppo(config: MultiTurnPPOConfig, **kwargs: Any) -> list[dict[str, float]]:
+    """Build a MultiTurnPPOTrainer and run it."""
+    return MultiTurnPPOTrainer(config, **kwargs).train()
+
+
 def train_multiturn_grpo(config: MultiTurnGRPOConfig, **kwargs: Any) -> list[dict[str, float]]:
     """Build a MultiTurnGRPOTrainer and run it (the script's entry point)."""
     return MultiTurnGRPOTrainer(config, **kwargs).train()
 
 
-__all__ = ["EpisodeQueue", "MultiTurnGRPOConfig", "MultiTurnGRPOTrainer", "train_multiturn_grpo"]
+__all__ = [
+    "EpisodeFields",
+    "EpisodeQueue",
+    "EpisodeRecipe",
+    "MultiTurnGRPOConfig",
+    "MultiTurnGRPOTrainer",
+    "MultiTurnPPOConfig",
+    "MultiTurnPPOTrainer",
+    "train_multiturn_grpo",
+    "train_multiturn_ppo",
+]
