@@ -51,7 +51,7 @@ class EpisodeFields:
         environment_kwargs: keyword arguments of the environment's class.
         max_turns: model turns per episode at most.
         max_episode_tokens: completion tokens per episode at most (model and environment); ``max_new_tokens`` bounds
-            each model turn.
+            each model turn of training, ``eval_max_new_tokens`` each of the held-out episodes.
         log_trajectories: episodes per step written to OUTPUT_DIR/trajectories.jsonl (0: none).
 
     ``reward_funcs`` must be empty (and ``reward_weights`` None): the environment's ``get_reward`` is the score.
@@ -88,8 +88,13 @@ class EpisodeFields:
 
     @property
     def limits(self) -> rollout.EpisodeLimits:
-        """The episodes' bounds."""
+        """The training episodes' bounds (``max_new_tokens`` per model turn)."""
         return rollout.EpisodeLimits(self.max_turns, self.max_episode_tokens, self.max_new_tokens)  # type: ignore[attr-defined]
+
+    @property
+    def eval_limits(self) -> rollout.EpisodeLimits:
+        """The held-out episodes' bounds (``eval_max_new_tokens`` per model turn)."""
+        return rollout.EpisodeLimits(self.max_turns, self.max_episode_tokens, self.eval_max_new_tokens)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -209,7 +214,7 @@ class EpisodeRecipe:
             environment_factory(cfg.environment, **(cfg.environment_kwargs or {})),
             rows,
             prompt_column=cfg.prompt_column,
-            limits=cfg.limits,
+            limits=cfg.eval_limits if greedy else cfg.limits,
             episode_ids=ids,
             seeds=None if greedy else seeds,
         )
