@@ -371,8 +371,13 @@ def _model_turn(
     limits: EpisodeLimits,
     index: int,
     seed: int | None,
-) -> Turn | None:
-    """Sample one model turn into ``episode``, resuming it after aborts; None when it could not complete."""
+) -> tuple[Turn, bool]:
+    """Sample one model turn into ``episode``, resuming it after aborts.
+
+    Returns:
+        The turn (its partial ids included) and whether it completed (False: the backend stopped, or it was aborted
+        more than ``max_resumes`` times).
+    """
     turn = Turn("model", len(episode.completion_ids), len(episode.completion_ids))
     for k in range(limits.max_resumes + 1):
         rid = f"{episode.episode_id}-t{index}-r{k}"
@@ -384,7 +389,7 @@ def _model_turn(
             _turn_seed(seed, index * (limits.max_resumes + 1) + k),
         )
         if out is None:
-            return None
+            return turn, False
         episode._append(out.token_ids, 1, out.logprobs, out.weight_versions)
         turn.requests.append(rid)
         turn.num_cached_prompt_tokens.append(out.num_cached_prompt_tokens)
@@ -392,11 +397,11 @@ def _model_turn(
         turn.finish_reason = out.finish_reason
         budget -= len(out.token_ids)
         if out.finish_reason != FINISH_ABORT:
-            return turn
+            return turn, True
         if budget <= 0:
             turn.finish_reason = "length"
-            return turn
-    return None
+            return turn, True
+    return turn, False
 
 
 def run_episode(
@@ -449,11 +454,12 @@ def run_episode(
     respond = getattr(env, "respond", None)
     for index in range(limits.max_turns):
         budget = min(limits.max_new_tokens, limits.max_tokens - len(episode.completion_ids))
-        turn = _model_turn(backend, episode, budget, limits, index, seed)
-        if turn is None:
+        turn, complete = _model_turn(backend, episode, budget, limits, index, seed)
+        if turn.requests:  # partial ids of an unfinished turn stay in the trajectory, in a turn of their own
+            episode.turns.append(turn)
+        if not complete:
             episode.finish_reason = "aborted"
             break
-        episode.turns.append(turn)
         ids = episode.completion_ids[turn.start : turn.end]
         context = episode.prompt_ids + episode.completion_ids[: turn.start]
         ended = turn.finish_reason == "stop" and bool(ids)

@@ -313,3 +313,15 @@ def test_an_aborted_turn_resumes_from_the_prefix_cache_to_the_uninterrupted_toke
     assert ep.completion_ids == reference.completion_ids and ep.loss_mask == reference.loss_mask
     assert_close(ep.logprobs, reference.logprobs, atol=1e-4)
     assert first.num_cached_prompt_tokens[0] == 0 and first.num_cached_prompt_tokens[1] >= PAGE
+
+
+def test_a_turn_aborted_past_max_resumes_ends_the_episode_with_its_partial_ids(tokenizer: Any) -> None:
+    class AlwaysAborted:
+        def generate_turn(self, prompt_ids, max_new_tokens, request_id, session_id, seed):  # noqa: ANN001, ANN201
+            return TurnOutput([7, 8], [-0.5, -0.25], [3, 3], "abort", 0)
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=100, max_new_tokens=20, max_resumes=1)
+    ep = run_episode(AlwaysAborted(), tokenizer, RetryEnv(2), PROMPT, limits=limits, episode_id="x")
+    assert ep.finish_reason == "aborted" and len(ep.turns) == 1
+    assert ep.turns[0].requests == ["x-t0-r0", "x-t0-r1"] and ep.turns[0].end == 4
+    assert ep.completion_ids == [7, 8, 7, 8] and ep.loss_mask == [1, 1, 1, 1] and ep.weight_versions == [3] * 4
