@@ -22,8 +22,9 @@ def _conversation(messages: list[dict[str, Any]]) -> str:
     return " / ".join(f"{m['role']}: `{' '.join(str(m.get('content', '')).split())}`" for m in messages[1:])
 
 
-def multiturn_report(run: Path, command: str) -> str:
-    """The report of run folder ``run``, ``command`` being how it was started.
+def multiturn_report(run: Path, command: str, note: str | None = None) -> str:
+    """The report of run folder ``run``, ``command`` being how it was started; ``note`` follows the wall time (what
+    else ran on the machine).
 
     Raises:
         FileNotFoundError: the folder has no summary.json (the run did not finish).
@@ -58,8 +59,7 @@ def multiturn_report(run: Path, command: str) -> str:
         "",
         f"Wall time of the whole job (model load, both evaluations, training): **{summary['wall_time_s'] / 60:.1f} "
         f"min** on `{summary['device']}` with {summary['torch_threads']} torch threads "
-        f"({summary['process_cpu_time_s']:.0f} CPU seconds of the process; the 2 cores were shared with other jobs "
-        "during the run).",
+        f"({summary['process_cpu_time_s']:.0f} CPU seconds of the process).{' ' + note if note else ''}",
         "",
         "## Held-out success",
         "",
@@ -123,7 +123,7 @@ def multiturn_report(run: Path, command: str) -> str:
 
 
 def multiturn_report_main(argv: list[str] | None = None) -> int:
-    """``scripts/multiturn_report.py RUN [--out FILE] [--command CMD]``: print or write the report."""
+    """``scripts/multiturn_report.py RUN [--out FILE] [--command CMD] [--note TEXT]``: print or write the report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path, help="the run folder")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here (default: print it)")
@@ -132,8 +132,9 @@ def multiturn_report_main(argv: list[str] | None = None) -> int:
         default="python scripts/train_grpo_multiturn.py --output_dir RUN",
         help="how the run was started (shown in the report)",
     )
+    parser.add_argument("--note", default=None, help="a sentence after the wall time (what else ran on the machine)")
     args = parser.parse_args(argv)
-    text = multiturn_report(args.run, args.command)
+    text = multiturn_report(args.run, args.command, args.note)
     if args.out is None:
         print(text, end="")
     else:
