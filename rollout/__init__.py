@@ -6,6 +6,20 @@ from .checks import FieldError
 from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
+from .environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
+from .episodes import (
+    ChatDelta,
+    ClientTurns,
+    Episode,
+    EpisodeLimits,
+    ManagerTurns,
+    Turn,
+    TurnBackend,
+    TurnOutput,
+    episode_json,
+    run_episode,
+    run_episodes,
+)
 from .intake import QueueFullError
 from .loading import load_model, rollout_home
 from .manager import ContinuousBatchingManager
@@ -44,6 +58,22 @@ __all__ = [
     "RolloutWeightTransfer",
     "num_blocks_for_model",
     "usable_memory_bytes",
+    "ChatDelta",
+    "ClientTurns",
+    "Environment",
+    "Episode",
+    "EpisodeLimits",
+    "ManagerTurns",
+    "ToolCall",
+    "Turn",
+    "TurnBackend",
+    "TurnOutput",
+    "environment_tools",
+    "episode_json",
+    "parse_tool_calls",
+    "run_episode",
+    "run_episodes",
+    "tool_schemas",
 ]
 
 __version__ = "0.1.0"

@@ -40,9 +40,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
 # owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
 # of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group); fleet
-# (rollout-fleet: local replicas and the router) is an entry point of its own. The
-# subpackages sit on top: serve (rollout-serve, over the
-# package's exports and a few modules) and the benchmarks, which use all of it.
+# (rollout-fleet: local replicas and the router) is an entry point of its own. environments (TRL's environment shape,
+# tools, tool-call parsing) is a leaf placed here; episodes (multi-turn trajectories) runs them over the manager and the
+# pool. The subpackages sit on top: serve (rollout-serve, over the package's exports and a few modules) and the
+# benchmarks, which use all of it.
 LAYERS = [
     "checks",
     "config",
@@ -94,6 +95,8 @@ LAYERS = [
     "pool",
     "client",
     "fleet",
+    "environments",
+    "episodes",
     "__init__",
     "serve",
     "benchmarks",

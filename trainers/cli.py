@@ -71,6 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(argv, GRPOConfig, train_grpo)
 
 
+def multiturn_main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/train_grpo_multiturn.py``: parse a MultiTurnGRPOConfig (default file ``configs/grpo_multiturn.yaml``)
+    and run GRPO on episodes. Returns the exit code (2 for a bad config)."""
+    from .multiturn import MultiTurnGRPOConfig, train_multiturn_grpo
+
+    return _train(argv, MultiTurnGRPOConfig, train_multiturn_grpo)
+
+
 def ppo_main(argv: Sequence[str] | None = None) -> int:
     """``rollout-train-ppo``: parse a PPOConfig (default file ``configs/ppo_default.yaml``) and run PPO.
     Returns the exit code (2 for a bad config)."""

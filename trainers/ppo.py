@@ -57,7 +57,7 @@ from .value_model import PolicyWithValue
 class PPOTrajectory(Trajectory):
     """One process's scored batch with everything the PPO step needs (``Trajectory``'s fields, and these). [N, L]:
     N completions, L the longest; right-padded, ``mask`` 0 after each completion's end and on dropped (too stale)
-    samples. PPO trains one model turn per sample (``loss_mask`` None): GAE takes the mask as a prefix.
+    samples, and 0 on an episode's environment tokens (``loss_mask``, ``trainers.multiturn``): GAE passes over them.
 
     Attributes:
         mask: float32 [N, L].
@@ -196,6 +196,8 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
         old_logprobs = torch.zeros(N, L, device=device)
         for b, logprobs in enumerate(scored.behaviour_logprobs):
             mask[b, : len(logprobs)] = 1.0
+            if scored.loss_mask is not None:  # an episode: environment tokens are no actions
+                mask[b, : len(logprobs)] = torch.tensor(scored.loss_mask[b], dtype=torch.float32, device=device)
             old_logprobs[b, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32, device=device)
         mask = mask * (1 - scored.dropped).to(device)[:, None]
         lengths = [len(c) for c in completion_ids]

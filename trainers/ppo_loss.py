@@ -78,11 +78,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 def token_rewards(
     scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
 ) -> torch.Tensor:
-    """Per-token rewards: the task's score on each completion's last token, minus ``kl_coef * kl`` on every token.
+    """Per-token rewards: the task's score on each completion's last masked token, minus ``kl_coef * kl`` on every
+    token.
 
     Args:
         scores: float [B]; the task reward of each completion (NaN: unscored, counted as 0).
-        mask: float [B, L]; every row has at least one token.
+        mask: float [B, L]; 1 on the tokens the policy chose (a prefix of a one-turn completion; an episode's model
+            turns, its environment tokens 0). A row without any gets no reward.
         kl: float [B, L] per-token KL estimate, or None for no penalty.
         kl_coef: the penalty's coefficient.
 
@@ -92,7 +94,8 @@ def token_rewards(
     rewards = torch.zeros_like(mask, dtype=torch.float32)
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl.float()
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = ((mask > 0) * positions).argmax(dim=1)  # the last masked position (0 for a row without any)
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last] += torch.nan_to_num(scores.float(), nan=0.0).to(rewards.device)
     return rewards * mask
@@ -104,12 +107,15 @@ def gae(
     """Generalised advantage estimates and returns over right-padded completions.
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, with V and A
-    taken as 0 past each completion's last token (the episode ends there: no bootstrap).
+    taken as 0 past each completion's last token (the episode ends there: no bootstrap). t and t+1 run over the
+    masked tokens only: an unmasked token (an episode's environment reply, between two model turns) is no action,
+    so the recursion passes over it with V and A unchanged, as verl's multi-turn GAE does. For a mask that is a
+    prefix this is the one-turn recursion.
 
     Args:
         rewards: float [B, L] per-token rewards (``token_rewards``).
         values: float [B, L] V(s_t) at rollout time (detached).
-        mask: float [B, L]; 1 for real tokens (a prefix of each row).
+        mask: float [B, L]; 1 for the policy's tokens (a prefix of each row for one turn).
         gamma: discount in [0, 1].
         lam: GAE's lambda in [0, 1].
 
@@ -127,9 +133,10 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = (delta + gamma * lam * next_adv) * m
         advantages[:, t] = adv
-        # A padded position passes zeros back, so the last real token sees V = A = 0 after it.
-        next_value = values[:, t] * m
-        next_adv = adv
+        # An unmasked position passes V and A back unchanged: trailing padding passes the zeros it started from
+        # (the last real token sees V = A = 0 after it), an environment span the next model token's.
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv, next_adv)
     return advantages, (advantages + values) * mask
 
 

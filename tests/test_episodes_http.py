@@ -1,0 +1,118 @@
+"""Multi-turn episodes over HTTP: ``ClientTurns`` on ``RolloutClient`` against a real rollout-serve on 127.0.0.1.
+
+The reference is the same episode in process on a second copy of the tiny model (same seed, same weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from rollout import (
+    ClientTurns,
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    EpisodeLimits,
+    ManagerTurns,
+    RolloutClient,
+    run_episode,
+)
+from tests.serve_utils import RunningServer, running_server, wait_until
+from tests.test_episodes import PAGE, PROMPT, ROLE_TEMPLATE, RetryEnv
+from tests.tiny_models import EOS_TOKEN_ID, llama3_style_tokenizer, tiny_llama
+from tests.utils import StepControl, assert_close, teacher_forced_logprobs
+
+LIMITS = EpisodeLimits(max_turns=3, max_tokens=200, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tok = llama3_style_tokenizer()
+    tok.chat_template = ROLE_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def srv(model: torch.nn.Module, tokenizer: Any) -> Iterator[RunningServer]:
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, return_logprobs=True)
+    with running_server(model, tokenizer, config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer: Any) -> Any:
+    """The greedy episode in process, on another copy of the model."""
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, return_logprobs=True)
+    with ContinuousBatchingManager(tiny_llama(), continuous_batching_config=config) as manager:
+        turns = ManagerTurns(manager, do_sample=False, eos_token_id=EOS_TOKEN_ID)
+        return run_episode(turns, tokenizer, RetryEnv(2), PROMPT, limits=LIMITS, episode_id="ref")
+
+
+def _client(srv: RunningServer, sent: list[httpx.Request]) -> RolloutClient:
+    client = RolloutClient(srv.url, timeout=120)
+    client._http[client.url].event_hooks["request"].append(sent.append)  # the requests as they leave, headers included
+    return client
+
+
+def test_episode_over_http_equals_the_episode_in_process(
+    srv: RunningServer, model: torch.nn.Module, tokenizer: Any, reference: Any
+) -> None:
+    sent: list[httpx.Request] = []
+    hits_before = srv.manager.engine.stats.num_prefix_cache_hit_blocks
+    with _client(srv, sent) as client:
+        ep = run_episode(
+            ClientTurns(client, temperature=0), tokenizer, RetryEnv(2), PROMPT, limits=LIMITS, episode_id="s1"
+        )
+    assert ep.completion_ids == reference.completion_ids and ep.loss_mask == reference.loss_mask
+    assert ep.finish_reason == reference.finish_reason and ep.num_model_turns == 3
+    sampled = [i for i, m in enumerate(ep.loss_mask) if m]
+    forced = teacher_forced_logprobs(model, ep.prompt_ids, ep.completion_ids)
+    assert_close([ep.logprobs[i] for i in sampled], [forced[i] for i in sampled], atol=1e-4)
+    # Every turn carried the session id; turns 2 and 3 found turn 1's and 2's blocks on the server.
+    assert [r.headers["x-session-id"] for r in sent] == ["s1"] * 3
+    assert srv.manager.engine.stats.num_prefix_cache_hit_blocks - hits_before >= 2 * (len(ep.prompt_ids) // PAGE)
+
+
+def test_a_turn_aborted_by_the_server_s_pause_resumes_to_the_uninterrupted_tokens(
+    srv: RunningServer, tokenizer: Any, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv.manager.reset_prefix_cache()
+    steps = StepControl(monkeypatch, srv.manager)
+    steps.hold()
+    result: dict[str, Any] = {}
+    sent: list[httpx.Request] = []
+    with _client(srv, sent) as client:
+
+        def episode() -> None:
+            turns = ClientTurns(client, temperature=0)
+            result["ep"] = run_episode(turns, tokenizer, RetryEnv(2), PROMPT, limits=LIMITS, episode_id="s2")
+
+        thread = threading.Thread(target=episode)
+        thread.start()
+        for n in range(1, 100):  # one step at a time until the first turn has sampled 3 tokens
+            steps.allow(1)
+            assert steps.wait_finished(n)
+            if any(r.num_generated_tokens >= 3 for r in list(srv.manager.engine.requests.values())):
+                break
+        pause = threading.Thread(target=lambda: httpx.post(f"{srv.url}/pause", params={"mode": "abort"}, timeout=60))
+        pause.start()
+        wait_until(lambda: httpx.get(f"{srv.url}/is_paused").json()["is_paused"])  # the abort is asked
+        steps.release()  # the step in progress ends, then the pause holds the engine
+        pause.join(60)
+        assert httpx.post(f"{srv.url}/resume", timeout=60).status_code == 200
+        thread.join(120)
+    ep = result["ep"]
+    assert ep.turns[0].requests == ["s2-t0-r0", "s2-t0-r1"]  # aborted, then resumed
+    assert ep.completion_ids == reference.completion_ids
+    assert_close(ep.logprobs, reference.logprobs, atol=1e-4)
+    assert len(sent) == 4 and {r.headers["x-session-id"] for r in sent} == {"s2"}
