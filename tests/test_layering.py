@@ -16,31 +16,32 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 
-# STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put them:
-# checks (the shared validation helpers), stop_strings (token spellings) and models (introspection) are leaves, and so
-# are loading (load_model, the default model's provisioning), weights (in-place copies and the weight fingerprint;
-# onednn reads its optimizer-step count) and weight_transfer (the trainer-to-server transfer group and its packed
-# buckets). kv_group_policy (what full and sliding-window layer groups do differently) sits between the block pool it
-# looks up and kv_cache, which sizes groups with it. cache_sizing (the cache's size from memory) and cpu_offload (the
-# offload pool) sit just above kv_cache, whose shapes they use. scheduler_output (a step's SchedulerOutput and
-# RunnerOutput records) sits just below the scheduler that builds them; async_scheduler (async batching's scheduler
-# subclass) just above the scheduler it extends. distributed (tensor parallelism: the ranks' CPU group and what they
-# share) sits above the step records it broadcasts and below engine_spec, which resolves it. flash (flash-attn's
-# kernels and support rules) and cpu_attention (rollout's paged CPU kernel with flash-attn's API) are leaves just
-# below attention, and attention_registry (the model's switch to the paged dispatcher) sits just above the attention
-# it dispatches to. host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses
-# both (step_inputs uses host_staging too). onednn (the step's CPU linear layers, eager and padded) sits below
-# static_step and model_runner, its users; step_inputs (the step's one input builder) between them, below
-# static_step's forward and model_runner, its users. engine_spec (config x model x device, resolved once) and
-# engine_stats (the counters' record) sit below the engine; batch_queue (async batching's step function) and
-# engine_requests (the engine's request intake, a part it owns, which checks requests against the spec) just below the
-# engine. intake sits between outputs and the manager; pausing (the pause gate) and lifecycle (the state and stop
-# flags the loop reads) are leaves of the manager; loop (what the manager's thread runs) uses them with intake and
-# outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
-# link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
-# owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
-# of rollout-serve and the trainer's side of the transfer). The subpackages sit on top: serve (rollout-serve, over the
-# package's exports and a few modules) and the benchmarks, which use all of it.
+# STYLE.md's arrows, low to high, with the modules they do not name placed where their imports put them: checks (the
+# shared validation helpers), stop_strings (token spellings) and models (introspection) are leaves, and so are loading
+# (load_model, the default model's provisioning), weights (in-place copies and the weight fingerprint; onednn reads its
+# optimizer-step count) and weight_transfer (the trainer-to-server transfer group and its packed buckets).
+# kv_group_policy (what full and sliding-window layer groups do differently) sits between the block pool it looks up and
+# kv_cache, which sizes groups with it. cache_sizing (the cache's size from memory) and cpu_offload (the offload pool)
+# sit just above kv_cache, whose shapes they use. scheduler_output (a step's SchedulerOutput and RunnerOutput records)
+# sits just below the scheduler that builds them; async_scheduler (async batching's scheduler subclass) just above the
+# scheduler it extends. distributed (tensor parallelism: the ranks' CPU group and what they share) sits above the step
+# records it broadcasts and below engine_spec, which resolves it. flash (flash-attn's kernels and support rules) and
+# cpu_attention (rollout's paged CPU kernel with flash-attn's API) are leaves just below attention, and
+# attention_registry (the model's switch to the paged dispatcher) sits just above the attention it dispatches to.
+# host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses both (step_inputs uses
+# host_staging too). onednn (the step's CPU linear layers, eager and padded) sits below static_step and model_runner,
+# its users, and lora (LoRA adapters served per token by hooks on linear layers, a leaf in practice) beside it, below
+# model_runner and engine, which own it; step_inputs (the step's one input builder) between them, below static_step's
+# forward and model_runner, its users. engine_spec (config x model x device, resolved once) and engine_stats (the
+# counters' record) sit below the engine; batch_queue (async batching's step function) and engine_requests (the engine's
+# request intake, a part it owns, which checks requests against the spec) just below the engine. intake sits between
+# outputs and the manager; pausing (the pause gate) and lifecycle (the state and stop flags the loop reads) are leaves
+# of the manager; loop (what the manager's thread runs) uses them with intake and outputs, and tp_loop (the manager's
+# loop on a tensor-parallel model) extends loop; persistence (the model-to-manager link) sits below the manager that
+# registers itself there, manager_requests (the manager's request API, a part it owns) just below the manager. scoring
+# and score_cli are entry points beside api, and so is client (the HTTP client of rollout-serve and the trainer's side
+# of the transfer). The subpackages sit on top: serve (rollout-serve, over the package's exports and a few modules) and
+# the benchmarks, which use all of it.
 LAYERS = [
     "checks",
     "config",
@@ -69,6 +70,7 @@ LAYERS = [
     "logits_processors",
     "sampling",
     "onednn",
+    "lora",
     "step_inputs",
     "static_step",
     "model_runner",

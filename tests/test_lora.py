@@ -176,3 +176,57 @@ def test_too_many_adapters_and_unknown_names_are_refused(models: tuple) -> None:
             plain.add_request([5, 6, 7], SamplingParams(max_new_tokens=2), lora="x")
     finally:
         plain.close()
+
+
+def test_manager_and_generate_batch_serve_adapters(models: tuple) -> None:
+    """The manager: ``load_lora`` bumps the weight version (recorded by the adapter's tokens), ``add_request(lora=)``
+    and ``add_scoring_requests(lora=)`` run under it; ``generate_batch(lora=adapter)`` on a fresh engine too."""
+    from transformers import GenerationConfig
+
+    from rollout import ContinuousBatchingManager, generate_batch
+
+    base, x, _ = models
+    prompt = random_prompts(1, VOCAB_SIZE, seed=8)[0]
+    expected = reference_greedy(x, prompt, 6, None)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = ContinuousBatchingManager(base, gc, config(max_loras=2))
+    manager.start()
+    try:
+        version = manager.load_lora(adapter_of(x, "x"))
+        assert version == 1 and manager.weight_version == 1 and manager.lora_adapters == ["x"]
+        rid = manager.add_request(prompt, lora="x")
+        base_id = manager.add_request(prompt)
+        out = manager.get_result(rid, timeout=60)
+        assert out.generated_tokens == expected and out.weight_versions == [1] * 6
+        assert manager.get_result(base_id, timeout=60).generated_tokens == reference_greedy(base, prompt, 6, None)
+        (sid,) = manager.add_scoring_requests([prompt + expected], score_from=len(prompt), lora="x")
+        scored = manager.get_result(sid, timeout=60).prompt_logprobs
+        assert_close(scored, teacher_forced_logprobs(x, prompt, expected), atol=LOGPROB_ATOL)
+        manager.unload_lora("x")
+        with pytest.raises(ValueError, match="not a loaded adapter"):
+            manager.add_request(prompt, lora="x")
+    finally:
+        manager.stop(block=True)
+    outputs = generate_batch(base, [prompt], gc, config(enable_lora=False), lora=adapter_of(x, "x"))
+    assert outputs["req_0"].generated_tokens == expected
+
+
+@pytest.mark.slow  # about 150 s on 2 cores: the padded paths compile
+def test_compiled_steps_serve_adapters(models: tuple) -> None:
+    """The compiled (padded) path runs the same hooks: greedy tokens of two adapters and the base model equal their
+    models' ``generate``."""
+    base, x, y = models
+    engine = Engine(base, config(max_loras=2, default_compile_level=1, q_padding_interval_size=8))
+    engine.load_lora(adapter_of(x, "x"))
+    engine.load_lora(adapter_of(y, "y"))
+    prompts = random_prompts(3, VOCAB_SIZE, seed=9)
+    which = ["x", None, "y"]
+    try:
+        for i, (p, lora) in enumerate(zip(prompts, which)):
+            engine.add_request(p, SamplingParams(max_new_tokens=5), request_id=f"r{i}", lora=lora)
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    refs = {None: base, "x": x, "y": y}
+    for i, (p, lora) in enumerate(zip(prompts, which)):
+        assert out[f"r{i}"].generated_tokens == reference_greedy(refs[lora], p, 5, None), lora
