@@ -230,3 +230,55 @@ def test_compiled_steps_serve_adapters(models: tuple) -> None:
     refs = {None: base, "x": x, "y": y}
     for i, (p, lora) in enumerate(zip(prompts, which)):
         assert out[f"r{i}"].generated_tokens == reference_greedy(refs[lora], p, 5, None), lora
+
+
+def test_server_loads_adapters_for_trl(models: tuple, tmp_path: object) -> None:
+    """rollout-serve with --enable-lora, driven by TRL's ``VLLMClient`` and the openai client: ``/server_info``'s
+    ``lora_config`` passes TRL's adapter-sync probe; a loaded adapter is listed in ``/v1/models`` and chosen by a
+    request's ``model`` (tokens of its peft model); unknown models 404, bad paths and ranks 400 naming the field;
+    unloading removes it."""
+    import httpx
+    import openai
+    from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    from tests.serve_utils import running_server
+    from tests.tiny_models import tiny_tokenizer
+
+    base, x, _ = models
+    folder = tmp_path / "x"  # type: ignore[operator]
+    x.save_pretrained(str(folder))
+    big = tmp_path / "big"  # type: ignore[operator]
+    peft_model(base, 4, r=8).save_pretrained(str(big))
+    prompt = random_prompts(1, VOCAB_SIZE, seed=11)[0]
+    with running_server(base, tiny_tokenizer(), config(max_loras=3, max_lora_rank=4)) as srv:
+        trl = VLLMClient(srv.url)
+        info = trl.get_server_info()
+        assert info["lora_config"]["max_lora_rank"] == 4 and info["lora_config"]["max_loras"] == 3
+
+        class Args:  # what select_adapter_sync reads of AsyncGRPOConfig
+            max_staleness = 1
+
+        assert select_adapter_sync(info, x, Args()) is True
+        trl.load_lora_adapter("policy-v1", str(folder))
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["tiny", "policy-v1"]
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        for model, ref in (("policy-v1", x), ("tiny", base)):
+            out = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            assert out.choices[0].token_ids == reference_greedy(ref, prompt, 6, None), model
+        with pytest.raises(openai.NotFoundError, match="policy-v2"):
+            client.completions.create(model="policy-v2", prompt=prompt, max_tokens=2)
+        bad = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(tmp_path / "no")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        rank = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(big)})
+        assert rank.status_code == 400 and rank.json()["error"]["param"] == "max_lora_rank"
+        trl.unload_lora_adapter("policy-v1")
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["tiny"]
+        gone = httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+        assert gone.status_code == 404
