@@ -121,6 +121,7 @@ BENCHMARK_LAYERS = [
     "serving",
     "tensor_parallel",
     "weight_sync",
+    "lora",
     "__init__",
 ]
 
