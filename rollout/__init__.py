@@ -22,6 +22,7 @@ from .episodes import (
 )
 from .intake import QueueFullError
 from .loading import load_model, rollout_home
+from .lora import LoraAdapter, adapter_state_dict
 from .manager import ContinuousBatchingManager
 from .models import UnsupportedModelError, model_context_length
 from .pool import RolloutPool
@@ -39,6 +40,8 @@ __all__ = [
     "continuous_batching_context_manager",
     "init_continuous_batching",
     "load_model",
+    "LoraAdapter",
+    "adapter_state_dict",
     "rollout_home",
     "model_context_length",
     "Engine",

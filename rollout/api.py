@@ -9,6 +9,7 @@ Where the behaviour differs on purpose, docs/api.md ("API compatibility") says h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import types
@@ -22,6 +23,7 @@ from .checks import check_bool, check_int, token_ids
 from .config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
 from .engine import Engine
 from .intake import derive_seeds
+from .lora import LoraAdapter
 from .manager import ContinuousBatchingManager
 from .models import check_model_supported, vocab_size
 from .persistence import persistent_manager_of
@@ -42,6 +44,7 @@ def generate_batch(
     warmup: bool = True,
     workload_hints: Any = None,
     tokenizer: Any | None = None,
+    lora: LoraAdapter | str | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a batch of prompts with continuous batching.
@@ -82,6 +85,10 @@ def generate_batch(
         tokenizer: the model's tokenizer, needed for ``stop_strings`` (as ``model.generate``'s
             ``tokenizer=``). A persistent manager keeps the tokenizer it was built with, or takes
             this one if it has none.
+        lora: run every prompt under this LoRA adapter, served unmerged (``rollout.lora``): a ``LoraAdapter`` is
+            loaded first (a fresh engine turns ``enable_lora`` on, its ``max_lora_rank`` at least the adapter's; a
+            persistent manager loads it unless an adapter of that name is loaded); a name selects an adapter the
+            persistent manager has loaded. None: the base model.
         **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
             ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
@@ -121,6 +128,9 @@ def generate_batch(
         raise ValueError("inputs must be a list of prompts, each a list of token ids; got one flat list of ints")
     if not inputs:
         return {}
+    if lora is not None and not isinstance(lora, (str, LoraAdapter)):
+        raise TypeError(f"lora must be a LoraAdapter, an adapter's name or None, got {type(lora).__name__}")
+    lora_name = lora.name if isinstance(lora, LoraAdapter) else lora
     gc = resolve_generation_config(model, generation_config)
     num_samples = gc.num_return_sequences if gc.num_return_sequences is not None else 1
     check_int("num_return_sequences", num_samples, minimum=1)
@@ -137,15 +147,22 @@ def generate_batch(
         if warmup:
             manager.warmup(progress_bar)
         drop = manager.cb_config.drop_unsupported_processors
-        base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
+        base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop, lora=lora_name)
+        if isinstance(lora, LoraAdapter) and lora.name not in manager.lora_adapters:
+            manager.load_lora(lora)
         seed = manager.cb_config.seed
         if continuous_batching_config is not None:
             call_seed = resolve_continuous_batching_config(continuous_batching_config, gc).seed
             seed = call_seed if call_seed is not None else seed
         return _generate_on_manager(manager, prompts, base_params, num_samples, seed, progress_bar, record_timestamps)
     cb_config = resolve_continuous_batching_config(continuous_batching_config, gc)
+    if isinstance(lora, str):
+        raise ValueError(f"lora={lora!r}: a fresh engine has no adapter loaded; pass the LoraAdapter itself")
+    if lora is not None:
+        rank = max(cb_config.max_lora_rank, lora.rank)
+        cb_config = dataclasses.replace(cb_config, enable_lora=True, max_lora_rank=rank)
     drop = cb_config.drop_unsupported_processors
-    base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop)
+    base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop, lora=lora_name)
     expanded = [p for p in prompts for _ in range(num_samples)]  # the G samples of a prompt next to each other
     seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(expanded))
     jobs: list[tuple[str, list[int], SamplingParams]] = [
@@ -157,6 +174,8 @@ def generate_batch(
         model, cb_config, max_tokens_hint=hint, tokenizer=tokenizer, fallback_compile_config=gc.compile_config
     )
     try:
+        if isinstance(lora, LoraAdapter):
+            engine.load_lora(lora)
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
             engine.check_request(rid, len(prompt), params)

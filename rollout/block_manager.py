@@ -23,7 +23,7 @@ from dataclasses import dataclass
 NULL_BLOCK = -1
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int, lora_id: int = 0) -> bytes:
     """Stable hash of a full block.
 
     Args:
@@ -31,13 +31,14 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], weight_versi
             layer group 0; another group's first block is chained from ``group_root(group)``).
         token_ids: the block's token ids (block_size of them).
         weight_version: version of the weights the block's KV is computed under.
+        lora_id: the LoRA adapter it is computed under (``Request.lora_id``; 0 the base model).
 
     Returns:
         32-byte SHA-256 digest. Python's ``hash()`` is salted per process and is not used.
     """
     h = hashlib.sha256()
     h.update(parent_hash or b"root")
-    h.update(struct.pack(f"<q{len(token_ids)}q", weight_version, *token_ids))
+    h.update(struct.pack(f"<qq{len(token_ids)}q", weight_version, lora_id, *token_ids))
     return h.digest()
 
 
@@ -90,7 +91,7 @@ class BlockManager:
         return len(self.free_queue)
 
     def find_cached_prefix(
-        self, token_ids: Sequence[int], weight_version: int, max_tokens: int, group: int = 0
+        self, token_ids: Sequence[int], weight_version: int, max_tokens: int, group: int = 0, lora_id: int = 0
     ) -> list[int]:
         """Longest run of cached full blocks that starts the sequence.
 
@@ -100,19 +101,20 @@ class BlockManager:
             max_tokens: most tokens that may be covered (the caller keeps at least
                 the last token to compute, so there are logits to sample from).
             group: the layer group whose blocks are looked up.
+            lora_id: only blocks computed under this LoRA adapter match (0: the base model).
 
         Returns:
             Block ids of the hit blocks, in order (possibly empty). Nothing is acquired.
         """
         hits: list[int] = []
-        for block_id in self._lookup(token_ids, weight_version, max_tokens // self.block_size, group):
+        for block_id in self._lookup(token_ids, weight_version, max_tokens // self.block_size, group, lora_id):
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
     def lookup(
-        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int = 0
+        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int = 0, lora_id: int = 0
     ) -> list[int | None]:
         """The cached block of each of the sequence's first ``num_blocks`` full blocks, None where none is.
 
@@ -123,10 +125,10 @@ class BlockManager:
         Returns:
             ``num_blocks`` entries (fewer when the sequence has fewer full blocks). Nothing is acquired.
         """
-        return list(self._lookup(token_ids, weight_version, num_blocks, group))
+        return list(self._lookup(token_ids, weight_version, num_blocks, group, lora_id))
 
     def _lookup(
-        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int
+        self, token_ids: Sequence[int], weight_version: int, num_blocks: int, group: int, lora_id: int = 0
     ) -> Iterator[int | None]:
         if not self.enable_prefix_caching:
             return
@@ -134,7 +136,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(min(num_blocks, len(token_ids) // bs)):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash_block(parent, chunk, weight_version)
+            parent = hash_block(parent, chunk, weight_version, lora_id)
             block_id = self.hash_to_block.get(parent)
             yield block_id if block_id is not None and self.blocks[block_id].token_ids == chunk else None
 
@@ -196,14 +198,19 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
 
     def cache_block(
-        self, block_id: int, parent_hash: bytes | None, token_ids: Sequence[int], weight_version: int
+        self,
+        block_id: int,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        weight_version: int,
+        lora_id: int = 0,
     ) -> bytes:
         """Register a full block in the prefix cache and return its hash.
 
         If another block already holds the same hash, the table keeps that one and this block stays private to
         its request. ``parent_hash`` of a group's first block is ``group_root(group)``.
         """
-        h = hash_block(parent_hash, token_ids, weight_version)
+        h = hash_block(parent_hash, token_ids, weight_version, lora_id)
         if not self.enable_prefix_caching:
             return h
         block = self.blocks[block_id]

@@ -141,6 +141,11 @@ class ContinuousBatchingConfig:
         progress_log_interval: seconds between debug logs of throughput (> 0).
         block_size: deprecated alias of ``page_size`` (transformers renamed it in 5.17); it sets ``page_size`` with a
             ``FutureWarning``. Both set to different values is a ``ValueError``.
+        enable_lora: serve LoRA adapters unmerged, per token (``lora.LoraSlots``): a step may mix requests of several
+            adapters and of the base model; adapters are loaded with ``Engine.load_lora`` / the manager's, and a request
+            selects one by name (``SamplingParams.lora``). Off: no adapter can be loaded.
+        max_loras: adapters loaded at once (>= 1; TRL's adapter sync keeps ``max_staleness + 2``).
+        max_lora_rank: the largest rank an adapter may have (>= 1); every slot is this wide.
     """
 
     page_size: int | None = None
@@ -174,8 +179,14 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     progress_log_interval: float = 10.0
     block_size: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, minimum=1)
+        check_int("max_lora_rank", self.max_lora_rank, minimum=1)
         check_int("block_size", self.block_size, minimum=4, allow_none=True)
         check_int("page_size", self.page_size, minimum=4, allow_none=True)
         if self.block_size is not None:

@@ -35,10 +35,11 @@ from .engine_spec import EngineSpec
 from .engine_stats import EngineStats, ProgressLog
 from .kv_cache import PagedKVCache
 from .kv_cache_manager import KVCacheManager
+from .lora import LoadedAdapter, LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
 from .models import UnsupportedModelError, check_model_supported
 from .requests import Request, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, build_sampling_params
 from .scheduler import Scheduler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .static_step import mark_warmed, warm_key, warmed_before, warmup_shapes
@@ -85,7 +86,8 @@ class Engine:
         ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
             ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that captures CUDA graphs
             itself; a compiled or graphed path on a model whose layers span several devices; ``use_async_batching=True``
-            on a tensor-parallel model. Raised before anything is allocated.
+            on a tensor-parallel model; ``enable_lora=True`` on a tensor-parallel model. Raised before anything is
+            allocated.
     """
 
     def __init__(
@@ -116,6 +118,12 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(
             self.block_manager, spec.safety_margin, self.offload_pool, self.cache.layout.sliding_windows
         )
+        if self.config.enable_lora and spec.tp is not None:
+            raise ValueError("enable_lora=True: LoRA adapters are not served on a tensor-parallel model yet")
+        # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's.
+        self.lora: LoraSlots | None = None
+        if self.config.enable_lora:
+            self.lora = LoraSlots(model, self.config.max_loras, self.config.max_lora_rank)
         scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
         self.scheduler = scheduler_class(
             self.kv_cache_manager, spec.max_batch_tokens, self.config.max_requests_per_batch, self.config.scheduler_type
@@ -133,8 +141,9 @@ class Engine:
             cuda_graphs=spec.cuda_graphs,
             padding=spec.padding,
             async_batching=spec.async_batching,
+            lora=self.lora,
         )
-        self._intake = EngineRequests(spec, self.scheduler, tokenizer)  # checks, builds and queues requests
+        self._intake = EngineRequests(spec, self.scheduler, tokenizer, self.lora)  # checks, builds and queues requests
         self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
         # What the warmup found: whether it ran, its seconds, the compilations and captures at its end.
         self._warm_done = False
@@ -223,6 +232,7 @@ class Engine:
         record_timestamps: bool = False,
         score_from: int | None = None,
         score_temperature: float = 1.0,
+        lora: str | None = None,
     ) -> Request:
         """Check and queue a request; returns its state object.
 
@@ -238,14 +248,17 @@ class Engine:
             score_from: make this a scoring request: no token is generated, and the logprobs of
                 ``prompt_ids[score_from:]`` are recorded in ``prompt_logprobs`` (1 <= score_from <= len(prompt_ids)).
             score_temperature: logits are divided by this before the log-softmax (> 0).
+            lora: the loaded LoRA adapter it runs under (sets ``params.lora``); None keeps ``params.lora``.
 
         Raises:
             ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary, a
                 duplicate request id, a request that can never fit the cache, or score_from / score_temperature out of
-                range.
+                range, or a ``lora`` that is not a loaded adapter.
             RuntimeError: the engine is closed.
         """
         self._check_open()
+        if lora is not None:
+            params = build_sampling_params(params, lora=lora)
         return self._intake.add_request(
             prompt_ids, params, request_id, record_timestamps, score_from, score_temperature
         )
@@ -306,6 +319,44 @@ class Engine:
         self.scheduler.weight_version = version
         if self.runner.packs is not None:
             self.runner.packs.clear()  # the copies of the old weights (each is remade on its next use)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, adapter: LoraAdapter) -> LoadedAdapter:
+        """Load a LoRA adapter into a free slot (after finishing the step in flight); requests select it by name
+        (``SamplingParams.lora``). The base weights are not touched. The weight version is not bumped here: the
+        adapter's own uid keys its KV (``Request.lora_id``); the manager's ``load_lora`` makes it a new version too.
+
+        Raises:
+            ValueError: ``enable_lora`` is off, or the adapter cannot be loaded (``LoraSlots.check``: its name is
+                loaded, its rank above ``max_lora_rank``, a target module the engine cannot adapt, every slot taken);
+                nothing is loaded then.
+            RuntimeError: the engine is closed.
+        """
+        self._check_open()
+        lora = self._lora_slots("load_lora")
+        self._quiesce()
+        lora.reclaim({r.lora_id for r in self.scheduler.requests.values()})
+        return lora.load(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``: new requests cannot select it; unfinished ones finish under it (its slot is reused
+        once they are done).
+
+        Raises:
+            ValueError: ``enable_lora`` is off.
+            KeyError: no adapter of that name is loaded.
+        """
+        self._lora_slots("unload_lora").unload(name)
+
+    @property
+    def lora_adapters(self) -> dict[str, LoadedAdapter]:
+        """The loaded adapters by name (empty without ``enable_lora``)."""
+        return dict(self.lora.loaded) if self.lora is not None else {}
+
+    def _lora_slots(self, what: str) -> LoraSlots:
+        if self.lora is None:
+            raise ValueError(f"{what}: the engine was built without enable_lora=True (ContinuousBatchingConfig)")
+        return self.lora
 
     def recompute_in_flight(self) -> None:
         """Drop the KV of every unfinished request so it is re-prefilled under the current weights (after finishing the
@@ -447,6 +498,8 @@ class Engine:
             if self._queue is not None:
                 self._queue.drop()  # the worker thread finishes it (runner.close); its results are dropped
             self.runner.close()
+            if self.lora is not None:
+                self.lora.close()  # the hooks go: the model is left as it was found
             restore_attention(self.model, self._original_attn)
             if self.offload_pool is not None:
                 self.offload_pool.close()

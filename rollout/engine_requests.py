@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from .checks import check_int, check_number, token_ids
 from .engine_spec import EngineSpec
+from .lora import LoraSlots
 from .requests import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -25,10 +26,14 @@ class EngineRequests:
         spec: the engine's resolved settings (its limits and vocabulary).
         scheduler: the scheduler requests are queued in.
         tokenizer: the model's tokenizer, for stop strings; None refuses them. Replaceable (``Engine.tokenizer``).
+        lora: the engine's LoRA adapters, which requests select by name (``SamplingParams.lora``); None refuses them.
     """
 
-    def __init__(self, spec: EngineSpec, scheduler: Scheduler, tokenizer: object | None) -> None:
+    def __init__(
+        self, spec: EngineSpec, scheduler: Scheduler, tokenizer: object | None, lora: LoraSlots | None = None
+    ) -> None:
         self.spec = spec
+        self.lora = lora
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.num_queued = 0  # requests queued so far (default ids count them)
@@ -41,6 +46,15 @@ class EngineRequests:
         self.spec.check_request(request_id, num_prompt_tokens, params, scoring)
         if params.needs_tokenizer:
             self.stop_matcher(params)
+        if params.lora is not None:
+            self._adapter(params.lora)
+
+    def _adapter(self, name: str) -> tuple[int, int]:
+        """(uid, slot) of the loaded adapter ``name``; ValueError naming ``lora`` when there is none."""
+        if self.lora is None:
+            raise ValueError(f"lora={name!r}: the engine was built without enable_lora=True")
+        loaded = self.lora.get(name)
+        return loaded.uid, loaded.slot
 
     def add_request(
         self,
@@ -81,5 +95,7 @@ class EngineRequests:
         """Queue a request built and checked by the caller (``Engine.enqueue``)."""
         if request.params.needs_tokenizer:
             request.stop_matcher = self.stop_matcher(request.params)
+        if request.params.lora is not None:  # resolved now: the name may be reloaded later with other tensors
+            request.lora_id, request.lora_slot = self._adapter(request.params.lora)
         self.scheduler.add_request(request)
         self.num_queued += 1

@@ -161,15 +161,18 @@ def checked_batch(
     return [items[i] for i in order], order
 
 
-def checked_scoring_batch(engine: Engine | None, inputs: Sequence[Any], score_from: int, vocab_size: int) -> list[Item]:
-    """Scoring requests for the inbox: every prompt checked, and ``score_from`` against each.
+def checked_scoring_batch(
+    engine: Engine | None, inputs: Sequence[Any], score_from: int, vocab_size: int, lora: str | None = None
+) -> list[Item]:
+    """Scoring requests for the inbox: every prompt checked, and ``score_from`` against each; scored under the LoRA
+    adapter ``lora`` (None: the base model).
 
     Raises:
         FieldError: a bad prompt or one that can never fit (``inputs[i]``), or ``score_from`` outside
             ``[1, len(prompt)]``.
         RuntimeError: there is no engine (the manager was destroyed).
     """
-    params = SamplingParams(max_new_tokens=1)  # nothing is sampled; the fit check counts the prompt alone
+    params = SamplingParams(max_new_tokens=1, lora=lora)  # nothing is sampled; the fit check counts the prompt alone
     items: list[Item] = []
     for i, prompt_ids in enumerate(inputs):
         name = f"inputs[{i}]"

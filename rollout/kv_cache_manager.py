@@ -101,7 +101,8 @@ class KVCacheManager:
 
         Args:
             request: a waiting request (no blocks).
-            weight_version: only blocks computed under this version match.
+            weight_version: only blocks computed under this version match (and under the request's LoRA adapter,
+                ``request.lora_id``).
 
         Returns:
             (the hits, nothing acquired yet: p block ids per group, groups in order, ``NULL_BLOCK``
@@ -117,7 +118,9 @@ class KVCacheManager:
         # sliding group's window moves with it) until all answer the same length, the longest they share.
         bm, p = self.block_manager, max_hit // self.block_size
         while True:
-            found = [policy.find_hit(bm, request.token_ids, weight_version, p) for policy in self.groups]
+            found = [
+                policy.find_hit(bm, request.token_ids, weight_version, p, request.lora_id) for policy in self.groups
+            ]
             shortest = min(len(hits) for hits in found)
             if all(len(hits) == shortest for hits in found):
                 break
@@ -274,7 +277,8 @@ class KVCacheManager:
             request: the request.
             num_tokens: its tokens whose KV is (or, within this step, will be) in its blocks.
             weight_version: the version that computed all of that KV (``Request.kv_version``); None when it mixes
-                versions: nothing is hashed, since no version names the blocks.
+                versions: nothing is hashed, since no version names the blocks. The request's LoRA adapter
+                (``request.lora_id``) is part of every hash.
         """
         if weight_version is None:
             return
@@ -286,9 +290,9 @@ class KVCacheManager:
                 parent = self._parent_hash(request, g, i, weight_version)
                 tokens = request.token_ids[i * bs : (i + 1) * bs]
                 if table[i] == NULL_BLOCK:
-                    hashes.append(hash_block(parent, tokens, weight_version))
+                    hashes.append(hash_block(parent, tokens, weight_version, request.lora_id))
                 else:
-                    hashes.append(bm.cache_block(table[i], parent, tokens, weight_version))
+                    hashes.append(bm.cache_block(table[i], parent, tokens, weight_version, request.lora_id))
 
     def _parent_hash(self, request: Request, group: int, index: int, weight_version: int) -> bytes | None:
         """The hash of block ``index - 1`` of a group (its root for block 0), computed from the tokens
@@ -299,7 +303,7 @@ class KVCacheManager:
             bs = self.block_size
             parent = group_root(group)
             for i in range(index):
-                parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], weight_version)
+                parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], weight_version, request.lora_id)
                 hashes[i] = parent
         return parent
 

@@ -37,7 +37,9 @@ class GroupPolicy(ABC):
         """The first block that queries from position ``num_computed_tokens`` on read."""
 
     @abstractmethod
-    def find_hit(self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int) -> list[int]:
+    def find_hit(
+        self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int, lora_id: int = 0
+    ) -> list[int]:
         """The longest prefix of at most ``max_blocks`` full blocks that this group can serve from the prefix cache.
 
         Args:
@@ -45,6 +47,7 @@ class GroupPolicy(ABC):
             token_ids: the request's tokens.
             weight_version: only blocks computed under this version match.
             max_blocks: the bound (>= 0).
+            lora_id: only blocks computed under this LoRA adapter match (0: the base model).
 
         Returns:
             p entries for the longest servable prefix of p blocks: the cached block of each, ``NULL_BLOCK`` where the
@@ -69,8 +72,12 @@ class FullAttentionPolicy(GroupPolicy):
     def window_start(self, num_computed_tokens: int) -> int:
         return 0
 
-    def find_hit(self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int) -> list[int]:
-        return bm.find_cached_prefix(token_ids, weight_version, max_blocks * self.block_size, group=self.group)
+    def find_hit(
+        self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int, lora_id: int = 0
+    ) -> list[int]:
+        return bm.find_cached_prefix(
+            token_ids, weight_version, max_blocks * self.block_size, group=self.group, lora_id=lora_id
+        )
 
     def drop_skipped(self, table: list[int], num_computed_tokens: int) -> list[int]:
         return []
@@ -102,10 +109,12 @@ class SlidingWindowPolicy(GroupPolicy):
         v1's ``SlidingWindowManager.get_num_skipped_tokens``)."""
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
-    def find_hit(self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int) -> list[int]:
+    def find_hit(
+        self, bm: BlockManager, token_ids: Sequence[int], weight_version: int, max_blocks: int, lora_id: int = 0
+    ) -> list[int]:
         # A lookup goes on past a miss and returns fewer entries than asked for when the sequence is shorter, and
         # none at all with prefix caching off: a missing entry is a miss.
-        found = bm.lookup(token_ids, weight_version, max_blocks, group=self.group)
+        found = bm.lookup(token_ids, weight_version, max_blocks, group=self.group, lora_id=lora_id)
         for p in range(max_blocks, 0, -1):
             start = self.window_start(p * self.block_size)
             window = found[start:p]

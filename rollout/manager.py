@@ -39,6 +39,7 @@ from .engine import Engine, EngineStats
 from .intake import Inbox, QueueFullError, derive_seeds
 from .lifecycle import Lifecycle, State
 from .loop import GenerationLoop
+from .lora import LoraAdapter
 from .manager_requests import ManagerRequests
 from .models import vocab_size
 from .outputs import OutputRouter
@@ -142,6 +143,7 @@ class ContinuousBatchingManager:
         self._outputs = OutputRouter(self._cond, producing=self._life.producing)
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._final_weight_version = 0
+        self._loras: dict[str, LoraAdapter] = {}  # loaded adapters, loaded again into an engine rebuilt by start()
         self._weights = WeightWatch(model)  # the parameters last recorded
         # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (tp_loop.py).
         self._tp = self._engine.tp
@@ -187,6 +189,8 @@ class ContinuousBatchingManager:
                     fallback_compile_config=self._fallback_compile_config,
                 )
                 self._engine.set_weight_version(version)
+                for adapter in self._loras.values():
+                    self._engine.load_lora(adapter)
                 if self._warmup_wanted:
                     self._engine.warmup()
             self._weights.bump_if_changed(self._engine)
@@ -422,6 +426,45 @@ class ContinuousBatchingManager:
             if recompute:
                 self._recompute_in_flight(engine)
         return version
+
+    def load_lora(self, adapter: LoraAdapter) -> int:
+        """Load a LoRA adapter (``LoraAdapter.from_peft_dir`` / ``from_tensors``) under a pause; requests select it by
+        name (``add_request(..., lora=name)``). Its tensors are a new weight version: the version is bumped, as by
+        ``update_weights`` (tokens sampled from now on record it), while in-flight requests keep their own adapter
+        and KV. The base weights are not touched.
+
+        Returns:
+            The new weight version.
+
+        Raises:
+            ValueError: ``enable_lora`` is off, or the adapter cannot be loaded (its name is loaded, its rank above
+                ``max_lora_rank``, a target module the engine cannot adapt, ``max_loras`` taken); nothing changes.
+            RuntimeError: the manager was destroyed; or under tensor parallelism (not served there).
+        """
+        if self._tp is not None:
+            raise RuntimeError("load_lora: LoRA adapters are not served on a tensor-parallel model")
+        with self.pause():
+            engine = self.engine
+            engine.load_lora(adapter)
+            self._loras[adapter.name] = adapter
+            with self._cond:
+                return self._weights.bump(engine)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``: later requests cannot select it; requests already queued under it finish under it.
+
+        Raises:
+            KeyError: no adapter of that name is loaded; ValueError: ``enable_lora`` is off.
+            RuntimeError: the manager was destroyed.
+        """
+        with self.pause():
+            self.engine.unload_lora(name)
+            self._loras.pop(name, None)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters, in load order."""
+        return list(self._loras)
 
     def _recompute_in_flight(self, engine: Engine) -> None:
         """Under a pause: drop every unfinished request's KV, so it is re-prefilled when the loop steps again."""

@@ -87,6 +87,7 @@ class ManagerRequests:
         timeout: float | None = None,
         *,
         sampling_params: SamplingParams | None = None,
+        lora: str | None = None,
     ) -> str | None:
         """Queue one request.
 
@@ -103,6 +104,8 @@ class ManagerRequests:
             sampling_params: the request's sampling parameters (the overrides above apply on top); default: the
                 manager's, from its generation config. The way to give a request its own logits processors or stop
                 strings (``build_sampling_params( manager.default_params, stop=["</answer>"])``).
+            lora: the loaded LoRA adapter the request runs under (``load_lora``); None keeps ``sampling_params.lora``
+                (default: the base model).
 
         Returns:
             The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other than the
@@ -125,6 +128,7 @@ class ManagerRequests:
             top_p=top_p,
             seed=seed,
             eos_token_id=eos_token_id,
+            lora=lora,
         )
         item = checked_request(self._current_engine(), input_ids, request_id, params, self._vocab_size)
         return self._enqueue([item], streaming, record_timestamps, block, timeout)[0]
@@ -146,6 +150,7 @@ class ManagerRequests:
         block: bool = False,
         timeout: float | None = None,
         request_id: None = None,
+        lora: str | None = None,
     ) -> list[str]:
         """Queue several requests; returns their ids in input order.
 
@@ -164,7 +169,7 @@ class ManagerRequests:
                 one prompt get G distinct, reproducible samples; a sequence gives one seed per input (None entries:
                 unseeded). Without it, a seed in ``sampling_params`` is spread the same way.
             max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p, do_sample, block,
-                timeout: as for ``add_request``.
+                timeout, lora: as for ``add_request``.
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
 
         Raises:
@@ -185,6 +190,7 @@ class ManagerRequests:
             top_k=top_k,
             top_p=top_p,
             eos_token_id=eos_token_id,
+            lora=lora,
         )
         items, order = checked_batch(self._current_engine(), inputs, params, seeds, self._vocab_size)
         queued = self._enqueue(items, streaming, record_timestamps, block, timeout)
@@ -194,7 +200,7 @@ class ManagerRequests:
         return ids  # type: ignore[return-value]
 
     def add_scoring_requests(
-        self, inputs: Sequence[Sequence[int]], score_from: int = 1, temperature: float = 1.0
+        self, inputs: Sequence[Sequence[int]], score_from: int = 1, temperature: float = 1.0, lora: str | None = None
     ) -> list[str]:
         """Queue prefill-only scoring requests: each computes its prompt's tokens and records their logprobs.
 
@@ -208,6 +214,7 @@ class ManagerRequests:
             inputs: prompts, lists of token ids.
             score_from: the first token scored (>= 1: the first token has no context).
             temperature: logits are divided by this before the log-softmax (> 0).
+            lora: score under this loaded LoRA adapter (None: the base model).
 
         Returns:
             The request ids, in input order (None entries on a tensor-parallel rank other than the driver).
@@ -218,7 +225,7 @@ class ManagerRequests:
             QueueFullError: the batch does not fit ``max_queue_size``; nothing is queued.
         """
         check_number("temperature", temperature, minimum=0, min_open=True)
-        items = checked_scoring_batch(self._current_engine(), inputs, score_from, self._vocab_size)
+        items = checked_scoring_batch(self._current_engine(), inputs, score_from, self._vocab_size, lora)
         ids = self._enqueue(items, False, False, False, None, score=(score_from, float(temperature)))
         return ids  # type: ignore[return-value]
 

@@ -37,6 +37,7 @@ from transformers.generation import CompileConfig
 
 from .cpu_offload import CPUOffloadPool
 from .kv_cache import PagedKVCache
+from .lora import LoraSlots
 from .onednn import PackedWeights, linear_plan, sibling_groups
 from .requests import Request
 from .sampling import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
@@ -141,6 +142,7 @@ class ModelRunner:
         cuda_graphs: (varlen, decode): replay that path's padded forward as CUDA graphs (CUDA only).
         padding: how static-shape steps are padded; needed when a path is compiled or graphed.
         async_batching: ``launch`` starts a step and returns: see the module docstring.
+        lora: the engine's LoRA adapters (each query token runs under its request's, ``lora.LoraSlots``), or None.
 
     Raises:
         ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
@@ -160,8 +162,10 @@ class ModelRunner:
         cuda_graphs: tuple[bool, bool] = (False, False),
         padding: PaddingRule | None = None,
         async_batching: bool = False,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
@@ -262,7 +266,14 @@ class ModelRunner:
         sample_rows = self._sample_rows if self.async_batching else None
         with record_function(PREPARE_SCOPE):
             batch, rows, plan, placeholders = prepare_inputs(
-                scheduled, path == "decode", rule, self._input_staging, len(self.sliding_windows), kernel, sample_rows
+                scheduled,
+                path == "decode",
+                rule,
+                self._input_staging,
+                len(self.sliding_windows),
+                kernel,
+                sample_rows,
+                lora=self.lora is not None,
             )
         forks = [child for _, child in scheduler_output.forks]
         sampled = plan.sampled + forks
@@ -430,11 +441,15 @@ class ModelRunner:
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn)
 
         def run(b: StepBatch) -> torch.Tensor:
-            with self.packs.active() if self.packs is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if self.packs is not None:
+                    stack.enter_context(self.packs.active())
+                if self.lora is not None:  # each token's adapter, added by the targeted layers' hooks
+                    stack.enter_context(self.lora.step(b.lora_slots, b.any_lora))
                 return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape, batch.kernel), run, batch)
+            return self.graphs.run((path, batch.shape, batch.kernel, batch.any_lora), run, batch)
         return run(batch)
 
     @torch.inference_mode()
@@ -455,7 +470,9 @@ class ModelRunner:
         for path, shape in shapes:
             kernel = self.warmup_kernel(path)
             groups = len(self.sliding_windows)
-            batch = synthetic_batch(path, shape, self.padding, self._input_staging, groups, kernel)
+            batch = synthetic_batch(
+                path, shape, self.padding, self._input_staging, groups, kernel, lora=self.lora is not None
+            )
             self.forward(batch)
             self._input_staging.release(self._input_staging.last_slot)
             if on_shape is not None:

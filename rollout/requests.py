@@ -113,6 +113,10 @@ class Request:
             schedules tokens), or None while the KV mixes versions (a request that spans a weight update without
             recompute keeps its KV): then none of its blocks is published in the prefix cache, so no other request
             ever reads KV that its version does not name (DESIGN.md, section 3). Offloaded KV keeps its version.
+        lora_id: the uid of the LoRA adapter it runs under (``lora.LoadedAdapter.uid``, unique per loaded tensors),
+            0 for the base model: part of every prefix-cache key and prompt-fork key of its KV, so no request reads
+            KV computed under other adapter weights. Set when it is queued (``params.lora`` resolved).
+        lora_slot: that adapter's slot in the engine's ``LoraSlots`` (-1: the base model), each query token's index.
         block_tables: one block table per layer group of the cache (``kv_cache.CacheLayout``): the
             physical block ids, in sequence order; a sliding-window group has ``NULL_BLOCK`` where a
             block fell out of its window.
@@ -153,6 +157,8 @@ class Request:
         self.token_ids: list[int] = list(prompt_ids)
         self.num_computed_tokens = 0
         self.kv_version: int | None = None
+        self.lora_id = 0
+        self.lora_slot = -1
         self.block_tables: list[list[int]] = [[]]
         self.group_block_hashes: list[list[bytes | None]] = [[]]
         self.status = RequestStatus.PENDING

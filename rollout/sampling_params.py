@@ -138,6 +138,9 @@ class SamplingParams:
             vLLM's ``SamplingParams.logprobs``, renamed: rollout's ``logprobs`` already means the
             sampled token's own logprob (``GenerationOutput.logprobs``). Needs
             ``ContinuousBatchingConfig(return_logprobs=True)``. 0 costs nothing.
+        lora: the name of the LoRA adapter this request runs under (one the engine has loaded: ``Engine.load_lora``;
+            vLLM's ``LoRARequest``, carried with the request's other values so that every path passes it down
+            whole), or None for the base model.
 
     Raises:
         FieldError: a value out of its range; ``field`` names the field, and the message starts with it.
@@ -159,6 +162,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     stop: tuple[str, ...] = ()
     num_top_logprobs: int = 0
+    lora: str | None = None
     # True when a logits processor that reads the sequence may change this request's logits
     # (set at construction; the sampler skips every other request at no cost).
     uses_logits_processors: bool = field(default=False, init=False, repr=False, compare=False)
@@ -235,6 +239,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
                 raise FieldError(name, f"{name} must be a non-empty str or a list of non-empty str, got {value!r}")
+        if self.lora is not None and not (isinstance(self.lora, str) and self.lora):
+            raise FieldError("lora", f"lora must be an adapter's name (a non-empty str) or None, got {self.lora!r}")
         self.check_vocab(vocab_size)
 
     def check_vocab(self, vocab_size: int | None) -> None:
@@ -361,6 +367,7 @@ def build_sampling_params(
     stop_strings: str | Sequence[str] | None = None,
     stop: str | Sequence[str] | None = None,
     num_top_logprobs: int | None = None,
+    lora: str | None = None,
 ) -> SamplingParams:
     """Build validated ``SamplingParams`` from defaults and per-request overrides.
 
@@ -381,6 +388,7 @@ def build_sampling_params(
             ``do_sample = temperature > 0``.
         stop: vLLM-style stop strings of the request (see ``SamplingParams.stop``).
         num_top_logprobs: alternatives recorded per generated token (see ``SamplingParams.num_top_logprobs``).
+        lora: the LoRA adapter's name (see ``SamplingParams.lora``); None keeps the default's.
 
     Returns:
         The parameters; ``base`` itself when it is a ``SamplingParams`` and nothing overrides it.
@@ -406,6 +414,7 @@ def build_sampling_params(
         "stop_strings": stop_strings,
         "stop": stop,
         "num_top_logprobs": num_top_logprobs,
+        "lora": lora,
     }
     if isinstance(base, GenerationConfig):
         values = _from_generation_config(base, drop_unsupported_processors)

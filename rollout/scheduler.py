@@ -71,12 +71,11 @@ class Scheduler:
             fork_prompts = kv_cache_manager.block_manager.enable_prefix_caching
         self.fork_prompts = fork_prompts
         # The generation requests whose prefill is in flight (admitted, nothing sampled since), by the
-        # weight version their KV is computed under and their tokens: the parents that a waiting request
-        # with the same tokens parks on while the version is the same (the prefix cache keys blocks by
-        # version for the same reason); and the key of each, by id(request), so that forgetting one
-        # builds no key.
-        self._prefilling: dict[tuple[int, tuple[int, ...]], Request] = {}
-        self._prefilling_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # weight version and LoRA adapter (``Request.lora_id``) their KV is computed under and their tokens: the
+        # parents that a waiting request with the same key parks on (the prefix cache keys blocks the same way);
+        # and the key of each, by id(request), so that forgetting one builds no key.
+        self._prefilling: dict[tuple[int, int, tuple[int, ...]], Request] = {}
+        self._prefilling_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -175,7 +174,7 @@ class Scheduler:
             if not recomputed or old[0] == self.weight_version:
                 return
             self._forget_prefill(req)
-        key = (self.weight_version, tuple(req.token_ids))
+        key = (self.weight_version, req.lora_id, tuple(req.token_ids))
         if key not in self._prefilling:
             self._prefilling[key] = req
             self._prefilling_key[id(req)] = key
@@ -194,7 +193,7 @@ class Scheduler:
         """
         if not self._prefilling or req.prefill_only or req.offloaded is not None:
             return None
-        parent = self._prefilling.get((self.weight_version, tuple(req.token_ids)))
+        parent = self._prefilling.get((self.weight_version, req.lora_id, tuple(req.token_ids)))
         if parent is req:  # a preempted parent comes back through the queue itself
             return None
         return parent

@@ -147,6 +147,9 @@ class StepBatch:
         varlen_max_seqlens: that kernel's (``max_seqlen_q``, ``max_seqlen_k``): (T, W * block_size) on a padded
             step, fixed by its shape; the longest request's query rows and keys on an eager one.
         flash_decode: every row decodes through ``flash_attn_with_kvcache`` (eager, compiled or graphed).
+        lora_slots: int64 [T]; each row's LoRA slot (``lora.LoraSlots``; -1: the base model, and padded rows). None
+            unless the engine serves LoRA adapters.
+        any_lora: some real row has an adapter (a host value: a step of the base model alone runs no LoRA work).
     """
 
     input_ids: torch.Tensor
@@ -163,6 +166,8 @@ class StepBatch:
     varlen_tables: torch.Tensor | None = None
     varlen_max_seqlens: tuple[int, int] | None = None
     flash_decode: bool = False
+    lora_slots: torch.Tensor | None = None
+    any_lora: bool = False
 
     @property
     def path(self) -> str:
@@ -246,6 +251,7 @@ def build_step_batch(
     num_groups: int = 1,
     flash_varlen: bool = False,
     shape: Sequence[int] | None = None,
+    lora: bool = False,
 ) -> tuple[StepBatch, list[torch.Tensor]]:
     """The device inputs of a step, sized by ``rule`` (numpy on the host, one staged upload).
 
@@ -262,6 +268,7 @@ def build_step_batch(
         flash_varlen: also build ``flash_attn_varlen_func``'s inputs (``StepBatch.varlen_cu_seqlens``, ...).
         shape: padded sizes to build (``StepBatch.shape``) instead of the rule's for ``scheduled``: a warmup batch of
             no request (``synthetic_batch``) at a shape its steps will have.
+        lora: also build ``StepBatch.lora_slots`` (each row's ``Request.lora_slot``).
 
     Returns:
         The batch, its shapes padded per ``rule``, and the ``extra`` arrays on the device.
@@ -272,6 +279,7 @@ def build_step_batch(
     ids = np.zeros(T, dtype=np.int64)
     pos = np.zeros(T, dtype=np.int64)
     slots = np.full((N, T), pad_slot, dtype=np.int64)
+    lora_slots = np.full(T, -1, dtype=np.int64)
     decodes: list[tuple[int, int, np.ndarray]] = []  # (row, position, tables [N, blocks])
     groups: list[tuple[int, int, int, np.ndarray]] = []  # (first row, rows, first position, tables)
     seqs: list[tuple[int, np.ndarray]] = []  # (last key, tables) of each request
@@ -283,6 +291,7 @@ def build_step_batch(
         ids[start : start + len(known)] = known
         p = np.arange(c, c + n, dtype=np.int64)
         pos[start : start + n] = p
+        lora_slots[start : start + n] = req.lora_slot
         tables = np.full((N, max(len(t) for t in req.block_tables)), pad_block, dtype=np.int64)
         for g, table in enumerate(req.block_tables):
             tables[g, : len(table)] = table
@@ -352,10 +361,13 @@ def build_step_batch(
         cu[:, 1:] = np.cumsum(np.pad(lens, ((0, 0), (0, B - len(scheduled)))), axis=1)
         arrays["varlen_cu_seqlens"] = cu
         arrays["varlen_tables"] = tables_of(seqs, B, W)
+    if lora:
+        arrays["lora_slots"] = lora_slots
     # One copy: the batch, then ``extra``.
     staged = staging.upload(*arrays.values(), *extra)
     tensors = dict(zip(arrays, staged))
     batch = StepBatch(**{"decode_rows": None, **tensors}, varlen_max_seqlens=max_seqlens)
+    batch.any_lora = bool(lora and (lora_slots >= 0).any())
     return batch, staged[len(arrays) :]
 
 
@@ -366,6 +378,7 @@ def synthetic_batch(
     staging: HostStaging,
     num_groups: int = 1,
     kernel: str = "sdpa",
+    lora: bool = False,
 ) -> StepBatch:
     """A batch of the given padded shape that reads and writes the padding block only (warmup): the one builder's
     (``build_step_batch``) batch of no request at that shape.
@@ -381,9 +394,10 @@ def synthetic_batch(
         num_groups: the cache's KV layer groups.
         kernel: the attention kernel its steps run (``prepare_inputs``): "flash_varlen" stages flash-attn's
             varlen inputs of the shape's sizes, every sequence a filler (every row's output is then zeroed).
+        lora: stage ``lora_slots`` too (every row the base model's).
     """
     flash_varlen = kernel == "flash_varlen"
-    batch, _ = build_step_batch([], [], path == "decode", rule, staging, (), num_groups, flash_varlen, shape)
+    batch, _ = build_step_batch([], [], path == "decode", rule, staging, (), num_groups, flash_varlen, shape, lora)
     batch.flash_decode = kernel == "flash_decode"
     return batch
 
@@ -422,6 +436,7 @@ def prepare_inputs(
     num_groups: int,
     kernel: str = "sdpa",
     sample_rows: dict[str, int] | None = None,
+    lora: bool = False,
 ) -> tuple[StepBatch, list[int], LogitsPlan, torch.Tensor | None]:
     """The inputs of a step, in one staged upload: its batch, the real logits rows and their plan.
 
@@ -436,6 +451,7 @@ def prepare_inputs(
         sample_rows: async batching: the row of each request (by id) among the sampled tokens of the step
             prepared before; a request's query token past its known ``token_ids`` (at most one, its last) is a
             placeholder for that step's token. None when every token is known.
+        lora: stage each row's LoRA slot (``StepBatch.lora_slots``).
 
     Returns:
         The batch; the logits rows it keeps first (sampled rows, then scored rows); their plan, with the
@@ -471,7 +487,9 @@ def prepare_inputs(
         extra.append(np.asarray(placeholders, dtype=np.int64))
     rows = logits_rows + score_rows
     flash_varlen = kernel == "flash_varlen"
-    batch, staged = build_step_batch(scheduled, rows, decode_path, rule, staging, extra, num_groups, flash_varlen)
+    batch, staged = build_step_batch(
+        scheduled, rows, decode_path, rule, staging, extra, num_groups, flash_varlen, lora=lora
+    )
     batch.flash_decode = kernel == "flash_decode"
     if plan.score_segments:
         plan.score_target_ids, plan.score_temperatures = staged[0], staged[1].float()

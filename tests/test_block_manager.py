@@ -135,7 +135,9 @@ def test_weight_version_bump_prevents_hits() -> None:
 
 
 def test_hash_collision_never_returns_block_with_other_token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(block_manager_module, "hash_block", lambda parent, token_ids, weight_version: b"\x00" * 32)
+    monkeypatch.setattr(
+        block_manager_module, "hash_block", lambda parent, token_ids, weight_version, lora_id=0: b"\x00" * 32
+    )
     bm = BlockManager(num_blocks=4, block_size=BS)
     [first] = bm.allocate(1)
     bm.cache_block(first, None, [1, 2, 3, 4], 0)

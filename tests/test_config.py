@@ -136,6 +136,9 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "cpu_group_timeout",
         "progress_log_interval",
         "block_size",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
     ]
 
 

@@ -30,7 +30,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # below attention, and attention_registry (the model's switch to the paged dispatcher) sits just above the attention
 # it dispatches to. host_staging (host-to-device copies) and logits_processors sit just below sampling, which uses
 # both (step_inputs uses host_staging too). onednn (the step's CPU linear layers, eager and padded) sits below
-# static_step and model_runner, its users; step_inputs (the step's one input builder) between them, below
+# static_step and model_runner, its users, and lora (LoRA adapters served per token by hooks on linear layers) beside
+# it, below model_runner and engine, which own it; step_inputs (the step's one input builder) between them, below
 # static_step's forward and model_runner, its users. engine_spec (config x model x device, resolved once) and
 # engine_stats (the counters' record) sit below the engine; batch_queue (async batching's step function) and
 # engine_requests (the engine's request intake, a part it owns, which checks requests against the spec) just below the
@@ -72,6 +73,7 @@ LAYERS = [
     "logits_processors",
     "sampling",
     "onednn",
+    "lora",
     "step_inputs",
     "static_step",
     "model_runner",
@@ -126,6 +128,7 @@ BENCHMARK_LAYERS = [
     "serving",
     "tensor_parallel",
     "weight_sync",
+    "lora",
     "__init__",
 ]
 

@@ -30,7 +30,13 @@ import rollout
 from . import jobs, metrics, responses
 from .errors import APIError, install_handlers, sse_error
 from .jobs import Job
-from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest
+from .protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from .responses import ChoiceView
 from .service import GenerationService
 from .submission import Submission
@@ -117,20 +123,34 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
     # ------------------------------------------------------------------ /v1
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
+        # The base model, then each loaded LoRA adapter as a model of its own (vLLM's listing: parent the base).
+        served = [(info.name, info.name, None), *((name, name, info.name) for name in service.lora_names())]
         return {
             "object": "list",
             "data": [
                 {
-                    "id": info.name,
+                    "id": name,
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "rollout",
-                    "root": info.name,
-                    "parent": None,
+                    "root": root,
+                    "parent": parent,
                     "max_model_len": info.max_model_len,
                 }
+                for name, root, parent in served
             ],
         }
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorized)])
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        version = await service.load_lora(body.lora_name, body.lora_path, body.load_inplace)
+        message = f"Success: LoRA adapter '{body.lora_name}' added successfully."
+        return JSONResponse({"message": message, "weight_version": version})
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorized)])
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        await service.unload_lora(body.lora_name)
+        return JSONResponse({"message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."})
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         engine.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f"cb_{f.name}",
+            # A bool flag alone means true (vLLM's ``--enable-lora``); a value (true/false...) still sets it.
+            nargs="?" if kind is _bool else None,
+            const=True if kind is _bool else None,
             type=kind,
             choices=choices,
             default=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class ModelInfo:
         eos_token_ids: the model's end-of-sequence ids (from its generation config).
         tokenizer: the model's tokenizer.
         logprobs: whether the engine records logprobs (``ContinuousBatchingConfig.return_logprobs``).
+        loras: the names of the LoRA adapters loaded now (each a ``model`` a request may name).
     """
 
     name: str
@@ -50,6 +52,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     tokenizer: Any
     logprobs: bool
+    loras: Callable[[], Collection[str]] = tuple  # the loaded LoRA adapters' names, read at each request
 
 
 @dataclass
@@ -107,15 +110,25 @@ class Job:
         return self.prompts[choice // self.n]
 
 
-def check_model_name(requested: str | None, info: ModelInfo) -> None:
-    """Raise a 404 (OpenAI's and vLLM's status, code ``model_not_found``) for another model's name."""
-    if requested is not None and requested != info.name:
-        raise APIError(
-            404,
-            f"model: the model {requested!r} does not exist; this server serves {info.name!r}",
-            "model",
-            code="model_not_found",
-        )
+def check_model_name(requested: str | None, info: ModelInfo) -> str | None:
+    """The LoRA adapter a request's ``model`` names (vLLM's rule: an adapter is served as a model of its own), None
+    for the base model (its name, or no name).
+
+    Raises:
+        APIError: a 404 (OpenAI's and vLLM's status, code ``model_not_found``) for a name that is neither.
+    """
+    if requested is None or requested == info.name:
+        return None
+    loras = info.loras()
+    if requested in loras:
+        return requested
+    served = ", ".join(repr(n) for n in [info.name, *sorted(loras)])
+    raise APIError(
+        404,
+        f"model: the model {requested!r} does not exist; this server serves {served}",
+        "model",
+        code="model_not_found",
+    )
 
 
 def _check_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
@@ -175,10 +188,13 @@ def _max_tokens(
     return max_tokens
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0, lora: str | None = None
+) -> SamplingParams:
     """The request's ``SamplingParams``: OpenAI's defaults (temperature 1, top_p 1), the model's eos ids.
 
-    ``top_logprobs`` is the alternatives asked for per generated token (``num_top_logprobs``).
+    ``top_logprobs`` is the alternatives asked for per generated token (``num_top_logprobs``); ``lora`` the adapter
+    the request's ``model`` names (``check_model_name``).
 
     Raises:
         APIError: 400 naming the field of a value ``SamplingParams`` refuses.
@@ -204,6 +220,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, info: ModelInfo, top_l
             min_new_tokens=req.min_tokens,
             stop=req.stop,
             num_top_logprobs=top_logprobs,
+            lora=lora,
         )
     except FieldError as e:
         raise field_error(e, prompt_param=None) from e
@@ -238,13 +255,13 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
     Raises:
         APIError: 400 naming the field (404 for another model's name).
     """
-    check_model_name(req.model, info)
+    lora = check_model_name(req.model, info)
     if (req.logprobs is not None or req.prompt_logprobs is not None) and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     prompts = completion_prompts(req, info)
     max_tokens = _max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, info, "prompt")
     top_logprobs = req.logprobs or 0
-    params = sampling_params(req, max_tokens, info, top_logprobs)
+    params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("cmpl", req),
         prompts=prompts,
@@ -269,7 +286,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     Raises:
         APIError: 400 naming the field (404 for another model's name).
     """
-    check_model_name(req.model, info)
+    lora = check_model_name(req.model, info)
     if req.logprobs and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
@@ -284,7 +301,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     prompts = [_check_ids(ids, info, "messages")]
     max_tokens = _max_tokens(req.max_completion_tokens or req.max_tokens, None, prompts, info, "messages")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
-    params = sampling_params(req, max_tokens, info, top_logprobs)
+    params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("chatcmpl", req),
         prompts=prompts,

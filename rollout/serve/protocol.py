@@ -286,6 +286,32 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
+class LoadLoraAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's shape): a peft adapter folder, served under ``lora_name``.
+
+    Attributes:
+        lora_name: the name requests select it by (their ``model`` field).
+        lora_path: a folder the server can read, with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        load_inplace: replace an adapter loaded under that name (read once; requests already running keep the old).
+    """
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's shape).
+
+    Attributes:
+        lora_name: the adapter to forget (requests running under it finish under it).
+        lora_int_id: vLLM's numeric id, not used here (accepted, ignored: the name names the adapter).
+    """
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class UpdateWeightsRequest(_Body):
     """``POST /update_weights_from_disk`` (SGLang's shape): a folder of safetensors files.
 

@@ -25,12 +25,13 @@ from rollout import (
     ContinuousBatchingManager,
     FieldError,
     GenerationOutput,
+    LoraAdapter,
     QueueFullError,
     RequestStatus,
     model_context_length,
 )
 
-from .errors import APIError
+from .errors import APIError, bad_request
 from .jobs import Job, ModelInfo, field_error
 from .pause import PAUSE_MODES, ServerPause
 from .responses import finish_reason
@@ -67,6 +68,7 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
         eos_token_ids=tuple(eos),
         tokenizer=tokenizer,
         logprobs=manager.cb_config.return_logprobs,
+        loras=lambda: manager.lora_adapters,
     )
 
 
@@ -194,7 +196,7 @@ class GenerationService:
         if not job.scores_prompt:
             return []
         try:
-            return self.manager.add_scoring_requests(job.prompts)
+            return self.manager.add_scoring_requests(job.prompts, lora=job.params.lora)
         except BaseException:
             for rid in queued:
                 self.manager.cancel_request(rid)
@@ -276,6 +278,59 @@ class GenerationService:
         in-flight request too, which is re-prefilled when the engine steps again (after a ``resume``, under the
         weights of then). Otherwise blocks of running requests stay theirs."""
         await asyncio.to_thread(self.manager.reset_prefix_cache, reset_running_requests)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def lora_config(self) -> dict[str, Any] | None:
+        """vLLM's ``lora_config`` as ``/server_info`` reports it (TRL's adapter-sync probe reads ``max_lora_rank`` and
+        ``max_loras``); None without ``--enable-lora``, as vLLM's."""
+        config = self.manager.cb_config
+        if not config.enable_lora:
+            return None
+        return {"max_lora_rank": config.max_lora_rank, "max_loras": config.max_loras, "max_cpu_loras": config.max_loras}
+
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names, in load order."""
+        return self.manager.lora_adapters
+
+    async def load_lora(self, name: str, path: str, replace: bool) -> int:
+        """Read a peft adapter folder and load it under ``name`` (``replace``: an adapter of that name is unloaded
+        first); returns the new weight version.
+
+        Raises:
+            APIError: 404 without ``--enable-lora``; 400 naming ``lora_path`` for a folder that is not a peft
+                adapter, ``lora_name`` for a name in use, or the setting an adapter exceeds (``max_lora_rank``,
+                ``target_modules``, ``max_loras``).
+        """
+        if not self.manager.cb_config.enable_lora:
+            raise APIError(404, "/v1/load_lora_adapter: start the server with --enable-lora to serve LoRA adapters")
+        if name == self.info.name:
+            raise bad_request(f"lora_name: {name!r} is the base model's name", "lora_name")
+        try:
+            adapter = await asyncio.to_thread(LoraAdapter.from_peft_dir, name, path)
+        except (OSError, ValueError) as e:
+            raise bad_request(f"lora_path: {e}", "lora_path") from e
+        try:
+            if replace and name in self.manager.lora_adapters:
+                await asyncio.to_thread(self.manager.unload_lora, name)
+            return await asyncio.to_thread(self.manager.load_lora, adapter)
+        except ValueError as e:
+            message = str(e)
+            named = ("max_lora_rank", "max_loras", "target_modules", "lora_name")
+            param = next((p for p in named if p in message), None)
+            raise bad_request(message, param) from e
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (requests running under it finish under it).
+
+        Raises:
+            APIError: 404 without ``--enable-lora`` or for a name that is not loaded.
+        """
+        if not self.manager.cb_config.enable_lora:
+            raise APIError(404, "/v1/unload_lora_adapter: start the server with --enable-lora to serve LoRA adapters")
+        try:
+            await asyncio.to_thread(self.manager.unload_lora, name)
+        except KeyError as e:
+            raise APIError(404, f"lora_name: {e.args[0]}", "lora_name", code="model_not_found") from e
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self, abort: bool) -> None:

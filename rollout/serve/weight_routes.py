@@ -84,7 +84,7 @@ def weight_router(service: GenerationService, control: Callable[[Request], Await
             "vllm_config": {
                 "model_config": {"dtype": weights.weights_dtype(), "max_model_len": service.info.max_model_len},
                 "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
-                "lora_config": None,
+                "lora_config": service.lora_config(),
                 "weight_transfer_config": {"backend": weights.backend()},
             }
         }
