@@ -17,8 +17,8 @@ or shutdown) keeps its partial ids, logprobs and versions and is submitted again
 from the prefix cache with the rest of its token budget; greedy, the resumed turn equals the uninterrupted one.
 
 Backends of turns: ``ManagerTurns`` (a ``ContinuousBatchingManager`` in this process) and ``ClientTurns`` (a
-``rollout-serve`` through ``RolloutClient``, or a fleet through ``RolloutPool``). ``run_episodes`` runs many episodes at once, one thread each, so the
-engine batches their turns.
+``rollout-serve`` through ``RolloutClient``, or a fleet through ``RolloutPool``). ``run_episodes`` runs many episodes
+at once, one thread each, so the engine batches their turns.
 """
 
 from __future__ import annotations
