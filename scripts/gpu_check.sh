@@ -16,6 +16,13 @@
 # which takes longer than the 120 s cap (15-30 min on 16 cores): run once with GPU_CHECK_INSTALL_S=2400
 # to build and cache it. Without flash-attn the flash tests skip with their reason and SDPA is measured.
 # Without a CUDA device (a dry run) the tests skip and the benchmark is skipped, with a message.
+# Where the machine has no copy of the model (no network, files limited in size), GPU_CHECK_SHAPES=dir names a
+# folder with the model's config and tokenizer only (`python scripts/random_weights.py --export-shapes --out dir`):
+# the benchmark then runs a model of those shapes with random weights (scripts/random_weights.py says what that
+# measures and what it does not). GPU_CHECK_SYSTEMS="a b" picks the benchmark's rollout systems (default: every
+# rollout* system but rollout-mkl, and hf-static); GPU_CHECK_HFCB_OPTIONS="k=v ..." hf-cb's options.
+# The tests run from the files that hold tests marked `cuda` (so a test module needing a package the GPU machine
+# lacks, e.g. the server's, is not collected); GPU_CHECK_TEST_PATHS overrides the list.
 # Exit status: that of the cuda tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,8 +112,9 @@ PY
 cat "$OUT/env.json"
 
 # 2. The cuda tests (on a CPU machine they are collected and skipped: the dry run).
+read -r -a TEST_PATHS <<< "${GPU_CHECK_TEST_PATHS:-$(grep -l 'pytest.mark.cuda' tests/test_*.py | tr '\n' ' ')}"
 run_stage cuda-tests "${GPU_CHECK_TESTS_S:-200}" "$OUT/cuda_tests.log" \
-    python -m pytest -q -m cuda -rs -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" tests
+    python -m pytest -q -m cuda -rs -p no:cacheprovider --continue-on-collection-errors --timeout "${GPU_CHECK_TEST_TIMEOUT_S:-150}" --junitxml "$OUT/cuda_tests.xml" "${TEST_PATHS[@]}"
 TESTS_RC=$?
 tail -n 15 "$OUT/cuda_tests.log"
 
@@ -120,12 +128,25 @@ print(" ".join(match.group(1).split(",")) if match else "")
 PY
 )
 ROLLOUT_SYSTEMS=()
-for s in "${ALL_SYSTEMS[@]}"; do
-    # rollout-mkl differs from rollout only on CPU (oneDNN linear layers): not worth GPU seconds.
-    if [[ ($s == rollout* && $s != rollout-mkl) || $s == hf-static ]]; then ROLLOUT_SYSTEMS+=("$s"); fi
+if [[ -n "${GPU_CHECK_SYSTEMS:-}" ]]; then
+    read -r -a ROLLOUT_SYSTEMS <<< "$GPU_CHECK_SYSTEMS"
+else
+    for s in "${ALL_SYSTEMS[@]}"; do
+        # rollout-mkl differs from rollout only on CPU (oneDNN linear layers): not worth GPU seconds.
+        if [[ ($s == rollout* && $s != rollout-mkl) || $s == hf-static ]]; then ROLLOUT_SYSTEMS+=("$s"); fi
+    done
+fi
+MODEL_ARGS=()
+if [[ -n "${GPU_CHECK_SHAPES:-}" ]] && ((HAS_CUDA)); then
+    python scripts/random_weights.py --shapes-of "$GPU_CHECK_SHAPES" --out "${TMPDIR:-/tmp}/rollout_random_model" \
+        && MODEL_ARGS=(--model "${TMPDIR:-/tmp}/rollout_random_model") && record random-weights ok 0 "shapes of $GPU_CHECK_SHAPES"
+fi
+BENCH=(python -m rollout.benchmarks.generation --device cuda --dtype bfloat16 --workload gsm8k-greedy gsm8k-grpo
+    "${MODEL_ARGS[@]}")
+HF_CB_OPTIONS=()
+for option in ${GPU_CHECK_HFCB_OPTIONS:-default_compile_level=3 use_cuda_graph=true}; do
+    HF_CB_OPTIONS+=(--hf-cb-option "$option")
 done
-BENCH=(python -m rollout.benchmarks.generation --device cuda --dtype bfloat16 --workload gsm8k-greedy gsm8k-grpo)
-HF_CB_OPTIONS=(--hf-cb-option default_compile_level=3 --hf-cb-option use_cuda_graph=true)
 if ((!HAS_CUDA)); then
     echo "[bench] skipped: no CUDA device (a dry run); it would run: ${ROLLOUT_SYSTEMS[*]}, then hf-cb ${HF_CB_OPTIONS[*]}"
     record bench skipped 0 "no CUDA device"
