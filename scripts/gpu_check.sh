@@ -55,7 +55,8 @@ run_stage() {
         return 125
     fi
     echo "[$name] up to ${t}s: $*"
-    timeout "$t" "$@" > "$log" 2>&1
+    # -k: a stage that ignores SIGTERM (a test blocked in a CUDA call or a thread join) is killed 10 s later.
+    timeout -k 10 "$t" "$@" > "$log" 2>&1
     rc=$?
     local status=ok
     if ((rc == 124)); then status="timed out after ${t}s"; elif ((rc != 0)); then status="exit $rc"; fi
@@ -90,7 +91,7 @@ if ((HAS_CUDA)) && ! python -c "import flash_attn" 2> /dev/null; then
         || echo "flash-attn not installed (see $OUT/flash_install.log): the flash tests skip, the benchmark runs SDPA"
 fi
 
-python - > "$OUT/env.json" << 'PY'
+timeout -k 5 120 python - > "$OUT/env.json" << 'PY'
 import json, platform, torch, transformers
 info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
@@ -114,12 +115,12 @@ cat "$OUT/env.json"
 # 2. The cuda tests (on a CPU machine they are collected and skipped: the dry run).
 read -r -a TEST_PATHS <<< "${GPU_CHECK_TEST_PATHS:-$(grep -l 'pytest.mark.cuda' tests/test_*.py | tr '\n' ' ')}"
 run_stage cuda-tests "${GPU_CHECK_TESTS_S:-200}" "$OUT/cuda_tests.log" \
-    python -m pytest -q -m cuda -rs -p no:cacheprovider --continue-on-collection-errors --timeout "${GPU_CHECK_TEST_TIMEOUT_S:-150}" --junitxml "$OUT/cuda_tests.xml" "${TEST_PATHS[@]}"
+    python -m pytest -q -m cuda -rs -p no:cacheprovider --continue-on-collection-errors -v --timeout "${GPU_CHECK_TEST_TIMEOUT_S:-90}" --timeout-method thread --junitxml "$OUT/cuda_tests.xml" "${TEST_PATHS[@]}"
 TESTS_RC=$?
 tail -n 15 "$OUT/cuda_tests.log"
 
 # 3. The benchmark, bf16. The systems are whatever this checkout's benchmark offers.
-read -r -a ALL_SYSTEMS < <(python - << 'PY'
+read -r -a ALL_SYSTEMS < <(timeout -k 5 120 python - << 'PY'
 import re, subprocess, sys
 text = subprocess.run([sys.executable, "-m", "rollout.benchmarks.generation", "--help"],
                       capture_output=True, text=True).stdout
@@ -138,7 +139,7 @@ else
 fi
 MODEL_ARGS=()
 if [[ -n "${GPU_CHECK_SHAPES:-}" ]] && ((HAS_CUDA)); then
-    python scripts/random_weights.py --shapes-of "$GPU_CHECK_SHAPES" --out "${TMPDIR:-/tmp}/rollout_random_model" \
+    timeout -k 5 180 python scripts/random_weights.py --shapes-of "$GPU_CHECK_SHAPES" --out "${TMPDIR:-/tmp}/rollout_random_model" \
         && MODEL_ARGS=(--model "${TMPDIR:-/tmp}/rollout_random_model") && record random-weights ok 0 "shapes of $GPU_CHECK_SHAPES"
 fi
 BENCH=(python -m rollout.benchmarks.generation --device cuda --dtype bfloat16 --workload gsm8k-greedy gsm8k-grpo
