@@ -35,6 +35,7 @@ __all__ = [
     "ToolCall",
     "call_tool",
     "environment_tools",
+    "hermes_tool_call_blocks",
     "parse_hermes_tool_calls",
     "parse_tool_calls",
     "tool_schemas",
@@ -101,13 +102,15 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
     return schemas
 
 
-def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
-    """Hermes tool calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, in the order written.
+def hermes_tool_call_blocks(text: str) -> list[tuple[int, int, str, Any]]:
+    """The Hermes tool-call blocks of ``text`` that are calls, in the order written: ``(start, end, name, arguments)``.
 
+    ``start:end`` is the block's span in ``text`` (``<tool_call>`` to ``</tool_call>``), ``arguments`` the call's
+    ``arguments`` (``parameters`` where that is absent; ``{}`` where both are) as parsed from its JSON, of any type.
     A block whose JSON does not parse or that has no string ``name`` is no call (vLLM's ``hermes`` parser leaves it
-    as text too); ``parameters`` is read where ``arguments`` is absent.
+    as text too). One reader for the episodes' tools and rollout-serve's ``tool_calls``, so the two never disagree.
     """
-    calls = []
+    blocks = []
     for match in HERMES_CALL.finditer(text):
         try:
             payload = json.loads(match.group(1))
@@ -116,8 +119,19 @@ def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             continue
         arguments = payload.get("arguments", payload.get("parameters", {}))
-        calls.append(ToolCall(payload["name"], arguments if isinstance(arguments, dict) else str(arguments)))
-    return calls
+        blocks.append((match.start(), match.end(), payload["name"], arguments))
+    return blocks
+
+
+def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
+    """Hermes tool calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, in the order written.
+
+    Which blocks are calls: ``hermes_tool_call_blocks``. Arguments that are not a JSON object are kept as a string.
+    """
+    return [
+        ToolCall(name, arguments if isinstance(arguments, dict) else str(arguments))
+        for _, _, name, arguments in hermes_tool_call_blocks(text)
+    ]
 
 
 def _arguments(value: Any) -> dict[str, Any] | str:

@@ -286,6 +286,22 @@ def test_hermes_calls_and_the_tokenizer_s_own_parser() -> None:
     assert parse_tool_calls(WithParser(), [1], [7, 8]) == [ToolCall("add", {"a": 4})]
 
 
+def test_episodes_and_rollout_serve_read_the_same_hermes_calls() -> None:
+    from rollout.serve.chat import parse_tool_calls as serve_tool_calls
+
+    text = (
+        'a <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> b <tool_call>{bad</tool_call> '
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "neg", "parameters": {"x": 2}}</tool_call>'
+        '<tool_call>{"name": "say", "arguments": "hi"}</tool_call> c'
+    )
+    episode_calls = parse_hermes_tool_calls(text)
+    content, served = serve_tool_calls(text)
+    assert [c.name for c in episode_calls] == [c["function"]["name"] for c in served] == ["add", "neg", "say"]
+    assert [c.arguments for c in episode_calls] == [{"a": 1}, {"x": 2}, "hi"]
+    assert [json.loads(c["function"]["arguments"]) for c in served] == [{"a": 1}, {"x": 2}, "hi"]
+    assert content == 'a  b <tool_call>{bad</tool_call> <tool_call>{"arguments": {}}</tool_call> c'
+
+
 # ---------------------------------------------------------------------------------------------- partial rollouts
 def test_an_aborted_turn_resumes_from_the_prefix_cache_to_the_uninterrupted_tokens(
     manager: ContinuousBatchingManager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch

@@ -8,13 +8,13 @@ them itself, BOS included). Tool calls follow the Hermes format that vLLM's ``he
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
+from rollout.environments import hermes_tool_call_blocks
+
 from .errors import bad_request
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
 
@@ -77,23 +77,16 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
-    for match in TOOL_CALL_RE.finditer(text):
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            continue
-        arguments = payload.get("arguments", payload.get("parameters", {}))
+    for start, end, name, arguments in hermes_tool_call_blocks(text):
         calls.append(
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
-                "function": {"name": payload["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
             }
         )
-        kept.append(text[last : match.start()])
-        last = match.end()
+        kept.append(text[last:start])
+        last = end
     if not calls:
         return (text if text else None), []
     kept.append(text[last:])
