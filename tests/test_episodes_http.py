@@ -20,8 +20,10 @@ from rollout import (
     EpisodeLimits,
     ManagerTurns,
     RolloutClient,
+    RolloutPool,
     run_episode,
 )
+from rollout.pool import pick_replica
 from tests.serve_utils import RunningServer, running_server, wait_until
 from tests.test_episodes import PAGE, PROMPT, ROLE_TEMPLATE, RetryEnv
 from tests.tiny_models import EOS_TOKEN_ID, llama3_style_tokenizer, tiny_llama
@@ -116,3 +118,36 @@ def test_a_turn_aborted_by_the_server_s_pause_resumes_to_the_uninterrupted_token
     assert ep.completion_ids == reference.completion_ids
     assert_close(ep.logprobs, reference.logprobs, atol=1e-4)
     assert len(sent) == 4 and {r.headers["x-session-id"] for r in sent} == {"s2"}
+
+
+def test_with_two_replicas_each_episode_s_turns_hit_the_prefix_cache_of_its_own_replica_only(
+    srv: RunningServer, tokenizer: Any, reference: Any
+) -> None:
+    # Two replicas of the same weights (tiny_llama is seeded), no router: RolloutPool sends each session to the
+    # replica pick_replica chooses. Every turn after the first must hit that replica's cache, and the other replica
+    # must see none of the episode: neither its requests nor, therefore, any hit.
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, return_logprobs=True)
+    with running_server(tiny_llama(), tokenizer, config) as other:
+        servers = {srv.url: srv, other.url: other}
+        for server in servers.values():
+            server.manager.reset_prefix_cache()
+        sessions = [f"pair-{i}" for i in range(8)]
+        homes = {s: pick_replica(s, list(servers)) for s in sessions}
+        assert set(homes.values()) == set(servers)  # both replicas get sessions
+        with RolloutPool(list(servers), timeout=120) as pool:
+            for session in sessions:
+                before = {url: _cache_counters(s) for url, s in servers.items()}
+                ep = run_episode(
+                    ClientTurns(pool, temperature=0), tokenizer, RetryEnv(2), PROMPT, limits=LIMITS, episode_id=session
+                )
+                assert ep.completion_ids == reference.completion_ids and ep.num_model_turns == 3
+                home, away = homes[session], next(u for u in servers if u != homes[session])
+                hits, generated = (a - b for a, b in zip(_cache_counters(servers[home]), before[home]))
+                assert hits >= 2 * (len(ep.prompt_ids) // PAGE)  # turns 2 and 3 reuse at least the prompt's blocks
+                assert generated == sum(ep.loss_mask)
+                assert _cache_counters(servers[away]) == before[away]
+
+
+def _cache_counters(server: RunningServer) -> tuple[int, int]:
+    stats = server.manager.engine.stats  # read afresh: the engine may replace its stats object
+    return stats.num_prefix_cache_hit_blocks, stats.num_generated_tokens
