@@ -105,6 +105,15 @@ def test_trl_environment_factory_runs_every_turn_on_rollout(tmp_path, monkeypatc
     # A random model rarely samples its EOS: with most of the vocabulary as stop tokens a turn ends after a few
     # tokens, leaving room in max_completion_length for the tool's reply and a second turn.
     trainer.eos_token_ids = [EOS_TOKEN_ID, *range(60, 256)]
+    rows: list[tuple[list[int], list[int]]] = []  # TRL's (completion_ids, tool_mask) of each episode
+    generate = trainer._generate
+
+    def keep_rows(prompts: list) -> Any:
+        out = generate(prompts)
+        rows.extend(zip(out[1], out[2]))
+        return out
+
+    trainer._generate = keep_rows
     trainer.train()
 
     log = next(e for e in trainer.state.log_history if "completions/mean_length" in e)
@@ -119,3 +128,11 @@ def test_trl_environment_factory_runs_every_turn_on_rollout(tmp_path, monkeypatc
     # The second turn's prompt was the first prompt + the first turn + the tool message's ids (TRL's chaining).
     second = [p for p in parsed if p[0] not in {len(x) for x in prompts_ids}]
     assert len(second) == BATCH
+    # TRL's chaining made one row per episode: the first turn, the tool's reply (mask 0), the second turn.
+    tool_reply = tokenizer.encode("t4 t5 <|eot_id|> t9 ", add_special_tokens=False)
+    assert len(rows) == BATCH
+    for ids, mask in rows:
+        first = mask.index(0)
+        assert mask == [1] * first + [0] * len(tool_reply) + [1] * (len(ids) - first - len(tool_reply))
+        assert ids[first : first + len(tool_reply)] == tool_reply and len(ids) > first + len(tool_reply)
+    assert sum(sum(mask) for _, mask in rows) == summary["num_generated_tokens"]
