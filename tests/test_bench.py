@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from rollout.benchmarks import generation, prompt_fork, workloads
 from rollout.benchmarks import systems as systems_module
 from rollout.benchmarks.report import format_ratio, format_table, new_report, write_json
+from rollout.benchmarks.roofline import TokenFlops
 from rollout.benchmarks.systems import SystemRun
 from tests import tiny_models
 
@@ -129,8 +130,28 @@ def test_bench_static_samples_g_per_prompt_tiny_llama(tiny_llama, tmp_path):
 
 def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
     systems = ["rollout", "hf-static", "ceiling"]
-    result = _run(tiny_llama, systems, _tiny_workload())
+    result = generation.run_workload(
+        tiny_llama,
+        PROMPTS,
+        _tiny_workload(),
+        systems,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        static_batch_size=4,
+        decode_batch_size=4,
+        gemm_peak_gflops=50.0,
+    )
     w = _check_report_json(result, tmp_path, systems)
+    # The roofline: each system that returns its sequences is charged their FLOPs over its wall time.
+    flops = TokenFlops(tiny_llama)
+    for name in ("rollout", "hf-static"):
+        s = w["systems"][name]
+        lengths = [len(p) for p in PROMPTS]
+        expected = sum(flops.generated(n, g) for n, g in zip(lengths, s["generated_lengths"])) / 1e9
+        assert s["generated_gflop"] == pytest.approx(expected)
+        assert s["decode_gflops"] == pytest.approx(expected / s["wall_s"])
+        assert s["decode_fraction_of_peak"] == pytest.approx(s["decode_gflops"] / 50.0)
+    assert "decode_gflops" not in w["systems"]["ceiling"]  # it generates no real sequences
     assert {"rollout/hf-static", "rollout/ceiling", "hf-static/ceiling"} <= w["ratios"].keys()
     assert w["greedy_match"]["rollout/hf-static"]["total"] == 4
     assert w["decode_step"]["rollout_decode_step_s"] > 0

@@ -114,6 +114,7 @@ LAYERS = [
 # uses the report.
 BENCHMARK_LAYERS = [
     "workloads",
+    "roofline",
     "report",
     "prompt_fork",
     "sliding_window",

