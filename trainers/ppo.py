@@ -366,7 +366,8 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
 
         Staleness as in GRPO (``GRPOTrainer.metrics``): ``staleness_mean`` and ``staleness_max`` over the trained
         tokens (those of the samples not dropped; NaN without any), ``staleness_max_sampled`` over every sampled
-        token, ``dropped_stale`` the samples dropped."""
+        token, ``dropped_stale`` the samples dropped, ``trained_tokens`` the tokens of the samples kept (once, whatever
+        ``ppo_epochs``)."""
         acc = self.accelerator
         device = acc.device
         traj, m = trajectory, trajectory.mask
@@ -423,7 +424,7 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
             "staleness_max": float(maxima[3]) if stale_tokens else math.nan,
             "staleness_max_sampled": float(maxima[4]),
             "dropped_stale": float(t[7]),
-            "trained_tokens": float(t[6]),
+            "trained_tokens": float(t[10]),  # the batch's, as GRPO's (t[6] counts them once per epoch)
             "grad_norm": stats.grad_norm,
             "value_grad_norm": stats.value_grad_norm,
         }
