@@ -63,7 +63,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_cpu_processes_keep_identical_weights(tmp_path):
+def tiny_model_and_data(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny model folder (its tokenizer with a chat template) and a GSM8K-format file of 32 questions."""
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
     tokenizer = tiny_tokenizer()
@@ -75,6 +76,30 @@ def test_two_cpu_processes_keep_identical_weights(tmp_path):
             json.dumps({"question": f"t{5 + i} t{40 + i % 9} t{70 + i % 4}", "answer": f"#### {i}"}) for i in range(32)
         )
     )
+    return model_dir, data
+
+
+def launch_two_processes(driver: Path, args: list[str]) -> None:
+    """``accelerate launch`` ``driver`` with ``args`` in two CPU processes (configs/accelerate/cpu_2proc.yaml, on
+    a free port); fails the test with the tail of their output when the launch does not exit 0."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+        "--main_process_port",
+        str(_free_port()),
+        str(driver),
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_two_cpu_processes_keep_identical_weights(tmp_path):
+    model_dir, data = tiny_model_and_data(tmp_path)
     config = tmp_path / "config.yaml"
     config.write_text(
         textwrap.dedent(
@@ -101,23 +126,7 @@ def test_two_cpu_processes_keep_identical_weights(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(repo=str(REPO), scripts=str(REPO / "scripts"), record=str(record)))
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs/accelerate/cpu_2proc.yaml"),
-        "--main_process_port",
-        str(_free_port()),
-        str(driver),
-        "--config",
-        str(config),
-        "--output_dir",
-        str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch_two_processes(driver, ["--config", str(config), "--output_dir", str(out)])
 
     ranks = [[json.loads(line) for line in (record / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     assert [row["step"] for row in ranks[0]] == [0, 1, 2] == [row["step"] for row in ranks[1]]

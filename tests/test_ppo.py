@@ -353,6 +353,82 @@ def test_training_run_writes_the_run_folder_and_the_policy_reloads(tmp_path):
     assert table["training reward, steps 1-3"] == [f"{reward:.3f}"] * 2
 
 
+def _sequence_kl_k1(trainer: PPOTrainer, traj: PPOTrajectory, i: int) -> float:
+    """Sample i's sequence KL (k1) written out: the engine's logprobs minus the reference's, teacher-forced."""
+    p, c = traj.prompt_ids[i], traj.completion_ids[i]
+    with torch.no_grad():
+        logits = trainer.reference(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / trainer.config.temperature
+    ref = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(c)[:, None])[:, 0]
+    return float(sum(traj.behaviour_logprobs[i]) - ref.sum())
+
+
+def test_adaptive_kl_learns_the_mean_kl_of_the_samples_trained_on_and_skips_a_step_without_any(tmp_path):
+    """Issue 38: dropped (too stale) samples had KL 0 in the controller's input and the logged ``kl`` (the mean
+    over all N), and a step dropping every sample told the controller KL 0 and logged kl 0.0. The controller now
+    learns the mean sequence KL of the kept samples (written out here against a teacher-forced reference) with
+    their count as n; a step that trains on none leaves the coefficient as it was and logs no ``kl``. Which
+    samples are too stale is fixed per step (step 1: 3 of 8, step 2: all, step 3: none) in place of the queue's
+    version arithmetic, whose outcome depends on thread timing."""
+    trainer = tiny_trainer(
+        tmp_path, max_steps=3, kl_coef=0.1, kl_target=0.05, kl_horizon=100, kl_estimator="k1", stale_policy="drop"
+    )
+    # A reference other than the initial policy: every batch's KL is well away from 0, from the first on.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    drops = {0: [1, 4, 6], 1: list(range(8)), 2: []}
+    measure = trainer.queue.staleness
+
+    def staleness(outputs):
+        stale, _ = measure(outputs)
+        too_old = torch.zeros(len(outputs), dtype=torch.bool)
+        too_old[drops[trainer.state.global_step]] = True
+        return stale, too_old
+
+    trajectories: list[PPOTrajectory] = []
+    generate = trainer.generate_trajectory
+
+    def record_trajectory(batch, outputs):
+        trajectories.append(generate(batch, outputs))
+        return trajectories[-1]
+
+    updates: list[tuple[int, float, int]] = []
+    update = trainer.kl_ctl.update
+
+    def record_update(kl, num_sequences):
+        updates.append((trainer.state.global_step, kl, num_sequences))
+        return update(kl, num_sequences)
+
+    trainer.queue.staleness = staleness
+    trainer.generate_trajectory = record_trajectory
+    trainer.kl_ctl.update = record_update
+    rows = trainer.train()
+
+    kept = [[i for i in range(8) if i not in drops[s]] for s in range(3)]
+    true_kl = [[_sequence_kl_k1(trainer, trajectories[s], i) for i in kept[s]] for s in range(3)]
+    mean_kl = {s: sum(true_kl[s]) / len(kept[s]) for s in (0, 2)}
+    assert min(abs(mean_kl[0]), abs(mean_kl[2])) > 0.01
+    # The mean over the 8 samples, the dropped ones as 0, is 5/8 of the kept samples' mean: what was learned.
+    assert [s for s, _, _ in updates] == [0, 2]
+    assert [(kl, n) for _, kl, n in updates] == [
+        (pytest.approx(mean_kl[0], rel=1e-3, abs=1e-4), 5),
+        (pytest.approx(mean_kl[2], rel=1e-3, abs=1e-4), 8),
+    ]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["kl"] == pytest.approx(updates[0][1], rel=1e-12)
+    assert metrics[2]["kl"] == pytest.approx(updates[1][1], rel=1e-12)
+    assert "kl" not in metrics[1] and "kl" not in rows[1]  # trained on nothing: no KL, not 0.0
+    # kl_coef is the coefficient a step's rewards were built with: step 1's update moved it, step 2 left it.
+    assert metrics[0]["kl_coef"] == 0.1
+    assert metrics[1]["kl_coef"] == pytest.approx(0.1 * (1 + min(max(mean_kl[0] / 0.05 - 1, -0.2), 0.2) * 5 / 100))
+    assert metrics[2]["kl_coef"] == metrics[1]["kl_coef"] != metrics[0]["kl_coef"]
+    # Staleness as in GRPO: over the trained tokens (none at step 2: NaN), dropped samples counted apart.
+    assert [r["dropped_stale"] for r in metrics] == [3, 8, 0]
+    assert [r["staleness_max"] for r in metrics[::2]] == [0, 0] and math.isnan(metrics[1]["staleness_max"])
+    assert math.isnan(metrics[1]["staleness_mean"]) and metrics[1]["staleness_max_sampled"] == 0
+
+
 def test_saved_run_reloads_and_evaluates_with_the_eval_command(tmp_path):
     """A PPO run on the arithmetic task (tiny model, 6 held-out problems), then ``rollout-eval-grpo
     --model RUN``: the command finds the run's split in ppo_config.json and its greedy accuracy and

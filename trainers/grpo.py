@@ -209,7 +209,11 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
     # ------------------------------------------------------------------ metrics
     def metrics(self, trajectory: GRPOTrajectory, stats: GRPOStats) -> dict[str, float]:
         """Loss, importance ratios, staleness, dropped and skipped samples and the grad norm, over all processes
-        (token figures are token-weighted; the loss is the global loss)."""
+        (token figures are token-weighted; the loss is the global loss).
+
+        Staleness (PPO's ``metrics`` logs the same): ``staleness_mean`` and ``staleness_max`` over the trained
+        tokens (those of the samples not dropped; NaN without any), ``staleness_max_sampled`` over every sampled
+        token, ``dropped_stale`` the samples dropped, ``trained_tokens`` the tokens of the samples kept."""
         acc = self.accelerator
         device = acc.device
         zero_spread = acc.gather(trajectory.zero_spread.to(device))

@@ -101,6 +101,9 @@ class PPOStats:
         grad_norm, value_grad_norm: mean gradient norms before clipping (policy, value-only parameters).
         tokens: trained tokens summed over the epochs.
         optimizer_steps: optimizer steps taken.
+        kl: the mean sequence KL to the reference over the samples trained on (dropped stale samples left
+            out), over all processes: what the adaptive KL controller learned from; None without a KL
+            penalty or when no process kept a sample.
     """
 
     policy_loss: float
@@ -115,6 +118,7 @@ class PPOStats:
     value_grad_norm: float
     tokens: float
     optimizer_steps: int
+    kl: float | None = None
 
 
 class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
@@ -244,7 +248,8 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
 
     def ppo_step(self, traj: PPOTrajectory, step: int) -> PPOStats:
         """``ppo_epochs`` passes over the batch, each in ``num_mini_batches`` optimizer steps, inside
-        ``changing_weights``; then the adaptive KL coefficient learns the batch's KL.
+        ``changing_weights``; then the adaptive KL coefficient learns the mean KL of the samples trained on, over
+        all processes (``trained_kl``; a step that trains on none leaves it unchanged).
 
         Every mini-batch's loss is sum over its tokens of (policy loss + vf_coef * value loss -
         entropy_coef * entropy) divided by its token count over all processes; its micro-batches
@@ -313,8 +318,9 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
                     sums["vgn"] += float(vgn) if vgn is not None else math.nan
                     n_opt += 1
             self.scheduler.step()
-        if self.reference is not None and traj.kl is not None:
-            self.kl_ctl.update(float(traj.kl.sum(dim=1).mean()), len(traj.completion_ids) * self.world_size)
+        kl = self.trained_kl(traj)
+        if kl is not None:
+            self.kl_ctl.update(*kl)
         t = max(sums["tokens"], 1.0)
         return PPOStats(
             policy_loss=sums["pg"] / t,
@@ -329,12 +335,39 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
             value_grad_norm=sums["vgn"] / max(n_opt, 1),
             tokens=sums["tokens"],
             optimizer_steps=n_opt,
+            kl=kl[0] if kl is not None else None,
         )
+
+    def trained_kl(self, traj: PPOTrajectory) -> tuple[float, int] | None:
+        """The mean sequence KL to the reference over the samples trained on, and their number, over all
+        processes (the sums of KL and of kept samples are all-reduced, so every process gets the same figures
+        and the same coefficient). A dropped (too stale) sample is no part of the step, so it is left out
+        rather than counted as KL 0 (its ``kl`` row is masked to zeros). Every process must call it.
+
+        Returns:
+            (mean KL in nats, kept samples), or None without a KL penalty or when no process kept a sample.
+        """
+        if self.reference is None or traj.kl is None:
+            return None
+        acc = self.accelerator
+        kept = 1 - traj.dropped.to(traj.kl.device)
+        local = torch.stack([(traj.kl.sum(dim=1).double() * kept).sum(), kept.double().sum()])
+        total_kl, count = (float(x) for x in acc.reduce(local, reduction="sum"))
+        if count == 0:
+            return None
+        return total_kl / count, int(count)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self, trajectory: PPOTrajectory, stats: PPOStats) -> dict[str, float]:
         """Losses, ratios, the value model's fit, staleness and grad norms over all processes (token figures are
-        token-weighted); with a KL penalty, the batch's mean sequence KL and the coefficient its rewards used."""
+        token-weighted); with a KL penalty, the coefficient the batch's rewards used (``kl_coef``) and the mean
+        sequence KL of the samples trained on (``kl``, the controller's input; absent from the row when no sample
+        was trained on, as ``eval_accuracy`` is on a step without evaluation).
+
+        Staleness as in GRPO (``GRPOTrainer.metrics``): ``staleness_mean`` and ``staleness_max`` over the trained
+        tokens (those of the samples not dropped; NaN without any), ``staleness_max_sampled`` over every sampled
+        token, ``dropped_stale`` the samples dropped, ``trained_tokens`` the tokens of the samples kept (once, whatever
+        ``ppo_epochs``)."""
         acc = self.accelerator
         device = acc.device
         traj, m = trajectory, trajectory.mask
@@ -342,7 +375,7 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
         # Sequences sampled wholly under the current weights: a token sampled after an update mid-sequence
         # still attends to KV the old weights computed, so its engine logprob is not the trainer's.
         fresh = m.bool() & torch.tensor([max(s, default=0) == 0 for s in traj.staleness], device=device)[:, None]
-        seq_kl = traj.kl.sum(dim=1) if traj.kl is not None else None
+        trained_staleness = [s for s, d in zip(traj.staleness, traj.dropped.tolist()) if d == 0]
         local = torch.tensor(
             [
                 stats.policy_loss * stats.tokens,
@@ -352,25 +385,25 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
                 stats.clip_fraction * stats.tokens,
                 stats.value_clip_fraction * stats.tokens,
                 stats.tokens,
-                float(seq_kl.sum()) if seq_kl is not None else 0.0,
-                float(len(traj.completion_ids)),
                 float(traj.dropped.sum()),
                 float((traj.values * m).sum()),
                 float((traj.returns * m).sum()),
                 float(m.sum()),
-                sum(sum(s) for s in traj.staleness),
-                sum(len(s) for s in traj.staleness),
+                sum(sum(s) for s in trained_staleness),
+                sum(len(s) for s in trained_staleness),
             ],
             dtype=torch.float64,
             device=device,
         )
         t = acc.reduce(local, reduction="sum")
         tok = float(t[6]) or math.nan
-        mtok = float(t[12]) or math.nan
+        mtok = float(t[10]) or math.nan
+        stale_tokens = float(t[12])
         local_maxima = [
             stats.ratio_max,
             stats.first_ratio_max_dev,
             float(diff[fresh].max()) if fresh.any() else 0.0,
+            float(max((max(s, default=0) for s in trained_staleness), default=0)),
             float(max((max(s, default=0) for s in traj.staleness), default=0)),
         ]
         maxima = acc.gather(torch.tensor([local_maxima], dtype=torch.float64, device=device)).max(dim=0).values
@@ -382,21 +415,23 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
             "clip_fraction": float(t[4]) / tok,
             "value_clip_fraction": float(t[5]) / tok,
             "explained_variance": explained_variance(traj.values, traj.returns, m),
-            "value_mean": float(t[10]) / mtok,
-            "return_mean": float(t[11]) / mtok,
+            "value_mean": float(t[8]) / mtok,
+            "return_mean": float(t[9]) / mtok,
             "ratio_max": float(maxima[0]),
             "first_ratio_max_dev": float(maxima[1]),
             "logprob_diff_max": float(maxima[2]),
-            "staleness_mean": float(t[13]) / max(float(t[14]), 1.0),
-            "staleness_max": float(maxima[3]),
-            "dropped_stale": float(t[9]),
-            "trained_tokens": float(t[6]),
+            "staleness_mean": float(t[11]) / stale_tokens if stale_tokens else math.nan,
+            "staleness_max": float(maxima[3]) if stale_tokens else math.nan,
+            "staleness_max_sampled": float(maxima[4]),
+            "dropped_stale": float(t[7]),
+            "trained_tokens": float(t[10]),  # the batch's, as GRPO's (t[6] counts them once per epoch)
             "grad_norm": stats.grad_norm,
             "value_grad_norm": stats.value_grad_norm,
         }
-        if seq_kl is not None:
-            row["kl"] = float(t[7]) / float(t[8])
+        if traj.kl is not None:
             row["kl_coef"] = traj.kl_coef
+            if stats.kl is not None:
+                row["kl"] = stats.kl
         return row
 
     def completion_fields(self, trajectory: PPOTrajectory, i: int) -> dict[str, float]:

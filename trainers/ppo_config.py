@@ -48,7 +48,8 @@ class PPOConfig(TrainerConfig):
         kl_estimator: "k1" (log pi - log pi_ref) or "k3" ((r - 1) - log r, r = pi_ref / pi;
             non-negative), per token (Schulman's "Approximating KL divergence").
         kl_target: adapt ``kl_coef`` towards this sequence KL (Ziegler et al. 2019's proportional
-            controller); null: fixed coefficient.
+            controller), after each step from the mean sequence KL of the samples it trained on, over all
+            processes (a step that trains on none leaves it); null: fixed coefficient.
         kl_horizon: the controller's horizon in sequences.
 
     Optimisation per rollout batch:

@@ -201,7 +201,8 @@ class AdaptiveKLController:
     """The KL coefficient of Ziegler et al. (2019): proportional control towards a target KL.
 
     After a batch with mean sequence KL ``kl``: error = clip(kl / target - 1, -0.2, 0.2) and
-    coef *= 1 + error * n / horizon, where n is the batch's number of sequences.
+    coef *= 1 + error * n / horizon, where n is the number of sequences ``kl`` is the mean over (the PPO trainer
+    passes the samples it trained on, over all processes: ``PPOTrainer.trained_kl``).
 
     Args:
         init_coef: the starting coefficient (> 0).

@@ -187,7 +187,7 @@ def report(
         keys += ["frac_reward_zero_std", "is_ratio_max", "staleness_mean", "grad_norm"]
     else:
         keys += ["explained_variance", "value_loss", "clip_fraction", "approx_kl", "entropy"]
-        keys += ["kl"] if "kl" in (train[0] if train else {}) else []
+        keys += ["kl"] if any("kl" in r for r in train) else []  # absent on a step that trained on no sample
         keys += ["logprob_diff_max", "staleness_mean", "grad_norm"]
     keys += ["step_time_s", "rollout_tokens_per_s"]
     lines += ["", "## Per step", "", "| step | " + " | ".join(k.replace("rewards/", "") for k in keys) + " |"]
