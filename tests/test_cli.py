@@ -142,6 +142,17 @@ def test_null_sets_an_optional_field_from_the_command_line_and_yaml_reads_no_as_
     assert config.reward_weights == [1.0, 0.5] and all(type(w) is float for w in config.reward_weights)
 
 
+def test_null_unsets_a_list_field_in_a_file_a_flag_and_a_set_item(tmp_path):
+    # argparse reads a list flag's "null" as [None]; an optional list field given null is None, as every other field.
+    path = tmp_path / "c.yaml"
+    path.write_text("reward_weights: null\n")
+    assert parse_config(["--config", str(path)]).reward_weights is None
+    weighted = tmp_path / "w.yaml"
+    weighted.write_text("reward_weights: [1.0, 0.5]\n")
+    assert parse_config(["--config", str(weighted), "--reward_weights", "null"]).reward_weights is None
+    assert parse_config(["--config", str(weighted), "--set", "reward_weights=null"]).reward_weights is None
+
+
 def test_a_missing_config_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"--config .*nothere.yaml: no such file"):
         parse_config(["--config", str(tmp_path / "nothere.yaml")])

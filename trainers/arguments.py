@@ -268,7 +268,12 @@ class ConfigParser(HfArgumentParser):
             raise ConfigError(f"{name} {e.message}" if e.message.startswith("must") else f"{name}: {e.message}") from e
         finally:
             self.exit_on_error = True
-        return {k: v for k, v in vars(namespace).items() if k in self.field_names}
+        return self.null_lists({k: v for k, v in vars(namespace).items() if k in self.field_names})
+
+    def null_lists(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` with a list field given as ``null`` alone set to None (argparse's ``nargs="+"`` reads
+        ``--reward_weights null`` as ``[None]``)."""
+        return {k: None if k in self._list_fields and v == [None] else v for k, v in values.items()}
 
 
 def config_from_dict(values: Mapping[str, Any], cls: type[TrainerConfig] = GRPOConfig) -> Any:
@@ -332,7 +337,7 @@ def parse_config(
         flags = [u for u in unknown if u.startswith("-")]
         hint = suggest(flags[0].lstrip("-").replace("-", "_"), parser.field_names, as_flag=True) if flags else ""
         raise ConfigError(f"unknown argument(s) {' '.join(unknown)}{hint}")
-    given = vars(namespace)
+    given = parser.null_lists(vars(namespace))
     path, items = given.pop("config", None), given.pop("set", [])
     if default_config is None and cls.default_config_file is not None:
         default_config = REPO_CONFIGS / cls.default_config_file
