@@ -2,9 +2,11 @@
 
 A request that spans a weight update without recompute keeps its own KV, old and new weights mixed; none of that KV
 may reach another request. Each test changes the weights while a request is in one state (offloaded to the CPU pool,
-half-way through the first block of a chunked prefill, with forks parked on its prefill, with a placeholder in
-flight), lets it finish, then sends the same prompt again: that request must compute on the new weights only, its
-greedy tokens equal to ``model.generate`` and its logprobs within 1e-4 of a teacher-forced forward.
+part-way through the first or a later block of a chunked prefill or of a budget left by decoding requests, with forks
+parked on its prefill, with a placeholder in flight, decoding in its first block), on full-attention, sliding-window
+and hybrid models, lets it finish, then sends the same prompt (or its conversation's next turn) again: that request
+must compute on the new weights only (the exact count of reused tokens is asserted), its greedy tokens equal to
+``model.generate`` and its logprobs within 1e-4 of a teacher-forced forward.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ _CHUNKED = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens
 
 
 def _change_weights(engine: Engine, model: torch.nn.Module) -> None:
-    """A trainer's in-place update between two steps, kept KV and all (``update_weights(..., recompute=False)``)."""
+    """A trainer's in-place update between two steps, kept KV and all (``update_weights(..., recompute=False)``).
+
+    The version is set first: ``set_weight_version`` finishes an async step in flight, which must run on the old
+    weights (the manager's loop drains it before a pause); nothing runs on the model before the next ``step()``.
+    """
+    engine.set_weight_version(engine.weight_version + 1)
     torch.manual_seed(123)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layers.1" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    engine.set_weight_version(engine.weight_version + 1)
 
 
 def _step_until(engine: Engine, done: Callable[[], bool], max_steps: int = 200) -> None:
@@ -154,11 +160,7 @@ _MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 def _update_every_tensor(engine: Engine, model: torch.nn.Module) -> None:
-    """What ``update_weights(new_state_dict, recompute=False)`` does to an engine between two steps.
-
-    The version is set first: ``set_weight_version`` finishes an async step in flight, which ran on the old weights
-    (the manager's loop drains it before a pause), and nothing runs before the next ``step()``.
-    """
+    """``_change_weights`` with every parameter changed (what a full state dict through ``update_weights`` does)."""
     engine.set_weight_version(engine.weight_version + 1)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
