@@ -133,14 +133,15 @@ BENCHMARK_LAYERS = [
     "__init__",
 ]
 
-# rollout/serve/, low to high: errors (OpenAI's error body) and protocol (the pydantic request bodies) are leaves;
-# chat (the chat template and tool calls) raises errors; jobs (a request body to a checked job) uses chat and
-# protocol; responses (outputs to OpenAI's shapes) reads jobs; metrics (Prometheus text) reads the manager only;
-# pause (the pause and resume holder, vLLM's rules) is a leaf; submission (a job's requests and their ends) raises
-# errors; weight_updates (new weights from disk or a trainer's transfer group) uses errors and protocol; service (the
-# one part that talks to the manager) uses jobs, responses, pause, submission and weight_updates; weight_routes (the
-# weight-transfer routes) use the service; app (the routes) uses the service and weight_routes; cli
-# (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and cli.
+# rollout/serve/, low to high: errors (OpenAI's error body) is a leaf; protocol (the pydantic request bodies) names
+# errors' type of a boolean sent for a number; chat (the chat template and tool calls) raises errors; jobs (a request
+# body to a checked job) uses chat and protocol; responses (outputs to OpenAI's shapes) reads jobs; metrics (Prometheus
+# text) reads the manager only; pause (the pause and resume holder, vLLM's rules) is a leaf; submission (a job's
+# requests and their ends) raises errors; weight_updates (new weights from disk or a trainer's transfer group) uses
+# errors and protocol; service (the one part that talks to the manager) uses jobs, responses, pause, submission and
+# weight_updates; weight_routes (the weight-transfer routes) use the service; app (the routes) uses the service and
+# weight_routes; cli (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and
+# cli.
 SERVE_LAYERS = [
     "errors",
     "protocol",

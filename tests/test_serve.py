@@ -617,6 +617,115 @@ def test_openai_client_raises_bad_request_with_the_message(client: openai.OpenAI
         client.completions.create(model=MODEL, prompt=[5], top_p=2.0)
 
 
+CHAT_BODY = {"messages": [{"role": "user", "content": "t5 t6 t7"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [5, 6], "n": True}, "n"),
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": [5, 6], "temperature": False}, "temperature"),
+        ("/v1/completions", {"prompt": [5, 6], "top_p": True}, "top_p"),
+        ("/v1/completions", {"prompt": [5, 6], "top_k": True}, "top_k"),
+        ("/v1/completions", {"prompt": [5, 6], "min_p": False}, "min_p"),
+        ("/v1/completions", {"prompt": [5, 6], "seed": True}, "seed"),
+        ("/v1/completions", {"prompt": [5, 6], "logprobs": False}, "logprobs"),
+        ("/v1/completions", {"prompt": [5, 6], "prompt_logprobs": False}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": [5, 6], "min_tokens": True}, "min_tokens"),
+        ("/v1/completions", {"prompt": [5, 6], "repetition_penalty": True}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": [5, 6], "frequency_penalty": False}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": [5, 6], "best_of": True}, "best_of"),
+        ("/v1/completions", {"prompt": [5, 6], "stop_token_ids": [True]}, "stop_token_ids.0"),
+        ("/v1/completions", {"prompt": [5, True]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [[5], [6, True]]}, "prompt.1.1"),
+        ("/v1/chat/completions", {**CHAT_BODY, "n": True}, "n"),
+        ("/v1/chat/completions", {**CHAT_BODY, "max_completion_tokens": True}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT_BODY, "logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT_BODY, "temperature": True}, "temperature"),
+        (
+            "/update_weights",
+            {"update_info": {"names": [], "dtype_names": [], "shapes": [], "packed_buffer_size_bytes": True}},
+            "update_info.packed_buffer_size_bytes",
+        ),
+    ],
+)
+def test_a_boolean_sent_for_a_number_is_a_400_naming_the_field(
+    srv: RunningServer, path: str, body: dict, param: str
+) -> None:
+    # pydantic's lax mode reads true as 1 and false as 0: "n": true was answered as one choice, "temperature": false
+    # as greedy.
+    generated = srv.manager.engine.stats.num_generated_tokens
+    response = _post(srv, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: a number is expected, got the boolean")
+    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_seed_outside_a_signed_64_bit_int_is_a_400_naming_the_range(srv: RunningServer, path: str) -> None:
+    # The engine takes seeds modulo 2**64: 2**64 + 5 would have sampled as seed 5. vLLM's range is torch.long's.
+    body = {"prompt": [5, 6, 7]} if path == "/v1/completions" else dict(CHAT_BODY)
+    for seed in (2**64 + 5, 2**63, -(2**63) - 1):
+        response = _post(srv, path, {**body, "seed": seed, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "seed" and error["message"].startswith(f"seed: {seed} is outside")
+        assert "[-9223372036854775808, 9223372036854775807]" in error["message"]
+    for seed in (2**63 - 1, -(2**63)):  # the ends of the range are seeds
+        assert _post(srv, path, {**body, "seed": seed, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/v1/completions", {"prompt": [5, 6], "min_tokens": 5, "max_tokens": 3}, "max_tokens (3)"),
+        ("/v1/completions", {"prompt": [5, 6], "min_tokens": 17}, "max_tokens (16, the default)"),
+        ("/v1/chat/completions", {**CHAT_BODY, "min_tokens": 4}, "max_tokens (3)"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT_BODY["messages"], "min_tokens": 5, "max_completion_tokens": 2},
+            "max_completion_tokens (2)",
+        ),
+    ],
+)
+def test_min_tokens_above_max_tokens_is_a_400_naming_both(
+    srv: RunningServer, path: str, body: dict, named: str
+) -> None:
+    generated = srv.manager.engine.stats.num_generated_tokens
+    response = _post(srv, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "min_tokens"
+    assert error["message"].startswith(f"min_tokens: {body['min_tokens']} is more than {named}")
+    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
+    equal = {**body, "min_tokens": body.get("max_tokens", body.get("max_completion_tokens", 16))}
+    assert _post(srv, path, equal).status_code == 200
+
+
+def test_unknown_routes_and_wrong_methods_answer_openais_error_body(srv: RunningServer) -> None:
+    unknown = httpx.post(f"{srv.url}/v1/completion", json={"prompt": [5]}, timeout=10)
+    assert unknown.status_code == 404
+    assert unknown.json() == {
+        "error": {
+            "message": "POST /v1/completion: no such route (docs/serving.md lists the routes)",
+            "type": "not_found_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    for method, path, allowed in (("GET", "/v1/completions", "POST"), ("POST", "/health", "GET")):
+        wrong = httpx.request(method, f"{srv.url}{path}", timeout=10)
+        assert wrong.status_code == 405 and wrong.headers["allow"] == allowed
+        error = wrong.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["message"] == f"{method} {path}: the method is not allowed on this route (it takes {allowed})"
+    with pytest.raises(openai.NotFoundError, match="no such route"):
+        openai.OpenAI(base_url=f"{srv.url}/v2", api_key="unused", max_retries=0).models.list()
+
+
 # ---------------------------------------------------------------------------------------------- chat
 def test_chat_greedy_applies_the_template_and_streams_the_same_text(
     srv: RunningServer, client: openai.OpenAI, model: torch.nn.Module, tokenizer: object
@@ -663,6 +772,46 @@ def test_chat_top_logprobs_equal_topk_of_a_teacher_forced_log_softmax(
         assert entry.top_logprobs[0].bytes == list(entry.token.encode())
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)  # without logprobs=true
+
+
+def test_chat_content_as_text_parts_is_the_text_joined_with_newlines(
+    srv: RunningServer, client: openai.OpenAI, model: torch.nn.Module
+) -> None:
+    parts = [{"type": "text", "text": "t5 t6"}, {"type": "text", "text": "t7"}]
+    answers = []
+    for content in (parts, "t5 t6\nt7"):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": [parts[1]]}, {"role": "user", "content": content}],
+            max_tokens=8, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        answers.append((out.model_extra["prompt_token_ids"], out.choices[0].token_ids))
+    prompt = [4, 7, 4, 5, 6, 7, 9]  # "t4 t7 t4 t5 t6 t7 t9": the two messages, the generation prompt
+    assert answers[0] == answers[1] == (prompt, reference_greedy(model, prompt, 8, None))
+    # The tiny tokenizer splits at any whitespace: the joiner itself is read off the function that joins.
+    from rollout.serve.chat import text_messages  # here, not at the top: the module's other tests predate it
+
+    assert text_messages([{"role": "user", "content": parts}]) == [{"role": "user", "content": "t5 t6\nt7"}]
+
+
+@pytest.mark.parametrize(
+    ("part", "named"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "'image_url'"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio'"),
+        ({"type": "text"}, "a string 'text'"),
+        ({"text": "t5"}, "{'text': 't5'}"),
+    ],
+)
+def test_a_chat_content_part_that_is_not_text_is_a_400_naming_its_type(
+    srv: RunningServer, part: dict, named: str
+) -> None:
+    content = [{"type": "text", "text": "t5"}, part]
+    response = _post(srv, "/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.content.1"
+    assert error["message"].startswith("messages.0.content.1: ") and named in error["message"]
+    assert not srv.manager.engine.requests
 
 
 def test_hermes_tool_calls_are_parsed_out_of_the_text() -> None:

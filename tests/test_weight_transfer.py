@@ -245,6 +245,33 @@ def test_a_bad_announcement_is_a_400_naming_the_field_before_any_byte() -> None:
         assert status(srv)["weight_version"] == 0 and status(srv)["initialized"]
 
 
+def test_a_refused_send_leaves_no_update_open() -> None:
+    # send_weights opens an update (/start_weight_update) before /update_weights refuses its announcement: the server
+    # used to report "updating" (and keep the update open) until the next send's init.
+    with server() as srv:
+        with RolloutClient(srv.url, timeout=3) as client:
+            with pytest.raises(RolloutServerError) as refused:
+                client.send_weights([("model.nope.weight", torch.zeros(2))])
+        assert refused.value.status == 400 and refused.value.param == "update_info.names"
+        state = status(srv)
+        assert not state["updating"] and state["weight_version"] == 0
+        assert state["last_error"].startswith("the open weight update was dropped: its announcement was refused")
+        finish = httpx.post(f"{srv.url}/finish_weight_update", timeout=10)
+        assert finish.status_code == 400 and "no weight update is open" in finish.json()["error"]["message"]
+        # The same through the four calls by hand, with a shape the model does not have.
+        with RolloutClient(srv.url, timeout=30) as client:
+            client.init_weight_transfer()
+            assert httpx.post(f"{srv.url}/start_weight_update", timeout=10).status_code == 200
+            assert status(srv)["updating"]
+            bad = TensorMeta("model.embed_tokens.weight", torch.float32, (256, 63))
+            response = httpx.post(f"{srv.url}/update_weights", json={"update_info": update_info([bad])}, timeout=10)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "update_info.shapes"
+            assert not status(srv)["updating"]
+            # A complete send afterwards is one new version, the sender's weights.
+            assert client.send_weights(tiny_llama(seed=1).named_parameters()) == 1
+        assert greedy(srv)["token_ids"] == reference_greedy(tiny_llama(seed=1), PROMPT, 8, None)
+
+
 def _start_sender(srv: RunningServer, stall_after: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.weight_sender", srv.url, str(stall_after), str(BUCKET_BYTES)],

@@ -1,8 +1,12 @@
 """Chat: messages through the tokenizer's chat template, and Hermes tool calls out of the generated text.
 
-The prompt is the template's text, encoded without adding special tokens again (the template writes
-them itself, BOS included). Tool calls follow the Hermes format that vLLM's ``hermes`` parser reads
-(Qwen 2.5/3, Hermes, SmolLM3 templates write it): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+A message's content may be a list of text parts (``[{"type": "text", "text": ...}]``, what OpenAI's clients and agent
+frameworks send): the template gets their texts joined with "\\n", as vLLM joins them for templates that read a string
+(``_parse_chat_message_content_parts`` in vllm/entrypoints/chat_utils.py); a part of any other type (an image, audio,
+a file...) is refused, the served models reading text only. The prompt is the template's text, encoded without adding
+special tokens again (the template writes them itself, BOS included). Tool calls follow the Hermes format that vLLM's
+``hermes`` parser reads (Qwen 2.5/3, Hermes, SmolLM3 templates write it):
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,53 @@ from rollout.environments import hermes_tool_call_blocks
 from .errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"
+# What joins the texts of a message's content parts (vLLM's joiner for templates that read a string).
+PART_JOINER = "\n"
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each content given as a list of text parts replaced by their texts joined with "\\n".
+
+    Args:
+        messages: OpenAI messages; a ``content`` is a string, None (an assistant turn with tool calls), or a list of
+            parts ``{"type": "text", "text": str}``.
+
+    Returns:
+        New message dicts (the others as given): every ``content`` a string or None.
+
+    Raises:
+        APIError: 400 (param ``messages.i.content.j``) for a part that is not a text part, naming its type
+            (``image_url``, ``input_audio``...), or a text part without a string ``text``; (param
+            ``messages.i.content``) for a content that is neither a string nor a list of parts.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            out.append(message)
+            continue
+        if not isinstance(content, list):
+            param = f"messages.{i}.content"
+            raise bad_request(
+                f"{param}: a message's content is a string or a list of text parts, got {type(content).__name__}",
+                param,
+            )
+        texts = []
+        for j, part in enumerate(content):
+            param = f"messages.{i}.content.{j}"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                named = f"a part of type {kind!r}" if isinstance(kind, str) else f"{part!r}"
+                raise bad_request(
+                    f"{param}: {named} is not supported; only text parts ({{'type': 'text', 'text': ...}}): the "
+                    "served model reads text only",
+                    param,
+                )
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}: a text part needs a string 'text', got {part.get('text')!r}", param)
+            texts.append(part["text"])
+        out.append({**message, "content": PART_JOINER.join(texts)})
+    return out
 
 
 def chat_prompt_ids(

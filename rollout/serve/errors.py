@@ -14,10 +14,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from rollout import FieldError
 
 logger = logging.getLogger(__name__)
+
+# The pydantic error type of a JSON boolean sent where a number is expected (``protocol.Integer``, ``protocol.Number``):
+# reported before the other errors of the field, which are only the union members it did not match.
+BOOL_FOR_NUMBER = "bool_for_number"
 
 # OpenAI's error types by HTTP status.
 _TYPES = {
@@ -25,6 +30,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     422: "invalid_request_error",
     409: "conflict_error",
     415: "invalid_request_error",
@@ -89,22 +95,37 @@ def _field_of(loc: tuple[Any, ...]) -> str | None:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Answer ``APIError`` and FastAPI's validation errors with OpenAI's body.
+    """Answer ``APIError``, FastAPI's validation errors and its own HTTP errors with OpenAI's body.
 
     A body that is not JSON answers 422, or 415 naming the header when its ``Content-Type`` is not JSON (a body
     without one is read as JSON, as vLLM reads it); a JSON body with a bad field 400 naming the field (OpenAI and
     vLLM answer 400 there, where FastAPI would answer 422). A model validator's ``rollout.FieldError`` gives its
-    ``field`` and its message; a field's own check gives pydantic's location and message.
+    ``field`` and its message; a field's own check gives pydantic's location and message. The routing's own answers,
+    404 for an unknown path and 405 for a method the path does not take (FastAPI writes ``{"detail": ...}``), get
+    the same body, naming the method and path (and, for a 405, the methods of its ``Allow`` header).
     """
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        route = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"{route}: no such route (docs/serving.md lists the routes)"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{route}: the method is not allowed on this route (it takes {allowed or 'another method'})"
+        else:
+            message = f"{route}: {exc.detail}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0]
+        # A boolean sent for a number fails every member of a union (``prompt``): its own error names the fault.
+        first = next((e for e in errors if e.get("type") == BOOL_FOR_NUMBER), errors[0])
         if any(
             e.get("type") in ("json_invalid", "model_attributes_type") and len(e.get("loc", ())) <= 2 for e in errors
         ):

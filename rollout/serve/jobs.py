@@ -1,8 +1,9 @@
 """A request body becomes a checked ``Job`` once, at the HTTP boundary.
 
 ``completion_job`` and ``chat_job`` check what needs the model or the tokenizer (the served name, token ids in the
-vocabulary, an empty prompt, ``max_tokens`` past the context, logprobs the engine does not record) and build the
-request's one ``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
+vocabulary, an empty prompt, ``max_tokens`` past the context, ``min_tokens`` above ``max_tokens`` whether set or
+defaulted, logprobs the engine does not record), turn chat content parts into text (``chat.text_messages``) and build
+the request's one ``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
 Nothing is queued when a check fails, and the 400 names the field.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from rollout import FieldError, SamplingParams, build_sampling_params
 
-from .chat import chat_prompt_ids
+from .chat import chat_prompt_ids, text_messages
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -188,6 +189,27 @@ def _max_tokens(
     return max_tokens
 
 
+def _check_min_tokens(req: SamplingFields, max_tokens: int, requested: int | None, max_name: str) -> None:
+    """Refuse ``min_tokens`` above the request's ``max_tokens`` (vLLM's rule): the engine would end the request at
+    ``max_tokens`` with fewer tokens than asked for.
+
+    Args:
+        req: the request body.
+        max_tokens: the request's resolved ``max_tokens``.
+        requested: the ``max_tokens`` the body set, or None when ``max_tokens`` is the default.
+        max_name: the field the body set it with (``max_tokens`` or ``max_completion_tokens``).
+
+    Raises:
+        APIError: 400 naming ``min_tokens`` (the message names the ``max_tokens`` field too).
+    """
+    if req.min_tokens <= max_tokens:
+        return
+    given = f"{max_name} ({max_tokens})" if requested is not None else f"{max_name} ({max_tokens}, the default)"
+    raise bad_request(
+        f"min_tokens: {req.min_tokens} is more than {given}; min_tokens must be at most max_tokens", "min_tokens"
+    )
+
+
 def sampling_params(
     req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0, lora: str | None = None
 ) -> SamplingParams:
@@ -260,6 +282,7 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     prompts = completion_prompts(req, info)
     max_tokens = _max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, info, "prompt")
+    _check_min_tokens(req, max_tokens, req.max_tokens, "max_tokens")
     top_logprobs = req.logprobs or 0
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
@@ -292,14 +315,17 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     ids = chat_prompt_ids(
         info.tokenizer,
-        req.messages,
+        text_messages(req.messages),
         tools,
         req.add_generation_prompt,
         req.continue_final_message,
         req.chat_template_kwargs,
     )
     prompts = [_check_ids(ids, info, "messages")]
-    max_tokens = _max_tokens(req.max_completion_tokens or req.max_tokens, None, prompts, info, "messages")
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = _max_tokens(requested, None, prompts, info, "messages")
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_min_tokens(req, max_tokens, requested, max_name)
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(

@@ -3,7 +3,8 @@
 Each request model checks what pydantic can check alone, so a bad value is refused with a 400 naming the field before
 any work: ranges and types per field, and in model validators (vLLM's way) the cross-field rules and the fields the
 engine cannot honour, each raising a ``rollout.FieldError`` that names its field. What needs the model or the tokenizer
-is checked in ``jobs.py``.
+is checked in ``jobs.py``. Numeric fields are ``Integer`` or ``Number``: pydantic's lax reading less booleans (``"n":
+true`` is a 400, not one choice).
 
 Unknown fields: a generation body (completions, chat) accepts them and logs a warning, as vLLM's ``OpenAIBaseModel``
 does, because routers and clients add fields of their own (vllm-router re-serialises every body with SGLang's
@@ -18,17 +19,42 @@ Responses are plain dicts in the ``openai`` package's shapes, with vLLM's extra 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from rollout import FieldError
 from rollout.sampling_params import MAX_TOP_LOGPROBS
 
+from .errors import BOOL_FOR_NUMBER
+
 logger = logging.getLogger(__name__)
 
+# vLLM's range of ``seed`` (a signed 64-bit int, ``torch.iinfo(torch.long)``): the engine takes seeds modulo 2**64
+# (``sampling.seeded_uniforms``), so over this range each seed has a stream of its own, and a larger one, which would
+# silently share another's, is refused.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+
+
+def _not_bool(value: Any) -> Any:
+    """Refuse a JSON boolean where a number is expected: pydantic's lax mode reads ``true`` as 1 (``"n": true``
+    would ask for one choice, ``"temperature": false`` for greedy)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError(
+            BOOL_FOR_NUMBER, "a number is expected, got the boolean {value}", {"value": str(value).lower()}
+        )
+    return value
+
+
+# An int or a float field that refuses booleans; otherwise pydantic's lax reading (``2.0`` is the int 2, ``0`` the
+# float 0.0), as vLLM reads them.
+Integer = Annotated[int, BeforeValidator(_not_bool)]
+Number = Annotated[float, BeforeValidator(_not_bool)]
+
 # A prompt: a text, a list of texts, a list of token ids, or a list of such lists (OpenAI's four shapes).
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[Integer] | list[list[Integer]]
 
 # Fields of vLLM's and SGLang's generation bodies that would change the output and that rollout does not implement,
 # with the values that leave it unchanged (a request may send those). Any other unknown field is ignored with a
@@ -116,25 +142,25 @@ class SamplingFields(_GenerationBody):
     """
 
     model: str | None = None
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    n: Integer = Field(1, ge=1)
+    max_tokens: Integer | None = Field(None, ge=1)
+    temperature: Number = Field(1.0, ge=0.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    seed: Integer | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag: only recorded, never changes the output
     # OpenAI fields the engine does not implement: refused unless at their no-op value.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Number = 0.0
+    presence_penalty: Number = 0.0
+    logit_bias: dict[str, Number] | None = None
     # vLLM's extras.
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    stop_token_ids: list[int] | None = None
+    top_k: Integer | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: Integer = Field(0, ge=0)
+    repetition_penalty: Number = Field(1.0, gt=0.0)
+    stop_token_ids: list[Integer] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -146,6 +172,12 @@ class SamplingFields(_GenerationBody):
 
     @model_validator(mode="after")
     def _sampling_supported(self) -> Self:
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise _refuse(
+                "seed",
+                f"{self.seed} is outside [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit int, vLLM's range): seeds are "
+                "taken modulo 2**64, so a larger one would repeat another seed's samples",
+            )
         if self.frequency_penalty != 0.0:
             raise _refuse("frequency_penalty", "not supported (only 0); use repetition_penalty")
         if self.presence_penalty != 0.0:
@@ -177,10 +209,10 @@ class CompletionRequest(SamplingFields):
     """
 
     prompt: Prompt
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: Integer | None = Field(None, ge=0)
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = Field(None, ge=1)
+    prompt_logprobs: Integer | None = Field(None, ge=0)
+    best_of: Integer | None = Field(None, ge=1)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -251,13 +283,13 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Integer | None = Field(None, ge=0)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: Integer | None = Field(None, ge=0)
     echo: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -309,7 +341,7 @@ class UnloadLoraAdapterRequest(_Body):
     """
 
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Integer | None = None
 
 
 class UpdateWeightsRequest(_Body):
@@ -343,9 +375,9 @@ class InitInfo(_Body):
     """
 
     master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(1, ge=1)
-    world_size: int = Field(2, ge=2)
+    master_port: Integer = Field(ge=1, le=65535)
+    rank_offset: Integer = Field(1, ge=1)
+    world_size: Integer = Field(2, ge=2)
     packed: bool | None = None
 
 
@@ -383,9 +415,9 @@ class UpdateInfo(_Body):
 
     names: list[str]
     dtype_names: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Integer]]
     packed: bool | None = None
-    packed_buffer_size_bytes: int | None = Field(None, ge=1)
+    packed_buffer_size_bytes: Integer | None = Field(None, ge=1)
 
 
 class UpdateWeightsFromTrainerRequest(_Body):

@@ -277,6 +277,19 @@ class WeightUpdater:
             raise APIError(400, f"{param}: {e}", param) from e
         return metas
 
+    def _drop_open_update(self, refusal: APIError) -> None:
+        """Close the open update after ``/update_weights`` refused its announcement: the update cannot be the one
+        the trainer meant (a tensor of it was refused), and an update left open would report ``updating`` until the
+        next ``/start_weight_update`` or init. Nothing was received for it in this call; tensors an earlier call
+        staged are dropped (atomic mode), and copies an earlier call made in place are already a version of their own.
+        """
+        t = self.state
+        if not t.updating:
+            return
+        t.updating, t.staged = False, None
+        t.last_error = f"the open weight update was dropped: its announcement was refused ({refusal.message})"
+        logger.warning("%s", t.last_error)
+
     async def update_weights(self, info: UpdateInfo) -> dict[str, Any]:
         """Receive the announced tensors from the trainer (rank 0), while it broadcasts them.
 
@@ -287,7 +300,8 @@ class WeightUpdater:
             ``tensors``, ``bytes``, ``seconds`` received, and ``weight_version`` when the call finished the update.
 
         Raises:
-            APIError: 400 for a bad announcement (names, dtypes, shapes: nothing is received then) or no group;
+            APIError: 400 for a bad announcement (names, dtypes, shapes: nothing is received then, and an open update
+                is dropped: ``/start_weight_update`` again) or no group;
                 409 while another transfer receives; 500 when the transfer failed: the trainer died (seen at
                 once) or stalled past the timeout. The group is closed then (init again); atomic mode keeps
                 the last complete weights, in-place mode reports partial weights and aborts in-flight requests.
@@ -295,7 +309,11 @@ class WeightUpdater:
         group = self._need_group()
         if self.state.receiving:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
-        metas = self._check_update(info)
+        try:
+            metas = self._check_update(info)
+        except APIError as e:
+            self._drop_open_update(e)
+            raise
         implicit = not self.state.updating
         if implicit:
             self.start_weight_update()
