@@ -141,7 +141,10 @@ class LoraRollouts(RolloutBackend):
         self.prefix = prefix
         self.adapter: str | None = None
         self.last_sync_bytes = 0
-        self.full_bytes = full_weights_bytes(peft_model.get_base_model())
+        # The base weights alone (peft's layers hold the adapter inside the base model's tree).
+        self.full_bytes = sum(
+            p.numel() * p.element_size() for n, p in peft_model.named_parameters() if ".lora_" not in n
+        )
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -209,3 +212,27 @@ class LoraRollouts(RolloutBackend):
 
     def get_result(self, request_id: str, timeout: float | None = None) -> rollout.GenerationOutput | None:
         return self.backend.get_result(request_id, timeout)
+
+
+def adapter_sync_bytes(model_config: Any, r: int, target_modules: Sequence[str] = (ALL_LINEAR,)) -> tuple[int, int]:
+    """(adapter bytes, full weight bytes) a sync of a LoRA run on a model of ``model_config`` sends, counted on the
+    meta device (no weight is allocated or read): the adapter ``lora_policy`` builds, against every parameter.
+
+    Args:
+        model_config: a ``transformers`` config of a causal LM (``AutoConfig.from_pretrained``).
+        r: the adapter's rank; its alpha does not change the bytes.
+        target_modules: as ``lora_target_modules``.
+
+    Raises:
+        ConfigError: as ``check_lora_targets``.
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    settings = SimpleNamespace(lora_r=r, lora_alpha=float(r), lora_target_modules=list(target_modules))
+    peft_model = lora_policy(settings, model)
+    adapter = rollout.LoraAdapter.from_tensors("sizing", rollout.adapter_state_dict(peft_model), r, float(r))
+    return adapter.num_bytes, full_weights_bytes(model)
