@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import torch
 
+from .lora import LoraAdapter
 from .weight_transfer import DEFAULT_BUCKET_BYTES, NamedTensors, TensorMeta, TransferGroup, describe, send, update_info
 
 logger = logging.getLogger(__name__)
@@ -500,6 +501,7 @@ class RolloutPool:
         metas: Sequence[TensorMeta] | None = None,
         packed: bool = True,
         recompute: bool = False,
+        lora_adapter: Mapping[str, Any] | None = None,
     ) -> int:
         """Stream tensors into every replica's live weights as one new weight version, each bucket broadcast once.
 
@@ -520,6 +522,8 @@ class RolloutPool:
             packed: buckets of ``bucket_bytes`` (True) or one broadcast per tensor.
             recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
                 under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
+            lora_adapter: ``/start_weight_update``'s ``lora_adapter`` (``lora_name``, ``r``, ``lora_alpha``...): the
+                tensors are a LoRA adapter's, loaded as one on every replica (``send_lora_adapter``).
 
         Returns:
             The replicas' new weight version.
@@ -539,7 +543,7 @@ class RolloutPool:
         while True:
             before = list(self.urls)
             try:
-                return self._send_once(iter(pairs), metas, packed, recompute)
+                return self._send_once(iter(pairs), metas, packed, recompute, lora_adapter)
             except Exception as e:
                 self.close_weight_transfer()  # the group's state is unknown after a failure: the next send opens anew
                 self.drop_unhealthy()
@@ -551,14 +555,23 @@ class RolloutPool:
                 )
 
     def _send_once(
-        self, iterator: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta], packed: bool, recompute: bool
+        self,
+        iterator: Iterator[tuple[str, torch.Tensor]],
+        metas: Sequence[TensorMeta],
+        packed: bool,
+        recompute: bool,
+        lora_adapter: Mapping[str, Any] | None = None,
     ) -> int:
         if self.group is None or self._group_urls != self.urls:
             self.init_weight_transfer()
         assert self.group is not None
         group, urls = self.group, list(self._group_urls)
         t0 = time.perf_counter()
-        start = {"is_checkpoint_format": True, **({"recompute": True} if recompute else {})}  # vLLM's body without it
+        start: dict[str, Any] = {"is_checkpoint_format": True}  # vLLM's body: rollout's fields only when used
+        if recompute:
+            start["recompute"] = True
+        if lora_adapter is not None:
+            start["lora_adapter"] = dict(lora_adapter)
         self._all(urls, "/start_weight_update", start)
         result: dict[str, Any] = {}
 
@@ -586,6 +599,68 @@ class RolloutPool:
             version,
         )  # fmt: skip
         return version
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def send_lora_adapter(self, adapter: LoraAdapter, replace: bool = True) -> int:
+        """Load ``adapter`` from memory on every replica (servers started with ``--enable-lora``): its tensors go
+        over the transfer group, each bucket broadcast once for all replicas, as one update that each replica loads
+        as adapter ``adapter.name`` (a new weight version; its base weights untouched). What vLLM's
+        ``/v1/load_lora_adapter`` does only from a folder each replica reads.
+
+        Args:
+            adapter: the adapter (``LoraAdapter.from_tensors``); its scaling is sent as peft's ``lora_alpha``
+                (``scaling * rank``).
+            replace: an adapter loaded under that name is replaced (vLLM's ``load_inplace``).
+
+        Returns:
+            The replicas' new weight version.
+
+        Raises:
+            RolloutServerError: a replica refused it (400 naming ``lora_adapter``, ``max_lora_rank``,
+                ``max_loras`` or ``target_modules``).
+            RuntimeError: as ``send_weights``.
+        """
+        pairs = [
+            (f"{module}.lora_{which}.weight", tensor)
+            for module, (a, b) in adapter.weights.items()
+            for which, tensor in (("A", a), ("B", b))
+        ]
+        info = {
+            "lora_name": adapter.name,
+            "r": adapter.rank,
+            "lora_alpha": adapter.scaling * adapter.rank,
+            "load_inplace": replace,
+        }
+        return self.send_weights(pairs, lora_adapter=info)
+
+    def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> int:
+        """vLLM's ``POST /v1/load_lora_adapter`` on every replica (each must read ``path``, a peft folder).
+
+        Returns:
+            The replicas' new weight version.
+
+        Raises:
+            RolloutServerError: a replica refused it (400 naming ``lora_path``, ``max_lora_rank``...; 404 without
+                ``--enable-lora``).
+            RuntimeError: the replicas ended on different versions.
+        """
+        body = {"lora_name": name, "lora_path": path, "load_inplace": replace}
+        self.fan_out("POST", "/v1/load_lora_adapter", json=body)
+        return self.weight_version()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """vLLM's ``POST /v1/unload_lora_adapter`` on every replica (requests running under it finish under it).
+
+        Raises:
+            RolloutServerError: a replica does not hold it (404 naming ``lora_name``).
+        """
+        self.fan_out("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=self.control_timeout)
+
+    def lora_configs(self) -> dict[str, dict[str, Any] | None]:
+        """Each replica's ``lora_config`` of ``/server_info`` (``max_lora_rank``, ``max_loras``; None without
+        ``--enable-lora``), by URL."""
+        answers = self.fan_out("GET", "/server_info", timeout=self.control_timeout)
+        return {url: a["vllm_config"].get("lora_config") for url, a in answers.items()}
 
     def _all(self, urls: list[str], path: str, body: Any) -> dict[str, Any]:
         """POST to every replica of the group; any replica lost on the way fails the whole send."""

@@ -35,6 +35,7 @@ class BatchOptions(TypedDict, total=False):
     max_new_tokens: int | None
     do_sample: bool | None  # False: greedy
     eos_token_id: int | Sequence[int] | None
+    lora: str | None  # the loaded LoRA adapter the requests run under (None: the base model)
 
 
 class RequestOptions(BatchOptions, total=False):

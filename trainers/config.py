@@ -147,6 +147,14 @@ class TrainerConfig:
         rollout_api_key: the server's ``--api-key``.
         weight_sync_bucket_mb: bucket size of the weight stream, in MiB; 16 was the fastest on this CPU
             (docs/weight_sync.md: large buckets lose the overlap of packing and sending).
+
+    LoRA (``trainers.lora``; docs/lora.md):
+        lora_r: the rank of a LoRA adapter trained in place of the full weights (peft's ``get_peft_model``; the
+            base weights are frozen); after each step only the adapter reaches the rollout engine, as a new adapter
+            that later requests name. None (the default): full fine-tuning.
+        lora_alpha: peft's ``lora_alpha``: the adapter's output is scaled by ``lora_alpha / lora_r``.
+        lora_target_modules: the linear layers adapted, by peft's rule (a module whose name is, or ends with
+            ``.`` and, an entry); ``["all-linear"]``: every linear layer of the decoder (not the LM head).
     """
 
     trainer_name: ClassVar[str] = "trainer"  # names the trainer in messages ("GRPO", "PPO")
@@ -202,6 +210,10 @@ class TrainerConfig:
     rollout_api_key: str | None = None
     weight_sync_bucket_mb: int = 16
 
+    lora_r: int | None = None
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
     def __post_init__(self) -> None:
         check_at_least(
             self,
@@ -241,6 +253,7 @@ class TrainerConfig:
             if self.log_with not in trackers:
                 raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
         self._check_rewards()
+        self._check_lora()
         if self.rollout_server is not None:
             for url in self.rollout_server.split(","):
                 if not url.strip().startswith(("http://", "https://")):
@@ -252,6 +265,21 @@ class TrainerConfig:
                 raise ConfigError("rollout_router needs rollout_server: the URLs of the servers behind it")
             if not self.rollout_router.startswith(("http://", "https://")):
                 raise ConfigError(f"rollout_router must be an http:// or https:// URL, got {self.rollout_router!r}")
+
+    def _check_lora(self) -> None:
+        if self.lora_r is None:
+            return
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
+            raise ConfigError(
+                f"lora_r must be an int >= 1 (the adapter's rank) or null (full fine-tuning), got {self.lora_r!r}"
+            )
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        targets = self.lora_target_modules
+        if not targets or any(not isinstance(t, str) or not t for t in targets):
+            raise ConfigError(f"lora_target_modules must list module names (or be ['all-linear']), got {targets!r}")
+        if "all-linear" in targets and len(targets) > 1:
+            raise ConfigError(f"lora_target_modules: 'all-linear' stands alone, got {targets!r}")
 
     def _check_rewards(self) -> None:
         if not self.reward_funcs:
@@ -285,8 +313,21 @@ class TrainerConfig:
             return 0
         return self.max_staleness if self.prefetch_batches is None else self.prefetch_batches
 
+    def lora_engine_fields(self) -> dict[str, Any]:
+        """The engine fields a LoRA run needs (none without ``lora_r``): adapters on, ``max_lora_rank`` at least
+        ``lora_r``, and ``max_loras`` at least ``effective_prefetch + 2`` (TRL's ``max_staleness + 2``: the adapter
+        being loaded, the current one, and one per batch still generating under an older one)."""
+        if self.lora_r is None:
+            return {}
+        return {
+            "enable_lora": True,
+            "max_loras": max(int(self.engine.get("max_loras", 1)), self.effective_prefetch + 2),
+            "max_lora_rank": max(int(self.engine.get("max_lora_rank", 1)), self.lora_r),
+        }
+
     def engine_config(self, **extra: Any) -> rollout.ContinuousBatchingConfig:
-        """The engine's configuration: ``engine`` plus the fields the trainer fixes.
+        """The engine's configuration: ``engine`` plus the fields the trainer fixes (and a LoRA run's,
+        ``lora_engine_fields``).
 
         Raises:
             ConfigError: an unknown engine key, a bad value, or an attempt to change a fixed field.
@@ -300,7 +341,8 @@ class TrainerConfig:
                     f"engine.{key} is fixed to {ENGINE_FIXED[key]!r} by the {self.trainer_name} trainer, got {value!r}"
                 )
         try:
-            return rollout.ContinuousBatchingConfig(**{**self.engine, **ENGINE_FIXED, **extra})
+            fields = {**self.engine, **ENGINE_FIXED, **self.lora_engine_fields(), **extra}
+            return rollout.ContinuousBatchingConfig(**fields)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"engine: {e}") from e
 

@@ -85,7 +85,9 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
 
     def setup_model(self, policy: PreTrainedModel) -> None:
         """AdamW over the policy's parameters; the policy is the module trained (DDP-wrapped across processes)."""
-        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(policy.forward).parameters
+        # A peft model passes its keyword arguments to the model it wraps: ask that one.
+        model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.setup_optimization(policy, policy.parameters())
         assert self.unwrapped is policy, "accelerate must wrap the model object, not copy it"
 

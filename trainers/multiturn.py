@@ -67,6 +67,10 @@ class EpisodeFields:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]
+        if getattr(self, "lora_r", None) is not None:
+            raise ConfigError(
+                "lora_r: multi-turn episodes do not run under a LoRA adapter yet; use the GRPO or PPO trainer"
+            )
         if self.environment not in ENVIRONMENTS:
             raise ConfigError(f"environment must be one of {sorted(ENVIRONMENTS)}, got {self.environment!r}")
         for name in ("max_turns", "max_episode_tokens"):
@@ -195,7 +199,7 @@ class EpisodeRecipe:
 
     def _turns(self, greedy: bool) -> rollout.TurnBackend:
         cfg = self.config
-        if isinstance(self.backend, rollout.ContinuousBatchingManager):
+        if isinstance(self.engine_backend, rollout.ContinuousBatchingManager):
             sampling: dict[str, Any] = (
                 {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature}
             )
@@ -233,7 +237,7 @@ class EpisodeRecipe:
             request_kwargs={},
             seed=lambda j, i, g: sample_seed(cfg.seed, self.rank, j, i, g),
             id_prefix="episode",
-            pauses_stop_generation=isinstance(self.backend, rollout.ContinuousBatchingManager),
+            pauses_stop_generation=isinstance(self.engine_backend, rollout.ContinuousBatchingManager),
             run=self._run,
         )
 

@@ -139,7 +139,10 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
         frozen reference copy of the initial policy when a KL penalty needs one."""
         cfg = self.config
         self.reference = None
-        if cfg.uses_reference:
+        if cfg.uses_reference and cfg.lora_r is not None:
+            # peft starts lora_B at zero: the initial policy is the frozen base model itself, no copy needed.
+            self.reference = self.policy
+        elif cfg.uses_reference:
             self.reference = copy.deepcopy(policy).eval()
             self.reference.requires_grad_(False)
         module = PolicyWithValue(policy, cfg.value_model)

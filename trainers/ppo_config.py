@@ -93,6 +93,11 @@ class PPOConfig(TrainerConfig):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         check_at_least(self, ("ppo_epochs", "num_mini_batches"), 1)
+        if self.lora_r is not None and self.value_model == "critic":
+            raise ConfigError(
+                "value_model 'critic' trains a full copy of the trunk, which a LoRA run (lora_r) does not; use "
+                "value_model 'head' (a value head on the adapted policy) or lora_r null"
+            )
         if self.batch_size % self.num_mini_batches:
             raise ConfigError(
                 f"num_mini_batches ({self.num_mini_batches}) must divide batch_size ({self.batch_size}): "

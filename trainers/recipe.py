@@ -47,6 +47,7 @@ import rollout
 from .backend import RolloutBackend
 from .config import TrainerConfig
 from .evaluate import evaluate_sharded
+from .lora import LoraRollouts, lora_policy
 from .prompts import encode_prompt
 from .rewards import RewardFunc, compute_rewards
 from .rollout_queue import PromptSampler, RolloutBatch, RolloutQueue
@@ -114,7 +115,9 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
         )
         torch.manual_seed(config.seed)
         self.policy, self.tokenizer, self.pad_token_id, self.eos_token_ids = setup_policy(config, model, tokenizer)
-        self.setup_model(self.policy)  # before the backend: a local engine switches the policy's attention
+        # A LoRA run trains peft's adapter over a tree of its own (``trainers.lora``); the engine keeps ``policy``.
+        self.trained_policy = lora_policy(config, self.policy) if config.lora_r is not None else self.policy
+        self.setup_model(self.trained_policy)  # before the backend: a local engine switches the policy's attention
         self.backend = self.setup_backend(self.policy)
         self._sampler = PromptSampler(self.dataset, config.prompts_per_batch, config.seed, self.rank, self.world_size)
         self.queue = self.setup_queue()
@@ -171,8 +174,18 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
         )
 
     def setup_backend(self, policy: PreTrainedModel) -> RolloutBackend:
-        """The rollout backend on ``policy`` (``trainers.setup.rollout_backend``)."""
-        return rollout_backend(self.config, policy, self.accelerator, self.eos_token_ids)
+        """The rollout backend on ``policy`` (``trainers.setup.rollout_backend``); in a LoRA run, wrapped so that
+        only the adapter is synced and every request names the latest (``trainers.lora.LoraRollouts``)."""
+        cfg = self.config
+        backend = rollout_backend(cfg, policy, self.accelerator, self.eos_token_ids)
+        if cfg.lora_r is None:
+            return backend
+        return LoraRollouts(backend, self.trained_policy, cfg.lora_r, cfg.lora_alpha, prefix=self.algo)
+
+    @property
+    def engine_backend(self) -> RolloutBackend:
+        """The backend that generates: ``backend``, or the one a LoRA run's ``LoraRollouts`` wraps."""
+        return self.backend.backend if isinstance(self.backend, LoraRollouts) else self.backend
 
     def setup_queue(self) -> RolloutQueue:
         """The rollout queue over the backend, with the config's sampling and staleness bound."""
@@ -195,7 +208,7 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
             ),
             seed=lambda j, i, g: sample_seed(cfg.seed, self.rank, j, i, g),
             id_prefix=self.algo,
-            pauses_stop_generation=isinstance(self.backend, rollout.ContinuousBatchingManager),
+            pauses_stop_generation=isinstance(self.engine_backend, rollout.ContinuousBatchingManager),
         )
 
     def _rows_for_batch(self, j: int) -> list[dict[str, Any]]:
@@ -328,6 +341,9 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
             "learning_rate": lr,
             "weight_version": self.backend.weight_version,
         }
+        if isinstance(self.backend, LoraRollouts):  # what the step's sync sent, against a full sync of the weights
+            row["lora_sync_bytes"] = float(self.backend.last_sync_bytes)
+            row["full_sync_bytes"] = float(self.backend.full_bytes)
         for j, name in enumerate(self.reward_names):
             row[f"rewards/{name}"] = float(torch.nanmean(per_func[:, j]))
         for name, values in self._logged_metrics.items():
@@ -471,9 +487,11 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
         self.backend.destroy()
 
     def save_model(self, directory: str | Path) -> None:
-        """save_pretrained of the policy (main process) and of the tokenizer."""
+        """save_pretrained of the policy (main process) and of the tokenizer; a LoRA run saves its peft adapter
+        (``adapter_config.json``, ``adapter_model.safetensors``: ``rollout-serve``'s ``/v1/load_lora_adapter`` and
+        ``rollout.LoraAdapter.from_peft_dir`` load it)."""
         acc = self.accelerator
         if acc.is_main_process:
-            self.policy.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
+            self.trained_policy.save_pretrained(str(directory), is_main_process=True, save_function=acc.save)
             self.tokenizer.save_pretrained(str(directory))
         acc.wait_for_everyone()

@@ -17,6 +17,9 @@ same code against either.
   trainer's staleness arithmetic (``version now - version of a token``, ``max_staleness``) reads in steps
   as with a local manager. Under data parallelism the main process sends and every process learns the
   version from it (``share_version``).
+- A LoRA run (``trainers.lora.LoraRollouts`` around this backend) sends the base weights once at ``start`` and then
+  only the adapter (``load_lora``: ``RolloutPool.send_lora_adapter``, over the same group, loaded on every replica);
+  a request's ``lora`` becomes its ``model``. ``start`` checks that every server serves adapters of the run's rank.
 - ``pause()`` holds nothing: the server keeps generating while the trainer trains (its weights change only
   through ``update_weights``, in one pause of its own).
 """
@@ -57,6 +60,8 @@ class RemoteRollouts(RolloutBackend):
             everywhere; identity for one process.
         timeout: seconds an HTTP call or a weight send may take.
         router_url: vLLM's router in front of the replicas; None: the pool picks the replica of each prompt.
+        lora: (rank, adapters) a LoRA run needs every server to hold (``--max-lora-rank``, ``--max-loras``), checked
+            by ``start``; None: no adapter is loaded.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class RemoteRollouts(RolloutBackend):
         share_version: Callable[[int], int] = lambda v: v,
         timeout: float = 600.0,
         router_url: str | None = None,
+        lora: tuple[int, int] | None = None,
     ) -> None:
         self.client = rollout.RolloutPool(
             url, router_url, api_key=api_key, timeout=timeout, control_timeout=60.0, bucket_bytes=bucket_bytes
@@ -76,6 +82,7 @@ class RemoteRollouts(RolloutBackend):
         self.url = self.client.urls[0]
         self.model = model
         self.is_sender = is_sender
+        self.lora = lora
         self._share_version = share_version
         self._base = 0  # the server's version when this run's weights first arrived
         self._version = 0
@@ -92,8 +99,12 @@ class RemoteRollouts(RolloutBackend):
         Raises:
             TimeoutError: the server was not healthy within the client's timeout.
             rollout.RolloutServerError, RuntimeError: the first weight send failed.
+            ValueError: a LoRA run on a server that serves no adapters, or too few or of too low a rank (the
+                message names ``rollout_server`` and the server flag to change).
         """
         self.client.wait_until_ready(timeout=self.client.timeout)
+        if self.lora is not None:
+            self._check_lora_support(*self.lora)
         server_version = 0
         if self.is_sender:
             self.client.init_weight_transfer()
@@ -123,6 +134,20 @@ class RemoteRollouts(RolloutBackend):
         """Nothing to hold: the server's weights move only through ``update_weights``, and it keeps generating
         while the trainer trains (``trainers.recipe`` tells the rollout queue so, for its throughput)."""
         return contextlib.nullcontext()
+
+    def _check_lora_support(self, rank: int, adapters: int) -> None:
+        for url, config in self.client.lora_configs().items():
+            if config is None:
+                raise ValueError(
+                    f"rollout_server {url} serves no LoRA adapters and lora_r is set: start it with --enable-lora "
+                    f"--max-lora-rank {rank} --max-loras {adapters}"
+                )
+            if int(config["max_lora_rank"]) < rank or int(config["max_loras"]) < adapters:
+                raise ValueError(
+                    f"rollout_server {url} has --max-lora-rank {config['max_lora_rank']} and --max-loras "
+                    f"{config['max_loras']}; lora_r={rank} with these staleness settings needs at least "
+                    f"--max-lora-rank {rank} --max-loras {adapters}"
+                )
 
     # ------------------------------------------------------------------ weights
     @property
@@ -158,6 +183,25 @@ class RemoteRollouts(RolloutBackend):
         self._version = self._share_version(server_version) - self._base
         return self._version
 
+    def load_lora(self, adapter: rollout.LoraAdapter) -> int:
+        """Load ``adapter`` on every server, from memory over the transfer group (replacing one of its name); the
+        main process sends, every process learns the version.
+
+        Returns:
+            The new weight version, counted from ``start``.
+        """
+        t0 = time.perf_counter()
+        server_version = self.client.send_lora_adapter(adapter, replace=True) if self.is_sender else 0
+        if self.is_sender:
+            self.sync_seconds.append(time.perf_counter() - t0)
+        self._version = self._share_version(server_version) - self._base
+        return self._version
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` on every server (the main process; requests running under it finish)."""
+        if self.is_sender:
+            self.client.unload_lora_adapter(name)
+
     # ------------------------------------------------------------------ requests
     def add_request(
         self, input_ids: Sequence[int], request_id: str | None = None, **options: Unpack[RequestOptions]
@@ -179,6 +223,8 @@ class RemoteRollouts(RolloutBackend):
             body["max_tokens"] = options["max_new_tokens"]
         if options.get("seed") is not None:
             body["seed"] = options["seed"]
+        if options.get("lora") is not None:
+            body["model"] = options["lora"]  # vLLM's rule: an adapter is served as a model of its own
         timestamps = bool(options.get("record_timestamps"))
         self._futures[request_id] = self._pool.submit(self._run, request_id, list(input_ids), body, timestamps)
         return request_id

@@ -344,6 +344,7 @@ def rollout_backend(
             bucket_bytes=config.weight_sync_bucket_mb << 20,
             is_sender=accelerator.is_main_process,
             share_version=share_version,
+            lora=(config.lora_r, config.lora_engine_fields()["max_loras"]) if config.lora_r is not None else None,
         )
     # Exactly the config's sampling: the model's generation config (a checkpoint's top_k, top_p or
     # repetition_penalty) must not reach the rollouts, or the policy trained on is not the one sampled from.

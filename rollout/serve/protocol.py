@@ -387,6 +387,28 @@ class InitWeightTransferRequest(_Body):
     init_info: InitInfo
 
 
+class LoraTransferInfo(_Body):
+    """rollout's ``lora_adapter`` of ``/start_weight_update``: the update's tensors are a LoRA adapter's (peft's names,
+    ``<module>.lora_A.weight`` and ``<module>.lora_B.weight``), loaded as adapter ``lora_name`` when the update
+    finishes, in memory (what vLLM's ``/v1/load_lora_adapter`` does from a folder). The base weights are untouched.
+
+    Attributes:
+        lora_name: the name requests select it by (their ``model`` field).
+        r: the adapter's rank.
+        lora_alpha: peft's alpha; the adapter's output is scaled by ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+            ``use_rslora``).
+        use_rslora: peft's rsLoRA scaling.
+        load_inplace: replace an adapter already loaded under ``lora_name`` (vLLM's field of the same name); requests
+            running under the old one finish under it.
+    """
+
+    lora_name: str
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    load_inplace: bool = False
+
+
 class StartWeightUpdateRequest(_Body):
     """``POST /start_weight_update`` (vLLM's body; ``is_checkpoint_format`` must be true: rollout loads tensors
     named as ``model.named_parameters()``, which is the checkpoint's format for transformers models).
@@ -394,10 +416,13 @@ class StartWeightUpdateRequest(_Body):
     Attributes:
         recompute: rollout's, as on ``/update_weights_from_disk``: when the update takes effect, in-flight requests
             drop their KV and are re-prefilled under the new weights (AReaL's); false keeps it (PipelineRL's).
+        lora_adapter: rollout's: the update carries a LoRA adapter, not base weights (``LoraTransferInfo``); needs
+            ``--enable-lora``.
     """
 
     is_checkpoint_format: bool = True
     recompute: bool = False
+    lora_adapter: LoraTransferInfo | None = None
 
 
 class UpdateInfo(_Body):

@@ -110,7 +110,7 @@ class GenerationService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._pause = ServerPause(manager)
-        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort)
+        self.weights = WeightUpdater(manager, transfer or TransferSettings(), self.abort, self.install_lora)
 
     @property
     def load(self) -> int:
@@ -309,6 +309,21 @@ class GenerationService:
             adapter = await asyncio.to_thread(LoraAdapter.from_peft_dir, name, path)
         except (OSError, ValueError) as e:
             raise bad_request(f"lora_path: {e}", "lora_path") from e
+        return await self.install_lora(adapter, replace)
+
+    async def install_lora(self, adapter: LoraAdapter, replace: bool) -> int:
+        """Load ``adapter`` (from a folder, or received over the transfer group) under its name (``replace``: an
+        adapter of that name is unloaded first); returns the new weight version.
+
+        Raises:
+            APIError: 404 without ``--enable-lora``; 400 naming ``lora_name`` for the base model's name or a name in
+                use, or the setting the adapter exceeds (``max_lora_rank``, ``target_modules``, ``max_loras``).
+        """
+        name = adapter.name
+        if not self.manager.cb_config.enable_lora:
+            raise APIError(404, "LoRA adapters: start the server with --enable-lora to serve them")
+        if name == self.info.name:
+            raise bad_request(f"lora_name: {name!r} is the base model's name", "lora_name")
         try:
             if replace and name in self.manager.lora_adapters:
                 await asyncio.to_thread(self.manager.unload_lora, name)

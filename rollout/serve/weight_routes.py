@@ -52,7 +52,7 @@ def weight_router(service: GenerationService, control: Callable[[Request], Await
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )
-        weights.start_weight_update(body.recompute)
+        weights.start_weight_update(body.recompute, body.lora_adapter)
         return {"success": True}
 
     @router.post("/update_weights")

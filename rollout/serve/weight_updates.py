@@ -4,7 +4,10 @@
 by a trainer (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weight_transfer.TransferGroup``;
 ``TransferSettings`` says whether they are staged first (atomic) or copied bucket by bucket (in place).
-Both reach the model through ``manager.update_weights``, which makes a new weight version.
+Both reach the model through ``manager.update_weights``, which makes a new weight version. An update opened with
+``lora_adapter`` (rollout's field of ``/start_weight_update``) carries a LoRA adapter's tensors instead: they are
+always staged, and loaded as an adapter when the update finishes (the service's ``install_lora``: a new weight
+version; the base weights are untouched), the in-memory adapter load vLLM lacks.
 ``WeightUpdater`` belongs to the ``GenerationService`` (``service.py``), whose ``abort`` it calls after a failed
 in-place transfer.
 """
@@ -15,19 +18,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from rollout import ContinuousBatchingManager, FieldError
+from rollout import ContinuousBatchingManager, FieldError, LoraAdapter
+from rollout.lora import lora_module_name
 from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
 from rollout.weights import copy_weights, plan_weight_copy
 
 from .errors import APIError, bad_request
-from .protocol import InitInfo, UpdateInfo
+from .protocol import InitInfo, LoraTransferInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class TransferState:
         staged: atomic mode: the (name, tensor) pairs received since the update started.
         partial: in-place mode: why the live weights are a mix of two versions, or None.
         last_error: the last failed transfer's message, or None.
+        lora: the open update's LoRA adapter (``/start_weight_update``'s ``lora_adapter``), or None.
         tensors_received, bytes_received, seconds: the last ``/update_weights`` call's progress.
     """
 
@@ -83,6 +88,7 @@ class TransferState:
     staged: list[tuple[str, torch.Tensor]] | None = None
     partial: str | None = None
     last_error: str | None = None
+    lora: LoraTransferInfo | None = None
     tensors_received: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
@@ -96,6 +102,8 @@ class WeightUpdater:
         settings: how streamed weights are taken (atomic or in place, the timeout).
         abort: cancels every in-flight request (the service's ``abort``): an in-place transfer that fails
             part way calls it before its pause ends, so no token is sampled from a mix of two versions.
+        install_lora: loads a received adapter (the service's ``install_lora(adapter, replace)``), returns the
+            new weight version.
 
     Attributes:
         settings: as given.
@@ -107,6 +115,7 @@ class WeightUpdater:
         manager: ContinuousBatchingManager,
         settings: TransferSettings,
         abort: Callable[[], int],
+        install_lora: Callable[[LoraAdapter, bool], Awaitable[int]],
     ) -> None:
         self.manager = manager
         self.settings = settings
@@ -116,6 +125,7 @@ class WeightUpdater:
         self._no_copy = asyncio.Event()  # set while none is
         self._no_copy.set()
         self._abort = abort
+        self._install_lora = install_lora
 
     async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
         """Copy the tensors of a folder's ``*.safetensors`` files into the live weights, in place.
@@ -243,21 +253,28 @@ class WeightUpdater:
             )
         return self.state.group
 
-    def start_weight_update(self, recompute: bool = False) -> None:
+    def start_weight_update(self, recompute: bool = False, lora: LoraTransferInfo | None = None) -> None:
         """Open an update: the tensors of the next ``/update_weights`` calls form one new weight version.
 
         Args:
             recompute: when the update takes effect (atomic: at ``finish``; in place: at each ``/update_weights``),
                 in-flight requests drop their KV and are re-prefilled under the new weights.
+            lora: the tensors are this LoRA adapter's, loaded as it at ``finish`` (staged whatever the mode).
 
         Raises:
-            APIError: 400 without a group; 409 while a transfer receives.
+            APIError: 400 without a group, or ``lora_adapter`` on a server without ``--enable-lora``; 409 while a
+                transfer receives.
         """
         self._need_group()
         if self.state.receiving:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
+        if lora is not None and not self.manager.cb_config.enable_lora:
+            raise bad_request(
+                "lora_adapter: this server serves no LoRA adapters; start it with --enable-lora", "lora_adapter"
+            )
         self.state.updating = True
         self.state.recompute = recompute
+        self.state.lora = lora
         self.state.staged = []
 
     def _check_update(self, info: UpdateInfo) -> list[TensorMeta]:
@@ -266,6 +283,15 @@ class WeightUpdater:
             metas = parse_metas(info.names, info.dtype_names, info.shapes)
         except FieldError as e:
             raise APIError(400, str(e), e.field) from e
+        if self.state.updating and self.state.lora is not None:  # an adapter: peft's names; shapes checked at load
+            for m in metas:
+                if lora_module_name(m.name) is None:
+                    raise bad_request(
+                        f"update_info.names: {m.name!r} is not a LoRA tensor name ('<module>.lora_A.weight' or "
+                        "'<module>.lora_B.weight'), and this update carries a LoRA adapter (lora_adapter)",
+                        "update_info.names",
+                    )
+            return metas
         try:  # meta tensors: only names, shapes and dtypes are compared
             plan_weight_copy(
                 self.manager.model, [(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in metas]
@@ -321,7 +347,7 @@ class WeightUpdater:
         bucket_bytes = info.packed_buffer_size_bytes or DEFAULT_BUCKET_BYTES
         t = self.state
         t.receiving, t.tensors_received, t.bytes_received = True, 0, 0
-        in_place = self.settings.mode == "in_place"
+        in_place = self.settings.mode == "in_place" and t.lora is None  # an adapter is loaded whole, at finish
         t0 = time.perf_counter()
 
         def progress(done: int) -> None:
@@ -359,7 +385,7 @@ class WeightUpdater:
             t.bytes_received = await (self._copying(run) if in_place else asyncio.to_thread(run))
         except Exception as e:
             self.close_group()
-            t.updating, t.staged = False, None
+            t.updating, t.staged, t.lora = False, None, None
             if in_place and t.partial is not None:
                 keeps = "the server holds partial weights and refuses generation until a complete update"
             else:
@@ -394,8 +420,10 @@ class WeightUpdater:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         if not t.updating:
             raise APIError(400, "no weight update is open: call /start_weight_update first")
-        staged, recompute = t.staged, t.recompute
-        t.updating, t.staged = False, None
+        staged, recompute, lora = t.staged, t.recompute, t.lora
+        t.updating, t.staged, t.lora = False, None, None
+        if lora is not None:
+            return await self._finish_lora(lora, staged or [])
         if self.settings.mode == "in_place":  # each /update_weights recorded its copy: a new version
             t.partial = None
             return self.manager.weight_version
@@ -405,3 +433,18 @@ class WeightUpdater:
                 return self.manager.update_weights(staged, recompute=recompute)
 
         return await self._copying(run)
+
+    async def _finish_lora(self, lora: LoraTransferInfo, staged: list[tuple[str, torch.Tensor]]) -> int:
+        """Load the received tensors as adapter ``lora.lora_name`` (the service's ``install_lora``).
+
+        Raises:
+            APIError: 400 naming ``lora_adapter`` for tensors that are not one rank-``r`` adapter (a module with
+                lora_A or lora_B missing, shapes that do not match ``r``), or the field the service names.
+        """
+        try:
+            adapter = LoraAdapter.from_tensors(
+                lora.lora_name, dict(staged), lora.r, lora.lora_alpha, lora.use_rslora, source="weight transfer"
+            )
+        except ValueError as e:
+            raise bad_request(f"lora_adapter: {e}", "lora_adapter") from e
+        return await self._install_lora(adapter, lora.load_inplace)
