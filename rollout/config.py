@@ -146,6 +146,14 @@ class ContinuousBatchingConfig:
             selects one by name (``SamplingParams.lora``). Off: no adapter can be loaded.
         max_loras: adapters loaded at once (>= 1; TRL's adapter sync keeps ``max_staleness + 2``).
         max_lora_rank: the largest rank an adapter may have (>= 1); every slot is this wide.
+        check_weight_contents: True (default): whether the weights changed is decided from their contents when a
+            pause ends, when a manager starts and when an engine is built: a checksum of every parameter and buffer
+            (``weights.weights_contents``; its cost per check is in docs/engine.md), so a change is seen however it
+            was written (``param.data.copy_``, ``param.data = t``, ``load_state_dict``, a fused optimizer step, a
+            write through a view or through numpy). False compares only which tensors the model holds and their
+            version counters (and the process's optimizer steps): writes that bump no counter, ``param.data.copy_``
+            among them, are then missed and old-weight KV may be served under them. Turn it off only if you always
+            call ``update_weights`` (``update_weights(None)`` after changing the weights yourself) for every change.
     """
 
     page_size: int | None = None
@@ -182,6 +190,7 @@ class ContinuousBatchingConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    check_weight_contents: bool = True
 
     def __post_init__(self) -> None:
         check_bool("enable_lora", self.enable_lora)
@@ -221,6 +230,7 @@ class ContinuousBatchingConfig:
             "return_logprobs",
             "per_request_processors",
             "drop_unsupported_processors",
+            "check_weight_contents",
         ):
             check_bool(name, getattr(self, name))
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)

@@ -44,6 +44,7 @@ from .scheduler import Scheduler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .static_step import mark_warmed, warm_key, warmed_before, warmup_shapes
 from .stop_strings import StopStringMatcher
+from .weights import watch_of
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
 
@@ -152,6 +153,11 @@ class Engine:
         self._queue = BatchQueue(self.scheduler, self.runner, self._record_stats) if spec.async_batching else None
         self._progress = ProgressLog(self.config.progress_log_interval)
         self._step_fn = self._queue.step if self._queue is not None else self._step_sync  # chosen once, as vLLM's
+        # The model's weight version, shared with every engine on it: weights changed since the last check (by any
+        # means: check_weight_contents) make a new one before this engine starts at it.
+        self._watch = watch_of(model)
+        self._watch.bump_if_changed(None, self.config.check_weight_contents)
+        self.scheduler.weight_version = self._watch.version
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
@@ -313,12 +319,30 @@ class Engine:
 
     def set_weight_version(self, version: int) -> None:
         """Set the version recorded with new tokens and new cached blocks (after finishing the step in flight, whose
-        tokens were sampled under the old weights). The manager's ``WeightWatch`` makes new versions; a tensor-parallel
-        rank adopts the driver's."""
+        tokens were sampled under the old weights), and drop the packed copies of the old weights.
+
+        The model's ``WeightWatch`` (``weights.watch_of``) makes new versions; this engine raises the model's to
+        ``version`` if it is behind, and adopts the model's before each step (``sync_weight_version``); a
+        tensor-parallel rank adopts its driver's instead. Moving past a version whose update asked for recompute
+        (``WeightWatch.recompute_version``) re-prefills the in-flight requests (``recompute_in_flight``), but under
+        tensor parallelism, where the manager has every rank do it at the same point of its loop.
+        """
         self._quiesce()
+        old = self.scheduler.weight_version
         self.scheduler.weight_version = version
         if self.runner.packs is not None:
             self.runner.packs.clear()  # the copies of the old weights (each is remade on its next use)
+        self._watch.publish(version)
+        if self.tp is None and old < self._watch.recompute_version <= version:
+            self.scheduler.recompute_all()
+
+    def sync_weight_version(self) -> None:
+        """Adopt the model's weight version if another engine or manager on the same model moved it (an
+        ``update_weights`` through another manager, a change another engine's check found); ``step()`` calls it
+        first. A tensor-parallel engine keeps its driver's (``tp_loop``)."""
+        version = self._watch.version
+        if version != self.scheduler.weight_version and self.tp is None:
+            self.set_weight_version(version)
 
     # ------------------------------------------------------------------ LoRA adapters
     def load_lora(self, adapter: LoraAdapter) -> LoadedAdapter:
@@ -379,6 +403,7 @@ class Engine:
             Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may
             not match their KV): every caller closes it or fails the manager.
         """
+        self.sync_weight_version()  # one version per model: an update through another engine is this one's too
         return self._step_fn()
 
     def _step_sync(self) -> list[Request]:

@@ -5,9 +5,10 @@ Between two engine steps, with the manager's lock held, the loop hands the inbox
 (``lifecycle.Lifecycle``): a hard stop fails every request at once; a stop ends the loop once the engine is idle. Each
 step runs outside the lock, marked in the pause gate so that a new pause waits for it, and its updated requests go to
 their result handles (``outputs.OutputRouter.publish``). With async batching a pause or a hard stop first has the
-engine finish the step in flight (``Engine.drain``). Weights changed under a pause without ``update_weights`` are
-noticed when it ends. Whatever the loop raises fails the manager and every request; its end closes the engine unless
-it is kept for the next session.
+engine finish the step in flight (``Engine.drain``). After any pause (counted by the gate's ``entered``, so one that
+began and ended while the loop was publishing counts too) the loop has the model's ``WeightWatch`` decide whether the
+weights changed, from their contents, before it steps again. Whatever the loop raises fails the manager and every
+request; its end closes the engine unless it is kept for the next session.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class GenerationLoop:
         outputs: the result handles.
         pausing: the pause holders and the in-step flag.
         life: the state and stop flags; the loop records its failure and its end there.
-        weights: the parameters last recorded, compared when a pause ends.
+        weights: the model's weight record and version, compared when a pause ends.
+        check_contents: compare the weights' contents (``ContinuousBatchingConfig.check_weight_contents``).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class GenerationLoop:
         pausing: PauseGate,
         life: Lifecycle,
         weights: WeightWatch,
+        check_contents: bool = True,
     ) -> None:
         self._cond = cond
         self._inbox = inbox
@@ -58,6 +61,12 @@ class GenerationLoop:
         self._pausing = pausing
         self._life = life
         self._weights = weights
+        self._check_contents = check_contents
+        self._checked_pauses = pausing.entered  # the gate's holds the weights were last checked after
+
+    def weights_checked(self) -> None:
+        """With the lock held: the weights were just checked (``start()``): pauses up to now need no check."""
+        self._checked_pauses = self._pausing.entered
 
     def run(self, engine: Engine) -> None:
         """Step ``engine`` until a stop ends the loop or a step raises; never raises itself.
@@ -95,8 +104,11 @@ class GenerationLoop:
                 # first has it finished, launching nothing after it.
                 drain = engine.in_flight and (gate.holders > 0 or life.hard_stop)
                 if not drain:
-                    if gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine)):
-                        self._weights.bump_if_changed(engine)  # the holders may have changed the weights
+                    gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine))
+                    if gate.entered != self._checked_pauses and not life.hard_stop:
+                        # Every pause since the last check has ended: its holders may have changed the weights.
+                        self._checked_pauses = gate.entered
+                        self._weights.bump_if_changed(engine, self._check_contents)
                     if life.hard_stop:
                         self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
                         return

@@ -10,9 +10,10 @@ handles of an ``OutputRouter`` (``outputs.py``). One condition variable guards t
 same model object; on exit the loop resumes with the KV cache and every in-flight request kept. ``update_weights``
 copies new tensors in place under a pause (``weights.py``) and bumps the weight version, which each generated token
 records and prefix-cache hashes include. In-flight requests keep their KV by default (PipelineRL); ``recompute=True``
-re-prefills them (AReaL). Weights changed without ``update_weights`` are noticed by a fingerprint
-(``weights.WeightWatch``) checked when requests are added, at start and when a pause ends. A manager kept for the
-next session is its model's persistent manager (``persistence.py``).
+re-prefills them (AReaL). Weights changed without ``update_weights`` are noticed by the model's ``weights.WeightWatch``:
+from their contents when a pause ends and at start, from a cheap fingerprint when requests are added. The version is
+the model object's, shared with every manager and engine on it; a pause holds every manager on the model. A manager
+kept for the next session is its model's persistent manager (``persistence.py``).
 
 Under tensor parallelism every rank runs a manager and calls it the same way; the loop is
 ``tp_loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
@@ -48,7 +49,7 @@ from .persistence import persistent_manager_of, register_persistent, unregister_
 from .sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from .stop_strings import check_tokenizer
 from .tp_loop import TensorParallelLoop
-from .weights import NamedTensors, WeightWatch, copy_weights, plan_weight_copy
+from .weights import NamedTensors, copy_weights, plan_weight_copy, watch_of
 
 # derive_seeds (intake.py) and persistent_manager_of (persistence.py) stay importable from here.
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
@@ -144,11 +145,22 @@ class ContinuousBatchingManager:
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._final_weight_version = 0
         self._loras: dict[str, LoraAdapter] = {}  # loaded adapters, loaded again into an engine rebuilt by start()
-        self._weights = WeightWatch(model)  # the parameters last recorded
+        # The model's weight version and record, shared with every engine and manager on the model; a pause of this
+        # manager holds the pause gates of all of them (WeightWatch.hold_all).
+        self._weights = watch_of(model)
+        self._weights.gates.add(self._pausing)
         # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (tp_loop.py).
         self._tp = self._engine.tp
         loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
-        self._loop = loop_class(self._cond, self._inbox, self._outputs, self._pausing, self._life, self._weights)
+        self._loop = loop_class(
+            self._cond,
+            self._inbox,
+            self._outputs,
+            self._pausing,
+            self._life,
+            self._weights,
+            self.cb_config.check_weight_contents,
+        )
         self._requests = ManagerRequests(
             defaults,
             self.cb_config.per_request_processors,
@@ -193,7 +205,8 @@ class ContinuousBatchingManager:
                     self._engine.load_lora(adapter)
                 if self._warmup_wanted:
                     self._engine.warmup()
-            self._weights.bump_if_changed(self._engine)
+            self._weights.bump_if_changed(self._engine, self.cb_config.check_weight_contents)
+            self._loop.weights_checked()
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
     def is_running(self) -> bool:
@@ -282,6 +295,7 @@ class ContinuousBatchingManager:
             self._final_weight_version = engine.weight_version
             self.final_stats = engine.stats
             engine.close()
+        self._weights.gates.discard(self._pausing)
         unregister_persistent(self)
 
     def adopt_tokenizer(self, tokenizer: object) -> None:
@@ -364,8 +378,12 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------ properties
     @property
     def weight_version(self) -> int:
-        """Number of weight updates recorded so far (kept after ``destroy()``)."""
-        return self._engine.weight_version if self._engine is not None else self._final_weight_version
+        """The model's weight version: the number of weight changes recorded so far on the model, through this manager
+        or any other manager or engine on the same model object (the engine's, kept after ``destroy()``; under tensor
+        parallelism, the driver's as this rank's engine adopted it)."""
+        if self._engine is None:
+            return self._final_weight_version
+        return self._weights.version if self._tp is None else self._engine.weight_version
 
     @property
     def error(self) -> BaseException | None:
@@ -388,20 +406,30 @@ class ContinuousBatchingManager:
     def pause(self) -> contextlib.AbstractContextManager[None]:
         """Hold the model: the loop finishes its current step and waits until every holder leaves.
 
-        Re-entrant, and several threads may hold it at once. Returns within one engine step. The KV cache and in-flight
-        requests are kept (see ``PauseGate.hold``). Under tensor parallelism the pause is collective, as in
-        transformers: every rank must enter it (the same number of times); no rank steps until every rank has entered
-        and left its own.
+        The loop of every other manager on the same model object is held too (``WeightWatch.hold_all``): the caller
+        has the model to itself. Re-entrant, and several threads may hold it at once. Returns within one engine step
+        of each loop. The KV cache and in-flight requests are kept (see ``PauseGate.hold``). When the last holder
+        leaves, each loop decides whether the weights changed (from their contents, unless ``check_weight_contents``
+        is off: ``weights.WeightWatch.record``), however they were written; a change is a new weight version of the
+        model (as ``update_weights`` makes): packed copies of the old weights are dropped, tokens sampled from then on
+        record it, and no request reuses prefix-cache blocks of older versions. Under tensor parallelism the pause is
+        collective, as in transformers: every rank must enter it (the same number of times); no rank steps until every
+        rank has entered and left its own.
         """
-        return self._pausing.hold()
+        return self._weights.hold_all(self._pausing)
 
     def update_weights(self, named_tensors: NamedTensors | None = None, *, recompute: bool = False) -> int:
-        """Copy new weights into the model in place and bump the weight version.
+        """Copy new weights into the model in place and bump the model's weight version.
+
+        Under ``pause()``: every manager on the model is held while the tensors are copied, and every engine on the
+        model adopts the new version before its next step (one weight version per model object); with ``recompute``,
+        each re-prefills its in-flight requests then.
 
         Args:
             named_tensors: a state dict or (name, tensor) pairs, names as in ``model.named_parameters()`` (buffers too).
                 None only records that the caller changed the weights itself under ``pause()``.
-            recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
+            recompute: re-prefill in-flight requests (of every engine on the model) under the new weights instead of
+                keeping their KV.
 
         Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
         own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
@@ -422,8 +450,8 @@ class ContinuousBatchingManager:
             copy_weights(plan)
             engine = self.engine
             with self._cond:
-                version = self._weights.bump(engine)
-            if recompute:
+                version = self._weights.bump(engine, self.cb_config.check_weight_contents, recompute)
+            if recompute:  # the version change did it (a no-op again) but under tensor parallelism: the loop does it
                 self._recompute_in_flight(engine)
         return version
 
@@ -448,7 +476,7 @@ class ContinuousBatchingManager:
             engine.load_lora(adapter)
             self._loras[adapter.name] = adapter
             with self._cond:
-                return self._weights.bump(engine)
+                return self._weights.bump(engine, self.cb_config.check_weight_contents)
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``: later requests cannot select it; requests already queued under it finish under it.
@@ -505,4 +533,4 @@ class ContinuousBatchingManager:
             if not self._weights.changed():
                 return
         with self.pause(), self._cond:
-            self._weights.bump_if_changed(self._engine)
+            self._weights.bump_if_changed(self._engine, self.cb_config.check_weight_contents)

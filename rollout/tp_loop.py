@@ -49,7 +49,7 @@ class TensorParallelLoop(GenerationLoop):
                     gate.begin_step()  # committed to this round: a new pause waits for its end
                     if tp.is_driver and (items or was_paused):
                         # Weights changed by hand in the pause (or before these requests) get a new version.
-                        self._weights.bump_if_changed(engine)
+                        self._weights.bump_if_changed(engine, self._check_contents)
                 stop, hard, entered = life.stop_requested, life.hard_stop, gate.entered
                 version = engine.weight_version
             state = tp.agree(len(items), stop, hard, holding, entered, version)

@@ -139,6 +139,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "enable_lora",
         "max_loras",
         "max_lora_rank",
+        "check_weight_contents",
     ]
 
 

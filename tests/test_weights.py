@@ -3,11 +3,15 @@ WeightWatch: changes made without update_weights are noticed once, and bump the 
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollout.weights import WeightWatch, copy_weights, plan_weight_copy
+from rollout.weights import WeightWatch, copy_weights, plan_weight_copy, watch_of
 from tests.tiny_models import VOCAB_SIZE, tiny_llama
 
 
@@ -105,3 +109,30 @@ def test_a_fused_optimizer_step_is_noticed_though_it_bumps_no_version() -> None:
     torch.optim.AdamW(model.parameters(), lr=0.01, fused=True).step()
     assert [p._version for p in model.parameters()] == versions
     assert watch.changed() and watch.record() and not watch.changed()
+
+
+def test_one_watch_per_model_object_held_weakly() -> None:
+    model = tiny_llama()
+    watch = watch_of(model)
+    assert watch_of(model) is watch and watch.model is model
+    twin = copy.deepcopy(model)  # other weights: a version of their own
+    assert watch_of(twin) is not watch
+    ref = weakref.ref(model)
+    del model, twin
+    gc.collect()
+    assert ref() is None  # the registry does not keep the model alive
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        watch.changed()
+
+
+def test_a_data_write_bumps_the_model_version_once_whoever_checks() -> None:
+    model = tiny_llama()
+    watch = watch_of(model)
+    a, b = VersionCounter(), VersionCounter()
+    assert not watch.bump_if_changed(a)  # the first content record
+    with torch.no_grad():
+        model.lm_head.weight.data.mul_(2.0)  # bumps no version counter
+    assert not watch.changed()  # the cheap fingerprint misses it
+    assert not watch.bump_if_changed(b, contents=False)
+    assert watch.bump_if_changed(a) and a.weight_version == watch.version == 1
+    assert not watch.bump_if_changed(b) and b.weight_version == 1  # b adopts the model's version
