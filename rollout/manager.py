@@ -395,13 +395,17 @@ class ContinuousBatchingManager:
         """
         return self._pausing.hold()
 
-    def update_weights(self, named_tensors: NamedTensors | None = None, *, recompute: bool = False) -> int:
+    def update_weights(
+        self, named_tensors: NamedTensors | None = None, *, recompute: bool = False, version: int | None = None
+    ) -> int:
         """Copy new weights into the model in place and bump the weight version.
 
         Args:
             named_tensors: a state dict or (name, tensor) pairs, names as in ``model.named_parameters()`` (buffers too).
                 None only records that the caller changed the weights itself under ``pause()``.
             recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
+            version: the new weight version, above the current one (a server that rejoins a fleet takes the fleet's
+                number, ``RolloutPool``); None: the current one + 1.
 
         Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
         own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
@@ -411,18 +415,20 @@ class ContinuousBatchingManager:
             The new weight version.
 
         Raises:
-            KeyError: an unknown name; ValueError: a shape or dtype mismatch; TypeError: a value that is not a tensor.
-                All are raised before anything is copied.
+            KeyError: an unknown name; ValueError: a shape or dtype mismatch, or ``version`` not above the current
+                version; TypeError: a value that is not a tensor. All are raised before anything is copied.
             RuntimeError: the manager was destroyed.
         """
         if self._life.state == State.DESTROYED:
             raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
         plan = plan_weight_copy(self.model, named_tensors)
+        if version is not None and version <= self.weight_version:
+            raise ValueError(f"weight_version: {version} is not above the current weight version {self.weight_version}")
         with self.pause():
             copy_weights(plan)
             engine = self.engine
             with self._cond:
-                version = self._weights.bump(engine)
+                version = self._weights.bump(engine, version)
             if recompute:
                 self._recompute_in_flight(engine)
         return version

@@ -21,6 +21,15 @@ one, whose error is raised. A weight send that fails drops the replicas that die
 tensors can be read again (a state dict or a list), sends them again over a new group of the survivors. A generation
 that fails to connect is retried on the survivors. The last replica's failure is raised, as ``RolloutClient``
 (the one-server pool) always did.
+
+Rejoining (slime restarts dead engines before the next sync; here a replica restarted by anyone comes back): before
+each full weight update (``send_weights`` or ``update_weights_from_disk`` of every parameter) the dropped replicas'
+``/health`` is probed; one that answers is paused (``mode=abort``) and joins that update only: the group is rebuilt
+to include it, and every member is told the version the update takes (``weight_version``, above each member's own),
+so that the returning replica, whatever version it restarted at, ends on the survivors' version with their weights.
+Only then is it resumed (unless the pool is paused), put back among the replicas that get generation and control
+calls, and added to the router (``/add_worker``). Before that it gets no generation: it is in neither the pool's
+list nor the router's.
 """
 
 from __future__ import annotations
@@ -120,6 +129,7 @@ class RolloutPool:
     Attributes:
         urls: the live replicas, in the order given (dropped ones removed).
         dropped: each dropped replica's URL and why.
+        joining: dropped replicas that answer again, paused, waiting for the next full weight update to rejoin.
         group: this side of the transfer group, or None.
         last_send: the last weight send's ``seconds``, ``bytes``, ``weight_version`` and ``servers``.
 
@@ -163,6 +173,8 @@ class RolloutPool:
         self._lock = threading.Lock()  # guards urls and dropped against generation threads
         self._executor = concurrent.futures.ThreadPoolExecutor(max(4, 2 * len(urls)), thread_name_prefix="rollout-pool")
         self.dropped: dict[str, str] = {}
+        self.joining: list[str] = []
+        self._paused = False  # the last control call was pause(): a replica that rejoins stays paused too
         self.group: TransferGroup | None = None
         self._group_urls: list[str] = []
         self.last_send: dict[str, Any] = {}
@@ -171,10 +183,17 @@ class RolloutPool:
     def drop(self, url: str, reason: str) -> None:
         """Take a replica out of the pool and out of the router (``/remove_worker``), with a warning naming it.
 
+        A returning replica (in ``joining``) that fails goes back to ``dropped``.
+
         Raises:
             RuntimeError: it is the last replica (nothing would be left to generate on).
         """
         with self._lock:
+            if url in self.joining:
+                self.joining.remove(url)
+                self.dropped[url] = reason
+                logger.warning("returning rollout server %s dropped again: %s", url, reason)
+                return
             if url not in self.urls:
                 return
             if len(self.urls) == 1:
@@ -206,15 +225,71 @@ class RolloutPool:
         return self._probe(self._http[url], "/health")
 
     def drop_unhealthy(self) -> list[str]:
-        """Probe every replica's ``/health`` concurrently and drop those that do not answer 200 (the last one is
-        kept: its own calls then raise). Returns the dropped URLs."""
-        urls = list(self.urls)
+        """Probe every replica's (and returning replica's) ``/health`` concurrently and drop those that do not answer
+        200 (the last one is kept: its own calls then raise). Returns the dropped URLs."""
+        urls = self._members()
         healthy = list(self._executor.map(self._healthy, urls))
         gone = [url for url, ok in zip(urls, healthy) if not ok]
         for url in gone:
-            if len(self.urls) > 1:
+            if url in self.joining or len(self.urls) > 1:
                 self.drop(url, "/health does not answer 200")
-        return [url for url in gone if url not in self.urls]
+        return [url for url in gone if url not in self._members()]
+
+    def _members(self) -> list[str]:
+        """The replicas a weight update goes to: the live ones, then the returning ones."""
+        with self._lock:
+            return [*self.urls, *self.joining]
+
+    def probe_dropped(self) -> list[str]:
+        """Probe the dropped replicas' ``/health``; each that answers 200 is paused (``mode=abort``: whatever it
+        runs was not sent by this pool) and waits in ``joining`` for the next full weight update, after which it
+        rejoins. ``send_weights`` and ``update_weights_from_disk`` call it. Returns ``joining``."""
+        with self._lock:
+            candidates = [url for url in self.dropped if url not in self.joining]
+        healthy = list(self._executor.map(self._healthy, candidates))
+        for url, ok in zip(candidates, healthy):
+            if not ok:
+                continue
+            try:
+                self._call(url, "POST", "/pause", self.control_timeout, params={"mode": "abort"})
+            except (httpx.HTTPError, RolloutServerError) as e:
+                logger.warning("rollout server %s answers /health again but could not be paused: %s", url, e)
+                continue
+            with self._lock:
+                self.joining.append(url)
+            logger.warning("rollout server %s answers again: paused until it has the full weights", url)
+        return list(self.joining)
+
+    def _catch_up_version(self, urls: Sequence[str]) -> int:
+        """The version a full update must take so that every member (returning ones too) ends on one number: one
+        above the highest any member reports (a number is never reused on a server)."""
+        answers = self.fan_out("GET", "/weight_transfer", urls=urls, timeout=self.control_timeout)
+        if set(answers) != set(urls):
+            raise RuntimeError(f"/weight_transfer: {sorted(set(urls) - set(answers))} did not answer")
+        return 1 + max(int(a["weight_version"]) for a in answers.values())
+
+    def _admit(self, joined: Sequence[str], version: int) -> None:
+        """Put replicas that received a full update back among the live ones: resumed (unless the pool is paused),
+        in ``urls``, in the router. Before this they get no generation."""
+        for url in joined:
+            if url not in self.joining:
+                continue
+            if not self._paused:
+                try:
+                    self._call(url, "POST", "/resume", self.control_timeout)
+                except (httpx.HTTPError, RolloutServerError) as e:
+                    self.drop(url, f"/resume after its catch-up failed: {e}")
+                    continue
+            with self._lock:
+                self.joining.remove(url)
+                self.dropped.pop(url, None)
+                self.urls.append(url)
+            if self._router is not None:
+                try:
+                    _answer(self._router.post("/add_worker", params={"url": url}, timeout=self.timeout))
+                except (httpx.HTTPError, RolloutServerError) as e:
+                    logger.warning("the router at %s did not take %s back: %s", self.router_url, url, e)
+            logger.warning("rollout server %s rejoined the pool at weight version %d (%s)", url, version, self.urls)
 
     def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.5) -> None:
         """Poll every replica's (and the router's) ``/health`` until all answer 200.
@@ -368,10 +443,12 @@ class RolloutPool:
         wait for ``resume`` in every mode."""
         timeout = self.timeout if mode == "wait" else self.control_timeout
         self.fan_out("POST", "/pause", params={"mode": mode}, timeout=timeout)
+        self._paused = True
 
     def resume(self) -> None:
         """``POST /resume`` on every replica."""
         self.fan_out("POST", "/resume", timeout=self.control_timeout)
+        self._paused = False
 
     def is_paused(self) -> bool:
         """``GET /is_paused``: True when every replica is paused."""
@@ -407,15 +484,27 @@ class RolloutPool:
             raise RuntimeError(f"the rollout servers report different weight versions: {versions}")
         return next(iter(versions.values()))
 
-    def update_weights_from_disk(self, model_path: str) -> int:
+    def update_weights_from_disk(self, model_path: str, full: bool = True) -> int:
         """``POST /update_weights_from_disk`` on every replica (each must read ``model_path``); the new version.
+
+        Args:
+            model_path: a folder of safetensors files every replica can read.
+            full: the folder holds every parameter (a ``save_pretrained`` of the model): dropped replicas that
+                answer again take it too, at the others' new version, and rejoin (``probe_dropped``).
 
         Raises:
             RolloutServerError: a replica refused the folder (400 naming ``model_path``).
             RuntimeError: the replicas ended on different versions.
         """
-        answers = self.fan_out("POST", "/update_weights_from_disk", json={"model_path": model_path})
-        return self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        joining = self.probe_dropped() if full else []
+        members = self._members() if joining else list(self.urls)
+        body: dict[str, Any] = {"model_path": model_path}
+        if joining:
+            body["weight_version"] = self._catch_up_version(members)
+        answers = self.fan_out("POST", "/update_weights_from_disk", urls=members, json=body)
+        version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        self._admit([url for url in joining if url in answers], version)
+        return version
 
     @staticmethod
     def _one_version(versions: Mapping[str, int]) -> int:
@@ -447,12 +536,15 @@ class RolloutPool:
         """
         self.close_weight_transfer()
         while not self._open_group(master_address, master_port, world_size):
-            logger.warning("a rollout server left during the rendezvous; opening the group again over %s", self.urls)
+            logger.warning(
+                "a rollout server left during the rendezvous; opening the group again over %s", self._members()
+            )
 
     def _open_group(self, master_address: str | None, master_port: int | None, world_size: int | None) -> bool:
         """One rendezvous of this process and the live replicas; False when a replica was dropped meanwhile (that
-        rendezvous cannot complete: its thread ends at its timeout)."""
-        urls = list(self.urls)
+        rendezvous cannot complete: its thread ends at its timeout). The members are the live replicas and the
+        returning ones."""
+        urls = self._members()
         sizes = self.fan_out("GET", "/get_world_size", urls=urls, timeout=self.control_timeout)
         if set(sizes) != set(urls):
             return False
@@ -479,13 +571,13 @@ class RolloutPool:
         try:
             self.fan_out("POST", "/init_weight_transfer_engine", urls=urls, bodies=bodies)
         except RolloutServerError as e:
-            if set(self.urls) == set(urls):
+            if set(self._members()) == set(urls):
                 raise RolloutServerError(
                     e.status, f"a server did not join the transfer group at {address}:{port}: {e.message}", e.param
                 ) from e
         except RuntimeError as e:
             raise RuntimeError(f"no server joined the transfer group at {address}:{port}: {e}") from e
-        if set(self.urls) != set(urls):
+        if set(self._members()) != set(urls):
             return False
         thread.join(self.timeout)
         if "error" in result or "group" not in result:
@@ -500,6 +592,7 @@ class RolloutPool:
         metas: Sequence[TensorMeta] | None = None,
         packed: bool = True,
         recompute: bool = False,
+        full: bool = True,
     ) -> int:
         """Stream tensors into every replica's live weights as one new weight version, each bucket broadcast once.
 
@@ -520,6 +613,10 @@ class RolloutPool:
             packed: buckets of ``bucket_bytes`` (True) or one broadcast per tensor.
             recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
                 under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
+            full: the tensors are every parameter of the model (what the trainers send): dropped replicas that answer
+                again join this send and rejoin the pool after it, on the others' version (``probe_dropped``).
+                Pass False for a partial update (some tensors only), which leaves them out. When one is joining, the
+                servers refuse an update that misses a parameter (400 naming ``update_info.names``).
 
         Returns:
             The replicas' new weight version.
@@ -536,29 +633,36 @@ class RolloutPool:
             pairs = list(pairs)  # read twice: described, then sent
             metas = describe(pairs)
             rereadable = True
+        if full:
+            self.probe_dropped()
         while True:
-            before = list(self.urls)
+            before = self._members()
             try:
                 return self._send_once(iter(pairs), metas, packed, recompute)
             except Exception as e:
                 self.close_weight_transfer()  # the group's state is unknown after a failure: the next send opens anew
                 self.drop_unhealthy()
-                lost = [u for u in before if u not in self.urls]
+                lost = [u for u in before if u not in self._members()]
                 if not lost or not rereadable:
                     raise
                 logger.warning(
-                    "the weight send failed (%s) and %s left the pool; sending again to %s", e, lost, self.urls
+                    "the weight send failed (%s) and %s left the pool; sending again to %s", e, lost, self._members()
                 )
 
     def _send_once(
         self, iterator: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta], packed: bool, recompute: bool
     ) -> int:
-        if self.group is None or self._group_urls != self.urls:
+        if self.group is None or self._group_urls != self._members():
             self.init_weight_transfer()
         assert self.group is not None
         group, urls = self.group, list(self._group_urls)
+        joining = [url for url in urls if url in self.joining]
         t0 = time.perf_counter()
-        start = {"is_checkpoint_format": True, **({"recompute": True} if recompute else {})}  # vLLM's body without it
+        start: dict[str, Any] = {"is_checkpoint_format": True}  # vLLM's body, unless rollout's fields are needed
+        if recompute:
+            start["recompute"] = True
+        if joining:
+            start["weight_version"] = self._catch_up_version(urls)
         self._all(urls, "/start_weight_update", start)
         result: dict[str, Any] = {}
 
@@ -579,6 +683,7 @@ class RolloutPool:
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)
         version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        self._admit(joining, version)
         seconds = time.perf_counter() - t0
         self.last_send = {"seconds": seconds, "bytes": result["bytes"], "weight_version": version, "servers": urls}
         logger.debug(

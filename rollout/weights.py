@@ -171,17 +171,30 @@ class WeightWatch:
         self._fingerprint = fingerprint
         return True
 
-    def bump(self, engine: VersionedEngine) -> int:
+    def bump(self, engine: VersionedEngine, version: int | None = None) -> int:
         """Record the current parameters and give ``engine`` a new weight version (``update_weights``).
 
         With ``bump_if_changed``, the one place a weight version is made; a tensor-parallel rank other
         than the driver only adopts the driver's (``tp_loop``).
 
+        Args:
+            engine: the engine whose version moves.
+            version: the new version, above the current one (a replica catching up with its fleet takes the
+                fleet's number: SGLang's ``weight_version``); None: the current one + 1. A number is never
+                reused, since blocks cached under it hold KV of other weights.
+
         Returns:
             The new version.
+
+        Raises:
+            ValueError: ``version`` is not above the current version (nothing is recorded then).
         """
+        if version is not None and version <= engine.weight_version:
+            raise ValueError(
+                f"weight_version: {version} is not above the current weight version {engine.weight_version}"
+            )
         self.record()
-        engine.set_weight_version(engine.weight_version + 1)
+        engine.set_weight_version(engine.weight_version + 1 if version is None else version)
         return engine.weight_version
 
     def bump_if_changed(self, engine: VersionedEngine | None) -> bool:
