@@ -285,9 +285,11 @@ class RolloutPool:
                 self.dropped.pop(url, None)
                 self.urls.append(url)
             if self._router is not None:
-                try:
-                    _answer(self._router.post("/add_worker", params={"url": url}, timeout=self.timeout))
-                except (httpx.HTTPError, RolloutServerError) as e:
+                try:  # the router answers a line of text, not JSON
+                    response = self._router.post("/add_worker", params={"url": url}, timeout=self.timeout)
+                    if response.status_code >= 400:
+                        logger.warning("the router at %s did not take %s back: %s", self.router_url, url, response.text)
+                except httpx.HTTPError as e:
                     logger.warning("the router at %s did not take %s back: %s", self.router_url, url, e)
             logger.warning("rollout server %s rejoined the pool at weight version %d (%s)", url, version, self.urls)
 
