@@ -132,6 +132,7 @@ class RolloutPool:
         joining: dropped replicas that answer again, paused, waiting for the next full weight update to rejoin.
         group: this side of the transfer group, or None.
         last_send: the last weight send's ``seconds``, ``bytes``, ``weight_version`` and ``servers``.
+        ray_actors: the Ray actors that run the replicas (``launch_on_ray``), stopped by ``close``; else empty.
 
     Raises:
         ValueError: no URL, a URL twice, or a URL that is not http(s).
@@ -178,6 +179,70 @@ class RolloutPool:
         self.group: TransferGroup | None = None
         self._group_urls: list[str] = []
         self.last_send: dict[str, Any] = {}
+        self.ray_actors: list[Any] = []  # launch_on_ray's actors, stopped by close()
+
+    @classmethod
+    def launch_on_ray(
+        cls,
+        model: str,
+        num_replicas: int,
+        *,
+        num_cpus_per_replica: float = 1,
+        num_gpus_per_replica: float = 0,
+        serve_args: Sequence[str] = (),
+        host: str | None = None,
+        api_key: str | None = None,
+        ready_timeout: float = 600.0,
+        actor_options: dict[str, Any] | None = None,
+        **pool_kwargs: Any,
+    ) -> RolloutPool:
+        """Start ``num_replicas`` ``rollout-serve`` replicas as Ray actors and return the pool of them.
+
+        For a cluster that is a Ray cluster (verl, OpenRLHF, SkyRL): each replica is an actor that runs
+        ``rollout-serve --enable-control`` on a free port of its node (SkyRL's ``VLLMServerActor`` pattern,
+        ``rollout.ray_replicas``); Ray places them, HTTP and the transfer group do the rest, as for any pool.
+        ``close()`` stops the servers and kills the actors. Ray is imported here only (``pip install
+        'rollout[ray]'``); this process must be connected to the cluster (``ray.init``).
+
+        Args:
+            model: each replica's ``--model``: a folder every node can read, or an alias.
+            num_replicas: >= 1.
+            num_cpus_per_replica: each actor's CPUs (a whole number is also the server's torch threads).
+            num_gpus_per_replica: each actor's GPUs; > 0 serves on CUDA.
+            serve_args: more ``rollout-serve`` flags for every replica (``["--num-blocks", "512"]``).
+            host: the address each replica binds and reports; None: its node's address (reachable from the
+                cluster; pass ``api_key`` there).
+            api_key: every replica's ``--api-key``, and the pool's.
+            ready_timeout: seconds the replicas get to load the model and answer ``/health``.
+            actor_options: more ``ray.remote`` options of each actor (``scheduling_strategy``, ``resources``).
+            pool_kwargs: ``RolloutPool`` arguments (``router_url``, ``timeout``, ``bucket_bytes``...).
+
+        Raises:
+            ValueError: ``num_replicas`` < 1, negative resources, or ``serve_args`` setting ``--model``,
+                ``--host``, ``--port``, ``--enable-control`` or ``--api-key`` (before any actor starts).
+            ImportError: Ray is not installed.
+            RuntimeError: a replica exited or was not healthy within ``ready_timeout`` (the actors are stopped).
+        """
+        from .ray_replicas import launch_replicas, stop_replicas
+
+        urls, actors = launch_replicas(
+            model,
+            num_replicas,
+            num_cpus=num_cpus_per_replica,
+            num_gpus=num_gpus_per_replica,
+            serve_args=serve_args,
+            host=host,
+            api_key=api_key,
+            ready_timeout=ready_timeout,
+            actor_options=actor_options,
+        )
+        try:
+            pool = cls(urls, api_key=api_key, **pool_kwargs)
+        except BaseException:
+            stop_replicas(actors)
+            raise
+        pool.ray_actors = actors
+        return pool
 
     # ------------------------------------------------------------------ membership
     def drop(self, url: str, reason: str) -> None:
@@ -710,13 +775,18 @@ class RolloutPool:
             self._group_urls = []
 
     def close(self) -> None:
-        """Close the transfer group, the threads and the HTTP connections."""
+        """Close the transfer group, the threads and the HTTP connections; stop ``launch_on_ray``'s replicas."""
         self.close_weight_transfer()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for http in self._http.values():
             http.close()
         if self._router is not None:
             self._router.close()
+        if self.ray_actors:
+            from .ray_replicas import stop_replicas
+
+            stop_replicas(self.ray_actors)
+            self.ray_actors = []
 
     def __enter__(self) -> RolloutPool:
         return self
