@@ -113,7 +113,7 @@ LAYERS = [
 # (rollout-bench-scoring) and manager (rollout-bench-manager) use the workloads; the generation benchmark
 # (rollout-bench) runs the systems and the scoring one as a workload; serving (rollout-bench-serve) and
 # tensor_parallel (scripts/bench_tp.py) use the workloads and the report; weight_sync (scripts/bench_weight_sync.py)
-# uses the report.
+# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "report",
@@ -128,6 +128,7 @@ BENCHMARK_LAYERS = [
     "manager",
     "generation",
     "serving",
+    "fleet",
     "tensor_parallel",
     "weight_sync",
     "lora",

@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.slow  # a Ray cluster and two server processes: about a minute on 2 shared cores
+@pytest.mark.slow  # a Ray cluster and two server processes: a few minutes on 2 shared cores
 def test_launch_on_ray_serves_the_model_from_two_actors_and_close_stops_servers_and_actors(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
@@ -41,9 +41,9 @@ def test_launch_on_ray_serves_the_model_from_two_actors_and_close_stops_servers_
         pool = RolloutPool.launch_on_ray(
             str(model_dir),
             2,
-            serve_args=["--num-blocks", "64", "--page-size", "16", "--log-level", "warning"],
+            serve_args=["--num-blocks", "64", "--page-size", "16", "--cpu-attention", "sdpa", "--log-level", "warning"],
             timeout=60,
-            ready_timeout=240,
+            ready_timeout=600,
         )
         actors = list(pool.ray_actors)
         pids = ray.get([actor.server_pid.remote() for actor in actors])
