@@ -325,13 +325,15 @@ class RolloutPool:
             logger.warning("rollout server %s answers again: paused until it has the full weights", url)
         return list(self.joining)
 
-    def _catch_up_version(self, urls: Sequence[str]) -> int:
+    def _catch_up_version(self, urls: Sequence[str], only_if_needed: bool = False) -> int | None:
         """The version a full update must take so that every member (returning ones too) ends on one number: one
-        above the highest any member reports (a number is never reused on a server)."""
+        above the highest any member reports (a number is never reused on a server). With ``only_if_needed``,
+        None when the members already agree (the plain +1 of each then lands on one number)."""
         answers = self.fan_out("GET", "/weight_transfer", urls=urls, timeout=self.control_timeout)
         if set(answers) != set(urls):
             raise RuntimeError(f"/weight_transfer: {sorted(set(urls) - set(answers))} did not answer")
-        return 1 + max(int(a["weight_version"]) for a in answers.values())
+        versions = {int(a["weight_version"]) for a in answers.values()}
+        return None if only_if_needed and len(versions) == 1 else 1 + max(versions)
 
     def _admit(self, joined: Sequence[str], version: int) -> None:
         """Put replicas that received a full update back among the live ones: resumed (unless the pool is paused),
@@ -681,7 +683,8 @@ class RolloutPool:
             recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
                 under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
             full: the tensors are every parameter of the model (what the trainers send): dropped replicas that answer
-                again join this send and rejoin the pool after it, on the others' version (``probe_dropped``).
+                again join this send and rejoin the pool after it, on the others' version (``probe_dropped``); on a
+                new group, replicas that report different versions all take one above the highest.
                 Pass False for a partial update (some tensors only), which leaves them out. When one is joining, the
                 servers refuse an update that misses a parameter (400 naming ``update_info.names``).
 
@@ -705,7 +708,7 @@ class RolloutPool:
         while True:
             before = self._members()
             try:
-                return self._send_once(iter(pairs), metas, packed, recompute)
+                return self._send_once(iter(pairs), metas, packed, recompute, full)
             except Exception as e:
                 self.close_weight_transfer()  # the group's state is unknown after a failure: the next send opens anew
                 self.drop_unhealthy()
@@ -717,9 +720,15 @@ class RolloutPool:
                 )
 
     def _send_once(
-        self, iterator: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta], packed: bool, recompute: bool
+        self,
+        iterator: Iterator[tuple[str, torch.Tensor]],
+        metas: Sequence[TensorMeta],
+        packed: bool,
+        recompute: bool,
+        full: bool,
     ) -> int:
-        if self.group is None or self._group_urls != self._members():
+        opened = self.group is None or self._group_urls != self._members()
+        if opened:
             self.init_weight_transfer()
         assert self.group is not None
         group, urls = self.group, list(self._group_urls)
@@ -728,8 +737,11 @@ class RolloutPool:
         start: dict[str, Any] = {"is_checkpoint_format": True}  # vLLM's body, unless rollout's fields are needed
         if recompute:
             start["recompute"] = True
-        if joining:
-            start["weight_version"] = self._catch_up_version(urls)
+        # A returning replica, or (on a new group) replicas that were never on one version (a pool over servers
+        # that served other pools): a full update brings all to one number.
+        target = self._catch_up_version(urls, only_if_needed=not joining) if joining or (opened and full) else None
+        if target is not None:
+            start["weight_version"] = target
         self._all(urls, "/start_weight_update", start)
         result: dict[str, Any] = {}
 

@@ -213,3 +213,16 @@ def test_an_update_to_a_given_weight_version_must_be_above_the_current_one_and_c
         refused = httpx.post(f"{url}/update_weights", json={"update_info": update_info(metas)})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info.names"
         assert server.manager.weight_version == 5
+
+
+def test_a_new_pool_over_replicas_on_different_versions_brings_them_to_one_above_the_highest() -> None:
+    trained = tiny_llama(seed=1)
+    with replicas(2) as (a, b):
+        with RolloutPool([a.url], timeout=60) as alone:
+            alone.send_weights(trained.named_parameters())
+            assert alone.send_weights(trained.named_parameters()) == 2
+        with RolloutPool([a.url, b.url], timeout=60) as pool:
+            assert pool.send_weights(trained.named_parameters()) == 3
+            assert pool.weight_versions() == {a.url: 3, b.url: 3}
+            assert greedy(b.url)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+            assert pool.send_weights(trained.named_parameters()) == 4  # the same group, the plain +1

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -48,8 +49,8 @@ import torch
 import rollout
 from trainers.prompts import eos_token_ids
 
-from .report import machine_info, write_json
-from .serving import free_port, percentile, serve_subprocess
+from .report import SOURCE_ROOT, machine_info, write_json
+from .serving import SERVER_START_TIMEOUT_S, free_port, percentile
 from .workloads import SAMPLE_QUESTIONS, WORKLOADS, Workload, build_prompts, load_questions, select_questions
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,47 @@ LAYOUTS = (("1 replica x 1 thread", 1, 1), ("2 replicas x 1 thread", 2, 1), ("1 
 SYNC_REPLICAS = (1, 2, 3)
 # Seconds a router gets to see every worker.
 ROUTER_START_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def replica_subprocesses(
+    model: str, flags: Sequence[str], threads: Sequence[int], timeout: float = SERVER_START_TIMEOUT_S
+) -> Iterator[list[str]]:
+    """One ``python -m rollout.serve`` on 127.0.0.1 per entry of ``threads`` (its torch threads), all started at once;
+    yields their URLs once every ``/health`` answers 200, stops them all (SIGTERM, then SIGKILL) on exit.
+
+    Raises:
+        RuntimeError: a replica exited, or not all were healthy within ``timeout`` seconds.
+    """
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        for n in threads:
+            port = free_port()
+            cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", str(port), "--log-level",
+                   "warning", *flags]  # fmt: skip
+            env = dict(os.environ, OMP_NUM_THREADS=str(n), PYTHONPATH=str(SOURCE_ROOT))
+            procs.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=SOURCE_ROOT, env=env)))
+        deadline = time.monotonic() + timeout
+        for url, proc in procs:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"rollout-serve at {url} exited with status {proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout-serve at {url} was not healthy within {timeout:g} s")
+                time.sleep(0.5)
+        yield [url for url, _ in procs]
+    finally:
+        for _, proc in procs:
+            proc.terminate()
+        for _, proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @contextlib.contextmanager
@@ -269,8 +311,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
     params = [(name, p.detach()) for name, p in model.named_parameters()]
     report["weights"] = {"tensors": len(params), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
     with contextlib.ExitStack() as stack:
-        one_thread = [stack.enter_context(serve_subprocess(args.model, flags, 1)) for _ in range(max(SYNC_REPLICAS))]
-        two_threads = stack.enter_context(serve_subprocess(args.model, flags, 2))
+        *one_thread, two_threads = stack.enter_context(
+            replica_subprocesses(args.model, flags, [1] * max(SYNC_REPLICAS) + [2])
+        )
         workers = {LAYOUTS[0][0]: one_thread[:1], LAYOUTS[1][0]: one_thread[:2], LAYOUTS[2][0]: [two_threads]}
         routers = {name: stack.enter_context(router_subprocess(urls)) for name, urls in workers.items()}
         report["throughput"] = measure_throughput(workers, routers, prompts, body, args.rounds, args.seed)
