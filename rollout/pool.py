@@ -178,6 +178,7 @@ class RolloutPool:
         self._paused = False  # the last control call was pause(): a replica that rejoins stays paused too
         self.group: TransferGroup | None = None
         self._group_urls: list[str] = []
+        self._group_sent = False  # a send went over the open group (its members then agree on a version)
         self.last_send: dict[str, Any] = {}
         self.ray_actors: list[Any] = []  # launch_on_ray's actors, stopped by close()
 
@@ -653,6 +654,7 @@ class RolloutPool:
             raise RuntimeError(f"the trainer's side of the transfer group did not open: {result.get('error')}")
         self.group = result["group"]
         self._group_urls = urls
+        self._group_sent = False
         return True
 
     def send_weights(
@@ -727,8 +729,7 @@ class RolloutPool:
         recompute: bool,
         full: bool,
     ) -> int:
-        opened = self.group is None or self._group_urls != self._members()
-        if opened:
+        if self.group is None or self._group_urls != self._members():
             self.init_weight_transfer()
         assert self.group is not None
         group, urls = self.group, list(self._group_urls)
@@ -739,7 +740,8 @@ class RolloutPool:
             start["recompute"] = True
         # A returning replica, or (on a new group) replicas that were never on one version (a pool over servers
         # that served other pools): a full update brings all to one number.
-        target = self._catch_up_version(urls, only_if_needed=not joining) if joining or (opened and full) else None
+        first = full and not self._group_sent
+        target = self._catch_up_version(urls, only_if_needed=not joining) if joining or first else None
         if target is not None:
             start["weight_version"] = target
         self._all(urls, "/start_weight_update", start)
@@ -762,6 +764,7 @@ class RolloutPool:
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)
         version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        self._group_sent = True
         self._admit(joining, version)
         seconds = time.perf_counter() - t0
         self.last_send = {"seconds": seconds, "bytes": result["bytes"], "weight_version": version, "servers": urls}
