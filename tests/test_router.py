@@ -22,8 +22,10 @@ def test_a_session_stays_on_one_replica_and_the_router_passes_tokens_logprobs_an
         with RolloutPool([s.url for s in servers], router_url=router, timeout=60) as pool:
             assert pool.send_weights(trained.named_parameters()) == 1  # both replicas on version 1
             params = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
-            landed = set()
-            for i in range(4):
+            landed: set[str] = set()
+            for i in range(16):  # at least 4 sessions, until both replicas got one (ports, hence the ring, vary)
+                if i >= 4 and len(landed) == 2:
+                    break
                 session = f"prompt-{i}"
                 before = [sum(s.service.finished.values()) for s in servers]
                 routed = [pool.generate(PROMPT, session=session, seed=g, **params) for g in range(3)]
@@ -57,7 +59,9 @@ def test_a_session_stays_on_one_replica_and_the_router_passes_tokens_logprobs_an
             assert sorted(httpx.get(f"{router}/list_workers").json()["urls"]) == sorted(s.url for s in servers)
             assert pool.weight_versions() == {s.url: 2 for s in servers}
             want = reference_greedy(retrained, PROMPT, 6, None)
-            for i in range(4):  # the sessions spread over both replicas again
+            for i in range(16):  # the sessions spread over both replicas again
                 body = pool.generate(PROMPT, session=f"prompt-{i}", max_tokens=6, temperature=0, ignore_eos=True)
                 assert body["choices"][0]["token_ids"] == want and body["choices"][0]["weight_versions"] == [2] * 6
+                if sum(servers[0].service.finished.values()) > served[0]:
+                    break
             assert sum(servers[0].service.finished.values()) > served[0]
