@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.slow  # a Ray cluster and two server processes: a few minutes on 2 shared cores
+@pytest.mark.slow  # a Ray cluster and two server processes: 20 s on 2 idle cores, minutes on busy ones
 def test_launch_on_ray_serves_the_model_from_two_actors_and_close_stops_servers_and_actors(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)
