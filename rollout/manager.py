@@ -418,7 +418,9 @@ class ContinuousBatchingManager:
         """
         return self._weights.hold_all(self._pausing)
 
-    def update_weights(self, named_tensors: NamedTensors | None = None, *, recompute: bool = False) -> int:
+    def update_weights(
+        self, named_tensors: NamedTensors | None = None, *, recompute: bool = False, version: int | None = None
+    ) -> int:
         """Copy new weights into the model in place and bump the model's weight version.
 
         Under ``pause()``: every manager on the model is held while the tensors are copied, and every engine on the
@@ -430,6 +432,8 @@ class ContinuousBatchingManager:
                 None only records that the caller changed the weights itself under ``pause()``.
             recompute: re-prefill in-flight requests (of every engine on the model) under the new weights instead of
                 keeping their KV.
+            version: the new weight version, above the current one (a server that rejoins a fleet takes the fleet's
+                number, ``RolloutPool``); None: the current one + 1.
 
         Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
         own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
@@ -439,18 +443,20 @@ class ContinuousBatchingManager:
             The new weight version.
 
         Raises:
-            KeyError: an unknown name; ValueError: a shape or dtype mismatch; TypeError: a value that is not a tensor.
-                All are raised before anything is copied.
+            KeyError: an unknown name; ValueError: a shape or dtype mismatch, or ``version`` not above the current
+                version; TypeError: a value that is not a tensor. All are raised before anything is copied.
             RuntimeError: the manager was destroyed.
         """
         if self._life.state == State.DESTROYED:
             raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
         plan = plan_weight_copy(self.model, named_tensors)
+        if version is not None and version <= self.weight_version:
+            raise ValueError(f"weight_version: {version} is not above the current weight version {self.weight_version}")
         with self.pause():
             copy_weights(plan)
             engine = self.engine
             with self._cond:
-                version = self._weights.bump(engine, self.cb_config.check_weight_contents, recompute)
+                version = self._weights.bump(engine, self.cb_config.check_weight_contents, recompute, version)
             if recompute:  # the version change did it (a no-op again) but under tensor parallelism: the loop does it
                 self._recompute_in_flight(engine)
         return version

@@ -21,6 +21,15 @@ one, whose error is raised. A weight send that fails drops the replicas that die
 tensors can be read again (a state dict or a list), sends them again over a new group of the survivors. A generation
 that fails to connect is retried on the survivors. The last replica's failure is raised, as ``RolloutClient``
 (the one-server pool) always did.
+
+Rejoining (slime restarts dead engines before the next sync; here a replica restarted by anyone comes back): before
+each full weight update (``send_weights`` or ``update_weights_from_disk`` of every parameter) the dropped replicas'
+``/health`` is probed; one that answers is paused (``mode=abort``) and joins that update only: the group is rebuilt
+to include it, and every member is told the version the update takes (``weight_version``, above each member's own),
+so that the returning replica, whatever version it restarted at, ends on the survivors' version with their weights.
+Only then is it resumed (unless the pool is paused), put back among the replicas that get generation and control
+calls, and added to the router (``/add_worker``). Before that it gets no generation: it is in neither the pool's
+list nor the router's.
 """
 
 from __future__ import annotations
@@ -121,8 +130,10 @@ class RolloutPool:
     Attributes:
         urls: the live replicas, in the order given (dropped ones removed).
         dropped: each dropped replica's URL and why.
+        joining: dropped replicas that answer again, paused, waiting for the next full weight update to rejoin.
         group: this side of the transfer group, or None.
         last_send: the last weight send's ``seconds``, ``bytes``, ``weight_version`` and ``servers``.
+        ray_actors: the Ray actors that run the replicas (``launch_on_ray``), stopped by ``close``; else empty.
 
     Raises:
         ValueError: no URL, a URL twice, or a URL that is not http(s).
@@ -164,18 +175,92 @@ class RolloutPool:
         self._lock = threading.Lock()  # guards urls and dropped against generation threads
         self._executor = concurrent.futures.ThreadPoolExecutor(max(4, 2 * len(urls)), thread_name_prefix="rollout-pool")
         self.dropped: dict[str, str] = {}
+        self.joining: list[str] = []
+        self._paused = False  # the last control call was pause(): a replica that rejoins stays paused too
         self.group: TransferGroup | None = None
         self._group_urls: list[str] = []
+        self._group_sent = False  # a send went over the open group (its members then agree on a version)
         self.last_send: dict[str, Any] = {}
+        self.ray_actors: list[Any] = []  # launch_on_ray's actors, stopped by close()
+
+    @classmethod
+    def launch_on_ray(
+        cls,
+        model: str,
+        num_replicas: int,
+        *,
+        num_cpus_per_replica: float = 1,
+        num_gpus_per_replica: float = 0,
+        serve_args: Sequence[str] = (),
+        host: str | None = None,
+        api_key: str | None = None,
+        ready_timeout: float = 600.0,
+        actor_options: dict[str, Any] | None = None,
+        **pool_kwargs: Any,
+    ) -> RolloutPool:
+        """Start ``num_replicas`` ``rollout-serve`` replicas as Ray actors and return the pool of them.
+
+        For a cluster that is a Ray cluster (verl, OpenRLHF, SkyRL): each replica is an actor that runs
+        ``rollout-serve --enable-control`` on a free port of its node (SkyRL's ``VLLMServerActor`` pattern,
+        ``rollout.ray_replicas``); Ray places them, HTTP and the transfer group do the rest, as for any pool.
+        ``close()`` stops the servers and kills the actors. Ray is imported here only (``pip install
+        'rollout[ray]'``); this process must be connected to the cluster (``ray.init``).
+
+        Args:
+            model: each replica's ``--model``: a folder every node can read, or an alias.
+            num_replicas: >= 1.
+            num_cpus_per_replica: each actor's CPUs (a whole number is also the server's torch threads).
+            num_gpus_per_replica: each actor's GPUs; > 0 serves on CUDA.
+            serve_args: more ``rollout-serve`` flags for every replica (``["--num-blocks", "512"]``).
+            host: the address each replica binds and reports; None: its node's address (reachable from the
+                cluster; pass ``api_key`` there).
+            api_key: every replica's ``--api-key``, and the pool's.
+            ready_timeout: seconds the replicas get to load the model and answer ``/health``.
+            actor_options: more ``ray.remote`` options of each actor (``scheduling_strategy``, ``resources``).
+            pool_kwargs: ``RolloutPool`` arguments (``router_url``, ``timeout``, ``bucket_bytes``...).
+
+        Raises:
+            ValueError: ``num_replicas`` < 1, negative resources, or ``serve_args`` setting ``--model``,
+                ``--host``, ``--port``, ``--enable-control`` or ``--api-key`` (before any actor starts).
+            ImportError: Ray is not installed.
+            RuntimeError: a replica exited or was not healthy within ``ready_timeout`` (the actors are stopped).
+        """
+        from .ray_replicas import launch_replicas, stop_replicas
+
+        urls, actors = launch_replicas(
+            model,
+            num_replicas,
+            num_cpus=num_cpus_per_replica,
+            num_gpus=num_gpus_per_replica,
+            serve_args=serve_args,
+            host=host,
+            api_key=api_key,
+            ready_timeout=ready_timeout,
+            actor_options=actor_options,
+        )
+        try:
+            pool = cls(urls, api_key=api_key, **pool_kwargs)
+        except BaseException:
+            stop_replicas(actors)
+            raise
+        pool.ray_actors = actors
+        return pool
 
     # ------------------------------------------------------------------ membership
     def drop(self, url: str, reason: str) -> None:
         """Take a replica out of the pool and out of the router (``/remove_worker``), with a warning naming it.
 
+        A returning replica (in ``joining``) that fails goes back to ``dropped``.
+
         Raises:
             RuntimeError: it is the last replica (nothing would be left to generate on).
         """
         with self._lock:
+            if url in self.joining:
+                self.joining.remove(url)
+                self.dropped[url] = reason
+                logger.warning("returning rollout server %s dropped again: %s", url, reason)
+                return
             if url not in self.urls:
                 return
             if len(self.urls) == 1:
@@ -207,15 +292,75 @@ class RolloutPool:
         return self._probe(self._http[url], "/health")
 
     def drop_unhealthy(self) -> list[str]:
-        """Probe every replica's ``/health`` concurrently and drop those that do not answer 200 (the last one is
-        kept: its own calls then raise). Returns the dropped URLs."""
-        urls = list(self.urls)
+        """Probe every replica's (and returning replica's) ``/health`` concurrently and drop those that do not answer
+        200 (the last one is kept: its own calls then raise). Returns the dropped URLs."""
+        urls = self._members()
         healthy = list(self._executor.map(self._healthy, urls))
         gone = [url for url, ok in zip(urls, healthy) if not ok]
         for url in gone:
-            if len(self.urls) > 1:
+            if url in self.joining or len(self.urls) > 1:
                 self.drop(url, "/health does not answer 200")
-        return [url for url in gone if url not in self.urls]
+        return [url for url in gone if url not in self._members()]
+
+    def _members(self) -> list[str]:
+        """The replicas a weight update goes to: the live ones, then the returning ones."""
+        with self._lock:
+            return [*self.urls, *self.joining]
+
+    def probe_dropped(self) -> list[str]:
+        """Probe the dropped replicas' ``/health``; each that answers 200 is paused (``mode=abort``: whatever it
+        runs was not sent by this pool) and waits in ``joining`` for the next full weight update, after which it
+        rejoins. ``send_weights`` and ``update_weights_from_disk`` call it. Returns ``joining``."""
+        with self._lock:
+            candidates = [url for url in self.dropped if url not in self.joining]
+        healthy = list(self._executor.map(self._healthy, candidates))
+        for url, ok in zip(candidates, healthy):
+            if not ok:
+                continue
+            try:
+                self._call(url, "POST", "/pause", self.control_timeout, params={"mode": "abort"})
+            except (httpx.HTTPError, RolloutServerError) as e:
+                logger.warning("rollout server %s answers /health again but could not be paused: %s", url, e)
+                continue
+            with self._lock:
+                self.joining.append(url)
+            logger.warning("rollout server %s answers again: paused until it has the full weights", url)
+        return list(self.joining)
+
+    def _catch_up_version(self, urls: Sequence[str], only_if_needed: bool = False) -> int | None:
+        """The version a full update must take so that every member (returning ones too) ends on one number: one
+        above the highest any member reports (a number is never reused on a server). With ``only_if_needed``,
+        None when the members already agree (the plain +1 of each then lands on one number)."""
+        answers = self.fan_out("GET", "/weight_transfer", urls=urls, timeout=self.control_timeout)
+        if set(answers) != set(urls):
+            raise RuntimeError(f"/weight_transfer: {sorted(set(urls) - set(answers))} did not answer")
+        versions = {int(a["weight_version"]) for a in answers.values()}
+        return None if only_if_needed and len(versions) == 1 else 1 + max(versions)
+
+    def _admit(self, joined: Sequence[str], version: int) -> None:
+        """Put replicas that received a full update back among the live ones: resumed (unless the pool is paused),
+        in ``urls``, in the router. Before this they get no generation."""
+        for url in joined:
+            if url not in self.joining:
+                continue
+            if not self._paused:
+                try:
+                    self._call(url, "POST", "/resume", self.control_timeout)
+                except (httpx.HTTPError, RolloutServerError) as e:
+                    self.drop(url, f"/resume after its catch-up failed: {e}")
+                    continue
+            with self._lock:
+                self.joining.remove(url)
+                self.dropped.pop(url, None)
+                self.urls.append(url)
+            if self._router is not None:
+                try:  # the router answers a line of text, not JSON
+                    response = self._router.post("/add_worker", params={"url": url}, timeout=self.timeout)
+                    if response.status_code >= 400:
+                        logger.warning("the router at %s did not take %s back: %s", self.router_url, url, response.text)
+                except httpx.HTTPError as e:
+                    logger.warning("the router at %s did not take %s back: %s", self.router_url, url, e)
+            logger.warning("rollout server %s rejoined the pool at weight version %d (%s)", url, version, self.urls)
 
     def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.5) -> None:
         """Poll every replica's (and the router's) ``/health`` until all answer 200.
@@ -369,10 +514,12 @@ class RolloutPool:
         wait for ``resume`` in every mode."""
         timeout = self.timeout if mode == "wait" else self.control_timeout
         self.fan_out("POST", "/pause", params={"mode": mode}, timeout=timeout)
+        self._paused = True
 
     def resume(self) -> None:
         """``POST /resume`` on every replica."""
         self.fan_out("POST", "/resume", timeout=self.control_timeout)
+        self._paused = False
 
     def is_paused(self) -> bool:
         """``GET /is_paused``: True when every replica is paused."""
@@ -408,15 +555,27 @@ class RolloutPool:
             raise RuntimeError(f"the rollout servers report different weight versions: {versions}")
         return next(iter(versions.values()))
 
-    def update_weights_from_disk(self, model_path: str) -> int:
+    def update_weights_from_disk(self, model_path: str, full: bool = True) -> int:
         """``POST /update_weights_from_disk`` on every replica (each must read ``model_path``); the new version.
+
+        Args:
+            model_path: a folder of safetensors files every replica can read.
+            full: the folder holds every parameter (a ``save_pretrained`` of the model): dropped replicas that
+                answer again take it too, at the others' new version, and rejoin (``probe_dropped``).
 
         Raises:
             RolloutServerError: a replica refused the folder (400 naming ``model_path``).
             RuntimeError: the replicas ended on different versions.
         """
-        answers = self.fan_out("POST", "/update_weights_from_disk", json={"model_path": model_path})
-        return self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        joining = self.probe_dropped() if full else []
+        members = self._members() if joining else list(self.urls)
+        body: dict[str, Any] = {"model_path": model_path}
+        if joining:
+            body["weight_version"] = self._catch_up_version(members)
+        answers = self.fan_out("POST", "/update_weights_from_disk", urls=members, json=body)
+        version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        self._admit([url for url in joining if url in answers], version)
+        return version
 
     @staticmethod
     def _one_version(versions: Mapping[str, int]) -> int:
@@ -448,12 +607,15 @@ class RolloutPool:
         """
         self.close_weight_transfer()
         while not self._open_group(master_address, master_port, world_size):
-            logger.warning("a rollout server left during the rendezvous; opening the group again over %s", self.urls)
+            logger.warning(
+                "a rollout server left during the rendezvous; opening the group again over %s", self._members()
+            )
 
     def _open_group(self, master_address: str | None, master_port: int | None, world_size: int | None) -> bool:
         """One rendezvous of this process and the live replicas; False when a replica was dropped meanwhile (that
-        rendezvous cannot complete: its thread ends at its timeout)."""
-        urls = list(self.urls)
+        rendezvous cannot complete: its thread ends at its timeout). The members are the live replicas and the
+        returning ones."""
+        urls = self._members()
         sizes = self.fan_out("GET", "/get_world_size", urls=urls, timeout=self.control_timeout)
         if set(sizes) != set(urls):
             return False
@@ -480,19 +642,20 @@ class RolloutPool:
         try:
             self.fan_out("POST", "/init_weight_transfer_engine", urls=urls, bodies=bodies)
         except RolloutServerError as e:
-            if set(self.urls) == set(urls):
+            if set(self._members()) == set(urls):
                 raise RolloutServerError(
                     e.status, f"a server did not join the transfer group at {address}:{port}: {e.message}", e.param
                 ) from e
         except RuntimeError as e:
             raise RuntimeError(f"no server joined the transfer group at {address}:{port}: {e}") from e
-        if set(self.urls) != set(urls):
+        if set(self._members()) != set(urls):
             return False
         thread.join(self.timeout)
         if "error" in result or "group" not in result:
             raise RuntimeError(f"the trainer's side of the transfer group did not open: {result.get('error')}")
         self.group = result["group"]
         self._group_urls = urls
+        self._group_sent = False
         return True
 
     def send_weights(
@@ -502,6 +665,7 @@ class RolloutPool:
         packed: bool = True,
         recompute: bool = False,
         lora_adapter: Mapping[str, Any] | None = None,
+        full: bool = True,
     ) -> int:
         """Stream tensors into every replica's live weights as one new weight version, each bucket broadcast once.
 
@@ -523,7 +687,13 @@ class RolloutPool:
             recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled
                 under them (``/start_weight_update``'s ``recompute``); False keeps their KV.
             lora_adapter: ``/start_weight_update``'s ``lora_adapter`` (``lora_name``, ``r``, ``lora_alpha``...): the
-                tensors are a LoRA adapter's, loaded as one on every replica (``send_lora_adapter``).
+                tensors are a LoRA adapter's, loaded as one on every replica (``send_lora_adapter``); such a send is
+                never ``full``.
+            full: the tensors are every parameter of the model (what the trainers send): dropped replicas that answer
+                again join this send and rejoin the pool after it, on the others' version (``probe_dropped``); on a
+                new group, replicas that report different versions all take one above the highest.
+                Pass False for a partial update (some tensors only), which leaves them out. When one is joining, the
+                servers refuse an update that misses a parameter (400 naming ``update_info.names``).
 
         Returns:
             The replicas' new weight version.
@@ -540,18 +710,21 @@ class RolloutPool:
             pairs = list(pairs)  # read twice: described, then sent
             metas = describe(pairs)
             rereadable = True
+        full = full and lora_adapter is None  # an adapter is no full update: it never admits a returning replica
+        if full:
+            self.probe_dropped()
         while True:
-            before = list(self.urls)
+            before = self._members()
             try:
-                return self._send_once(iter(pairs), metas, packed, recompute, lora_adapter)
+                return self._send_once(iter(pairs), metas, packed, recompute, lora_adapter, full)
             except Exception as e:
                 self.close_weight_transfer()  # the group's state is unknown after a failure: the next send opens anew
                 self.drop_unhealthy()
-                lost = [u for u in before if u not in self.urls]
+                lost = [u for u in before if u not in self._members()]
                 if not lost or not rereadable:
                     raise
                 logger.warning(
-                    "the weight send failed (%s) and %s left the pool; sending again to %s", e, lost, self.urls
+                    "the weight send failed (%s) and %s left the pool; sending again to %s", e, lost, self._members()
                 )
 
     def _send_once(
@@ -561,17 +734,26 @@ class RolloutPool:
         packed: bool,
         recompute: bool,
         lora_adapter: Mapping[str, Any] | None = None,
+        full: bool = True,
     ) -> int:
-        if self.group is None or self._group_urls != self.urls:
+        if self.group is None or self._group_urls != self._members():
             self.init_weight_transfer()
         assert self.group is not None
         group, urls = self.group, list(self._group_urls)
+        # Only a full update admits a returning replica: an adapter or some tensors would leave it on other weights.
+        joining = [url for url in urls if url in self.joining] if full else []
         t0 = time.perf_counter()
-        start: dict[str, Any] = {"is_checkpoint_format": True}  # vLLM's body: rollout's fields only when used
+        start: dict[str, Any] = {"is_checkpoint_format": True}  # vLLM's body, unless rollout's fields are needed
         if recompute:
             start["recompute"] = True
         if lora_adapter is not None:
             start["lora_adapter"] = dict(lora_adapter)
+        # A returning replica, or (on a new group) replicas that were never on one version (a pool over servers
+        # that served other pools): a full update brings all to one number.
+        first = full and not self._group_sent
+        target = self._catch_up_version(urls, only_if_needed=not joining) if joining or first else None
+        if target is not None:
+            start["weight_version"] = target
         self._all(urls, "/start_weight_update", start)
         result: dict[str, Any] = {}
 
@@ -591,7 +773,13 @@ class RolloutPool:
         if "error" in result or thread.is_alive():
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)
-        version = self._one_version({url: int(a["weight_version"]) for url, a in answers.items()})
+        # A replica still joining (not in this update's ``joining``: the update is not full) keeps its own version.
+        serving = {
+            url: int(a["weight_version"]) for url, a in answers.items() if url not in self.joining or url in joining
+        }
+        version = self._one_version(serving)
+        self._group_sent = True
+        self._admit(joining, version)
         seconds = time.perf_counter() - t0
         self.last_send = {"seconds": seconds, "bytes": result["bytes"], "weight_version": version, "servers": urls}
         logger.debug(
@@ -678,13 +866,18 @@ class RolloutPool:
             self._group_urls = []
 
     def close(self) -> None:
-        """Close the transfer group, the threads and the HTTP connections."""
+        """Close the transfer group, the threads and the HTTP connections; stop ``launch_on_ray``'s replicas."""
         self.close_weight_transfer()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for http in self._http.values():
             http.close()
         if self._router is not None:
             self._router.close()
+        if self.ray_actors:
+            from .ray_replicas import stop_replicas
+
+            stop_replicas(self.ray_actors)
+            self.ray_actors = []
 
     def __enter__(self) -> RolloutPool:
         return self

@@ -320,7 +320,13 @@ class WeightWatch:
         with self.lock:
             self.version = max(self.version, version)
 
-    def bump(self, engine: VersionedEngine | None, contents: bool = True, recompute: bool = False) -> int:
+    def bump(
+        self,
+        engine: VersionedEngine | None,
+        contents: bool = True,
+        recompute: bool = False,
+        version: int | None = None,
+    ) -> int:
         """Record the current weights and make a new version of the model (``update_weights``); ``engine`` adopts it
         now, every other engine on the model before its next step.
 
@@ -332,13 +338,21 @@ class WeightWatch:
             contents: record the content checksum too (see ``record``).
             recompute: in-flight requests of every engine on the model re-prefill under the new weights when their
                 engine adopts the version (``recompute_version``).
+            version: the new version, above the current one (a replica catching up with its fleet takes the
+                fleet's number: SGLang's ``weight_version``); None: the current one + 1. A number is never
+                reused, since blocks cached under it hold KV of other weights.
 
         Returns:
             The new version.
+
+        Raises:
+            ValueError: ``version`` is not above the current version (nothing is recorded then).
         """
         with self.lock:
+            if version is not None and version <= self.version:
+                raise ValueError(f"weight_version: {version} is not above the current weight version {self.version}")
             self.record(contents)
-            self.version += 1
+            self.version = self.version + 1 if version is None else version
             if recompute:
                 self.recompute_version = self.version
             if engine is not None:

@@ -52,13 +52,15 @@ def running_server(
     settings: ServerSettings | None = None,
     name: str = "tiny",
     transfer: TransferSettings | None = None,
+    port: int | None = None,
 ) -> Iterator[RunningServer]:
-    """Start a manager and uvicorn on 127.0.0.1; stop both (the manager destroyed) on exit."""
+    """Start a manager and uvicorn on 127.0.0.1 (on ``port``, default a free one); stop both (the manager destroyed)
+    on exit."""
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
     manager.start()
     service = GenerationService(manager, model_info(manager, tokenizer, name), transfer)
     app = build_app(service, settings or ServerSettings(enable_control=True, shutdown_timeout=10))
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()

@@ -40,7 +40,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # outputs, and tp_loop (the manager's loop on a tensor-parallel model) extends loop; persistence (the model-to-manager
 # link) sits below the manager that registers itself there, manager_requests (the manager's request API, a part it
 # owns) just below the manager. scoring and score_cli are entry points beside api, and so is client (the HTTP client
-# of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group); fleet
+# of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group; its
+# launch_on_ray places them with ray_replicas, Ray actors that run rollout-serve in child processes); fleet
 # (rollout-fleet: local replicas and the router) is an entry point of its own. environments (TRL's environment shape,
 # tools, tool-call parsing) is a leaf placed here; episodes (multi-turn trajectories) runs them over the manager and the
 # pool. The subpackages sit on top: serve (rollout-serve, over the package's exports and a few modules) and the
@@ -94,6 +95,7 @@ LAYERS = [
     "api",
     "scoring",
     "score_cli",
+    "ray_replicas",
     "pool",
     "client",
     "fleet",
@@ -111,7 +113,7 @@ LAYERS = [
 # (rollout-bench-scoring) and manager (rollout-bench-manager) use the workloads; the generation benchmark
 # (rollout-bench) runs the systems and the scoring one as a workload; serving (rollout-bench-serve) and
 # tensor_parallel (scripts/bench_tp.py) use the workloads and the report; weight_sync (scripts/bench_weight_sync.py)
-# uses the report.
+# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report.
 BENCHMARK_LAYERS = [
     "workloads",
     "roofline",
@@ -127,6 +129,7 @@ BENCHMARK_LAYERS = [
     "manager",
     "generation",
     "serving",
+    "fleet",
     "tensor_parallel",
     "weight_sync",
     "lora",

@@ -5,16 +5,19 @@ that does not answer dropped with a warning naming it while the others go on."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import save_file
 
 from rollout import ContinuousBatchingConfig, RolloutPool
 from rollout.pool import pick_replica
 from rollout.serve import TransferSettings
-from rollout.weight_transfer import describe, plan_buckets
-from tests.serve_utils import RunningServer, free_port, running_server
+from rollout.weight_transfer import describe, plan_buckets, update_info
+from tests.serve_utils import RunningServer, free_port, running_server, wait_until
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 
@@ -114,3 +117,113 @@ def test_the_last_server_failing_is_raised_and_bad_urls_are_refused() -> None:
         RolloutPool(["ftp://x"])
     with RolloutPool(f"http://127.0.0.1:{free_port()}", control_timeout=5) as pool, pytest.raises(RuntimeError):
         pool.pause()
+
+
+def served(server: RunningServer) -> int:
+    """Choices the server has ended (any reason)."""
+    return sum(server.service.finished.values())
+
+
+def test_a_restarted_replica_rejoins_only_after_it_has_the_full_weights_at_the_survivors_version(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replica B stops, the next send drops it; B comes back on its port with the original weights at version 0; it
+    gets no generation until the next full send has given it the survivors' weights and version (3, not its own 1)."""
+    port = free_port()
+    victim = f"http://127.0.0.1:{port}"
+    weights = {v: tiny_llama(seed=v) for v in (1, 2, 3)}
+    with replicas(1) as (survivor,), contextlib.ExitStack() as stack:
+        pool = stack.enter_context(RolloutPool([survivor.url, victim], timeout=60, control_timeout=10))
+        with running_server(tiny_llama(), tiny_tokenizer(), CONFIG, transfer=TransferSettings(), port=port):
+            assert pool.send_weights(weights[1].named_parameters()) == 1
+        with caplog.at_level("WARNING", logger="rollout.pool"):
+            assert pool.send_weights(dict(weights[2].named_parameters())) == 2  # B is gone: dropped, sent again
+        assert pool.urls == [survivor.url] and victim in pool.dropped
+        back = stack.enter_context(
+            running_server(tiny_llama(), tiny_tokenizer(), CONFIG, transfer=TransferSettings(), port=port)
+        )
+        assert back.manager.weight_version == 0 and greedy(back.url)["weight_versions"] == [0] * 8
+        back_served = served(back)
+        # Sessions whose replica would be B once it is back: until it rejoins they land on the survivor.
+        sessions = [f"s{i}" for i in range(40) if pick_replica(f"s{i}", [survivor.url, victim]) == victim][:4]
+        assert len(sessions) == 4
+        for session in sessions:
+            assert pool.generate(PROMPT, session=session, max_tokens=2)["choices"][0]["weight_versions"] == [2, 2]
+        assert served(back) == back_served and pool.urls == [survivor.url]
+
+        # Generation goes on while B catches up: no token may come from B's own weights (version 0) or from B
+        # before its version equals the survivors' (a plain bump would give it version 1).
+        seen: list[list[int]] = []
+        stop = threading.Event()
+
+        def generate_meanwhile() -> None:
+            i = 0
+            while not stop.is_set():
+                body = pool.generate(PROMPT, session=sessions[i % 4], max_tokens=2, temperature=0, ignore_eos=True)
+                seen.append(body["choices"][0]["weight_versions"])
+                i += 1
+
+        thread = threading.Thread(target=generate_meanwhile, daemon=True)
+        thread.start()
+        wait_until(lambda: len(seen) >= 2)
+        with caplog.at_level("WARNING", logger="rollout.pool"):
+            assert pool.send_weights(weights[3].named_parameters()) == 3
+        wait_until(lambda: served(back) > back_served)  # the sessions now reach B
+        stop.set()
+        thread.join(30)
+        assert all(set(v) <= {2, 3} for v in seen), seen
+        assert f"rollout server {victim} rejoined the pool at weight version 3" in caplog.text
+        assert pool.urls == [survivor.url, victim] and not pool.dropped and not pool.joining
+        assert pool.weight_versions() == {survivor.url: 3, victim: 3} and back.manager.weight_version == 3
+        want = reference_greedy(weights[3], PROMPT, 8, None)
+        for url in pool.urls:
+            choice = greedy(url)
+            assert choice["token_ids"] == want and choice["weight_versions"] == [3] * 8
+        before = served(back)
+        body = pool.generate(PROMPT, session=sessions[0], max_tokens=8, temperature=0, ignore_eos=True)
+        assert body["choices"][0]["token_ids"] == want and served(back) == before + 1
+        # The next send goes over the same group of 1 + 2 ranks, at one version for both.
+        assert pool.send_weights(weights[1].named_parameters()) == 4
+        assert back.service.weights.state.group.world_size == 3
+
+
+def test_an_update_to_a_given_weight_version_must_be_above_the_current_one_and_carry_every_parameter(
+    tmp_path: Path,
+) -> None:
+    full, partial = tmp_path / "full", tmp_path / "partial"
+    tiny_llama(seed=1).save_pretrained(full)
+    partial.mkdir()
+    state = {k: v for k, v in tiny_llama(seed=1).state_dict().items() if "layers.0.mlp.up_proj" not in k}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(partial / "model.safetensors"))
+    with replicas(1) as (server,), RolloutPool([server.url], timeout=60) as pool:
+        url = server.url
+        answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(full), "weight_version": 5})
+        assert answer.json()["weight_version"] == 5 and greedy(url)["weight_versions"] == [5] * 8
+        again = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(full), "weight_version": 5})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "weight_version"
+        missing = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(partial), "weight_version": 6})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "model_path"
+        assert "every parameter" in missing.json()["error"]["message"]
+        # Over the transfer group: the announcement of a partial update to a given version is refused before any
+        # byte moves (the group stays usable).
+        pool.init_weight_transfer()
+        assert httpx.post(f"{url}/start_weight_update", json={"weight_version": 4}).status_code == 400
+        assert httpx.post(f"{url}/start_weight_update", json={"weight_version": 7}).status_code == 200
+        metas = describe([(k, p) for k, p in tiny_llama().named_parameters() if "layers.0.mlp.up_proj" not in k])
+        refused = httpx.post(f"{url}/update_weights", json={"update_info": update_info(metas)})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info.names"
+        assert server.manager.weight_version == 5
+
+
+def test_a_new_pool_over_replicas_on_different_versions_brings_them_to_one_above_the_highest() -> None:
+    trained = tiny_llama(seed=1)
+    with replicas(2) as (a, b):
+        with RolloutPool([a.url], timeout=60) as alone:
+            alone.send_weights(trained.named_parameters())
+            assert alone.send_weights(trained.named_parameters()) == 2
+        with RolloutPool([a.url, b.url], timeout=60) as pool:
+            pool.init_weight_transfer()  # a group opened before the first send: the first send still checks
+            assert pool.send_weights(trained.named_parameters()) == 3
+            assert pool.weight_versions() == {a.url: 3, b.url: 3}
+            assert greedy(b.url)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
+            assert pool.send_weights(trained.named_parameters()) == 4  # the same group, the plain +1

@@ -1,6 +1,7 @@
 """rollout-serve behind vLLM's real router (``vllm-router`` 0.1.17, ``consistent_hash`` on ``X-Session-ID``): a
-session stays on one replica, token ids, logprobs and weight versions pass through the router unchanged, and a
-replica the pool drops leaves the router too."""
+session stays on one replica, token ids, logprobs and weight versions pass through the router unchanged, a
+replica the pool drops leaves the router too, and comes back into it only once a full send has given it the others'
+weights and version."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def test_a_session_stays_on_one_replica_and_the_router_passes_tokens_logprobs_an
         with RolloutPool([s.url for s in servers], router_url=router, timeout=60) as pool:
             assert pool.send_weights(trained.named_parameters()) == 1  # both replicas on version 1
             params = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
-            landed = set()
-            for i in range(4):
+            landed: set[str] = set()
+            for i in range(16):  # at least 4 sessions, until both replicas got one (ports, hence the ring, vary)
+                if i >= 4 and len(landed) == 2:
+                    break
                 session = f"prompt-{i}"
                 before = [sum(s.service.finished.values()) for s in servers]
                 routed = [pool.generate(PROMPT, session=session, seed=g, **params) for g in range(3)]
@@ -46,3 +49,19 @@ def test_a_session_stays_on_one_replica_and_the_router_passes_tokens_logprobs_an
             assert greedy["choices"][0]["token_ids"] == reference_greedy(trained, PROMPT, 6, None)
             pool.drop(servers[0].url, "taken out by the test")
             assert httpx.get(f"{router}/list_workers").json()["urls"] == [servers[1].url]
+            # It answers /health: the next full send takes it back, into the router only after its weights.
+            served = [sum(s.service.finished.values()) for s in servers]
+            for i in range(4):
+                pool.generate(PROMPT, session=f"prompt-{i}", **params)
+            assert sum(servers[0].service.finished.values()) == served[0]  # out of the router: no generation
+            retrained = tiny_llama(seed=2)
+            assert pool.send_weights(retrained.named_parameters()) == 2
+            assert sorted(httpx.get(f"{router}/list_workers").json()["urls"]) == sorted(s.url for s in servers)
+            assert pool.weight_versions() == {s.url: 2 for s in servers}
+            want = reference_greedy(retrained, PROMPT, 6, None)
+            for i in range(16):  # the sessions spread over both replicas again
+                body = pool.generate(PROMPT, session=f"prompt-{i}", max_tokens=6, temperature=0, ignore_eos=True)
+                assert body["choices"][0]["token_ids"] == want and body["choices"][0]["weight_versions"] == [2] * 6
+                if sum(servers[0].service.finished.values()) > served[0]:
+                    break
+            assert sum(servers[0].service.finished.values()) > served[0]

@@ -351,10 +351,14 @@ class UpdateWeightsRequest(_Body):
         model_path: a folder whose ``*.safetensors`` files hold tensors named as in
             ``model.named_parameters()`` (a ``save_pretrained`` folder of the same architecture).
         recompute: re-prefill in-flight requests under the new weights instead of keeping their KV.
+        weight_version: the version the new weights take (SGLang's field, an int here), above the current one;
+            the folder must then hold every parameter (a catch-up to a fleet's weights, ``RolloutPool``). None:
+            the current version + 1.
     """
 
     model_path: str
     recompute: bool = False
+    weight_version: Integer | None = Field(None, ge=1)
 
 
 class AbortRequest(_Body):
@@ -418,11 +422,15 @@ class StartWeightUpdateRequest(_Body):
             drop their KV and are re-prefilled under the new weights (AReaL's); false keeps it (PipelineRL's).
         lora_adapter: rollout's: the update carries a LoRA adapter, not base weights (``LoraTransferInfo``); needs
             ``--enable-lora``.
+        weight_version: rollout's (SGLang names it so on its weight routes): the version this update takes, above
+            the current one; the update must then carry every parameter. A ``RolloutPool`` sends it when a
+            replica rejoins, so that it ends on the others' version. None: the current version + 1.
     """
 
     is_checkpoint_format: bool = True
     recompute: bool = False
     lora_adapter: LoraTransferInfo | None = None
+    weight_version: Integer | None = Field(None, ge=1)
 
 
 class UpdateInfo(_Body):

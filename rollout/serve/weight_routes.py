@@ -35,7 +35,7 @@ def weight_router(service: GenerationService, control: Callable[[Request], Await
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict[str, Any]:
-        version = await weights.update_weights_from_disk(body.model_path, body.recompute)
+        version = await weights.update_weights_from_disk(body.model_path, body.recompute, body.weight_version)
         return {"success": True, "weight_version": version}
 
     # vLLM's weight transfer from a trainer: init once, then start, update (one or more), finish per version.
@@ -52,7 +52,7 @@ def weight_router(service: GenerationService, control: Callable[[Request], Await
                 "is_checkpoint_format: only checkpoint-format tensors (named as model.named_parameters()) are loaded",
                 "is_checkpoint_format",
             )
-        weights.start_weight_update(body.recompute, body.lora_adapter)
+        weights.start_weight_update(body.recompute, body.lora_adapter, body.weight_version)
         return {"success": True}
 
     @router.post("/update_weights")

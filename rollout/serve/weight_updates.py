@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +72,7 @@ class TransferState:
         packed: ``init_info.packed``, the default of ``update_info.packed``.
         updating: between ``/start_weight_update`` and ``/finish_weight_update``.
         recompute: the open update re-prefills in-flight requests when it takes effect.
+        weight_version: the version the open update takes (``/start_weight_update``'s), or None for the next one.
         receiving: an ``/update_weights`` call is receiving now.
         staged: atomic mode: the (name, tensor) pairs received since the update started.
         partial: in-place mode: why the live weights are a mix of two versions, or None.
@@ -84,6 +85,7 @@ class TransferState:
     packed: bool = False
     updating: bool = False
     recompute: bool = False
+    weight_version: int | None = None
     receiving: bool = False
     staged: list[tuple[str, torch.Tensor]] | None = None
     partial: str | None = None
@@ -127,16 +129,26 @@ class WeightUpdater:
         self._abort = abort
         self._install_lora = install_lora
 
-    async def update_weights_from_disk(self, model_path: str, recompute: bool) -> int:
+    async def update_weights_from_disk(
+        self, model_path: str, recompute: bool, weight_version: int | None = None
+    ) -> int:
         """Copy the tensors of a folder's ``*.safetensors`` files into the live weights, in place.
+
+        Args:
+            model_path: the folder.
+            recompute: in-flight requests are re-prefilled under the new weights.
+            weight_version: the version the new weights take (above the current one; the folder must then hold
+                every parameter), or None for the current one + 1.
 
         Returns:
             The new weight version.
 
         Raises:
             APIError: 400 (param ``model_path``) for a missing folder, no safetensors file, an unknown
-                tensor name or a shape or dtype mismatch; nothing is copied then.
+                tensor name, a shape or dtype mismatch, or a parameter missing under ``weight_version``; 400
+                (param ``weight_version``) for a version not above the current one. Nothing is copied then.
         """
+        self._check_version(weight_version)
         folder = Path(model_path).expanduser()
         files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
         if not files:
@@ -152,8 +164,11 @@ class WeightUpdater:
                     tensors.update(load_file(str(f)))
                 except (SafetensorError, OSError) as e:  # a corrupt or unreadable file: nothing copied yet
                     raise ValueError(f"{f.name} cannot be read as safetensors: {e}") from e
+            if weight_version is not None and (missing := self._missing_parameters(tensors)):
+                raise ValueError(f"{len(missing)} parameters are not in the folder ({missing[0]}...), but a "
+                                 "weight_version update must hold every parameter")  # fmt: skip
             with self._model_lock:
-                return self.manager.update_weights(tensors, recompute=recompute)
+                return self.manager.update_weights(tensors, recompute=recompute, version=weight_version)
 
         try:
             return await self._copying(run)
@@ -180,6 +195,21 @@ class WeightUpdater:
             self._copies -= 1
             if not self._copies:
                 self._no_copy.set()
+
+    def _check_version(self, weight_version: int | None) -> None:
+        """Raises APIError 400 (param ``weight_version``) for a version not above the current one."""
+        if weight_version is not None and weight_version <= self.manager.weight_version:
+            raise bad_request(
+                f"weight_version: {weight_version} is not above this server's weight version "
+                f"{self.manager.weight_version} (a version number is never reused)",
+                "weight_version",
+            )
+
+    def _missing_parameters(self, names: Iterable[str]) -> list[str]:
+        """The model's parameters that ``names`` do not cover (a tied weight is covered by any of its names)."""
+        targets = dict(self.manager.model.named_parameters(remove_duplicate=False))
+        covered = {id(targets[name]) for name in names if name in targets}
+        return [name for name, p in self.manager.model.named_parameters() if id(p) not in covered]
 
     def backend(self) -> str:
         """The transfer group's torch.distributed backend: ``nccl`` for a CUDA model, ``gloo`` otherwise."""
@@ -243,6 +273,7 @@ class WeightUpdater:
         self.state.packed = bool(init.packed)
         self.state.updating = False
         self.state.staged = None
+        self.state.weight_version = None
         logger.info("joined the weight-transfer group at %s:%d", init.master_address, init.master_port)
 
     def _need_group(self) -> TransferGroup:
@@ -253,16 +284,21 @@ class WeightUpdater:
             )
         return self.state.group
 
-    def start_weight_update(self, recompute: bool = False, lora: LoraTransferInfo | None = None) -> None:
+    def start_weight_update(
+        self, recompute: bool = False, lora: LoraTransferInfo | None = None, weight_version: int | None = None
+    ) -> None:
         """Open an update: the tensors of the next ``/update_weights`` calls form one new weight version.
 
         Args:
             recompute: when the update takes effect (atomic: at ``finish``; in place: at each ``/update_weights``),
                 in-flight requests drop their KV and are re-prefilled under the new weights.
             lora: the tensors are this LoRA adapter's, loaded as it at ``finish`` (staged whatever the mode).
+            weight_version: the version the update takes, above the current one (a replica rejoining a fleet takes
+                the fleet's); its ``/update_weights`` must then announce every parameter. None: the current + 1.
 
         Raises:
-            APIError: 400 without a group, or ``lora_adapter`` on a server without ``--enable-lora``; 409 while a
+            APIError: 400 without a group, for ``lora_adapter`` on a server without ``--enable-lora``, for a
+                ``weight_version`` not above the current one or given with ``lora_adapter``; 409 while a
                 transfer receives.
         """
         self._need_group()
@@ -272,9 +308,16 @@ class WeightUpdater:
             raise bad_request(
                 "lora_adapter: this server serves no LoRA adapters; start it with --enable-lora", "lora_adapter"
             )
+        if lora is not None and weight_version is not None:
+            raise bad_request(
+                "weight_version: an adapter update takes the next version; send weight_version only with base weights",
+                "weight_version",
+            )
+        self._check_version(weight_version)
         self.state.updating = True
         self.state.recompute = recompute
         self.state.lora = lora
+        self.state.weight_version = weight_version
         self.state.staged = []
 
     def _check_update(self, info: UpdateInfo) -> list[TensorMeta]:
@@ -301,6 +344,12 @@ class WeightUpdater:
         except FieldError as e:  # its field is the tensor's attribute that differs
             param = UPDATE_INFO_FIELDS[e.field]
             raise APIError(400, f"{param}: {e}", param) from e
+        if self.state.weight_version is not None and (missing := self._missing_parameters(info.names)):
+            raise bad_request(
+                f"update_info.names: {len(missing)} parameters are not announced ({missing[0]}...), but an update "
+                f"to weight_version {self.state.weight_version} must carry every parameter (a replica catching up)",
+                "update_info.names",
+            )
         return metas
 
     def _drop_open_update(self, refusal: APIError) -> None:
@@ -312,7 +361,7 @@ class WeightUpdater:
         t = self.state
         if not t.updating:
             return
-        t.updating, t.staged = False, None
+        t.updating, t.staged, t.lora, t.weight_version = False, None, None, None
         t.last_error = f"the open weight update was dropped: its announcement was refused ({refusal.message})"
         logger.warning("%s", t.last_error)
 
@@ -378,14 +427,14 @@ class WeightUpdater:
                         self._abort()  # before the pause ends: no token is sampled from a mix of two versions
                     raise
                 # Recorded before the pause ends, or the loop would notice the change and bump on its own.
-                self.manager.update_weights(None, recompute=t.recompute)
+                self.manager.update_weights(None, recompute=t.recompute, version=t.weight_version)
                 return received
 
         try:
             t.bytes_received = await (self._copying(run) if in_place else asyncio.to_thread(run))
         except Exception as e:
             self.close_group()
-            t.updating, t.staged, t.lora = False, None, None
+            t.updating, t.staged, t.lora, t.weight_version = False, None, None, None
             if in_place and t.partial is not None:
                 keeps = "the server holds partial weights and refuses generation until a complete update"
             else:
@@ -420,8 +469,8 @@ class WeightUpdater:
             raise APIError(409, "a weight transfer is receiving now; wait for its /update_weights to answer")
         if not t.updating:
             raise APIError(400, "no weight update is open: call /start_weight_update first")
-        staged, recompute, lora = t.staged, t.recompute, t.lora
-        t.updating, t.staged, t.lora = False, None, None
+        staged, recompute, lora, version = t.staged, t.recompute, t.lora, t.weight_version
+        t.updating, t.staged, t.lora, t.weight_version = False, None, None, None
         if lora is not None:
             return await self._finish_lora(lora, staged or [])
         if self.settings.mode == "in_place":  # each /update_weights recorded its copy: a new version
@@ -430,7 +479,7 @@ class WeightUpdater:
 
         def run() -> int:
             with self._model_lock:
-                return self.manager.update_weights(staged, recompute=recompute)
+                return self.manager.update_weights(staged, recompute=recompute, version=version)
 
         return await self._copying(run)
 
