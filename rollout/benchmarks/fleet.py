@@ -105,9 +105,20 @@ def replica_subprocesses(
 
 
 @contextlib.contextmanager
-def router_subprocess(worker_urls: Sequence[str]) -> Iterator[str]:
-    """``vllm-router --policy consistent_hash`` over ``worker_urls`` on 127.0.0.1; yields its URL once it lists every
+def router_subprocess(
+    worker_urls: Sequence[str],
+    policy: str = "consistent_hash",
+    extra_args: Sequence[str] = (),
+    timeout: float = ROUTER_START_TIMEOUT_S,
+) -> Iterator[str]:
+    """``vllm-router --policy POLICY`` over ``worker_urls`` on 127.0.0.1; yields its URL once it lists every
     worker, stops it on exit.
+
+    Args:
+        worker_urls: the replicas' base URLs.
+        policy: the router's policy.
+        extra_args: more vllm-router flags (the fleet tests turn its retries off).
+        timeout: seconds the router gets to list every worker.
 
     Raises:
         RuntimeError: vllm-router is not installed (``pip install 'rollout[fleet]'``), exited, or did not list the
@@ -119,13 +130,13 @@ def router_subprocess(worker_urls: Sequence[str]) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls, "--policy",
-         "consistent_hash", "--log-level", "warning", "--prometheus-host", "127.0.0.1", "--prometheus-port",
-         str(free_port())],
+        [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
+         "--log-level", "warning", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+         *extra_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited with status {proc.returncode}")
@@ -133,7 +144,7 @@ def router_subprocess(worker_urls: Sequence[str]) -> Iterator[str]:
                 if len(httpx.get(f"{url}/list_workers", timeout=2).json()["urls"]) == len(worker_urls):
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-router did not list {list(worker_urls)} within {ROUTER_START_TIMEOUT_S:g} s")
+                raise RuntimeError(f"vllm-router did not list {list(worker_urls)} within {timeout:g} s")
             time.sleep(0.2)
         yield url
     finally:
