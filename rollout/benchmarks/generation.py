@@ -286,6 +286,7 @@ def run_workload(
             rounds.setdefault(name, []).append(run)
             runs[name] = run
     summaries = {}
+    token_flops = TokenFlops(model) if gemm_peak_gflops else None
     for name, runs_of in rounds.items():
         runs[name] = median_run(runs_of)
         summary = runs[name].summary()
@@ -298,11 +299,11 @@ def run_workload(
         summary["tokens_per_s_median"] = statistics.median(tokens_per_s)
         summary["tokens_per_s_min"] = min(tokens_per_s)
         summary["tokens_per_s_max"] = max(tokens_per_s)
-        if gemm_peak_gflops and runs[name].sequences is not None:
+        if token_flops is not None and runs[name].sequences is not None:
             lens = [len(seq) for seq in runs[name].sequences]
             summary["generated_lengths"] = lens
             summary.update(
-                decode_rate(TokenFlops(model), [len(p) for p in prompts], lens, G, runs[name].wall_s, gemm_peak_gflops)
+                decode_rate(token_flops, [len(p) for p in prompts], lens, G, runs[name].wall_s, gemm_peak_gflops)
             )
         summaries[name] = summary
 
