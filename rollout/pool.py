@@ -272,9 +272,15 @@ class RolloutPool:
         )
         if self._router is not None:
             try:
-                self._router.post("/remove_worker", params={"url": url}, timeout=self.control_timeout)
+                response = self._router.post("/remove_worker", params={"url": url}, timeout=self.control_timeout)
             except httpx.HTTPError as e:  # the router is gone too: generation will say so
                 logger.warning("the router at %s did not take %s out: %s", self.router_url, url, e)
+            else:
+                if response.status_code >= 400:
+                    logger.warning(
+                        "the router at %s did not take %s out: %d %s",
+                        self.router_url, url, response.status_code, response.text[:200],
+                    )
 
     def health(self) -> bool:
         """True when every replica (and the router) answers ``/health`` with 200."""
@@ -438,9 +444,9 @@ class RolloutPool:
         return answers
 
     # ------------------------------------------------------------------ generation
-    def _generation_target(self, session: str | None) -> tuple[httpx.Client, dict[str, str]]:
+    def _generation_target(self, session: str | None, direct: bool = False) -> tuple[httpx.Client, dict[str, str]]:
         headers = {self.session_header: session} if session is not None else {}
-        if self._router is not None:
+        if self._router is not None and not direct:
             return self._router, headers
         with self._lock:
             urls = list(self.urls)
@@ -448,23 +454,37 @@ class RolloutPool:
 
     def _post_generation(self, path: str, body: dict[str, Any], session: str | None) -> Any:
         """POST a generation body; when it fails to reach a replica (no answer, or a 5xx) and a replica turns out
-        dead, the dead ones are dropped and the request is sent again (the router or the hash then picks a survivor).
+        dead, the dead ones are dropped and the request is sent again, straight to a live replica.
+
+        The resend skips the router: ``/remove_worker`` may not have taken effect yet (another thread may have dropped
+        the replica a moment ago), and the router would pick the dead replica again. A failure on a live replica is
+        the request's own and is answered unless that replica has died too.
         """
+        direct = False
         while True:
-            http, headers = self._generation_target(session)
+            http, headers = self._generation_target(session, direct)
+            through_router = http is self._router
             try:
                 response = http.post(path, json=body, headers=headers)
                 if response.status_code < 500:
                     return _answer(response)
                 failure = f"{response.status_code} {response.text[:200]}"
             except httpx.TransportError as e:
-                if len(self.urls) == 1 or not self.drop_unhealthy():
+                if not self._a_replica_died(through_router):
                     raise
                 failure = f"{type(e).__name__}: {e}"
             else:
-                if len(self.urls) == 1 or not self.drop_unhealthy():  # nobody died: the failure is the request's own
+                if not self._a_replica_died(through_router):  # nobody died: the failure is the request's own
                     return _answer(response)
+            direct = True
             logger.warning("%s failed (%s); sending it again to %s", path, failure, self.urls)
+
+    def _a_replica_died(self, through_router: bool) -> bool:
+        """After a failed generation call: drop the replicas that do not answer ``/health``; True when one is gone
+        (now, or earlier when the call went through the router, which may still hold it)."""
+        if len(self.urls) > 1 and self.drop_unhealthy():
+            return True
+        return through_router and bool(self.dropped)
 
     def generate(
         self,

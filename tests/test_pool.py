@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import save_file
 
 from rollout import ContinuousBatchingConfig, RolloutPool
-from rollout.pool import pick_replica
+from rollout.pool import RolloutServerError, pick_replica
 from rollout.serve import TransferSettings
 from rollout.weight_transfer import describe, plan_buckets, update_info
 from tests.serve_utils import RunningServer, free_port, running_server, wait_until
@@ -106,6 +106,39 @@ def test_a_server_that_does_not_answer_is_dropped_with_a_warning_and_the_others_
         assert greedy(server.url)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
         # A generation for any session now lands on the survivor.
         assert pool.generate(PROMPT, session="any", max_tokens=2)["choices"][0]["weight_versions"] == [1, 1]
+
+
+def test_a_generation_the_router_still_sends_to_a_dropped_replica_goes_straight_to_a_survivor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vllm-router's /remove_worker may not have taken effect when a concurrent request is sent again (CI, 5e54f29):
+    # a stale router that keeps picking the dead replica must not fail the request.
+    dead = f"http://127.0.0.1:{free_port()}"
+    routed: list[str] = []
+
+    def stale_router(request: httpx.Request) -> httpx.Response:
+        routed.append(request.url.path)
+        if request.url.path == "/remove_worker":
+            return httpx.Response(202, json={"status": "accepted"})
+        return httpx.Response(500, text=f"Request failed: error sending request for url ({dead}/v1/completions)")
+
+    with replicas(1) as (server,), RolloutPool([server.url, dead], router_url="http://router", timeout=30) as pool:
+        pool._router = httpx.Client(base_url="http://router", transport=httpx.MockTransport(stale_router))
+        pool.drop(dead, "killed by the test")  # as another thread did a moment ago
+        before = served(server)
+        with caplog.at_level("WARNING", logger="rollout.pool"):
+            body = pool.generate(PROMPT, session="s", max_tokens=4, temperature=0, ignore_eos=True)
+        assert body["choices"][0]["token_ids"] == reference_greedy(tiny_llama(), PROMPT, 4, None)
+        assert served(server) == before + 1
+        assert routed == ["/remove_worker", "/v1/completions"]  # one try through the router, then straight
+        assert "sending it again" in caplog.text
+        # A failure that is the request's own (a live replica answers 5xx) is answered, not sent round again.
+        pool._router = httpx.Client(
+            base_url="http://router", transport=httpx.MockTransport(lambda r: httpx.Response(500, text="boom"))
+        )
+        pool.dropped.clear()
+        with pytest.raises(RolloutServerError, match="boom"):
+            pool.generate(PROMPT, session="s", max_tokens=4)
 
 
 def test_the_last_server_failing_is_raised_and_bad_urls_are_refused() -> None:
