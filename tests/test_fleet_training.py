@@ -1,6 +1,7 @@
-"""GRPO on a fleet (``rollout_server: URL,URL`` behind ``rollout_router``): two ``python -m rollout.serve`` processes
-and vLLM's router; one replica is SIGKILLed in the middle of the run, the run finishes, the dead replica is dropped
-from the pool and the router, and the survivor serves the trained model's greedy tokens."""
+"""GRPO and PPO on a fleet (``rollout_server: URL,URL`` behind ``rollout_router``). GRPO: two ``python -m rollout.serve``
+processes and vLLM's router; one replica is SIGKILLed in the middle of the run, the run finishes, the dead replica is
+dropped from the pool and the router, and the survivor serves the trained model's greedy tokens. PPO: two replicas
+behind the router both end on the trainer's weights at one version."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from rollout import ContinuousBatchingConfig
 from tests.fleet_utils import vllm_router
-from tests.serve_utils import free_port
+from tests.serve_utils import free_port, running_server
 from tests.test_grpo import low_token_reward, tiny_config, token_dataset
+from tests.test_ppo import tiny_trainer as tiny_ppo_trainer
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import reference_greedy
 from trainers.grpo import GRPOTrainer
@@ -111,3 +115,29 @@ def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes_on_the_survivo
         choice = httpx.post(f"{router}/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert choice["token_ids"] == reference_greedy(trainer.unwrapped, PROMPT, 8, None)
         assert choice["weight_versions"] == [5] * 8
+
+
+@pytest.mark.slow  # two in-process servers, the router and three PPO steps: about a minute on 2 shared cores
+def test_ppo_on_two_replicas_behind_the_router_ends_with_the_trainers_weights_on_both(tmp_path: Path) -> None:
+    config = ContinuousBatchingConfig(num_blocks=128, page_size=16, return_logprobs=True)
+    served = [tiny_llama(seed=3), tiny_llama(seed=4)]  # both start from other weights: the first send replaces them
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running_server(m, tiny_tokenizer(), config)) for m in served]
+        router = stack.enter_context(vllm_router([s.url for s in servers]))
+        trainer = tiny_ppo_trainer(
+            tmp_path,
+            rollout_server=",".join(s.url for s in servers),
+            rollout_router=router,
+            max_steps=3,
+            async_rollouts=True,
+            max_staleness=1,
+        )
+        rows = trainer.train()
+        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        assert all(r["staleness_max"] <= 1 for r in rows)
+        assert rows[0]["logprob_diff_max"] < 1e-3  # step 1: the replicas' logprobs are the trainer's, same weights
+        assert [s.manager.weight_version for s in servers] == [4, 4]  # the first send, then one per step, on both
+        assert all(sum(s.service.finished.values()) > 0 for s in servers)  # the prompts' sessions use both replicas
+        for model in served:
+            for (name, trained), (_, live) in zip(trainer.policy.named_parameters(), model.named_parameters()):
+                assert torch.equal(trained, live), name

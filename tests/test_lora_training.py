@@ -28,6 +28,7 @@ from trainers.cli import parse_config
 from trainers.config import ConfigError
 from trainers.grpo import GRPOTrainer
 from trainers.lora import LoraRollouts, adapter_sync_bytes
+from trainers.report import report
 
 pytest.importorskip("peft")
 
@@ -113,6 +114,12 @@ def test_ppo_lora_step_trains_the_adapter_on_the_engines_logprobs(tmp_path: Path
     assert trainer.backend.adapter == "ppo-v2"
     assert rows[1]["lora_sync_bytes"] == adapter_bytes(trainer.trained_policy)
     assert trainer.reference is trainer.policy  # the initial LoRA policy is the base model itself: no copy
+    # The run's report names the adapter and the bytes each sync sent against a full sync.
+    text = report(tmp_path / "out", None, "CMD")
+    sent, full = adapter_bytes(trainer.trained_policy), rows[1]["full_sync_bytes"]
+    assert "the default recipe with a rank-4 LoRA adapter" in text and "a LoRA adapter (peft) of rank 4" in text
+    figures = f"**{sent:,} bytes** against {full:,.0f} for a full sync of the weights (**{100 * sent / full:.2f}%**)"
+    assert f"{figures}, over 2 syncs" in text
 
 
 def test_grpo_lora_on_a_server_sends_only_the_adapter_over_the_transfer_group(tmp_path: Path) -> None:

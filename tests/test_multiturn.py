@@ -146,6 +146,8 @@ def test_retry_arithmetic_judges_each_answer() -> None:
         MultiTurnGRPOConfig(reward_funcs=["correctness"])
     with pytest.raises(ConfigError, match="environment must be one of"):
         MultiTurnGRPOConfig(environment="chess")
+    with pytest.raises(ConfigError, match="lora_r: multi-turn episodes do not run under a LoRA adapter"):
+        MultiTurnGRPOConfig(lora_r=8)
 
 
 # ---------------------------------------------------------------------------------------------- PPO

@@ -4,19 +4,23 @@ in the batch, and an adapter's sync (``manager.load_lora`` from tensors in memor
 
 Adapters: rank ``--rank`` on every linear layer of the decoder (q, k, v, o, gate, up, down), random A and B. The
 prompts are the default model's, random token ids (``--prompts`` of ``--prompt-len`` tokens), greedy, ``--new-tokens``
-each, all queued at once on one manager; with four adapters request i runs under adapter i % 4.
+each, all queued at once on one manager; with four adapters request i runs under adapter i % 4. The tables:
+docs/lora.md (``--markdown``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, LoraAdapter, SamplingParams, load_model
+from rollout.benchmarks.report import machine_info
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,25 +46,21 @@ def tokens_per_second(manager: ContinuousBatchingManager, prompts: list[list[int
     return tokens / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
-    model, _ = load_model(args.model)
-    vocab = model.get_input_embeddings().num_embeddings
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    config = ContinuousBatchingConfig(enable_lora=True, max_loras=4, max_lora_rank=args.rank)
-    params = SamplingParams(max_new_tokens=args.new_tokens)
-    manager = ContinuousBatchingManager(model, params, config)
+def measure(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, rank: int, repeats: int
+) -> dict[str, Any]:
+    """Tokens/s of the base model, one adapter and four adapters on ``prompts`` (each best of ``repeats``, the
+    three cases alternated within a round), and the seconds of ``load_lora`` against ``update_weights``.
+
+    Returns:
+        ``tokens_per_s`` (case -> list of float, one per round), ``adapter_sync_s`` (list, one per adapter),
+        ``full_sync_s`` (list, one per round), ``adapter_bytes`` and ``full_bytes`` (int).
+    """
+    config = ContinuousBatchingConfig(enable_lora=True, max_loras=4, max_lora_rank=rank)
+    manager = ContinuousBatchingManager(model, SamplingParams(max_new_tokens=new_tokens), config)
     manager.start()
     try:
-        adapters = [random_adapter(model, f"a{i}", args.rank, seed=i) for i in range(4)]
+        adapters = [random_adapter(model, f"a{i}", rank, seed=i) for i in range(4)]
         sync = []
         for adapter in adapters:
             t0 = time.perf_counter()
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             sync.append(time.perf_counter() - t0)
         state = {k: v.detach().clone() for k, v in model.named_parameters()}
         full = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             manager.update_weights(state)
             full.append(time.perf_counter() - t0)
@@ -79,25 +79,70 @@ def main(argv: list[str] | None = None) -> int:
         }
         rates: dict[str, list[float]] = {name: [] for name in cases}
         tokens_per_second(manager, prompts[:2], [None, "a0"])  # warm: the first step of each kind
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, loras in cases.items():
                 manager.reset_prefix_cache()
                 rates[name].append(tokens_per_second(manager, prompts, loras))
     finally:
         manager.stop(block=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "tokens_per_s": rates,
+        "adapter_sync_s": sync,
+        "full_sync_s": full,
+        "adapter_bytes": adapters[0].num_bytes,
+        "full_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+    }
+
+
+def markdown(result: dict[str, Any], args: argparse.Namespace, machine: dict[str, Any]) -> str:
+    """The two tables of ``measure``'s result, headed by the command, the commit and the CPU."""
+    rates = result["tokens_per_s"]
     base = max(rates["base"])
-    adapter_bytes = adapters[0].num_bytes
-    full_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"LoRA served unmerged, {args.model}, rank {args.rank} on {len(TARGETS)} projections, commit {commit}")
-    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} greedy tokens, best of {args.repeats}")
-    print("| batch | tokens/s | vs base |\n| --- | --- | --- |")
-    for name, values in rates.items():
-        print(f"| {name} | {max(values):.1f} | {max(values) / base:.2f} |")
-    print("\n| sync | bytes | seconds | vs full |\n| --- | --- | --- | --- |")
-    print(f"| full weights (update_weights) | {full_bytes / 1e6:.1f} MB | {min(full):.3f} | 1.00 |")
-    print(
-        f"| adapter (load_lora, in memory) | {adapter_bytes / 1e6:.2f} MB ({100 * adapter_bytes / full_bytes:.1f}%) "
-        f"| {min(sync):.3f} | {min(sync) / min(full):.2f} |"
-    )
+    adapter_s, full_s = min(result["adapter_sync_s"]), min(result["full_sync_s"])
+    adapter_bytes, full_bytes = result["adapter_bytes"], result["full_bytes"]
+    lines = [
+        f"LoRA served unmerged: `{args.model}`, rank {args.rank} on {len(TARGETS)} projections of every layer; commit "
+        f"`{machine['git_commit']}`, {machine['cpu_model']}, {machine['torch_num_threads']} torch threads, torch "
+        f"{machine['torch']}. {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} greedy tokens "
+        f"each, all queued at once; best of {args.repeats} rounds (the three batches alternate within a round).",
+        "",
+        "| batch | tokens/s | vs base |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {max(values):.1f} | {max(values) / base:.2f} |" for name, values in rates.items()]
+    lines += [
+        "",
+        "| sync | bytes | seconds | vs full |",
+        "| --- | ---: | ---: | ---: |",
+        f"| full weights (`update_weights`) | {full_bytes / 1e6:.1f} MB | {full_s:.3f} | 1.00 |",
+        f"| adapter (`load_lora`, in memory) | {adapter_bytes / 1e6:.2f} MB ({100 * adapter_bytes / full_bytes:.2f}%) "
+        f"| {adapter_s:.3f} | {adapter_s / full_s:.2f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="an alias or a model folder")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best one")
+    parser.add_argument("--json", type=Path, help="write the measurements and the machine here")
+    parser.add_argument("--markdown", type=Path, help="write the tables here")
+    args = parser.parse_args(argv)
+    model, _ = load_model(args.model)
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    result = measure(model, prompts, args.new_tokens, args.rank, args.repeats)
+    machine = machine_info("cpu")
+    text = markdown(result, args, machine)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine,
+                                         **result}, indent=1) + "\n")  # fmt: skip
+    if args.markdown is not None:
+        args.markdown.write_text(text)
     return 0
