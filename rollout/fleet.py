@@ -5,7 +5,8 @@
 The router listens on ``P`` (``vllm-router --policy consistent_hash``: a session header keeps one session on one
 replica); replica i on ``P + 1 + i``, each with ``--enable-control`` so that a trainer's ``RolloutPool`` can pause
 it and stream weights to it. On CPU each replica gets ``--threads-per-replica`` torch threads (``OMP_NUM_THREADS``);
-with ``--gpus`` replica i runs on GPU i (``CUDA_VISIBLE_DEVICES``). Once every replica is healthy and the router
+with ``--gpus`` replica i runs on GPU i (``CUDA_VISIBLE_DEVICES``). CPU replicas split one server's memory share
+(``--max-memory-percent`` 0.25 / N) unless the flags after ``--`` size the KV cache. Once every replica is healthy and the router
 routes to all of them, the server URLs and the router URL are printed, one ``key=value`` line each, and the
 launcher waits; SIGINT or SIGTERM stops the router, then the replicas (SIGTERM, the servers' own graceful shutdown),
 and it exits 0. A replica or the router that exits on its own stops the rest (exit status 1).
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import httpx
+
+from .config import DEFAULT_MEMORY_PERCENT_CPU
 
 # Seconds each process gets to stop after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
@@ -102,6 +105,17 @@ def _wait(procs: Sequence[subprocess.Popen], ready: Callable[[], bool], timeout:
         time.sleep(0.5)
 
 
+def cpu_memory_share(replicas: int, serve_args: Sequence[str]) -> list[str]:
+    """``--max-memory-percent`` for each of ``replicas`` CPU replicas on one machine: one server's default share
+    (``DEFAULT_MEMORY_PERCENT_CPU`` of the available RAM) split between them, since they start together and each
+    would otherwise size its KV cache from the same free memory (4 replicas of SmolLM2-135M took 6.4 GB each on a
+    24 GiB machine and one was killed for memory in the middle of a weight sync). Nothing when ``serve_args`` sizes
+    the cache itself (``--max-memory-percent`` or ``--num-blocks``)."""
+    if any(a.split("=")[0] in ("--max-memory-percent", "--num-blocks") for a in serve_args):
+        return []
+    return ["--max-memory-percent", f"{DEFAULT_MEMORY_PERCENT_CPU / replicas:.6g}"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the fleet, print its URLs, wait for SIGINT/SIGTERM, stop it. Returns the exit status."""
     parser = build_parser()
@@ -125,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
             else:
                 env["OMP_NUM_THREADS"] = str(args.threads_per_replica)
-            device = ["--device", "cuda"] if args.gpus else []
+            device = ["--device", "cuda"] if args.gpus else cpu_memory_share(args.replicas, extra)
             cmd = [sys.executable, "-m", "rollout.serve", "--model", args.model, "--host", args.host, "--port",
                    str(args.port + 1 + i), "--enable-control", *device, *extra]  # fmt: skip
             # A new session: a terminal's Ctrl-C reaches the launcher only, which stops the replicas in order.

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout.fleet import build_parser
+from rollout.config import DEFAULT_MEMORY_PERCENT_CPU
+from rollout.fleet import build_parser, cpu_memory_share
 from tests.serve_utils import free_port
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import reference_greedy
@@ -32,6 +33,15 @@ def test_bad_flags_are_refused_before_anything_starts(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow  # two rollout-serve processes and the router start: about a minute on 2 shared cores
+def test_cpu_replicas_split_one_servers_memory_share_unless_the_flags_size_the_cache() -> None:
+    assert DEFAULT_MEMORY_PERCENT_CPU == 0.25
+    assert cpu_memory_share(1, []) == ["--max-memory-percent", "0.25"]
+    assert cpu_memory_share(4, ["--page-size", "16"]) == ["--max-memory-percent", "0.0625"]
+    assert cpu_memory_share(3, []) == ["--max-memory-percent", "0.0833333"]
+    assert cpu_memory_share(4, ["--num-blocks", "64"]) == []
+    assert cpu_memory_share(4, ["--max-memory-percent=0.5"]) == []
+
+
 def test_the_launcher_prints_the_urls_routes_a_completion_and_stops_everything_on_sigint(tmp_path: Path) -> None:
     model = tiny_llama()
     model.save_pretrained(tmp_path / "model")

@@ -47,6 +47,7 @@ import httpx
 import torch
 
 import rollout
+from rollout.fleet import cpu_memory_share
 from trainers.prompts import eos_token_ids
 
 from .report import SOURCE_ROOT, machine_info, write_json
@@ -310,7 +311,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
         "ignore_eos": True,  # EOS ends a sample through stop_token_ids: the model's own list, as in rollout-bench-serve
         "stop_token_ids": eos,
     }
-    flags = ["--enable-control", *(["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])]
+    threads = [1] * max(SYNC_REPLICAS) + [2]
+    sizing = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else cpu_memory_share(len(threads), [])
+    flags = ["--enable-control", *sizing]
     command = "python scripts/bench_fleet.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {
         "model": args.model,
@@ -323,7 +326,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
     report["weights"] = {"tensors": len(params), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
     with contextlib.ExitStack() as stack:
         *one_thread, two_threads = stack.enter_context(
-            replica_subprocesses(args.model, flags, [1] * max(SYNC_REPLICAS) + [2])
+            replica_subprocesses(args.model, flags, threads)
         )
         workers = {LAYOUTS[0][0]: one_thread[:1], LAYOUTS[1][0]: one_thread[:2], LAYOUTS[2][0]: [two_threads]}
         routers = {name: stack.enter_context(router_subprocess(urls)) for name, urls in workers.items()}
@@ -401,7 +404,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's 128")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-blocks", type=int, default=None, help="each replica's --num-blocks (default: its own)")
+    p.add_argument("--num-blocks", type=int, default=None, help="each replica's --num-blocks (default: the replicas split one server's memory share, as rollout-fleet's)")
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=16, help="the trainers' default weight_sync_bucket_mb")
     p.add_argument("--latency-requests", type=int, default=50)
