@@ -237,10 +237,9 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path) -> None:  #
     script = (
         "import rollout.cpu_attention as c; from pathlib import Path; "
         "from torch.utils.cpp_extension import _get_build_directory as d; "
-        "Path(d(f'rollout_cpu_attention_{c._cpu_digest()}', False), 'lock').touch(); print(c.load_kernel())"
+        "Path(d(c.build_name(), False), 'lock').touch(); print(c.load_kernel())"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None", out.stdout + out.stderr
-    name = f"rollout_cpu_attention_{cpu_attention._cpu_digest()}"
-    assert not (tmp_path / name / "lock").exists()
+    assert not (tmp_path / cpu_attention.build_name() / "lock").exists()
