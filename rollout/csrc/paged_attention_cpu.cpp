@@ -10,10 +10,11 @@
 // written for rollout from those semantics.
 //
 // Work is split over tiles of up to 16 query rows of one sequence, in parallel over ATen's OpenMP threads (the build
-// passes -fopenmp, whose calls resolve to torch's own libgomp). A tile computes every head, so each key and value
-// row of the cache (all KV heads, contiguous) is read once per tile, in cache order: the kernel streams the blocks
-// as they lie in memory (per KV head, a row would be a 1/Hkv slice of every cache line span). Scores are computed in
-// float32 whatever the cache's dtype, then a softmax over each row's visible keys; the output has q's dtype.
+// passes -fopenmp, whose calls resolve to torch's own libgomp), which take the tiles largest first from a shared
+// counter. A tile computes every head, so each key and value row of the cache (all KV heads, contiguous) is read once
+// per tile, in cache order: the kernel streams the blocks as they lie in memory (per KV head, a row would be a 1/Hkv
+// slice of every cache line span). Scores are computed in float32 whatever the cache's dtype, then a softmax over each
+// row's visible keys; the output has q's dtype.
 //
 // A tile of a prefill is a small matrix product, QK^T then PV, and is computed as one: the keys are taken kChunk
 // (32) consecutive positions at a time, a chunk's rows of one KV head are transposed into a D x 32 buffer once, and
@@ -40,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -356,7 +358,8 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const float* chunk_rows[kChunk];
   auto chunk_of = [&](const scalar_t* cache, const int64_t* rows, int count, int64_t g) {
     for (int c = 0; c < kChunk; ++c)
-      chunk_rows[c] = c < count ? as_float(cache + rows[c] + g * head_stride, s.stage.data() + c * D, D) : s.zero.data();
+      chunk_rows[c] =
+          c < count ? as_float(cache + rows[c] + g * head_stride, s.stage.data() + c * D, D) : s.zero.data();
   };
   if (gemm) {
     s.queries.resize(Hkv * RG);
@@ -536,6 +539,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t i = 0; i < n; i += kRowTile)
       tiles.push_back({q_start[b] + i, std::min(kRowTile, n - i), m - n + i, static_cast<int32_t>(b)});
   }
+  // Largest first (rows x keys read): the tiles of a causal prefill grow with their position, and ATen's split of
+  // the items into one contiguous range per thread gave one of two threads three quarters of a long prefill's work.
+  // Taken largest first, one at a time, the threads finish together (longest-processing-time-first scheduling).
+  auto work = [&](const Tile& t) {
+    const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : 0;
+    return t.count * (t.pos + t.count - lo);
+  };
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   auto out = at::zeros({T, H, D}, q.options());
   const int64_t G = H / Hkv;
   const int64_t items = static_cast<int64_t>(tiles.size());
@@ -547,14 +558,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const int32_t* tp = tables.data_ptr<int32_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t q_row = q.stride(0), q_head = q.stride(1);
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    // The threads take the tiles one at a time from a shared counter, largest first (the order of `tiles`), each
+    // claiming its next tile before it computes the one it holds, whose first key block it then prefetches.
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       Scratch scratch;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item = next.fetch_add(1); item < items;) {
+        const int64_t upcoming = next.fetch_add(1);
         const Tile& tile = tiles[item];
         // The next tile's first key block, fetched ahead while this tile's values are read.
         const scalar_t* after = nullptr;
-        if (item + 1 < end) {
-          const Tile& coming = tiles[item + 1];
+        if (upcoming < items) {
+          const Tile& coming = tiles[upcoming];
           const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, coming.pos - window_left) : 0;
           after = kp + static_cast<int64_t>(tp[coming.seq * W + lo / block_size]) * k_cache.stride(0) +
                   (lo % block_size) * k_cache.stride(1);
@@ -573,6 +589,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         } else {
           run(std::integral_constant<int, 0>{});
         }
+        item = upcoming;
       }
     });
   });
