@@ -163,8 +163,8 @@ constexpr int kValueVectors = 4;
 // A tile takes the GEMM-shaped path when each KV head has at least this many of its queries. A chunk's transpose
 // (64 shuffles per 16 x 16 floats) is paid once per KV head and shared by its queries, while the lane sums and the
 // per-key stores of the accumulator it saves are per query: with fewer queries it costs about as much as it saves.
-// A decode step (one row per sequence) of a model with query groups of less than 8 (SmolLM2's are 3) so keeps the
-// dot-product path, which is tuned for it: its time is the cache's reads from memory, the same on either path.
+// A decode step (one row per sequence) of a model with query groups under 8 (SmolLM2's are 3) so keeps the
+// dot-product path tuned for it, whose time is mostly the cache's reads from memory.
 constexpr int64_t kGemmQueries = 8;
 
 // kT[d * kChunk + i] = rows[i][d] for the kChunk rows of a chunk (D floats each): one 16-lane load of kT then holds
@@ -268,6 +268,7 @@ inline void weigh_chunk(float* const* accs, const float* const* ps, const float*
     for (int b = 0; b < kB; ++b) store16(a[j] + 16 * b, acc[j][b]);
 }
 
+// weigh_chunk for n <= N queries, as score_queries.
 template <int kD, int N>
 inline void weigh_queries(int n, float* const* accs, const float* const* ps, const float* const* vs) {
   if constexpr (N > 1) {
