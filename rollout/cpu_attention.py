@@ -14,15 +14,18 @@ function differs. What it supports of that API: a causal mask aligned to the bot
 (``window_size=(left, 0)``), softcap, grouped-query attention, float32, bfloat16 and float16 (computed in
 float32), any head dim and page size. Rows after ``cu_seqlens_q[-1]`` (padding) get 0.
 
-The kernel is compiled once per machine with the C++ compiler and ninja (``torch.utils.cpp_extension``; about
-20 s on 2 cores; cached in torch's extension directory, ``TORCH_EXTENSIONS_DIR``) for the CPU it runs on
-(``-march=native``: the build's name carries a digest of the CPU's flags, so a cache shared by different CPUs
-builds one each). A build is guarded by an OS file lock (``filelock``), which the OS releases when its holder dies:
-torch's own guard is a lock file that a build killed midway leaves behind, and every later ``load`` of that name
-then waits on it forever (this hung CI's first tests). Under the OS lock no other rollout process is building, so a
-left-behind torch lock file is stale and removed; a lock not won within ``BUILD_LOCK_TIMEOUT_S`` seconds means
-SDPA. ``ContinuousBatchingConfig.cpu_attention`` chooses: ``"auto"`` uses it when it builds and
-falls back to SDPA with one warning when it does not, ``"paged"`` requires it, ``"sdpa"`` never builds it.
+The kernel is compiled once per machine with the C++ compiler and ninja (``torch.utils.cpp_extension``; about 20 s
+on 2 cores; cached in torch's extension directory, ``TORCH_EXTENSIONS_DIR``) for the CPU it runs on
+(``-march=native``: the build's name, ``build_name()``, carries a digest of the CPU's flags, so a cache shared by
+different CPUs builds one each, and a digest of the source, so each version of the kernel has a directory of its
+own: two checkouts of different kernels, or a process loading the library while a changed source is rebuilt, would
+otherwise share one directory and overwrite each other's library). A build is guarded by an OS file lock
+(``filelock``), which the OS releases when its holder dies: torch's own guard is a lock file that a build killed
+midway leaves behind, and every later ``load`` of that name then waits on it forever (this hung CI's first tests).
+Under the OS lock no other rollout process is building, so a left-behind torch lock file is stale and removed; a
+lock not won within ``BUILD_LOCK_TIMEOUT_S`` seconds means SDPA. ``ContinuousBatchingConfig.cpu_attention`` chooses:
+``"auto"`` uses it when it builds and falls back to SDPA with one warning when it does not, ``"paged"`` requires it,
+``"sdpa"`` never builds it.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def _cpu_digest() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+def build_name() -> str:
+    """The kernel's build name in torch's extension directory: this CPU's digest and the source's."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    return f"rollout_cpu_attention_{_cpu_digest()}_{source}"
+
+
 def load_kernel() -> str | None:
     """Build (once per machine) and load the kernel; None when loaded, else why it could not be.
 
@@ -87,7 +96,7 @@ def _build_and_load() -> str | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = f"rollout_cpu_attention_{_cpu_digest()}"
+        name = build_name()
         build_dir = Path(_get_build_directory(name, verbose=False))
         with filelock.FileLock(str(build_dir) + ".rollout.lock", timeout=BUILD_LOCK_TIMEOUT_S):
             # torch's FileBaton lock file: we hold the OS lock, so a builder that left it is dead.

@@ -78,6 +78,59 @@ def test_the_varlen_kernel_computes_flash_attns_paged_attention(window, softcap,
     assert torch.equal(out[28:].float(), torch.zeros(2, H, D))  # the padded rows: exactly 0
 
 
+@pytest.mark.parametrize(
+    "head_dim, page, dtype, window, softcap, atol",
+    [
+        (64, 32, torch.float32, -1, 0.0, 1e-5),
+        (64, 5, torch.float32, 45, 0.0, 1e-5),
+        (128, 32, torch.float32, -1, 2.0, 1e-5),
+        (128, 16, torch.bfloat16, 70, 0.0, 2e-2),
+        (40, 32, torch.float32, -1, 0.0, 1e-5),
+        (40, 7, torch.float16, 20, 3.0, 2e-3),
+    ],
+)
+def test_long_prefills_match_flash_attns_paged_attention(head_dim, page, dtype, window, softcap, atol) -> None:  # noqa: ANN001
+    """Prefills of many 32-key chunks and of partial ones, in one call: query counts around the 16-row tile (tiles
+    of 1 row take the dot-product path, of 15 and 16 the GEMM-shaped one), more keys than queries, a window that
+    starts inside a chunk, chunks spanning blocks (pages of 5 and 7), head dims specialised (64, 128) or not (40),
+    query groups of 3, and caches and queries that are strided views."""
+    hkv, group = 3, 3
+    heads = hkv * group
+    q_lens, k_lens = [1, 15, 16, 17, 100, 513], [37, 18, 16, 50, 164, 590]
+    widths = [-(-m // page) for m in k_lens]
+    num_blocks = sum(widths) + 3
+    g = torch.Generator().manual_seed(7)
+    # Each token's slot holds one KV head more than the layer reads: rows wider than the layer's (strided).
+    k_cache, v_cache = (
+        torch.randn(num_blocks, page, hkv + 1, head_dim, generator=g).to(dtype)[:, :, :hkv] for _ in range(2)
+    )
+    order = torch.randperm(num_blocks, generator=g).int()
+    table = torch.zeros(len(q_lens), max(widths), dtype=torch.int32)
+    used = 0
+    for b, w in enumerate(widths):
+        table[b, :w] = order[used : used + w]
+        used += w
+    T = sum(q_lens) + 3
+    qkv = torch.randn(T, heads + 2 * hkv, head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads]  # a view of a fused projection, as a model's q may be
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = cpu_attention.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), scale, True, (window, 0), softcap, block_table=table
+    )
+    expected = torch.zeros(T, heads, head_dim)
+    for b, m in enumerate(k_lens):
+        slots = (table[b].long()[:, None] * page + torch.arange(page)).reshape(-1)[:m]
+        k = k_cache.float().reshape(-1, hkv, head_dim)[slots]
+        v = v_cache.float().reshape(-1, hkv, head_dim)[slots]
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        expected[rows] = reference_attention(q[rows].float(), k, v, scale, True, (window, 0), softcap)
+    assert out.dtype == dtype and out.shape == (T, heads, head_dim)
+    assert_close(out.float().flatten(), expected.flatten(), atol=atol)
+    assert torch.equal(out[-3:].float(), torch.zeros(3, heads, head_dim))  # the padded rows: exactly 0
+
+
 def test_the_kvcache_form_is_the_varlen_kernel_with_one_query_per_sequence() -> None:
     k_cache, v_cache = _cache()
     lens = torch.tensor([1, 9, 32, 17], dtype=torch.int32)
@@ -237,10 +290,9 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path) -> None:  #
     script = (
         "import rollout.cpu_attention as c; from pathlib import Path; "
         "from torch.utils.cpp_extension import _get_build_directory as d; "
-        "Path(d(f'rollout_cpu_attention_{c._cpu_digest()}', False), 'lock').touch(); print(c.load_kernel())"
+        "Path(d(c.build_name(), False), 'lock').touch(); print(c.load_kernel())"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None", out.stdout + out.stderr
-    name = f"rollout_cpu_attention_{cpu_attention._cpu_digest()}"
-    assert not (tmp_path / name / "lock").exists()
+    assert not (tmp_path / cpu_attention.build_name() / "lock").exists()

@@ -10,10 +10,23 @@
 // written for rollout from those semantics.
 //
 // Work is split over tiles of up to 16 query rows of one sequence, in parallel over ATen's OpenMP threads (the build
-// passes -fopenmp, whose calls resolve to torch's own libgomp). A tile computes every head, so each key and value
-// row of the cache (all KV heads, contiguous) is read once per tile, in cache order: the kernel streams the blocks
-// as they lie in memory (per KV head, a row would be a 1/Hkv slice of every cache line span). Scores are computed in
-// float32 whatever the cache's dtype, then a softmax over each row's visible keys; the output has q's dtype.
+// passes -fopenmp, whose calls resolve to torch's own libgomp), which take the tiles largest first from a shared
+// counter. A tile computes every head, so each key and value row of the cache (all KV heads, contiguous) is read once
+// per tile, in cache order: the kernel streams the blocks as they lie in memory (per KV head, a row would be a 1/Hkv
+// slice of every cache line span). Scores are computed in float32 whatever the cache's dtype, then a softmax over each
+// row's visible keys; the output has q's dtype.
+//
+// A tile of a prefill is a small matrix product, QK^T then PV, and is computed as one: the keys are taken kChunk
+// (32) consecutive positions at a time, a chunk's rows of one KV head are transposed into a D x 32 buffer once, and
+// its scores against the head's queries are accumulated in registers, 8 queries x 32 keys at a time with AVX-512,
+// each loaded row of the transposed keys feeding 16 vector FMAs with a query's element broadcast (the outer-product
+// micro-kernel of a GEMM); the weighted sum keeps a few queries' D-wide accumulators in registers across a chunk,
+// each value row loaded once for them. Computed one score at a time instead, a dot product ends in a lane sum per
+// (query, key) and the weighted sum loads and stores a query's accumulator for every key, which made prefills
+// several times slower than vLLM's CPU attention (issue 35). The idea is flash-attention's (Dao et al. 2022: a block
+// of queries against a block of keys as matrix products on the fast units) and vLLM's CPU attention's
+// (csrc/cpu/cpu_attn_vec.hpp: a tile GEMM of 8 broadcast query rows by 32 keys); the code is rollout's. Tiles with
+// few queries per KV head (a decode step's) keep the dot-product path (kGemmQueries says why).
 //
 // Speed (scripts/bench_cpu_attention.py, docs/profile.md): a decode step reads every layer's keys and values from
 // memory, so the rows of the next block are prefetched while a block is computed on; dot products, exp and the
@@ -28,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,6 +75,19 @@ inline float hsum(f32x16 v) {
   float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
   for (int i = 0; i < 16; i += 4) s0 += l[i], s1 += l[i + 1], s2 += l[i + 2], s3 += l[i + 3];
   return (s0 + s1) + (s2 + s3);
+#endif
+}
+
+// The largest of the 16 lanes, as hsum.
+inline float hmax(f32x16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  const float* l = reinterpret_cast<const float*>(&v);
+  float m0 = l[0], m1 = l[1], m2 = l[2], m3 = l[3];
+  for (int i = 4; i < 16; i += 4)
+    m0 = std::max(m0, l[i]), m1 = std::max(m1, l[i + 1]), m2 = std::max(m2, l[i + 2]), m3 = std::max(m3, l[i + 3]);
+  return std::max(std::max(m0, m1), std::max(m2, m3));
 #endif
 }
 
@@ -121,10 +148,140 @@ inline const float* as_float(const scalar_t* row, float* buf, int64_t D) {
   }
 }
 
+// Keys per chunk of the GEMM-shaped path: two 16-lane vectors of scores per query, one block of SmolLM2's cache.
+constexpr int kChunk = 32;
+// Queries per call of the score micro-kernel (2 accumulators each) and vectors a value micro-kernel keeps as
+// accumulators: with AVX-512's 32 registers, 16 accumulators leave room for the loaded keys or values; an f32x16 is
+// two registers with AVX2 (16 of them), so there the blocks are a quarter the size.
+#ifdef __AVX512F__
+constexpr int kScoreQueries = 8;
+constexpr int kValueVectors = 16;
+#else
+constexpr int kScoreQueries = 2;
+constexpr int kValueVectors = 4;
+#endif
+// A tile takes the GEMM-shaped path when each KV head has at least this many of its queries. A chunk's transpose
+// (64 shuffles per 16 x 16 floats) is paid once per KV head and shared by its queries, while the lane sums and the
+// per-key stores of the accumulator it saves are per query: with fewer queries it costs about as much as it saves.
+// A decode step (one row per sequence) of a model with query groups under 8 (SmolLM2's are 3) so keeps the
+// dot-product path tuned for it, whose time is mostly the cache's reads from memory.
+constexpr int64_t kGemmQueries = 8;
+
+// kT[d * kChunk + i] = rows[i][d] for the kChunk rows of a chunk (D floats each): one 16-lane load of kT then holds
+// dimension d of 16 keys. With AVX-512 a 16 x 16 block is transposed in four rounds of 16 two-register shuffles (pairs,
+// then quads within each 128-bit lane, then 128-bit lanes twice), otherwise element by element.
+template <int kD>
+inline void transpose_chunk(const float* const* rows, float* __restrict kT, int64_t D) {
+#ifdef __AVX512F__
+  if constexpr (kD > 0) {
+    for (int half = 0; half < kChunk; half += 16)
+      for (int d0 = 0; d0 < kD; d0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[half + i] + d0);
+        for (int i = 0; i < 16; i += 2) {
+          t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+          t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+        }
+        // r[4 * k + c], 128-bit lane l: column 4 * l + c of rows 4 * k .. 4 * k + 3.
+        for (int i = 0; i < 16; i += 4) {
+          r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+          r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+          r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+          r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        for (int c = 0; c < 4; ++c) {
+          const __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+          const __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+          const __m512 f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+          float* col = kT + (d0 + c) * kChunk + half;
+          _mm512_storeu_ps(col, _mm512_shuffle_f32x4(a, e, 0x88));
+          _mm512_storeu_ps(col + 4 * kChunk, _mm512_shuffle_f32x4(b, f, 0x88));
+          _mm512_storeu_ps(col + 8 * kChunk, _mm512_shuffle_f32x4(a, e, 0xDD));
+          _mm512_storeu_ps(col + 12 * kChunk, _mm512_shuffle_f32x4(b, f, 0xDD));
+        }
+      }
+    return;
+  }
+#endif
+  for (int i = 0; i < kChunk; ++i)
+    for (int64_t d = 0; d < D; ++d) kT[d * kChunk + i] = rows[i][d];
+}
+
+// out[j][0:kChunk] = the scores of query j against the chunk's keys, for N queries at once: each row of kT (dimension
+// d of the chunk's keys, two vectors) is loaded once and feeds 2N FMAs with q_j[d] broadcast, the outer-product form
+// of a GEMM's micro-kernel, with no lane sum per score.
+template <int kD, int N>
+inline void score_chunk(const float* const* qs, const float* __restrict kT, float* const* out, int64_t D) {
+  const float* q[N];
+  for (int j = 0; j < N; ++j) q[j] = qs[j];
+  f32x16 lo[N], hi[N];
+  for (int j = 0; j < N; ++j) lo[j] = hi[j] = f32x16{};
+  const int64_t dims = kD > 0 ? kD : D;
+  for (int64_t d = 0; d < dims; ++d) {
+    const f32x16 k0 = load16(kT + d * kChunk), k1 = load16(kT + d * kChunk + 16);
+    for (int j = 0; j < N; ++j) {
+      const float qd = q[j][d];
+      lo[j] += qd * k0;
+      hi[j] += qd * k1;
+    }
+  }
+  float* o[N];
+  for (int j = 0; j < N; ++j) o[j] = out[j];
+  for (int j = 0; j < N; ++j) {
+    store16(o[j], lo[j]);
+    store16(o[j] + 16, hi[j]);
+  }
+}
+
+// score_chunk for n <= N queries (a group's remainder), its query count made a compile-time constant.
+template <int kD, int N>
+inline void score_queries(int n, const float* const* qs, const float* kT, float* const* out, int64_t D) {
+  if constexpr (N > 1) {
+    if (n < N) return score_queries<kD, N - 1>(n, qs, kT, out, D);
+  }
+  score_chunk<kD, N>(qs, kT, out, D);
+}
+
+// acc_j[0:kD] += sum over the chunk's keys i of p_j[i] * v_i[0:kD], for N queries: their accumulators stay in
+// registers across the chunk (kD / 16 vectors each) and each value vector is loaded once for the N of them. A
+// partial chunk is padded with zero rows (its padding's probabilities are 0 too): with a trip count known at compile
+// time GCC keeps the accumulators in registers, where a loop that may run 0 times also gets copies on the stack.
+template <int kD, int N>
+inline void weigh_chunk(float* const* accs, const float* const* ps, const float* const* vs) {
+  constexpr int kB = kD / 16;
+  // Local copies of the pointers: a store through store16's memcpy may alias anything, the caller's arrays of
+  // pointers included, which would then be read again after every store.
+  float* a[N];
+  const float* p[N];
+  for (int j = 0; j < N; ++j) a[j] = accs[j], p[j] = ps[j];
+  f32x16 acc[N][kB];
+  for (int j = 0; j < N; ++j)
+    for (int b = 0; b < kB; ++b) acc[j][b] = load16(a[j] + 16 * b);
+  for (int i = 0; i < kChunk; ++i) {
+    const float* v = vs[i];
+    for (int b = 0; b < kB; ++b) {
+      const f32x16 vb = load16(v + 16 * b);
+      for (int j = 0; j < N; ++j) acc[j][b] += p[j][i] * vb;
+    }
+  }
+  for (int j = 0; j < N; ++j)
+    for (int b = 0; b < kB; ++b) store16(a[j] + 16 * b, acc[j][b]);
+}
+
+// weigh_chunk for n <= N queries, as score_queries.
+template <int kD, int N>
+inline void weigh_queries(int n, float* const* accs, const float* const* ps, const float* const* vs) {
+  if constexpr (N > 1) {
+    if (n < N) return weigh_queries<kD, N - 1>(n, accs, ps, vs);
+  }
+  weigh_chunk<kD, N>(accs, ps, vs);
+}
+
 // The thread's scratch buffers, reused across its work items. The scores of a tile take R x H x (keys) floats:
 // 16 rows x 32 heads x 32k keys is 64 MB per thread, the price of reading every cache row once per tile.
 struct Scratch {
-  std::vector<float> q, scores, acc, row;
+  std::vector<float> q, scores, acc, row, stage, kT, zero;
+  std::vector<int64_t> queries;
 };
 
 // One tile of consecutive query rows of one sequence (rows r = 0..R-1 at positions p0 + r), every head: the tile's
@@ -142,6 +299,9 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t M = R * H;  // query vectors of the tile: m = r * H + h
   auto lo_of = [&](int64_t r) { return window_left >= 0 ? std::max<int64_t>(0, p0 + r - window_left) : int64_t{0}; };
   const int64_t jlo = lo_of(0), jhi = p0 + R - 1, n = jhi - jlo + 1;
+  // A row of scores is padded to whole chunks, which the GEMM-shaped path stores whole.
+  const int64_t ns = (n + kChunk - 1) / kChunk * kChunk;
+  const bool gemm = R * G >= kGemmQueries;
   // Calls fn(i = j - jlo, offset of key position j's row) for j = jlo..jhi, a block at a time: one table read per
   // block, no division per key.
   // Each key row is fetched ahead: while a block is read, the same rows of the next block (of the table, or at the
@@ -167,6 +327,19 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       }
     }
   };
+  // Calls fn(i0, count, offsets of the rows of keys jlo + i0 .. jlo + i0 + count - 1) for chunks of kChunk
+  // consecutive keys (a chunk may span blocks), the last one of count < kChunk keys when kChunk does not divide n.
+  auto for_each_chunk = [&](const scalar_t* cache, const char* following, auto&& fn) {
+    int64_t rows[kChunk];
+    int count = 0;
+    for_each_key(cache, following, [&](int64_t i, int64_t row) {
+      rows[count++] = row;
+      if (count == kChunk || i == n - 1) {
+        fn(i + 1 - count, count, rows);
+        count = 0;
+      }
+    });
+  };
 
   s.q.resize(M * D);
   s.row.resize(D);
@@ -176,60 +349,125 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       float* qm = s.q.data() + (r * H + h) * D;
       for (int64_t d = 0; d < D; ++d) qm[d] = static_cast<float>(qh[d]);
     }
-  // Scores: each key row is read once for the tile's queries of its KV head.
-  s.scores.resize(M * n);
+  s.scores.resize(M * ns);
   float* scores = s.scores.data();
   const float* qs = s.q.data();
   float* buf = s.row.data();
-  for_each_key(k_cache, block_start(v_cache, jlo / block_size), [&](int64_t i, int64_t row) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const float* k = as_float(k_cache + row + g * head_stride, buf, D);
+  // The GEMM-shaped path: KV head g's queries, m = r * H + g * G + u, listed at queries[g * R * G ..], and a chunk's
+  // rows of one KV head as float32 (a float32 cache's own rows, else converted into stage; zero rows pad a chunk).
+  const int64_t RG = R * G;
+  const float* chunk_rows[kChunk];
+  auto chunk_of = [&](const scalar_t* cache, const int64_t* rows, int count, int64_t g) {
+    for (int c = 0; c < kChunk; ++c)
+      chunk_rows[c] =
+          c < count ? as_float(cache + rows[c] + g * head_stride, s.stage.data() + c * D, D) : s.zero.data();
+  };
+  if (gemm) {
+    s.queries.resize(Hkv * RG);
+    for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m) scores[m * n + i] = dot<kD>(qs + m * D, k, D);
-    }
-  });
-  // Softmax per query vector over its visible keys; masked keys get probability 0.
+        for (int64_t u = 0; u < G; ++u) s.queries[g * RG + r * G + u] = r * H + g * G + u;
+    s.stage.resize(kChunk * D);
+    s.kT.resize(kChunk * D);
+    s.zero.assign(D, 0.f);
+  }
+  // Scores: each key row is read once for the tile's queries of its KV head. GEMM-shaped: a chunk's keys of one KV
+  // head are transposed once, then scored against every query of that head, kScoreQueries at a time.
+  if (gemm) {
+    for_each_chunk(k_cache, block_start(v_cache, jlo / block_size), [&](int64_t i0, int count, const int64_t* rows) {
+      for (int64_t g = 0; g < Hkv; ++g) {
+        chunk_of(k_cache, rows, count, g);
+        transpose_chunk<kD>(chunk_rows, s.kT.data(), D);
+        const int64_t* mg = s.queries.data() + g * RG;
+        for (int64_t j = 0; j < RG; j += kScoreQueries) {
+          const int group = static_cast<int>(std::min<int64_t>(kScoreQueries, RG - j));
+          const float* qp[kScoreQueries];
+          float* op[kScoreQueries];
+          for (int u = 0; u < group; ++u) qp[u] = qs + mg[j + u] * D, op[u] = scores + mg[j + u] * ns + i0;
+          score_queries<kD, kScoreQueries>(group, qp, s.kT.data(), op, D);
+        }
+      }
+    });
+  } else {
+    for_each_key(k_cache, block_start(v_cache, jlo / block_size), [&](int64_t i, int64_t row) {
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float* k = as_float(k_cache + row + g * head_stride, buf, D);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m)
+            scores[m * ns + i] = dot<kD>(qs + m * D, k, D);
+      }
+    });
+  }
+  // Softmax per query vector over its visible keys; masked keys (and a row's padding) get probability 0. The loops
+  // run over groups of 16 keys from a multiple of 16 (the row's padding keeps each group inside it), the lanes
+  // outside the visible keys masked.
+  i32x16 lane;
+  for (int l = 0; l < 16; ++l) lane[l] = l;
+  const float factor = softcap > 0.f ? 1.f : scale;  // softcap's loop scales the scores itself
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = m / H;
     const int64_t first = lo_of(r) - jlo, last = p0 + r - jlo;  // visible: [first, last]
-    float* sm = scores + m * n;
-    float top = -std::numeric_limits<float>::infinity();
-    if (softcap > 0.f) {
+    const int64_t begin = first / 16 * 16, end = last / 16 * 16 + 16;
+    float* sm = scores + m * ns;
+    if (softcap > 0.f)
       for (int64_t i = first; i <= last; ++i) sm[i] = softcap * std::tanh(sm[i] * scale / softcap);
-    } else {
-#pragma omp simd
-      for (int64_t i = first; i <= last; ++i) sm[i] *= scale;
+    auto visible = [&](int64_t i) {
+      const i32x16 key = lane + static_cast<int32_t>(i);
+      return (key >= static_cast<int32_t>(first)) & (key <= static_cast<int32_t>(last));
+    };
+    f32x16 tops = f32x16{} - std::numeric_limits<float>::infinity();
+    for (int64_t i = begin; i < end; i += 16) {
+      const f32x16 x = load16(sm + i) * factor;
+      store16(sm + i, x);
+      tops = visible(i) & (x > tops) ? x : tops;
     }
-#pragma omp simd reduction(max : top)
-    for (int64_t i = first; i <= last; ++i) top = std::max(top, sm[i]);
-    // exp(score - top) 16 keys at a time; the last group is padded in a copy, its padding left out of the sum.
+    const float top = hmax(tops);
+    // exp(score - top), masked lanes set to 0 and so left out of the sum (exp's argument clamped to <= 0 there).
     f32x16 sums{};
-    for (int64_t i = first; i <= last; i += 16) {
-      const int64_t count = std::min<int64_t>(16, last + 1 - i);
-      float lanes[16];
-      std::fill(lanes, lanes + 16, top);
-      std::copy(sm + i, sm + i + count, lanes);
-      store16(lanes, exp_nonpositive(load16(lanes) - top));
-      std::fill(lanes + count, lanes + 16, 0.f);
-      sums += load16(lanes);
-      std::copy(lanes, lanes + count, sm + i);
+    for (int64_t i = begin; i < end; i += 16) {
+      const f32x16 x = load16(sm + i) - top;
+      const f32x16 e = exp_nonpositive(x > 0.f ? f32x16{} : x);
+      const f32x16 p = visible(i) ? e : f32x16{};
+      store16(sm + i, p);
+      sums += p;
     }
     const float inv = 1.f / hsum(sums);
-    std::fill(sm, sm + first, 0.f);
-    std::fill(sm + last + 1, sm + n, 0.f);
-#pragma omp simd
-    for (int64_t i = first; i <= last; ++i) sm[i] *= inv;
+    for (int64_t i = begin; i < end; i += 16) store16(sm + i, load16(sm + i) * inv);
+    std::fill(sm, sm + begin, 0.f);
+    std::fill(sm + end, sm + ns, 0.f);
   }
-  // The weighted sum of the values: each value row is read once for the tile's queries of its KV head.
+  // The weighted sum of the values: each value row is read once for the tile's queries of its KV head. GEMM-shaped
+  // (a head dim known at compile time): per chunk and KV head, each query's accumulator is loaded and stored once.
   s.acc.assign(M * D, 0.f);
   float* acc = s.acc.data();
-  for_each_key(v_cache, reinterpret_cast<const char*>(after), [&](int64_t i, int64_t row) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const float* v = as_float(v_cache + row + g * head_stride, buf, D);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m) add_scaled<kD>(acc + m * D, scores[m * n + i], v, D);
+  if constexpr (kD > 0) {
+    if (gemm) {
+      constexpr int kValueQueries = std::max(1, kValueVectors / (kD / 16));
+      for_each_chunk(v_cache, reinterpret_cast<const char*>(after), [&](int64_t i0, int count, const int64_t* rows) {
+        for (int64_t g = 0; g < Hkv; ++g) {
+          chunk_of(v_cache, rows, count, g);
+          const int64_t* mg = s.queries.data() + g * RG;
+          for (int64_t j = 0; j < RG; j += kValueQueries) {
+            const int group = static_cast<int>(std::min<int64_t>(kValueQueries, RG - j));
+            float* ap[kValueQueries];
+            const float* pp[kValueQueries];
+            for (int u = 0; u < group; ++u) ap[u] = acc + mg[j + u] * D, pp[u] = scores + mg[j + u] * ns + i0;
+            weigh_queries<kD, kValueQueries>(group, ap, pp, chunk_rows);
+          }
+        }
+      });
     }
-  });
+  }
+  if (kD == 0 || !gemm) {
+    for_each_key(v_cache, reinterpret_cast<const char*>(after), [&](int64_t i, int64_t row) {
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float* v = as_float(v_cache + row + g * head_stride, buf, D);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t m = r * H + g * G; m < r * H + (g + 1) * G; ++m)
+            add_scaled<kD>(acc + m * D, scores[m * ns + i], v, D);
+      }
+    });
+  }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t h = 0; h < H; ++h) {
       scalar_t* oh = out + r * out_row_stride + h * D;
@@ -302,6 +540,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t i = 0; i < n; i += kRowTile)
       tiles.push_back({q_start[b] + i, std::min(kRowTile, n - i), m - n + i, static_cast<int32_t>(b)});
   }
+  // Largest first (rows x keys read): the tiles of a causal prefill grow with their position, and ATen's split of
+  // the items into one contiguous range per thread gave one of two threads three quarters of a long prefill's work.
+  // Taken largest first, one at a time, the threads finish together (longest-processing-time-first scheduling).
+  auto work = [&](const Tile& t) {
+    const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : 0;
+    return t.count * (t.pos + t.count - lo);
+  };
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   auto out = at::zeros({T, H, D}, q.options());
   const int64_t G = H / Hkv;
   const int64_t items = static_cast<int64_t>(tiles.size());
@@ -313,14 +559,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const int32_t* tp = tables.data_ptr<int32_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t q_row = q.stride(0), q_head = q.stride(1);
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    // The threads take the tiles one at a time from a shared counter, largest first (the order of `tiles`), each
+    // claiming its next tile before it computes the one it holds, whose first key block it then prefetches.
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       Scratch scratch;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item = next.fetch_add(1); item < items;) {
+        const int64_t upcoming = next.fetch_add(1);
         const Tile& tile = tiles[item];
         // The next tile's first key block, fetched ahead while this tile's values are read.
         const scalar_t* after = nullptr;
-        if (item + 1 < end) {
-          const Tile& coming = tiles[item + 1];
+        if (upcoming < items) {
+          const Tile& coming = tiles[upcoming];
           const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, coming.pos - window_left) : 0;
           after = kp + static_cast<int64_t>(tp[coming.seq * W + lo / block_size]) * k_cache.stride(0) +
                   (lo % block_size) * k_cache.stride(1);
@@ -339,6 +590,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         } else {
           run(std::integral_constant<int, 0>{});
         }
+        item = upcoming;
       }
     });
   });
