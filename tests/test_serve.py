@@ -64,7 +64,18 @@ def _post(
     return httpx.post(f"{srv.url}{path}", json=body, timeout=timeout, **kw)
 
 
+def _refused(srv: RunningServer, path: str, body: dict, status: int = 400) -> dict:
+    """POST ``body``, assert the answer is ``status`` and that no work started; returns OpenAI's ``error`` object."""
+    generated = srv.manager.engine.stats.num_generated_tokens
+    response = _post(srv, path, body)
+    assert response.status_code == status, response.text
+    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
+    return response.json()["error"]
+
+
 # ---------------------------------------------------------------------------------------------- endpoints
+
+
 def test_health_models_version_and_metrics(srv: RunningServer) -> None:
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{srv.url}/v1/models").json()
@@ -540,13 +551,9 @@ def test_a_full_queue_answers_503_with_retry_after(srv: RunningServer) -> None:
 def test_bad_input_is_refused_naming_the_field_before_any_work(
     srv: RunningServer, body: dict, status: int, param: str
 ) -> None:
-    generated = srv.manager.engine.stats.num_generated_tokens
-    response = _post(srv, "/v1/completions", body)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
+    error = _refused(srv, "/v1/completions", body, status)
     assert error["param"] == param
     assert error["message"].startswith(param.split(".")[0])
-    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
 
 
 # What vllm-router 0.1.17 forwards (captured in front of an echo server): every body re-serialised with SGLang's
@@ -655,13 +662,9 @@ def test_a_boolean_sent_for_a_number_is_a_400_naming_the_field(
 ) -> None:
     # pydantic's lax mode reads true as 1 and false as 0: "n": true was answered as one choice, "temperature": false
     # as greedy.
-    generated = srv.manager.engine.stats.num_generated_tokens
-    response = _post(srv, path, body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
+    error = _refused(srv, path, body)
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["message"].startswith(f"{param}: a number is expected, got the boolean")
-    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -694,13 +697,9 @@ def test_a_seed_outside_a_signed_64_bit_int_is_a_400_naming_the_range(srv: Runni
 def test_min_tokens_above_max_tokens_is_a_400_naming_both(
     srv: RunningServer, path: str, body: dict, named: str
 ) -> None:
-    generated = srv.manager.engine.stats.num_generated_tokens
-    response = _post(srv, path, body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
+    error = _refused(srv, path, body)
     assert error["param"] == "min_tokens"
     assert error["message"].startswith(f"min_tokens: {body['min_tokens']} is more than {named}")
-    assert srv.manager.engine.stats.num_generated_tokens == generated and not srv.manager.engine.requests
     equal = {**body, "min_tokens": body.get("max_tokens", body.get("max_completion_tokens", 16))}
     assert _post(srv, path, equal).status_code == 200
 
