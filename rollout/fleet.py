@@ -6,10 +6,10 @@ The router listens on ``P`` (``vllm-router --policy consistent_hash``: a session
 replica); replica i on ``P + 1 + i``, each with ``--enable-control`` so that a trainer's ``RolloutPool`` can pause
 it and stream weights to it. On CPU each replica gets ``--threads-per-replica`` torch threads (``OMP_NUM_THREADS``);
 with ``--gpus`` replica i runs on GPU i (``CUDA_VISIBLE_DEVICES``). CPU replicas split one server's memory share
-(``--max-memory-percent`` 0.25 / N) unless the flags after ``--`` size the KV cache. Once every replica is healthy and the router
-routes to all of them, the server URLs and the router URL are printed, one ``key=value`` line each, and the
-launcher waits; SIGINT or SIGTERM stops the router, then the replicas (SIGTERM, the servers' own graceful shutdown),
-and it exits 0. A replica or the router that exits on its own stops the rest (exit status 1).
+(``--max-memory-percent`` 0.25 / N) unless the flags after ``--`` size the KV cache. Once every replica is healthy
+and the router routes to all of them, the server URLs and the router URL are printed, one ``key=value`` line each,
+and the launcher waits; SIGINT or SIGTERM stops the router, then the replicas (SIGTERM, the servers' own graceful
+shutdown), and it exits 0. A replica or the router that exits on its own stops the rest (exit status 1).
 
 Several machines: run ``rollout-serve`` on each and ``vllm-router --worker-urls ...`` on one (docs/scaling.md).
 """
@@ -139,9 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
             else:
                 env["OMP_NUM_THREADS"] = str(args.threads_per_replica)
-            device = ["--device", "cuda"] if args.gpus else cpu_memory_share(args.replicas, extra)
+            placement = ["--device", "cuda"] if args.gpus else cpu_memory_share(args.replicas, extra)
             cmd = [sys.executable, "-m", "rollout.serve", "--model", args.model, "--host", args.host, "--port",
-                   str(args.port + 1 + i), "--enable-control", *device, *extra]  # fmt: skip
+                   str(args.port + 1 + i), "--enable-control", *placement, *extra]  # fmt: skip
             # A new session: a terminal's Ctrl-C reaches the launcher only, which stops the replicas in order.
             # Their output goes to stderr: stdout carries only the URL lines, for a script to read.
             replicas.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr))

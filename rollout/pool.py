@@ -279,7 +279,10 @@ class RolloutPool:
                 if response.status_code >= 400:
                     logger.warning(
                         "the router at %s did not take %s out: %d %s",
-                        self.router_url, url, response.status_code, response.text[:200],
+                        self.router_url,
+                        url,
+                        response.status_code,
+                        response.text[:200],
                     )
 
     def health(self) -> bool:

@@ -1,7 +1,7 @@
-"""GRPO and PPO on a fleet (``rollout_server: URL,URL`` behind ``rollout_router``). GRPO: two ``python -m rollout.serve``
-processes and vLLM's router; one replica is SIGKILLed in the middle of the run, the run finishes, the dead replica is
-dropped from the pool and the router, and the survivor serves the trained model's greedy tokens. PPO: two replicas
-behind the router both end on the trainer's weights at one version."""
+"""GRPO and PPO on a fleet (``rollout_server: URL,URL`` behind ``rollout_router``). GRPO: two
+``python -m rollout.serve`` processes and vLLM's router; one replica is SIGKILLed in the middle of the run, the run
+finishes, the dead replica is dropped from the pool and the router, and the survivor serves the trained model's greedy
+tokens. PPO: two replicas behind the router both end on the trainer's weights at one version."""
 
 from __future__ import annotations
 

@@ -325,9 +325,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
     params = [(name, p.detach()) for name, p in model.named_parameters()]
     report["weights"] = {"tensors": len(params), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
     with contextlib.ExitStack() as stack:
-        *one_thread, two_threads = stack.enter_context(
-            replica_subprocesses(args.model, flags, threads)
-        )
+        *one_thread, two_threads = stack.enter_context(replica_subprocesses(args.model, flags, threads))
         workers = {LAYOUTS[0][0]: one_thread[:1], LAYOUTS[1][0]: one_thread[:2], LAYOUTS[2][0]: [two_threads]}
         routers = {name: stack.enter_context(router_subprocess(urls)) for name, urls in workers.items()}
         report["throughput"] = measure_throughput(workers, routers, prompts, body, args.rounds, args.seed)
@@ -404,7 +402,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's 128")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-blocks", type=int, default=None, help="each replica's --num-blocks (default: the replicas split one server's memory share, as rollout-fleet's)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="each replica's --num-blocks (default: the replicas split one server's memory share, as rollout-fleet's)",
+    )
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=16, help="the trainers' default weight_sync_bucket_mb")
     p.add_argument("--latency-requests", type=int, default=50)
