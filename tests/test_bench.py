@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -386,6 +387,8 @@ def test_serving_benchmark_runs_a_real_server_and_both_systems_generate_the_same
     for c, level in result["levels"].items():
         assert level["requests"] == 2 * int(c)
         assert level["same_tokens"] is True
+        assert level["divergences"]["differing_per_round"] == [0, 0] and level["divergences"]["first"] == []
+        assert level["divergences"]["sequences"] == 2 * int(c) * 2
         for system in ("manager", "serve"):
             s = level[system]
             assert len(s["tokens_per_s_rounds"]) == 2 and all(t > 0 for t in s["tokens_per_s_rounds"])
@@ -402,6 +405,52 @@ def test_serving_benchmark_runs_a_real_server_and_both_systems_generate_the_same
     report = {"model": "tiny", "machine": {}, "workloads": {"tiny": result}}
     table = serving.markdown_table(report).splitlines()
     assert len(table) == 2 + 2 and table[2].startswith("| tiny | 1 |") and table[3].endswith("| yes |")
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in model whose every position has the same logits."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor(logits))
+
+    def forward(self, input_ids: torch.Tensor):
+        return types.SimpleNamespace(logits=self.logits.expand(*input_ids.shape, -1))
+
+
+def test_serving_benchmark_reports_where_sequences_differ_and_how_near_a_tie_they_were():
+    from rollout.benchmarks import serving
+    from rollout.sampling import seeded_uniforms
+
+    assert serving.first_divergences([[1, 2, 3], [4, 5], [6]], [[1, 2, 4], [4, 5, 7], [6]]) == [(0, 2), (1, 2)]
+    # Greedy: the gap between the two largest logits.
+    assert serving.divergence_margin(_FixedLogits([1.0, 3.0, 2.5]), [1], [], seed=None) == pytest.approx(0.5)
+    # Seeded sampling: the CDF of probabilities 0.5, 0.3, 0.2 has boundaries 0, 0.5, 0.8, 1; the margin is the distance
+    # of the seed's uniform number for token 2 (two generated tokens before it) to the nearest boundary of its interval.
+    model = _FixedLogits(torch.tensor([0.5, 0.3, 0.2]).log().tolist())
+    for seed in range(5):
+        u = float(seeded_uniforms([seed], [2])[0])
+        low, high = max(b for b in (0.0, 0.5, 0.8) if b <= u), min(b for b in (0.5, 0.8, 1.0) if b > u)
+        margin = serving.divergence_margin(model, [1, 2], [3, 4], seed=seed)
+        assert margin == pytest.approx(min(u - low, high - u), abs=1e-6)
+    level = {
+        "same_tokens": False,
+        "divergences": {
+            "sequences": 8,
+            "differing_per_round": [2, 0],
+            "margin": "distance to a CDF boundary",
+            "first": [
+                {"round": 0, "sequence": 3, "token": 7, "margin": 2e-7},
+                {"round": 0, "sequence": 5, "token": 9, "margin": 1e-6},
+            ],
+        },
+    }
+    assert serving._same(level) == "no (2 + 0 of 8)"
+    report = {"workloads": {"w": {"levels": {"4": level}}}}
+    assert serving.divergence_lines(report) == [
+        "- w, 4 clients: 2 sequences differed (of 8 per run, rounds [2, 0]); at the first differing token of 2 of them "
+        "(tokens 7, 9) the teacher-forced distance to a CDF boundary was 2.0e-07 to 1.0e-06."
+    ]
 
 
 def test_serving_benchmark_percentiles_and_jobs():

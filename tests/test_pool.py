@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from rollout import ContinuousBatchingConfig, RolloutPool
@@ -246,6 +248,23 @@ def test_an_update_to_a_given_weight_version_must_be_above_the_current_one_and_c
         refused = httpx.post(f"{url}/update_weights", json={"update_info": update_info(metas)})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info.names"
         assert server.manager.weight_version == 5
+
+
+def test_a_refused_announcement_is_raised_at_once_and_the_next_send_goes_through() -> None:
+    trained = tiny_llama(seed=1)
+    with replicas(2) as servers, RolloutPool([s.url for s in servers], timeout=60) as pool:
+        wrong = [("model.layers.0.mlp.nope.weight", torch.zeros(4, 4))]
+        start = time.monotonic()
+        with pytest.raises(RolloutServerError) as refused:
+            pool.send_weights(wrong, full=False)
+        # The broadcast can never complete once a replica refused: nothing waits for the pool's 60 s timeout.
+        assert time.monotonic() - start < 20
+        assert refused.value.status == 400 and refused.value.param == "update_info.names"
+        assert pool.urls == [s.url for s in servers] and pool.group is None  # nobody dropped; the group closed
+        assert [s.manager.weight_version for s in servers] == [0, 0]
+        assert pool.send_weights(trained.named_parameters()) == 1
+        want = reference_greedy(trained, PROMPT, 8, None)
+        assert [greedy(s.url)["token_ids"] for s in servers] == [want, want]
 
 
 def test_a_new_pool_over_replicas_on_different_versions_brings_them_to_one_above_the_highest() -> None:

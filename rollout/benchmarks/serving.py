@@ -21,7 +21,10 @@ systems alternating from round to round; the ratio serve/manager of tokens/s is 
 of a shared machine changes between rounds) and reported as median and min-max over the rounds. Latencies are
 pooled over the rounds.
 
-vLLM's ``vllm serve`` is not in the table: vLLM (its CPU build included) is not installed here.
+Where the two systems generate different tokens, the first differing token of each differing sequence is reported
+with ``divergence_margin``: how near a teacher-forced forward pass puts that token to being another one.
+
+vLLM's ``vllm serve`` is not in the table: this benchmark compares rollout's two paths to its engine.
 
 Usage: ``rollout-bench-serve [--workload gsm8k-greedy gsm8k-grpo] [--concurrency 1 8 32 64] [--rounds 2]
 [--max-new-tokens N] [--json docs/serve_bench.json] [--markdown docs/serve_bench.md]``.
@@ -51,6 +54,7 @@ import httpx
 import torch
 
 import rollout
+from rollout.sampling import seeded_uniforms
 from trainers.prompts import eos_token_ids
 
 from .report import SOURCE_ROOT, machine_info, write_json
@@ -125,6 +129,48 @@ def make_jobs(prompts: Sequence[list[int]], workload: Workload, count: int, seed
     """``count`` requests cycling over ``prompts`` (see the module docstring for the seeds)."""
     G = workload.num_samples
     return [Job(list(prompts[i % len(prompts)]), G, seed + i * G if workload.do_sample else None) for i in range(count)]
+
+
+def first_divergences(a: Sequence[list[int]], b: Sequence[list[int]]) -> list[tuple[int, int]]:
+    """(sequence index, first token index where they differ) of every pair of sequences that differ.
+
+    A sequence that is a prefix of the other differs at the shorter one's length."""
+    out = []
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            out.append((k, next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))))
+    return out
+
+
+@torch.no_grad()
+def divergence_margin(
+    model: Any, prompt: list[int], prefix: list[int], *, seed: int | None, temperature: float = 1.0
+) -> float:
+    """How near the token at a first divergence was to being another one, under a teacher-forced forward pass.
+
+    Greedy (``seed`` None): the gap between the two largest logits at that position. Seeded sampling (no top-k,
+    top-p or min-p): the distance, in probability, from the request's seeded uniform number for token
+    ``len(prefix)`` (``rollout.sampling.seeded_uniforms``) to the nearest boundary of the float64 cumulative
+    distribution it was searched in. A margin near fp32 rounding (about 1e-6) says the two systems differ only in the
+    rounding of the batch shapes they ran, not in what they computed.
+
+    Args:
+        model: the model both systems ran.
+        prompt: the request's prompt token ids.
+        prefix: the generated tokens both systems agree on.
+        seed: the sequence's seed; None for greedy decoding.
+        temperature: the sampling temperature (> 0).
+    """
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([list(prompt) + list(prefix)], device=device)).logits[0, -1].float().cpu()
+    if seed is None:
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+    cdf = torch.cumsum(torch.softmax(logits / temperature, dim=-1).double(), dim=-1)
+    u = float(seeded_uniforms([seed], [len(prefix)])[0]) * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)[0])
+    low = float(cdf[i - 1]) if i > 0 else 0.0
+    return min(u - low, float(cdf[min(i, len(cdf) - 1)]) - u)
 
 
 async def _closed_loop(jobs: Sequence[Job], concurrency: int, one: Any) -> float:
@@ -306,6 +352,30 @@ def summarize(runs: Sequence[ClientRun]) -> dict[str, Any]:
     }
 
 
+# Divergent sequences whose margin is computed per level (a teacher-forced forward pass each).
+MAX_MARGINS = 16
+
+
+def _divergences(
+    model: Any, jobs: Sequence[Job], workload: Workload, rounds: list[list[tuple[int, int, int, list[int]]]]
+) -> dict[str, Any]:
+    """The JSON of a level's differing sequences: how many per round, and the first ``MAX_MARGINS`` with their
+    first differing token and ``divergence_margin`` there."""
+    G = workload.num_samples
+    first = []
+    for round_, k, t, tokens in [d for r in rounds for d in r][:MAX_MARGINS]:
+        job = jobs[k // G]
+        seed = job.seed + k % G if job.seed is not None else None
+        margin = divergence_margin(model, job.prompt, tokens[:t], seed=seed, temperature=workload.temperature)
+        first.append({"round": round_, "sequence": k, "token": t, "margin": margin})
+    return {
+        "sequences": len(jobs) * G,
+        "differing_per_round": [len(r) for r in rounds],
+        "margin": "logit gap of the top two (greedy)" if not workload.do_sample else "distance to a CDF boundary",
+        "first": first,
+    }
+
+
 def run_serve_workload(
     model: Any,
     model_path: str,
@@ -376,7 +446,8 @@ def run_serve_workload(
     manager.warmup(progress_bar=False)
     manager.start()
     runs: dict[tuple[str, int], list[ClientRun]] = {}
-    same: dict[int, bool] = {}
+    jobs_of: dict[int, list[Job]] = {}
+    diverged: dict[int, list[list[tuple[int, int, int, list[int]]]]] = {}  # per level and round: (round, seq, token)
     try:
         with serve_subprocess(model_path, engine_flags, threads) as url:
             warm = make_jobs(prompts, dataclasses.replace(workload, max_new_tokens=2), 2, seed)
@@ -385,7 +456,7 @@ def run_serve_workload(
             for round_ in range(rounds):
                 order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
                 for c in concurrency:
-                    jobs = make_jobs(prompts, workload, c * requests_per_client, seed)
+                    jobs = jobs_of[c] = make_jobs(prompts, workload, c * requests_per_client, seed)
                     got: dict[str, ClientRun] = {}
                     for system in order:
                         if system == "manager":
@@ -396,7 +467,9 @@ def run_serve_workload(
                         logger.info(
                             "round %d, %d clients, %s: %.1f tokens/s", round_, c, system, got[system].tokens_per_s
                         )
-                    same[c] = same.get(c, True) and got["manager"].sequences == got["serve"].sequences
+                    differing = first_divergences(got["manager"].sequences, got["serve"].sequences)
+                    manager_seqs = got["manager"].sequences
+                    diverged.setdefault(c, []).append([(round_, k, t, manager_seqs[k]) for k, t in differing])
     finally:
         manager.stop(hard_stop=True, timeout=30)
         manager.destroy()
@@ -413,7 +486,8 @@ def run_serve_workload(
                 "max": max(by_round),
                 "rounds": by_round,
             },
-            "same_tokens": same[c],
+            "same_tokens": not any(diverged[c]),
+            "divergences": _divergences(model, jobs_of[c], workload, diverged[c]),
         }
     return {
         "generation": {
@@ -434,6 +508,32 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
+def _same(level: dict[str, Any]) -> str:
+    """``yes``, or ``no`` with the differing sequences of each round over the sequences of a run."""
+    if level["same_tokens"]:
+        return "yes"
+    d = level["divergences"]
+    return f"no ({' + '.join(map(str, d['differing_per_round']))} of {d['sequences']})"
+
+
+def divergence_lines(report: dict[str, Any]) -> list[str]:
+    """A line per level whose systems generated different tokens: where the first ones differ, and the margins."""
+    lines = []
+    for wname, w in report["workloads"].items():
+        for c, level in w["levels"].items():
+            d = level.get("divergences")
+            if level["same_tokens"] or not d or not d["first"]:
+                continue
+            margins = [f["margin"] for f in d["first"]]
+            lines.append(
+                f"- {wname}, {c} clients: {sum(d['differing_per_round'])} sequences differed (of {d['sequences']} per "
+                f"run, rounds {d['differing_per_round']}); at the first differing token of {len(margins)} of them "
+                f"(tokens {', '.join(str(f['token']) for f in d['first'])}) the teacher-forced {d['margin']} was "
+                f"{min(margins):.1e} to {max(margins):.1e}."
+            )
+    return lines
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """The summary table: one row per workload and concurrency level (latencies in milliseconds)."""
     lines = [
@@ -450,7 +550,7 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"| {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}] "
                 f"| {_ms(m['ttft_p50_s'])} / {_ms(m['ttft_p99_s'])} | {_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])} "
                 f"| {_ms(m['itl_p50_s'])} / {_ms(m['itl_p99_s'])} | {_ms(s['itl_p50_s'])} / {_ms(s['itl_p99_s'])} "
-                f"| {'yes' if level['same_tokens'] else 'no'} |"
+                f"| {_same(level)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -458,6 +558,14 @@ def markdown_table(report: dict[str, Any]) -> str:
 def markdown_report(report: dict[str, Any]) -> str:
     """docs/serve_bench.md: the command, the machine, the table, the notes."""
     m = report["machine"]
+    load = report.get("load_average", {"start": float("nan"), "end": float("nan")})
+    lines = divergence_lines(report)
+    divergences = (
+        "Where the systems generated different tokens:\n\n" + "\n".join(lines) + "\n\nA margin near fp32 rounding "
+        "(about 1e-6 of probability) means the two runs differ only in the rounding of the batches they ran.\n\n"
+        if lines
+        else ""
+    )
     return (
         "# Serving benchmark: `rollout-serve` over HTTP vs the in-process manager\n\n"
         f"Commit `{m['git_commit']}`; {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} with "
@@ -473,10 +581,12 @@ def markdown_report(report: dict[str, Any]) -> str:
         "range over the rounds. TTFT: send to a choice's first token; ITL: gap between two arrivals of a "
         "choice's tokens divided by the tokens the later one brought; both pooled over the rounds. "
         "`same tokens`: both systems generated identical token ids (greedy, or seeded samples).\n\n"
-        "The machine is shared (2 cores, other processes running): the numbers move between runs, "
-        "which is why ratios are taken within a round. The HTTP client runs in the benchmark's process and "
-        "competes with the server for the same cores.\n\n"
-        "`vllm serve` is not in the table: vLLM (its CPU build included) is not installed on this machine.\n\n"
+        f"{divergences}"
+        f"Load average (1 min) at the start and the end of the run: {load['start']:.2f} and {load['end']:.2f}. "
+        "Ratios are taken within a round because the load of a shared machine moves between rounds. The HTTP "
+        "client runs in the benchmark's process and competes with the server for the same cores.\n\n"
+        "`vllm serve` is not in the table: this benchmark compares rollout's two paths to its engine; vLLM's CPU "
+        "build is compared offline in `docs/bench.md`.\n\n"
         "The JSON with every round: `docs/serve_bench.json`. Module: `rollout/benchmarks/serving.py`.\n"
     )
 
@@ -524,7 +634,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
         "command": command,
         "threads": threads,
         "systems": {"manager": "in-process ContinuousBatchingManager", "serve": "rollout-serve over HTTP"},
-        "not_run": {"vllm serve": "vLLM is not installed on this machine"},
+        "not_run": {"vllm serve": "not part of this benchmark (vLLM's CPU build is compared offline: rollout-bench)"},
+        "load_average": {"start": os.getloadavg()[0]},
         "workloads": {},
     }
     for wname in args.workload:
@@ -549,6 +660,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
             threads=threads,
         )
         write_json(report, args.json_path)  # keep what is measured so far
+    report["load_average"]["end"] = os.getloadavg()[0]
+    write_json(report, args.json_path)
     print(markdown_table(report))
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
