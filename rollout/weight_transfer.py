@@ -185,6 +185,7 @@ class TransferGroup:
         self.world_size = world_size
         self.device = torch.device(device)
         self.timeout = timeout
+        self._works: list[Any] = []  # the collectives started and not known to be completed
         delta = datetime.timedelta(seconds=timeout)
         try:
             # Rank 0 serves the store; wait_for_workers=False: the group's own rendezvous below waits for them.
@@ -215,19 +216,28 @@ class TransferGroup:
         opts.rootRank = 0
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        return self.group.broadcast([tensor], opts)
+        work = self.group.broadcast([tensor], opts)
+        self._works = [w for w in self._works if not w.is_completed()] + [work]
+        return work
 
     def close(self) -> None:
         """Drop the group and the store (rank 0 stops serving it); returns at once.
 
         A collective still in flight (a peer refused the update or died) holds the group's destructor, and
-        ``abort``, until the collective's timeout: the last references are dropped in a daemon thread, so a
-        refused update does not cost the caller the whole timeout. Until then the store keeps its port.
+        ``abort``, until the collective's timeout: then the last references are dropped in a daemon thread, so a
+        refused update does not cost the caller the whole timeout (the store keeps its port until then). With
+        nothing in flight they are dropped here: a daemon thread still destroying a group when the process exits
+        aborts it.
         """
         held = [self.group, self._store]
+        in_flight = any(not w.is_completed() for w in self._works)
         self.group = None
         self._store = None
-        threading.Thread(target=held.clear, name="rollout-transfer-close", daemon=True).start()
+        self._works = []
+        if in_flight:
+            threading.Thread(target=held.clear, name="rollout-transfer-close", daemon=True).start()
+        else:
+            held.clear()
 
 
 def _flat_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
