@@ -779,21 +779,36 @@ class RolloutPool:
             start["weight_version"] = target
         self._all(urls, "/start_weight_update", start)
         result: dict[str, Any] = {}
+        given_up = threading.Event()
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            # Once the send is given up, the caller's iterator is not read again from this thread: the caller may
+            # read it itself (a lazy iterator may run the trainer's own collectives).
+            while not given_up.is_set():
+                item = next(iterator, None)
+                if item is None:
+                    return
+                yield item
 
         def broadcast() -> None:
             try:
-                result["bytes"] = send(group, metas, iterator, self.bucket_bytes, packed)
+                result["bytes"] = send(group, metas, tensors(), self.bucket_bytes, packed)
             except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
                 result["error"] = e
 
         thread = threading.Thread(target=broadcast, name="rollout-transfer-send", daemon=True)
         thread.start()
         info = {"update_info": update_info(metas, packed, self.bucket_bytes)}
-        # When a replica refuses, every replica has answered (fan_out waits for all), so none receives: the broadcast
-        # cannot complete and is not waited for (its daemon thread ends at the group's timeout; the caller closes the
-        # group). Waiting for it made a refused announcement cost the whole timeout.
-        self._all(urls, "/update_weights", info)
+        # When a replica refuses, every replica has answered (fan_out waits for all), so none is still receiving: the
+        # broadcast cannot complete and is not waited for (its thread ends at the group's timeout; the caller closes
+        # the group). Waiting for it made a refused announcement cost the whole timeout.
+        try:
+            self._all(urls, "/update_weights", info)
+        except BaseException:
+            given_up.set()
+            raise
         thread.join(self.timeout)
+        given_up.set()
         if "error" in result or thread.is_alive():
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)

@@ -186,6 +186,7 @@ class TransferGroup:
         self.device = torch.device(device)
         self.timeout = timeout
         self._works: list[Any] = []  # the collectives started and not known to be completed
+        self._lock = threading.Lock()
         delta = datetime.timedelta(seconds=timeout)
         try:
             # Rank 0 serves the store; wait_for_workers=False: the group's own rendezvous below waits for them.
@@ -211,31 +212,40 @@ class TransferGroup:
             ) from e
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
-        """Start a broadcast of ``tensor`` from rank 0 (filled in place on the others); returns its work."""
+        """Start a broadcast of ``tensor`` from rank 0 (filled in place on the others); returns its work.
+
+        Raises:
+            RuntimeError: the group was closed.
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        work = self.group.broadcast([tensor], opts)
-        self._works = [w for w in self._works if not w.is_completed()] + [work]
+        # Under the lock: a close between starting a collective and recording it would miss it (and block).
+        with self._lock:
+            if self.group is None:
+                raise RuntimeError("weight transfer: the group is closed")
+            work = self.group.broadcast([tensor], opts)
+            self._works = [w for w in self._works if not w.is_completed()] + [work]
         return work
 
     def close(self) -> None:
         """Drop the group and the store (rank 0 stops serving it); returns at once.
 
         A collective still in flight (a peer refused the update or died) holds the group's destructor, and
-        ``abort``, until the collective's timeout: then the last references are dropped in a daemon thread, so a
-        refused update does not cost the caller the whole timeout (the store keeps its port until then). With
-        nothing in flight they are dropped here: a daemon thread still destroying a group when the process exits
-        aborts it.
+        ``abort``, until the collective's timeout: then the last references are dropped in a thread of their own, so
+        a refused update does not cost the caller the whole timeout (the store keeps its port until then). That
+        thread is not a daemon: a group destroyed while the interpreter shuts down aborts the process, so an exit
+        waits for it instead (at most the timeout). With nothing in flight they are dropped here.
         """
-        held = [self.group, self._store]
-        in_flight = any(not w.is_completed() for w in self._works)
-        self.group = None
-        self._store = None
-        self._works = []
+        with self._lock:
+            held = [self.group, self._store]
+            in_flight = any(not w.is_completed() for w in self._works)
+            self.group = None
+            self._store = None
+            self._works = []
         if in_flight:
-            threading.Thread(target=held.clear, name="rollout-transfer-close", daemon=True).start()
+            threading.Thread(target=held.clear, name="rollout-transfer-close").start()
         else:
             held.clear()
 

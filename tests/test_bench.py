@@ -414,7 +414,7 @@ class _FixedLogits(torch.nn.Module):
         super().__init__()
         self.logits = torch.nn.Parameter(torch.tensor(logits))
 
-    def forward(self, input_ids: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor) -> types.SimpleNamespace:
         return types.SimpleNamespace(logits=self.logits.expand(*input_ids.shape, -1))
 
 
@@ -448,9 +448,12 @@ def test_serving_benchmark_reports_where_sequences_differ_and_how_near_a_tie_the
     assert serving._same(level) == "no (2 + 0 of 8)"
     report = {"workloads": {"w": {"levels": {"4": level}}}}
     assert serving.divergence_lines(report) == [
-        "- w, 4 clients: 2 sequences differed (of 8 per run, rounds [2, 0]); at the first differing token of 2 of them "
-        "(tokens 7, 9) the teacher-forced distance to a CDF boundary was 2.0e-07 to 1.0e-06."
+        "- w, 4 clients: 2 sequences differed (of 8 per run, rounds [2, 0]); first differing tokens 7, 9; the "
+        "teacher-forced distance to a CDF boundary there was 2.0e-07 to 1.0e-06."
     ]
+    level["divergences"]["first"][1]["margin"] = None  # a sequence that ended where the other went on: no margin
+    level["divergences"]["first"][0]["margin"] = 3e-6
+    assert serving.divergence_lines(report)[0].endswith("was 3.0e-06 to 3.0e-06.")
 
 
 def test_serving_benchmark_percentiles_and_jobs():

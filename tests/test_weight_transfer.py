@@ -395,3 +395,35 @@ def test_rollout_weight_transfer_satisfies_trls_weight_transfer_protocol() -> No
         transfer.destroy()
         assert greedy(srv)["token_ids"] == reference_greedy(trained, PROMPT, 8, None)
         assert not httpx.get(f"{srv.url}/is_paused").json()["is_paused"]
+
+
+# Rank 0 or 1 of a two-process group; rank 0 starts a broadcast that rank 1 never receives, closes the group and exits.
+_UNRECEIVED_BROADCAST = """
+import sys, time, torch
+from rollout.weight_transfer import TransferGroup
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+group = TransferGroup("127.0.0.1", port, rank, 2, timeout=30)
+if rank == 1:
+    time.sleep(600)
+group.broadcast(torch.zeros(1 << 18))
+t0 = time.monotonic()
+group.close()
+print(f"closed in {time.monotonic() - t0:.3f}", flush=True)
+"""
+
+
+def test_closing_a_group_with_a_broadcast_in_flight_returns_at_once_and_the_process_exits_cleanly() -> None:
+    """A collective nobody receives holds a gloo group's destructor until its timeout: ``close`` must not wait for it,
+    and a process that exits meanwhile must not abort (a group destroyed in a daemon thread at exit did: SIGABRT)."""
+    port = free_port()
+    cmd = [sys.executable, "-c", _UNRECEIVED_BROADCAST]
+    peer = subprocess.Popen([*cmd, "1", str(port)])
+    try:
+        sender = subprocess.Popen([*cmd, "0", str(port)], stdout=subprocess.PIPE, text=True)
+        line = sender.stdout.readline()
+        assert line.startswith("closed in ") and float(line.split()[-1]) < 5, line
+        peer.kill()  # the collective now fails; the sender exits once its group is gone
+        assert sender.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+        peer.wait()

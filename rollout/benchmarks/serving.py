@@ -132,9 +132,15 @@ def make_jobs(prompts: Sequence[list[int]], workload: Workload, count: int, seed
 
 
 def first_divergences(a: Sequence[list[int]], b: Sequence[list[int]]) -> list[tuple[int, int]]:
-    """(sequence index, first token index where they differ) of every pair of sequences that differ.
+    """Where two systems' sequences first differ.
 
-    A sequence that is a prefix of the other differs at the shorter one's length."""
+    Args:
+        a, b: token ids of the same sequences (index k of both is one request's choice), from two systems.
+
+    Returns:
+        (k, t) for every k where ``a[k] != b[k]``: t is the first token index where they differ, or the shorter
+        one's length when one is a prefix of the other.
+    """
     out = []
     for k, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -151,15 +157,23 @@ def divergence_margin(
     Greedy (``seed`` None): the gap between the two largest logits at that position. Seeded sampling (no top-k,
     top-p or min-p): the distance, in probability, from the request's seeded uniform number for token
     ``len(prefix)`` (``rollout.sampling.seeded_uniforms``) to the nearest boundary of the float64 cumulative
-    distribution it was searched in. A margin near fp32 rounding (about 1e-6) says the two systems differ only in the
-    rounding of the batch shapes they ran, not in what they computed.
+    distribution it was searched in. A margin near fp32 rounding (about 1e-6 of probability, 1e-5 of a logit) says the
+    two systems differ only in the rounding of the batch shapes they ran, not in what they computed.
+
+    The pass is the model's own forward (not the engine's packed linear layers and paged attention), so the margin is
+    an estimate of the engine's, good to fp32 rounding. Logits processors, top-k, top-p and min-p are not applied: the
+    margin is only meaningful for plain temperature sampling (the benchmark's workloads) and greedy decoding.
 
     Args:
-        model: the model both systems ran.
+        model: the model both systems ran (a ``transformers`` causal LM).
         prompt: the request's prompt token ids.
         prefix: the generated tokens both systems agree on.
         seed: the sequence's seed; None for greedy decoding.
         temperature: the sampling temperature (> 0).
+
+    Returns:
+        Greedy: the logit gap (>= 0). Sampled: the distance in probability (>= 0, at most the chosen token's
+        probability).
     """
     device = next(model.parameters()).device
     logits = model(torch.tensor([list(prompt) + list(prefix)], device=device)).logits[0, -1].float().cpu()
@@ -354,19 +368,23 @@ def summarize(runs: Sequence[ClientRun]) -> dict[str, Any]:
 
 # Divergent sequences whose margin is computed per level (a teacher-forced forward pass each).
 MAX_MARGINS = 16
+# (round, sequence index, first differing token, the manager's tokens of that sequence, the server's length of it).
+_Divergence = tuple[int, int, int, list[int], int]
 
 
 def _divergences(
-    model: Any, jobs: Sequence[Job], workload: Workload, rounds: list[list[tuple[int, int, int, list[int]]]]
+    model: Any, jobs: Sequence[Job], workload: Workload, rounds: list[list[_Divergence]]
 ) -> dict[str, Any]:
     """The JSON of a level's differing sequences: how many per round, and the first ``MAX_MARGINS`` with their
-    first differing token and ``divergence_margin`` there."""
+    first differing token and ``divergence_margin`` there (None where one sequence is a prefix of the other)."""
     G = workload.num_samples
     first = []
-    for round_, k, t, tokens in [d for r in rounds for d in r][:MAX_MARGINS]:
+    for round_, k, t, tokens, other_len in [d for r in rounds for d in r][:MAX_MARGINS]:
         job = jobs[k // G]
         seed = job.seed + k % G if job.seed is not None else None
-        margin = divergence_margin(model, job.prompt, tokens[:t], seed=seed, temperature=workload.temperature)
+        margin = None  # one sequence ended where the other went on: no token was drawn differently
+        if t < min(len(tokens), other_len):
+            margin = divergence_margin(model, job.prompt, tokens[:t], seed=seed, temperature=workload.temperature)
         first.append({"round": round_, "sequence": k, "token": t, "margin": margin})
     return {
         "sequences": len(jobs) * G,
@@ -447,7 +465,7 @@ def run_serve_workload(
     manager.start()
     runs: dict[tuple[str, int], list[ClientRun]] = {}
     jobs_of: dict[int, list[Job]] = {}
-    diverged: dict[int, list[list[tuple[int, int, int, list[int]]]]] = {}  # per level and round: (round, seq, token)
+    diverged: dict[int, list[list[_Divergence]]] = {}  # per level, per round
     try:
         with serve_subprocess(model_path, engine_flags, threads) as url:
             warm = make_jobs(prompts, dataclasses.replace(workload, max_new_tokens=2), 2, seed)
@@ -468,8 +486,8 @@ def run_serve_workload(
                             "round %d, %d clients, %s: %.1f tokens/s", round_, c, system, got[system].tokens_per_s
                         )
                     differing = first_divergences(got["manager"].sequences, got["serve"].sequences)
-                    manager_seqs = got["manager"].sequences
-                    diverged.setdefault(c, []).append([(round_, k, t, manager_seqs[k]) for k, t in differing])
+                    ours, theirs = got["manager"].sequences, got["serve"].sequences
+                    diverged.setdefault(c, []).append([(round_, k, t, ours[k], len(theirs[k])) for k, t in differing])
     finally:
         manager.stop(hard_stop=True, timeout=30)
         manager.destroy()
@@ -524,13 +542,15 @@ def divergence_lines(report: dict[str, Any]) -> list[str]:
             d = level.get("divergences")
             if level["same_tokens"] or not d or not d["first"]:
                 continue
-            margins = [f["margin"] for f in d["first"]]
-            lines.append(
+            margins = [f["margin"] for f in d["first"] if f["margin"] is not None]
+            line = (
                 f"- {wname}, {c} clients: {sum(d['differing_per_round'])} sequences differed (of {d['sequences']} per "
-                f"run, rounds {d['differing_per_round']}); at the first differing token of {len(margins)} of them "
-                f"(tokens {', '.join(str(f['token']) for f in d['first'])}) the teacher-forced {d['margin']} was "
-                f"{min(margins):.1e} to {max(margins):.1e}."
+                f"run, rounds {d['differing_per_round']}); first differing tokens "
+                f"{', '.join(str(f['token']) for f in d['first'])}"
             )
+            if margins:
+                line += f"; the teacher-forced {d['margin']} there was {min(margins):.1e} to {max(margins):.1e}"
+            lines.append(line + ".")
     return lines
 
 
@@ -562,7 +582,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     lines = divergence_lines(report)
     divergences = (
         "Where the systems generated different tokens:\n\n" + "\n".join(lines) + "\n\nA margin near fp32 rounding "
-        "(about 1e-6 of probability) means the two runs differ only in the rounding of the batches they ran.\n\n"
+        "(about 1e-6 of probability for a CDF boundary, 1e-5 of a logit for a greedy gap) means the two runs differ "
+        "only in the rounding of the batches they ran (`divergence_margin`).\n\n"
         if lines
         else ""
     )
