@@ -804,11 +804,9 @@ class RolloutPool:
         # the group). Waiting for it made a refused announcement cost the whole timeout.
         try:
             self._all(urls, "/update_weights", info)
-        except BaseException:
+            thread.join(self.timeout)
+        finally:
             given_up.set()
-            raise
-        thread.join(self.timeout)
-        given_up.set()
         if "error" in result or thread.is_alive():
             raise RuntimeError(f"broadcasting the weights failed: {result.get('error', 'timed out')}")
         answers = self._all(urls, "/finish_weight_update", None)

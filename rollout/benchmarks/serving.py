@@ -485,8 +485,8 @@ def run_serve_workload(
                         logger.info(
                             "round %d, %d clients, %s: %.1f tokens/s", round_, c, system, got[system].tokens_per_s
                         )
-                    differing = first_divergences(got["manager"].sequences, got["serve"].sequences)
                     ours, theirs = got["manager"].sequences, got["serve"].sequences
+                    differing = first_divergences(ours, theirs)
                     diverged.setdefault(c, []).append([(round_, k, t, ours[k], len(theirs[k])) for k, t in differing])
     finally:
         manager.stop(hard_stop=True, timeout=30)

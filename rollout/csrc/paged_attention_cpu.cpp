@@ -543,10 +543,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Largest first (rows x keys read): the tiles of a causal prefill grow with their position, and ATen's split of
   // the items into one contiguous range per thread gave one of two threads three quarters of a long prefill's work.
   // Taken largest first, one at a time, the threads finish together (longest-processing-time-first scheduling).
-  auto work = [&](const Tile& t) {
-    const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : 0;
-    return t.count * (t.pos + t.count - lo);
+  // A tile's first visible key: its first row's, the lowest of its rows.
+  auto first_key = [&](const Tile& t) {
+    return window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : int64_t{0};
   };
+  auto work = [&](const Tile& t) { return t.count * (t.pos + t.count - first_key(t)); };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   auto out = at::zeros({T, H, D}, q.options());
   const int64_t G = H / Hkv;
@@ -572,7 +573,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const scalar_t* after = nullptr;
         if (upcoming < items) {
           const Tile& coming = tiles[upcoming];
-          const int64_t lo = window_left >= 0 ? std::max<int64_t>(0, coming.pos - window_left) : 0;
+          const int64_t lo = first_key(coming);
           after = kp + static_cast<int64_t>(tp[coming.seq * W + lo / block_size]) * k_cache.stride(0) +
                   (lo % block_size) * k_cache.stride(1);
         }
