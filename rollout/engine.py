@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 import torch
@@ -30,7 +30,7 @@ from .batch_queue import BatchQueue
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
 from .cpu_offload import CPUOffloadPool
-from .engine_requests import EngineRequests
+from .engine_requests import EngineRequests, bind_adapter
 from .engine_spec import EngineSpec
 from .engine_stats import EngineStats, ProgressLog
 from .kv_cache import PagedKVCache
@@ -158,6 +158,7 @@ class Engine:
         self._watch = watch_of(model)
         self._watch.bump_if_changed(None, self.config.check_weight_contents)
         self.scheduler.weight_version = self._watch.version
+        self.scheduler.base_version = self._watch.base_version
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
@@ -333,6 +334,8 @@ class Engine:
         if self.runner.packs is not None:
             self.runner.packs.clear()  # the copies of the old weights (each is remade on its next use)
         self._watch.publish(version)
+        # A tensor-parallel rank serves no adapter: every version is its base weights'.
+        self.scheduler.base_version = min(self._watch.base_version, version) if self.tp is None else version
         if self.tp is None and old < self._watch.recompute_version <= version:
             self.scheduler.recompute_all()
 
@@ -345,22 +348,32 @@ class Engine:
             self.set_weight_version(version)
 
     # ------------------------------------------------------------------ LoRA adapters
-    def load_lora(self, adapter: LoraAdapter) -> LoadedAdapter:
+    def load_lora(
+        self, adapter: LoraAdapter, replace: bool = False, queued: Iterable[int] = (), version: int = 0
+    ) -> LoadedAdapter:
         """Load a LoRA adapter into a free slot (after finishing the step in flight); requests select it by name
         (``SamplingParams.lora``). The base weights are not touched. The weight version is not bumped here: the
         adapter's own uid keys its KV (``Request.lora_id``); the manager's ``load_lora`` makes it a new version too.
 
+        Args:
+            adapter: the adapter (its tensors are copied into the slot).
+            replace: unload an adapter loaded under the same name first (vLLM's ``load_inplace``); requests accepted
+                under it keep it. Checked before anything changes: a refused load leaves the old one loaded.
+            queued: uids of adapters that requests accepted but not yet handed to this engine run under (the
+                manager's inbox): their slots stay taken.
+            version: the weight version this load makes (``LoadedAdapter.version``, what its tokens record).
+
         Raises:
-            ValueError: ``enable_lora`` is off, or the adapter cannot be loaded (``LoraSlots.check``: its name is
-                loaded, its rank above ``max_lora_rank``, a target module the engine cannot adapt, every slot taken);
-                nothing is loaded then.
+            ValueError: ``enable_lora`` is off. FieldError (a ValueError) naming the field when the adapter cannot be
+                loaded (``LoraSlots.check``: its name is loaded, its rank above ``max_lora_rank``, a target module the
+                engine cannot adapt, tensors of another base model, every slot taken); nothing changes then.
             RuntimeError: the engine is closed.
         """
         self._check_open()
         lora = self._lora_slots("load_lora")
         self._quiesce()
-        lora.reclaim({r.lora_id for r in self.scheduler.requests.values()})
-        return lora.load(adapter)
+        in_use = {r.lora_id for r in self.scheduler.requests.values()} | set(queued)
+        return lora.load(adapter, in_use, replace, version)
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``: new requests cannot select it; unfinished ones finish under it (its slot is reused
@@ -371,6 +384,17 @@ class Engine:
             KeyError: no adapter of that name is loaded.
         """
         self._lora_slots("unload_lora").unload(name)
+
+    def bind_adapter(self, request: Request) -> None:
+        """Resolve ``request.params.lora`` now (a request accepted by a manager, before it is queued here): the request
+        runs under that adapter until it ends, whatever is unloaded or loaded under the name meanwhile. No-op for a
+        base-model request.
+
+        Raises:
+            ValueError: the engine serves no adapters; FieldError (``lora``): none of that name is loaded.
+        """
+        if request.params.lora is not None:
+            bind_adapter(request, self._intake.adapter(request.params.lora))
 
     @property
     def lora_adapters(self) -> dict[str, LoadedAdapter]:

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 from .checks import check_int, check_number, token_ids
 from .engine_spec import EngineSpec
-from .lora import LoraSlots
+from .lora import LoadedAdapter, LoraSlots
 from .requests import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stop_strings import StopStringMatcher, check_tokenizer, token_texts
 
-__all__ = ["EngineRequests"]
+__all__ = ["EngineRequests", "bind_adapter"]
 
 
 class EngineRequests:
@@ -47,14 +47,17 @@ class EngineRequests:
         if params.needs_tokenizer:
             self.stop_matcher(params)
         if params.lora is not None:
-            self._adapter(params.lora)
+            self.adapter(params.lora)
 
-    def _adapter(self, name: str) -> tuple[int, int]:
-        """(uid, slot) of the loaded adapter ``name``; ValueError naming ``lora`` when there is none."""
+    def adapter(self, name: str) -> LoadedAdapter:
+        """The loaded adapter ``name``, which a request accepted now runs under until it ends.
+
+        Raises:
+            ValueError: the engine serves no adapters; FieldError (``lora``): none of that name is loaded.
+        """
         if self.lora is None:
             raise ValueError(f"lora={name!r}: the engine was built without enable_lora=True")
-        loaded = self.lora.get(name)
-        return loaded.uid, loaded.slot
+        return self.lora.get(name)
 
     def add_request(
         self,
@@ -95,7 +98,15 @@ class EngineRequests:
         """Queue a request built and checked by the caller (``Engine.enqueue``)."""
         if request.params.needs_tokenizer:
             request.stop_matcher = self.stop_matcher(request.params)
-        if request.params.lora is not None:  # resolved now: the name may be reloaded later with other tensors
-            request.lora_id, request.lora_slot = self._adapter(request.params.lora)
+        if request.params.lora is not None and request.lora_id == 0:  # resolved now: the name may be reloaded later
+            bind_adapter(request, self.adapter(request.params.lora))
+        elif request.lora_id and (self.lora is None or not self.lora.holds(request.lora_id)):
+            # Accepted by a manager under an adapter of an engine since rebuilt (its uids are gone with it).
+            raise ValueError(f"lora {request.params.lora!r}: the adapter this request was accepted under is gone")
         self.scheduler.add_request(request)
         self.num_queued += 1
+
+
+def bind_adapter(request: Request, loaded: LoadedAdapter) -> None:
+    """``request`` runs under ``loaded`` until it ends, whatever is loaded or unloaded under its name meanwhile."""
+    request.lora_id, request.lora_slot, request.lora_version = loaded.uid, loaded.slot, loaded.version

@@ -237,6 +237,7 @@ class Inbox:
         refuse_wait: str | None = None,
         score_from: int | None = None,
         score_temperature: float = 1.0,
+        bind: Callable[[Request], None] | None = None,
     ) -> list[str]:
         """Queue checked requests in order and open their result handles.
 
@@ -251,6 +252,9 @@ class Inbox:
             refuse_wait: when set, a batch that would have to wait for room without a timeout raises
                 ``RuntimeError(refuse_wait)`` instead, before anything is queued (the caller holds a pause, so no room
                 can come).
+            bind: called with each request as it is queued, under the lock (it binds the request's LoRA adapter:
+                ``Engine.bind_adapter``); what it raises propagates, and only the requests queued before stay queued
+                (none without ``block``: a batch shares its adapter).
 
         Returns:
             The request ids, in order.
@@ -283,9 +287,13 @@ class Inbox:
                     self._cond.wait(remaining)
                     if not still_open():
                         raise RuntimeError("the manager stopped while add_request waited for room")
+                request = Request(rid or "", prompt, params, record_timestamps, score_from, score_temperature)
+                if bind is not None:
+                    bind(request)
                 rid = rid if rid is not None else self._new_id()
+                request.request_id = rid
                 self._outputs.open(rid, streaming)
-                self._items.append(Request(rid, prompt, params, record_timestamps, score_from, score_temperature))
+                self._items.append(request)
                 self._num_requests += 1
                 ids.append(rid)
             self._cond.notify_all()
@@ -297,6 +305,11 @@ class Inbox:
             self._id_counter += 1
             if rid not in self._outputs:
                 return rid
+
+    def queued_lora_ids(self) -> set[int]:
+        """The uids of the LoRA adapters the queued requests were accepted under (their slots must stay)."""
+        with self._cond:
+            return {item.lora_id for item in self._items if isinstance(item, Request) and item.lora_id}
 
     def cancel(self, request_id: str) -> None:
         """Queue a cancel (ignored for unknown or finished requests)."""

@@ -19,6 +19,13 @@ GEMMs) written as two dense GEMMs over every slot instead of a gather per token:
 eager, compiled and CUDA-graphed), plain torch ops (CPU now, CUDA as written), exact zeros for base tokens. Its cost
 grows with S * R, small next to the layer itself for the few adapters RL keeps (TRL's ``max_staleness + 2``); a step
 where no token has an adapter runs no hook work at all (``LoraSlots.step`` with no adapter token).
+
+The hooks sit on modules of the user's model, which a trainer's forward, an evaluation or another engine may run at
+the same time in other threads; each ``LoraSlots`` therefore keeps the running step's token slots per thread
+(``threading.local``), so a hook adds a delta only inside the step that set them, in the thread that runs it
+(DESIGN.md, "Adapters obey the same promise"). ``threading.local`` rather than a ``contextvars.ContextVar`` (what
+``onednn.PackedWeights`` uses) because compiled steps trace the hooks: dynamo guards on a thread-local attribute but
+breaks the graph at ``ContextVar.get``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .checks import FieldError
 
 __all__ = ["LoraAdapter", "LoraSlots", "adapter_state_dict", "lora_module_name"]
 
@@ -83,6 +92,11 @@ class LoraAdapter:
         """The module names it adapts, sorted."""
         return sorted(self.weights)
 
+    def clone(self) -> LoraAdapter:
+        """The same adapter over copies of its tensors (what an engine keeps to load again later)."""
+        weights = {m: (a.detach().clone(), b.detach().clone()) for m, (a, b) in self.weights.items()}
+        return LoraAdapter(self.name, self.rank, self.scaling, weights, self.source)
+
     @classmethod
     def from_tensors(
         cls,
@@ -94,7 +108,8 @@ class LoraAdapter:
         source: str = "memory",
     ) -> LoraAdapter:
         """An adapter from named tensors: peft's names (``...q_proj.lora_A.weight``, as ``get_peft_model_state_dict``
-        or ``adapter_model.safetensors`` give them); other names are refused.
+        or ``adapter_model.safetensors`` give them); other names are refused. The tensors are copied: changing the
+        caller's afterwards (an optimizer step on a live adapter) does not change this adapter.
 
         Raises:
             ValueError: ``name`` empty, ``r`` < 1, ``lora_alpha`` not finite, a name that is not a LoRA tensor, a
@@ -114,7 +129,9 @@ class LoraAdapter:
                     f"adapter {name!r}: tensor {key!r} is not a LoRA tensor (expected '<module>.lora_A.weight' or "
                     "'<module>.lora_B.weight'); bias, modules_to_save and DoRA magnitudes are not served"
                 )
-            parts.setdefault(found[0], {})[found[1]] = t.detach()
+            # A copy: the caller's tensors (a trainer's live parameters) may change after the load, and an adapter's
+            # tensors must stay those its weight version names.
+            parts.setdefault(found[0], {})[found[1]] = t.detach().clone()
         weights = {}
         for module, ab in parts.items():
             if set(ab) != {"A", "B"}:
@@ -202,19 +219,25 @@ class _Target:
 @dataclass
 class LoadedAdapter:
     """An adapter in a slot: ``uid`` is unique in the process's life of the ``LoraSlots`` (never reused), so KV and
-    prefix-cache blocks computed under it are keyed to these tensors, not to the name or the slot."""
+    prefix-cache blocks computed under it are keyed to these tensors, not to the name or the slot.
+
+    ``version`` is the model's weight version its load made (the manager's ``load_lora``; 0 for an engine used alone):
+    a token sampled under this adapter records ``max(version, the base weights' version)``, the version at which the
+    weights that produced it (base and adapter) were last set, whatever was loaded after it."""
 
     adapter: LoraAdapter
     slot: int
     uid: int
+    version: int = 0
 
 
 class LoraSlots:
     """The adapters one engine serves, in ``max_loras`` slots, applied per token by forward hooks on the targeted
     linear layers of ``model`` (see the module docstring).
 
-    The hooks add nothing outside ``step`` (a training forward or ``model.generate`` on the same model sees the base
-    weights), nor inside a ``step`` whose tokens all belong to the base model.
+    The hooks add nothing outside ``step``, and inside it only in the thread that runs the step: a training forward,
+    ``model.generate`` or another engine's step on the same model, in any thread, sees its own weights alone; so does
+    a ``step`` whose tokens all belong to the base model.
 
     Args:
         model: the engine's base model (not a peft wrapper): targets are its ``nn.Linear`` modules by name.
@@ -239,56 +262,87 @@ class LoraSlots:
         self.retired: list[LoadedAdapter] = []
         self._next_uid = 1
         self._lock = threading.Lock()
-        # The running step's slot of each query token, int64 [T] (None: no LoRA work); read by the hooks.
-        self._current: torch.Tensor | None = None
+        # The running step's slot of each query token, int64 [T], in the attribute ``slots`` of the thread running the
+        # step (absent or None: no LoRA work in this thread); read by the hooks.
+        self._local = threading.local()
         self._slot_of_column: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ adapters
-    def check(self, adapter: LoraAdapter) -> None:
-        """Raise ValueError naming the setting if ``adapter`` cannot be loaded now (after ``reclaim``); changes
-        nothing.
+    def check(self, adapter: LoraAdapter, in_use: set[int] = frozenset(), replace: bool = False) -> None:
+        """Raise if ``adapter`` cannot be loaded now; changes nothing.
+
+        Args:
+            adapter: the adapter to load.
+            in_use: the uids of adapters unfinished requests run under (their slots stay taken).
+            replace: an adapter loaded under the same name is to be unloaded first (its slot counts as free unless
+                requests still run under it).
 
         Raises:
-            ValueError: its name is loaded already (``lora_name``), its rank is above ``max_lora_rank``, a target
-                module is not an ``nn.Linear`` of the model or is the LM head or the embeddings (``target_modules``),
-                a tensor's shape does not match its module, or every slot is taken (``max_loras``).
+            FieldError: naming the field: its name is loaded already and ``replace`` is off (``lora_name``), its rank
+                is above ``max_lora_rank``, a target module is not an ``nn.Linear`` of the model or is the LM head or
+                the embeddings (``target_modules``), a tensor's shape does not match its module (``weights``: the
+                adapter was made for another base model), or every slot is taken (``max_loras``).
         """
-        if adapter.name in self.loaded:
-            raise ValueError(f"lora_name {adapter.name!r} is loaded already; unload it first or use another name")
+        old = self.loaded.get(adapter.name)
+        if old is not None and not replace:
+            raise FieldError(
+                "lora_name", f"lora_name {adapter.name!r} is loaded already; unload it first or use another name"
+            )
         if adapter.rank > self.max_lora_rank:
-            raise ValueError(
+            raise FieldError(
+                "max_lora_rank",
                 f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={self.max_lora_rank}; "
-                f"start the engine with max_lora_rank >= {adapter.rank}"
+                f"start the engine with max_lora_rank >= {adapter.rank}",
             )
         for module_name, (a, b) in adapter.weights.items():
             module = self._modules.get(module_name)
             last = module_name.rsplit(".", 1)[-1]
             if type(module) is not torch.nn.Linear or last in _REFUSED_TARGETS:
                 what = "the LM head or the embeddings" if last in _REFUSED_TARGETS else "not an nn.Linear of the model"
-                raise ValueError(
+                raise FieldError(
+                    "target_modules",
                     f"adapter {adapter.name!r}: target_modules has {module_name!r}, {what}; LoRA is served on the "
-                    "decoder layers' linear layers only"
+                    "decoder layers' linear layers only",
                 )
             if a.shape[1] != module.in_features or b.shape[0] != module.out_features:
-                raise ValueError(
+                raise FieldError(
+                    "weights",
                     f"adapter {adapter.name!r}: {module_name!r} is [{module.out_features}, {module.in_features}] but "
-                    f"lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}"
+                    f"lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}",
                 )
-        if len(self.loaded) + len(self.retired) >= self.max_loras:
-            retired = f" and {len(self.retired)} unloaded one(s) still in use" if self.retired else ""
-            raise ValueError(
-                f"max_loras={self.max_loras} adapters are loaded ({', '.join(sorted(self.loaded))}{retired}); unload "
-                "one first or start the engine with a larger max_loras"
+        retired = [x for x in self.retired if x.uid in in_use]
+        taken = len(self.loaded) + len(retired)
+        if old is not None and old.uid not in in_use:
+            taken -= 1  # the replaced adapter's slot is freed at once
+        if taken >= self.max_loras:
+            still = f" and {len(retired)} unloaded one(s) still in use" if retired else ""
+            raise FieldError(
+                "max_loras",
+                f"max_loras={self.max_loras} adapters are loaded ({', '.join(sorted(self.loaded))}{still}); unload "
+                "one first or start the engine with a larger max_loras",
             )
 
-    def load(self, adapter: LoraAdapter) -> LoadedAdapter:
-        """Copy ``adapter`` into a free slot (checked first: ``check``). Call with no step running.
+    def load(
+        self, adapter: LoraAdapter, in_use: set[int] = frozenset(), replace: bool = False, version: int = 0
+    ) -> LoadedAdapter:
+        """Copy ``adapter`` into a free slot, all or nothing: checked first (``check``, same arguments), then the slots
+        of unloaded adapters no request runs under are freed (``reclaim``) and, with ``replace``, an adapter of the same
+        name is unloaded (requests already running under it keep it). Call with no step running.
+
+        Args:
+            version: the weight version this load makes (``LoadedAdapter.version``).
 
         Returns:
-            Its slot and its new uid.
+            Its slot, its new uid and ``version``.
+
+        Raises:
+            FieldError: as ``check``; nothing changes then.
         """
-        self.check(adapter)
         with self._lock:
+            self.check(adapter, in_use, replace)
+            if adapter.name in self.loaded:
+                self.retired.append(self.loaded.pop(adapter.name))
+            self.retired = [x for x in self.retired if x.uid in in_use]
             taken = {x.slot for x in (*self.loaded.values(), *self.retired)}
             slot = min(set(range(self.max_loras)) - taken)
             R = self.max_lora_rank
@@ -303,14 +357,14 @@ class LoraSlots:
                 target.b_all[slot * R : (slot + 1) * R].zero_()
                 target.a_all[rows].copy_(a)
                 target.b_all[rows].copy_(b.t() * adapter.scaling)
-            loaded = LoadedAdapter(adapter, slot, self._next_uid)
+            loaded = LoadedAdapter(adapter, slot, self._next_uid, version)
             self._next_uid += 1
             self.loaded[adapter.name] = loaded
             return loaded
 
     def unload(self, name: str) -> LoadedAdapter:
-        """Forget adapter ``name``: no new request can select it. Its slot stays taken while requests queued under it
-        are unfinished (each finishes under the adapter it started with, as TRL's adapter sync needs), until
+        """Forget adapter ``name``: no new request can select it. Its slot stays taken while requests accepted under it
+        are unfinished (each finishes under the adapter it was accepted with, as TRL's adapter sync needs), until
         ``reclaim``; the buffers are overwritten by the next load into the slot.
 
         Raises:
@@ -332,12 +386,16 @@ class LoraSlots:
         """The loaded adapter called ``name``.
 
         Raises:
-            ValueError: none is (the message names ``lora`` and the loaded adapters).
+            FieldError: none is (field ``lora``; the message names the loaded adapters).
         """
         found = self.loaded.get(name)
         if found is None:
-            raise ValueError(f"lora {name!r} is not a loaded adapter (loaded: {sorted(self.loaded)})")
+            raise FieldError("lora", f"lora {name!r} is not a loaded adapter (loaded: {sorted(self.loaded)})")
         return found
+
+    def holds(self, uid: int) -> bool:
+        """True while the adapter of ``uid`` has a slot (loaded, or unloaded with requests still under it)."""
+        return any(x.uid == uid for x in (*self.loaded.values(), *self.retired))
 
     def _target(self, name: str) -> _Target:
         """The buffers of layer ``name``, made (zeros) and hooked at its first adapter."""
@@ -355,8 +413,10 @@ class LoraSlots:
         return target
 
     def _hook(self, target: _Target) -> Any:
+        local = self._local
+
         def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            slots = self._current
+            slots = getattr(local, "slots", None)  # set only in the thread running this engine's step
             if slots is None:
                 return None
             x = args[0]
@@ -371,20 +431,20 @@ class LoraSlots:
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
     def step(self, slots: torch.Tensor | None, any_adapter: bool) -> Iterator[None]:
-        """Within it, the hooks add each token's adapter: ``slots`` int64 [T] (the step's query rows; -1 the base
-        model), on the model's device. ``any_adapter`` False (or ``slots`` None) leaves the forward to the base
-        weights alone."""
+        """Within it, in this thread only, the hooks add each token's adapter: ``slots`` int64 [T] (the step's query
+        rows; -1 the base model), on the model's device. ``any_adapter`` False (or ``slots`` None) leaves the forward
+        to the base weights alone."""
         if slots is None or not any_adapter or not self._targets:
             yield
             return
         if self._slot_of_column is None or self._slot_of_column.device != slots.device:
             column = torch.arange(self.max_loras, device=slots.device).repeat_interleave(self.max_lora_rank)
             self._slot_of_column = column
-        self._current = slots
+        self._local.slots = slots
         try:
             yield
         finally:
-            self._current = None
+            self._local.slots = None
 
     def close(self) -> None:
         """Remove every hook (the engine closes): the model is left as it was."""

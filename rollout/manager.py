@@ -144,7 +144,8 @@ class ContinuousBatchingManager:
         self._outputs = OutputRouter(self._cond, producing=self._life.producing)
         self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         self._final_weight_version = 0
-        self._loras: dict[str, LoraAdapter] = {}  # loaded adapters, loaded again into an engine rebuilt by start()
+        # Loaded adapters (a copy each) and the version their load made, loaded again into an engine rebuilt by start().
+        self._loras: dict[str, tuple[LoraAdapter, int]] = {}
         # The model's weight version and record, shared with every engine and manager on the model; a pause of this
         # manager holds the pause gates of all of them (WeightWatch.hold_all).
         self._weights = watch_of(model)
@@ -201,8 +202,8 @@ class ContinuousBatchingManager:
                     fallback_compile_config=self._fallback_compile_config,
                 )
                 self._engine.set_weight_version(version)
-                for adapter in self._loras.values():
-                    self._engine.load_lora(adapter)
+                for adapter, adapter_version in self._loras.values():
+                    self._engine.load_lora(adapter, version=adapter_version)
                 if self._warmup_wanted:
                     self._engine.warmup()
             self._weights.bump_if_changed(self._engine, self.cb_config.check_weight_contents)
@@ -461,37 +462,47 @@ class ContinuousBatchingManager:
                 self._recompute_in_flight(engine)
         return version
 
-    def load_lora(self, adapter: LoraAdapter) -> int:
+    def load_lora(self, adapter: LoraAdapter, replace: bool = False) -> int:
         """Load a LoRA adapter (``LoraAdapter.from_peft_dir`` / ``from_tensors``) under a pause; requests select it by
-        name (``add_request(..., lora=name)``). Its tensors are a new weight version: the version is bumped, as by
-        ``update_weights`` (tokens sampled from now on record it), while in-flight requests keep their own adapter
-        and KV. The base weights are not touched.
+        name (``add_request(..., lora=name)``). Its tensors are copied: changing the adapter's tensors afterwards
+        changes nothing served. The load is a new weight version (bumped as by ``update_weights``), which the adapter's
+        tokens record until it is unloaded, whatever is loaded after it; in-flight requests keep their own adapter, KV
+        and version. The base weights are not touched.
+
+        Args:
+            adapter: the adapter.
+            replace: an adapter loaded under the same name is replaced (vLLM's ``load_inplace``); requests accepted
+                under the old one finish under it. The load is checked first: a refused one leaves the old loaded.
 
         Returns:
             The new weight version.
 
         Raises:
-            ValueError: ``enable_lora`` is off, or the adapter cannot be loaded (its name is loaded, its rank above
-                ``max_lora_rank``, a target module the engine cannot adapt, ``max_loras`` taken); nothing changes.
+            FieldError (a ValueError) naming the field: the adapter cannot be loaded (its name is loaded and
+                ``replace`` is off, its rank above ``max_lora_rank``, a target module the engine cannot adapt, tensors
+                of another base model, ``max_loras`` taken); nothing changes. ValueError: ``enable_lora`` is off.
             RuntimeError: the manager was destroyed; or under tensor parallelism (not served there).
         """
         if self._tp is not None:
             raise RuntimeError("load_lora: LoRA adapters are not served on a tensor-parallel model")
-        with self.pause():
+        snapshot = adapter.clone()  # what an engine rebuilt by start() loads again: the tensors of this version
+        with self.pause(), self._cond:  # the lock: requests accepted meanwhile resolve before or after, never between
             engine = self.engine
-            engine.load_lora(adapter)
-            self._loras[adapter.name] = adapter
-            with self._cond:
-                return self._weights.bump(engine, self.cb_config.check_weight_contents)
+            loaded = engine.load_lora(snapshot, replace, self._inbox.queued_lora_ids())
+            self._loras.pop(adapter.name, None)  # re-inserted last: load order
+            loaded.version = self._weights.bump(engine, self.cb_config.check_weight_contents, adapter=True)
+            self._loras[adapter.name] = (snapshot, loaded.version)
+            return loaded.version
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name``: later requests cannot select it; requests already queued under it finish under it.
+        """Forget adapter ``name``: later requests cannot select it; requests already accepted under it (running or
+        still queued) finish under it.
 
         Raises:
             KeyError: no adapter of that name is loaded; ValueError: ``enable_lora`` is off.
             RuntimeError: the manager was destroyed.
         """
-        with self.pause():
+        with self.pause(), self._cond:
             self.engine.unload_lora(name)
             self._loras.pop(name, None)
 

@@ -261,6 +261,7 @@ class ManagerRequests:
             if not self._life.admits_requests() or (self._tp is not None and not self._tp.is_driver):
                 return [None] * len(items)
             score_from, score_temperature = score if score is not None else (None, 1.0)
+            engine = self._engine()
             ids = self._inbox.put(
                 items,
                 streaming,
@@ -271,6 +272,9 @@ class ManagerRequests:
                 refuse_wait=refuse,
                 score_from=score_from,
                 score_temperature=score_temperature,
+                # The adapter is resolved now, under the lock that load_lora and unload_lora hold: the request runs
+                # under the tensors loaded when it was accepted, until it ends.
+                bind=engine.bind_adapter if engine is not None else None,
             )
             return list(ids)
 

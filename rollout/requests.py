@@ -60,7 +60,9 @@ class GenerationOutput:
         error: the error message of a FAILED or CANCELLED request, else None.
         timestamps: ``time.perf_counter()`` seconds at which each token was generated,
             when timestamps were asked for, else empty.
-        weight_versions: the engine's weight version under which each token was sampled.
+        weight_versions: per token, the weight version that names the weights which sampled it: the version at which
+            the base weights, or the request's LoRA adapter if it was loaded later, were last set (a LoRA load is a new
+            version of the model, but not of the base weights or of another adapter).
         finish_reason: "stop" (a stop token or stop string), "length" (max_new_tokens), "scored" (a scoring
             request whose tokens are all computed), "cancelled", "error", or None while the
             request runs.
@@ -115,8 +117,11 @@ class Request:
             ever reads KV that its version does not name (DESIGN.md, section 3). Offloaded KV keeps its version.
         lora_id: the uid of the LoRA adapter it runs under (``lora.LoadedAdapter.uid``, unique per loaded tensors),
             0 for the base model: part of every prefix-cache key and prompt-fork key of its KV, so no request reads
-            KV computed under other adapter weights. Set when it is queued (``params.lora`` resolved).
+            KV computed under other adapter weights. Set when it is accepted (``params.lora`` resolved then: an
+            unload or a same-name reload afterwards does not change the adapter it runs under).
         lora_slot: that adapter's slot in the engine's ``LoraSlots`` (-1: the base model), each query token's index.
+        lora_version: the weight version that loaded that adapter (``LoadedAdapter.version``; 0 for the base model):
+            each token records ``max(lora_version, the base weights' version)`` (``Scheduler.token_version``).
         block_tables: one block table per layer group of the cache (``kv_cache.CacheLayout``): the
             physical block ids, in sequence order; a sliding-window group has ``NULL_BLOCK`` where a
             block fell out of its window.
@@ -159,6 +164,7 @@ class Request:
         self.kv_version: int | None = None
         self.lora_id = 0
         self.lora_slot = -1
+        self.lora_version = 0
         self.block_tables: list[list[int]] = [[]]
         self.group_block_hashes: list[list[bytes | None]] = [[]]
         self.status = RequestStatus.PENDING

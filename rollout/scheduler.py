@@ -79,7 +79,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.weight_version = 0  # recorded with each sampled token and each cached block
+        self.weight_version = 0  # the model's version: keys each cached block and each parked prefill
+        # The version at which the base weights were last set (<= weight_version: LoRA loads are versions too, of an
+        # adapter only); with each request's adapter's version it names the weights of a token (``token_version``).
+        self.base_version = 0
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
 
@@ -95,6 +98,12 @@ class Scheduler:
         request.status = RequestStatus.PENDING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def token_version(self, req: Request) -> int:
+        """The weight version a token sampled for ``req`` now records: the version at which the weights that computed
+        it were last set, the base weights' or its LoRA adapter's (``Request.lora_version``), whichever is later. An
+        adapter loaded after the request's own does not change it (DESIGN.md, "Adapters obey the same promise")."""
+        return max(self.base_version, req.lora_version)
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs (a parked fork's parent does one or the other)."""
@@ -429,7 +438,6 @@ class Scheduler:
         tokens = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         top = runner_output.top_logprobs
-        version = self.weight_version
         updated: list[Request] = []
         # The forks' tokens follow those of the scheduled requests.
         k = sum(1 for entry in scheduler_output.scheduled if entry.sample)
@@ -456,7 +464,7 @@ class Scheduler:
                     r.append_token(
                         tokens[row],
                         logprobs[row] if logprobs is not None else None,
-                        version,
+                        self.token_version(r),
                         top[row] if top is not None else None,
                     )
                     if r.done:

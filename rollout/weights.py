@@ -257,7 +257,9 @@ class WeightWatch:
             now; its contents by the first ``record`` that asks for them (the engine's first check: ``Engine``).
 
     Attributes:
-        version: the model's weight version: the number of weight changes recorded so far.
+        version: the model's weight version: the number of weight changes recorded so far (LoRA loads included).
+        base_version: the version at which the base weights were last changed (``version`` less the adapter loads
+            since): what a token of a request without an adapter records (``Scheduler.token_version``).
         recompute_version: the latest version whose update asked in-flight requests to re-prefill (0: none); an engine
             that adopts it from an older version re-prefills its own.
         gates: the pause gates of the managers on the model (held weakly): ``hold_all`` holds every one of them.
@@ -268,6 +270,7 @@ class WeightWatch:
         self._model = weakref.ref(model)
         self.lock = threading.RLock()
         self.version = 0
+        self.base_version = 0
         self.recompute_version = 0
         self.gates: weakref.WeakSet[Gate] = weakref.WeakSet()
         self._fingerprint = weights_fingerprint(model)
@@ -318,7 +321,8 @@ class WeightWatch:
         """Raise the model's version to ``version`` if it is behind (an engine was set to it: a tensor-parallel rank
         adopting its driver's, a rebuilt engine keeping its predecessor's)."""
         with self.lock:
-            self.version = max(self.version, version)
+            if version > self.version:  # a version made elsewhere (a driver's, a fleet's): of the base weights
+                self.version = self.base_version = version
 
     def bump(
         self,
@@ -326,6 +330,7 @@ class WeightWatch:
         contents: bool = True,
         recompute: bool = False,
         version: int | None = None,
+        adapter: bool = False,
     ) -> int:
         """Record the current weights and make a new version of the model (``update_weights``); ``engine`` adopts it
         now, every other engine on the model before its next step.
@@ -341,6 +346,8 @@ class WeightWatch:
             version: the new version, above the current one (a replica catching up with its fleet takes the
                 fleet's number: SGLang's ``weight_version``); None: the current one + 1. A number is never
                 reused, since blocks cached under it hold KV of other weights.
+            adapter: the change is a LoRA adapter's load (the manager's ``load_lora``), not the base weights':
+                ``base_version`` stays.
 
         Returns:
             The new version.
@@ -351,8 +358,10 @@ class WeightWatch:
         with self.lock:
             if version is not None and version <= self.version:
                 raise ValueError(f"weight_version: {version} is not above the current weight version {self.version}")
-            self.record(contents)
+            changed = self.record(contents)
             self.version = self.version + 1 if version is None else version
+            if not adapter or changed:  # base weights changed by hand before an adapter load: a base version too
+                self.base_version = self.version
             if recompute:
                 self.recompute_version = self.version
             if engine is not None:
@@ -375,6 +384,7 @@ class WeightWatch:
             changed = self.record(contents)
             if changed:
                 self.version += 1
+                self.base_version = self.version
                 logger.info("the model's weights changed without update_weights: weight version %d", self.version)
             if engine is not None and engine.weight_version != self.version:
                 engine.set_weight_version(self.version)

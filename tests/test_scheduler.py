@@ -705,11 +705,23 @@ def test_scoring_request_prefix_hits_stop_before_first_scored_position(score_fro
 # ------------------------------------------------------------------------------------ update_from_output
 
 
+def test_tokens_record_the_version_of_their_own_weights() -> None:
+    """``token_version``: a base request records the base weights' version, a LoRA request the later of that and
+    its adapter's load version, whatever was loaded after it (``weight_version``)."""
+    sched = make_scheduler(num_blocks=8)
+    sched.weight_version, sched.base_version = 7, 2  # versions 3-7 loaded adapters
+    base, adapter = make_request("b", tokens(0, 4), 2), make_request("l", tokens(0, 4), 2)
+    adapter.lora_id, adapter.lora_version = 1, 5
+    assert sched.token_version(base) == 2 and sched.token_version(adapter) == 5
+    sched.base_version = 6  # a base update after the adapter's load: both run on new weights
+    assert sched.token_version(base) == 6 and sched.token_version(adapter) == 6
+
+
 def test_update_appends_token_logprob_and_weight_version_then_finishes_at_max_new_tokens() -> None:
     sched = make_scheduler(num_blocks=8)
     req = make_request("a", tokens(0, 6), max_new_tokens=2)
     sched.add_request(req)
-    sched.weight_version = 3
+    sched.weight_version = sched.base_version = 3  # versions 1-3 changed the base weights
     out = sched.schedule()
     updated = sched.update_from_output(out, RunnerOutput(sampled_token_ids=[42], logprobs=[-0.5]))
     assert updated == [req]

@@ -293,8 +293,8 @@ class GenerationService:
         return self.manager.lora_adapters
 
     async def load_lora(self, name: str, path: str, replace: bool) -> int:
-        """Read a peft adapter folder and load it under ``name`` (``replace``: an adapter of that name is unloaded
-        first); returns the new weight version.
+        """Read a peft adapter folder and load it under ``name`` (``replace``: it replaces an adapter of that name, in
+        one step: a refused load leaves the old one loaded); returns the new weight version.
 
         Raises:
             APIError: 404 without ``--enable-lora``; 400 naming ``lora_path`` for a folder that is not a peft
@@ -312,8 +312,9 @@ class GenerationService:
         return await self.install_lora(adapter, replace)
 
     async def install_lora(self, adapter: LoraAdapter, replace: bool) -> int:
-        """Load ``adapter`` (from a folder, or received over the transfer group) under its name (``replace``: an
-        adapter of that name is unloaded first); returns the new weight version.
+        """Load ``adapter`` (from a folder, or received over the transfer group) under its name (``replace``: it
+        replaces an adapter of that name, in one step: a refused load leaves the old one loaded); returns the new
+        weight version.
 
         Raises:
             APIError: 404 without ``--enable-lora``; 400 naming ``lora_name`` for the base model's name or a name in
@@ -324,15 +325,13 @@ class GenerationService:
             raise APIError(404, "LoRA adapters: start the server with --enable-lora to serve them")
         if name == self.info.name:
             raise bad_request(f"lora_name: {name!r} is the base model's name", "lora_name")
-        try:
-            if replace and name in self.manager.lora_adapters:
-                await asyncio.to_thread(self.manager.unload_lora, name)
-            return await asyncio.to_thread(self.manager.load_lora, adapter)
+        try:  # one call: a refused replacement leaves the adapter of that name loaded
+            return await asyncio.to_thread(self.manager.load_lora, adapter, replace)
+        except FieldError as e:
+            # The adapter's tensors do not fit the model ("weights"): the request's field is the folder they came from.
+            raise bad_request(str(e), "lora_path" if e.field == "weights" else e.field) from e
         except ValueError as e:
-            message = str(e)
-            named = ("max_lora_rank", "max_loras", "target_modules", "lora_name")
-            param = next((p for p in named if p in message), None)
-            raise bad_request(message, param) from e
+            raise bad_request(str(e), None) from e
 
     async def unload_lora(self, name: str) -> None:
         """Forget adapter ``name`` (requests running under it finish under it).
