@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .chat_delta import ChatDelta
+from .chat_delta import ChatDelta, ToolsInSystemMessage
 from .environments import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_schemas
 from .manager import ContinuousBatchingManager
 from .pool import RolloutPool
@@ -325,6 +325,7 @@ def run_episode(
     seed: int | None = None,
     tool_parser: Callable[[list[int], list[int]], list[ToolCall]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools_in_system_message: ToolsInSystemMessage = False,
 ) -> Episode:
     """Run ``env`` to the end of one episode on ``backend``.
 
@@ -342,6 +343,10 @@ def run_episode(
         tool_parser: ``(turn_ids, context_ids) -> calls``; default ``rollout.environments.parse_tool_calls`` with the
             tokenizer.
         template_kwargs: extra chat-template variables.
+        tools_in_system_message: list the environment's tools in a system message of the prompt (their JSON schemas
+            and the Hermes call format the default parser reads) rather than through the template's ``tools``:
+            True always, "auto" when the template drops them (SmolLM2's), False never; a template that drops them
+            then gets one warning (``rollout.chat_delta``).
 
     Returns:
         The episode's trajectory and reward. ``prompt_ids + completion_ids`` are the chat template's rendering of
@@ -349,14 +354,15 @@ def run_episode(
         end-of-turn token (a stop string, another stop token, a token bound) is followed by the template's own.
 
     Raises:
-        ValueError: the tokenizer has no chat template, a tool has no JSON schema, or the template has no delta.
+        ValueError: the tokenizer has no chat template, a tool has no JSON schema, the template has no delta, or
+            ``tools_in_system_message`` is not True, False or "auto".
         RuntimeError: a turn's request failed.
     """
     limits = limits or EpisodeLimits()
     tools = environment_tools(env)
     schemas = tool_schemas(tools) if tools else None
-    delta = ChatDelta(tokenizer, schemas, template_kwargs)
-    messages = copy.deepcopy(list(prompt))
+    delta = ChatDelta(tokenizer, schemas, template_kwargs, tools_in_system_message)
+    messages = delta.prompt_messages(copy.deepcopy(list(prompt)))
     observation = env.reset(**(dict(row) if row is not None else {"prompt": prompt}))
     if observation is not None:
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
@@ -442,7 +448,8 @@ def run_episodes(
         episode_ids: one id per row (default ``episode-<i>``).
         seeds: one sampling seed per row (default: unseeded).
         max_workers: threads at most (default: one per row).
-        kwargs: ``run_episode``'s other keyword arguments (``tool_parser``, ``template_kwargs``).
+        kwargs: ``run_episode``'s other keyword arguments (``tool_parser``, ``template_kwargs``,
+            ``tools_in_system_message``).
 
     Returns:
         The episodes, in row order.
