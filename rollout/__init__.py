@@ -2,13 +2,13 @@
 
 from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
 from .cache_sizing import num_blocks_for_model, usable_memory_bytes
+from .chat_delta import ChatDelta
 from .checks import FieldError
 from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
 from .episodes import (
-    ChatDelta,
     ClientTurns,
     Episode,
     EpisodeLimits,

@@ -3,12 +3,14 @@
 An episode starts from a chat prompt (rendered once by the tokenizer's chat template) and alternates model turns and
 environment messages. Each model turn is one request whose prompt is every id so far; its sampled ids, logprobs and
 weight versions are appended as they came (``loss_mask`` 1). Each environment message (tool results, or the user
-message ``respond`` returns, see ``rollout.environments``) is appended as the chat template's *delta*: the ids the
-template adds after an assistant turn for those messages, rendered against a fixed stand-in conversation and
-tokenized alone (``loss_mask`` 0, logprob 0, weight version -1). The history is never re-rendered nor re-tokenized:
-verl found re-applying the template to an episode's final messages enough to keep PPO from converging, and decoding
-and re-encoding drifts at tool-parser boundaries (issue 33). TRL builds its tool suffix the same way
-(``GRPOTrainer._get_tool_suffix_ids``: a dummy conversation, cut after the end-of-turn token).
+message ``respond`` returns, see ``rollout.environments``) is appended as the chat template's *delta*
+(``rollout.chat_delta``): the ids the template adds after an assistant turn for those messages, rendered against a
+fixed stand-in conversation and tokenized alone (``loss_mask`` 0, logprob 0, weight version -1), led by the template's
+end of turn when the model's last id was not that token (a stop string, another stop token, a token bound), so the
+trajectory is the template's rendering of the conversation however each turn ended. The history is never
+re-rendered nor re-tokenized: verl found re-applying the template to an episode's final messages enough to keep PPO
+from converging, and decoding and re-encoding drifts at tool-parser boundaries (issue 33). TRL builds its tool suffix
+the same way (``GRPOTrainer._get_tool_suffix_ids``: a dummy conversation, cut after the end-of-turn token).
 
 The turns of an episode reuse each other's KV: turn k+1's prompt starts with turn k's ids, so its full blocks are
 prefix-cache hits (in process, or on the one server a session is routed to: requests carry ``X-Session-ID``, the key
@@ -30,13 +32,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from .chat_delta import ChatDelta, ToolsInSystemMessage
 from .environments import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_schemas
 from .manager import ContinuousBatchingManager
 from .pool import RolloutPool
 from .requests import RequestStatus
 
 __all__ = [
-    "ChatDelta",
     "ClientTurns",
     "Episode",
     "EpisodeLimits",
@@ -51,8 +53,6 @@ __all__ = [
 
 FINISH_ABORT = "abort"  # a turn's request ended before its last token (the OpenAI/vLLM finish reason)
 NO_VERSION = -1  # weight version of an environment token: no weights sampled it
-# A stand-in content for the assistant message the template closes: only its closing text is kept.
-_STAND_IN = "ROLLOUTSTANDIN"
 
 
 @dataclass(frozen=True)
@@ -196,95 +196,6 @@ class ClientTurns:
         return TurnOutput(tokens, logprobs, list(choice["weight_versions"]), reason)
 
 
-class ChatDelta:
-    """Token ids of chat messages by the tokenizer's chat template: a first prompt, then each new message's delta.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer with a ``chat_template``.
-        tools: the tools' schemas the template lists (None: no tools).
-        template_kwargs: extra template variables.
-
-    Raises:
-        ValueError: the tokenizer has no chat template.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("tokenizer: an episode needs a tokenizer with a chat_template")
-        self.tokenizer = tokenizer
-        self.tools = tools or None
-        self.template_kwargs = dict(template_kwargs or {})
-        stand_in = self._render([{"role": "user", "content": _STAND_IN}, self._assistant([])], False)
-        # What the template writes after an assistant message's content (its end of turn): a turn cut by a token
-        # bound has no end-of-turn token, and the delta after it starts with this.
-        self._closing = stand_in[stand_in.rindex(_STAND_IN) + len(_STAND_IN) :]
-
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=self.tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **self.template_kwargs,
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        # The template writes every special token itself (BOS included): none is added again.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    @staticmethod
-    def _assistant(tool_names: Sequence[str]) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": _STAND_IN}
-        if tool_names:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": name, "arguments": {}}} for name in tool_names
-            ]
-        return message
-
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The ids of ``messages`` with the assistant turn opened (``add_generation_prompt``)."""
-        return self._encode(self._render(messages, True))
-
-    def delta_ids(self, new_messages: list[dict[str, Any]], end_token: str | None) -> list[int]:
-        """The ids the template adds after a model turn for ``new_messages``, the next assistant turn opened.
-
-        Args:
-            new_messages: the environment's messages (``tool`` messages answering the turn's calls, or one ``user``
-                message).
-            end_token: the text of the token that ended the model's turn when it was a stop token (its end-of-turn,
-                which the model wrote itself); None for a turn cut by a token bound: the delta then starts with the
-                template's own end of the assistant turn.
-
-        Raises:
-            ValueError: the template renders the stand-in conversation differently once messages follow it (it
-                rewrites earlier turns), so no delta exists.
-        """
-        tool_names = [m.get("name", "tool") for m in new_messages if m.get("role") == "tool"]
-        base = [{"role": "user", "content": _STAND_IN}, self._assistant(tool_names)]
-        prefix = self._render(base, False)
-        full = self._render(base + new_messages, True)
-        if not full.startswith(prefix):
-            raise ValueError(
-                "the chat template renders earlier turns differently once messages follow them; an episode's delta "
-                "cannot be taken from it"
-            )
-        tail = full[len(prefix) :]
-        content_end = prefix.rindex(_STAND_IN) + len(_STAND_IN)
-        if end_token is None:
-            head = self._closing
-        else:
-            at = prefix.rfind(end_token)
-            # The template writes the model's end-of-turn token: what follows it is the delta's start. A template
-            # that does not write it (the model's stop token is not its end of turn) gets nothing before the tail.
-            head = prefix[at + len(end_token) :] if at >= content_end else ""
-        return self._encode(head + tail)
-
-
 @dataclass
 class Turn:
     """One span of an episode's completion.
@@ -414,6 +325,7 @@ def run_episode(
     seed: int | None = None,
     tool_parser: Callable[[list[int], list[int]], list[ToolCall]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools_in_system_message: ToolsInSystemMessage = False,
 ) -> Episode:
     """Run ``env`` to the end of one episode on ``backend``.
 
@@ -431,19 +343,26 @@ def run_episode(
         tool_parser: ``(turn_ids, context_ids) -> calls``; default ``rollout.environments.parse_tool_calls`` with the
             tokenizer.
         template_kwargs: extra chat-template variables.
+        tools_in_system_message: list the environment's tools in a system message of the prompt (their JSON schemas
+            and the Hermes call format the default parser reads) rather than through the template's ``tools``:
+            True always, "auto" when the template drops them (SmolLM2's), False never; a template that drops them
+            then gets one warning (``rollout.chat_delta``).
 
     Returns:
-        The episode's trajectory and reward.
+        The episode's trajectory and reward. ``prompt_ids + completion_ids`` are the chat template's rendering of
+        ``messages`` token for token, however each turn ended: a turn whose last id is not the template's
+        end-of-turn token (a stop string, another stop token, a token bound) is followed by the template's own.
 
     Raises:
-        ValueError: the tokenizer has no chat template, a tool has no JSON schema, or the template has no delta.
+        ValueError: the tokenizer has no chat template, a tool has no JSON schema, the template has no delta, or
+            ``tools_in_system_message`` is not True, False or "auto".
         RuntimeError: a turn's request failed.
     """
     limits = limits or EpisodeLimits()
     tools = environment_tools(env)
     schemas = tool_schemas(tools) if tools else None
-    delta = ChatDelta(tokenizer, schemas, template_kwargs)
-    messages = copy.deepcopy(list(prompt))
+    delta = ChatDelta(tokenizer, schemas, template_kwargs, tools_in_system_message)
+    messages = delta.prompt_messages(copy.deepcopy(list(prompt)))
     observation = env.reset(**(dict(row) if row is not None else {"prompt": prompt}))
     if observation is not None:
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
@@ -460,8 +379,11 @@ def run_episode(
             break
         ids = episode.completion_ids[turn.start : turn.end]
         context = episode.prompt_ids + episode.completion_ids[: turn.start]
-        ended = turn.finish_reason == "stop" and bool(ids)
-        text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
+        # Closed by the model (its last id is the template's end of turn) whatever the finish reason says: "stop" also
+        # means a stop string or a stop token, whose ids are the turn's content. The text keeps every other special
+        # id, so the messages render back to the ids.
+        closed = delta.closes_turn(ids)
+        text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
         calls = parse(ids, context)
         turn.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
         episode.messages.append(
@@ -489,8 +411,7 @@ def run_episode(
         if index == limits.max_turns - 1:
             episode.finish_reason = "max_turns"
             break
-        end_token = tokenizer.decode([ids[-1]], skip_special_tokens=False) if ended else None
-        delta_ids = delta.delta_ids(new_messages, end_token)
+        delta_ids = delta.delta_ids(new_messages, closed)
         if len(episode.completion_ids) + len(delta_ids) >= limits.max_tokens:
             episode.finish_reason = "max_tokens"  # no room for the message and a model token after it
             break
@@ -527,7 +448,8 @@ def run_episodes(
         episode_ids: one id per row (default ``episode-<i>``).
         seeds: one sampling seed per row (default: unseeded).
         max_workers: threads at most (default: one per row).
-        kwargs: ``run_episode``'s other keyword arguments (``tool_parser``, ``template_kwargs``).
+        kwargs: ``run_episode``'s other keyword arguments (``tool_parser``, ``template_kwargs``,
+            ``tools_in_system_message``).
 
     Returns:
         The episodes, in row order.

@@ -5,7 +5,8 @@
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml scripts/train_grpo.py --config my.yaml
     torchrun --nproc_per_node 2 scripts/train_grpo.py            # two CPU processes over gloo
 
-Every field of ``trainers.config.GRPOConfig`` is a flag; see ``trainers.cli``.
+Every field of ``trainers.config.GRPOConfig`` is a flag; see ``trainers.cli``. A config that names an
+``environment`` (``--config configs/grpo_multiturn.yaml``) runs multi-turn GRPO (``trainers.multiturn``).
 """
 
 import sys

@@ -19,10 +19,12 @@ from rollout import (
     ChatDelta,
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
+    Episode,
     EpisodeLimits,
     ManagerTurns,
     ToolCall,
     TurnOutput,
+    build_sampling_params,
     environment_tools,
     parse_tool_calls,
     run_episode,
@@ -42,6 +44,11 @@ ROLE_TEMPLATE = (
 PROMPT = [{"role": "user", "content": " ".join(f"t{i}" for i in range(20, 44))}]  # 24 words: a full block and more
 REPLY = "t5 t6 t7"
 PAGE = 16
+# ROLE_TEMPLATE with ChatML's two-token end of a message, "<|im_end|>\n": here "<|eot_id|>" (id 2) and t10.
+CHATML_TEMPLATE = ROLE_TEMPLATE.replace("<|eot_id|> {% endfor %}", "<|eot_id|> t10 {% endfor %}")
+CHATML_CLOSING = [EOS_TOKEN_ID, 10]
+# The tiny Llama's greedy first turn after this prompt under CHATML_TEMPLATE: t80 t190 t44 t195 <|eot_id|>.
+CHATML_PROMPT = [{"role": "user", "content": " ".join(f"t{i}" for i in range(112, 136))}]
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +109,35 @@ def greedy(manager: ContinuousBatchingManager) -> ManagerTurns:
     return ManagerTurns(manager, do_sample=False, eos_token_id=EOS_TOKEN_ID)
 
 
+class Scripted:
+    """A turn backend that answers each turn with the next of ``outputs``."""
+
+    def __init__(self, outputs: list[TurnOutput]) -> None:
+        self.outputs = list(outputs)
+
+    def generate_turn(self, prompt_ids, max_new_tokens, request_id, session_id, seed):  # noqa: ANN001, ANN201
+        return self.outputs.pop(0)
+
+
+def assert_trajectory_is_the_rendering(tokenizer: Any, ep: Episode, closing: list[int]) -> None:
+    """``prompt_ids + completion_ids`` are the chat template's ids of ``ep.messages``: the rendering's last message
+    is the model's last turn, which the template closes with ``closing`` where the model did not (the trajectory ends
+    with the model's last id)."""
+    rendered = tokenizer.apply_chat_template(ep.messages, tokenize=True, return_dict=False)
+    trajectory = ep.prompt_ids + ep.completion_ids
+    end = closing[1:] if ep.completion_ids[-1] == closing[0] else closing
+    assert rendered == trajectory + end
+
+
 # ---------------------------------------------------------------------------------------------- the delta
 def test_delta_is_the_template_s_text_after_the_model_s_end_of_turn(tokenizer: Any) -> None:
     delta = ChatDelta(tokenizer)
     # After a turn the model ended with <|eot_id|> (id 2): the user message and the opened assistant turn.
-    assert delta.delta_ids([{"role": "user", "content": REPLY}], "<|eot_id|>") == [3, 5, 6, 7, 2, 9]
+    assert delta.end_of_turn_id == EOS_TOKEN_ID
+    assert delta.delta_ids([{"role": "user", "content": REPLY}], closed=True) == [3, 5, 6, 7, 2, 9]
     # After a turn cut by a token bound the template's own end of turn comes first.
-    assert delta.delta_ids([{"role": "user", "content": REPLY}], None) == [2, 3, 5, 6, 7, 2, 9]
-    assert delta.delta_ids([{"role": "tool", "name": "add", "content": "t8"}], "<|eot_id|>") == [4, 8, 2, 9]
+    assert delta.delta_ids([{"role": "user", "content": REPLY}], closed=False) == [2, 3, 5, 6, 7, 2, 9]
+    assert delta.delta_ids([{"role": "tool", "name": "add", "content": "t8"}], closed=True) == [4, 8, 2, 9]
     assert delta.prompt_ids(PROMPT) == [1, 3, *range(20, 44), 2, 9]
 
 
@@ -127,7 +155,7 @@ def test_delta_appended_to_a_turn_equals_the_full_render_smollm2() -> None:
     answer = "Answer: 13"
     reply = "That is not right. Try again."
     turn = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    ids = delta.prompt_ids(first) + turn + delta.delta_ids([{"role": "user", "content": reply}], tok.eos_token)
+    ids = delta.prompt_ids(first) + turn + delta.delta_ids([{"role": "user", "content": reply}], closed=True)
     whole = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": reply}]
     assert ids == delta.prompt_ids(whole)
 
@@ -156,7 +184,7 @@ def test_episode_is_its_turns_with_mask_logprobs_and_prefix_cache_hits(
             span = out.token_ids
         else:
             ended = expected[-1] == EOS_TOKEN_ID
-            span = delta.delta_ids([{"role": "user", "content": REPLY}], "<|eot_id|>" if ended else None)
+            span = delta.delta_ids([{"role": "user", "content": REPLY}], closed=ended)
         assert ep.completion_ids[turn.start : turn.end] == span
         expected += span
     assert ep.completion_ids == expected
@@ -200,6 +228,65 @@ def test_episodes_in_parallel_equal_episodes_one_by_one(manager: ContinuousBatch
         alone = run_episode(greedy(manager), tokenizer, RetryEnv(1), row["prompt"], limits=limits, episode_id=f"a{i}")
         assert together[i].completion_ids == alone.completion_ids
         assert together[i].episode_id == f"episode-{i}"
+
+
+@pytest.mark.parametrize("ending", ["stop_string", "stop_token", "eos", "length"])
+def test_trajectory_is_the_template_s_rendering_whatever_ended_the_turn(model: torch.nn.Module, ending: str) -> None:
+    """A turn ended by a stop string, a stop token other than the end of turn, the end-of-turn token or the token
+    bound: ``prompt_ids + completion_ids`` are the template's ids of ``messages``, and the assistant message keeps
+    every token the model wrote but the end of turn that closed it."""
+    tokenizer = llama3_style_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, return_logprobs=True)
+    with ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer) as manager:
+        params = build_sampling_params(
+            manager.default_params,
+            do_sample=False,
+            eos_token_id=[EOS_TOKEN_ID, 44] if ending == "stop_token" else [EOS_TOKEN_ID],
+            stop=["t44"] if ending == "stop_string" else None,
+        )
+        limits = EpisodeLimits(max_turns=2, max_tokens=100, max_new_tokens=3 if ending == "length" else 8)
+        turns = ManagerTurns(manager, sampling_params=params)
+        ep = run_episode(turns, tokenizer, RetryEnv(1), CHATML_PROMPT, limits=limits, episode_id=ending)
+
+    first, reply = ep.turns[0], ep.turns[1]
+    written = [80, 190, 44, 195, EOS_TOKEN_ID] if ending == "eos" else [80, 190, 44]
+    assert ep.completion_ids[first.start : first.end] == written
+    assert first.finish_reason == ("length" if ending == "length" else "stop")
+    assert ep.messages[1] == {"role": "assistant", "content": "t80 t190 t44" + (" t195" if ending == "eos" else "")}
+    # The environment's message follows the model's <|eot_id|> with "\n" only, and any other end with both.
+    closed_by_model = ending == "eos"
+    expected_reply = ([] if closed_by_model else [EOS_TOKEN_ID]) + [10, 3, 5, 6, 7, EOS_TOKEN_ID, 10, 9]
+    assert ep.completion_ids[reply.start : reply.end] == expected_reply
+    assert_trajectory_is_the_rendering(tokenizer, ep, CHATML_CLOSING)
+
+
+def test_a_turn_ended_on_the_tool_call_stop_string_keeps_its_end_smollm2() -> None:
+    """SmolLM2's ChatML, an agent loop's stop string "</tool_call>": the tool message's delta starts with the
+    template's "<|im_end|>\n" and the assistant message ends with "</tool_call>" (issue 43, item 5)."""
+    path = Path.home() / ".cache" / "rollout" / "models" / "smollm2-135m-instruct"
+    if not (path / "tokenizer_config.json").is_file():
+        pytest.skip("the default model is not provisioned")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    answer = "2 + 3 = 5"
+    call_ids = tok(call, add_special_tokens=False).input_ids
+    answer_ids = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    backend = Scripted(
+        [
+            TurnOutput(call_ids, [0.0] * len(call_ids), [0] * len(call_ids), "stop"),
+            TurnOutput(answer_ids, [0.0] * len(answer_ids), [0] * len(answer_ids), "stop"),
+        ]
+    )
+    prompt = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+    ep = run_episode(backend, tok, Calculator(), prompt, limits=EpisodeLimits(3, 200, 64), episode_id="smol")
+    assert ep.num_tool_calls == 1 and ep.num_tool_errors == 0 and ep.finish_reason == "done"
+    assert [m["content"] for m in ep.messages[1:]] == [call, "5", answer]
+    tool_span = ep.completion_ids[ep.turns[1].start : ep.turns[1].end]
+    assert tok.decode(tool_span) == "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert_trajectory_is_the_rendering(tok, ep, tok("<|im_end|>\n", add_special_tokens=False).input_ids)
 
 
 # ---------------------------------------------------------------------------------------------- tools

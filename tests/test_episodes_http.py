@@ -25,7 +25,7 @@ from rollout import (
 )
 from rollout.pool import pick_replica
 from tests.serve_utils import RunningServer, running_server, wait_until
-from tests.test_episodes import PAGE, PROMPT, ROLE_TEMPLATE, RetryEnv
+from tests.test_episodes import PAGE, PROMPT, ROLE_TEMPLATE, RetryEnv, assert_trajectory_is_the_rendering
 from tests.tiny_models import EOS_TOKEN_ID, llama3_style_tokenizer, tiny_llama
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 
@@ -83,6 +83,21 @@ def test_episode_over_http_equals_the_episode_in_process(
     # Every turn carried the session id; turns 2 and 3 found turn 1's and 2's blocks on the server.
     assert [r.headers["x-session-id"] for r in sent] == ["s1"] * 3
     assert srv.manager.engine.stats.num_prefix_cache_hit_blocks - hits_before >= 2 * (len(ep.prompt_ids) // PAGE)
+
+
+def test_a_turn_ended_by_the_server_on_a_stop_string_is_closed_by_the_template(
+    srv: RunningServer, tokenizer: Any
+) -> None:
+    """The server answers finish_reason "stop" for a stop string as for the end-of-turn token: the episode tells them
+    apart by the last token id, so the trajectory is still the template's rendering (greedy turn: t89 t163 ...)."""
+    with RolloutClient(srv.url, timeout=120) as client:
+        turns = ClientTurns(client, temperature=0, stop=["t163"])
+        ep = run_episode(turns, tokenizer, RetryEnv(1), PROMPT, limits=LIMITS, episode_id="stop")
+    first, reply = ep.turns[0], ep.turns[1]
+    assert ep.completion_ids[first.start : first.end] == [89, 163] and first.finish_reason == "stop"
+    assert ep.messages[1] == {"role": "assistant", "content": "t89 t163"}
+    assert ep.completion_ids[reply.start : reply.end] == [EOS_TOKEN_ID, 3, 5, 6, 7, EOS_TOKEN_ID, 9]
+    assert_trajectory_is_the_rendering(tokenizer, ep, [EOS_TOKEN_ID])
 
 
 def test_a_turn_aborted_by_the_server_s_pause_resumes_to_the_uninterrupted_tokens(

@@ -129,3 +129,56 @@ def test_a_model_path_that_does_not_load_is_a_config_error(tmp_path, capsys):
     code = train_grpo.main(["--model", str(tmp_path / "nomodel"), "--output_dir", str(tmp_path / "out")])
     assert code == 2
     assert f"error: bad config: model: cannot load '{tmp_path / 'nomodel'}'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- one entry for both recipes (issue 43)
+@pytest.fixture
+def recipes(monkeypatch):
+    """Replace the four trainers' entry points by recorders: which recipe ran, with which config."""
+    import trainers.grpo
+    import trainers.multiturn
+    import trainers.ppo
+
+    ran = []
+    for module, name in (
+        (trainers.grpo, "train_grpo"),
+        (trainers.ppo, "train_ppo"),
+        (trainers.multiturn, "train_multiturn_grpo"),
+        (trainers.multiturn, "train_multiturn_ppo"),
+    ):
+        monkeypatch.setattr(module, name, lambda config, name=name: ran.append((name, config)))
+    return ran
+
+
+def test_the_grpo_command_runs_a_config_with_an_environment_as_the_multi_turn_recipe(recipes):
+    from trainers.multiturn import MultiTurnGRPOConfig, MultiTurnPPOConfig
+
+    assert train_grpo.main(["--config", str(REPO / "configs" / "grpo_multiturn.yaml"), "--max_steps", "3"]) == 0
+    name, config = recipes.pop()
+    assert name == "train_multiturn_grpo" and type(config) is MultiTurnGRPOConfig
+    assert config.environment == "retry_arithmetic" and config.max_episode_tokens == 192 and config.max_steps == 3
+    # --environment alone picks the multi-turn recipe's own file; --set environment=... too.
+    for argv in (["--environment", "retry_arithmetic"], ["--set", "environment=retry_arithmetic"]):
+        assert train_grpo.main(argv) == 0
+        name, config = recipes.pop()
+        assert name == "train_multiturn_grpo" and config.max_turns == 2 and config.max_episode_tokens == 192
+    # Without an environment: single-turn GRPO, as before.
+    assert train_grpo.main(["--max_steps", "3"]) == 0
+    name, config = recipes.pop()
+    assert name == "train_grpo" and not isinstance(config, MultiTurnGRPOConfig)
+    # The PPO command likewise.
+    assert train_grpo.ppo_main(["--environment", "retry_arithmetic", "--max_steps", "2"]) == 0
+    name, config = recipes.pop()
+    assert name == "train_multiturn_ppo" and type(config) is MultiTurnPPOConfig and config.max_steps == 2
+    assert train_grpo.ppo_main(["--max_steps", "2"]) == 0
+    assert recipes.pop()[0] == "train_ppo"
+
+
+def test_scripts_train_grpo_reads_the_multi_turn_recipe_s_keys():
+    """The script as a user runs it: the multi-turn file's keys are known (a bad value of one is refused by the
+    multi-turn config, before any model loads), not "unknown key 'environment'"."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_multiturn.yaml", "--max_turns", "0"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "error: bad config: max_turns must be >= 1, got 0" in result.stderr and "unknown key" not in result.stderr

@@ -43,9 +43,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout"
 # of rollout-serve and the trainer's side of the transfer), over pool (N servers, a router, one group; its
 # launch_on_ray places them with ray_replicas, Ray actors that run rollout-serve in child processes); fleet
 # (rollout-fleet: local replicas and the router) is an entry point of its own. environments (TRL's environment shape,
-# tools, tool-call parsing) is a leaf placed here; episodes (multi-turn trajectories) runs them over the manager and the
-# pool. The subpackages sit on top: serve (rollout-serve, over the package's exports and a few modules) and the
-# benchmarks, which use all of it.
+# tools, tool-call parsing) and chat_delta (an episode's ids by the chat template, its tools' listing) are leaves placed
+# here; episodes (multi-turn trajectories) runs them over the manager and the pool. The subpackages sit on top: serve
+# (rollout-serve, over the package's exports and a few modules) and the benchmarks, which use all of it.
 LAYERS = [
     "checks",
     "config",
@@ -100,6 +100,7 @@ LAYERS = [
     "client",
     "fleet",
     "environments",
+    "chat_delta",
     "episodes",
     "__init__",
     "serve",

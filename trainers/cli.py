@@ -14,6 +14,12 @@ one to None. ``--config FILE`` reads a YAML mapping of the same fields first (de
 kept for older command lines. Numbers may be written any way Python and YAML write them
 (``1e-5``, ``1E-5``, ``2.0e-5``, ``5e3``), in the file and on the command line. Unknown keys and bad
 values stop the run before the model loads, with a message that names the key.
+
+A config that names an ``environment`` (``configs/grpo_multiturn.yaml``, or an ``--environment`` flag) is a
+multi-turn recipe (``trainers.multiturn``), and the same command runs it on episodes; with ``--environment`` and no
+``--config`` the GRPO command reads ``configs/grpo_multiturn.yaml``:
+
+    accelerate launch scripts/train_grpo.py --config configs/grpo_multiturn.yaml   # multi-turn GRPO
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from .arguments import REPO_CONFIGS, parse_config
+from .arguments import REPO_CONFIGS, parse_config, read_yaml_config
 from .config import ConfigError, GRPOConfig, TrainerConfig
 from .ppo_config import PPOConfig
 
@@ -63,25 +69,62 @@ def _train(argv: Sequence[str] | None, cls: type[TrainerConfig], train: Callable
     return 0
 
 
+def names_an_environment(argv: Sequence[str] | None) -> bool:
+    """Whether a command line's settings name an ``environment``, which makes the run a multi-turn recipe: a key of
+    its ``--config`` file, an ``--environment`` flag or a ``--set environment=...`` item.
+
+    Args:
+        argv: the command line after the program name (None: ``sys.argv[1:]``).
+
+    Returns:
+        False too where the command line or the file cannot be read: the config's own parse then reports it.
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    pre.add_argument("--config")
+    pre.add_argument("--set", action="append", default=[])
+    pre.add_argument("--environment")
+    try:
+        known, _ = pre.parse_known_args(list(argv) if argv is not None else None)
+    except argparse.ArgumentError:
+        return False
+    if known.environment is not None or any(item.partition("=")[0].strip() == "environment" for item in known.set):
+        return True
+    if known.config is None or not Path(known.config).is_file():
+        return False
+    try:
+        return "environment" in read_yaml_config(known.config)
+    except ConfigError:
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-train-grpo``: parse a GRPOConfig (default file ``configs/grpo_default.yaml``) and run GRPO.
-    Returns the exit code (2 for a bad config)."""
+    """``rollout-train-grpo``: parse a GRPOConfig (default file ``configs/grpo_default.yaml``) and run GRPO; a config
+    that names an ``environment`` runs multi-turn GRPO (``multiturn_main``). Returns the exit code (2 for a bad
+    config)."""
+    if names_an_environment(argv):
+        return multiturn_main(argv)
     from .grpo import train_grpo
 
     return _train(argv, GRPOConfig, train_grpo)
 
 
 def multiturn_main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/train_grpo_multiturn.py``: parse a MultiTurnGRPOConfig (default file ``configs/grpo_multiturn.yaml``)
-    and run GRPO on episodes. Returns the exit code (2 for a bad config)."""
+    """Multi-turn GRPO (``main`` with a config that names an ``environment``; ``scripts/train_grpo_multiturn.py``):
+    parse a MultiTurnGRPOConfig (default file ``configs/grpo_multiturn.yaml``) and run GRPO on episodes. Returns the
+    exit code (2 for a bad config)."""
     from .multiturn import MultiTurnGRPOConfig, train_multiturn_grpo
 
     return _train(argv, MultiTurnGRPOConfig, train_multiturn_grpo)
 
 
 def ppo_main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-train-ppo``: parse a PPOConfig (default file ``configs/ppo_default.yaml``) and run PPO.
-    Returns the exit code (2 for a bad config)."""
+    """``rollout-train-ppo``: parse a PPOConfig (default file ``configs/ppo_default.yaml``) and run PPO; a config that
+    names an ``environment`` runs PPO on episodes (a MultiTurnPPOConfig, no default file). Returns the exit code (2
+    for a bad config)."""
+    if names_an_environment(argv):
+        from .multiturn import MultiTurnPPOConfig, train_multiturn_ppo
+
+        return _train(argv, MultiTurnPPOConfig, train_multiturn_ppo)
     from .ppo import train_ppo
 
     return _train(argv, PPOConfig, train_ppo)
