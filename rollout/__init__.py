@@ -1,14 +1,8 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
-from .api import attach, continuous_batching_context_manager, generate_batch, init_continuous_batching, is_attached
-from .cache_sizing import num_blocks_for_model, usable_memory_bytes
-from .chat_delta import ChatDelta
-from .checks import FieldError
-from .client import RolloutClient, RolloutServerError, RolloutWeightTransfer
-from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats
-from .environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
-from .episodes import (
+from rollout.agents.chat_delta import ChatDelta
+from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
+from rollout.agents.episodes import (
     ClientTurns,
     Episode,
     EpisodeLimits,
@@ -20,15 +14,27 @@ from .episodes import (
     run_episode,
     run_episodes,
 )
-from .intake import QueueFullError
-from .loading import load_model, rollout_home
-from .lora import LoraAdapter, adapter_state_dict
-from .manager import ContinuousBatchingManager
-from .models import UnsupportedModelError, model_context_length
-from .pool import RolloutPool
-from .requests import GenerationOutput, RequestStatus
-from .sampling_params import SamplingParams, build_sampling_params
-from .scoring import ScoreOutput, score, score_with_engine
+from rollout.checks import FieldError
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.engine import Engine, EngineStats
+from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
+from rollout.fleet.client import RolloutClient, RolloutServerError, RolloutWeightTransfer
+from rollout.fleet.pool import RolloutPool
+from rollout.lora import LoraAdapter, adapter_state_dict
+from rollout.manager.batch import (
+    attach,
+    continuous_batching_context_manager,
+    generate_batch,
+    init_continuous_batching,
+    is_attached,
+)
+from rollout.manager.intake import QueueFullError
+from rollout.manager.manager import ContinuousBatchingManager
+from rollout.requests import GenerationOutput, RequestStatus
+from rollout.sampling_params import SamplingParams, build_sampling_params
+from rollout.scoring.offline import ScoreOutput, score, score_with_engine
+from rollout.weights.loading import load_model, rollout_home
+from rollout.weights.model_info import UnsupportedModelError, model_context_length
 
 __all__ = [
     "attach",

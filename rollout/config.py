@@ -17,7 +17,7 @@ from typing import Any, Literal
 from transformers.generation import CompileConfig
 from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
 
-from .checks import check_bool, check_choice, check_int, check_number
+from rollout.checks import check_bool, check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)
 

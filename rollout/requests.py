@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .sampling_params import SamplingParams
+from rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .stop_strings import StopStringMatcher
+    from rollout.stop_strings import StopStringMatcher
 
 
 class RequestStatus(enum.IntEnum):

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from .checks import FieldError, check_bool, check_int, check_number, is_int, is_number
+from rollout.checks import FieldError, check_bool, check_int, check_number, is_int, is_number
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from .checks import FieldError
+from rollout.checks import FieldError
 
 # Text the tokenizer decodes before a token to read that token's spelling in running text.
 _ANCHOR = "abcdef"

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rollout import cpu_attention
+from rollout.engine.attention import cpu as cpu_attention
 
 
 def main() -> None:

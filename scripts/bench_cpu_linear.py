@@ -1,7 +1,9 @@
 """Time one pass of SmolLM2-135M's linear layers (30 layers x 7 projections, then the lm_head) on the CPU, three
 ways: MKL (``F.linear``), oneDNN on the plain weights, and oneDNN on weights reordered once into its blocked layout
-(``rollout.onednn.PackedWeights``, what the engine runs). A whole pass, not one shape at a time: as in an engine
-step, each layer's weights come from memory (540 MB in all), not from the caches. rollout/onednn.py quotes it.
+(``rollout.engine.worker.onednn.PackedWeights``, what the engine runs). A whole pass, not one shape at a time: as in
+an engine
+step, each layer's weights come from memory (540 MB in all), not from the caches. rollout/engine/worker/onednn.py
+quotes it.
 
     python scripts/bench_cpu_linear.py [--rows 2 32 512] [--repeats 5]
 
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rollout.onednn import PackedWeights, _onednn
+from rollout.engine.worker.onednn import PackedWeights, _onednn
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers, vocabulary 49,152.
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]

@@ -1,12 +1,12 @@
 """LoRA served unmerged: tokens/s with one and four adapters in the batch against the base model, and an adapter's
-sync against a full weight sync (see ``rollout.benchmarks.lora``).
+sync against a full weight sync (see ``benchmarks.lora``).
 
     python scripts/bench_lora.py                      # SmolLM2-135M fp32, rank 8 on every projection
 """
 
 import sys
 
-from rollout.benchmarks.lora import main
+from benchmarks.lora import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,12 +1,12 @@
 """Logprob scoring through rollout's engine against padded forwards (same as ``rollout-bench-scoring``); see
-``rollout.benchmarks.scoring``.
+``benchmarks.scoring``.
 
     python scripts/bench_scoring.py --gsm8k ../shared/data/gsm8k/train.jsonl [--num-questions 16] [--json OUT]
 """
 
 import sys
 
-from rollout.benchmarks.scoring import main
+from benchmarks.scoring import main
 
 if __name__ == "__main__":
     sys.exit(main())

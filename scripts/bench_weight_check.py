@@ -25,7 +25,7 @@ from transformers import GenerationConfig
 
 import rollout
 from rollout import ContinuousBatchingConfig, init_continuous_batching
-from rollout.weights import watch_of, weights_contents, weights_fingerprint
+from rollout.weights.versions import watch_of, weights_contents, weights_fingerprint
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:

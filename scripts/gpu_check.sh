@@ -102,7 +102,7 @@ except Exception as e:  # noqa: BLE001 - any failure means "not usable"
     info["flash_attn"] = None
     info["flash_attn_import_error"] = f"{type(e).__name__}: {e}"[:300]
 if torch.cuda.is_available():
-    from rollout.flash import flash_support
+    from rollout.engine.attention.flash import flash_support
     gpu = torch.device("cuda", 0)
     info["gpu"] = torch.cuda.get_device_name(gpu)
     info["capability"] = list(torch.cuda.get_device_capability(gpu))
@@ -122,7 +122,7 @@ tail -n 15 "$OUT/cuda_tests.log"
 # 3. The benchmark, bf16. The systems are whatever this checkout's benchmark offers.
 read -r -a ALL_SYSTEMS < <(timeout -k 5 120 python - << 'PY'
 import re, subprocess, sys
-text = subprocess.run([sys.executable, "-m", "rollout.benchmarks.generation", "--help"],
+text = subprocess.run([sys.executable, "-m", "benchmarks.generation", "--help"],
                       capture_output=True, text=True).stdout
 match = re.search(r"--systems \{([^}]*)\}", text)
 print(" ".join(match.group(1).split(",")) if match else "")
@@ -142,7 +142,7 @@ if [[ -n "${GPU_CHECK_SHAPES:-}" ]] && ((HAS_CUDA)); then
     timeout -k 5 180 python scripts/random_weights.py --shapes-of "$GPU_CHECK_SHAPES" --out "${TMPDIR:-/tmp}/rollout_random_model" \
         && MODEL_ARGS=(--model "${TMPDIR:-/tmp}/rollout_random_model") && record random-weights ok 0 "shapes of $GPU_CHECK_SHAPES"
 fi
-BENCH=(python -m rollout.benchmarks.generation --device cuda --dtype bfloat16 --workload gsm8k-greedy gsm8k-grpo
+BENCH=(python -m benchmarks.generation --device cuda --dtype bfloat16 --workload gsm8k-greedy gsm8k-grpo
     "${MODEL_ARGS[@]}")
 HF_CB_OPTIONS=()
 for option in ${GPU_CHECK_HFCB_OPTIONS:-default_compile_level=3 use_cuda_graph=true}; do

@@ -60,7 +60,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.export_shapes:
-        from rollout.loading import provision_default_model
+        from rollout.weights.loading import provision_default_model
 
         export_shapes(provision_default_model(), args.out)
         return

@@ -1,4 +1,4 @@
-"""Score the completions of a dataset file (same as ``rollout-score``); see ``rollout.score_cli``.
+"""Score the completions of a dataset file (same as ``rollout-score``); see ``rollout.scoring.cli``.
 
     python scripts/score_dataset.py --dataset data.jsonl --prompt-column prompt \
         --completion-column completion --output scored.parquet [--chat-template | --separator " "]
@@ -6,7 +6,7 @@
 
 import sys
 
-from rollout.score_cli import main
+from rollout.scoring.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

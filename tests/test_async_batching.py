@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 from transformers.generation import CompileConfig
 
-import rollout.engine_spec as engine_spec
-import rollout.model_runner as model_runner
+import rollout.engine.spec as engine_spec
+import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, EngineStats, RequestStatus, SamplingParams
-from rollout.static_step import FORWARDS
+from rollout.engine.worker.forward import FORWARDS
 from tests.tiny_models import (
     VOCAB_SIZE,
     random_prompts,

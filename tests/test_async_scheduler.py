@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.async_scheduler import AsyncScheduler
-from rollout.block_manager import BlockManager
-from rollout.kv_cache_manager import KVCacheManager
+from rollout.engine.kv.block_pool import BlockManager
+from rollout.engine.kv.manager import KVCacheManager
+from rollout.engine.sched.async_scheduler import AsyncScheduler
+from rollout.engine.sched.output import RunnerOutput, SchedulerOutput
+from rollout.engine.sched.scheduler import Scheduler
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
-from rollout.scheduler_output import RunnerOutput, SchedulerOutput
 
 BS = 4
 

@@ -26,19 +26,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 import rollout
-import rollout.flash as flash
+import rollout.engine.attention.flash as flash
 from rollout import ContinuousBatchingConfig, Engine, RequestStatus, generate_batch, init_continuous_batching
-from rollout.attention import PagedAttentionMetadata
-from rollout.attention_registry import (
+from rollout.engine.attention.flash import flash_support, flash_unsupported_reason
+from rollout.engine.attention.paged import PagedAttentionMetadata
+from rollout.engine.attention.registry import (
     _USERS,
     dispatcher_name,
     enable_paged_attention,
     register_paged_attention,
     restore_attention,
 )
-from rollout.flash import flash_support, flash_unsupported_reason
-from rollout.kv_cache import CacheShape, PagedKVCache
-from rollout.step_inputs import StepBatch
+from rollout.engine.kv.cache import CacheShape, PagedKVCache
+from rollout.engine.worker.inputs import StepBatch
 from tests import flash_reference
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs

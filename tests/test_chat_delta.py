@@ -1,4 +1,4 @@
-"""The chat template's tools (rollout.chat_delta): a template that drops them is found and warned about once, and
+"""The chat template's tools (rollout.agents.chat_delta): a template that drops them is found and warned about once, and
 ``tools_in_system_message`` lists them in a system message whose Hermes calls the episode reads.
 
 References: SmolLM2-135M-Instruct's own tokenizer (its template renders no tools), the template rendered with and
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import rollout.chat_delta
+import rollout.agents.chat_delta as chat_delta
 from rollout import ChatDelta, EpisodeLimits, TurnOutput, environment_tools, run_episode, tool_schemas
 from tests.test_episodes import Calculator, Scripted, assert_trajectory_is_the_rendering
 
@@ -35,7 +35,7 @@ def smollm2() -> Any:
 @pytest.fixture
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the templates already warned about in this process (the warning is once per template)."""
-    monkeypatch.setattr(rollout.chat_delta, "_WARNED_TEMPLATES", set())
+    monkeypatch.setattr(chat_delta, "_WARNED_TEMPLATES", set())
 
 
 def schemas() -> list[dict[str, Any]]:
@@ -50,12 +50,12 @@ def turn(tokenizer: Any, text: str, closed: bool) -> TurnOutput:
 def test_a_template_that_drops_the_tools_warns_once_naming_the_fix(
     smollm2: Any, fresh_warnings: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert rollout.chat_delta.template_drops_tools(smollm2, schemas())
-    with caplog.at_level(logging.WARNING, logger="rollout.chat_delta"):
+    assert chat_delta.template_drops_tools(smollm2, schemas())
+    with caplog.at_level(logging.WARNING, logger="rollout.agents.chat_delta"):
         ChatDelta(smollm2, schemas())
         ChatDelta(smollm2, schemas())
         ChatDelta(smollm2, None)  # no tools: nothing to warn about
-    warnings = [r.getMessage() for r in caplog.records if r.name == "rollout.chat_delta"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rollout.agents.chat_delta"]
     assert len(warnings) == 1
     assert "renders no tools" in warnings[0] and "['add', 'divide']" in warnings[0]
     assert "tools_in_system_message='auto'" in warnings[0]
@@ -66,10 +66,10 @@ def test_a_template_that_lists_the_tools_is_left_alone(
 ) -> None:
     tok = smollm2.__class__.from_pretrained(str(SMOLLM2))
     tok.chat_template = "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}" + smollm2.chat_template
-    assert not rollout.chat_delta.template_drops_tools(tok, schemas())
-    with caplog.at_level(logging.WARNING, logger="rollout.chat_delta"):
+    assert not chat_delta.template_drops_tools(tok, schemas())
+    with caplog.at_level(logging.WARNING, logger="rollout.agents.chat_delta"):
         auto = ChatDelta(tok, schemas(), tools_in_system_message="auto")
-    assert not [r for r in caplog.records if r.name == "rollout.chat_delta"]
+    assert not [r for r in caplog.records if r.name == "rollout.agents.chat_delta"]
     assert auto.tools_message is None and auto.prompt_messages(PROMPT) == PROMPT
     assert tok.decode(auto.prompt_ids(PROMPT)).startswith("TOOLS [")
     # Forced on, the system message lists them and the template does not list them a second time.
@@ -82,11 +82,11 @@ def test_tools_in_system_message_lists_the_schemas_and_the_episode_reads_the_cal
     smollm2: Any, fresh_warnings: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = Scripted([turn(smollm2, CALL, closed=True), turn(smollm2, "2 + 3 = 5", closed=True)])
-    with caplog.at_level(logging.WARNING, logger="rollout.chat_delta"):
+    with caplog.at_level(logging.WARNING, logger="rollout.agents.chat_delta"):
         ep = run_episode(
             backend, smollm2, Calculator(), PROMPT, limits=EpisodeLimits(3, 200, 64), tools_in_system_message="auto"
         )
-    assert not [r for r in caplog.records if r.name == "rollout.chat_delta"]
+    assert not [r for r in caplog.records if r.name == "rollout.agents.chat_delta"]
     # The prompt opens with the system message: every tool's JSON schema and the call format.
     system = ep.messages[0]
     assert system["role"] == "system" and ep.messages[1:2] == PROMPT

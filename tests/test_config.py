@@ -13,14 +13,14 @@ from transformers import ContinuousBatchingConfig as TransformersConfig
 from transformers import GenerationConfig
 
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
-from rollout.distributed import disable_nccl_graph_mixing
-from rollout.engine_spec import (
+from rollout.engine.spec import (
     resolve_async_batching,
     resolve_compile_configs,
     resolve_cuda_graphs,
     resolve_padding_intervals,
     resolve_safety_margin,
 )
+from rollout.engine.worker.distributed import disable_nccl_graph_mixing
 
 INVALID_CONFIG_VALUES = [
     ("block_size", 3),

@@ -1,4 +1,5 @@
-"""rollout's paged CPU attention kernel (``rollout.cpu_attention``, ``rollout/csrc/paged_attention_cpu.cpp``).
+"""rollout's paged CPU attention kernel (``rollout.engine.attention.cpu``,
+``rollout/engine/attention/csrc/paged_attention_cpu.cpp``).
 
 The kernel takes flash-attn's paged inputs, so it is checked against ``tests/flash_reference.py``'s
 ``reference_attention`` (flash-attn 2's documented semantics: causal mask aligned to the bottom right, left
@@ -14,10 +15,10 @@ import logging
 import pytest
 import torch
 
-import rollout.cpu_attention as cpu_attention
-import rollout.model_runner as model_runner
+import rollout.engine.attention.cpu as cpu_attention
+import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine
-from rollout.static_step import FORWARDS
+from rollout.engine.worker.forward import FORWARDS
 from tests.flash_reference import reference_attention
 from tests.test_flash_path import tiny_gemma2_softcap
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
@@ -250,7 +251,7 @@ def test_a_kernel_that_cannot_build_falls_back_to_sdpa_on_auto_and_raises_on_pag
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(cpu_attention, "load_kernel", lambda: "ninja is not installed (pip install ninja)")
-    with caplog.at_level(logging.WARNING, logger="rollout.cpu_attention"):
+    with caplog.at_level(logging.WARNING, logger="rollout.engine.attention.cpu"):
         assert cpu_attention.choose_cpu_attention("auto") is False
     assert "ninja is not installed" in caplog.text
     with pytest.raises(RuntimeError, match="cpu_attention='paged': ninja is not installed"):
@@ -288,7 +289,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path) -> None:  #
 
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     script = (
-        "import rollout.cpu_attention as c; from pathlib import Path; "
+        "import rollout.engine.attention.cpu as c; from pathlib import Path; "
         "from torch.utils.cpp_extension import _get_build_directory as d; "
         "Path(d(c.build_name(), False), 'lock').touch(); print(c.load_kernel())"
     )

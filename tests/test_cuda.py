@@ -26,9 +26,9 @@ from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
-from rollout.flash import flash_attn_available, flash_support
-from rollout.sampling import HostStaging
-from rollout.scoring import score_with_engine
+from rollout.engine.attention.flash import flash_attn_available, flash_support
+from rollout.engine.sample.sampler import HostStaging
+from rollout.scoring.offline import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import (
     assert_close,
@@ -288,8 +288,8 @@ def test_cuda_graph_replay_matches_generate_in_fp32() -> None:
 
 @pytest.mark.parametrize("level", [0, 1])
 def test_cuda_graph_replay_equals_the_uncaptured_step_and_the_eager_path_in_bf16(level: int, monkeypatch) -> None:
-    import rollout.model_runner as model_runner
-    from rollout.static_step import FORWARDS
+    import rollout.engine.worker.runner as model_runner
+    from rollout.engine.worker.forward import FORWARDS
 
     model = tiny_llama().to(GPU, torch.bfloat16)
     prompts = _graph_prompts()

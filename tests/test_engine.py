@@ -16,9 +16,9 @@ import torch
 from accelerate import Accelerator
 from transformers import GenerationConfig
 
-import rollout.flash as flash_module
+import rollout.engine.attention.flash as flash_module
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
-from rollout.flash import choose_flash
+from rollout.engine.attention.flash import choose_flash
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
 
@@ -87,12 +87,12 @@ def test_flash_is_chosen_only_for_a_cache_on_gpus_that_pass_every_check(monkeypa
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert choose_flash([torch.device("cpu")] * 2, *shape) is False and asked == []  # CPU: no check
     assert choose_flash([gpus[0], torch.device("cpu")], *shape) is False and asked == []
-    with caplog.at_level(logging.INFO, logger="rollout.flash"):
+    with caplog.at_level(logging.INFO, logger="rollout.engine.attention.flash"):
         assert choose_flash(gpus, *shape) is False
     assert asked == [gpus] and "SDPA, not flash-attn: page_size is 4" in caplog.text
     assert caplog.records[-1].levelno == logging.WARNING  # installed but unusable: a warning
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="rollout.flash"):
+    with caplog.at_level(logging.INFO, logger="rollout.engine.attention.flash"):
         assert choose_flash(gpus, *shape) is False
     assert caplog.text == ""  # each reason once per process (generate_batch builds an engine per call)
     reason[0] = None

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rollout.episodes, rollout.environments) on a tiny random Llama in process.
+"""Multi-turn episodes (rollout.agents.episodes, rollout.agents.environments) on a tiny random Llama in process.
 
 References: the turns' own requests (ids), the chat template's delta computed by hand (environment spans), a
 teacher-forced forward over ``prompt_ids + completion_ids`` (logprobs), the engine's prefix-cache counters, and an
@@ -31,7 +31,7 @@ from rollout import (
     run_episodes,
     tool_schemas,
 )
-from rollout.environments import call_tool, parse_hermes_tool_calls
+from rollout.agents.environments import call_tool, parse_hermes_tool_calls
 from tests.tiny_models import EOS_TOKEN_ID, llama3_style_tokenizer, tiny_llama
 from tests.utils import StepControl, assert_close, teacher_forced_logprobs
 

@@ -30,18 +30,18 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 from transformers.generation import CompileConfig
 
-import rollout.attention as attention
-import rollout.cpu_attention as cpu_attention
-import rollout.model_runner as model_runner
+import rollout.engine.attention.cpu as cpu_attention
+import rollout.engine.attention.paged as attention
+import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.block_manager import NULL_BLOCK
-from rollout.engine_spec import resolve_max_blocks_per_request
-from rollout.host_staging import HostStaging
+from rollout.engine.kv.block_pool import NULL_BLOCK
+from rollout.engine.sched.output import ScheduledRequest, SchedulerOutput
+from rollout.engine.spec import resolve_max_blocks_per_request
+from rollout.engine.staging import HostStaging
+from rollout.engine.worker.forward import FORWARDS
+from rollout.engine.worker.inputs import PaddingRule, build_step_batch, synthetic_batch, varlen_sizes
 from rollout.requests import Request
-from rollout.scheduler_output import ScheduledRequest, SchedulerOutput
-from rollout.scoring import score_with_engine
-from rollout.static_step import FORWARDS
-from rollout.step_inputs import PaddingRule, build_step_batch, synthetic_batch, varlen_sizes
+from rollout.scoring.offline import score_with_engine
 from tests import flash_reference
 from tests.flash_reference import FlashRuleError
 from tests.tiny_models import (

@@ -1,4 +1,4 @@
-"""``rollout-fleet`` (``python -m rollout.fleet``): N local replicas and vLLM's router, their URLs printed, a routed
+"""``rollout-fleet`` (``python -m rollout.fleet.cli``): N local replicas and vLLM's router, their URLs printed, a routed
 completion answered, and everything stopped on SIGINT."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rollout.config import DEFAULT_MEMORY_PERCENT_CPU
-from rollout.fleet import build_parser, cpu_memory_share
+from rollout.fleet.cli import build_parser, cpu_memory_share
 from tests.serve_utils import free_port
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import reference_greedy
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bad_flags_are_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    from rollout.fleet import main
+    from rollout.fleet.cli import main
 
     bad = [(["--model", "m", "--replicas", "0"], "--replicas"), (["--model", "m", "--", "--port", "1"], "--port")]
     for argv, flag in bad:
@@ -49,7 +49,7 @@ def test_the_launcher_prints_the_urls_routes_a_completion_and_stops_everything_o
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.fleet", "--model", str(tmp_path / "model"), "--replicas", "2", "--port",
+        [sys.executable, "-m", "rollout.fleet.cli", "--model", str(tmp_path / "model"), "--replicas", "2", "--port",
          str(port), "--", "--num-blocks", "64", "--page-size", "16", "--log-level", "warning"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

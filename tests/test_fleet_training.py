@@ -103,7 +103,7 @@ def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes_on_the_survivo
             train_dataset=token_dataset(),
             reward_funcs=[low_token_reward],
         )
-        with caplog.at_level("WARNING", logger="rollout.pool"):
+        with caplog.at_level("WARNING", logger="rollout.fleet.pool"):
             rows = trainer.train()
         killer.join(10)
         assert killed.is_set() and victim_proc.wait(10) == -signal.SIGKILL

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rollout.checks import FieldError
-from rollout.intake import (
+from rollout.manager.intake import (
     Inbox,
     QueueFullError,
     check_fits,
@@ -18,7 +18,7 @@ from rollout.intake import (
     derive_seeds,
     request_params,
 )
-from rollout.outputs import OutputRouter
+from rollout.manager.outputs import OutputRouter
 from rollout.requests import FINISH_REASON_OF_STATUS, Request, RequestStatus
 from rollout.sampling_params import SamplingParams
 

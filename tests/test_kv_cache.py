@@ -11,17 +11,12 @@ import torch
 from transformers import GenerationConfig
 
 import rollout
-from rollout import (
-    ContinuousBatchingConfig,
-    Engine,
-    RequestStatus,
-    cache_sizing,
-    cpu_offload,
-    init_continuous_batching,
-    kv_cache,
-)
-from rollout.cpu_offload import CPUOffloadPool
-from rollout.kv_cache import GIB, CacheShape, PagedKVCache
+from rollout import ContinuousBatchingConfig, Engine, RequestStatus, init_continuous_batching
+from rollout.engine.kv import cache as kv_cache
+from rollout.engine.kv import offload as cpu_offload
+from rollout.engine.kv import sizing as cache_sizing
+from rollout.engine.kv.cache import GIB, CacheShape, PagedKVCache
+from rollout.engine.kv.offload import CPUOffloadPool
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
 

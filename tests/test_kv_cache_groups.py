@@ -11,7 +11,7 @@ import pytest
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams, generate_batch
-from rollout.block_manager import NULL_BLOCK
+from rollout.engine.kv.block_pool import NULL_BLOCK
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma3_5to1, tiny_gemma4, tiny_mistral
 from tests.utils import reference_greedy, run_engine
 

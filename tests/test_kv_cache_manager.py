@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.block_manager import NULL_BLOCK, BlockManager
-from rollout.cpu_offload import CPUOffloadPool
-from rollout.kv_cache import GIB, CacheShape
-from rollout.kv_cache_manager import KVCacheManager
+from rollout.engine.kv.block_pool import NULL_BLOCK, BlockManager
+from rollout.engine.kv.cache import GIB, CacheShape
+from rollout.engine.kv.manager import KVCacheManager
+from rollout.engine.kv.offload import CPUOffloadPool
 from rollout.requests import Request
 from rollout.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.block_manager import NULL_BLOCK, BlockManager, group_root, hash_block
-from rollout.kv_group_policy import FullAttentionPolicy, GroupPolicy, SlidingWindowPolicy, group_policies
+from rollout.engine.kv.block_pool import NULL_BLOCK, BlockManager, group_root, hash_block
+from rollout.engine.kv.group_policy import FullAttentionPolicy, GroupPolicy, SlidingWindowPolicy, group_policies
 
 BS = 4
 WINDOWS = [None, 1, 5, 8, 9]

@@ -2,7 +2,7 @@
 
 The check parses every module with ``ast`` and looks at every import, at module level, inside
 functions and under ``TYPE_CHECKING`` alike, so no cycle can hide in a lazy import. Each subpackage
-(``rollout/serve/``, ``rollout/benchmarks/``) is one entry of LAYERS, near the top (a consumer of the package that
+(``rollout/serve/``, ``benchmarks/``) is one entry of LAYERS, near the top (a consumer of the package that
 no module of rollout/ imports); its own modules point down in their own order (SUBPACKAGE_LAYERS). The step's
 records are imported from their leaf module, ``scheduler_output``, never through ``scheduler``.
 """
@@ -107,7 +107,7 @@ LAYERS = [
     "benchmarks",
 ]
 
-# rollout/benchmarks/, low to high: the workloads, the report and vllm_peer (what runs in vLLM's own process) are
+# benchmarks/, low to high: the workloads, the report and vllm_peer (what runs in vLLM's own process) are
 # leaves, and so are prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py);
 # profile_step (scripts/profile_step.py) uses the workloads and the report; the systems run the workloads' prompts,
 # vllm_cpu runs vLLM's CPU build as one of them, and vllm_profile profiles it beside rollout's step; scoring
@@ -183,7 +183,7 @@ def _module_of(parts: tuple[str, ...]) -> tuple[str, ...]:
 def module_imports(path: Path, package: tuple[str, ...] = ("rollout",)) -> set[tuple[str, ...]]:
     """The rollout modules a file imports, anywhere in it, as paths below rollout/: ``("engine",)`` for
     ``from .engine import Engine``, ``("__init__",)`` for ``import rollout`` or ``from rollout import
-    load_model``, ``("benchmarks", "workloads")`` for ``from .workloads import x`` in rollout/benchmarks/.
+    load_model``, ``("benchmarks", "workloads")`` for ``from .workloads import x`` in benchmarks/.
 
     Args:
         path: the file.
@@ -275,7 +275,7 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
         "from .engine import Engine\n"
-        "import rollout.api\n"
+        "import rollout.manager.batch\n"
         "def f():\n"
         "    from .manager import ContinuousBatchingManager\n"
         "    from rollout import scoring\n"
@@ -291,7 +291,7 @@ def test_the_checker_resolves_a_subpackage_s_imports(tmp_path: Path) -> None:
         "from ..engine import Engine\n"
         "from .workloads import Workload\n"
         "from . import report\n"
-        "from rollout.benchmarks.systems import SYSTEMS\n"
+        "from benchmarks.systems import SYSTEMS\n"
     )
     assert module_imports(source, ("rollout", "benchmarks")) == {
         ("__init__",),

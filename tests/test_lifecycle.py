@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rollout.lifecycle import Lifecycle, State
+from rollout.manager.lifecycle import Lifecycle, State
 
 
 def test_a_new_lifecycle_accepts_and_produces() -> None:
@@ -30,7 +30,7 @@ def test_a_stop_ends_acceptance_and_a_hard_stop_stays_asked(caplog: pytest.LogCa
         life.request_stop(hard_stop=False, keep=True)
     assert life.stop_requested and life.hard_stop and life.keep
     assert not life.accepting()
-    with caplog.at_level(logging.WARNING, logger="rollout.manager"):
+    with caplog.at_level(logging.WARNING, logger="rollout.manager.manager"):
         assert life.admits_requests() is False
     assert "add_request after stop()" in caplog.text
 

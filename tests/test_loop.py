@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
-from rollout.intake import Inbox
-from rollout.lifecycle import Lifecycle, State
-from rollout.loop import GenerationLoop
-from rollout.outputs import OutputRouter
-from rollout.pausing import PauseGate
+from rollout.manager.intake import Inbox
+from rollout.manager.lifecycle import Lifecycle, State
+from rollout.manager.loop import GenerationLoop
+from rollout.manager.outputs import OutputRouter
+from rollout.manager.pausing import PauseGate
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.weights import WeightWatch
+from rollout.weights.versions import WeightWatch
 
 
 class FakeEngine:

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 
 import rollout
 from rollout import ContinuousBatchingConfig, RolloutPool, RolloutServerError
-from rollout.weight_transfer import TensorMeta, update_info
+from rollout.weights.transfer import TensorMeta, update_info
 from tests.serve_utils import running_server
 from tests.test_grpo import low_token_reward, tiny_config, tiny_trainer, token_dataset
 from tests.test_ppo import tiny_trainer as tiny_ppo_trainer

@@ -32,7 +32,7 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
-from rollout.persistence import persistent_manager_of
+from rollout.manager.persistence import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import StepControl, assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 
@@ -762,7 +762,7 @@ def test_join_takes_transformers_arguments(make_manager: ManagerFactory, caplog:
     m.start()
     assert m.join(time.perf_counter(), 0.01) is False  # still running: (stop_trigger_time, timeout)
     m.stop(block=False)
-    with caplog.at_level(logging.INFO, logger="rollout.manager"):
+    with caplog.at_level(logging.INFO, logger="rollout.manager.manager"):
         assert m.join(stop_trigger_time=time.perf_counter(), timeout=30) is True
     assert "ended" in caplog.text
 

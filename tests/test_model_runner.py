@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, Engine, SamplingParams
-from rollout.model_runner import ModelRunner
+from rollout.engine.sched.output import ScheduledRequest, SchedulerOutput
+from rollout.engine.worker.runner import ModelRunner
 from rollout.requests import Request
-from rollout.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 

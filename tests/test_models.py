@@ -11,8 +11,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from rollout import loading, models
-from rollout.loading import MARKER_FILE, default_model_dir, load_model, provision_default_model
+from rollout.weights import loading
+from rollout.weights import model_info as models
+from rollout.weights.loading import MARKER_FILE, default_model_dir, load_model, provision_default_model
 from tests.tiny_models import EOS_TOKEN_ID, random_prompts, tiny_llama, tiny_tokenizer
 
 
@@ -233,7 +234,7 @@ def test_attention_dtype_is_the_layers_weights_dtype_or_accelerate_autocast(acce
 
 
 def test_layer_sliding_windows_follow_layer_types_the_config_and_the_attention_modules() -> None:
-    from rollout.models import layer_sliding_windows
+    from rollout.weights.model_info import layer_sliding_windows
     from tests.tiny_models import tiny_gemma, tiny_gemma3_5to1, tiny_gemma4, tiny_llama, tiny_mistral, tiny_qwen2
 
     assert layer_sliding_windows(tiny_gemma(sliding_window=8)) == [8, None, 8, None]  # layer_types

@@ -7,9 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout import Engine, SamplingParams, model_runner, onednn, static_step
-from rollout.onednn import MKLDNN_AVAILABLE, OneDNNLinear, linear_kernel_policy, linear_plan, onednn_linear
-from rollout.static_step import FORWARDS
+from rollout import Engine, SamplingParams
+from rollout.engine.worker import forward as static_step
+from rollout.engine.worker import onednn
+from rollout.engine.worker import runner as model_runner
+from rollout.engine.worker.forward import FORWARDS
+from rollout.engine.worker.onednn import (
+    MKLDNN_AVAILABLE,
+    OneDNNLinear,
+    linear_kernel_policy,
+    linear_plan,
+    onednn_linear,
+)
 from tests.test_static_step import TRACE_ONLY, _config
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama, tiny_qwen2
 from tests.utils import reference_greedy, run_engine

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollout.outputs import OutputRouter, ended_output
+from rollout.manager.outputs import OutputRouter, ended_output
 from rollout.requests import GenerationOutput, Request, RequestStatus
 from rollout.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rollout.pausing import WAIT_IN_PAUSE, PauseGate
+from rollout.manager.pausing import WAIT_IN_PAUSE, PauseGate
 
 
 def test_holds_are_reentrant_and_counted() -> None:

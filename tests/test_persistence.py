@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from rollout.persistence import persistent_manager_of, register_persistent, unregister_persistent
+from rollout.manager.persistence import persistent_manager_of, register_persistent, unregister_persistent
 
 
 class Model:

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from rollout import ContinuousBatchingConfig, RolloutPool
-from rollout.pool import RolloutServerError, pick_replica
+from rollout.fleet.pool import RolloutServerError, pick_replica
 from rollout.serve import TransferSettings
-from rollout.weight_transfer import describe, plan_buckets, update_info
+from rollout.weights.transfer import describe, plan_buckets, update_info
 from tests.serve_utils import RunningServer, free_port, running_server, wait_until
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
@@ -99,7 +99,7 @@ def test_a_server_that_does_not_answer_is_dropped_with_a_warning_and_the_others_
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     trained = tiny_llama(seed=1)
     with replicas(1) as (server,), RolloutPool([dead, server.url], timeout=30, control_timeout=5) as pool:
-        with caplog.at_level("WARNING", logger="rollout.pool"):
+        with caplog.at_level("WARNING", logger="rollout.fleet.pool"):
             pool.pause()
         assert pool.urls == [server.url] and dead in pool.dropped
         assert f"rollout server {dead} dropped from the pool" in caplog.text
@@ -128,7 +128,7 @@ def test_a_generation_the_router_still_sends_to_a_dropped_replica_goes_straight_
         pool._router = httpx.Client(base_url="http://router", transport=httpx.MockTransport(stale_router))
         pool.drop(dead, "killed by the test")  # as another thread did a moment ago
         before = served(server)
-        with caplog.at_level("WARNING", logger="rollout.pool"):
+        with caplog.at_level("WARNING", logger="rollout.fleet.pool"):
             body = pool.generate(PROMPT, session="s", max_tokens=4, temperature=0, ignore_eos=True)
         assert body["choices"][0]["token_ids"] == reference_greedy(tiny_llama(), PROMPT, 4, None)
         assert served(server) == before + 1
@@ -171,7 +171,7 @@ def test_a_restarted_replica_rejoins_only_after_it_has_the_full_weights_at_the_s
         pool = stack.enter_context(RolloutPool([survivor.url, victim], timeout=60, control_timeout=10))
         with running_server(tiny_llama(), tiny_tokenizer(), CONFIG, transfer=TransferSettings(), port=port):
             assert pool.send_weights(weights[1].named_parameters()) == 1
-        with caplog.at_level("WARNING", logger="rollout.pool"):
+        with caplog.at_level("WARNING", logger="rollout.fleet.pool"):
             assert pool.send_weights(dict(weights[2].named_parameters())) == 2  # B is gone: dropped, sent again
         assert pool.urls == [survivor.url] and victim in pool.dropped
         back = stack.enter_context(
@@ -201,7 +201,7 @@ def test_a_restarted_replica_rejoins_only_after_it_has_the_full_weights_at_the_s
         thread = threading.Thread(target=generate_meanwhile, daemon=True)
         thread.start()
         wait_until(lambda: len(seen) >= 2)
-        with caplog.at_level("WARNING", logger="rollout.pool"):
+        with caplog.at_level("WARNING", logger="rollout.fleet.pool"):
             assert pool.send_weights(weights[3].named_parameters()) == 3
         wait_until(lambda: served(back) > back_served)  # the sessions now reach B
         stop.set()

@@ -1,4 +1,4 @@
-"""rollout.benchmarks.profile_step (scripts/profile_step.py): the per-category CPU profile of a step."""
+"""benchmarks.profile_step (scripts/profile_step.py): the per-category CPU profile of a step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout.benchmarks.profile_step import CATEGORIES, markdown, new_report, op_category, profile_steps
+from benchmarks.profile_step import CATEGORIES, markdown, new_report, op_category, profile_steps
 from tests.tiny_models import PAD_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 
 

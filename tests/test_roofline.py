@@ -1,4 +1,4 @@
-"""rollout-bench's roofline (rollout.benchmarks.roofline): FLOPs per token counted from the model's own layers,
+"""rollout-bench's roofline (benchmarks.roofline): FLOPs per token counted from the model's own layers,
 sliding windows capping attention, the decode rate's arithmetic, and a GEMM rate that is measured, not assumed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.benchmarks.roofline import TokenFlops, decode_rate, gemm_gflops, machine_limit, widest_linear
+from benchmarks.roofline import TokenFlops, decode_rate, gemm_gflops, machine_limit, widest_linear
 from tests.tiny_models import tiny_gemma, tiny_llama, tiny_mistral
 
 

@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.host_staging import HostStaging
-from rollout.logits_processors import apply_logits_processors
-from rollout.requests import SamplingParams
-from rollout.sampling import (
+from rollout.engine.sample.logits_processors import apply_logits_processors
+from rollout.engine.sample.sampler import (
     SampleOutput,
     apply_min_p,
     apply_top_k_top_p,
@@ -21,6 +19,8 @@ from rollout.sampling import (
     seeded_uniforms,
     step_uniforms,
 )
+from rollout.engine.staging import HostStaging
+from rollout.requests import SamplingParams
 from tests.utils import assert_close
 
 NEG = float("-inf")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.block_manager import BlockManager
-from rollout.kv_cache_manager import KVCacheManager
+from rollout.engine.kv.block_pool import BlockManager
+from rollout.engine.kv.manager import KVCacheManager
+from rollout.engine.sched.output import RunnerOutput, SchedulerOutput
+from rollout.engine.sched.scheduler import Scheduler
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
-from rollout.scheduler_output import RunnerOutput, SchedulerOutput
 
 BS = 4
 NEXT_TOKEN = 1  # the token every emulated sample appends

@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-import rollout.benchmarks.scoring as bench
-import rollout.score_cli as score_dataset
+import benchmarks.scoring as bench
+import rollout.scoring.cli as score_dataset
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, teacher_forced_logprobs
 

@@ -1,12 +1,12 @@
-"""rollout.scoring against teacher-forced transformers forwards: chunking, prefix sharing, validation."""
+"""rollout.scoring.offline against teacher-forced transformers forwards: chunking, prefix sharing, validation."""
 
 from __future__ import annotations
 
 import pytest
 
-import rollout.scoring as scoring
+import rollout.scoring.offline as scoring
 from rollout import ContinuousBatchingConfig, Engine
-from rollout.scoring import ScoreOutput, score, score_with_engine
+from rollout.scoring.offline import ScoreOutput, score, score_with_engine
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import assert_close, teacher_forced_logprobs
 
@@ -223,7 +223,7 @@ def test_preempted_chunked_rows_match_teacher_forcing() -> None:
 
 @pytest.mark.slow
 def test_smollm2_chat_completions_match_teacher_forcing() -> None:
-    from rollout.loading import load_model
+    from rollout.weights.loading import load_model
 
     model, tokenizer = load_model()
     questions = [

@@ -137,7 +137,7 @@ def test_top5_logprobs_equal_topk_of_a_teacher_forced_log_softmax_streamed_or_no
         assert_close([top[s] for s in expected], row_values, atol=1e-4)
         assert_close([top[sampled]], [choice.logprobs.token_logprobs[k]], atol=1e-6)
     # The same computation again: without the first call's prompt blocks in the prefix cache, the prefill has the
-    # same rows, so each linear layer runs the kernel chosen for the same row bucket (rollout/onednn.py).
+    # same rows, so each linear layer runs the kernel chosen for the same row bucket (rollout/engine/worker/onednn.py).
     srv.manager.reset_prefix_cache()
     streamed: list[dict] = []
     for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **body):

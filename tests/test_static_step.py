@@ -18,16 +18,16 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import CompileConfig
 
-import rollout.engine as engine_module
-import rollout.engine_spec as engine_spec
-import rollout.model_runner as model_runner
+import rollout.engine.engine as engine_module
+import rollout.engine.spec as engine_spec
+import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
-from rollout.block_manager import NULL_BLOCK
+from rollout.engine.kv.block_pool import NULL_BLOCK
+from rollout.engine.sample.sampler import HostStaging
+from rollout.engine.sched.output import ScheduledRequest
+from rollout.engine.worker.forward import FORWARDS, warmup_shapes
+from rollout.engine.worker.inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from rollout.requests import Request
-from rollout.sampling import HostStaging
-from rollout.scheduler_output import ScheduledRequest
-from rollout.static_step import FORWARDS, warmup_shapes
-from rollout.step_inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from tests.tiny_models import (
     VOCAB_SIZE,
     random_prompts,
@@ -275,7 +275,7 @@ def test_warmup_of_a_running_manager_runs_inside_its_pause_and_changes_no_result
 def test_warmup_is_a_logged_no_op_when_nothing_is_compiled(caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine(tiny_llama(), _config(num_blocks=32))
     try:
-        with caplog.at_level(logging.DEBUG, logger="rollout.engine"):
+        with caplog.at_level(logging.DEBUG, logger="rollout.engine.engine"):
             assert engine.warmup() == 0.0
         assert "nothing to do" in caplog.text
         assert not engine.warmed_up and engine.stats.warmup_seconds is None

@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rollout.distributed import check_kv_heads_divisible
-from rollout.loading import default_model_dir
-from rollout.models import layer_kv_shapes
+from rollout.engine.worker.distributed import check_kv_heads_divisible
+from rollout.weights.loading import default_model_dir
+from rollout.weights.model_info import layer_kv_shapes
 from tests.tiny_models import EOS_TOKEN_ID, tiny_llama
 from tests.tp_scenario import prompts_for, run_scenario
 from tests.utils import assert_close, reference_greedy
@@ -82,7 +82,8 @@ def assert_scores_equal(actual: list[dict[str, Any]], expected: list[dict[str, A
 
 def one_process_on_mkl(model: torch.nn.Module, eos: int, **kwargs: Any) -> dict[str, Any]:
     """``run_scenario`` in this process with every CPU linear layer on MKL: what the ranks run (a sharded layer
-    keeps its own linear, and a tensor-parallel engine keeps MKL by default; rollout/onednn.py ``linear_plan``), so
+    keeps its own linear, and a tensor-parallel engine keeps MKL by default; rollout/engine/worker/onednn.py
+    ``linear_plan``), so
     the comparison is of the sharding, not of two kernels' rounding."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROLLOUT_ONEDNN_LINEAR", "0")

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig
 
 import rollout
-import rollout.cache_sizing
+import rollout.engine.kv.sizing as sizing
 from rollout import ContinuousBatchingConfig
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close
@@ -182,7 +182,7 @@ def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
 ):
     # Issue 13 case 4: the manager is built at the first generation, before gradients and optimizer
     # state exist; the engine's default (0.9 of memory on CUDA) would leave the first backward nothing.
-    for module in (rollout.cache_sizing, rollout):  # the engine's sizing and the trainer's share read it
+    for module in (sizing, rollout):  # the engine's sizing and the trainer's share read it
         monkeypatch.setattr(module, "usable_memory_bytes", lambda device: 64 * 1024**2)
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,

@@ -1,4 +1,4 @@
-"""Weights streamed from a trainer into a running rollout-serve (``rollout.weight_transfer``, ``rollout.client``,
+"""Weights streamed from a trainer into a running rollout-serve (``rollout.weights.transfer``, ``rollout.fleet.client``,
 the four control routes): the tokens and logprobs after a transfer are the sender's model's, a bad announcement
 is a 400 naming the field, and a sender killed or stalled mid-transfer fails the transfer in bounded time while
 the server keeps its last complete weights (atomic mode) or says it holds partial ones (in-place mode).
@@ -23,7 +23,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, RolloutClient, RolloutServerError, RolloutWeightTransfer
 from rollout.serve import TransferSettings
-from rollout.weight_transfer import TensorMeta, TransferGroup, describe, plan_buckets, receive, send, update_info
+from rollout.weights.transfer import TensorMeta, TransferGroup, describe, plan_buckets, receive, send, update_info
 from tests.serve_utils import RunningServer, free_port, running_server, wait_until
 from tests.tiny_models import tiny_llama, tiny_tokenizer
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
@@ -400,7 +400,7 @@ def test_rollout_weight_transfer_satisfies_trls_weight_transfer_protocol() -> No
 # Rank 0 or 1 of a two-process group; rank 0 starts a broadcast that rank 1 never receives, closes the group and exits.
 _UNRECEIVED_BROADCAST = """
 import sys, time, torch
-from rollout.weight_transfer import TransferGroup
+from rollout.weights.transfer import TransferGroup
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 group = TransferGroup("127.0.0.1", port, rank, 2, timeout=30)
 if rank == 1:

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, init_continuous_batching
-from rollout.weights import weights_contents
+from rollout.weights.versions import weights_contents
 from tests.tiny_models import tiny_llama
 from tests.utils import StepControl, assert_close, reference_greedy, teacher_forced_logprobs
 

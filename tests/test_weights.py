@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollout.weights import WeightWatch, copy_weights, plan_weight_copy, watch_of
+from rollout.weights.versions import WeightWatch, copy_weights, plan_weight_copy, watch_of
 from tests.tiny_models import VOCAB_SIZE, tiny_llama
 
 
@@ -91,7 +91,7 @@ def test_a_watch_bumps_the_version_only_when_the_weights_changed(caplog: pytest.
     assert not watch.bump_if_changed(engine) and engine.weight_version == 0
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)
-    with caplog.at_level("INFO", logger="rollout.weights"):
+    with caplog.at_level("INFO", logger="rollout.weights.versions"):
         assert watch.bump_if_changed(engine) and engine.weight_version == 1
     assert "changed without update_weights: weight version 1" in caplog.text
     assert not watch.bump_if_changed(engine) and engine.weight_version == 1

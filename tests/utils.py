@@ -10,8 +10,8 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout import Engine, GenerationOutput, RequestStatus, SamplingParams
-from rollout.static_step import CapturedGraph, CUDAGraphs
-from rollout.step_inputs import StepBatch
+from rollout.engine.worker.forward import CapturedGraph, CUDAGraphs
+from rollout.engine.worker.inputs import StepBatch
 
 
 def assert_close(actual: Sequence[float] | torch.Tensor, expected: Sequence[float] | torch.Tensor, atol: float) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from rollout import RolloutClient
-from rollout.weight_transfer import describe
+from rollout.weights.transfer import describe
 from tests.tiny_models import tiny_llama
 
 

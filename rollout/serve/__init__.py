@@ -9,9 +9,9 @@ transfer group), ``weight_routes`` (their routes, an ``APIRouter``), ``metrics``
 ``pip install rollout[serve]``.
 """
 
-from .app import ServerSettings, build_app
-from .cli import main
-from .service import GenerationService, model_info
-from .weight_updates import TransferSettings
+from rollout.serve.app import ServerSettings, build_app
+from rollout.serve.cli import main
+from rollout.serve.service import GenerationService, model_info
+from rollout.serve.weight_updates import TransferSettings
 
 __all__ = ["GenerationService", "ServerSettings", "TransferSettings", "build_app", "main", "model_info"]

@@ -1,6 +1,6 @@
 """``python -m rollout.serve``: the same as ``rollout-serve``."""
 
-from .cli import main
+from rollout.serve.cli import main
 
 if __name__ == "__main__":
     main()

@@ -26,21 +26,20 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import rollout
-
-from . import jobs, metrics, responses
-from .errors import APIError, install_handlers, sse_error
-from .jobs import Job
-from .protocol import (
+from rollout.serve import jobs, metrics, responses
+from rollout.serve.errors import APIError, install_handlers, sse_error
+from rollout.serve.jobs import Job
+from rollout.serve.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
-from .responses import ChoiceView
-from .service import GenerationService
-from .submission import Submission
-from .weight_routes import weight_router
+from rollout.serve.responses import ChoiceView
+from rollout.serve.service import GenerationService
+from rollout.serve.submission import Submission
+from rollout.serve.weight_routes import weight_router
 
 logger = logging.getLogger(__name__)
 

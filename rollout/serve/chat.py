@@ -15,9 +15,8 @@ import json
 import uuid
 from typing import Any
 
-from rollout.environments import hermes_tool_call_blocks
-
-from .errors import bad_request
+from rollout.agents.environments import hermes_tool_call_blocks
+from rollout.serve.errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"
 # What joins the texts of a message's content parts (vLLM's joiner for templates that read a string).

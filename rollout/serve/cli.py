@@ -35,11 +35,10 @@ import torch
 import uvicorn
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
-from rollout.loading import ModelNotFoundError, check_model_name
-
-from .app import ServerSettings, build_app
-from .service import GenerationService, model_info
-from .weight_updates import TransferSettings
+from rollout.serve.app import ServerSettings, build_app
+from rollout.serve.service import GenerationService, model_info
+from rollout.serve.weight_updates import TransferSettings
+from rollout.weights.loading import ModelNotFoundError, check_model_name
 
 logger = logging.getLogger("rollout.serve")
 

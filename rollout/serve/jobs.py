@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout import FieldError, SamplingParams, build_sampling_params
-
-from .chat import chat_prompt_ids, text_messages
-from .errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from rollout.serve.chat import chat_prompt_ids, text_messages
+from rollout.serve.errors import APIError, bad_request
+from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16

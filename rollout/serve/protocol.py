@@ -26,8 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from rollout import FieldError
 from rollout.sampling_params import MAX_TOP_LOGPROBS
-
-from .errors import BOOL_FOR_NUMBER
+from rollout.serve.errors import BOOL_FOR_NUMBER
 
 logger = logging.getLogger(__name__)
 

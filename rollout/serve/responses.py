@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollout import GenerationOutput
-
-from .chat import TOOL_CALL_OPEN, parse_tool_calls
-from .jobs import Job, ModelInfo
+from rollout.serve.chat import TOOL_CALL_OPEN, parse_tool_calls
+from rollout.serve.jobs import Job, ModelInfo
 
 # Prompt tokens decoded in front of a completion to spell its first tokens in context.
 CONTEXT_TOKENS = 6

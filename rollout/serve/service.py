@@ -30,13 +30,12 @@ from rollout import (
     RequestStatus,
     model_context_length,
 )
-
-from .errors import APIError, bad_request
-from .jobs import Job, ModelInfo, field_error
-from .pause import PAUSE_MODES, ServerPause
-from .responses import finish_reason
-from .submission import Submission
-from .weight_updates import TransferSettings, WeightUpdater
+from rollout.serve.errors import APIError, bad_request
+from rollout.serve.jobs import Job, ModelInfo, field_error
+from rollout.serve.pause import PAUSE_MODES, ServerPause
+from rollout.serve.responses import finish_reason
+from rollout.serve.submission import Submission
+from rollout.serve.weight_updates import TransferSettings, WeightUpdater
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from rollout import GenerationOutput, RequestStatus
-
-from .errors import APIError
+from rollout.serve.errors import APIError
 
 # (True for a prompt's scoring request, its index, the output).
 _Delivery = tuple[bool, int, GenerationOutput]

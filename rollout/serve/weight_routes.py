@@ -13,14 +13,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from .errors import bad_request
-from .protocol import (
+from rollout.serve.errors import bad_request
+from rollout.serve.protocol import (
     InitWeightTransferRequest,
     StartWeightUpdateRequest,
     UpdateWeightsFromTrainerRequest,
     UpdateWeightsRequest,
 )
-from .service import GenerationService
+from rollout.serve.service import GenerationService
 
 
 def weight_router(service: GenerationService, control: Callable[[Request], Awaitable[None]]) -> APIRouter:

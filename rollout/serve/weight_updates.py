@@ -2,7 +2,7 @@
 
 ``/update_weights_from_disk`` copies a folder's safetensors files into the live weights. Weights streamed
 by a trainer (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weight_transfer.TransferGroup``;
+``/finish_weight_update``, vLLM's four calls) arrive over a ``rollout.weights.transfer.TransferGroup``;
 ``TransferSettings`` says whether they are staged first (atomic) or copied bucket by bucket (in place).
 Both reach the model through ``manager.update_weights``, which makes a new weight version. An update opened with
 ``lora_adapter`` (rollout's field of ``/start_weight_update``) carries a LoRA adapter's tensors instead: they are
@@ -27,11 +27,10 @@ import torch
 
 from rollout import ContinuousBatchingManager, FieldError, LoraAdapter
 from rollout.lora import lora_module_name
-from rollout.weight_transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
-from rollout.weights import copy_weights, plan_weight_copy
-
-from .errors import APIError, bad_request
-from .protocol import InitInfo, LoraTransferInfo, UpdateInfo
+from rollout.serve.errors import APIError, bad_request
+from rollout.serve.protocol import InitInfo, LoraTransferInfo, UpdateInfo
+from rollout.weights.transfer import DEFAULT_BUCKET_BYTES, TensorMeta, TransferGroup, parse_metas, receive
+from rollout.weights.versions import copy_weights, plan_weight_copy
 
 logger = logging.getLogger(__name__)
 

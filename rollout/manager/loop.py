@@ -1,0 +1,142 @@
+"""The manager's generation loop: what its background thread runs for the life of one engine.
+
+Between two engine steps, with the manager's lock held, the loop hands the inbox's requests and cancels to the engine
+(``intake.Inbox.drain``), waits while anyone holds the pause (``pausing.PauseGate``), and reads the stop flags
+(``lifecycle.Lifecycle``): a hard stop fails every request at once; a stop ends the loop once the engine is idle. Each
+step runs outside the lock, marked in the pause gate so that a new pause waits for it, and its updated requests go to
+their result handles (``outputs.OutputRouter.publish``). With async batching a pause or a hard stop first has the
+engine finish the step in flight (``Engine.drain``). After any pause (counted by the gate's ``entered``, so one that
+began and ended while the loop was publishing counts too) the loop has the model's ``WeightWatch`` decide whether the
+weights changed, from their contents, before it steps again. Whatever the loop raises fails the manager and every
+request; its end closes the engine unless it is kept for the next session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from rollout.engine.engine import Engine
+from rollout.manager.intake import Inbox
+from rollout.manager.lifecycle import Lifecycle
+from rollout.manager.outputs import OutputRouter
+from rollout.manager.pausing import PauseGate
+from rollout.requests import Request, RequestStatus
+from rollout.weights.versions import WeightWatch
+
+# The loop's messages keep the logger they had in manager.py.
+logger = logging.getLogger("rollout.manager.manager")
+
+# How long the idle loop sleeps before rechecking its state (it is woken on every command anyway).
+IDLE_WAIT_SECONDS = 0.05
+
+
+class GenerationLoop:
+    """The loop of one manager, over the pieces the manager shares with the callers' threads.
+
+    Args:
+        cond: the manager's (re-entrant) condition variable, which guards every piece below.
+        inbox: the checked requests and cancels queued by the callers.
+        outputs: the result handles.
+        pausing: the pause holders and the in-step flag.
+        life: the state and stop flags; the loop records its failure and its end there.
+        weights: the model's weight record and version, compared when a pause ends.
+        check_contents: compare the weights' contents (``ContinuousBatchingConfig.check_weight_contents``).
+    """
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        inbox: Inbox,
+        outputs: OutputRouter,
+        pausing: PauseGate,
+        life: Lifecycle,
+        weights: WeightWatch,
+        check_contents: bool = True,
+    ) -> None:
+        self._cond = cond
+        self._inbox = inbox
+        self._outputs = outputs
+        self._pausing = pausing
+        self._life = life
+        self._weights = weights
+        self._check_contents = check_contents
+        self._checked_pauses = pausing.entered  # the gate's holds the weights were last checked after
+
+    def weights_checked(self) -> None:
+        """With the lock held: the weights were just checked (``start()``): pauses up to now need no check."""
+        self._checked_pauses = self._pausing.entered
+
+    def run(self, engine: Engine) -> None:
+        """Step ``engine`` until a stop ends the loop or a step raises; never raises itself.
+
+        On return the lifecycle has recorded the end (STOPPED, or FAILED with the error) and, when a stop was asked
+        without ``keep``, the engine is closed.
+        """
+        try:
+            # A new thread starts on cuda:0: launch on the model's GPU (rank k's under accelerate).
+            engine.use_device_in_this_thread()
+            self._rounds(engine)
+        except BaseException as e:  # every failure must reach the readers
+            logger.exception("rollout manager loop failed%s", self._where(engine))
+            with self._cond:
+                self._life.fail(e)
+                self.fail_all(engine, e)
+        finally:
+            with self._cond:
+                self._pausing.end_step()
+                close = self._life.loop_ended()
+            if close:
+                engine.close()
+
+    def _where(self, engine: Engine) -> str:
+        """What the failure log adds after "loop failed" (the TP rank in ``TensorParallelLoop``)."""
+        return ""
+
+    def _rounds(self, engine: Engine) -> None:
+        """The loop proper: returns when a stop ends it; raises what a step raises."""
+        life, gate = self._life, self._pausing
+        while True:
+            with self._cond:
+                self._inbox.drain(engine)
+                # A step in flight (async batching) keeps the gate's step mark: a pause or a hard stop
+                # first has it finished, launching nothing after it.
+                drain = engine.in_flight and (gate.holders > 0 or life.hard_stop)
+                if not drain:
+                    gate.wait_out(abort=lambda: life.hard_stop, on_wake=lambda: self._inbox.drain(engine))
+                    if gate.entered != self._checked_pauses and not life.hard_stop:
+                        # Every pause since the last check has ended: its holders may have changed the weights.
+                        self._checked_pauses = gate.entered
+                        self._weights.bump_if_changed(engine, self._check_contents)
+                    if life.hard_stop:
+                        self.fail_all(engine, RuntimeError("the manager was stopped with hard_stop=True"))
+                        return
+                    if not engine.has_unfinished():
+                        if life.stop_requested:
+                            return
+                        self._cond.wait(IDLE_WAIT_SECONDS)
+                        continue
+                    gate.begin_step()
+            self._step(engine, engine.drain if drain else engine.step)
+
+    def _step(self, engine: Engine, step: Callable[[], list[Request]]) -> None:
+        """Run ``step`` outside the lock, then lift the gate's step mark (unless a step stays in flight) and publish the
+        updated requests."""
+        try:
+            updated = step()
+        finally:
+            with self._cond:
+                if not engine.in_flight:
+                    self._pausing.end_step()
+        self._outputs.publish(updated)
+
+    def fail_all(self, engine: Engine, error: BaseException) -> None:
+        """End every request, in the engine, in the inbox or only in a handle: FAILED with ``error``."""
+        message = f"{type(error).__name__}: {error}"
+        for rid in list(engine.requests):
+            req = engine.finish_request(rid, RequestStatus.FAILED, message)
+            if req is not None:
+                self._outputs.finish(rid, req.to_output())
+        self._inbox.fail_all(message)
+        self._outputs.fail_pending(message)
