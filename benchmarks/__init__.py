@@ -1,4 +1,5 @@
-"""Benchmarks of rollout against its peers, installed with the package.
+"""Benchmarks of rollout against its peers: a top-level package beside ``rollout`` (out of it, as vLLM keeps its
+``benchmarks/``), installed with the project so that the ``rollout-bench*`` commands run; it may import anything.
 
 Modules (each command is also a script under ``scripts/``):
 

@@ -7,6 +7,9 @@ pause that spans ``/pause`` and ``/resume``), ``weight_updates`` (new weights fr
 transfer group), ``weight_routes`` (their routes, an ``APIRouter``), ``metrics`` (Prometheus text), ``errors``
 (OpenAI's error body), ``app`` (the other routes), ``cli`` (flags and uvicorn). Needs the ``serve`` extra:
 ``pip install rollout[serve]``.
+
+May import: the public face ``rollout``, ``rollout.manager`` and ``rollout.agents`` (their faces), ``rollout.weights``,
+``rollout.lora`` and the ground modules; no engine room (tests/test_layering.py holds the table).
 """
 
 from rollout.serve.app import ServerSettings, build_app
