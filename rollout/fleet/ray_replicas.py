@@ -3,8 +3,8 @@
 SkyRL's ``VLLMServerActor`` pattern: Ray only places the replicas (one actor each, with the CPUs and GPUs it asks
 for); each actor starts an HTTP server on its node and reports its URL, and from then on the trainer talks HTTP to
 it like to any ``rollout-serve`` (``RolloutPool``): Ray is not a second data plane. Here the actor runs
-``rollout-serve`` as a child process (``python -m rollout.fleet.ray_replicas PARENT_PID ARGS...``, which starts the server
-with a watchdog): the server keeps its own signal handling and graceful shutdown, and the actor stays responsive
+``rollout-serve`` as a child process (``python -m rollout.fleet.ray_replicas PARENT_PID ARGS...``, which starts the
+server with a watchdog): the server keeps its own signal handling and graceful shutdown, and the actor stays responsive
 while the model loads. The watchdog ends the server (SIGTERM) when its actor's process is gone, however it went
 (``ray.kill``, a dead node manager, ``ray.shutdown``), so no server outlives its actor.
 
@@ -198,7 +198,8 @@ def _watch_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    # python -m rollout.fleet.ray_replicas PARENT_PID ROLLOUT_SERVE_ARGS...: rollout-serve under a watchdog of its parent.
+    # python -m rollout.fleet.ray_replicas PARENT_PID ROLLOUT_SERVE_ARGS...: rollout-serve under a watchdog of its
+    # parent.
     parent_pid = int(sys.argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="rollout-parent-watch", daemon=True).start()
     sys.argv = ["rollout-serve", *sys.argv[2:]]
