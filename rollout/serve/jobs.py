@@ -2,8 +2,9 @@
 
 ``completion_job`` and ``chat_job`` check what needs the model or the tokenizer (the served name, token ids in the
 vocabulary, an empty prompt, ``max_tokens`` past the context, ``min_tokens`` above ``max_tokens`` whether set or
-defaulted, logprobs the engine does not record), turn chat content parts into text (``chat.text_messages``) and build
-the request's one ``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
+defaulted, logprobs the engine does not record), check chat messages beside their rendering (their roles:
+``chat.check_roles``; content parts become text: ``chat.text_messages``) and build the request's one
+``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
 Nothing is queued when a check fails, and the 400 names the field.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from rollout import FieldError, SamplingParams, build_sampling_params
 
-from .chat import chat_prompt_ids, text_messages
+from .chat import chat_prompt_ids, check_roles, text_messages
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -313,6 +314,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     if req.logprobs and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    check_roles(req.messages)
     ids = chat_prompt_ids(
         info.tokenizer,
         text_messages(req.messages),
