@@ -63,6 +63,8 @@ class Job:
 
     Attributes:
         request_id: the response's ``id`` (``cmpl-...`` / ``chatcmpl-...``).
+        model: the response's ``model``: the LoRA adapter the request named, else the served model's name (vLLM's
+            echo: a client that asked for an adapter sees that its answer came from it).
         prompts: token ids of each prompt; choice ``i * n + j`` is sample j of prompt i.
         params: the sampling parameters of every request of the job.
         n: samples per prompt.
@@ -81,6 +83,7 @@ class Job:
     """
 
     request_id: str
+    model: str
     prompts: list[list[int]]
     params: SamplingParams
     n: int
@@ -288,6 +291,7 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("cmpl", req),
+        model=lora or info.name,
         prompts=prompts,
         params=params,
         n=req.n,
@@ -332,6 +336,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("chatcmpl", req),
+        model=lora or info.name,
         prompts=prompts,
         params=params,
         n=req.n,
