@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollout import ContinuousBatchingConfig
 from tests.serve_utils import TINY_CHAT_TEMPLATE, RunningServer, running_server
@@ -93,3 +94,26 @@ def test_an_answer_names_the_adapter_that_produced_it_streamed_or_not(
     finally:
         httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": "pol-v1"})
 
+
+def test_an_adapter_of_another_base_model_is_refused_naming_both_models(
+    srv: RunningServer, base: torch.nn.Module, tmp_path: Path
+) -> None:
+    """An adapter trained on a wider Llama: a 400 naming ``lora_path``, the adapter's ``base_model_name_or_path``, the
+    served model and the first layer whose shapes differ; nothing is loaded."""
+    wide = LlamaForCausalLM(
+        LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=24, num_hidden_layers=2)
+    )  # fmt: skip
+    _save_adapter(wide, tmp_path / "wide", seed=2, base_name="org/wide-llama")
+    response = httpx.post(
+        f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(tmp_path / "wide")}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "lora_path" and error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert "another base model" in message and "'org/wide-llama'" in message and f"'{MODEL}'" in message
+    # The shape detail stays: the layer, the adapter's tensors and the served layer's shape.
+    assert "'model.layers.0.mlp.down_proj'" in message and "(4, 192)" in message and "[64, 128]" in message
+    assert srv.manager.lora_adapters == []
+    assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == [MODEL]

@@ -16,8 +16,11 @@ through the service's ``WeightUpdater`` (``weight_updates.py``), which calls the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -70,6 +73,33 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
         logprobs=manager.cb_config.return_logprobs,
         loras=lambda: manager.lora_adapters,
     )
+
+
+def shape_misfit(adapter: LoraAdapter, model: Any) -> str | None:
+    """How ``adapter``'s first tensor that does not fit ``model`` differs from its layer (a linear layer of the model
+    whose ``in_features`` is not lora_A's width or whose ``out_features`` is not lora_B's height); None when every
+    adapted linear layer fits. A target that is no linear layer of the model is left to ``LoraSlots.check``."""
+    for module_name, (a, b) in sorted(adapter.weights.items()):
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if fan_in is None or fan_out is None or (a.shape[-1], b.shape[0]) == (fan_in, fan_out):
+            continue
+        return (
+            f"its {module_name!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but that layer is "
+            f"[{fan_out}, {fan_in}] here (lora_A must be [r, {fan_in}] and lora_B [{fan_out}, r])"
+        )
+    return None
+
+
+def adapter_base_model(path: str) -> str | None:
+    """The ``base_model_name_or_path`` of the peft adapter folder ``path`` (None when its config has none)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            return json.load(f).get("base_model_name_or_path")
+    return None
 
 
 def _drop(out: GenerationOutput) -> None:
@@ -298,8 +328,9 @@ class GenerationService:
 
         Raises:
             APIError: 404 without ``--enable-lora``; 400 naming ``lora_path`` for a folder that is not a peft
-                adapter, ``lora_name`` for a name in use, or the setting an adapter exceeds (``max_lora_rank``,
-                ``target_modules``, ``max_loras``).
+                adapter or an adapter of another base model (its tensors' shapes differ from the served model's
+                layers: both models and the first such layer are named), ``lora_name`` for a name in use, or the
+                setting an adapter exceeds (``max_lora_rank``, ``target_modules``, ``max_loras``).
         """
         if not self.manager.cb_config.enable_lora:
             raise APIError(404, "/v1/load_lora_adapter: start the server with --enable-lora to serve LoRA adapters")
@@ -309,6 +340,17 @@ class GenerationService:
             adapter = await asyncio.to_thread(LoraAdapter.from_peft_dir, name, path)
         except (OSError, ValueError) as e:
             raise bad_request(f"lora_path: {e}", "lora_path") from e
+        misfit = shape_misfit(adapter, self.manager.model)
+        if misfit is not None:  # the slots would refuse it too, but naming a tensor, not the fault: the base model
+            served = self.info.name
+            source = getattr(self.manager.model.config, "_name_or_path", "")
+            if source and source != served:
+                served += f" ({source})"
+            raise bad_request(
+                f"lora_path: adapter {name!r} was trained on another base model: its adapter_config.json names "
+                f"{adapter_base_model(path)!r} (base_model_name_or_path), this server serves {served!r}; {misfit}",
+                "lora_path",
+            )
         return await self.install_lora(adapter, replace)
 
     async def install_lora(self, adapter: LoraAdapter, replace: bool) -> int:
