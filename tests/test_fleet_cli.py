@@ -1,5 +1,6 @@
 """``rollout-fleet`` (``python -m rollout.fleet``): N local replicas and vLLM's router, their URLs and PIDs printed, a
-routed completion answered, the router quiet per request, and everything stopped on SIGINT."""
+routed completion answered, the router quiet per request, a KV cache too large for the machine said in one line, and
+everything stopped on SIGINT."""
 
 from __future__ import annotations
 
@@ -154,3 +155,24 @@ def test_the_launcher_prints_its_processes_pids_and_the_router_logs_no_line_per_
     assert "CONSISTENT_HASH" not in stderr and "DEBUG:" not in stderr and " INFO " not in stderr, stderr
     for pid in (replica, router):
         assert not Path(f"/proc/{pid}").exists()
+
+
+def test_a_replica_whose_kv_cache_cannot_fit_says_so_in_one_line_naming_the_flags(tiny_model_folder: Path) -> None:
+    """``--num-blocks`` past the machine's memory: each replica that gets that far writes one line naming
+    ``--num-blocks`` and ``--max-memory-percent`` with what was asked and what is usable (no traceback), and the
+    launcher stops with its own one-line summary (exit status 1)."""
+    proc = _fleet(tiny_model_folder, free_port(), 2, "--num-blocks", "100000000")
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            _stop_fleet(proc)
+    stderr = err.decode()
+    assert proc.returncode == 1 and out == b"" and "Traceback" not in stderr, stderr
+    refusals = [line for line in stderr.splitlines() if line.startswith("rollout-serve: error: --num-blocks 100000000")]
+    assert 1 <= len(refusals) <= 2, stderr
+    for refusal in refusals:
+        assert "GiB) does not fit" in refusal and "GiB are usable on cpu" in refusal, refusal
+        assert "--max-memory-percent" in refusal, refusal
+    summary = [line for line in stderr.splitlines() if line.startswith("rollout-fleet: a replica:")]
+    assert len(summary) == 1 and summary[0].endswith("exited with status 2"), stderr

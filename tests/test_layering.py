@@ -143,8 +143,8 @@ BENCHMARK_LAYERS = [
 # requests and their ends) raises errors; weight_updates (new weights from disk or a trainer's transfer group) uses
 # errors and protocol; service (the one part that talks to the manager) uses jobs, responses, pause, submission and
 # weight_updates; weight_routes (the weight-transfer routes) use the service; app (the routes) uses the service and
-# weight_routes; cli (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and
-# cli.
+# weight_routes; kv_memory (the KV cache asked for against the memory there is) reads the package's exports; cli
+# (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and cli.
 SERVE_LAYERS = [
     "errors",
     "protocol",
@@ -158,6 +158,7 @@ SERVE_LAYERS = [
     "service",
     "weight_routes",
     "app",
+    "kv_memory",
     "cli",
     "__main__",
     "__init__",

@@ -38,6 +38,7 @@ from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_mo
 from rollout.loading import ModelNotFoundError, check_model_name
 
 from .app import ServerSettings, build_app
+from .kv_memory import allocation_failure, is_allocation_failure, oversized_cache
 from .service import GenerationService, model_info
 from .weight_updates import TransferSettings
 
@@ -288,7 +289,15 @@ def _serve(args: argparse.Namespace, config: ContinuousBatchingConfig, sock: soc
         model, tokenizer = load_model(args.model, dtype=_DTYPES[args.dtype], device=args.device)
     except (OSError, ValueError) as e:  # a folder without a model, a Hub id that does not resolve
         _fail(f"--model {args.model!r}: {e}")
-    manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
+    misfit = oversized_cache(model, config)
+    if misfit is not None:
+        _fail(misfit)
+    try:
+        manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
+    except (MemoryError, RuntimeError) as e:
+        if not is_allocation_failure(e):
+            raise
+        _fail(allocation_failure(model, config, e))
     try:
         manager.warmup(progress_bar=False)
         manager.start()
