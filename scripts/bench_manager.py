@@ -6,7 +6,7 @@ see ``rollout.benchmarks.manager``.
 
 import sys
 
-from rollout.benchmarks.manager import main
+from rollout.benchmarks.cli import bench_manager_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout.benchmarks import generation, prompt_fork, workloads
+from rollout.benchmarks import arguments, generation, prompt_fork, workloads
 from rollout.benchmarks import systems as systems_module
 from rollout.benchmarks.report import format_ratio, format_table, new_report, write_json
 from rollout.benchmarks.roofline import TokenFlops
@@ -573,7 +573,7 @@ def test_vllm_cpu_arguments(tmp_path):
     assert args.vllm_python == venv / "bin" / "python"
     assert args.vllm_engine_args == {"enforce_eager": True, "max_num_seqs": 64}
     assert (args.vllm_threads_bind, args.vllm_kv_space) == ("0", 3)
-    assert "vllm-cpu" not in generation.DEFAULT_SYSTEMS  # optional: never run unless asked for
+    assert "vllm-cpu" not in arguments.DEFAULT_SYSTEMS  # optional: never run unless asked for
     with pytest.raises(SystemExit):
         generation.parse_args(["--systems", "vllm-cpu", "--vllm-venv", str(venv), "--device", "cuda"])
     with pytest.raises(SystemExit):

@@ -108,15 +108,19 @@ LAYERS = [
 ]
 
 # rollout/benchmarks/, low to high: the workloads, the report and vllm_peer (what runs in vLLM's own process) are
-# leaves, and so are prompt_fork (scripts/bench_prompt_fork.py) and sliding_window (scripts/bench_sliding_window.py);
+# leaves; arguments (the flags of the four bench commands and their entry points, which import their benchmark only
+# once the flags are parsed) reads the workloads' names; prompt_fork (scripts/bench_prompt_fork.py) and sliding_window
+# (scripts/bench_sliding_window.py) are leaves too;
 # profile_step (scripts/profile_step.py) uses the workloads and the report; the systems run the workloads' prompts,
 # vllm_cpu runs vLLM's CPU build as one of them, and vllm_profile profiles it beside rollout's step; scoring
 # (rollout-bench-scoring) and manager (rollout-bench-manager) use the workloads; the generation benchmark
 # (rollout-bench) runs the systems and the scoring one as a workload; serving (rollout-bench-serve) and
 # tensor_parallel (scripts/bench_tp.py) use the workloads and the report; weight_sync (scripts/bench_weight_sync.py)
-# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report.
+# uses the report; fleet (scripts/bench_fleet.py) starts replicas as serving does, with the workloads and the report;
+# cli (the four bench commands' entry points) parses with arguments, then imports the benchmark it runs.
 BENCHMARK_LAYERS = [
     "workloads",
+    "arguments",
     "roofline",
     "report",
     "prompt_fork",
@@ -134,6 +138,7 @@ BENCHMARK_LAYERS = [
     "tensor_parallel",
     "weight_sync",
     "lora",
+    "cli",
     "__init__",
 ]
 
@@ -144,8 +149,8 @@ BENCHMARK_LAYERS = [
 # requests and their ends) raises errors; weight_updates (new weights from disk or a trainer's transfer group) uses
 # errors and protocol; service (the one part that talks to the manager) uses jobs, responses, pause, submission and
 # weight_updates; weight_routes (the weight-transfer routes) use the service; app (the routes) uses the service and
-# weight_routes; cli (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and
-# cli.
+# weight_routes; kv_memory (the KV cache asked for against the memory there is) reads the package's exports; cli
+# (rollout-serve) builds the app; __main__ runs cli, and __init__ exports the app, the service and cli.
 SERVE_LAYERS = [
     "errors",
     "protocol",
@@ -159,6 +164,7 @@ SERVE_LAYERS = [
     "service",
     "weight_routes",
     "app",
+    "kv_memory",
     "cli",
     "__main__",
     "__init__",

@@ -45,10 +45,9 @@ from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_eng
 from rollout.onednn import OneDNNLinear, PackedWeights, linear_plan, sibling_groups
 from trainers.prompts import encode_prompt
 
+from .arguments import DEFAULT_BATCH_TOKENS, DEFAULT_PADDED_BATCH_SIZE, scoring_parser
 from .workloads import SAMPLE_QUESTIONS
 
-DEFAULT_BATCH_TOKENS = 512
-DEFAULT_PADDED_BATCH_SIZE = 8
 ATOL = 1e-4
 
 _FINAL = re.compile(r"####\s*(-?[\d,\.]+)\s*$")
@@ -309,19 +308,8 @@ def bench_scoring(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default="smollm2-135m-instruct", help="model folder or alias (default smollm2-135m-instruct)"
-    )
-    p.add_argument("--gsm8k", type=Path, default=None, help=f"GSM8K jsonl (default {SAMPLE_QUESTIONS.name})")
-    p.add_argument("--num-questions", type=int, default=16)
-    p.add_argument("--completions-per-question", type=int, default=4, choices=[1, 2, 3, 4])
-    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS)
-    p.add_argument("--padded-batch-size", type=int, default=DEFAULT_PADDED_BATCH_SIZE)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", type=Path, default=None, help="write the report here too")
-    return p.parse_args(argv)
+    """``rollout-bench-scoring``'s flags (``arguments.scoring_parser``)."""
+    return scoring_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -356,6 +344,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench-scoring``: run the scoring benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_scoring_main``, which parses the flags before importing this module."""
     run(parse_args(argv))
     return 0

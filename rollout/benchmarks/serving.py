@@ -47,7 +47,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -57,13 +56,12 @@ import rollout
 from rollout.sampling import seeded_uniforms
 from trainers.prompts import eos_token_ids
 
+from .arguments import DEFAULT_CONCURRENCY, serving_parser
 from .report import SOURCE_ROOT, machine_info, write_json
 from .workloads import SAMPLE_QUESTIONS, WORKLOADS, Workload, build_prompts, load_questions, select_questions
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_CONCURRENCY = (1, 8, 32, 64)
 SYSTEMS = ("manager", "serve")
 # Seconds the server gets to load the model and warm up before the benchmark gives up on it.
 SERVER_START_TIMEOUT_S = 600.0
@@ -613,25 +611,8 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="rollout-bench-serve",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--workload", nargs="+", default=["gsm8k-greedy", "gsm8k-grpo"], choices=list(WORKLOADS))
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
-    p.add_argument("--gsm8k", type=Path, default=None, metavar="PATH", help="questions jsonl (default: the sample)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--requests-per-client", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's budget")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks of both systems (default: the config's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of both systems (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=Path("bench_results/serve_bench.json"), dest="json_path")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    """``rollout-bench-serve``'s flags (``arguments.serving_parser``)."""
+    return serving_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -692,7 +673,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench-serve``: run the serving benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_serve_main``, which parses the flags before importing this module."""
     run(parse_args(argv), argv)
     return 0
 

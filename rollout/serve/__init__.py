@@ -9,9 +9,39 @@ transfer group), ``weight_routes`` (their routes, an ``APIRouter``), ``metrics``
 ``pip install rollout[serve]``.
 """
 
-from .app import ServerSettings, build_app
-from .cli import main
-from .service import GenerationService, model_info
-from .weight_updates import TransferSettings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time each name is imported on first use: ``rollout-serve`` parses its flags before torch
+    from .app import ServerSettings, build_app
+    from .cli import main
+    from .service import GenerationService, model_info
+    from .weight_updates import TransferSettings
 
 __all__ = ["GenerationService", "ServerSettings", "TransferSettings", "build_app", "main", "model_info"]
+
+# Each public name -> the module of rollout.serve that defines it.
+_EXPORTS = {
+    "GenerationService": "service",
+    "ServerSettings": "app",
+    "TransferSettings": "weight_updates",
+    "build_app": "app",
+    "main": "cli",
+    "model_info": "service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of rollout.serve, imported from its module on first use and kept.
+
+    Raises:
+        AttributeError: ``name`` is not one of ``__all__``.
+    """
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
