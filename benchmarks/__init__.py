@@ -21,6 +21,8 @@ Modules (each command is also a script under ``scripts/``):
   ``vllm_profile`` (scripts/profile_vllm.py): ``torch.profiler`` of rollout's step beside vLLM's;
 - ``workloads``, ``systems``, ``report``: the pieces of ``generation``: the questions and prompts of
   each workload, one runner per system, and the JSON report and summary table.
+- ``arguments`` and ``cli``: the four commands' flags (importable without torch) and their console entry points,
+  which parse the flags before importing the benchmark they run: a bad flag is answered at once.
 
 These modules sit above everything else in ``rollout/`` (nothing there imports them); they use
 ``rollout``'s exports and ``trainers.prompts`` for prompt encoding and end-of-sequence ids.

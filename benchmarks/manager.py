@@ -27,6 +27,7 @@ import torch
 from transformers import GenerationConfig
 
 import rollout
+from benchmarks.arguments import manager_parser
 from benchmarks.workloads import SAMPLE_QUESTIONS, load_questions, select_questions
 from trainers.prompts import encode_prompt
 
@@ -39,14 +40,8 @@ def load_prompts(tokenizer, path: Path, start: int, n: int) -> list[list[int]]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--gsm8k", type=Path, default=None, help="questions jsonl (default: the project's sample file)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--pauses", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None)
-    return ap.parse_args(argv)
+    """``rollout-bench-manager``'s flags (``arguments.manager_parser``)."""
+    return manager_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -107,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench-manager``: run the manager benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_manager_main``, which parses the flags before importing this module."""
     run(parse_args(argv))
     return 0

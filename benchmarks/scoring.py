@@ -41,13 +41,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.arguments import DEFAULT_BATCH_TOKENS, DEFAULT_PADDED_BATCH_SIZE, scoring_parser
 from benchmarks.workloads import SAMPLE_QUESTIONS
 from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_engine
 from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, linear_plan, sibling_groups
 from trainers.prompts import encode_prompt
 
-DEFAULT_BATCH_TOKENS = 512
-DEFAULT_PADDED_BATCH_SIZE = 8
 ATOL = 1e-4
 
 _FINAL = re.compile(r"####\s*(-?[\d,\.]+)\s*$")
@@ -237,8 +236,7 @@ def bench_scoring(
         process CPU seconds and their ratio (``cpu_time_ratio``, less sensitive to a shared machine), token counts
         (row, completion, padded forward positions, tokens rollout computed), ``max_abs_diff`` (against
         the padded forward on the engine's linear kernels: oneDNN on packed weights or MKL on a float32 CPU model,
-        see ``rollout/engine/worker/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels``
-        (against
+        see ``rollout/onednn.py``), ``agree`` (max_abs_diff <= atol) and ``max_abs_diff_across_kernels`` (against
         the timed padded forward, MKL).
 
     Raises:
@@ -267,8 +265,7 @@ def bench_scoring(
         padded_s.append(t)
         padded_cpu.append(cpu)
     kernel_diff = _max_abs_diff(ours, theirs)
-    # The engine runs its float32 CPU linear layers on oneDNN on packed weights (rollout/engine/worker/onednn.py) and
-    # the padded
+    # The engine runs its float32 CPU linear layers on oneDNN on packed weights (rollout/onednn.py) and the padded
     # forward (as a trainer runs it) on MKL: another summation order, up to ~1e-4 over SmolLM2's 30 layers. The
     # agreement check compares the engine with the padded forward on the engine's kernels (``linear_plan``; untimed),
     # so it tests the engine's batching, attention and prefix reuse; the difference against MKL is reported beside it.
@@ -310,19 +307,8 @@ def bench_scoring(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default="smollm2-135m-instruct", help="model folder or alias (default smollm2-135m-instruct)"
-    )
-    p.add_argument("--gsm8k", type=Path, default=None, help=f"GSM8K jsonl (default {SAMPLE_QUESTIONS.name})")
-    p.add_argument("--num-questions", type=int, default=16)
-    p.add_argument("--completions-per-question", type=int, default=4, choices=[1, 2, 3, 4])
-    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS)
-    p.add_argument("--padded-batch-size", type=int, default=DEFAULT_PADDED_BATCH_SIZE)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", type=Path, default=None, help="write the report here too")
-    return p.parse_args(argv)
+    """``rollout-bench-scoring``'s flags (``arguments.scoring_parser``)."""
+    return scoring_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -357,6 +343,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench-scoring``: run the scoring benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_scoring_main``, which parses the flags before importing this module."""
     run(parse_args(argv))
     return 0

@@ -47,13 +47,13 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
 import rollout
+from benchmarks.arguments import DEFAULT_CONCURRENCY, serving_parser
 from benchmarks.report import SOURCE_ROOT, machine_info, write_json
 from benchmarks.workloads import SAMPLE_QUESTIONS, WORKLOADS, Workload, build_prompts, load_questions, select_questions
 from rollout.engine.sample.sampler import seeded_uniforms
@@ -61,8 +61,6 @@ from trainers.prompts import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_CONCURRENCY = (1, 8, 32, 64)
 SYSTEMS = ("manager", "serve")
 # Seconds the server gets to load the model and warm up before the benchmark gives up on it.
 SERVER_START_TIMEOUT_S = 600.0
@@ -156,8 +154,7 @@ def divergence_margin(
     Greedy (``seed`` None): the gap between the two largest logits at that position. Seeded sampling (no top-k,
     top-p or min-p): the distance, in probability, from the request's seeded uniform number for token
     ``len(prefix)`` (``rollout.engine.sample.sampler.seeded_uniforms``) to the nearest boundary of the float64
-    cumulative
-    distribution it was searched in. A margin near fp32 rounding (about 1e-6 of probability, 1e-5 of a logit) says the
+    cumulative distribution it was searched in. A margin near fp32 rounding (about 1e-6 of probability, 1e-5 of a logit) says the
     two systems differ only in the rounding of the batch shapes they ran, not in what they computed.
 
     The pass is the model's own forward (not the engine's packed linear layers and paged attention), so the margin is
@@ -608,30 +605,13 @@ def markdown_report(report: dict[str, Any]) -> str:
         "client runs in the benchmark's process and competes with the server for the same cores.\n\n"
         "`vllm serve` is not in the table: this benchmark compares rollout's two paths to its engine; vLLM's CPU "
         "build is compared offline in `docs/bench.md`.\n\n"
-        "The JSON with every round: `docs/serve_bench.json`. Module: `benchmarks/serving.py`.\n"
+        "The JSON with every round: `docs/serve_bench.json`. Module: `rollout/benchmarks/serving.py`.\n"
     )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="rollout-bench-serve",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--workload", nargs="+", default=["gsm8k-greedy", "gsm8k-grpo"], choices=list(WORKLOADS))
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias or local folder (default: %(default)s)")
-    p.add_argument("--gsm8k", type=Path, default=None, metavar="PATH", help="questions jsonl (default: the sample)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--requests-per-client", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override every workload's budget")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks of both systems (default: the config's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of both systems (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=Path("bench_results/serve_bench.json"), dest="json_path")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    """``rollout-bench-serve``'s flags (``arguments.serving_parser``)."""
+    return serving_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -692,7 +672,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rollout-bench-serve``: run the serving benchmark (see the module docstring); 0 when it ran."""
+    """The benchmark from this module (see its docstring); 0 when it ran. The console script is
+    ``cli.bench_serve_main``, which parses the flags before importing this module."""
     run(parse_args(argv), argv)
     return 0
 

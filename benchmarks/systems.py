@@ -3,8 +3,7 @@
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
-  than oneDNN on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built;
-  ``rollout/engine/worker/onednn.py``):
+  than oneDNN on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``):
   how much of rollout's lead over ``hf-static`` is the linear kernel.
 - ``rollout-sdpa``: ``rollout`` with ``cpu_attention="sdpa"`` (SDPA over gathered keys, not rollout's paged
   CPU kernel): what the kernel brings.
@@ -50,24 +49,6 @@ import rollout
 from benchmarks.workloads import chunks, expand_rows, left_pad, truncate_at_eos
 
 logger = logging.getLogger(__name__)
-
-# Run (and compared) in this order: each ratio is a system's tokens/s over a later one's, so the compiled
-# runs come first (``rollout-compile1/rollout`` is the speed-up of compilation).
-COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compile1": 1}
-# ``vllm-cpu`` comes after rollout's systems, so that ``rollout/vllm-cpu`` is rollout's tokens/s over vLLM's.
-SYSTEMS = (
-    *COMPILE_SYSTEMS,
-    "rollout-async",
-    "rollout",
-    "rollout-mkl",
-    "rollout-sdpa",
-    "vllm-cpu",
-    "hf-cb",
-    "hf-static",
-    "ceiling",
-)
-# What a run compares unless told otherwise: levels 2 and 3 add minutes of compilation on a CPU.
-DEFAULT_SYSTEMS = ("rollout-compile1", "rollout-async", "rollout", "rollout-mkl", "hf-cb", "hf-static", "ceiling")
 
 
 @dataclass

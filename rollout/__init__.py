@@ -1,40 +1,102 @@
-"""rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
+"""rollout: a continuous-batching generation engine for the rollouts of RL trainers.
 
-from rollout.agents.chat_delta import ChatDelta
-from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
-from rollout.agents.episodes import (
-    ClientTurns,
-    Episode,
-    EpisodeLimits,
-    ManagerTurns,
-    Turn,
-    TurnBackend,
-    TurnOutput,
-    episode_json,
-    run_episode,
-    run_episodes,
-)
-from rollout.checks import FieldError
-from rollout.config import ContinuousBatchingConfig
-from rollout.engine.engine import Engine, EngineStats
-from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
-from rollout.fleet.client import RolloutClient, RolloutServerError, RolloutWeightTransfer
-from rollout.fleet.pool import RolloutPool
-from rollout.lora import LoraAdapter, adapter_state_dict
-from rollout.manager.batch import (
-    attach,
-    continuous_batching_context_manager,
-    generate_batch,
-    init_continuous_batching,
-    is_attached,
-)
-from rollout.manager.intake import QueueFullError
-from rollout.manager.manager import ContinuousBatchingManager
-from rollout.requests import GenerationOutput, RequestStatus
-from rollout.sampling_params import SamplingParams, build_sampling_params
-from rollout.scoring.offline import ScoreOutput, score, score_with_engine
-from rollout.weights.loading import load_model, rollout_home
-from rollout.weights.model_info import UnsupportedModelError, model_context_length
+The public names below are loaded on first use (PEP 562's module ``__getattr__``), each from the module that defines
+it, and so are the submodules (``rollout.engine``...): ``import rollout`` and the light modules (``rollout.config``,
+``rollout.fleet.cli``...) import no torch, so a console script parses its arguments and answers a bad flag at once,
+before the seconds torch takes to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and editors read; at run time each name is imported on first use
+    from rollout.agents.chat_delta import ChatDelta
+    from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
+    from rollout.agents.episodes import (
+        ClientTurns,
+        Episode,
+        EpisodeLimits,
+        ManagerTurns,
+        Turn,
+        TurnBackend,
+        TurnOutput,
+        episode_json,
+        run_episode,
+        run_episodes,
+    )
+    from rollout.checks import FieldError
+    from rollout.config import ContinuousBatchingConfig
+    from rollout.engine.engine import Engine, EngineStats
+    from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
+    from rollout.fleet.client import RolloutClient, RolloutServerError, RolloutWeightTransfer
+    from rollout.fleet.pool import RolloutPool
+    from rollout.lora import LoraAdapter, adapter_state_dict
+    from rollout.manager.batch import (
+        attach,
+        continuous_batching_context_manager,
+        generate_batch,
+        init_continuous_batching,
+        is_attached,
+    )
+    from rollout.manager.intake import QueueFullError
+    from rollout.manager.manager import ContinuousBatchingManager
+    from rollout.requests import GenerationOutput, RequestStatus
+    from rollout.sampling_params import SamplingParams, build_sampling_params
+    from rollout.scoring.offline import ScoreOutput, score, score_with_engine
+    from rollout.weights.loading import load_model, rollout_home
+    from rollout.weights.model_info import UnsupportedModelError, model_context_length
+
+# Each public name -> the module that defines it.
+_EXPORTS = {
+    "attach": "rollout.manager.batch",
+    "continuous_batching_context_manager": "rollout.manager.batch",
+    "generate_batch": "rollout.manager.batch",
+    "init_continuous_batching": "rollout.manager.batch",
+    "is_attached": "rollout.manager.batch",
+    "num_blocks_for_model": "rollout.engine.kv.sizing",
+    "usable_memory_bytes": "rollout.engine.kv.sizing",
+    "FieldError": "rollout.checks",
+    "RolloutClient": "rollout.fleet.client",
+    "RolloutServerError": "rollout.fleet.client",
+    "RolloutWeightTransfer": "rollout.fleet.client",
+    "ContinuousBatchingConfig": "rollout.config",
+    "Engine": "rollout.engine.engine",
+    "EngineStats": "rollout.engine.engine",
+    "Environment": "rollout.agents.environments",
+    "ToolCall": "rollout.agents.environments",
+    "environment_tools": "rollout.agents.environments",
+    "parse_tool_calls": "rollout.agents.environments",
+    "tool_schemas": "rollout.agents.environments",
+    "ChatDelta": "rollout.agents.chat_delta",
+    "ClientTurns": "rollout.agents.episodes",
+    "Episode": "rollout.agents.episodes",
+    "EpisodeLimits": "rollout.agents.episodes",
+    "ManagerTurns": "rollout.agents.episodes",
+    "Turn": "rollout.agents.episodes",
+    "TurnBackend": "rollout.agents.episodes",
+    "TurnOutput": "rollout.agents.episodes",
+    "episode_json": "rollout.agents.episodes",
+    "run_episode": "rollout.agents.episodes",
+    "run_episodes": "rollout.agents.episodes",
+    "QueueFullError": "rollout.manager.intake",
+    "load_model": "rollout.weights.loading",
+    "rollout_home": "rollout.weights.loading",
+    "LoraAdapter": "rollout.lora",
+    "adapter_state_dict": "rollout.lora",
+    "ContinuousBatchingManager": "rollout.manager.manager",
+    "UnsupportedModelError": "rollout.weights.model_info",
+    "model_context_length": "rollout.weights.model_info",
+    "RolloutPool": "rollout.fleet.pool",
+    "GenerationOutput": "rollout.requests",
+    "RequestStatus": "rollout.requests",
+    "SamplingParams": "rollout.sampling_params",
+    "build_sampling_params": "rollout.sampling_params",
+    "ScoreOutput": "rollout.scoring.offline",
+    "score": "rollout.scoring.offline",
+    "score_with_engine": "rollout.scoring.offline",
+}
 
 __all__ = [
     "attach",
@@ -86,3 +148,27 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (or a submodule) of rollout, imported on first use and kept.
+
+    Raises:
+        AttributeError: ``name`` is neither a public name nor a submodule of rollout.
+    """
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":  # the submodule exists and failed to import one of its own
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

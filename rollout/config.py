@@ -12,12 +12,13 @@ import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Literal
-
-from transformers.generation import CompileConfig
-from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.checks import check_bool, check_choice, check_int, check_number
+
+if TYPE_CHECKING:  # imported where used: the console scripts parse their flags from this module before transformers
+    from transformers.generation import CompileConfig
+    from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -236,13 +237,17 @@ class ContinuousBatchingConfig:
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)
         for name in ("varlen_compile_config", "decode_compile_config"):
             value = getattr(self, name)
+            if value is None:
+                continue
+            from transformers.generation import CompileConfig
+
             if isinstance(value, dict):
                 try:
                     value = CompileConfig(**value)
                 except TypeError as exc:
                     raise ValueError(f"{name}: {exc}; the keys are CompileConfig's fields") from None
                 setattr(self, name, value)
-            if value is not None and not isinstance(value, CompileConfig):
+            if not isinstance(value, CompileConfig):
                 raise ValueError(
                     f"{name} must be None, a transformers.CompileConfig or a dict of its fields, got {value!r}"
                 )
@@ -384,6 +389,8 @@ def resolve_continuous_batching_config(
         return ContinuousBatchingConfig()
     if isinstance(continuous_batching_config, ContinuousBatchingConfig):
         return continuous_batching_config
+    from transformers.generation import ContinuousBatchingConfig as TransformersContinuousBatchingConfig
+
     if isinstance(continuous_batching_config, TransformersContinuousBatchingConfig):
         return ContinuousBatchingConfig.from_transformers(continuous_batching_config)
     raise TypeError(

@@ -7,7 +7,7 @@
 
 import sys
 
-from benchmarks.generation import main
+from benchmarks.cli import bench_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

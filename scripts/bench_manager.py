@@ -6,7 +6,7 @@ see ``benchmarks.manager``.
 
 import sys
 
-from benchmarks.manager import main
+from benchmarks.cli import bench_manager_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

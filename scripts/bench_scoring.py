@@ -6,7 +6,7 @@
 
 import sys
 
-from benchmarks.scoring import main
+from benchmarks.cli import bench_scoring_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -79,6 +79,7 @@ LORA = {"lora_r": 8, "lora_alpha": 16.0}
 LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "full": ({}, "full fine-tuning: the default recipe (lr 1e-5), the reference"),
     "lora_lr_1e-4": ({**LORA, "learning_rate": 1e-4}, "r=8, alpha 16, lr 1e-4 (10x full): the earlier LoRA recipe"),
+    "lora_lr_1.5e-4": ({**LORA, "learning_rate": 1.5e-4}, "r=8, alpha 16, lr 1.5e-4 (15x full)"),
     "lora_lr_2e-4": ({**LORA, "learning_rate": 2e-4}, "r=8, alpha 16, lr 2e-4 (20x full; 10x at alpha 32, as TM)"),
     "lora_lr_3e-4": ({**LORA, "learning_rate": 3e-4}, "r=8, alpha 16, lr 3e-4 (30x full)"),
     "lora_lr_1e-3": ({**LORA, "learning_rate": 1e-3}, "r=8, alpha 16, lr 1e-3 (100x full)"),

@@ -1,4 +1,4 @@
-"""Tests of the generation benchmark (``rollout-bench``, benchmarks/) on a tiny random Llama: the pieces
+"""Tests of the generation benchmark (``rollout-bench``, rollout/benchmarks/) on a tiny random Llama: the pieces
 run and the JSON has what readers expect; the prompt-forking benchmark's counts."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from benchmarks import generation, prompt_fork, workloads
+from benchmarks import arguments, generation, prompt_fork, workloads
 from benchmarks import systems as systems_module
 from benchmarks.report import format_ratio, format_table, new_report, write_json
 from benchmarks.roofline import TokenFlops
@@ -573,7 +573,7 @@ def test_vllm_cpu_arguments(tmp_path):
     assert args.vllm_python == venv / "bin" / "python"
     assert args.vllm_engine_args == {"enforce_eager": True, "max_num_seqs": 64}
     assert (args.vllm_threads_bind, args.vllm_kv_space) == ("0", 3)
-    assert "vllm-cpu" not in generation.DEFAULT_SYSTEMS  # optional: never run unless asked for
+    assert "vllm-cpu" not in arguments.DEFAULT_SYSTEMS  # optional: never run unless asked for
     with pytest.raises(SystemExit):
         generation.parse_args(["--systems", "vllm-cpu", "--vllm-venv", str(venv), "--device", "cuda"])
     with pytest.raises(SystemExit):

@@ -262,3 +262,34 @@ def test_a_missing_model_folder_a_misspelt_alias_and_a_busy_port_answer_one_line
         for proc in runs.values():
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_kv_cache_that_cannot_be_allocated_is_one_line_naming_the_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's allocation fails (torch's CPU allocator raises a plain RuntimeError): rollout-serve exits with
+    status 2 and one line naming --max-memory-percent (what was asked) and --num-blocks, the allocator's own words and
+    the GiB usable now, no traceback. (A --num-blocks past the memory is refused before allocating:
+    tests/test_fleet_cli.py.)"""
+    from rollout import ContinuousBatchingManager
+    from rollout.serve.cli import main
+
+    def no_memory(self: object, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 409600000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(ContinuousBatchingManager, "__init__", no_memory)
+    model = str(_save_tiny(tmp_path / "model"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", model, "--port", str(free_port()), "--max-memory-percent", "0.5", "--log-level", "error"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(
+        "rollout-serve: error: --max-memory-percent 0.5: the KV cache of 0.5 of the usable memory could not be "
+        "allocated ([enforce fail at alloc_cpu.cpp:127]"
+    ), err
+    assert "you tried to allocate 409600000000 bytes" in line and "GiB are usable on cpu now" in line
+    assert line.endswith("lower --num-blocks or --max-memory-percent")

@@ -103,9 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config)."""
     if names_an_environment(argv):
         return multiturn_main(argv)
-    from .grpo import train_grpo
 
-    return _train(argv, GRPOConfig, train_grpo)
+    def train(config: GRPOConfig) -> Any:
+        from .grpo import train_grpo  # torch and the engine: once the flags are parsed
+
+        return train_grpo(config)
+
+    return _train(argv, GRPOConfig, train)
 
 
 def multiturn_main(argv: Sequence[str] | None = None) -> int:
@@ -121,13 +125,17 @@ def ppo_main(argv: Sequence[str] | None = None) -> int:
     """``rollout-train-ppo``: parse a PPOConfig (default file ``configs/ppo_default.yaml``) and run PPO; a config that
     names an ``environment`` runs PPO on episodes (a MultiTurnPPOConfig, no default file). Returns the exit code (2
     for a bad config)."""
-    if names_an_environment(argv):
+    if names_an_environment(argv):  # the multi-turn configs live beside their trainers (torch)
         from .multiturn import MultiTurnPPOConfig, train_multiturn_ppo
 
         return _train(argv, MultiTurnPPOConfig, train_multiturn_ppo)
-    from .ppo import train_ppo
 
-    return _train(argv, PPOConfig, train_ppo)
+    def train(config: PPOConfig) -> Any:
+        from .ppo import train_ppo  # torch and the engine: once the flags are parsed
+
+        return train_ppo(config)
+
+    return _train(argv, PPOConfig, train)
 
 
 def _end_distributed() -> None:
@@ -161,9 +169,6 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
     import rollout
 
-    from .evaluate import evaluate_model
-    from .tasks import build_datasets
-
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--json", type=Path, help="write accuracy, counts and samples to this file")
     known, rest = pre.parse_known_args(list(argv) if argv is not None else None)
@@ -183,6 +188,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{run_dir} holds a run but no saved model (the run had save_model: false)")
         if config.eval_size == 0:
             raise ConfigError("eval_size is 0: nothing to evaluate")
+        from .tasks import build_datasets  # datasets and torch: once the flags are parsed
+
         _, heldout = build_datasets(
             config.dataset,
             config.dataset_size,
@@ -194,6 +201,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
+    from .evaluate import evaluate_model
+
     model, tokenizer = rollout.load_model(config.model)
     result = evaluate_model(
         model,

@@ -17,11 +17,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
-from transformers import SchedulerType
-
 import rollout
 
-from .rewards import resolve_reward_func
+# transformers' SchedulerType (it imports torch) and the reward functions (torch) are imported where a config is
+# checked: the console scripts answer a bad flag before torch is imported.
 
 DType = Literal["float32", "bfloat16", "float16"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -228,6 +227,8 @@ class TrainerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        from transformers import SchedulerType
+
         schedules = [t.value for t in SchedulerType]
         if self.lr_scheduler_type not in schedules:
             raise ConfigError(f"lr_scheduler_type must be one of {schedules}, got {self.lr_scheduler_type!r}")
@@ -282,6 +283,8 @@ class TrainerConfig:
             raise ConfigError(f"lora_target_modules: 'all-linear' stands alone, got {targets!r}")
 
     def _check_rewards(self) -> None:
+        from .rewards import resolve_reward_func
+
         if not self.reward_funcs:
             raise ConfigError("reward_funcs must name at least one reward function")
         for spec in self.reward_funcs:

@@ -6,10 +6,16 @@ The router listens on ``P`` (``vllm-router --policy consistent_hash``: a session
 replica); replica i on ``P + 1 + i``, each with ``--enable-control`` so that a trainer's ``RolloutPool`` can pause
 it and stream weights to it. On CPU each replica gets ``--threads-per-replica`` torch threads (``OMP_NUM_THREADS``);
 with ``--gpus`` replica i runs on GPU i (``CUDA_VISIBLE_DEVICES``). CPU replicas split one server's memory share
-(``--max-memory-percent`` 0.25 / N) unless the flags after ``--`` size the KV cache. Once every replica is healthy
-and the router routes to all of them, the server URLs and the router URL are printed, one ``key=value`` line each,
-and the launcher waits; SIGINT or SIGTERM stops the router, then the replicas (SIGTERM, the servers' own graceful
-shutdown), and it exits 0. A replica or the router that exits on its own stops the rest (exit status 1).
+(``--max-memory-percent`` 0.25 / N) unless the flags after ``--`` size the KV cache. Each process is named on stderr
+with its PID and URL as it starts (a replica that hangs can be found). Once every replica is healthy and the router
+routes to all of them, the server URLs, the router URL and the PIDs are printed on stdout, one ``key=value`` line each
+(``server_urls``, ``router_url``, ``server_pids``, ``router_pid``), and the launcher waits; SIGINT or SIGTERM stops the
+router, then the replicas (SIGTERM, the servers' own graceful shutdown), and it exits 0. A replica or the router that
+exits on its own stops the rest (exit status 1).
+
+The router logs at ``--router-log-level`` (default ``warning``): vllm-router 0.1.17 logs three lines per request at
+INFO (``CONSISTENT_HASH_DEBUG: ...``) and ignores its own ``--log-level``, so the level reaches it as ``RUST_LOG``
+(unless the environment sets one), and its startup ``DEBUG:`` prints are dropped below ``debug``.
 
 Several machines: run ``rollout-serve`` on each and ``vllm-router --worker-urls ...`` on one (docs/scaling.md).
 """
@@ -24,8 +30,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import IO
 
 import httpx
 
@@ -33,6 +41,10 @@ from rollout.config import DEFAULT_MEMORY_PERCENT_CPU
 
 # Seconds each process gets to stop after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
+# vllm-router's levels (its --log-level's choices), each also a RUST_LOG directive.
+ROUTER_LOG_LEVELS = ("debug", "info", "warning", "error")
+# What vllm-router 0.1.17 prints with println at startup, whatever the level: dropped below --router-log-level debug.
+ROUTER_DEBUG_PREFIX = "DEBUG: "
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", action="store_true", help="replica i on GPU i (CUDA_VISIBLE_DEVICES=i)")
     parser.add_argument("--policy", default="consistent_hash", help="the router's policy (vllm-router --policy)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the replicas get to be healthy")
+    parser.add_argument(
+        "--router-log-level",
+        choices=ROUTER_LOG_LEVELS,
+        default="warning",
+        help="the router's log level (default warning; info shows its per-request routing lines)",
+    )
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags passed to every rollout-serve")
     return parser
 
@@ -94,6 +112,11 @@ def _healthy(url: str) -> bool:
     return False
 
 
+def _started(what: str, proc: subprocess.Popen, url: str) -> None:
+    """Name a process that just started on stderr: its PID (to find it, or to stop it by hand) and its URL."""
+    print(f"rollout-fleet: {what}: pid {proc.pid}, {url}", file=sys.stderr, flush=True)
+
+
 def _wait(procs: Sequence[subprocess.Popen], ready: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -103,6 +126,23 @@ def _wait(procs: Sequence[subprocess.Popen], ready: Callable[[], bool], timeout:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not ready within {timeout:g} s")
         time.sleep(0.5)
+
+
+def router_env(level: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The router's environment: ``RUST_LOG`` at ``level`` (vllm-router reads it, not its ``--log-level``), unless
+    ``environ`` (default ``os.environ``) sets one: a user's filter directive wins."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("RUST_LOG", "warn" if level == "warning" else level)
+    return env
+
+
+def _forward_router_output(stream: IO[str], keep_debug: bool) -> None:
+    """Copy the router's output to stderr line by line, less its startup ``DEBUG:`` prints unless ``keep_debug``
+    (runs in a thread until the router closes its stdout)."""
+    for line in stream:
+        if keep_debug or not line.startswith(ROUTER_DEBUG_PREFIX):
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def cpu_memory_share(replicas: int, serve_args: Sequence[str]) -> list[str]:
@@ -143,21 +183,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "rollout.serve", "--model", args.model, "--host", args.host, "--port",
                    str(args.port + 1 + i), "--enable-control", *placement, *extra]  # fmt: skip
             # A new session: a terminal's Ctrl-C reaches the launcher only, which stops the replicas in order.
-            # Their output goes to stderr: stdout carries only the URL lines, for a script to read.
+            # Their output goes to stderr: stdout carries only the key=value lines, for a script to read.
             replicas.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr))
+            _started(f"replica {i}", replicas[-1], urls[i])
         _wait(replicas, lambda: stopping or all(_healthy(u) for u in urls), args.ready_timeout, "a replica")
         if not stopping:
+            router_url = f"http://{args.host}:{args.port}"
             router = subprocess.Popen(
                 ["vllm-router", "--host", args.host, "--port", str(args.port), "--worker-urls", *urls,
-                 "--policy", args.policy, "--log-level", "warning", "--prometheus-host", args.host,
+                 "--policy", args.policy, "--log-level", args.router_log_level, "--prometheus-host", args.host,
                  "--prometheus-port", str(_free_port(args.host))],
+                env=router_env(args.router_log_level),
                 start_new_session=True,
-                stdout=sys.stderr,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
-            router_url = f"http://{args.host}:{args.port}"
+            keep_debug = args.router_log_level == "debug"
+            threading.Thread(
+                target=_forward_router_output, args=(router.stdout, keep_debug), name="router-output", daemon=True
+            ).start()
+            _started("router", router, router_url)
             _wait([router, *replicas], lambda: stopping or _healthy(router_url), 120.0, "the router")
             print(f"server_urls={','.join(urls)}", flush=True)
             print(f"router_url={router_url}", flush=True)
+            print(f"server_pids={','.join(str(p.pid) for p in replicas)}", flush=True)
+            print(f"router_pid={router.pid}", flush=True)
         while not stopping:
             for proc in [*replicas, *([router] if router else [])]:
                 if proc.poll() is not None:

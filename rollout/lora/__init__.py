@@ -294,7 +294,7 @@ class LoraSlots:
                 f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={self.max_lora_rank}; "
                 f"start the engine with max_lora_rank >= {adapter.rank}",
             )
-        for module_name, (a, b) in adapter.weights.items():
+        for module_name, (a, b) in sorted(adapter.weights.items()):  # the first misfit, whatever the load order
             module = self._modules.get(module_name)
             last = module_name.rsplit(".", 1)[-1]
             if type(module) is not torch.nn.Linear or last in _REFUSED_TARGETS:

@@ -44,15 +44,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
-import torch.distributed as dist
-import transformers
+if TYPE_CHECKING:
+    import datasets
 
-from rollout.engine.worker.distributed import is_driver_rank
-from rollout.scoring.offline import ScoreOutput, score
-from rollout.weights.loading import load_model
-from rollout.weights.model_info import model_context_length
+    from rollout.scoring.offline import ScoreOutput
+
+# datasets, torch, transformers and the engine are imported once the flags are parsed (in the functions that use them):
+# a bad flag is answered at once, not after the seconds torch takes to import.
 
 INPUT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 OUTPUT_FORMATS = (".jsonl", ".parquet")
@@ -88,6 +88,8 @@ def read_dataset(path: str | Path) -> datasets.Dataset:
         raise ScoreDatasetError(f"dataset file {path} is empty: there are no rows to score")
     if fmt != "parquet" and _only_whitespace(path):
         raise ScoreDatasetError(f"dataset file {path} holds only blank lines: there are no rows to score")
+    import datasets
+
     ds_logger = logging.getLogger("datasets")
     level = ds_logger.level
     ds_logger.setLevel(logging.CRITICAL)  # datasets logs its own copy of the parse error
@@ -329,6 +331,11 @@ def run(args: argparse.Namespace) -> int | None:
     check_columns(ds.column_names, [args.prompt_column, args.completion_column], args.dataset)
     prompts = _texts(ds[args.prompt_column], args.prompt_column)
     completions = _texts(ds[args.completion_column], args.completion_column, null_is_empty=True)
+    from rollout.engine.worker.distributed import is_driver_rank
+    from rollout.scoring.offline import score
+    from rollout.weights.loading import load_model
+    from rollout.weights.model_info import model_context_length
+
     model, tokenizer = load_model(args.model, device=args.device, tp_plan="auto" if args.tp else None)
     if not is_driver_rank(model):  # a tensor-parallel rank other than rank 0 computes, but says nothing
         logging.getLogger().setLevel(logging.ERROR)
@@ -375,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status (0 ok, 1 bad input; argparse exits 2 on bad flags)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     args = parse_args(argv)
+    import datasets
+    import torch.distributed as dist
+    import transformers
+
     # The scoring bar is the one that matters: silence the loading bars, and restore them after.
     hf_bars = transformers.utils.logging.is_progress_bar_enabled()
     ds_bars = datasets.is_progress_bar_enabled()

@@ -188,9 +188,9 @@ def build_app(service: GenerationService, settings: ServerSettings) -> FastAPI:
                 if out.is_finished():
                     finals[index] = out
                 if choice is not None:
-                    yield f"data: {json.dumps(responses.stream_chunk(job, info, [choice]))}\n\n"
+                    yield f"data: {json.dumps(responses.stream_chunk(job, [choice]))}\n\n"
             if job.include_usage:
-                yield f"data: {json.dumps(responses.stream_chunk(job, info, [], responses.usage(job, finals)))}\n\n"
+                yield f"data: {json.dumps(responses.stream_chunk(job, [], responses.usage(job, finals)))}\n\n"
         except APIError as e:  # the status line is sent: the error goes in the stream, as vLLM does
             yield sse_error(e)
         finally:

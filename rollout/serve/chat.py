@@ -7,6 +7,11 @@ a file...) is refused, the served models reading text only. The prompt is the te
 special tokens again (the template writes them itself, BOS included). Tool calls follow the Hermes format that vLLM's
 ``hermes`` parser reads (Qwen 2.5/3, Hermes, SmolLM3 templates write it):
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+A message's role is one of OpenAI's (``CHAT_ROLES``): any other is refused before the template runs, since a template
+such as SmolLM2's renders whatever it is given (``<|im_start|>wizard``) and the model answers nonsense. ``developer``
+(OpenAI's newer name of the system message) reaches a template that names it as it is; any other template gets
+``system``, as vLLM maps it (most Hugging Face templates know no ``developer``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,36 @@ from rollout.agents.environments import hermes_tool_call_blocks
 from rollout.serve.errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"
+# The roles of OpenAI's chat messages (``ChatCompletionMessageParam``). The deprecated ``function`` is not served: chat
+# templates render tool results as ``tool``.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # What joins the texts of a message's content parts (vLLM's joiner for templates that read a string).
 PART_JOINER = "\n"
+
+
+def check_roles(messages: list[dict[str, Any]]) -> None:
+    """Refuse a message whose role is not one of OpenAI's (``CHAT_ROLES``).
+
+    Raises:
+        APIError: 400 (param ``messages.i.role``) naming the role given and the roles allowed.
+    """
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role in CHAT_ROLES:
+            continue
+        param = f"messages.{i}.role"
+        given = "missing" if role is None else f"{role!r} is not a chat role"
+        raise bad_request(f"{param}: {given}; a message's role is one of {', '.join(CHAT_ROLES)}", param)
+
+
+def template_roles(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each ``developer`` message made a ``system`` one, unless the chat template names the
+    ``developer`` role itself (vLLM's mapping: a template that does not know the role would render it verbatim or
+    fail on it)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "developer" in template:  # a dict of named templates: left as it is
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,7 +113,8 @@ def chat_prompt_ids(
 
     Args:
         tokenizer: a ``transformers`` tokenizer with a ``chat_template``.
-        messages: OpenAI messages (``role``, ``content``, tool fields), passed to the template as they are.
+        messages: OpenAI messages (``role``, ``content``, tool fields), passed to the template as they are but for
+            ``developer`` roles (``template_roles``).
         tools: OpenAI tool specs (``{"type": "function", "function": {...}}``), or None.
         add_generation_prompt: append the assistant turn's opening.
         continue_final_message: leave the last (assistant) message open for the model to continue.
@@ -100,7 +134,7 @@ def chat_prompt_ids(
         )
     try:
         text = tokenizer.apply_chat_template(
-            messages,
+            template_roles(tokenizer, messages),
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -29,16 +29,17 @@ import socket
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
 import uvicorn
 
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, load_model
-from rollout.serve.app import ServerSettings, build_app
-from rollout.serve.service import GenerationService, model_info
-from rollout.serve.weight_updates import TransferSettings
-from rollout.weights.loading import ModelNotFoundError, check_model_name
+from rollout.config import ContinuousBatchingConfig
+
+if TYPE_CHECKING:
+    from rollout.serve.service import GenerationService
+
+# torch, transformers, the engine and the app are imported once the flags are parsed (in ``main`` and ``_serve``):
+# a bad flag is answered at once, not after the seconds torch takes to import.
 
 logger = logging.getLogger("rollout.serve")
 
@@ -47,7 +48,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _NOT_FLAGS = {"varlen_compile_config", "decode_compile_config", "block_size"}
 # Defaults the server changes: RL clients read logprobs, so the engine records them.
 _SERVER_DEFAULTS = {"return_logprobs": True}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The --dtype choices: names of torch dtypes.
+_DTYPES = ("bfloat16", "float16", "float32")
 # Seconds uvicorn waits for connections past --shutdown-timeout: the requests then ended send their final events.
 ABORT_GRACE_SECONDS = 5.0
 
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds the transfer group's rendezvous and each broadcast wait for the trainer before failing",
     )
-    server.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype of the weights")
+    server.add_argument("--dtype", choices=_DTYPES, default="float32", help="dtype of the weights")
     server.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, cuda:1...)")
     server.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown"
@@ -260,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    from rollout.weights.loading import ModelNotFoundError, check_model_name
+
     try:
         check_model_name(args.model)
     except ModelNotFoundError as e:
@@ -283,11 +287,27 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _serve(args: argparse.Namespace, config: ContinuousBatchingConfig, sock: socket.socket) -> None:
     """Load the model, start the manager and serve on ``sock`` until a signal ends it; the manager is destroyed on
     every way out (the lifespan's shutdown does it after a signal)."""
+    import torch
+
+    from rollout import ContinuousBatchingManager, load_model
+    from rollout.serve.app import ServerSettings, build_app
+    from rollout.serve.kv_memory import allocation_failure, is_allocation_failure, oversized_cache
+    from rollout.serve.service import GenerationService, model_info
+    from rollout.serve.weight_updates import TransferSettings
+
     try:
-        model, tokenizer = load_model(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     except (OSError, ValueError) as e:  # a folder without a model, a Hub id that does not resolve
         _fail(f"--model {args.model!r}: {e}")
-    manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
+    misfit = oversized_cache(model, config)
+    if misfit is not None:
+        _fail(misfit)
+    try:
+        manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
+    except (MemoryError, RuntimeError) as e:
+        if not is_allocation_failure(e):
+            raise
+        _fail(allocation_failure(model, config, e))
     try:
         manager.warmup(progress_bar=False)
         manager.start()

@@ -2,8 +2,9 @@
 
 ``completion_job`` and ``chat_job`` check what needs the model or the tokenizer (the served name, token ids in the
 vocabulary, an empty prompt, ``max_tokens`` past the context, ``min_tokens`` above ``max_tokens`` whether set or
-defaulted, logprobs the engine does not record), turn chat content parts into text (``chat.text_messages``) and build
-the request's one ``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
+defaulted, logprobs the engine does not record), check chat messages beside their rendering (their roles:
+``chat.check_roles``; content parts become text: ``chat.text_messages``) and build the request's one
+``SamplingParams``; what the body alone decides was checked by its pydantic model (``protocol.py``).
 Nothing is queued when a check fails, and the 400 names the field.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout import FieldError, SamplingParams, build_sampling_params
-from rollout.serve.chat import chat_prompt_ids, text_messages
+from rollout.serve.chat import chat_prompt_ids, check_roles, text_messages
 from rollout.serve.errors import APIError, bad_request
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -61,6 +62,8 @@ class Job:
 
     Attributes:
         request_id: the response's ``id`` (``cmpl-...`` / ``chatcmpl-...``).
+        model: the response's ``model``: the LoRA adapter the request named, else the served model's name (vLLM's
+            echo: a client that asked for an adapter sees that its answer came from it).
         prompts: token ids of each prompt; choice ``i * n + j`` is sample j of prompt i.
         params: the sampling parameters of every request of the job.
         n: samples per prompt.
@@ -79,6 +82,7 @@ class Job:
     """
 
     request_id: str
+    model: str
     prompts: list[list[int]]
     params: SamplingParams
     n: int
@@ -286,6 +290,7 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("cmpl", req),
+        model=lora or info.name,
         prompts=prompts,
         params=params,
         n=req.n,
@@ -312,6 +317,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     if req.logprobs and not info.logprobs:
         raise bad_request("logprobs: the server was started with --return-logprobs false", "logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    check_roles(req.messages)
     ids = chat_prompt_ids(
         info.tokenizer,
         text_messages(req.messages),
@@ -329,6 +335,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     params = sampling_params(req, max_tokens, info, top_logprobs, lora)
     return Job(
         request_id=_new_id("chatcmpl", req),
+        model=lora or info.name,
         prompts=prompts,
         params=params,
         n=req.n,

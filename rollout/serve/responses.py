@@ -261,23 +261,21 @@ def completion_response(
         "id": job.request_id,
         "object": "text_completion",
         "created": job.created,
-        "model": info.name,
+        "model": job.model,
         "choices": choices,
         "usage": usage(job, outputs),
         "system_fingerprint": None,
     }
 
 
-def stream_chunk(
-    job: Job, info: ModelInfo, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None
-) -> dict[str, Any]:
+def stream_chunk(job: Job, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
     """One streamed chunk: of ``/v1/completions`` (the answer's object, with partial choices) or of
     ``/v1/chat/completions`` (``openai.types.chat.ChatCompletionChunk``) as ``job.chat`` says."""
     return {
         "id": job.request_id,
         "object": "chat.completion.chunk" if job.chat else "text_completion",
         "created": job.created,
-        "model": info.name,
+        "model": job.model,
         "choices": choices,
         "usage": usage_,
     }
@@ -342,7 +340,7 @@ def chat_response(job: Job, outputs: list[GenerationOutput], info: ModelInfo) ->
         "id": job.request_id,
         "object": "chat.completion",
         "created": job.created,
-        "model": info.name,
+        "model": job.model,
         "choices": choices,
         "usage": usage(job, outputs),
         "prompt_token_ids": list(job.prompts[0]) if job.return_token_ids else None,

@@ -16,8 +16,11 @@ through the service's ``WeightUpdater`` (``weight_updates.py``), which calls the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -69,6 +72,14 @@ def model_info(manager: ContinuousBatchingManager, tokenizer: Any, name: str) ->
         logprobs=manager.cb_config.return_logprobs,
         loras=lambda: manager.lora_adapters,
     )
+
+
+def adapter_base_model(path: str) -> str | None:
+    """The ``base_model_name_or_path`` of the peft adapter folder ``path`` (None when its config has none)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            return json.load(f).get("base_model_name_or_path")
+    return None
 
 
 def _drop(out: GenerationOutput) -> None:
@@ -297,8 +308,9 @@ class GenerationService:
 
         Raises:
             APIError: 404 without ``--enable-lora``; 400 naming ``lora_path`` for a folder that is not a peft
-                adapter, ``lora_name`` for a name in use, or the setting an adapter exceeds (``max_lora_rank``,
-                ``target_modules``, ``max_loras``).
+                adapter or an adapter of another base model (its tensors' shapes differ from the served model's
+                layers: both models and the first such layer are named), ``lora_name`` for a name in use, or the
+                setting an adapter exceeds (``max_lora_rank``, ``target_modules``, ``max_loras``).
         """
         if not self.manager.cb_config.enable_lora:
             raise APIError(404, "/v1/load_lora_adapter: start the server with --enable-lora to serve LoRA adapters")
@@ -308,16 +320,18 @@ class GenerationService:
             adapter = await asyncio.to_thread(LoraAdapter.from_peft_dir, name, path)
         except (OSError, ValueError) as e:
             raise bad_request(f"lora_path: {e}", "lora_path") from e
-        return await self.install_lora(adapter, replace)
+        return await self.install_lora(adapter, replace, path)
 
-    async def install_lora(self, adapter: LoraAdapter, replace: bool) -> int:
-        """Load ``adapter`` (from a folder, or received over the transfer group) under its name (``replace``: it
-        replaces an adapter of that name, in one step: a refused load leaves the old one loaded); returns the new
-        weight version.
+    async def install_lora(self, adapter: LoraAdapter, replace: bool, path: str | None = None) -> int:
+        """Load ``adapter`` (from the folder ``path``, or received over the transfer group) under its name
+        (``replace``: it replaces an adapter of that name, in one step: a refused load leaves the old one loaded);
+        returns the new weight version.
 
         Raises:
             APIError: 404 without ``--enable-lora``; 400 naming ``lora_name`` for the base model's name or a name in
-                use, or the setting the adapter exceeds (``max_lora_rank``, ``target_modules``, ``max_loras``).
+                use, the setting the adapter exceeds (``max_lora_rank``, ``target_modules``, ``max_loras``), or
+                ``lora_path`` for an adapter of another base model (a layer's shapes differ: both models and the first
+                such layer are named).
         """
         name = adapter.name
         if not self.manager.cb_config.enable_lora:
@@ -327,8 +341,24 @@ class GenerationService:
         try:  # one call: a refused replacement leaves the adapter of that name loaded
             return await asyncio.to_thread(self.manager.load_lora, adapter, replace)
         except FieldError as e:
-            # The adapter's tensors do not fit the model ("weights"): the request's field is the folder they came from.
-            raise bad_request(str(e), "lora_path" if e.field == "weights" else e.field) from e
+            if e.field != "weights":
+                raise bad_request(str(e), e.field) from e
+            # The tensors do not fit the served layers: the adapter was made for another model, which is the fault to
+            # name (with the folder it came from, the request's field), not the tensor.
+            served = self.info.name
+            source = getattr(self.manager.model.config, "_name_or_path", "")
+            if source and source != served:
+                served += f" ({source})"
+            named = (
+                f"its adapter_config.json names {adapter_base_model(path)!r} (base_model_name_or_path), "
+                if path
+                else ""
+            )
+            raise bad_request(
+                f"lora_path: adapter {name!r} was trained on another base model: {named}this server serves "
+                f"{served!r}; {e}",
+                "lora_path",
+            ) from e
         except ValueError as e:
             raise bad_request(str(e), None) from e
 
