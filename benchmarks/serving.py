@@ -154,8 +154,8 @@ def divergence_margin(
     Greedy (``seed`` None): the gap between the two largest logits at that position. Seeded sampling (no top-k,
     top-p or min-p): the distance, in probability, from the request's seeded uniform number for token
     ``len(prefix)`` (``rollout.engine.sample.sampler.seeded_uniforms``) to the nearest boundary of the float64
-    cumulative distribution it was searched in. A margin near fp32 rounding (about 1e-6 of probability, 1e-5 of a logit) says the
-    two systems differ only in the rounding of the batch shapes they ran, not in what they computed.
+    cumulative distribution it was searched in. A margin near fp32 rounding (about 1e-6 of probability, 1e-5 of a
+    logit) says the two systems differ only in the rounding of the batch shapes they ran, not in what they computed.
 
     The pass is the model's own forward (not the engine's packed linear layers and paged attention), so the margin is
     an estimate of the engine's, good to fp32 rounding. Logits processors, top-k, top-p and min-p are not applied: the

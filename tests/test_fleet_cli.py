@@ -1,6 +1,6 @@
 """``rollout-fleet`` (``python -m rollout.fleet.cli``): N local replicas and vLLM's router, their URLs and PIDs
-printed, a routed completion answered, the router quiet per request, a KV cache too large for the machine said in one line, and
-everything stopped on SIGINT."""
+printed, a routed completion answered, the router quiet per request, a KV cache too large for the machine said in one
+line, and everything stopped on SIGINT."""
 
 from __future__ import annotations
 
