@@ -165,16 +165,11 @@ class RolloutPool:
         'rollout[ray]'``); this process must be connected to the cluster (``ray.init``).
 
         Args:
-            model: each replica's ``--model``: a folder every node can read, or an alias.
-            num_replicas: >= 1.
+            model, num_replicas, serve_args, host, ready_timeout, actor_options: as ``ReplicaLaunch``'s fields
+                (``rollout.fleet.ray_replicas``).
             num_cpus_per_replica: each actor's CPUs (a whole number is also the server's torch threads).
             num_gpus_per_replica: each actor's GPUs; > 0 serves on CUDA.
-            serve_args: more ``rollout-serve`` flags for every replica (``["--num-blocks", "512"]``).
-            host: the address each replica binds and reports; None: its node's address (reachable from the
-                cluster; pass ``api_key`` there).
             api_key: every replica's ``--api-key``, and the pool's.
-            ready_timeout: seconds the replicas get to load the model and answer ``/health``.
-            actor_options: more ``ray.remote`` options of each actor (``scheduling_strategy``, ``resources``).
             pool_kwargs: ``RolloutPool`` arguments (``router_url``, ``timeout``, ``bucket_bytes``...).
 
         Raises:
@@ -183,19 +178,20 @@ class RolloutPool:
             ImportError: Ray is not installed.
             RuntimeError: a replica exited or was not healthy within ``ready_timeout`` (the actors are stopped).
         """
-        from rollout.fleet.ray_replicas import launch_replicas, stop_replicas
+        from rollout.fleet.ray_replicas import ReplicaLaunch, launch_replicas, stop_replicas
 
-        urls, actors = launch_replicas(
-            model,
-            num_replicas,
+        launch = ReplicaLaunch(
+            model=model,
+            num_replicas=num_replicas,
             num_cpus=num_cpus_per_replica,
             num_gpus=num_gpus_per_replica,
-            serve_args=serve_args,
+            serve_args=tuple(serve_args),
             host=host,
             api_key=api_key,
             ready_timeout=ready_timeout,
             actor_options=actor_options,
         )
+        urls, actors = launch_replicas(launch)
         try:
             pool = cls(urls, api_key=api_key, **pool_kwargs)
         except BaseException:
