@@ -1,25 +1,28 @@
 """rollout: a continuous-batching generation engine for the rollouts of RL trainers."""
 
-from rollout.agents.chat_delta import ChatDelta
-from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
-from rollout.agents.episodes import (
+from rollout.agents import (
+    ChatDelta,
     ClientTurns,
+    Environment,
     Episode,
     EpisodeLimits,
     ManagerTurns,
+    ToolCall,
     Turn,
     TurnBackend,
     TurnOutput,
+    environment_tools,
     episode_json,
+    parse_tool_calls,
     run_episode,
     run_episodes,
+    tool_schemas,
 )
 from rollout.checks import FieldError
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine, EngineStats
 from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
-from rollout.fleet.client import RolloutClient, RolloutServerError, RolloutWeightTransfer
-from rollout.fleet.pool import RolloutPool
+from rollout.fleet import RolloutClient, RolloutPool, RolloutServerError, RolloutWeightTransfer
 from rollout.lora import LoraAdapter, adapter_state_dict
 from rollout.manager.batch import (
     attach,
