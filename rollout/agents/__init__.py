@@ -15,22 +15,23 @@ from rollout.agents.environments import Environment, ToolCall, environment_tools
 from rollout.agents.episodes import Episode, EpisodeLimits, Turn, episode_json, run_episode, run_episodes
 from rollout.agents.turns import ClientTurns, ManagerTurns, TurnBackend, TurnClient, TurnOutput
 
+# By module, as the docstring lists them: turns, episodes, chat_delta, environments.
 __all__ = [
-    "ChatDelta",
-    "ClientTurns",
-    "Environment",
-    "Episode",
-    "EpisodeLimits",
-    "ManagerTurns",
-    "ToolCall",
-    "Turn",
+    "TurnOutput",
     "TurnBackend",
     "TurnClient",
-    "TurnOutput",
-    "environment_tools",
-    "episode_json",
-    "parse_tool_calls",
+    "ManagerTurns",
+    "ClientTurns",
+    "EpisodeLimits",
+    "Turn",
+    "Episode",
     "run_episode",
     "run_episodes",
+    "episode_json",
+    "ChatDelta",
+    "Environment",
+    "ToolCall",
+    "environment_tools",
+    "parse_tool_calls",
     "tool_schemas",
 ]
