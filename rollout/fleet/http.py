@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-# The pool's planes log as the pool: the name users (and the tests) configure, whichever plane drops or rejoins.
+# One logger for every plane: a drop, a resend or a rejoin is the pool's, whichever plane writes it.
 logger = logging.getLogger("rollout.fleet.pool")
 
 # Seconds a health probe may take before its replica counts as gone.
