@@ -12,26 +12,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors read; at run time each name is imported on first use
-    from rollout.agents.chat_delta import ChatDelta
-    from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
-    from rollout.agents.episodes import (
+    from rollout.agents import (
+        ChatDelta,
         ClientTurns,
+        Environment,
         Episode,
         EpisodeLimits,
         ManagerTurns,
+        ToolCall,
         Turn,
         TurnBackend,
         TurnOutput,
+        environment_tools,
         episode_json,
+        parse_tool_calls,
         run_episode,
         run_episodes,
+        tool_schemas,
     )
     from rollout.checks import FieldError
     from rollout.config import ContinuousBatchingConfig
     from rollout.engine.engine import Engine, EngineStats
     from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
-    from rollout.fleet.client import RolloutClient, RolloutServerError, RolloutWeightTransfer
-    from rollout.fleet.pool import RolloutPool
+    from rollout.fleet import RolloutClient, RolloutPool, RolloutServerError, RolloutWeightTransfer
     from rollout.lora import LoraAdapter, adapter_state_dict
     from rollout.manager.batch import (
         attach,
@@ -44,9 +47,8 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     from rollout.manager.manager import ContinuousBatchingManager
     from rollout.requests import GenerationOutput, RequestStatus
     from rollout.sampling_params import SamplingParams, build_sampling_params
-    from rollout.scoring.offline import ScoreOutput, score, score_with_engine
-    from rollout.weights.loading import load_model, rollout_home
-    from rollout.weights.model_info import UnsupportedModelError, model_context_length
+    from rollout.scoring import ScoreOutput, score, score_with_engine
+    from rollout.weights import UnsupportedModelError, load_model, model_context_length, rollout_home
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
@@ -58,44 +60,44 @@ _EXPORTS = {
     "num_blocks_for_model": "rollout.engine.kv.sizing",
     "usable_memory_bytes": "rollout.engine.kv.sizing",
     "FieldError": "rollout.checks",
-    "RolloutClient": "rollout.fleet.client",
-    "RolloutServerError": "rollout.fleet.client",
-    "RolloutWeightTransfer": "rollout.fleet.client",
+    "RolloutClient": "rollout.fleet",
+    "RolloutServerError": "rollout.fleet",
+    "RolloutWeightTransfer": "rollout.fleet",
     "ContinuousBatchingConfig": "rollout.config",
     "Engine": "rollout.engine.engine",
     "EngineStats": "rollout.engine.engine",
-    "Environment": "rollout.agents.environments",
-    "ToolCall": "rollout.agents.environments",
-    "environment_tools": "rollout.agents.environments",
-    "parse_tool_calls": "rollout.agents.environments",
-    "tool_schemas": "rollout.agents.environments",
-    "ChatDelta": "rollout.agents.chat_delta",
-    "ClientTurns": "rollout.agents.episodes",
-    "Episode": "rollout.agents.episodes",
-    "EpisodeLimits": "rollout.agents.episodes",
-    "ManagerTurns": "rollout.agents.episodes",
-    "Turn": "rollout.agents.episodes",
-    "TurnBackend": "rollout.agents.episodes",
-    "TurnOutput": "rollout.agents.episodes",
-    "episode_json": "rollout.agents.episodes",
-    "run_episode": "rollout.agents.episodes",
-    "run_episodes": "rollout.agents.episodes",
+    "Environment": "rollout.agents",
+    "ToolCall": "rollout.agents",
+    "environment_tools": "rollout.agents",
+    "parse_tool_calls": "rollout.agents",
+    "tool_schemas": "rollout.agents",
+    "ChatDelta": "rollout.agents",
+    "ClientTurns": "rollout.agents",
+    "Episode": "rollout.agents",
+    "EpisodeLimits": "rollout.agents",
+    "ManagerTurns": "rollout.agents",
+    "Turn": "rollout.agents",
+    "TurnBackend": "rollout.agents",
+    "TurnOutput": "rollout.agents",
+    "episode_json": "rollout.agents",
+    "run_episode": "rollout.agents",
+    "run_episodes": "rollout.agents",
     "QueueFullError": "rollout.manager.intake",
-    "load_model": "rollout.weights.loading",
-    "rollout_home": "rollout.weights.loading",
+    "load_model": "rollout.weights",
+    "rollout_home": "rollout.weights",
     "LoraAdapter": "rollout.lora",
     "adapter_state_dict": "rollout.lora",
     "ContinuousBatchingManager": "rollout.manager.manager",
-    "UnsupportedModelError": "rollout.weights.model_info",
-    "model_context_length": "rollout.weights.model_info",
-    "RolloutPool": "rollout.fleet.pool",
+    "UnsupportedModelError": "rollout.weights",
+    "model_context_length": "rollout.weights",
+    "RolloutPool": "rollout.fleet",
     "GenerationOutput": "rollout.requests",
     "RequestStatus": "rollout.requests",
     "SamplingParams": "rollout.sampling_params",
     "build_sampling_params": "rollout.sampling_params",
-    "ScoreOutput": "rollout.scoring.offline",
-    "score": "rollout.scoring.offline",
-    "score_with_engine": "rollout.scoring.offline",
+    "ScoreOutput": "rollout.scoring",
+    "score": "rollout.scoring",
+    "score_with_engine": "rollout.scoring",
 }
 
 __all__ = [

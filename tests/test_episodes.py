@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rollout.agents.episodes, rollout.agents.environments) on a tiny random Llama in process.
+"""Multi-turn episodes (rollout.agents.episodes, .turns, .environments) on a tiny random Llama in process.
 
 References: the turns' own requests (ids), the chat template's delta computed by hand (environment spans), a
 teacher-forced forward over ``prompt_ids + completion_ids`` (logprobs), the engine's prefix-cache counters, and an

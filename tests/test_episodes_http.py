@@ -23,7 +23,7 @@ from rollout import (
     RolloutPool,
     run_episode,
 )
-from rollout.fleet.pool import pick_replica
+from rollout.fleet import pick_replica
 from tests.serve_utils import RunningServer, running_server, wait_until
 from tests.test_episodes import PAGE, PROMPT, ROLE_TEMPLATE, RetryEnv, assert_trajectory_is_the_rendering
 from tests.tiny_models import EOS_TOKEN_ID, llama3_style_tokenizer, tiny_llama

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollout import ContinuousBatchingConfig, RolloutPool
-from rollout.fleet.pool import RolloutServerError, pick_replica
+from rollout.fleet import RolloutServerError, pick_replica
 from rollout.serve import TransferSettings
 from rollout.weights.transfer import describe, plan_buckets, update_info
 from tests.serve_utils import RunningServer, free_port, running_server, wait_until

@@ -5,7 +5,10 @@ What differs from single-turn training (``trainers.grpo``, ``trainers.ppo``), an
 - the rollout queue (``EpisodeQueue``) submits a batch's G episodes per prompt to a thread pool instead of G
   requests; each episode's turns are requests on the same backend (in process, ``rollout.ManagerTurns``; on a
   ``rollout_server``, ``rollout.ClientTurns`` with the session header), so the engine batches the turns of every
-  episode in flight and turn k+1 reuses turn k's KV;
+  episode in flight and turn k+1 reuses turn k's KV. It returns each episode as an ``EpisodeOutput``, a
+  ``rollout.GenerationOutput`` whose tokens are the episode's completion: the recipe's step, the queue's staleness
+  and both algorithms' ``generate_trajectory`` take the batch with the base types, as verl's agent loop hands its
+  trainer the same batch as a single turn;
 - the scored batch (``score``, which both algorithms' ``generate_trajectory`` build on) is the episodes'
   ``prompt_ids``, ``completion_ids`` (model and environment ids interleaved) and ``loss_mask``, the engine's logprobs
   as the behaviour policy (0 on environment ids, which the mask takes out), and the environment's ``get_reward`` as
@@ -17,14 +20,15 @@ What differs from single-turn training (``trainers.grpo``, ``trainers.ppo``), an
 - the run folder gains ``trajectories.jsonl``: ``log_trajectories`` episodes per step, every field of
   ``rollout.Episode`` with ``logprobs_mode`` and ``temperature``.
 
-Staleness counts model tokens only (environment ids carry version -1). The reward comes from the environment, so
-``reward_funcs`` is empty.
+Staleness counts model tokens only (environment ids carry version -1, which ``RolloutQueue.staleness`` leaves out),
+and so does the throughput. The reward comes from the environment, so ``reward_funcs`` is empty.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -117,35 +121,89 @@ class MultiTurnPPOConfig(EpisodeFields, PPOConfig):
     default_config_file: ClassVar[str | None] = None
 
 
+# ``rollout.run_episodes`` on the trainer's backend: (rows, episode_ids, seeds) -> the episodes, in id order.
+EpisodeRunner = Callable[[list[dict[str, Any]], list[str], list[int | None]], list[rollout.Episode]]
+
+
+@dataclass
+class EpisodeOutput(rollout.GenerationOutput):
+    """One episode as a rollout output: what ``EpisodeQueue.take`` returns, so that episodes enter the recipe
+    through the base queue's types.
+
+    ``generated_tokens`` are the episode's completion ids (model and environment ids interleaved), ``logprobs`` and
+    ``weight_versions`` one per id (0.0 and -1 on environment ids: no weights sampled them, so the base queue's
+    ``staleness`` leaves them out), ``finish_reason`` the episode's. The episode is ``episode``; its other fields
+    (``loss_mask``, ``reward``, ``turns``, ``num_model_turns``...) read through.
+    """
+
+    episode: rollout.Episode = field(kw_only=True)
+
+    @classmethod
+    def of(cls, episode: rollout.Episode) -> EpisodeOutput:
+        """The output of a finished episode."""
+        return cls(
+            request_id=episode.episode_id,
+            prompt_ids=episode.prompt_ids,
+            generated_tokens=episode.completion_ids,
+            logprobs=episode.logprobs,
+            status=rollout.RequestStatus.FINISHED,
+            weight_versions=episode.weight_versions,
+            finish_reason=episode.finish_reason,
+            episode=episode,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names a GenerationOutput lacks. Dunders and a half-built copy (no ``episode`` yet) are not
+        # the episode's to answer.
+        episode = self.__dict__.get("episode")
+        if episode is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(episode, name)
+
+
+def episodes_of(outputs: Sequence[rollout.GenerationOutput]) -> list[rollout.Episode]:
+    """The episodes behind an ``EpisodeQueue``'s outputs, in order.
+
+    Raises:
+        TypeError: an output is a single request's, not an episode's (the recipe's queue is not an ``EpisodeQueue``).
+    """
+    episodes = [o.episode for o in outputs if isinstance(o, EpisodeOutput)]
+    if len(episodes) != len(outputs):
+        raise TypeError("multi-turn training scores episodes: the rollout queue must be an EpisodeQueue")
+    return episodes
+
+
 class EpisodeQueue(RolloutQueue):
     """The rollout queue of episodes: batch j's G episodes per prompt run in a thread pool from submission; ``take``
-    waits for them. Submission, prefetch and the staleness bound are ``RolloutQueue``'s.
+    waits for them and returns each as an ``EpisodeOutput``. Submission, prefetch, the staleness bound and its
+    measure are ``RolloutQueue``'s.
 
     Args:
         run: ``(rows, episode_ids, seeds) -> episodes`` (``rollout.run_episodes`` on the trainer's backend).
         Others: ``RolloutQueue``'s.
     """
 
-    def __init__(self, *args: Any, run: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, run: EpisodeRunner, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.run = run
-        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._futures: dict[int, concurrent.futures.Future[tuple[list[rollout.Episode], float]]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="episode-batch")
+        self._done = 0.0  # when the last batch taken ended
 
     def submit(self, j: int) -> None:
         """Start batch ``j``'s episodes."""
         rows = self.rows_for_batch(j)
         G = self.samples_per_prompt
         ids = [f"{self.id_prefix}_b{j}_p{i}_g{g}" for i in range(len(rows)) for g in range(G)]
-        seeds = [self.seed(j, i, g) for i in range(len(rows)) for g in range(G)]
+        seeds: list[int | None] = [self.seed(j, i, g) for i in range(len(rows)) for g in range(G)]
         batch_rows = [r for r in rows for _ in range(G)]
         t0 = time.perf_counter()
         self._futures[j] = self._pool.submit(lambda: (self.run(batch_rows, ids, seeds), time.perf_counter()))
         self.pending.append(RolloutBatch(j, rows, [], ids, self.backend.weight_version, t0))
         self.next_batch = j + 1
 
-    def take(self, step: int) -> tuple[RolloutBatch, list[rollout.Episode]]:  # type: ignore[override]
-        """Start what may run, then wait for batch ``step``'s episodes (in episode-id order).
+    def take(self, step: int) -> tuple[RolloutBatch, list[rollout.GenerationOutput]]:
+        """Start what may run, then wait for batch ``step``'s episodes (in episode-id order), as ``EpisodeOutput``s.
 
         Raises:
             RuntimeError: an episode could not finish (the backend stopped).
@@ -158,27 +216,13 @@ class EpisodeQueue(RolloutQueue):
                 raise RuntimeError(f"episode {ep.episode_id} did not finish: the rollout backend stopped")
         batch.prompt_ids = [ep.prompt_ids for ep in episodes[:: self.samples_per_prompt]]
         self._done = done
-        return batch, episodes
+        outputs: list[rollout.GenerationOutput] = [EpisodeOutput.of(ep) for ep in episodes]
+        return batch, outputs
 
-    def staleness(self, episodes: Any) -> tuple[list[list[int]], torch.Tensor]:  # type: ignore[override]
-        """Per model token, the versions since it was sampled; bool [N]: episodes with a token older than the bound."""
-        version = self.backend.weight_version
-        stale = [[version - v for v, m in zip(ep.weight_versions, ep.loss_mask) if m] for ep in episodes]
-        too_old = torch.tensor([max(s, default=0) > self.max_staleness for s in stale], dtype=torch.bool)
-        return stale, too_old
-
-    def throughput(self, batch: RolloutBatch, episodes: Any) -> float:  # type: ignore[override]
+    def throughput(self, batch: RolloutBatch, outputs: Sequence[rollout.GenerationOutput]) -> float:
         """Sampled (model) tokens per second of the backend over the last batches (``RolloutQueue``'s accounting,
         with a batch's end the moment its last episode ended)."""
-        start = max(batch.submit_time, self._busy_until)
-        end = max(self._done, start)
-        paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
-        self._busy_until = end
-        self._pauses = [(s, e) for s, e in self._pauses if e > end]
-        tokens = sum(sum(ep.loss_mask) for ep in episodes)
-        self._throughput.append((tokens, max(0.0, end - start - paused)))
-        busy = sum(b for _, b in self._throughput)
-        return sum(t for t, _ in self._throughput) / busy if busy > 0 else float("nan")
+        return self._charge(batch, self._done, sum(sum(ep.loss_mask) for ep in episodes_of(outputs)))
 
     def close(self) -> None:
         """Stop taking batches (running episodes end when the backend stops)."""
@@ -210,7 +254,9 @@ class EpisodeRecipe:
         }
         return rollout.ClientTurns(self.backend.client, **params)
 
-    def _run(self, rows: list[dict[str, Any]], ids: list[str], seeds: list[int | None], greedy: bool = False) -> list:
+    def _run(
+        self, rows: list[dict[str, Any]], ids: list[str], seeds: list[int | None], greedy: bool = False
+    ) -> list[rollout.Episode]:
         cfg = self.config
         return rollout.run_episodes(
             self._turns(greedy),
@@ -241,14 +287,20 @@ class EpisodeRecipe:
             run=self._run,
         )
 
-    def score(self, batch: RolloutBatch, episodes: list) -> Trajectory:  # type: ignore[override]
-        """The episodes as a scored batch: their ids and loss masks, the engine's logprobs (0 on environment ids),
-        the environment's reward, staleness over model tokens; writes ``log_trajectories`` of them to
-        trajectories.jsonl and logs the episodes' turns, environment tokens and success."""
+    def score(self, batch: RolloutBatch, outputs: list[rollout.GenerationOutput]) -> Trajectory:
+        """The episodes (``EpisodeQueue``'s outputs) as a scored batch: their ids and loss masks, the engine's
+        logprobs (0 on environment ids), the environment's reward, staleness over model tokens; writes
+        ``log_trajectories`` of them to trajectories.jsonl and logs the episodes' turns, environment tokens and
+        success.
+
+        Raises:
+            TypeError: ``outputs`` are not episodes (``episodes_of``).
+        """
         cfg = self.config
         G = cfg.num_generations
+        episodes = episodes_of(outputs)
         scores = torch.tensor([ep.reward if ep.reward is not None else float("nan") for ep in episodes]).float()
-        staleness, too_old = self.queue.staleness(episodes)
+        staleness, too_old = self.queue.staleness(outputs)
         n = len(episodes)
         self._log_metric("episode_model_turns", sum(ep.num_model_turns for ep in episodes) / n)
         self._log_metric("episode_env_tokens", sum(len(ep.loss_mask) - sum(ep.loss_mask) for ep in episodes) / n)
@@ -312,10 +364,6 @@ class EpisodeRecipe:
             "eval_model_turns": float(t[3]) / total,
         }
 
-    def close(self) -> None:
-        self.queue.close()  # type: ignore[attr-defined]
-        super().close()
-
     def summary_fields(self) -> dict[str, Any]:
         return {"environment": self.config.environment, "max_turns": self.config.max_turns}
 
@@ -346,6 +394,7 @@ def train_multiturn_grpo(config: MultiTurnGRPOConfig, **kwargs: Any) -> list[dic
 
 __all__ = [
     "EpisodeFields",
+    "EpisodeOutput",
     "EpisodeQueue",
     "EpisodeRecipe",
     "MultiTurnGRPOConfig",

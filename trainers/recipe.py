@@ -481,8 +481,9 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
             logger.info(message)
 
     def close(self) -> None:
-        """Stop and destroy the backend (``train`` does it at its end), dropping unfinished requests; a local
-        engine restores the model's attention implementation."""
+        """Close the queue, then stop and destroy the backend (``train`` does it at its end), dropping unfinished
+        requests; a local engine restores the model's attention implementation."""
+        self.queue.close()
         self.backend.stop(hard_stop=True)
         self.backend.destroy()
 

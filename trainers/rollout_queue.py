@@ -158,10 +158,11 @@ class RolloutQueue:
         return batch, outputs
 
     def staleness(self, outputs: Sequence[rollout.GenerationOutput]) -> tuple[list[list[int]], torch.Tensor]:
-        """Per-token staleness (current weight version - version the token was sampled under) and
-        bool [N]: the samples with a token older than ``max_staleness``."""
+        """Per sampled token, its staleness (current weight version - version the token was sampled under), and
+        bool [N]: the samples with a token older than ``max_staleness``. A token no weights sampled (version < 0:
+        an episode's environment ids, ``trainers.multiturn``) has no staleness and is left out."""
         version = self.backend.weight_version
-        stale = [[version - v for v in o.weight_versions] for o in outputs]
+        stale = [[version - v for v in o.weight_versions if v >= 0] for o in outputs]
         too_old = torch.tensor([max(s, default=0) > self.max_staleness for s in stale], dtype=torch.bool)
         return stale, too_old
 
@@ -185,15 +186,21 @@ class RolloutQueue:
         charged almost no time of its own.
         """
         finish = max((o.timestamps[-1] for o in outputs if o.timestamps), default=batch.submit_time)
+        return self._charge(batch, finish, sum(len(o.generated_tokens) for o in outputs))
+
+    def _charge(self, batch: RolloutBatch, finish: float, tokens: int) -> float:
+        """Charge ``tokens`` sampled for ``batch`` by ``finish`` (``throughput``'s accounting); the windowed rate."""
         start = max(batch.submit_time, self._busy_until)
         end = max(finish, start)
         paused = sum(max(0.0, min(e, end) - max(s, start)) for s, e in self._pauses)
         self._busy_until = end
         self._pauses = [(s, e) for s, e in self._pauses if e > end]
-        tokens = sum(len(o.generated_tokens) for o in outputs)
         self._throughput.append((tokens, max(0.0, end - start - paused)))
         busy = sum(b for _, b in self._throughput)
         return sum(t for t, _ in self._throughput) / busy if busy > 0 else float("nan")
+
+    def close(self) -> None:
+        """Stop taking batches (the recipe's ``close``); this queue runs nothing of its own beside the backend."""
 
 
 class PromptSampler:

@@ -2,16 +2,15 @@
 
 An episode starts from a chat prompt (rendered once by the tokenizer's chat template) and alternates model turns and
 environment messages. Each model turn is one request whose prompt is every id so far; its sampled ids, logprobs and
-weight versions are appended as they came (``loss_mask`` 1). Each environment message (tool results, or the user
-message ``respond`` returns, see ``rollout.agents.environments``) is appended as the chat template's *delta*
-(``rollout.agents.chat_delta``): the ids the template adds after an assistant turn for those messages, rendered
-against a
-fixed stand-in conversation and tokenized alone (``loss_mask`` 0, logprob 0, weight version -1), led by the template's
+weight versions are appended as they came (``loss_mask`` 1). Each environment message (tool results, or the user message
+``respond`` returns, see ``rollout.agents.environments``) is appended as the chat template's *delta*
+(``rollout.agents.chat_delta``): the ids the template adds after an assistant turn for those messages, rendered against
+a fixed stand-in conversation and tokenized alone (``loss_mask`` 0, logprob 0, weight version -1), led by the template's
 end of turn when the model's last id was not that token (a stop string, another stop token, a token bound), so the
-trajectory is the template's rendering of the conversation however each turn ended. The history is never
-re-rendered nor re-tokenized: verl found re-applying the template to an episode's final messages enough to keep PPO
-from converging, and decoding and re-encoding drifts at tool-parser boundaries (issue 33). TRL builds its tool suffix
-the same way (``GRPOTrainer._get_tool_suffix_ids``: a dummy conversation, cut after the end-of-turn token).
+trajectory is the template's rendering of the conversation however each turn ended. The history is never re-rendered nor
+re-tokenized: verl found re-applying the template to an episode's final messages enough to keep PPO from converging, and
+decoding and re-encoding drifts at tool-parser boundaries (issue 33). TRL builds its tool suffix the same way
+(``GRPOTrainer._get_tool_suffix_ids``: a dummy conversation, cut after the end-of-turn token).
 
 The turns of an episode reuse each other's KV: turn k+1's prompt starts with turn k's ids, so its full blocks are
 prefix-cache hits (in process, or on the one server a session is routed to: requests carry ``X-Session-ID``, the key
@@ -19,9 +18,9 @@ of vLLM-router's ``consistent_hash``). A turn that ends aborted (``cancel_reques
 or shutdown) keeps its partial ids, logprobs and versions and is submitted again with them appended, so it resumes
 from the prefix cache with the rest of its token budget; greedy, the resumed turn equals the uninterrupted one.
 
-Backends of turns: ``ManagerTurns`` (a ``ContinuousBatchingManager`` in this process) and ``ClientTurns`` (a
-``rollout-serve`` through ``RolloutClient``, or a fleet through ``RolloutPool``). ``run_episodes`` runs many episodes
-at once, one thread each, so the engine batches their turns.
+The turns are sampled on a backend of ``rollout.agents.turns``: ``ManagerTurns`` (a ``ContinuousBatchingManager`` in
+this process) or ``ClientTurns`` (a ``rollout-serve`` through ``RolloutClient``, or a fleet through ``RolloutPool``).
+``run_episodes`` runs many episodes at once, one thread each, so the engine batches their turns.
 """
 
 from __future__ import annotations
@@ -31,28 +30,14 @@ import copy
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from rollout.agents.chat_delta import ChatDelta, ToolsInSystemMessage
 from rollout.agents.environments import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_schemas
-from rollout.fleet.pool import RolloutPool
-from rollout.manager.manager import ContinuousBatchingManager
-from rollout.requests import RequestStatus
+from rollout.agents.turns import FINISH_ABORT, TurnBackend
 
-__all__ = [
-    "ClientTurns",
-    "Episode",
-    "EpisodeLimits",
-    "ManagerTurns",
-    "Turn",
-    "TurnBackend",
-    "TurnOutput",
-    "episode_json",
-    "run_episode",
-    "run_episodes",
-]
+__all__ = ["Episode", "EpisodeLimits", "Turn", "episode_json", "run_episode", "run_episodes"]
 
-FINISH_ABORT = "abort"  # a turn's request ended before its last token (the OpenAI/vLLM finish reason)
 NO_VERSION = -1  # weight version of an environment token: no weights sampled it
 
 
@@ -83,118 +68,6 @@ class EpisodeLimits:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
             raise ValueError(f"max_resumes must be an int >= 0, got {self.max_resumes!r}")
-
-
-@dataclass
-class TurnOutput:
-    """What a backend returns for one model-turn request.
-
-    Attributes:
-        token_ids: the sampled ids (the stop token included when one ended the turn).
-        logprobs: one per sampled id (the engine's ``logprobs_mode``).
-        weight_versions: one per sampled id.
-        finish_reason: "stop", "length" or ``FINISH_ABORT``.
-        num_cached_prompt_tokens: prompt tokens found in the prefix cache (None where the backend does not say).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    weight_versions: list[int]
-    finish_reason: str
-    num_cached_prompt_tokens: int | None = None
-
-
-class TurnBackend(Protocol):
-    """Generates one model turn: ``ManagerTurns`` in process, ``ClientTurns`` over HTTP."""
-
-    def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
-    ) -> TurnOutput | None:
-        """Sample up to ``max_new_tokens`` after ``prompt_ids``; None when the backend takes no more requests."""
-        ...
-
-
-class ManagerTurns:
-    """Model turns on a ``ContinuousBatchingManager`` of this process (started by the caller, ``return_logprobs``
-    on).
-
-    Args:
-        manager: the manager.
-        sampling: ``add_request`` keyword arguments of every turn (``temperature``, ``do_sample``, ``eos_token_id``,
-            ``sampling_params``...); ``max_new_tokens``, ``request_id`` and ``seed`` are set per turn.
-    """
-
-    def __init__(self, manager: ContinuousBatchingManager, **sampling: Any) -> None:
-        for name in ("max_new_tokens", "request_id", "seed"):
-            if name in sampling:
-                raise ValueError(f"{name} is set per turn by the episode; leave it out of ManagerTurns' arguments")
-        self.manager = manager
-        self.sampling = sampling
-
-    def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
-    ) -> TurnOutput | None:
-        rid = self.manager.add_request(
-            prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, seed=seed, **self.sampling
-        )
-        if rid is None:
-            return None
-        out = self.manager.get_result(rid)
-        if out is None:
-            return None
-        if out.status == RequestStatus.FAILED:
-            raise RuntimeError(f"turn request {rid} failed: {out.error}")
-        if len(out.logprobs) != len(out.generated_tokens):
-            raise RuntimeError("the engine returned no logprobs: build the manager with return_logprobs=True")
-        reason = FINISH_ABORT if out.status == RequestStatus.CANCELLED else (out.finish_reason or "stop")
-        return TurnOutput(
-            list(out.generated_tokens),
-            list(out.logprobs),
-            list(out.weight_versions),
-            reason,
-            out.num_cached_prompt_tokens,
-        )
-
-
-class ClientTurns:
-    """Model turns on a ``rollout-serve`` through ``RolloutClient``, or on a fleet through ``RolloutPool``.
-
-    Every request carries the episode's id as its session key (``X-Session-ID`` by default), so a router, or the
-    pool's own replica choice, keeps the episode on one replica and its turns hit that replica's prefix cache.
-
-    Args:
-        client: the client or the pool.
-        params: ``/v1/completions`` fields of every turn (``temperature``, ``stop_token_ids``...); ``max_tokens``
-            and ``seed`` are set per turn.
-    """
-
-    def __init__(self, client: RolloutPool, **params: Any) -> None:
-        for name in ("max_tokens", "seed", "prompt", "n"):
-            if name in params:
-                raise ValueError(f"{name} is set per turn by the episode; leave it out of ClientTurns' arguments")
-        self.client = client
-        self.params = params
-
-    def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
-    ) -> TurnOutput | None:
-        extra = {"seed": seed} if seed is not None else {}
-        body = self.client.generate(
-            prompt_ids,
-            session=session_id,
-            max_tokens=max_new_tokens,
-            **extra,
-            **self.params,
-        )
-        choice = body["choices"][0]
-        tokens = list(choice["token_ids"])
-        logprobs = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-        if len(logprobs) != len(tokens):
-            raise RuntimeError("the server returned no logprob per token (logprobs must be on)")
-        reason = choice.get("finish_reason") or "stop"
-        if reason == "error":
-            raise RuntimeError(f"turn request {request_id} failed on the server")
-        return TurnOutput(tokens, logprobs, list(choice["weight_versions"]), reason)
 
 
 @dataclass
@@ -333,8 +206,8 @@ def run_episode(
     Args:
         backend: where the model's turns are sampled.
         tokenizer: the model's tokenizer (its chat template renders the prompt and every delta).
-        env: an environment (``rollout.agents.environments``): ``reset``, tools as public methods, optional ``respond``
-            and ``get_reward``.
+        env: an environment (``rollout.agents.environments``): ``reset``, tools as public methods, optional
+            ``respond`` and ``get_reward``.
         prompt: the chat messages the episode starts from (left unchanged).
         row: the dataset row, passed as ``env.reset(**row)`` (TRL passes the whole row); None: ``{"prompt":
             prompt}``. A string ``reset`` returns is appended to the last message's content.
@@ -342,8 +215,7 @@ def run_episode(
         episode_id: the session id of every request and the prefix of their ids (unique among episodes in flight).
         seed: sampling seed of the episode (each request gets its own, derived from it); None: unseeded.
         tool_parser: ``(turn_ids, context_ids) -> calls``; default ``rollout.agents.environments.parse_tool_calls``
-        with the
-            tokenizer.
+            with the tokenizer.
         template_kwargs: extra chat-template variables.
         tools_in_system_message: list the environment's tools in a system message of the prompt (their JSON schemas
             and the Hermes call format the default parser reads) rather than through the template's ``tools``:

@@ -1,11 +1,10 @@
 """A client of ``rollout-serve`` for trainers: generation over HTTP, and the trainer's weights streamed in.
 
-``RolloutClient`` is the one-server case of ``rollout.fleet.pool.RolloutPool`` (the same code: one replica, no
-router): it
-wraps the server's HTTP API (httpx; no GPU, no vLLM needed) and owns the trainer's side of the weight-transfer group
+``RolloutClient`` is the one-server case of ``rollout.fleet.pool.RolloutPool`` (the same code: one replica, no router):
+it wraps the server's HTTP API (httpx; no GPU, no vLLM needed) and owns the trainer's side of the weight-transfer group
 (``rollout.weights.transfer``): the trainer is rank 0, serves the group's store on a free port and broadcasts its
-tensors in packed buckets, in a thread of its own, while the HTTP call ``/update_weights`` has the server receive
-them. A failure on either side surfaces as an exception, never a hang: the server bounds each broadcast by its
+tensors in packed buckets, in a thread of its own, while the HTTP call ``/update_weights`` has the server receive them.
+A failure on either side surfaces as an exception, never a hang: the server bounds each broadcast by its
 ``--weight-transfer-timeout``, the client the HTTP call and the thread by ``timeout`` (as TRL's
 ``WeightTransferClient``).
 
@@ -21,7 +20,8 @@ from typing import Any
 
 import torch
 
-from rollout.fleet.pool import RolloutPool, RolloutServerError
+from rollout.fleet.http import RolloutServerError
+from rollout.fleet.pool import RolloutPool
 from rollout.weights.transfer import DEFAULT_BUCKET_BYTES, parse_metas
 
 __all__ = ["RolloutClient", "RolloutServerError", "RolloutWeightTransfer"]
@@ -57,9 +57,6 @@ class RolloutClient(RolloutPool):
     def transfer_status(self) -> dict[str, Any]:
         """``GET /weight_transfer``: the server's group, its weight version, the last transfer's error."""
         return self.transfer_statuses()[self.url]
-
-    def __enter__(self) -> RolloutClient:
-        return self
 
 
 class RolloutWeightTransfer:

@@ -1,15 +1,16 @@
 """``rollout-serve`` replicas as Ray actors, for users whose cluster is a Ray cluster (``RolloutPool.launch_on_ray``).
 
-SkyRL's ``VLLMServerActor`` pattern: Ray only places the replicas (one actor each, with the CPUs and GPUs it asks
-for); each actor starts an HTTP server on its node and reports its URL, and from then on the trainer talks HTTP to
-it like to any ``rollout-serve`` (``RolloutPool``): Ray is not a second data plane. Here the actor runs
-``rollout-serve`` as a child process (``python -m rollout.fleet.ray_replicas PARENT_PID ARGS...``, which starts the
-server with a watchdog): the server keeps its own signal handling and graceful shutdown, and the actor stays responsive
-while the model loads. The watchdog ends the server (SIGTERM) when its actor's process is gone, however it went
-(``ray.kill``, a dead node manager, ``ray.shutdown``), so no server outlives its actor.
+SkyRL's ``VLLMServerActor`` pattern: Ray only places the replicas (one actor each, with the CPUs and GPUs it asks for);
+each actor starts an HTTP server on its node and reports its URL, and from then on the trainer talks HTTP to it like to
+any ``rollout-serve`` (``RolloutPool``): Ray is not a second data plane. Here the actor runs ``rollout-serve`` as a
+child process (``python -m rollout.fleet.ray_replicas PARENT_PID ARGS...``, which starts the server with a watchdog):
+the server keeps its own signal handling and graceful shutdown, and the actor stays responsive while the model loads.
+The watchdog ends the server (SIGTERM) when its actor's process is gone, however it went (``ray.kill``, a dead node
+manager, ``ray.shutdown``), so no server outlives its actor.
 
-Ray is imported only inside ``launch_replicas``: the package never needs it (``pip install 'rollout[ray]'``). Every
-node must have rollout installed (the actor's class is imported there by reference).
+``RolloutPool.launch_on_ray`` checks its arguments once, as a ``ReplicaLaunch``, before any actor starts. Ray is
+imported only inside ``launch_replicas``: the package never needs it (``pip install 'rollout[ray]'``). Every node must
+have rollout installed (the actor's class is imported there by reference).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -57,9 +59,7 @@ class ServeReplica:
         threads: int | None = None,
         api_key: str | None = None,
     ) -> None:
-        for flag in serve_args:
-            if flag.split("=")[0] in OWNED_FLAGS:
-                raise ValueError(f"serve_args: {flag.split('=')[0]} is set by launch_on_ray for every replica")
+        check_serve_args(serve_args)
         if host is None:
             try:
                 import ray
@@ -113,23 +113,22 @@ class ServeReplica:
         return self.process.returncode
 
 
-def launch_replicas(
-    model: str,
-    num_replicas: int,
-    *,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    serve_args: Sequence[str] = (),
-    host: str | None = None,
-    api_key: str | None = None,
-    ready_timeout: float = 600.0,
-    actor_options: dict[str, Any] | None = None,
-) -> tuple[list[str], list[Any]]:
-    """Start ``num_replicas`` Ray actors, each running one ``rollout-serve``, and wait until all are healthy.
+def check_serve_args(serve_args: Sequence[str]) -> None:
+    """Refuse the ``rollout-serve`` flags the actor sets on every replica itself.
 
-    Uses the Ray cluster this process is connected to (``ray.init``; Ray starts a local one when none is).
+    Raises:
+        ValueError: ``serve_args`` sets a flag of ``OWNED_FLAGS`` (the message names it).
+    """
+    for flag in serve_args:
+        if flag.split("=")[0] in OWNED_FLAGS:
+            raise ValueError(f"serve_args: {flag.split('=')[0]} is set by launch_on_ray for every replica")
 
-    Args:
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """What ``launch_replicas`` starts (``RolloutPool.launch_on_ray``'s arguments), checked before any actor starts.
+
+    Attributes:
         model: each replica's ``--model``: a folder every node can read, or an alias.
         num_replicas: >= 1.
         num_cpus: each actor's CPUs (Ray's resource; also the server's torch threads, when a whole number).
@@ -140,37 +139,66 @@ def launch_replicas(
         ready_timeout: seconds the replicas get to load their model and answer ``/health``.
         actor_options: more ``ray.remote`` options of each actor (a ``scheduling_strategy``, ``resources``...).
 
+    Raises:
+        ValueError: ``num_replicas`` < 1, negative resources, or ``serve_args`` sets a flag the actors own.
+    """
+
+    model: str
+    num_replicas: int
+    num_cpus: float = 1
+    num_gpus: float = 0
+    serve_args: tuple[str, ...] = ()
+    host: str | None = None
+    api_key: str | None = None
+    ready_timeout: float = 600.0
+    actor_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas: at least 1 replica is needed, got {self.num_replicas}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"num_cpus/num_gpus: must be >= 0, got {self.num_cpus} and {self.num_gpus}")
+        check_serve_args(self.serve_args)
+
+    def serve_argv(self) -> list[str]:
+        """Each replica's ``serve_args``, with ``--device cuda`` when it has GPUs and names no device."""
+        args = list(self.serve_args)
+        if self.num_gpus > 0 and "--device" not in args:
+            args += ["--device", "cuda"]
+        return args
+
+    def threads(self) -> int | None:
+        """Each CPU replica's torch threads: its whole number of CPUs (None: the environment's)."""
+        whole = self.num_gpus == 0 and self.num_cpus >= 1 and float(self.num_cpus).is_integer()
+        return int(self.num_cpus) if whole else None
+
+
+def launch_replicas(launch: ReplicaLaunch) -> tuple[list[str], list[Any]]:
+    """Start ``launch.num_replicas`` Ray actors, each running one ``rollout-serve``, and wait until all are healthy.
+
+    Uses the Ray cluster this process is connected to (``ray.init``; Ray starts a local one when none is).
+
     Returns:
         The replicas' URLs and their actor handles, in the same order.
 
     Raises:
-        ValueError: ``num_replicas`` < 1, negative resources, or ``serve_args`` sets a flag the actors own
-            (before any actor starts).
         ImportError: Ray is not installed.
         RuntimeError: a replica exited or was not healthy in time (every actor started is killed first).
     """
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas: at least 1 replica is needed, got {num_replicas}")
-    if num_cpus < 0 or num_gpus < 0:
-        raise ValueError(f"num_cpus/num_gpus: must be >= 0, got {num_cpus} and {num_gpus}")
-    for flag in serve_args:
-        if flag.split("=")[0] in OWNED_FLAGS:
-            raise ValueError(f"serve_args: {flag.split('=')[0]} is set by launch_on_ray for every replica")
     try:
         import ray
     except ImportError as e:
         raise ImportError("launch_on_ray needs Ray: pip install 'rollout[ray]'") from e
 
-    args = list(serve_args)
-    if num_gpus > 0 and "--device" not in args:
-        args += ["--device", "cuda"]
-    threads = int(num_cpus) if num_gpus == 0 and num_cpus >= 1 and float(num_cpus).is_integer() else None
-    actor_class = ray.remote(ServeReplica).options(num_cpus=num_cpus, num_gpus=num_gpus, **(actor_options or {}))
+    options = dict(launch.actor_options or {})
+    actor_class = ray.remote(ServeReplica).options(num_cpus=launch.num_cpus, num_gpus=launch.num_gpus, **options)
+    args, threads = launch.serve_argv(), launch.threads()
     actors: list[Any] = []
     try:
-        for _ in range(num_replicas):
-            actors.append(actor_class.remote(model, args, host, threads, api_key))
-        urls = ray.get([actor.url.remote(ready_timeout) for actor in actors], timeout=ready_timeout + 60)
+        for _ in range(launch.num_replicas):
+            actors.append(actor_class.remote(launch.model, args, launch.host, threads, launch.api_key))
+        ready = [actor.url.remote(launch.ready_timeout) for actor in actors]
+        urls = ray.get(ready, timeout=launch.ready_timeout + 60)
     except BaseException:
         stop_replicas(actors)
         raise
@@ -198,8 +226,7 @@ def _watch_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    # python -m rollout.fleet.ray_replicas PARENT_PID ROLLOUT_SERVE_ARGS...: rollout-serve under a watchdog of its
-    # parent.
+    # python -m rollout.fleet.ray_replicas PARENT_PID ROLLOUT_SERVE_ARGS...: rollout-serve, watched by its parent.
     parent_pid = int(sys.argv[1])
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="rollout-parent-watch", daemon=True).start()
     sys.argv = ["rollout-serve", *sys.argv[2:]]
