@@ -16,7 +16,7 @@ the model object's, shared with every manager and engine on it; a pause holds ev
 kept for the next session is its model's persistent manager (``persistence.py``).
 
 Under tensor parallelism every rank runs a manager and calls it the same way; the loop is
-``tp_loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
+``loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
 
 A thread inside its own ``pause()`` cannot wait for the loop: ``stop``, ``destroy`` and the calls that would wait for
 ever (``get_result``, ``request_id_iter``, ``join`` without a timeout, ``add_request(block=True)`` on a full queue)
@@ -40,12 +40,11 @@ from rollout.engine.engine import Engine, EngineStats
 from rollout.lora import LoraAdapter
 from rollout.manager.intake import Inbox, QueueFullError, derive_seeds
 from rollout.manager.lifecycle import Lifecycle, State
-from rollout.manager.loop import GenerationLoop
+from rollout.manager.loop import GenerationLoop, TensorParallelLoop
 from rollout.manager.outputs import OutputRouter
 from rollout.manager.pausing import PauseGate
 from rollout.manager.persistence import persistent_manager_of, register_persistent, unregister_persistent
 from rollout.manager.requests import ManagerRequests
-from rollout.manager.tp_loop import TensorParallelLoop
 from rollout.sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from rollout.stop_strings import check_tokenizer
 from rollout.weights.model_info import vocab_size
@@ -150,7 +149,7 @@ class ContinuousBatchingManager:
         # manager holds the pause gates of all of them (WeightWatch.hold_all).
         self._weights = watch_of(model)
         self._weights.gates.add(self._pausing)
-        # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (tp_loop.py).
+        # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (loop.py).
         self._tp = self._engine.tp
         loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
         self._loop = loop_class(
