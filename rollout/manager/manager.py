@@ -1,10 +1,11 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
-Threads that add, cancel or read requests (``requests.py``) never touch the engine: they put commands in an
-inbox (``intake.py``, each request checked once in the caller's thread, outside the lock) that the loop
-(``loop.GenerationLoop``, in the manager's thread) drains between steps, and read results from the per-request
-handles of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the pause
-(``pausing.py``) and the lifecycle (``lifecycle.py``: state, stop flags, the loop's thread).
+Threads that add, cancel or read requests (the manager's request methods, from its base class ``RequestAPI``,
+``request_api.py``) never touch the engine: they put commands in an inbox (``intake.py``, each request checked once in
+the caller's thread, outside the lock) that the loop (``loop.GenerationLoop``, in the manager's thread) drains between
+steps, and read results from the per-request handles of an ``OutputRouter`` (``outputs.py``). One condition variable
+guards the inbox, the handles, the pause (``pausing.py``) and the lifecycle (``lifecycle.py``: state, stop flags, the
+loop's thread).
 
 ``pause()`` is the trainer's window on the model: the loop finishes its step and waits while the caller trains the
 same model object; on exit the loop resumes with the KV cache and every in-flight request kept. ``update_weights``
@@ -32,8 +33,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -46,7 +46,7 @@ from rollout.manager.loop import GenerationLoop, TensorParallelLoop
 from rollout.manager.outputs import OutputRouter
 from rollout.manager.pausing import PauseGate
 from rollout.manager.persistence import persistent_manager_of, register_persistent, unregister_persistent
-from rollout.manager.requests import ManagerRequests
+from rollout.manager.request_api import RequestAPI
 from rollout.manager.weight_updates import WeightUpdates
 from rollout.sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from rollout.stop_strings import check_tokenizer
@@ -58,27 +58,13 @@ __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persi
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
-R = TypeVar("R")
 
-
-def _forwarded(method: Callable[Concatenate[ManagerRequests, P], R]) -> Callable[Concatenate[Any, P], R]:
-    """A manager method that runs ``method`` on the manager's ``ManagerRequests``, with its name, signature and
-    docstring (``functools.wraps``): one definition of each request method, not a second signature to keep equal."""
-
-    @functools.wraps(method)
-    def forwarded(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return method(self._requests, *args, **kwargs)
-
-    return forwarded
-
-
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(RequestAPI):
     """Runs a continuous-batching engine in a background thread.
 
     The request methods (``add_request``, ``add_requests``, ``add_scoring_requests``, ``cancel_request``,
-    ``get_result``, iteration, ``request_id_iter``, ``register_result_handler``) run on a part the manager owns,
-    ``ManagerRequests`` (``requests.py``); the weight and adapter methods run on its ``WeightUpdates``
+    ``get_result``, iteration, ``request_id_iter``, ``register_result_handler``, ``default_params``) are those of its
+    base class, ``RequestAPI`` (``request_api.py``); the weight and adapter methods run on its ``WeightUpdates``
     (``weight_updates.py``). This class builds the parts and owns the engine, the lifecycle and the pause.
 
     Args:
@@ -132,48 +118,35 @@ class ContinuousBatchingManager:
         self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
         self._fallback_compile_config = self.generation_config.compile_config
-        self._engine: Engine | None = self._new_engine()
+        engine = self._new_engine()
         self._warmup_wanted = False  # warmup() was called: an engine rebuilt by start() is warmed too
-        self._cond = threading.Condition()
-        self._life = Lifecycle(self._cond)  # state, stop flags, the loop's thread and error
-        self._pausing = PauseGate(self._cond)  # pause holders, the in-step flag
-        self._outputs = OutputRouter(self._cond, producing=self._life.producing)
-        self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
-        self._tp = self._engine.tp
+        cond = threading.Condition()
+        life = Lifecycle(cond)  # state, stop flags, the loop's thread and error
+        pausing = PauseGate(cond)  # pause holders, the in-step flag
+        outputs = OutputRouter(cond, producing=life.producing)
+        inbox = Inbox(cond, outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         # The model's weight version and record, shared with every engine and manager on the model; a pause of this
         # manager holds the pause gates of all of them (WeightWatch.hold_all).
         self._updates = WeightUpdates(
-            watch_of(model),
-            self._pausing,
-            self._cond,
-            self._inbox,
-            lambda: self._engine,
-            self._tp,
-            self.cb_config.check_weight_contents,
+            watch_of(model), pausing, cond, inbox, lambda: self._engine, engine.tp, self.cb_config.check_weight_contents
+        )
+        super().__init__(
+            defaults,
+            self.cb_config.per_request_processors,
+            vocab,
+            engine=engine,
+            cond=cond,
+            inbox=inbox,
+            outputs=outputs,
+            life=life,
+            pausing=pausing,
+            tp=engine.tp,
+            sync_weight_version=self._updates.sync,
         )
         # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (loop.TensorParallelLoop).
         loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
         self._loop = loop_class(
-            self._cond,
-            self._inbox,
-            self._outputs,
-            self._pausing,
-            self._life,
-            self._updates.watch,
-            self.cb_config.check_weight_contents,
-        )
-        self._requests = ManagerRequests(
-            defaults,
-            self.cb_config.per_request_processors,
-            vocab,
-            self._cond,
-            self._inbox,
-            self._outputs,
-            self._life,
-            self._pausing,
-            engine=lambda: self._engine,
-            tp=self._tp,
-            sync_weight_version=self._updates.sync,
+            cond, inbox, outputs, pausing, life, self._updates.watch, self.cb_config.check_weight_contents
         )
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
 
@@ -351,27 +324,6 @@ class ContinuousBatchingManager:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
-
-    # ------------------------------------------------------------------ requests
-    # ManagerRequests' methods (manager_requests.py), each under its own name, signature and docstring.
-    add_request = _forwarded(ManagerRequests.add_request)
-    add_requests = _forwarded(ManagerRequests.add_requests)
-    add_scoring_requests = _forwarded(ManagerRequests.add_scoring_requests)
-    cancel_request = _forwarded(ManagerRequests.cancel_request)
-    get_result = _forwarded(ManagerRequests.get_result)
-    __iter__ = _forwarded(ManagerRequests.__iter__)
-    request_id_iter = _forwarded(ManagerRequests.request_id_iter)
-    register_result_handler = _forwarded(ManagerRequests.register_result_handler)
-
-    @property
-    def default_params(self) -> SamplingParams:
-        """The sampling parameters a request starts from (from the generation config; ``add_request``'s arguments and
-        ``sampling_params`` override them)."""
-        return self._requests.default_params
-
-    @default_params.setter
-    def default_params(self, params: SamplingParams) -> None:
-        self._requests.default_params = params
 
     def _num_waiting_in_engine(self) -> int:
         return len(self._engine.scheduler.waiting) if self._engine is not None else 0
