@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rollout.engine.engine import Engine
+from rollout.engine import Engine
 from rollout.manager.intake import Inbox
 from rollout.manager.lifecycle import Lifecycle
 from rollout.manager.outputs import OutputRouter

@@ -38,7 +38,7 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
-from rollout.engine.engine import Engine, EngineStats
+from rollout.engine import Engine, EngineStats
 from rollout.lora import LoraAdapter
 from rollout.manager.intake import Inbox, QueueFullError, derive_seeds
 from rollout.manager.lifecycle import Lifecycle, State
