@@ -157,7 +157,7 @@ def test_trl_grpo_trainer_with_transformers_continuous_batching_runs_on_an_attac
     model = rollout.attach(tiny_llama())
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     engines: list[rollout.Engine] = []
-    real_engine = rollout.api.Engine
+    real_engine = rollout.manager.batch.Engine
 
     def counting_engine(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         engine = real_engine(*args, **kwargs)
@@ -167,7 +167,7 @@ def test_trl_grpo_trainer_with_transformers_continuous_batching_runs_on_an_attac
     def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("transformers' own continuous batching ran")
 
-    monkeypatch.setattr(rollout.api, "Engine", counting_engine)
+    monkeypatch.setattr(rollout.manager.batch, "Engine", counting_engine)
     monkeypatch.setattr(transformers.generation.continuous_batching.ContinuousBatchingManager, "__init__", refuse)
     prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
     args = GRPOConfig(

@@ -21,7 +21,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.checks import check_bool, check_int, token_ids
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
-from rollout.engine.engine import Engine
+from rollout.engine import Engine
 from rollout.lora import LoraAdapter
 from rollout.manager.intake import derive_seeds
 from rollout.manager.manager import ContinuousBatchingManager

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.checks import FieldError, check_int, is_int, token_ids
-from rollout.engine.engine import Engine
+from rollout.engine import Engine
 from rollout.manager.outputs import OutputRouter, ended_output
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams, build_sampling_params, check_processors_unchanged

@@ -1,22 +1,25 @@
 """The persistent manager: a background thread that runs engine steps for a trainer's whole run.
 
-Threads that add, cancel or read requests (``manager_requests.py``) never touch the engine: they put commands in an
-inbox (``intake.py``, each request checked once in the caller's thread, outside the lock) that the loop
-(``loop.GenerationLoop``, in the manager's thread) drains between steps, and read results from the per-request
-handles of an ``OutputRouter`` (``outputs.py``). One condition variable guards the inbox, the handles, the pause
-(``pausing.py``) and the lifecycle (``lifecycle.py``: state, stop flags, the loop's thread).
+Threads that add, cancel or read requests (the manager's request methods, from its base class ``RequestAPI``,
+``request_api.py``) never touch the engine: they put commands in an inbox (``intake.py``, each request checked once in
+the caller's thread, outside the lock) that the loop (``loop.GenerationLoop``, in the manager's thread) drains between
+steps, and read results from the per-request handles of an ``OutputRouter`` (``outputs.py``). One condition variable
+guards the inbox, the handles, the pause (``pausing.py``) and the lifecycle (``lifecycle.py``: state, stop flags, the
+loop's thread).
 
 ``pause()`` is the trainer's window on the model: the loop finishes its step and waits while the caller trains the
 same model object; on exit the loop resumes with the KV cache and every in-flight request kept. ``update_weights``
-copies new tensors in place under a pause (``weights.py``) and bumps the weight version, which each generated token
-records and prefix-cache hashes include. In-flight requests keep their KV by default (PipelineRL); ``recompute=True``
-re-prefills them (AReaL). Weights changed without ``update_weights`` are noticed by the model's ``weights.WeightWatch``:
-from their contents when a pause ends and at start, from a cheap fingerprint when requests are added. The version is
-the model object's, shared with every manager and engine on it; a pause holds every manager on the model. A manager
-kept for the next session is its model's persistent manager (``persistence.py``).
+copies new tensors in place under a pause and bumps the weight version, which each generated token records and
+prefix-cache hashes include; it, the LoRA adapters and the prefix-cache reset are the manager's ``WeightUpdates``
+(``weight_updates.py``). In-flight requests keep their KV by default (PipelineRL); ``recompute=True`` re-prefills them
+(AReaL). Weights changed without ``update_weights`` are noticed by the model's ``WeightWatch``
+(``rollout.weights.versions``): from their contents when a pause ends and at start, from a cheap fingerprint when
+requests are added. The version is the model object's, shared with every manager and engine on it; a pause holds
+every manager on the model. A manager kept for the next session is its model's persistent manager
+(``persistence.py``).
 
 Under tensor parallelism every rank runs a manager and calls it the same way; the loop is
-``tp_loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
+``loop.TensorParallelLoop``, and only the driver's (TP rank 0) ``add_request`` queues and returns an id.
 
 A thread inside its own ``pause()`` cannot wait for the loop: ``stop``, ``destroy`` and the calls that would wait for
 ever (``get_result``, ``request_id_iter``, ``join`` without a timeout, ``add_request(block=True)`` on a full queue)
@@ -30,54 +33,39 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config, workload_tokens_hint
-from rollout.engine.engine import Engine, EngineStats
+from rollout.engine import Engine, EngineStats
 from rollout.lora import LoraAdapter
 from rollout.manager.intake import Inbox, QueueFullError, derive_seeds
 from rollout.manager.lifecycle import Lifecycle, State
-from rollout.manager.loop import GenerationLoop
+from rollout.manager.loop import GenerationLoop, TensorParallelLoop
 from rollout.manager.outputs import OutputRouter
 from rollout.manager.pausing import PauseGate
 from rollout.manager.persistence import persistent_manager_of, register_persistent, unregister_persistent
-from rollout.manager.requests import ManagerRequests
-from rollout.manager.tp_loop import TensorParallelLoop
+from rollout.manager.request_api import RequestAPI
+from rollout.manager.weight_updates import WeightUpdates
 from rollout.sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
 from rollout.stop_strings import check_tokenizer
 from rollout.weights.model_info import vocab_size
-from rollout.weights.versions import NamedTensors, copy_weights, plan_weight_copy, watch_of
+from rollout.weights.versions import NamedTensors, watch_of
 
 # derive_seeds (intake.py) and persistent_manager_of (persistence.py) stay importable from here.
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "derive_seeds", "persistent_manager_of"]
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
-R = TypeVar("R")
 
-
-def _forwarded(method: Callable[Concatenate[ManagerRequests, P], R]) -> Callable[Concatenate[Any, P], R]:
-    """A manager method that runs ``method`` on the manager's ``ManagerRequests``, with its name, signature and
-    docstring (``functools.wraps``): one definition of each request method, not a second signature to keep equal."""
-
-    @functools.wraps(method)
-    def forwarded(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return method(self._requests, *args, **kwargs)
-
-    return forwarded
-
-
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(RequestAPI):
     """Runs a continuous-batching engine in a background thread.
 
     The request methods (``add_request``, ``add_requests``, ``add_scoring_requests``, ``cancel_request``,
-    ``get_result``, iteration, ``request_id_iter``, ``register_result_handler``) run on a part the manager owns,
-    ``ManagerRequests`` (``manager_requests.py``); this class builds the parts and owns the engine, lifecycle, pause
-    and weights.
+    ``get_result``, iteration, ``request_id_iter``, ``register_result_handler``, ``default_params``) are those of its
+    base class, ``RequestAPI`` (``request_api.py``); the weight and adapter methods run on its ``WeightUpdates``
+    (``weight_updates.py``). This class builds the parts and owns the engine, the lifecycle and the pause.
 
     Args:
         model: a ``transformers`` decoder-only causal LM, shared with the trainer (never copied). Its attention is
@@ -130,52 +118,46 @@ class ContinuousBatchingManager:
         self.tokenizer = tokenizer
         self._tokens_hint = workload_tokens_hint(workload_hints)
         self._fallback_compile_config = self.generation_config.compile_config
-        self._engine: Engine | None = Engine(
-            model,
-            self.cb_config,
-            max_tokens_hint=self._tokens_hint,
-            tokenizer=tokenizer,
-            fallback_compile_config=self._fallback_compile_config,
-        )
+        engine = self._new_engine()
         self._warmup_wanted = False  # warmup() was called: an engine rebuilt by start() is warmed too
-        self._cond = threading.Condition()
-        self._life = Lifecycle(self._cond)  # state, stop flags, the loop's thread and error
-        self._pausing = PauseGate(self._cond)  # pause holders, the in-step flag
-        self._outputs = OutputRouter(self._cond, producing=self._life.producing)
-        self._inbox = Inbox(self._cond, self._outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
-        self._final_weight_version = 0
-        # Loaded adapters (a copy each) and the version their load made, loaded again into an engine rebuilt by start().
-        self._loras: dict[str, tuple[LoraAdapter, int]] = {}
+        cond = threading.Condition()
+        life = Lifecycle(cond)  # state, stop flags, the loop's thread and error
+        pausing = PauseGate(cond)  # pause holders, the in-step flag
+        outputs = OutputRouter(cond, producing=life.producing)
+        inbox = Inbox(cond, outputs, self.cb_config.max_queue_size, self._num_waiting_in_engine)
         # The model's weight version and record, shared with every engine and manager on the model; a pause of this
         # manager holds the pause gates of all of them (WeightWatch.hold_all).
-        self._weights = watch_of(model)
-        self._weights.gates.add(self._pausing)
-        # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (tp_loop.py).
-        self._tp = self._engine.tp
-        loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
-        self._loop = loop_class(
-            self._cond,
-            self._inbox,
-            self._outputs,
-            self._pausing,
-            self._life,
-            self._weights,
-            self.cb_config.check_weight_contents,
+        self._updates = WeightUpdates(
+            watch_of(model), pausing, cond, inbox, lambda: self._engine, engine.tp, self.cb_config.check_weight_contents
         )
-        self._requests = ManagerRequests(
+        super().__init__(
             defaults,
             self.cb_config.per_request_processors,
             vocab,
-            self._cond,
-            self._inbox,
-            self._outputs,
-            self._life,
-            self._pausing,
-            engine=lambda: self._engine,
-            tp=self._tp,
-            sync_weight_version=self._sync_weight_version,
+            engine=engine,
+            cond=cond,
+            inbox=inbox,
+            outputs=outputs,
+            life=life,
+            pausing=pausing,
+            tp=engine.tp,
+            sync_weight_version=self._updates.sync,
+        )
+        # A tensor-parallel model: every rank's loop runs the driver's decisions in lockstep (loop.TensorParallelLoop).
+        loop_class = GenerationLoop if self._tp is None else TensorParallelLoop
+        self._loop = loop_class(
+            cond, inbox, outputs, pausing, life, self._updates.watch, self.cb_config.check_weight_contents
         )
         self.final_stats: EngineStats | None = None  # the engine's statistics, set by destroy()
+
+    def _new_engine(self) -> Engine:
+        return Engine(
+            self.model,
+            self.cb_config,
+            max_tokens_hint=self._tokens_hint,
+            tokenizer=self.tokenizer,
+            fallback_compile_config=self._fallback_compile_config,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -194,19 +176,11 @@ class ContinuousBatchingManager:
         with self._cond:
             if self._engine is None or self._engine.closed:
                 version = self._engine.weight_version if self._engine is not None else 0
-                self._engine = Engine(
-                    self.model,
-                    self.cb_config,
-                    max_tokens_hint=self._tokens_hint,
-                    tokenizer=self.tokenizer,
-                    fallback_compile_config=self._fallback_compile_config,
-                )
-                self._engine.set_weight_version(version)
-                for adapter, adapter_version in self._loras.values():
-                    self._engine.load_lora(adapter, version=adapter_version)
+                self._engine = self._new_engine()
+                self._updates.restore(self._engine, version)
                 if self._warmup_wanted:
                     self._engine.warmup()
-            self._weights.bump_if_changed(self._engine, self.cb_config.check_weight_contents)
+            self._updates.check(self._engine)
             self._loop.weights_checked()
             self._life.launch(functools.partial(self._loop.run, self._engine))
 
@@ -292,11 +266,10 @@ class ContinuousBatchingManager:
             message = "RuntimeError: the manager was destroyed before the request ran"
             self._inbox.fail_all(message)
             self._outputs.fail_pending(message)
+        self._updates.release(engine)  # the engine's weight version stays the manager's
         if engine is not None:
-            self._final_weight_version = engine.weight_version
             self.final_stats = engine.stats
             engine.close()
-        self._weights.gates.discard(self._pausing)
         unregister_persistent(self)
 
     def adopt_tokenizer(self, tokenizer: object) -> None:
@@ -352,27 +325,6 @@ class ContinuousBatchingManager:
     def __exit__(self, *exc: object) -> None:
         self.destroy()
 
-    # ------------------------------------------------------------------ requests
-    # ManagerRequests' methods (manager_requests.py), each under its own name, signature and docstring.
-    add_request = _forwarded(ManagerRequests.add_request)
-    add_requests = _forwarded(ManagerRequests.add_requests)
-    add_scoring_requests = _forwarded(ManagerRequests.add_scoring_requests)
-    cancel_request = _forwarded(ManagerRequests.cancel_request)
-    get_result = _forwarded(ManagerRequests.get_result)
-    __iter__ = _forwarded(ManagerRequests.__iter__)
-    request_id_iter = _forwarded(ManagerRequests.request_id_iter)
-    register_result_handler = _forwarded(ManagerRequests.register_result_handler)
-
-    @property
-    def default_params(self) -> SamplingParams:
-        """The sampling parameters a request starts from (from the generation config; ``add_request``'s arguments and
-        ``sampling_params`` override them)."""
-        return self._requests.default_params
-
-    @default_params.setter
-    def default_params(self, params: SamplingParams) -> None:
-        self._requests.default_params = params
-
     def _num_waiting_in_engine(self) -> int:
         return len(self._engine.scheduler.waiting) if self._engine is not None else 0
 
@@ -382,9 +334,7 @@ class ContinuousBatchingManager:
         """The model's weight version: the number of weight changes recorded so far on the model, through this manager
         or any other manager or engine on the same model object (the engine's, kept after ``destroy()``; under tensor
         parallelism, the driver's as this rank's engine adopted it)."""
-        if self._engine is None:
-            return self._final_weight_version
-        return self._weights.version if self._tp is None else self._engine.weight_version
+        return self._updates.version
 
     @property
     def error(self) -> BaseException | None:
@@ -411,13 +361,13 @@ class ContinuousBatchingManager:
         has the model to itself. Re-entrant, and several threads may hold it at once. Returns within one engine step
         of each loop. The KV cache and in-flight requests are kept (see ``PauseGate.hold``). When the last holder
         leaves, each loop decides whether the weights changed (from their contents, unless ``check_weight_contents``
-        is off: ``weights.WeightWatch.record``), however they were written; a change is a new weight version of the
+        is off: ``WeightWatch.record``), however they were written; a change is a new weight version of the
         model (as ``update_weights`` makes): packed copies of the old weights are dropped, tokens sampled from then on
         record it, and no request reuses prefix-cache blocks of older versions. Under tensor parallelism the pause is
         collective, as in transformers: every rank must enter it (the same number of times); no rank steps until every
         rank has entered and left its own.
         """
-        return self._weights.hold_all(self._pausing)
+        return self._updates.pause()
 
     def update_weights(
         self, named_tensors: NamedTensors | None = None, *, recompute: bool = False, version: int | None = None
@@ -437,7 +387,7 @@ class ContinuousBatchingManager:
                 number, ``RolloutPool``); None: the current one + 1.
 
         Under tensor parallelism every rank calls it with the same full tensors (each rank keeps its
-        own shard of each, see ``weights.copy_weights``); the loops step again once every rank's update
+        own shard of each, see ``rollout.weights.versions.copy_weights``); the loops step again once every rank's update
         is done, and the driver's weight version and ``recompute`` are every rank's.
 
         Returns:
@@ -448,19 +398,7 @@ class ContinuousBatchingManager:
                 version; TypeError: a value that is not a tensor. All are raised before anything is copied.
             RuntimeError: the manager was destroyed.
         """
-        if self._life.state == State.DESTROYED:
-            raise RuntimeError("this manager was destroyed; update the model directly or build a new manager")
-        plan = plan_weight_copy(self.model, named_tensors)
-        if version is not None and version <= self.weight_version:
-            raise ValueError(f"weight_version: {version} is not above the current weight version {self.weight_version}")
-        with self.pause():
-            copy_weights(plan)
-            engine = self.engine
-            with self._cond:
-                version = self._weights.bump(engine, self.cb_config.check_weight_contents, recompute, version)
-            if recompute:  # the version change did it (a no-op again) but under tensor parallelism: the loop does it
-                self._recompute_in_flight(engine)
-        return version
+        return self._updates.update_weights(named_tensors, recompute, version)
 
     def load_lora(self, adapter: LoraAdapter, replace: bool = False) -> int:
         """Load a LoRA adapter (``LoraAdapter.from_peft_dir`` / ``from_tensors``) under a pause; requests select it by
@@ -483,16 +421,7 @@ class ContinuousBatchingManager:
                 of another base model, ``max_loras`` taken); nothing changes. ValueError: ``enable_lora`` is off.
             RuntimeError: the manager was destroyed; or under tensor parallelism (not served there).
         """
-        if self._tp is not None:
-            raise RuntimeError("load_lora: LoRA adapters are not served on a tensor-parallel model")
-        snapshot = adapter.clone()  # what an engine rebuilt by start() loads again: the tensors of this version
-        with self.pause(), self._cond:  # the lock: requests accepted meanwhile resolve before or after, never between
-            engine = self.engine
-            loaded = engine.load_lora(snapshot, replace, self._inbox.queued_lora_ids())
-            self._loras.pop(adapter.name, None)  # re-inserted last: load order
-            loaded.version = self._weights.bump(engine, self.cb_config.check_weight_contents, adapter=True)
-            self._loras[adapter.name] = (snapshot, loaded.version)
-            return loaded.version
+        return self._updates.load_lora(adapter, replace)
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``: later requests cannot select it; requests already accepted under it (running or
@@ -502,21 +431,12 @@ class ContinuousBatchingManager:
             KeyError: no adapter of that name is loaded; ValueError: ``enable_lora`` is off.
             RuntimeError: the manager was destroyed.
         """
-        with self.pause(), self._cond:
-            self.engine.unload_lora(name)
-            self._loras.pop(name, None)
+        self._updates.unload_lora(name)
 
     @property
     def lora_adapters(self) -> list[str]:
         """The names of the loaded LoRA adapters, in load order."""
-        return list(self._loras)
-
-    def _recompute_in_flight(self, engine: Engine) -> None:
-        """Under a pause: drop every unfinished request's KV, so it is re-prefilled when the loop steps again."""
-        if self._tp is None:
-            engine.recompute_in_flight()
-        elif self._tp.is_driver:  # every rank applies the driver's, at the same point of its loop
-            self._inbox.put_recompute()
+        return self._updates.lora_adapters
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Forget every prefix-cache block: later requests compute their prompts again.
@@ -533,21 +453,4 @@ class ContinuousBatchingManager:
         Raises:
             RuntimeError: the manager was destroyed.
         """
-        with self.pause():
-            engine = self.engine
-            if reset_running_requests:
-                self._recompute_in_flight(engine)
-            with self._cond:
-                engine.block_manager.reset_prefix_cache()
-
-    def _sync_weight_version(self) -> None:
-        """From a caller's thread: notice weights changed by hand (an optimizer step outside ``update_weights``).
-
-        The fingerprint is compared first without pausing (the common case: unchanged); a change is recorded under a
-        pause, so that no step runs while the version moves.
-        """
-        with self._cond:
-            if not self._weights.changed():
-                return
-        with self.pause(), self._cond:
-            self._weights.bump_if_changed(self._engine, self.cb_config.check_weight_contents)
+        self._updates.reset_prefix_cache(reset_running_requests)

@@ -336,7 +336,7 @@ class WeightWatch:
         now, every other engine on the model before its next step.
 
         With ``bump_if_changed``, the one place a weight version is made; a tensor-parallel rank other
-        than the driver only adopts the driver's (``tp_loop``).
+        than the driver only adopts the driver's (``manager.loop.TensorParallelLoop``).
 
         Args:
             engine: the engine of the caller, or None.

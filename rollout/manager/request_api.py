@@ -1,20 +1,18 @@
-"""The manager's request API (``ManagerRequests``, a part the manager owns): queue requests, cancel them, read results.
+"""The manager's request API (``RequestAPI``): queue requests, cancel them, read results.
 
-``ContinuousBatchingManager`` builds this part from its pieces and forwards its request methods here, docstrings
-included. A request is checked once, in the caller's thread and outside the lock, before it is queued (``intake.py``'s
-checks, then its ``Inbox``), where the manager's loop takes it; results come from the per-request handles of the
-``OutputRouter`` (``outputs.py``).
+``ContinuousBatchingManager`` is a ``RequestAPI``: it subclasses this class, whose methods are the manager's request
+methods as users call them (``manager.add_request(...)``), and gives it the parts it works on. A request is checked
+once, in the caller's thread and outside the lock, before it is queued (``intake.py``'s checks, then its ``Inbox``),
+where the manager's loop takes it; results come from the per-request handles of the ``OutputRouter`` (``outputs.py``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from rollout.checks import check_number
-from rollout.engine.engine import Engine
-from rollout.engine.worker.distributed import TensorParallel
+from rollout.engine import Engine, TensorParallel
 from rollout.manager.intake import (
     Inbox,
     Item,
@@ -30,26 +28,30 @@ from rollout.manager.pausing import PauseGate
 from rollout.requests import GenerationOutput
 from rollout.sampling_params import SamplingParams
 
-__all__ = ["ManagerRequests"]
+__all__ = ["RequestAPI"]
 
 
-class ManagerRequests:
-    """``add_request``, ``add_requests``, ``cancel_request`` and the ways to read results, of one manager.
+class RequestAPI:
+    """``add_request``, ``add_requests``, ``add_scoring_requests``, ``cancel_request`` and the ways to read results.
+
+    The request side of a ``ContinuousBatchingManager`` (its base class); it keeps the parts it is given under the
+    names the manager uses too.
 
     Args:
-        default_params: the sampling parameters a request starts from (the manager's ``default_params``).
+        default_params: the sampling parameters a request starts from (``default_params``).
         per_request_processors: ``ContinuousBatchingConfig.per_request_processors`` (False: a request's logits-processor
             values must be the defaults').
         vocab_size: the model's vocabulary size (prompt and end-of-sequence ids lie below it).
+        engine: the engine requests are checked against and bound to; the manager replaces it when it builds a new one
+            (``start()``) and sets it to None when destroyed. Read under ``cond``.
         cond: the manager's condition variable (it guards the engine, the inbox, the handles and the lifecycle).
         inbox: where checked requests and cancels wait for the loop.
         outputs: the per-request result handles.
         life: the manager's lifecycle (whether it admits requests, and still accepts them while a caller waits).
         pausing: the manager's pause gate (a wait inside the caller's own pause is refused).
-        engine: the manager's engine now (None once destroyed), called under ``cond``.
         tp: the engine's tensor parallelism, or None.
-        sync_weight_version: notices weights changed by hand (the manager's), called before requests are queued on a
-            model without tensor parallelism (a tensor-parallel loop notices them itself, without a pause).
+        sync_weight_version: notices weights changed by hand (``WeightUpdates.sync``), called before requests are
+            queued on a model without tensor parallelism (a tensor-parallel loop notices them itself, without a pause).
     """
 
     def __init__(
@@ -57,26 +59,36 @@ class ManagerRequests:
         default_params: SamplingParams,
         per_request_processors: bool,
         vocab_size: int,
+        engine: Engine,
         cond: threading.Condition,
         inbox: Inbox,
         outputs: OutputRouter,
         life: Lifecycle,
         pausing: PauseGate,
-        engine: Callable[[], Engine | None],
         tp: TensorParallel | None,
         sync_weight_version: Callable[[], None],
     ) -> None:
-        self.default_params = default_params
+        self._default_params = default_params
         self._per_request_processors = per_request_processors
         self._vocab_size = vocab_size
+        self._engine: Engine | None = engine
         self._cond = cond
         self._inbox = inbox
         self._outputs = outputs
         self._life = life
         self._pausing = pausing
-        self._engine = engine
         self._tp = tp
         self._sync_weight_version = sync_weight_version
+
+    @property
+    def default_params(self) -> SamplingParams:
+        """The sampling parameters a request starts from (from the generation config; ``add_request``'s arguments and
+        ``sampling_params`` override them)."""
+        return self._default_params
+
+    @default_params.setter
+    def default_params(self, params: SamplingParams) -> None:
+        self._default_params = params
 
     def add_request(
         self,
@@ -128,15 +140,7 @@ class ManagerRequests:
                 room without a timeout inside this thread's ``pause()``.
         """
         params = self._params(
-            sampling_params,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=eos_token_id,
-            lora=lora,
+            sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, lora, seed
         )
         item = checked_request(self._current_engine(), input_ids, request_id, params, self._vocab_size)
         return self._enqueue([item], streaming, record_timestamps, block, timeout)[0]
@@ -190,16 +194,7 @@ class ManagerRequests:
         if seed is None and sampling_params is not None:
             seed = sampling_params.seed
         seeds = derive_seeds(seed, len(inputs))
-        params = self._params(
-            sampling_params,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            lora=lora,
-        )
+        params = self._params(sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, lora)
         items, order = checked_batch(self._current_engine(), inputs, params, seeds, self._vocab_size)
         queued = self._enqueue(items, streaming, record_timestamps, block, timeout)
         ids: list[str | None] = [None] * len(items)
@@ -237,21 +232,43 @@ class ManagerRequests:
         ids = self._enqueue(items, False, False, False, None, score=(score_from, float(temperature)))
         return ids  # type: ignore[return-value]
 
-    def _params(self, sampling_params: SamplingParams | None, **values: Any) -> SamplingParams:
-        """A request's parameters: the manager's defaults, ``sampling_params`` and the per-request ``values``
-        (``intake.request_params``, with the manager's vocabulary and processor rule)."""
+    def _params(
+        self,
+        sampling_params: SamplingParams | None,
+        max_new_tokens: int | None,
+        do_sample: bool | None,
+        temperature: float | None,
+        top_k: int | None,
+        top_p: float | None,
+        eos_token_id: int | Sequence[int] | None,
+        lora: str | None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """A request's parameters: the defaults, ``sampling_params`` and the per-request arguments of ``add_request``
+        (``intake.request_params``, with the manager's vocabulary and processor rule); None keeps a value.
+
+        Raises:
+            ValueError: as ``intake.request_params``.
+        """
         return request_params(
             self.default_params,
             sampling_params,
             vocab_size=self._vocab_size,
             per_request_processors=self._per_request_processors,
-            **values,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            lora=lora,
         )
 
     def _current_engine(self) -> Engine | None:
         """The engine, read under the lock; None once the manager was destroyed."""
         with self._cond:
-            return self._engine()
+            return self._engine
 
     def _enqueue(
         self,
@@ -262,6 +279,13 @@ class ManagerRequests:
         timeout: float | None,
         score: tuple[int, float] | None = None,
     ) -> list[str | None]:
+        """Queue checked items (``Inbox.put``), bound to their adapters; None for each where nothing is queued (after
+        ``stop()``, or on a tensor-parallel rank other than the driver).
+
+        Raises:
+            ValueError, QueueFullError, RuntimeError: as ``Inbox.put`` (``refuse_wait``: ``block`` inside this thread's
+                ``pause()``); as ``Engine.bind_adapter`` (no adapter of that name is loaded).
+        """
         if self._tp is None:  # a tensor-parallel loop notices hand-made changes itself, without a pause
             self._sync_weight_version()
         refuse = self._pausing.refusal("add_request(block=True)")
@@ -269,7 +293,7 @@ class ManagerRequests:
             if not self._life.admits_requests() or (self._tp is not None and not self._tp.is_driver):
                 return [None] * len(items)
             score_from, score_temperature = score if score is not None else (None, 1.0)
-            engine = self._engine()
+            engine = self._engine
             ids = self._inbox.put(
                 items,
                 streaming,
