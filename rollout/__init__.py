@@ -36,15 +36,15 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
     from rollout.fleet import RolloutClient, RolloutPool, RolloutServerError, RolloutWeightTransfer
     from rollout.lora import LoraAdapter, adapter_state_dict
-    from rollout.manager.batch import (
+    from rollout.manager import (
+        ContinuousBatchingManager,
+        QueueFullError,
         attach,
         continuous_batching_context_manager,
         generate_batch,
         init_continuous_batching,
         is_attached,
     )
-    from rollout.manager.intake import QueueFullError
-    from rollout.manager.manager import ContinuousBatchingManager
     from rollout.requests import GenerationOutput, RequestStatus
     from rollout.sampling_params import SamplingParams, build_sampling_params
     from rollout.scoring import ScoreOutput, score, score_with_engine
@@ -52,11 +52,11 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
-    "attach": "rollout.manager.batch",
-    "continuous_batching_context_manager": "rollout.manager.batch",
-    "generate_batch": "rollout.manager.batch",
-    "init_continuous_batching": "rollout.manager.batch",
-    "is_attached": "rollout.manager.batch",
+    "attach": "rollout.manager",
+    "continuous_batching_context_manager": "rollout.manager",
+    "generate_batch": "rollout.manager",
+    "init_continuous_batching": "rollout.manager",
+    "is_attached": "rollout.manager",
     "num_blocks_for_model": "rollout.engine.kv.sizing",
     "usable_memory_bytes": "rollout.engine.kv.sizing",
     "FieldError": "rollout.checks",
@@ -82,12 +82,12 @@ _EXPORTS = {
     "episode_json": "rollout.agents",
     "run_episode": "rollout.agents",
     "run_episodes": "rollout.agents",
-    "QueueFullError": "rollout.manager.intake",
+    "QueueFullError": "rollout.manager",
     "load_model": "rollout.weights",
     "rollout_home": "rollout.weights",
     "LoraAdapter": "rollout.lora",
     "adapter_state_dict": "rollout.lora",
-    "ContinuousBatchingManager": "rollout.manager.manager",
+    "ContinuousBatchingManager": "rollout.manager",
     "UnsupportedModelError": "rollout.weights",
     "model_context_length": "rollout.weights",
     "RolloutPool": "rollout.fleet",
