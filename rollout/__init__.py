@@ -8,8 +8,9 @@ before the seconds torch takes to import.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rollout.lazy import lazy_face
 
 if TYPE_CHECKING:  # what type checkers and editors read; at run time each name is imported on first use
     from rollout.agents import (
@@ -152,25 +153,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    """A public name (or a submodule) of rollout, imported on first use and kept.
-
-    Raises:
-        AttributeError: ``name`` is neither a public name nor a submodule of rollout.
-    """
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-    else:
-        try:
-            value = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":  # the submodule exists and failed to import one of its own
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS, submodules=True)

@@ -11,7 +11,14 @@ imported here (a ``RolloutClient`` or ``RolloutPool`` is passed in by the caller
 """
 
 from rollout.agents.chat_delta import ChatDelta
-from rollout.agents.environments import Environment, ToolCall, environment_tools, parse_tool_calls, tool_schemas
+from rollout.agents.environments import (
+    Environment,
+    ToolCall,
+    environment_tools,
+    hermes_tool_call_blocks,
+    parse_tool_calls,
+    tool_schemas,
+)
 from rollout.agents.episodes import Episode, EpisodeLimits, Turn, episode_json, run_episode, run_episodes
 from rollout.agents.turns import ClientTurns, ManagerTurns, TurnBackend, TurnClient, TurnOutput
 
@@ -32,6 +39,7 @@ __all__ = [
     "Environment",
     "ToolCall",
     "environment_tools",
+    "hermes_tool_call_blocks",
     "parse_tool_calls",
     "tool_schemas",
 ]

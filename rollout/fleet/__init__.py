@@ -11,9 +11,25 @@ May import ``rollout.weights``, ``rollout.lora`` and the ground modules (``rollo
 ``rollout.agents``: the fleet is an HTTP client, and the engines live in the servers.
 """
 
-from rollout.fleet.client import RolloutClient, RolloutWeightTransfer
-from rollout.fleet.http import RolloutServerError
-from rollout.fleet.pool import RolloutPool
-from rollout.fleet.routing import pick_replica
+from typing import TYPE_CHECKING
+
+from rollout.lazy import lazy_face
+
+if TYPE_CHECKING:  # at run time each name is imported on first use: ``rollout-fleet`` parses its flags before torch
+    from rollout.fleet.client import RolloutClient, RolloutWeightTransfer
+    from rollout.fleet.http import RolloutServerError
+    from rollout.fleet.pool import RolloutPool
+    from rollout.fleet.routing import pick_replica
 
 __all__ = ["RolloutClient", "RolloutPool", "RolloutServerError", "RolloutWeightTransfer", "pick_replica"]
+
+# Each public name -> the module that defines it.
+_EXPORTS = {
+    "RolloutClient": "rollout.fleet.client",
+    "RolloutWeightTransfer": "rollout.fleet.client",
+    "RolloutServerError": "rollout.fleet.http",
+    "RolloutPool": "rollout.fleet.pool",
+    "pick_replica": "rollout.fleet.routing",
+}
+
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

@@ -5,6 +5,15 @@
 May import: ``rollout.engine`` (its face), ``rollout.weights``, ``rollout.lora`` and the ground modules.
 """
 
-from rollout.scoring.offline import ScoreOutput, score, score_with_engine
+from typing import TYPE_CHECKING
+
+from rollout.lazy import lazy_face
+
+if TYPE_CHECKING:  # at run time each name is imported on first use: ``rollout-score`` parses its flags before torch
+    from rollout.scoring.offline import ScoreOutput, score, score_with_engine
 
 __all__ = ["ScoreOutput", "score", "score_with_engine"]
+
+_EXPORTS = {name: "rollout.scoring.offline" for name in __all__}
+
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

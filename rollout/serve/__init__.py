@@ -14,8 +14,9 @@ May import: the public face ``rollout``, ``rollout.manager`` and ``rollout.agent
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rollout.lazy import lazy_face
 
 if TYPE_CHECKING:  # at run time each name is imported on first use: ``rollout-serve`` parses its flags before torch
     from rollout.serve.app import ServerSettings, build_app
@@ -25,26 +26,15 @@ if TYPE_CHECKING:  # at run time each name is imported on first use: ``rollout-s
 
 __all__ = ["GenerationService", "ServerSettings", "TransferSettings", "build_app", "main", "model_info"]
 
-# Each public name -> the module of rollout.serve that defines it.
+# Each public name -> the module that defines it.
 _EXPORTS = {
-    "GenerationService": "service",
-    "ServerSettings": "app",
-    "TransferSettings": "weight_updates",
-    "build_app": "app",
-    "main": "cli",
-    "model_info": "service",
+    "GenerationService": "rollout.serve.service",
+    "ServerSettings": "rollout.serve.app",
+    "TransferSettings": "rollout.serve.weight_updates",
+    "build_app": "rollout.serve.app",
+    "main": "rollout.serve.cli",
+    "model_info": "rollout.serve.service",
 }
 
 
-def __getattr__(name: str) -> Any:
-    """A public name of rollout.serve, imported from its module on first use and kept.
-
-    Raises:
-        AttributeError: ``name`` is not one of ``__all__``.
-    """
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import Any
 
-from rollout.agents.environments import hermes_tool_call_blocks
+from rollout.agents import hermes_tool_call_blocks
 from rollout.serve.errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"
