@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout.manager.manager import ContinuousBatchingManager
+from rollout.manager import ContinuousBatchingManager
 from rollout.requests import RequestStatus
 
 __all__ = ["FINISH_ABORT", "ClientTurns", "ManagerTurns", "TurnBackend", "TurnClient", "TurnOutput"]
