@@ -428,3 +428,18 @@ def test_a_turn_aborted_past_max_resumes_ends_the_episode_with_its_partial_ids(t
     assert ep.finish_reason == "aborted" and len(ep.turns) == 1
     assert ep.turns[0].requests == ["x-t0-r0", "x-t0-r1"] and ep.turns[0].end == 4
     assert ep.completion_ids == [7, 8, 7, 8] and ep.loss_mask == [1, 1, 1, 1] and ep.weight_versions == [3] * 4
+
+
+def test_client_turns_count_versions_from_the_trainer_s_base() -> None:
+    """A trainer on a server counts weight versions from its run's start (``RemoteRollouts.version_base``): the turns'
+    versions are the server's minus that base, so multi-turn staleness compares like with like (they were the
+    server's raw versions: staleness came out negative and nothing was ever too old)."""
+    from rollout import ClientTurns
+
+    class Server:
+        def generate(self, prompt_ids: list[int], session: str | None = None, **fields: Any) -> dict[str, Any]:
+            choice = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "weight_versions": [7, 8]}
+            return {"choices": [{**choice, "finish_reason": "length"}]}
+
+    assert ClientTurns(Server()).generate_turn([1], 2, "r", "s", None).weight_versions == [7, 8]
+    assert ClientTurns(Server(), version_base=6).generate_turn([1], 2, "r", "s", None).weight_versions == [1, 2]

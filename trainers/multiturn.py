@@ -252,7 +252,9 @@ class EpisodeRecipe:
             "temperature": 0.0 if greedy else cfg.temperature,
             "stop_token_ids": list(self.eos_token_ids),
         }
-        return rollout.ClientTurns(self.backend.client, **params)
+        # The server's versions, in the run's count (RemoteRollouts.weight_version's), so staleness compares them.
+        base = self.engine_backend.version_base  # a RemoteRollouts
+        return rollout.ClientTurns(self.backend.client, version_base=base, **params)
 
     def _run(
         self, rows: list[dict[str, Any]], ids: list[str], seeds: list[int | None], greedy: bool = False

@@ -92,6 +92,12 @@ class RemoteRollouts(RolloutBackend):
         self.state = "created"
         self.sync_seconds: list[float] = []
 
+    @property
+    def version_base(self) -> int:
+        """The server's weight version when this run's weights first arrived: this run's version 0. A server's
+        version minus it is the run's (what ``weight_version`` and the outputs' ``weight_versions`` say)."""
+        return self._base
+
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
         """Wait for the server, open the transfer group and send the current weights (version 0 of this run).
@@ -248,7 +254,7 @@ class RemoteRollouts(RolloutBackend):
             generated_tokens=tokens,
             logprobs=list(choice["logprobs"]["token_logprobs"]),
             status=rollout.RequestStatus.CANCELLED if reason == "abort" else rollout.RequestStatus.FINISHED,
-            weight_versions=[v - self._base for v in choice["weight_versions"]],
+            weight_versions=[v - self.version_base for v in choice["weight_versions"]],
             finish_reason="cancelled" if reason == "abort" else reason,
             timestamps=[now] * len(tokens) if timestamps else [],
         )

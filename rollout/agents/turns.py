@@ -132,6 +132,8 @@ class ClientTurns:
 
     Args:
         client: the client or the pool (any ``TurnClient``).
+        version_base: subtracted from the server's weight versions (a trainer that counts its versions from its
+            run's start, ``trainers.remote.RemoteRollouts.version_base``, compares them with its own); 0 keeps them.
         params: ``/v1/completions`` fields of every turn (``temperature``, ``stop_token_ids``...); ``max_tokens``
             and ``seed`` are set per turn.
 
@@ -139,9 +141,10 @@ class ClientTurns:
         ValueError: ``params`` sets ``max_tokens``, ``seed``, ``prompt`` or ``n``.
     """
 
-    def __init__(self, client: TurnClient, **params: Any) -> None:
+    def __init__(self, client: TurnClient, version_base: int = 0, **params: Any) -> None:
         _refuse_per_turn(params, ("max_tokens", "seed", "prompt", "n"), "ClientTurns")
         self.client = client
+        self.version_base = version_base
         self.params = params
 
     def generate_turn(
@@ -169,4 +172,5 @@ class ClientTurns:
         reason = choice.get("finish_reason") or "stop"
         if reason == "error":
             raise RuntimeError(f"turn request {request_id} failed on the server")
-        return TurnOutput(tokens, logprobs, list(choice["weight_versions"]), reason)
+        versions = [v - self.version_base for v in choice["weight_versions"]]
+        return TurnOutput(tokens, logprobs, versions, reason)
