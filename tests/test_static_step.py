@@ -23,8 +23,8 @@ import rollout.engine.spec as engine_spec
 import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
 from rollout.engine.kv.block_pool import NULL_BLOCK
-from rollout.engine.sample.sampler import HostStaging
 from rollout.engine.sched.output import ScheduledRequest
+from rollout.engine.staging import HostStaging
 from rollout.engine.worker.forward import FORWARDS, warmup_shapes
 from rollout.engine.worker.inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from rollout.requests import Request
