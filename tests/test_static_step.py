@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import CompileConfig
 
-import rollout.engine.engine as engine_module
+import rollout.engine.build as build_module
 import rollout.engine.spec as engine_spec
 import rollout.engine.worker.runner as model_runner
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
@@ -275,7 +275,7 @@ def test_warmup_of_a_running_manager_runs_inside_its_pause_and_changes_no_result
 def test_warmup_is_a_logged_no_op_when_nothing_is_compiled(caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine(tiny_llama(), _config(num_blocks=32))
     try:
-        with caplog.at_level(logging.DEBUG, logger="rollout.engine.engine"):
+        with caplog.at_level(logging.DEBUG, logger="rollout.engine.warmup"):
             assert engine.warmup() == 0.0
         assert "nothing to do" in caplog.text
         assert not engine.warmed_up and engine.stats.warmup_seconds is None
@@ -288,7 +288,7 @@ def test_cuda_graphs_off_cuda_raise_naming_the_field_before_any_allocation(monke
     def no_cache(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cache was allocated before the config was checked")
 
-    monkeypatch.setattr(engine_module, "PagedKVCache", no_cache)
+    monkeypatch.setattr(build_module, "PagedKVCache", no_cache)
     model = tiny_llama()
     for graphs in (True, (False, True)):
         with pytest.raises(ValueError, match="use_cuda_graph"):

@@ -34,6 +34,7 @@ import torch
 
 from rollout.checks import FieldError
 from rollout.lora.adapters import LoraAdapter
+from rollout.requests import Request
 
 __all__ = ["LoadedAdapter", "LoraSlots"]
 
@@ -64,6 +65,11 @@ class LoadedAdapter:
     slot: int
     uid: int
     version: int = 0
+
+    def bind(self, request: Request) -> None:
+        """``request`` runs under this adapter until it ends, whatever is loaded or unloaded under its name meanwhile
+        (its ``lora_id``, ``lora_slot`` and ``lora_version`` are this adapter's)."""
+        request.lora_id, request.lora_slot, request.lora_version = self.uid, self.slot, self.version
 
 
 class LoraSlots:

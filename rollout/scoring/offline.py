@@ -255,7 +255,7 @@ def _run(engine: Engine | None, plan: _Plan, temperature: float, progress_bar: b
         assert engine is not None
         for job in jobs:  # every job fits the cache, checked before any is queued
             try:
-                engine.check_request(job.request_id, len(job.tokens), params, scoring=True)
+                engine.gate.check(job.request_id, len(job.tokens), params, scoring=True)
             except ValueError as e:
                 raise ValueError(f"row {job.request_id.removeprefix('score_')}: {e}") from e
 
