@@ -247,7 +247,7 @@ class Engine:
     def sync_weight_version(self) -> None:
         """Adopt the model's weight version if another engine or manager on the same model moved it (an
         ``update_weights`` through another manager, a change another engine's check found); ``step()`` calls it
-        first. A tensor-parallel engine keeps its driver's (``tp_loop``)."""
+        first. A tensor-parallel engine keeps its driver's (the manager's tensor-parallel loop)."""
         version = self._watch.version
         if version != self.scheduler.weight_version and self.tp is None:
             self.set_weight_version(version)

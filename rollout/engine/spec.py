@@ -2,10 +2,10 @@
 
 Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching, the KV layer
 groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's padding) is decided here
-(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; the engine builds
-its parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this module (page
-size, token budget, memory share, offload GiB). Tensor parallelism joins here too (``distributed.TensorParallel``): the
-ranks agree on the cache's size.
+(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; ``build`` makes
+the engine's parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this
+module (page size, token budget, memory share, offload GiB). Tensor parallelism joins here too
+(``worker.distributed.TensorParallel``): the ranks agree on the cache's size.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class EngineSpec:
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
-        use_flash: the steps run paged kernels (flash-attn's on CUDA, ``cpu_attention``'s on CPU), else SDPA.
+        use_flash: the steps run paged kernels (flash-attn's on CUDA, ``attention.cpu``'s on CPU), else SDPA.
         max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
         return_logprobs: the engine records a logprob per generated token (the config's).
@@ -236,7 +236,7 @@ class EngineSpec:
         """Decide every setting, in the order the checks must run.
 
         Args:
-            model: the model (checked by ``models.check_model_supported`` already).
+            model: the model (checked by ``weights.model_info.check_model_supported`` already).
             config: the engine's configuration.
             max_tokens_hint: see ``Engine``: bounds the cache when ``config.num_blocks`` is None.
             fallback_compile_config: see ``Engine``.

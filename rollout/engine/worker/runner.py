@@ -174,9 +174,8 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
         # On CPU the step's float32 linear layers (eager and padded) run oneDNN on their weights reordered once into
-        # its blocked layout where the copies fit in memory, else MKL (rollout/engine/worker/onednn.py: MKL and oneDNN
-        # reorder a
-        # plain weight at every call).
+        # its blocked layout where the copies fit in memory, else MKL (``onednn``: MKL and oneDNN reorder a plain weight
+        # at every call).
         self._onednn, pack = linear_plan(model, self.device)
         self.packs: PackedWeights | None = PackedWeights(sibling_groups(model)) if pack else None
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
