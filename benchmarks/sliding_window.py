@@ -2,7 +2,7 @@
 
 ``python scripts/bench_sliding_window.py`` builds a random Gemma-3-style model (Gemma 3's pattern: 5
 sliding-window layers, window 64, to 1 global layer; no download), queues N requests with prompts of
-1,000 random tokens on a fresh ``rollout.Engine`` and steps it to the end, twice with the same
+1,000 random tokens on a fresh ``rollout.engine.Engine`` and steps it to the end, twice with the same
 ``num_blocks`` (the same bytes of KV cache): once with the cache per layer group
 (``sliding_window_cache=True``: a sliding layer keeps only its window's blocks), once with every layer
 keeping every position (``sliding_window_cache=False``, the cache before layer groups). Reported for
@@ -22,6 +22,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import rollout
+import rollout.engine
 
 
 def build_model(window: int, sliding_layers: int, hidden: int, vocab: int, seed: int) -> Gemma3ForCausalLM:
@@ -57,7 +58,7 @@ def run(
 ) -> dict:
     """One engine over all the prompts (greedy, no EOS), stepped to the end; its peak of running requests."""
     config = rollout.ContinuousBatchingConfig(num_blocks=num_blocks, sliding_window_cache=sliding_window_cache)
-    engine = rollout.Engine(model, config)
+    engine = rollout.engine.Engine(model, config)
     try:
         params = rollout.SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=())
         requests = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]

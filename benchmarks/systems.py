@@ -18,7 +18,7 @@
 - ``ceiling``: bare model forwards over the same token counts as ``hf-static`` (the same batches, one
   prefill forward and as many decode forwards as the static run needed): "the bare-forward ceiling".
 
-Also the decode-step probes (one bare forward of B decode tokens, and ``rollout.Engine``'s mean
+Also the decode-step probes (one bare forward of B decode tokens, and ``rollout.engine.Engine``'s mean
 decode-only step on the same batch) and ``run_system``, which times one system under a fixed seed
 and a peak-memory monitor. The timing conventions are in ``benchmarks.generation``.
 """
@@ -46,6 +46,7 @@ from transformers import DynamicCache, GenerationConfig, set_seed
 from transformers.generation.streamers import BaseStreamer
 
 import rollout
+import rollout.engine
 from benchmarks.workloads import chunks, expand_rows, left_pad, truncate_at_eos
 
 logger = logging.getLogger(__name__)
@@ -405,7 +406,7 @@ def measure_rollout_decode_step(
 ) -> float | None:
     """Mean seconds of our engine's decode-only steps of exactly ``batch_size`` requests.
 
-    Runs ``rollout.Engine`` directly on the same batch as ``measure_bare_decode_step`` (prompts cycled,
+    Runs ``rollout.engine.Engine`` directly on the same batch as ``measure_bare_decode_step`` (prompts cycled,
     greedy, no EOS, ``num_steps + 2`` tokens each) and reads the engine's own step timing. The first such
     step is dropped as a warmup.
 
@@ -417,7 +418,7 @@ def measure_rollout_decode_step(
     cb_config = rollout.ContinuousBatchingConfig(seed=seed)
     # Room for every request at once: a block of slack each for the rounding up to whole blocks (<= 256 tokens)
     hint = sum(len(p) + params.max_new_tokens + 256 for p in batch)
-    engine = rollout.Engine(model, cb_config, max_tokens_hint=hint)
+    engine = rollout.engine.Engine(model, cb_config, max_tokens_hint=hint)
     try:
         for i, prompt in enumerate(batch):
             engine.add_request(prompt, params, f"decode_probe_{i}")

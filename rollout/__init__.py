@@ -33,8 +33,12 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     )
     from rollout.checks import FieldError
     from rollout.config import ContinuousBatchingConfig
-    from rollout.engine.engine import Engine, EngineStats
-    from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
+
+    # Loaded from here for older code, not exported (see below): the redundant aliases say so.
+    from rollout.engine import Engine as Engine
+    from rollout.engine import EngineStats as EngineStats
+    from rollout.engine import num_blocks_for_model as num_blocks_for_model
+    from rollout.engine import usable_memory_bytes as usable_memory_bytes
     from rollout.fleet import RolloutClient, RolloutPool, RolloutServerError, RolloutWeightTransfer
     from rollout.lora import LoraAdapter, adapter_state_dict
     from rollout.manager import (
@@ -51,22 +55,25 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     from rollout.scoring import ScoreOutput, score, score_with_engine
     from rollout.weights import UnsupportedModelError, load_model, model_context_length, rollout_home
 
-# Each public name -> the module that defines it.
+# Each public name -> the room (or ground module) whose face defines it. ``Engine``, ``EngineStats``,
+# ``num_blocks_for_model`` and ``usable_memory_bytes`` still load from here but are not in ``__all__``: the engine is
+# the internals of the manager, scoring and benchmarks (vLLM exports ``LLM``, not ``EngineCore``); import them from
+# ``rollout.engine``.
 _EXPORTS = {
     "attach": "rollout.manager",
     "continuous_batching_context_manager": "rollout.manager",
     "generate_batch": "rollout.manager",
     "init_continuous_batching": "rollout.manager",
     "is_attached": "rollout.manager",
-    "num_blocks_for_model": "rollout.engine.kv.sizing",
-    "usable_memory_bytes": "rollout.engine.kv.sizing",
+    "num_blocks_for_model": "rollout.engine",
+    "usable_memory_bytes": "rollout.engine",
     "FieldError": "rollout.checks",
     "RolloutClient": "rollout.fleet",
     "RolloutServerError": "rollout.fleet",
     "RolloutWeightTransfer": "rollout.fleet",
     "ContinuousBatchingConfig": "rollout.config",
-    "Engine": "rollout.engine.engine",
-    "EngineStats": "rollout.engine.engine",
+    "Engine": "rollout.engine",
+    "EngineStats": "rollout.engine",
     "Environment": "rollout.agents",
     "ToolCall": "rollout.agents",
     "environment_tools": "rollout.agents",
@@ -115,8 +122,6 @@ __all__ = [
     "adapter_state_dict",
     "rollout_home",
     "model_context_length",
-    "Engine",
-    "EngineStats",
     "GenerationOutput",
     "RequestStatus",
     "ScoreOutput",
@@ -130,8 +135,6 @@ __all__ = [
     "RolloutPool",
     "RolloutServerError",
     "RolloutWeightTransfer",
-    "num_blocks_for_model",
-    "usable_memory_bytes",
     "ChatDelta",
     "ClientTurns",
     "Environment",

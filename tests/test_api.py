@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 import rollout
+import rollout.engine
 from rollout import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
@@ -156,7 +157,7 @@ def test_trl_grpo_trainer_with_transformers_continuous_batching_runs_on_an_attac
     # defaults here (1.0 and None); the logits processors are another branch's work.
     model = rollout.attach(tiny_llama())
     model.generation_config.eos_token_id = EOS_TOKEN_ID
-    engines: list[rollout.Engine] = []
+    engines: list[rollout.engine.Engine] = []
     real_engine = rollout.manager.batch.Engine
 
     def counting_engine(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -17,7 +17,8 @@ from transformers.generation import CompileConfig
 
 import rollout.engine.spec as engine_spec
 import rollout.engine.worker.runner as model_runner
-from rollout import ContinuousBatchingConfig, Engine, EngineStats, RequestStatus, SamplingParams
+from rollout import ContinuousBatchingConfig, RequestStatus, SamplingParams
+from rollout.engine import Engine, EngineStats
 from rollout.engine.worker.forward import FORWARDS
 from tests.tiny_models import (
     VOCAB_SIZE,

@@ -27,7 +27,8 @@ from transformers.utils.generic import is_flash_attention_requested
 
 import rollout
 import rollout.engine.attention.flash as flash
-from rollout import ContinuousBatchingConfig, Engine, RequestStatus, generate_batch, init_continuous_batching
+from rollout import ContinuousBatchingConfig, RequestStatus, generate_batch, init_continuous_batching
+from rollout.engine import Engine
 from rollout.engine.attention.flash import flash_support, flash_unsupported_reason
 from rollout.engine.attention.paged import PagedAttentionMetadata
 from rollout.engine.attention.registry import (

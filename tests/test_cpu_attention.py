@@ -17,7 +17,8 @@ import torch
 
 import rollout.engine.attention.cpu as cpu_attention
 import rollout.engine.worker.runner as model_runner
-from rollout import ContinuousBatchingConfig, Engine
+from rollout import ContinuousBatchingConfig
+from rollout.engine import Engine
 from rollout.engine.worker.forward import FORWARDS
 from tests.flash_reference import reference_attention
 from tests.test_flash_path import tiny_gemma2_softcap

@@ -25,9 +25,10 @@ from accelerate import Accelerator
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, generate_batch
+from rollout.engine import Engine
 from rollout.engine.attention.flash import flash_attn_available, flash_support
-from rollout.engine.sample.sampler import HostStaging
+from rollout.engine.staging import HostStaging
 from rollout.scoring.offline import score_with_engine
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import (

@@ -17,7 +17,8 @@ from accelerate import Accelerator
 from transformers import GenerationConfig
 
 import rollout.engine.attention.flash as flash_module
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch
+from rollout.engine import Engine
 from rollout.engine.attention.flash import choose_flash
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import reference_greedy
@@ -97,3 +98,36 @@ def test_flash_is_chosen_only_for_a_cache_on_gpus_that_pass_every_check(monkeypa
     assert caplog.text == ""  # each reason once per process (generate_batch builds an engine per call)
     reason[0] = None
     assert choose_flash(gpus, *shape) is True
+
+
+def test_a_cache_that_cannot_be_had_is_refused_naming_num_blocks_and_max_memory_percent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``num_blocks`` past the usable memory is a FieldError naming it before anything is allocated; an allocation
+    that fails anyway (torch's CPU allocator: a plain RuntimeError) is a CacheAllocationError (a MemoryError) naming
+    what was asked and what is usable; another error of the allocation passes through as it was."""
+    import rollout.engine.build
+    from rollout import FieldError
+    from rollout.engine.kv.sizing import CacheAllocationError, num_blocks_for_model
+
+    model = tiny_llama()
+    too_many = 4 * num_blocks_for_model(model, ContinuousBatchingConfig(), memory_percent=1.0)  # memory moves a little
+    with pytest.raises(FieldError, match=rf"num_blocks={too_many}: .* room for at most \d+ blocks") as e:
+        Engine(model, ContinuousBatchingConfig(num_blocks=too_many))
+    assert e.value.field == "num_blocks" and "max_memory_percent" in str(e.value)
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes")
+
+    monkeypatch.setattr(rollout.engine.build, "PagedKVCache", no_memory)
+    with pytest.raises(CacheAllocationError, match=r"^num_blocks=8: the KV cache of 8 blocks could not be allocated"):
+        Engine(model, ContinuousBatchingConfig(num_blocks=8))
+    with pytest.raises(MemoryError, match="max_memory_percent=0.5: .* GiB are usable on cpu now"):
+        Engine(model, ContinuousBatchingConfig(max_memory_percent=0.5))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(rollout.engine.build, "PagedKVCache", broken)
+    with pytest.raises(RuntimeError, match="^something else$"):
+        Engine(model, ContinuousBatchingConfig(num_blocks=8))

@@ -33,7 +33,8 @@ from transformers.generation import CompileConfig
 import rollout.engine.attention.cpu as cpu_attention
 import rollout.engine.attention.paged as attention
 import rollout.engine.worker.runner as model_runner
-from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout.engine import Engine
 from rollout.engine.kv.block_pool import NULL_BLOCK
 from rollout.engine.sched.output import ScheduledRequest, SchedulerOutput
 from rollout.engine.spec import resolve_max_blocks_per_request

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, Engine, GenerationOutput, RequestStatus, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, GenerationOutput, RequestStatus, SamplingParams, generate_batch
+from rollout.engine import Engine
 from tests.tiny_models import ALL_TINY_MODELS, EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama, tiny_mistral
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
 

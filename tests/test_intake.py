@@ -44,13 +44,14 @@ class FakeEngine:
 
 
 class FittingEngine:
-    """What the checks need of an engine: ``check_request``, refusing requests longer than ``capacity`` tokens."""
+    """What the checks need of an engine: its gate's ``check``, refusing requests longer than ``capacity`` tokens."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
         self.checked: list[tuple[str | None, int, SamplingParams]] = []
+        self.gate = self  # the engine's RequestGate: ``check`` below
 
-    def check_request(
+    def check(
         self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
     ) -> None:
         self.checked.append((request_id, num_prompt_tokens, params))

@@ -11,7 +11,9 @@ import torch
 from transformers import GenerationConfig
 
 import rollout
-from rollout import ContinuousBatchingConfig, Engine, RequestStatus, init_continuous_batching
+import rollout.engine
+from rollout import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
+from rollout.engine import Engine
 from rollout.engine.kv import cache as kv_cache
 from rollout.engine.kv import offload as cpu_offload
 from rollout.engine.kv import sizing as cache_sizing
@@ -179,7 +181,7 @@ def test_engine_sizes_its_cache_from_usable_memory_minus_the_logits_workspace(mo
         per_block = (2 * 2 * 2 * 16 * 4) * 4  # bytes per token x tokens per block = 2048
         workspace = 64 * VOCAB_SIZE * (4 + 32)  # 589,824
         assert engine.num_blocks == (4 * MIB - workspace) // per_block == 1760
-        assert rollout.num_blocks_for_model(model, cfg) == 1760
+        assert rollout.engine.num_blocks_for_model(model, cfg) == 1760
     finally:
         engine.close()
 

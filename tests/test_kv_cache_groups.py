@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, Engine, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout.engine import Engine
 from rollout.engine.kv.block_pool import NULL_BLOCK
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_gemma3_5to1, tiny_gemma4, tiny_mistral
 from tests.utils import reference_greedy, run_engine

@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 import rollout
+import rollout.engine
 from rollout import sampling_params as sampling_params_module
 from rollout.sampling_params import SamplingParams, build_sampling_params
 from tests.tiny_models import EOS_TOKEN_ID, random_prompts, tiny_byte_level_tokenizer, tiny_gemma, tiny_llama
@@ -97,7 +98,7 @@ def test_requests_with_different_processors_and_none_share_one_batch() -> None:
         (PROMPTS[3], {"no_repeat_ngram_size": 3}),
         (PROMPTS[3], {}),
     ]
-    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=64, block_size=8))
+    engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=64, block_size=8))
     try:
         for i, (prompt, kwargs) in enumerate(jobs):
             overrides = dict(kwargs, eos_token_id=kwargs.get("eos_token_id", EOS_TOKEN_ID))
@@ -202,7 +203,7 @@ def test_stop_strings_may_start_in_the_prompt_and_stop_reads_only_generated_text
     assert reference(model, prompt, stop_strings=[across], tokenizer=tokenizer) == full[:1]
     vllm_style = stop_reference(tokenizer, full, [across])
     assert len(vllm_style) > 1  # the string is not in the first generated token's text
-    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=32), tokenizer=tokenizer)
+    engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=32), tokenizer=tokenizer)
     try:
         base = SamplingParams(max_new_tokens=MAX_NEW, eos_token_ids=(EOS_TOKEN_ID,))
         engine.add_request(prompt, dataclasses.replace(base, stop_strings=(across,)), request_id="transformers")
@@ -227,7 +228,7 @@ def test_stop_strings_count_only_once_min_new_tokens_are_generated(llama_plain, 
     head = spelled(tokenizer, full[:2])
     first = len(spelled(tokenizer, full[:1]))
     stop = next(head[i:] for i in range(len(head) - 1, -1, -1) if i < first and text.count(head[i:]) == 1)
-    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=32), tokenizer=tokenizer)
+    engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=32), tokenizer=tokenizer)
     try:
         base = SamplingParams(max_new_tokens=MAX_NEW, **{field: (stop,)})
         engine.add_request(prompt, base, request_id="plain")
@@ -249,7 +250,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(llama_plai
     with pytest.raises(ValueError, match=r"stop_strings needs a tokenizer"):
         rollout.init_continuous_batching(model, GenerationConfig(max_new_tokens=4, stop_strings="ab"))
     assert model.config._attn_implementation == attention
-    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=8))
+    engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=8))
     try:
         with pytest.raises(ValueError, match=r"stop needs a tokenizer"):
             engine.add_request(PROMPTS[0], SamplingParams(stop=("ab",)))

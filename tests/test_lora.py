@@ -13,7 +13,8 @@ import copy
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout.engine import Engine
 from rollout.lora import LoraAdapter, adapter_state_dict
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs

@@ -24,7 +24,6 @@ import rollout
 from rollout import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
-    Engine,
     QueueFullError,
     RequestStatus,
     SamplingParams,
@@ -32,6 +31,7 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
+from rollout.engine import Engine
 from rollout.manager.persistence import persistent_manager_of
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_llama
 from tests.utils import StepControl, assert_close, reference_greedy, run_engine, teacher_forced_logprobs

@@ -9,7 +9,8 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import rollout
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, UnsupportedModelError, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, UnsupportedModelError, generate_batch
+from rollout.engine import Engine
 from tests.tiny_models import ALL_TINY_MODELS, VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import assert_close, reference_greedy, teacher_forced_logprobs
 

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, Engine, SamplingParams
+from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout.engine import Engine
 from rollout.engine.sched.output import ScheduledRequest, SchedulerOutput
 from rollout.engine.worker.runner import ModelRunner
 from rollout.requests import Request

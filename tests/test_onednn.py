@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout import Engine, SamplingParams
+from rollout import SamplingParams
+from rollout.engine import Engine
 from rollout.engine.worker import forward as static_step
 from rollout.engine.worker import onednn
 from rollout.engine.worker import runner as model_runner

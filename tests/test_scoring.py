@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import rollout.scoring.offline as scoring
-from rollout import ContinuousBatchingConfig, Engine
+from rollout import ContinuousBatchingConfig
+from rollout.engine import Engine
 from rollout.scoring.offline import ScoreOutput, score, score_with_engine
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama
 from tests.utils import assert_close, teacher_forced_logprobs

@@ -271,16 +271,16 @@ def test_a_kv_cache_that_cannot_be_allocated_is_one_line_naming_the_flags(
     status 2 and one line naming --max-memory-percent (what was asked) and --num-blocks, the allocator's own words and
     the GiB usable now, no traceback. (A --num-blocks past the memory is refused before allocating:
     tests/test_fleet_cli.py.)"""
-    from rollout import ContinuousBatchingManager
+    import rollout.engine.build
     from rollout.serve.cli import main
 
-    def no_memory(self: object, *args: object, **kwargs: object) -> None:
+    def no_memory(*args: object, **kwargs: object) -> None:
         raise RuntimeError(
             "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
             "allocate 409600000000 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    monkeypatch.setattr(ContinuousBatchingManager, "__init__", no_memory)
+    monkeypatch.setattr(rollout.engine.build, "PagedKVCache", no_memory)  # the engine's cache allocation
     model = str(_save_tiny(tmp_path / "model"))
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", model, "--port", str(free_port()), "--max-memory-percent", "0.5", "--log-level", "error"])

@@ -6,6 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 import rollout
+import rollout.engine
 from tests.utils import assert_close, reference_generate, reference_greedy, run_engine, teacher_forced_logprobs
 
 QUESTIONS = [
@@ -127,7 +128,7 @@ def test_vllm_style_stop_ends_at_the_first_stop_string_of_the_generated_text_smo
     model, tokenizer = smollm2
     prompts = chat_prompts(tokenizer, PROCESSOR_QUESTIONS)
     stop = ("</answer>", " is", ":")
-    engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=64), tokenizer=tokenizer)
+    engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=64), tokenizer=tokenizer)
     try:
         params = rollout.SamplingParams(max_new_tokens=PROCESSOR_MAX_NEW, eos_token_ids=(2,), stop=stop)
         for i, p in enumerate(prompts):

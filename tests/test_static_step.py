@@ -18,13 +18,14 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import CompileConfig
 
-import rollout.engine.engine as engine_module
+import rollout.engine.build as build_module
 import rollout.engine.spec as engine_spec
 import rollout.engine.worker.runner as model_runner
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, Engine, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, SamplingParams, generate_batch
+from rollout.engine import Engine
 from rollout.engine.kv.block_pool import NULL_BLOCK
-from rollout.engine.sample.sampler import HostStaging
 from rollout.engine.sched.output import ScheduledRequest
+from rollout.engine.staging import HostStaging
 from rollout.engine.worker.forward import FORWARDS, warmup_shapes
 from rollout.engine.worker.inputs import PaddingRule, StepBatch, build_step_batch, pad_to_interval, synthetic_batch
 from rollout.requests import Request
@@ -275,7 +276,7 @@ def test_warmup_of_a_running_manager_runs_inside_its_pause_and_changes_no_result
 def test_warmup_is_a_logged_no_op_when_nothing_is_compiled(caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine(tiny_llama(), _config(num_blocks=32))
     try:
-        with caplog.at_level(logging.DEBUG, logger="rollout.engine.engine"):
+        with caplog.at_level(logging.DEBUG, logger="rollout.engine.warmup"):
             assert engine.warmup() == 0.0
         assert "nothing to do" in caplog.text
         assert not engine.warmed_up and engine.stats.warmup_seconds is None
@@ -288,7 +289,7 @@ def test_cuda_graphs_off_cuda_raise_naming_the_field_before_any_allocation(monke
     def no_cache(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cache was allocated before the config was checked")
 
-    monkeypatch.setattr(engine_module, "PagedKVCache", no_cache)
+    monkeypatch.setattr(build_module, "PagedKVCache", no_cache)
     model = tiny_llama()
     for graphs in (True, (False, True)):
         with pytest.raises(ValueError, match="use_cuda_graph"):

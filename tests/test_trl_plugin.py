@@ -204,7 +204,7 @@ def test_manager_takes_the_training_share_of_memory_unless_told_otherwise(
             expected_percent = min(0.25, 0.5 * (64 * 1024**2 - state) / (64 * 1024**2))  # 0.25 cap on CPU
             assert training_memory_percent(model) == expected_percent
         assert manager.cb_config.max_memory_percent == expected_percent
-        blocks = 48 if given.num_blocks else rollout.num_blocks_for_model(model, manager.cb_config)
+        blocks = 48 if given.num_blocks else rollout.engine.num_blocks_for_model(model, manager.cb_config)
         assert manager.engine.num_blocks == blocks
     finally:
         trainer.close_rollout_manager()

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, Engine, GenerationOutput, SamplingParams
+from rollout import ContinuousBatchingConfig, GenerationOutput, SamplingParams
+from rollout.engine import Engine
 from rollout.requests import Request
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama, tiny_mistral
 from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs

@@ -24,6 +24,7 @@ if str(REPO) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(REPO))
 
 import rollout  # noqa: E402
+import rollout.engine  # noqa: E402
 
 MAX_NEW = 10
 # Small pages so that the prompts span several blocks (prefix caching, block tables of several entries).
@@ -91,7 +92,7 @@ def run_scenario(
     if not quick:
         # Sampling without seeds: each rank's generator is seeded from the OS, yet every rank must
         # append the driver's tokens (the engine API returns requests on every rank).
-        engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(page_size=8, num_blocks=96))
+        engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(page_size=8, num_blocks=96))
         params = rollout.SamplingParams(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.5, eos_token_ids=())
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=f"sample_{i}")
@@ -157,12 +158,13 @@ def main(argv: list[str]) -> int:
     try:
         late = 0.0 if rank == 0 else 1.0
         record = run_scenario(model, eos, quick, sync=lambda: dist.barrier(group=barrier_group), late_pause=late)
-        engine = rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=4))
+        engine = rollout.engine.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=4))
         record["local_kv_heads"] = engine.cache.shape.num_kv_heads  # the KV heads this rank's cache holds
         record["async_default"] = engine.async_batching  # None under TP: off
         engine.close()
         try:  # refused on every rank before any collective, so no rank waits for the others
-            rollout.Engine(model, rollout.ContinuousBatchingConfig(num_blocks=4, use_async_batching=True)).close()
+            config = rollout.ContinuousBatchingConfig(num_blocks=4, use_async_batching=True)
+            rollout.engine.Engine(model, config).close()
             record["async_error"] = None
         except ValueError as e:
             record["async_error"] = str(e)

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from rollout import Engine, GenerationOutput, RequestStatus, SamplingParams
+from rollout import GenerationOutput, RequestStatus, SamplingParams
+from rollout.engine import Engine
 from rollout.engine.worker.forward import CapturedGraph, CUDAGraphs
 from rollout.engine.worker.inputs import StepBatch
 

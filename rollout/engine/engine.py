@@ -1,10 +1,10 @@
-"""The engine: the step loop over scheduler and model runner.
+"""The engine: requests in through one door, and the step loop over scheduler and model runner.
 
 ``Engine.step()`` is three calls, as in nano-vllm and vLLM v1: ``scheduler.schedule()`` ->
 ``runner.execute(scheduler_output)`` (forward, then sampling) -> ``scheduler.update_from_output`` (counts, tokens,
-statuses, finished requests and their blocks). The engine builds the parts, queues requests (through the part that
-checks and builds them, ``engine_requests.EngineRequests``) and keeps statistics; it changes no request itself. The
-background manager, ``generate_batch`` and ``score`` all drive this class; it holds no global state.
+statuses, finished requests and their blocks). The engine holds the parts ``build.build_parts`` makes from the spec,
+queues requests (checked once where they enter, by its ``gate.RequestGate``) and keeps statistics; it changes no request
+itself. The background manager, ``generate_batch`` and ``score`` all drive this class; it holds no global state.
 
 With async batching (``ContinuousBatchingConfig.use_async_batching``) the scheduler is an ``AsyncScheduler`` and the
 step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_queue``).
@@ -12,43 +12,28 @@ step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
+from rollout.checks import check_int, check_number, token_ids
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.attention.registry import enable_paged_attention, restore_attention
 from rollout.engine.batch_queue import BatchQueue
-from rollout.engine.kv.block_pool import BlockManager
-from rollout.engine.kv.cache import PagedKVCache
-from rollout.engine.kv.manager import KVCacheManager
-from rollout.engine.kv.offload import CPUOffloadPool
-from rollout.engine.requests import EngineRequests, bind_adapter
-from rollout.engine.sched.async_scheduler import AsyncScheduler
-from rollout.engine.sched.output import RunnerOutput, SchedulerOutput
-from rollout.engine.sched.scheduler import Scheduler
-from rollout.engine.spec import EngineSpec
-from rollout.engine.stats import EngineStats, ProgressLog
-from rollout.engine.worker.forward import mark_warmed, warm_key, warmed_before, warmup_shapes
-from rollout.engine.worker.runner import ModelRunner
+from rollout.engine.build import build_parts
+from rollout.engine.gate import RequestGate
+from rollout.engine.stats import EngineStats, StepMeter, read_stats
+from rollout.engine.warmup import Warmup
 from rollout.lora import LoadedAdapter, LoraAdapter, LoraSlots
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams, build_sampling_params
-from rollout.stop_strings import StopStringMatcher
-from rollout.weights.model_info import UnsupportedModelError, check_model_supported
-from rollout.weights.versions import watch_of
+from rollout.weights.model_info import UnsupportedModelError
 
 __all__ = ["Engine", "EngineStats", "UnsupportedModelError"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -59,22 +44,21 @@ class Engine:
     Args:
         model: a ``transformers`` decoder-only causal LM. Its attention implementation is switched to rollout's paged
             dispatcher until ``close()`` (forwards without engine metadata still run the original). The KV cache holds
-            the dtype attention computes in (``models.attention_dtype``: autocast's under accelerate's
-            ``mixed_precision``), each layer's on that layer's device (a ``device_map``-sharded model gets its cache
-            sharded the same way). On CUDA the steps use flash-attn's paged kernels when ``flash.flash_support``
-            finds nothing against it, else SDPA (logged). A model sharded by a ``tp_plan`` under ``torchrun`` runs one
-            engine per rank in lockstep (``distributed.TensorParallel``).
+            the dtype attention computes in (autocast's under accelerate's ``mixed_precision``), each layer's on that
+            layer's device (``device_map``). On CUDA the steps use flash-attn's paged kernels when
+            ``flash.flash_support`` finds nothing against it, else SDPA (logged). A model sharded by a ``tp_plan``
+            under ``torchrun`` runs one engine per rank in lockstep (``worker.distributed.TensorParallel``).
         config: engine configuration.
         max_tokens_hint: when ``config.num_blocks`` is None, the cache is no larger than what holds this many tokens (an
             int), or these requests of that many tokens each (a sequence: the whole job of ``generate_batch``), memory
             permitting.
         tokenizer: the model's ``transformers`` tokenizer, needed by requests with stop strings (``stop_strings``,
-            ``stop``) to read the text of their tokens; None refuses them.
+            ``stop``) to read the text of their tokens; None refuses them. A manager may set ``tokenizer`` later.
         fallback_compile_config: the generation config's ``compile_config`` (None when the user set none: transformers'
             ``GenerationConfig`` defaults it to None): compiles the paths that have no compile config of their own when
             ``default_compile_level`` is 0.
 
-    Compiled and CUDA-graphed paths run padded (``static_step``): the cache gets one padding block more than the
+    Compiled and CUDA-graphed paths run padded (``worker.forward``): the cache gets one padding block more than the
     block manager hands out; ``warmup()`` compiles or captures before the first request.
 
     With ``spec.async_batching`` true, a step is in flight between calls of ``step()`` (``batch_queue``):
@@ -82,13 +66,9 @@ class Engine:
     and ``close()`` finish it first. A request cancelled or stopped meanwhile has its row computed and dropped.
 
     Raises:
-        UnsupportedModelError: the model cannot be paged (see ``models.check_model_supported``), or a layer's weights
-            are on the meta device with no accelerate hook saying where it runs.
-        ValueError: a tensor-parallel model's ``num_key_value_heads`` is not divisible by its TP size;
-            ``use_cuda_graph`` asks for CUDA graphs off CUDA, or together with a compile mode that captures CUDA graphs
-            itself; a compiled or graphed path on a model whose layers span several devices; ``use_async_batching=True``
-            on a tensor-parallel model; ``enable_lora=True`` on a tensor-parallel model. Raised before anything is
-            allocated.
+        UnsupportedModelError, ValueError: what ``build.build_parts`` refuses (a model that cannot be paged, KV heads
+            not divisible by the TP size, CUDA graphs off CUDA or under a compile mode that captures its own, a static
+            path across devices, async batching or LoRA under tensor parallelism), before anything is allocated.
     """
 
     def __init__(
@@ -99,99 +79,35 @@ class Engine:
         tokenizer: object | None = None,
         fallback_compile_config: CompileConfig | None = None,
     ) -> None:
-        check_model_supported(model)
         self.config = config or ContinuousBatchingConfig()
-        self.spec = spec = EngineSpec.resolve(model, self.config, max_tokens_hint, fallback_compile_config)
-        self.model = model
-        # The spec's values that callers read off the engine.
+        parts = build_parts(model, self.config, max_tokens_hint, fallback_compile_config)
+        self.model, self.spec, self.cache, self.offload_pool = model, parts.spec, parts.cache, parts.offload_pool
+        self.block_manager, self.kv_cache_manager = parts.block_manager, parts.kv_cache_manager
+        self.lora, self.scheduler, self.runner, self._watch = parts.lora, parts.scheduler, parts.runner, parts.watch
+        spec = self.spec  # its values that callers read off the engine:
         self.device, self.tp, self.num_blocks = spec.device, spec.tp, spec.num_blocks
         self.block_size, self.max_batch_tokens = spec.block_size, spec.max_batch_tokens
         self.async_batching, self.use_flash = spec.async_batching, spec.use_flash
         self.context_length, self.vocab_size = spec.context_length, spec.vocab_size
-        self.cache = PagedKVCache(
-            spec.shape, spec.num_blocks + int(spec.static), spec.block_size, spec.device, spec.layer_devices
-        )
-        self.offload_pool: CPUOffloadPool | None = None
-        if spec.offload_gib > 0:
-            pin = spec.device.type == "cuda"
-            self.offload_pool = CPUOffloadPool(spec.shape, spec.offload_gib, spec.block_size, pin, self.cache.layout)
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size, self.config.allow_block_sharing)
-        self.kv_cache_manager = KVCacheManager(
-            self.block_manager, spec.safety_margin, self.offload_pool, self.cache.layout.sliding_windows
-        )
-        if self.config.enable_lora and spec.tp is not None:
-            raise ValueError("enable_lora=True: LoRA adapters are not served on a tensor-parallel model yet")
-        # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's.
-        self.lora: LoraSlots | None = None
-        if self.config.enable_lora:
-            self.lora = LoraSlots(model, self.config.max_loras, self.config.max_lora_rank)
-        scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
-        self.scheduler = scheduler_class(
-            self.kv_cache_manager, spec.max_batch_tokens, self.config.max_requests_per_batch, self.config.scheduler_type
-        )
-        self.runner = ModelRunner(
-            model,
-            self.cache,
-            spec.use_flash,
-            self.offload_pool,
-            seed=self.config.seed,
-            logprobs_mode=self.config.logprobs_mode,
-            return_logprobs=self.config.return_logprobs,
-            max_blocks_per_request=spec.max_blocks_per_request,
-            compile_configs=spec.compile_configs,
-            cuda_graphs=spec.cuda_graphs,
-            padding=spec.padding,
-            async_batching=spec.async_batching,
-            lora=self.lora,
-        )
-        self._intake = EngineRequests(spec, self.scheduler, tokenizer, self.lora)  # checks, builds and queues requests
-        self._counts = EngineStats()  # the step loop's own counters (the others are read from their owners)
-        # What the warmup found: whether it ran, its seconds, the compilations and captures at its end.
-        self._warm_done = False
-        self._warm_seconds: float | None = None
-        self._warm_counts = (0, 0)
-        self._queue = BatchQueue(self.scheduler, self.runner, self._record_stats) if spec.async_batching else None
-        self._progress = ProgressLog(self.config.progress_log_interval)
+        self.gate = RequestGate(spec, tokenizer, self.lora)  # the one check of a request, and readying it
+        self._num_queued = 0  # requests queued so far (default ids count them)
+        self._meter = StepMeter(self.scheduler, self.runner, self.config.progress_log_interval)  # the loop's counters
+        self._warmup = Warmup(model, self.runner)
+        self._queue = BatchQueue(self.scheduler, self.runner, self._meter.record) if spec.async_batching else None
         self._step_fn = self._queue.step if self._queue is not None else self._step_sync  # chosen once, as vLLM's
-        # The model's weight version, shared with every engine on it: weights changed since the last check (by any
-        # means: check_weight_contents) make a new one before this engine starts at it.
-        self._watch = watch_of(model)
-        self._watch.bump_if_changed(None, self.config.check_weight_contents)
-        self.scheduler.weight_version = self._watch.version
-        self.scheduler.base_version = self._watch.base_version
         self._original_attn = enable_paged_attention(model)
         self._closed = False
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's counters, read now from their owners (vLLM's ``make_stats``): the scheduler, the KV cache
-        manager and block pool, the runner, the cache, the warmup, the batch queue and the step loop. A snapshot: it
-        does not change as the engine steps on (its lists do: they are the loop's own)."""
-        compiles, captures = self._compile_counts()
-        warm_compiles, warm_captures = self._warm_counts
-        return dataclasses.replace(
-            self._counts,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_offloads=self.kv_cache_manager.num_offloads,
-            num_prefix_cache_hit_blocks=self.block_manager.num_prefix_cache_hit_blocks,
-            num_block_copies=self.kv_cache_manager.num_block_copies,
-            num_decode_fast_path_steps=self.runner.num_decode_fast_path_steps,
-            kv_cache_bytes=self.cache.size_bytes,
-            kv_cache_capacity_tokens={g.name: self.num_blocks * self.block_size for g in self.cache.groups},
-            num_compiles=compiles,
-            num_compiles_after_warmup=compiles - warm_compiles if self._warm_done else 0,
-            num_cuda_graph_captures=captures,
-            num_cuda_graph_captures_after_warmup=captures - warm_captures if self._warm_done else 0,
-            warmup_seconds=self._warm_seconds,
-            num_async_steps=self._queue.num_async_steps if self._queue is not None else 0,
-        )
+        """The engine's counters, read now from their owners (``stats.read_stats``); a snapshot."""
+        parts = (self.scheduler, self.kv_cache_manager, self.runner, self.cache)
+        return read_stats(self._meter.counts, *parts, self._warmup, self._queue)
 
     def use_device_in_this_thread(self) -> None:
-        """Make the engine's CUDA device the current device of the calling thread (nothing on CPU).
-
-        A new thread starts on cuda:0; kernels and allocations that follow the current device (CUDA streams, pinned
-        copies, flash-attn's capability query) must use the model's GPU. The manager's loop calls it.
-        """
+        """Make the engine's CUDA device the current device of the calling thread (nothing on CPU). A new thread starts
+        on cuda:0; kernels and allocations that follow the current device (CUDA streams, pinned copies, flash-attn's
+        capability query) must use the model's GPU. The manager's loop calls it."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -203,10 +119,8 @@ class Engine:
 
     def from_driver(self, obj: T) -> T:
         """The driver's ``obj`` on every rank of a tensor-parallel engine (a collective); ``obj`` itself otherwise.
-
         ``generate_batch`` and ``score`` pass their planned requests through it, so that every rank runs what the driver
-        decided even if a caller gave its ranks different inputs.
-        """
+        decided even if a caller gave its ranks different inputs."""
         return obj if self.tp is None else self.tp.broadcast_object(obj)
 
     # ------------------------------------------------------------------ requests
@@ -217,19 +131,12 @@ class Engine:
 
     @property
     def tokenizer(self) -> object | None:
-        """The tokenizer requests with stop strings need (None refuses them); a manager may set it later."""
-        return self._intake.tokenizer
+        """The tokenizer requests with stop strings need (None refuses them): the gate's; a manager may set it later."""
+        return self.gate.tokenizer
 
     @tokenizer.setter
     def tokenizer(self, tokenizer: object | None) -> None:
-        self._intake.tokenizer = tokenizer
-
-    def check_request(
-        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
-    ) -> None:
-        """Raise ValueError if this engine can never run a request (``EngineSpec.check_request``: the context, the
-        cache, top logprobs), or if it has stop strings and the engine no tokenizer; changes nothing."""
-        self._intake.check_request(request_id, num_prompt_tokens, params, scoring)
+        self.gate.tokenizer = tokenizer
 
     def add_request(
         self,
@@ -241,11 +148,9 @@ class Engine:
         score_temperature: float = 1.0,
         lora: str | None = None,
     ) -> Request:
-        """Check and queue a request; returns its state object.
-
-        The entry point for code that drives an engine directly: everything is checked here, once (``generate_batch``,
-        the manager and ``score`` check at their own boundary, then ``check_request`` and ``enqueue`` the requests they
-        built).
+        """Check and queue a request; returns its state object. The door of code that drives an engine directly: the
+        arguments are checked here, then the request (``gate.check``), once. ``generate_batch``, the manager and
+        ``score`` check at their own boundary (the gate's check too), then ``enqueue`` the requests they built.
 
         Args:
             prompt_ids: the prompt's token ids (a list, tuple, 1-D tensor or array of ints).
@@ -259,47 +164,47 @@ class Engine:
 
         Raises:
             ValueError: an empty prompt, a token id outside [0, vocab_size), an eos id outside the vocabulary, a
-                duplicate request id, a request that can never fit the cache, or score_from / score_temperature out of
-                range, or a ``lora`` that is not a loaded adapter.
+                duplicate request id, score_from / score_temperature out of range, or what ``RequestGate.check``
+                raises (a request that can never fit, stop strings without a tokenizer, a ``lora`` not loaded).
             RuntimeError: the engine is closed.
         """
         self._check_open()
         if lora is not None:
             params = build_sampling_params(params, lora=lora)
-        return self._intake.add_request(
-            prompt_ids, params, request_id, record_timestamps, score_from, score_temperature
-        )
-
-    def stop_matcher(self, params: SamplingParams) -> StopStringMatcher:
-        """The matcher of a request's stop strings, built once per set of strings.
-
-        The first call for a tokenizer spells its vocabulary (``stop_strings.token_texts``).
-
-        Raises:
-            ValueError: the engine has no tokenizer.
-        """
-        return self._intake.stop_matcher(params)
+        prompt = token_ids(prompt_ids, f"input_ids of request {request_id!r}", self.vocab_size)
+        params.check_vocab(self.vocab_size)
+        if score_from is not None:
+            check_int("score_from", score_from, minimum=1, maximum=len(prompt))
+            check_number("score_temperature", score_temperature, minimum=0, min_open=True)
+        if request_id is None:
+            request_id = f"req_{self._num_queued}"
+            while request_id in self.scheduler.requests:
+                request_id += "_"
+        self.gate.check(request_id, len(prompt), params)
+        request = Request(request_id, prompt, params, record_timestamps, score_from, score_temperature)
+        self.enqueue(request)
+        return request
 
     def enqueue(self, request: Request) -> None:
-        """Queue a request built and checked by the caller (see ``check_request``).
+        """Queue a request built and checked by the caller (``gate.check``), readied by ``RequestGate.ready`` (its
+        stop-string matcher, its adapter).
 
         Raises:
-            ValueError: its id is already in use by an unfinished request, or it has stop strings and the engine no
-                tokenizer.
+            ValueError: its id is already in use by an unfinished request, or what ``RequestGate.ready`` raises.
             RuntimeError: the engine is closed.
         """
         self._check_open()
-        self._intake.enqueue(request)
+        self.gate.ready(request)
+        self.scheduler.add_request(request)
+        self._num_queued += 1
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
-        """End a request with a final status (cancel, fail), freeing its blocks. None if unknown.
-
-        With a step in flight (async batching), the request's row of that step is computed and dropped.
-        """
+        """End a request with a final status (cancel, fail), freeing its blocks. None if unknown. With a step in flight
+        (async batching), the request's row of that step is computed and dropped."""
         return self.scheduler.finish_request(request_id, status, error)
 
     def has_unfinished(self) -> bool:
@@ -322,8 +227,8 @@ class Engine:
         """Set the version recorded with new tokens and new cached blocks (after finishing the step in flight, whose
         tokens were sampled under the old weights), and drop the packed copies of the old weights.
 
-        The model's ``WeightWatch`` (``weights.watch_of``) makes new versions; this engine raises the model's to
-        ``version`` if it is behind, and adopts the model's before each step (``sync_weight_version``); a
+        The model's ``WeightWatch`` (``weights.versions.watch_of``) makes new versions; this engine raises the model's
+        to ``version`` if it is behind, and adopts the model's before each step (``sync_weight_version``); a
         tensor-parallel rank adopts its driver's instead. Moving past a version whose update asked for recompute
         (``WeightWatch.recompute_version``) re-prefills the in-flight requests (``recompute_in_flight``), but under
         tensor parallelism, where the manager has every rank do it at the same point of its loop.
@@ -342,7 +247,7 @@ class Engine:
     def sync_weight_version(self) -> None:
         """Adopt the model's weight version if another engine or manager on the same model moved it (an
         ``update_weights`` through another manager, a change another engine's check found); ``step()`` calls it
-        first. A tensor-parallel engine keeps its driver's (``tp_loop``)."""
+        first. A tensor-parallel engine keeps its driver's (the manager's tensor-parallel loop)."""
         version = self._watch.version
         if version != self.scheduler.weight_version and self.tp is None:
             self.set_weight_version(version)
@@ -364,9 +269,8 @@ class Engine:
             version: the weight version this load makes (``LoadedAdapter.version``, what its tokens record).
 
         Raises:
-            ValueError: ``enable_lora`` is off. FieldError (a ValueError) naming the field when the adapter cannot be
-                loaded (``LoraSlots.check``: its name is loaded, its rank above ``max_lora_rank``, a target module the
-                engine cannot adapt, tensors of another base model, every slot taken); nothing changes then.
+            ValueError: ``enable_lora`` is off. FieldError naming the field the adapter breaks (``LoraSlots.check``);
+                nothing changes then.
             RuntimeError: the engine is closed.
         """
         self._check_open()
@@ -394,7 +298,7 @@ class Engine:
             ValueError: the engine serves no adapters; FieldError (``lora``): none of that name is loaded.
         """
         if request.params.lora is not None:
-            bind_adapter(request, self._intake.adapter(request.params.lora))
+            self.gate.adapter(request.params.lora).bind(request)
 
     @property
     def lora_adapters(self) -> dict[str, LoadedAdapter]:
@@ -414,18 +318,16 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Request]:
-        """Run one engine step: schedule, execute, update.
-
-        With async batching, this call applies the step launched by the previous call and launches the next
-        (``BatchQueue.step``); the first call applies nothing.
+        """Run one engine step: schedule, execute, update. With async batching, this call applies the step launched by
+        the previous call and launches the next (``BatchQueue.step``); the first call applies nothing.
 
         Returns:
-            The requests that got a new token in the step applied, and the requests that finished (status
-            FINISHED, blocks freed), in batch order (after those of a ``drain`` not returned yet).
+            The requests that got a new token in the step applied, and the requests that finished (status FINISHED,
+            blocks freed), in batch order (after those of a ``drain`` not returned yet).
 
         Raises:
-            Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may
-            not match their KV): every caller closes it or fails the manager.
+            Whatever the forward raises. The engine is then unusable (its requests' counts and blocks may not match
+            their KV): every caller closes it or fails the manager.
         """
         self.sync_weight_version()  # one version per model: an update through another engine is this one's too
         return self._step_fn()
@@ -437,13 +339,12 @@ class Engine:
         if self.tp is not None:
             runner_output = self.tp.share_output(runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._record_stats(scheduler_output, runner_output, time.perf_counter() - t0)
+        self._meter.record(scheduler_output, runner_output, time.perf_counter() - t0)
         return updated
 
     def drain(self) -> list[Request]:
-        """Finish the step in flight, if any, and apply its results; launch nothing (async batching).
-
-        The manager's loop calls it before a pause, so that nothing runs on the model until the next ``step()``.
+        """Finish the step in flight, if any, and apply its results; launch nothing (async batching). The manager's loop
+        calls it before a pause, so that nothing runs on the model until the next ``step()``.
 
         Returns:
             The requests updated since the last ``step()`` returned, in batch order.
@@ -458,90 +359,31 @@ class Engine:
         if self._queue is not None:
             self._queue.quiesce()
 
-    def _record_stats(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
-        """Count a step in the loop's own counters (see ``stats``) and log progress now and then."""
-        if scheduler_output.is_empty:
-            return
-        padded = ModelRunner.path_of(scheduler_output.scheduled) in self.runner.static_paths
-        self._counts.count_step(scheduler_output, runner_output, seconds, padded)
-        waiting, free = len(self.scheduler.waiting), self.block_manager.num_free_blocks
-        self._progress.tick(self._counts.num_generated_tokens, len(self.scheduler.running), waiting, free)
-
     # ------------------------------------------------------------------ warmup
-    def _compile_counts(self) -> tuple[int, int]:
-        """The runner's dynamo compilations and CUDA graph captures so far, warmup included."""
-        graphs = self.runner.graphs
-        return self.runner.compile_counter.count, graphs.num_captures if graphs is not None else 0
-
     def warmup_plan(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The (path, padded shape) pairs ``warmup`` runs: two per compiled or graphed path
-        (``static_step.warmup_shapes``); empty when every path is eager."""
-        rule = self.runner.padding
-        if rule is None:
-            return []
-        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
+        """The (path, padded shape) pairs ``warmup`` runs (``Warmup.plan``); empty when every path is eager."""
+        return self._warmup.plan()
 
     def warmup(self, progress_bar: bool = True) -> float:
-        """Compile (and on CUDA capture) the step shapes before the first request.
-
-        Runs each shape of ``warmup_plan`` once on a synthetic batch that touches only the padding block
-        (``ModelRunner.warmup``): requests, blocks, the prefix cache, the random generators and the request counters of
-        ``stats`` are as they were. A no-op (logged at debug) when there is nothing to compile, when it already ran, or
-        when an earlier engine on the same model warmed up the same ``dynamic=True`` configs and padding
-        (``static_step.warm_key``). Not thread-safe against ``step()``: the manager pauses its loop first.
-
-        Args:
-            progress_bar: show a tqdm bar over the shapes.
-
-        Returns:
-            The seconds it took (0.0 when there was nothing to do).
+        """Compile (and on CUDA capture) the step shapes before the first request, with a tqdm bar if ``progress_bar``
+        (``Warmup.run``); returns its seconds (0.0, logged at debug, when there was nothing to do). Not thread-safe
+        against ``step()``: the manager pauses its loop first.
 
         Raises:
             RuntimeError: the engine is closed.
         """
         self._check_open()
-        plan = self.warmup_plan()
-        if not plan or self._warm_done:
-            logger.debug(
-                "warmup: %s", "already done for this engine" if plan else "no compiled or graphed path; nothing to do"
-            )
-            return 0.0
-        runner = self.runner
-        assert runner.padding is not None  # a plan means a static path, which has a padding rule
-        key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
-        if warmed_before(self.model, key):
-            logger.debug("warmup: these step shapes were compiled by an earlier engine on this model")
-            self._warm_done, self._warm_seconds = True, 0.0
-            return 0.0
-        self._quiesce()  # a step in flight would run beside the warmup's forwards
-        t0 = time.perf_counter()
-        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with device, tqdm(total=len(plan), desc="rollout warmup", unit="shape", disable=not progress_bar) as bar:
-            runner.warmup(plan, lambda: bar.update(1))
-        self._warm_seconds = time.perf_counter() - t0
-        self._warm_done = True
-        self._warm_counts = self._compile_counts()
-        mark_warmed(self.model, key)
-        logger.info(
-            "warmup: %d step shapes of the %s path(s) in %.1f s (%d compilations, %d CUDA graphs captured)",
-            len(plan),
-            " and ".join(runner.static_paths),
-            self._warm_seconds,
-            *self._warm_counts,
-        )
-        return self._warm_seconds
+        return self._warmup.run(progress_bar, self._quiesce)
 
     @property
     def warmed_up(self) -> bool:
         """True once ``warmup()`` has run with something to compile or capture."""
-        return self._warm_done
+        return self._warmup.done
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Restore the model's original attention implementation and unpin the offload pool. Idempotent.
-
-        A step in flight is waited for and its results are dropped; the runner's worker thread ends.
-        """
+        """Restore the model's original attention implementation and unpin the offload pool. Idempotent. A step in
+        flight is waited for and its results are dropped; the runner's worker thread ends."""
         if not self._closed:
             self._closed = True
             if self._queue is not None:

@@ -2,10 +2,10 @@
 
 Every setting that depends on the device or the model (the compiled and CUDA-graphed paths, async batching, the KV layer
 groups, the cache's size, flash-attn or SDPA, the decode fast path's width, the static step's padding) is decided here
-(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; the engine builds
-its parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this module (page
-size, token budget, memory share, offload GiB). Tensor parallelism joins here too (``distributed.TensorParallel``): the
-ranks agree on the cache's size.
+(``EngineSpec.resolve`` and its ``resolve_*`` functions), in one place, before anything is allocated; ``build`` makes
+the engine's parts from the spec. The config keeps only the device defaults that the cache's sizing reads below this
+module (page size, token budget, memory share, offload GiB). Tensor parallelism joins here too
+(``worker.distributed.TensorParallel``): the ranks agree on the cache's size.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
-from rollout.checks import FieldError
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.attention.cpu import choose_cpu_attention
 from rollout.engine.attention.flash import choose_flash
@@ -25,7 +24,6 @@ from rollout.engine.kv.cache import CacheLayout, CacheShape
 from rollout.engine.kv.sizing import num_blocks_for_model, offload_space_gib
 from rollout.engine.worker.distributed import TensorParallel, tensor_parallel_mesh
 from rollout.engine.worker.forward import PaddingRule
-from rollout.sampling_params import SamplingParams
 from rollout.weights.model_info import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
 
 __all__ = ["EngineSpec"]
@@ -195,7 +193,7 @@ class EngineSpec:
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
-        use_flash: the steps run paged kernels (flash-attn's on CUDA, ``cpu_attention``'s on CPU), else SDPA.
+        use_flash: the steps run paged kernels (flash-attn's on CUDA, ``attention.cpu``'s on CPU), else SDPA.
         max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
         return_logprobs: the engine records a logprob per generated token (the config's).
@@ -238,7 +236,7 @@ class EngineSpec:
         """Decide every setting, in the order the checks must run.
 
         Args:
-            model: the model (checked by ``models.check_model_supported`` already).
+            model: the model (checked by ``weights.model_info.check_model_supported`` already).
             config: the engine's configuration.
             max_tokens_hint: see ``Engine``: bounds the cache when ``config.num_blocks`` is None.
             fallback_compile_config: see ``Engine``.
@@ -311,59 +309,3 @@ class EngineSpec:
             return_logprobs=config.return_logprobs,
             tp=tp,
         )
-
-    def check_request(
-        self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
-    ) -> None:
-        """Raise FieldError if an engine of this spec can never run a request.
-
-        The prompt and parameters are trusted (they were checked at the public boundary); this adds what only the engine
-        knows: whether the prompt plus ``max_new_tokens`` fits the model's context (``max_position_embeddings``) and the
-        cache. Past the context a RoPE model runs on with degraded output for as long as it is asked (``model.generate``
-        only warns); rollout refuses, as vLLM refuses a request past ``max_model_len``.
-
-        Args:
-            request_id: named in the message.
-            num_prompt_tokens: the prompt's length.
-            params: the request's sampling parameters (``max_new_tokens`` counts).
-            scoring: a scoring request (it generates nothing: the prompt alone must fit the context).
-
-        Raises:
-            FieldError: the prompt plus ``max_new_tokens`` is past the model's context (the message names
-                ``max_new_tokens``, the prompt's length and the context; ``field`` is ``input_ids`` when the prompt
-                alone is too long, else ``max_new_tokens``), the request needs more blocks than the cache has
-                (``max_new_tokens``), or it asks for top logprobs (``num_top_logprobs``) from an engine that records
-                no logprobs.
-        """
-        # A request is named once it has an id (the manager checks some before it assigns one).
-        name = f"request {request_id!r}" if request_id is not None else None
-        who = f"{name}: " if name is not None else ""
-        if params.num_top_logprobs > 0 and not self.return_logprobs:
-            raise FieldError(
-                "num_top_logprobs",
-                f"num_top_logprobs: {name or 'the request'} asks for {params.num_top_logprobs} top "
-                "logprobs per token, but the engine records no logprobs; pass "
-                "ContinuousBatchingConfig(return_logprobs=True)",
-            )
-        total = num_prompt_tokens + params.max_new_tokens
-        context = self.context_length
-        if context is not None and (num_prompt_tokens if scoring else total) > context:
-            if scoring or num_prompt_tokens >= context:
-                fix = f"shorten the prompt to at most {context - (0 if scoring else 1)} tokens"
-            else:
-                fix = f"lower max_new_tokens to at most {context - num_prompt_tokens} or shorten the prompt"
-            what = "" if scoring else f"max_new_tokens: {who}"
-            raise FieldError(
-                "input_ids" if scoring or num_prompt_tokens >= context else "max_new_tokens",
-                f"{what}prompt ({num_prompt_tokens} tokens)"
-                + ("" if scoring else f" plus max_new_tokens ({params.max_new_tokens})")
-                + f" is past the model's context of {context} tokens (max_position_embeddings); {fix}",
-            )
-        needed = self.layout.max_blocks_needed(total, self.max_batch_tokens, self.block_size)
-        if needed > self.num_blocks:
-            raise FieldError(
-                "max_new_tokens",
-                f"{who}prompt ({num_prompt_tokens} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) needs {needed} blocks of {self.block_size} tokens, but the cache "
-                f"has {self.num_blocks}; raise num_blocks or max_memory_percent, or lower max_new_tokens",
-            )

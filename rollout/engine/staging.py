@@ -2,8 +2,8 @@
 
 On CUDA the arrays travel through a pinned host buffer and a device buffer kept across steps (so a
 replayed CUDA graph reads them at the same addresses), optionally double-buffered on a side stream for
-async batching; on CPU the packed array itself is used. The sampler's per-row values (``sampling.py``)
-and the step's inputs (``step_inputs.py``) both travel this way.
+async batching; on CPU the packed array itself is used. The sampler's per-row values (``sample/sampler.py``)
+and the step's inputs (``worker/inputs.py``) both travel this way.
 """
 
 from __future__ import annotations

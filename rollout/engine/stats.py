@@ -1,16 +1,27 @@
-"""``EngineStats``: an engine's counters, as ``Engine.stats`` reads them from their owners; ``ProgressLog``."""
+"""``EngineStats``: an engine's counters, as ``Engine.stats`` reads them from their owners (``read_stats``); the step
+loop's own (``StepMeter``) and its ``ProgressLog``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rollout.engine.sched.output import RunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    from rollout.engine.batch_queue import BatchQueue
+    from rollout.engine.kv.cache import PagedKVCache
+    from rollout.engine.kv.manager import KVCacheManager
+    from rollout.engine.sched.scheduler import Scheduler
+    from rollout.engine.warmup import Warmup
+    from rollout.engine.worker.runner import ModelRunner
+
 logger = logging.getLogger("rollout.engine.engine.progress")  # under the engine's logger, which users configure
 
-__all__ = ["EngineStats", "ProgressLog"]
+__all__ = ["EngineStats", "ProgressLog", "StepMeter", "read_stats"]
 
 
 @dataclass
@@ -96,6 +107,38 @@ class EngineStats:
             self.decode_step_batch.append(len(scheduler_output.scheduled))
 
 
+def read_stats(
+    counts: EngineStats,
+    scheduler: Scheduler,
+    kv_cache_manager: KVCacheManager,
+    runner: ModelRunner,
+    cache: PagedKVCache,
+    warmup: Warmup,
+    queue: BatchQueue | None,
+) -> EngineStats:
+    """An engine's counters, read now from their owners (vLLM's ``make_stats``): the step loop's own (``counts``), then
+    the scheduler's, the KV cache manager's and block pool's, the runner's, the cache's, the warmup's and the batch
+    queue's. A snapshot: it does not change as the engine steps on (its lists do: they are the loop's own)."""
+    compiles, captures = warmup.compile_counts()
+    pool = kv_cache_manager.block_manager
+    return dataclasses.replace(
+        counts,
+        num_preemptions=scheduler.num_preemptions,
+        num_offloads=kv_cache_manager.num_offloads,
+        num_prefix_cache_hit_blocks=pool.num_prefix_cache_hit_blocks,
+        num_block_copies=kv_cache_manager.num_block_copies,
+        num_decode_fast_path_steps=runner.num_decode_fast_path_steps,
+        kv_cache_bytes=cache.size_bytes,
+        kv_cache_capacity_tokens={g.name: pool.num_blocks * pool.block_size for g in cache.groups},
+        num_compiles=compiles,
+        num_compiles_after_warmup=compiles - warmup.counts[0] if warmup.done else 0,
+        num_cuda_graph_captures=captures,
+        num_cuda_graph_captures_after_warmup=captures - warmup.counts[1] if warmup.done else 0,
+        warmup_seconds=warmup.seconds,
+        num_async_steps=queue.num_async_steps if queue is not None else 0,
+    )
+
+
 class ProgressLog:
     """A debug log of throughput at most every ``interval`` seconds (``config.progress_log_interval``)."""
 
@@ -113,3 +156,31 @@ class ProgressLog:
             "%.1f generated tokens/s; %d running, %d waiting, %d free blocks", rate, running, waiting, free_blocks
         )
         self._last = (now, generated)
+
+
+class StepMeter:
+    """The step loop's own counters (``counts``: steps, tokens computed and sampled, decode step times) and its progress
+    log; the engine's other counters are read from their owners (``read_stats``).
+
+    Args:
+        scheduler: the engine's scheduler (its queues and free blocks, for the progress log).
+        runner: the engine's model runner (which paths run padded).
+        interval: most seconds between progress logs (``ContinuousBatchingConfig.progress_log_interval``).
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, interval: float) -> None:
+        self.counts = EngineStats()
+        self.scheduler = scheduler
+        self.runner = runner
+        self._progress = ProgressLog(interval)
+
+    def record(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
+        """Count a step that computed something (an empty one counts nothing) and log progress now and then; ``seconds``
+        is the wall time the step adds (see ``EngineStats.decode_step_seconds``)."""
+        if scheduler_output.is_empty:
+            return
+        padded = self.runner.path_of(scheduler_output.scheduled) in self.runner.static_paths
+        self.counts.count_step(scheduler_output, runner_output, seconds, padded)
+        scheduler = self.scheduler
+        free = scheduler.kv_cache_manager.num_free_blocks
+        self._progress.tick(self.counts.num_generated_tokens, len(scheduler.running), len(scheduler.waiting), free)

@@ -178,7 +178,7 @@ def generate_batch(
             engine.load_lora(lora)
         # A request that can never fit raises here, before any step; the engine is closed and nothing is returned.
         for rid, prompt, params in jobs:
-            engine.check_request(rid, len(prompt), params)
+            engine.gate.check(rid, len(prompt), params)
         if warmup:
             engine.warmup(progress_bar)
         jobs = engine.from_driver(jobs)  # tensor parallelism: every rank runs the driver's requests

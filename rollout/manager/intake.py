@@ -96,14 +96,15 @@ def check_fits(
         scoring: a scoring request (it generates nothing: the prompt alone must fit).
 
     Raises:
-        FieldError: ``Engine.check_request``'s message, prefixed with ``name``; its ``field`` is ``name`` when the
-            prompt alone cannot fit, else the field at fault (``max_new_tokens``, ``num_top_logprobs``).
+        FieldError: the engine's check's message (``engine.gate.check``, the one check of a request against the
+            engine), prefixed with ``name``; its ``field`` is ``name`` when the prompt alone cannot fit, else the field
+            at fault (``max_new_tokens``, ``num_top_logprobs``, ``stop_strings``, ``lora``).
         RuntimeError: there is no engine (the manager was destroyed).
     """
     if engine is None:
         raise RuntimeError("the manager was destroyed and accepts no request")
     try:
-        engine.check_request(request_id, len(prompt), params, scoring)
+        engine.gate.check(request_id, len(prompt), params, scoring)
     except FieldError as e:
         raise FieldError(name if e.field == "input_ids" else e.field, f"{name}: {e}") from e
     except ValueError as e:

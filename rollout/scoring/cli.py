@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int | None:
     check_columns(ds.column_names, [args.prompt_column, args.completion_column], args.dataset)
     prompts = _texts(ds[args.prompt_column], args.prompt_column)
     completions = _texts(ds[args.completion_column], args.completion_column, null_is_empty=True)
-    from rollout.engine.worker.distributed import is_driver_rank
+    from rollout.engine import is_driver_rank
     from rollout.scoring.offline import score
     from rollout.weights.loading import load_model
     from rollout.weights.model_info import model_context_length

@@ -31,8 +31,7 @@ from transformers import PreTrainedModel
 
 from rollout.checks import check_int, check_number, token_ids
 from rollout.config import ContinuousBatchingConfig, resolve_continuous_batching_config
-from rollout.engine.engine import Engine
-from rollout.engine.worker.distributed import is_driver_rank
+from rollout.engine import Engine, is_driver_rank
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
 from rollout.weights.model_info import model_context_length, vocab_size
@@ -255,7 +254,7 @@ def _run(engine: Engine | None, plan: _Plan, temperature: float, progress_bar: b
         assert engine is not None
         for job in jobs:  # every job fits the cache, checked before any is queued
             try:
-                engine.check_request(job.request_id, len(job.tokens), params, scoring=True)
+                engine.gate.check(job.request_id, len(job.tokens), params, scoring=True)
             except ValueError as e:
                 raise ValueError(f"row {job.request_id.removeprefix('score_')}: {e}") from e
 

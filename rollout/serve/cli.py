@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import ipaddress
 import logging
+import re
 import signal
 import socket
 import sys
@@ -284,14 +285,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         sock.close()
 
 
+def as_flags(message: str) -> str:
+    """An engine message about the KV cache's size, in this command's flags (``num_blocks=8`` -> ``--num-blocks 8``,
+    ``max_memory_percent`` -> ``--max-memory-percent``): one line for a user who typed flags, not fields."""
+    message = re.sub(
+        r"\b(num_blocks|max_memory_percent)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message
+    )
+    return re.sub(r"\b(num_blocks|max_memory_percent)\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 def _serve(args: argparse.Namespace, config: ContinuousBatchingConfig, sock: socket.socket) -> None:
     """Load the model, start the manager and serve on ``sock`` until a signal ends it; the manager is destroyed on
     every way out (the lifespan's shutdown does it after a signal)."""
     import torch
 
-    from rollout import ContinuousBatchingManager, load_model
+    from rollout import ContinuousBatchingManager, FieldError, load_model
     from rollout.serve.app import ServerSettings, build_app
-    from rollout.serve.kv_memory import allocation_failure, is_allocation_failure, oversized_cache
     from rollout.serve.service import GenerationService, model_info
     from rollout.serve.weight_updates import TransferSettings
 
@@ -299,15 +308,14 @@ def _serve(args: argparse.Namespace, config: ContinuousBatchingConfig, sock: soc
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     except (OSError, ValueError) as e:  # a folder without a model, a Hub id that does not resolve
         _fail(f"--model {args.model!r}: {e}")
-    misfit = oversized_cache(model, config)
-    if misfit is not None:
-        _fail(misfit)
     try:
         manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
-    except (MemoryError, RuntimeError) as e:
-        if not is_allocation_failure(e):
+    except FieldError as e:  # a --num-blocks past the usable memory, refused before the cache is allocated
+        if e.field != "num_blocks":
             raise
-        _fail(allocation_failure(model, config, e))
+        _fail(as_flags(str(e)))
+    except MemoryError as e:  # the engine's CacheAllocationError: what was asked and what is usable, in one line
+        _fail(as_flags(str(e)))
     try:
         manager.warmup(progress_bar=False)
         manager.start()

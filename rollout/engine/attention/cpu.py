@@ -1,6 +1,6 @@
 """rollout's paged attention kernel for CPU, with flash-attn's paged API, built from ``csrc/`` on first use.
 
-On CPU the SDPA path of ``attention`` gathers every key and value a step reads into padded [B, Hkv, L, D] copies
+On CPU the SDPA path of ``paged`` gathers every key and value a step reads into padded [B, Hkv, L, D] copies
 (``index_select``) before ``scaled_dot_product_attention``: in a 32-request decode step of SmolLM2 on the 2-core
 machine that copy took 24 ms of a 218 ms step, and vLLM's CPU build (whose ``cpu_attention_with_kv_cache`` reads
 its paged cache in place) spends 2 ms there (docs/profile.md, issue 23). ``csrc/paged_attention_cpu.cpp`` is that
@@ -9,7 +9,7 @@ the block table, in place.
 
 It takes flash-attn 2's paged inputs (``flash_attn_varlen_func`` with ``block_table``, ``flash_attn_with_kvcache``
 with ``cache_seqlens``), so a CPU step is built and run as a flash-attn step of a CUDA machine is: the same input
-builder (``step_inputs``), the same metadata and the same call in ``attention._flash_attention``; only the
+builder (``worker.inputs``), the same metadata and the same call in ``paged._flash_attention``; only the
 function differs. What it supports of that API: a causal mask aligned to the bottom right, a left window
 (``window_size=(left, 0)``), softcap, grouped-query attention, float32, bfloat16 and float16 (computed in
 float32), any head dim and page size. Rows after ``cu_seqlens_q[-1]`` (padding) get 0.

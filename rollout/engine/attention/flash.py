@@ -1,6 +1,6 @@
 """flash-attn on CUDA: its paged kernels when installed, and whether they can serve a cache.
 
-``choose_flash`` decides once per engine whether its steps run flash-attn's kernels (``attention``'s
+``choose_flash`` decides once per engine whether its steps run flash-attn's kernels (``paged``'s
 CUDA path) or SDPA, by rules read in flash-attn's own source (below).
 """
 
@@ -40,7 +40,8 @@ FLASH_MAX_HEAD_DIM = 256
 FLASH_HEAD_DIM_MULTIPLE = 8
 # - "Paged KV cache block size must be divisible by 256";
 FLASH_PAGE_MULTIPLE = 256
-# - cu_seqlens, cache_seqlens and block_table in int32, every tensor on the device of q (model_runner builds them so).
+# - cu_seqlens, cache_seqlens and block_table in int32, every tensor on the device of q (the worker's input builder
+#   makes them so).
 
 
 def flash_attn_available() -> bool:

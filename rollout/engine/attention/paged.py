@@ -1,15 +1,15 @@
 """Paged attention: one layer's attention over the paged KV cache, for every kind of step.
 
 One metadata class (``PagedAttentionMetadata``) and one function (``paged_attention``, reached through
-``attention_registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike, on inputs exact or padded
-(``step_inputs.PaddingRule``). Keys and values go into the cache through ``PagedKVCache.write``; every read then
+``registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike, on inputs exact or padded
+(``worker.inputs.PaddingRule``). Keys and values go into the cache through ``PagedKVCache.write``; every read then
 comes from the cache. SDPA path (CPU with ``cpu_attention="sdpa"`` or without a C++ compiler, CUDA without
 flash-attn): the query rows attend in groups over their request's keys, gathered through the block tables: decode
 rows one per group (the query heads sharing a KV head folded into the query axis: no copy of the keys for
 grouped-query attention), prefill chunks in sub-chunks. CUDA path (``flash.choose_flash``): a step that fits it
-(``step_inputs.fits_decode_kernel``) goes through ``flash_attn_with_kvcache``, any other through
+(``worker.inputs.fits_decode_kernel``) goes through ``flash_attn_with_kvcache``, any other through
 ``flash_attn_varlen_func`` over the flattened batch with a block table (vLLM's and nano-vllm's approach). CPU path
-(the default there): the same calls, served by rollout's C++ kernel (``cpu_attention``), which reads the cache in
+(the default there): the same calls, served by rollout's C++ kernel (``cpu``), which reads the cache in
 place as flash-attn does.
 """
 
@@ -42,7 +42,7 @@ class PagedAttentionMetadata:
     - the prefill group (varlen path only): the chunks of the other requests, cut into sub-chunks of
       Qs consecutive rows; a sub-chunk reads its request's keys from position 0.
 
-    Shapes are the input builder's (``step_inputs``): T query rows; Bd decode groups reading Ld keys; G prefill
+    Shapes are the input builder's (``worker.inputs``): T query rows; Bd decode groups reading Ld keys; G prefill
     groups of Qs rows reading Lp keys; N KV layer groups, a layer reading its group's (``group_of``). Filler
     groups and rows point at row T, read the padding block and are dropped. Padded query rows write the padding
     slot and belong to no group: their attention output is 0.
@@ -61,7 +61,7 @@ class PagedAttentionMetadata:
         prefill_pos: int64 [G, Qs]; the position of each row in its request (0 for fillers).
         decode_read, prefill_read: ``decode_rows`` and ``prefill_rows`` with the fillers' T read as
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
-        flash: the flash-attn (or CPU kernel) inputs of the step (``step_inputs.StepBatch.flash``: names,
+        flash: the flash-attn (or CPU kernel) inputs of the step (``worker.inputs.StepBatch.flash``: names,
             dtypes and shapes), else None.
     """
 
@@ -85,7 +85,7 @@ class PagedAttentionMetadata:
         Args:
             cache: the paged KV cache.
             block_size: tokens per block.
-            batch: the step's ``step_inputs.StepBatch`` (the builder sits above this module): its slots, rows,
+            batch: the step's ``worker.inputs.StepBatch`` (the builder sits above this module): its slots, rows,
                 positions and ``flash`` inputs as the attributes here; its ``decode_tables`` int64 [N, Bd, Wd]
                 and ``prefill_tables`` int64 [N, G, Wp] (None on the decode path), each group's block table,
                 gathered into [N, Bd, Ld = Wd * block_size] and [N, G, Lp = Wp * block_size].

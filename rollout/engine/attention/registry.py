@@ -1,7 +1,7 @@
 """The model's switch to paged attention, a dispatcher registered with ``transformers.AttentionInterface``.
 
 The engine switches the user's own model object to ``dispatcher_name(original)`` ("rollout_paged|sdpa" for an SDPA
-model). A forward carrying a step's metadata (the ``rollout_batch`` kwarg) runs ``attention.paged_attention``; any
+model). A forward carrying a step's metadata (the ``rollout_batch`` kwarg) runs ``paged.paged_attention``; any
 other calls the original implementation with the mask its own mask function builds, so a training forward is what it
 was before. Several engines may share one model: the first switches it, only the last restores it.
 """

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 # The block-table entry of a block that a request no longer holds: a sliding-window group's blocks that
-# fell out of the window (see ``kv_cache_manager``). Never a block id.
+# fell out of the window (see ``manager``). Never a block id.
 NULL_BLOCK = -1
 
 

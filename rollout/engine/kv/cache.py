@@ -1,5 +1,5 @@
 """The paged K/V tensors of every attention layer, grouped by layer kind and shape (their sizing from
-memory is ``cache_sizing``'s, the CPU offload pool ``cpu_offload``'s).
+memory is ``sizing``'s, the CPU offload pool ``offload``'s).
 
 Layer groups. Layers are grouped by what their cache must hold: (sliding window, KV heads, head dim). A sliding
 group keeps, per request, only the blocks its next queries read (a Gemma-3 model holds a whole sequence in 1 layer
@@ -75,8 +75,8 @@ class CacheShape:
 
     @classmethod
     def from_model(cls, model: PreTrainedModel, dtype: torch.dtype, sliding_windows: bool = True) -> CacheShape:
-        """The KV shape of each layer of a decoder-only model (``models.layer_kv_shapes``) and its sliding
-        window (``models.layer_sliding_windows``; all None when ``sliding_windows`` is False)."""
+        """The KV shape of each layer of a decoder-only model (``weights.model_info.layer_kv_shapes``) and its sliding
+        window (``weights.model_info.layer_sliding_windows``; all None when ``sliding_windows`` is False)."""
         shapes = layer_kv_shapes(model)
         windows = layer_sliding_windows(model) if sliding_windows else [None] * len(shapes)
         layers = tuple(LayerKV(kv, dim, w) for (kv, dim), w in zip(shapes, windows, strict=True))
@@ -247,7 +247,7 @@ class PagedKVCache:
 
     Args:
         shape: layers, KV heads, head dim (per layer when they differ) and dtype (the dtype the
-            attention computes in, ``models.attention_dtype``; keys and values arriving in another are
+            attention computes in, ``weights.model_info.attention_dtype``; keys and values arriving in another are
             cast on write).
         num_blocks: block ids in the pool (every group's blocks together).
         block_size: tokens per block.

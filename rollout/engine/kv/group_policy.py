@@ -2,7 +2,7 @@
 
 vLLM v1 gives each kind of attention its own manager (``single_type_kv_cache_manager.py``: ``FullAttentionManager``,
 ``SlidingWindowManager``) under one ``KVCacheManager``; here a group's policy answers the questions whose answer
-depends on its kind, and ``kv_cache_manager.KVCacheManager`` applies them to every group alike:
+depends on its kind, and ``manager.KVCacheManager`` applies them to every group alike:
 - ``window_start``: the first block that a request's next queries read (0 in a full group);
 - ``find_hit``: the longest prefix-cache hit the group can serve, up to a bound (a full group needs every block
   of the prefix; a sliding one only those of the window before its end);
@@ -22,7 +22,7 @@ class GroupPolicy(ABC):
     """The kind-specific rules of one layer group.
 
     Args:
-        group: the group's index (its blocks' hashes are chained from ``block_manager.group_root(group)``).
+        group: the group's index (its blocks' hashes are chained from ``block_pool.group_root(group)``).
         block_size: tokens per block.
     """
 

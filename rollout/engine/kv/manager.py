@@ -7,8 +7,8 @@ for n more tokens, or a refusal that changes nothing but the return of blocks th
 ``cache_blocks``, ``free``, ``uncache``, ``fork`` (prompt forking), and ``offload``, ``finish_restore``,
 ``drop_offloaded`` (the CPU pool's blocks).
 
-Layer groups (``kv_cache.CacheLayout``; vLLM v1's hybrid KV cache manager): each group has its own block table per
-request, all drawing on one block pool, and a policy of its kind (``kv_group_policy``: full attention or sliding
+Layer groups (``cache.CacheLayout``; vLLM v1's hybrid KV cache manager): each group has its own block table per
+request, all drawing on one block pool, and a policy of its kind (``group_policy``: full attention or sliding
 window) that says which blocks its queries read and which prefix hits it can serve. A request holds the same
 positions in every group, except that a sliding group keeps only the blocks its next queries read, from the policy's
 ``window_start(c)`` on (c the tokens computed); earlier blocks go back to the pool at ``allocate_slots`` and their

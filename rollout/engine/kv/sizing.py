@@ -1,5 +1,12 @@
 """How many KV blocks an engine gets: the device's usable memory, the step's logits workspace, the
 engine's share of what is left; and the CPU offload pool's size.
+
+A ``num_blocks`` that cannot fit the device's usable memory is refused before the cache is allocated
+(``check_cache_fits``): on Linux an allocation larger than the RAM left may succeed on paper (overcommit) and the
+process be killed for memory part way, without a word. An allocation that fails anyway (engines built together size
+their caches from the same free memory; a ``max_memory_percent`` near 1) is answered as ``CacheAllocationError``
+(``allocation_error``). Both messages name ``num_blocks`` and ``max_memory_percent``, what was asked for and what is
+usable.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import psutil
 import torch
 from transformers import PreTrainedModel
 
+from rollout.checks import FieldError
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.kv.cache import GIB, CacheShape
 from rollout.weights.model_info import attention_dtype, input_device, layer_devices, vocab_size
@@ -22,6 +30,9 @@ logger = logging.getLogger(__name__)
 # (the float32 copy, the scaled logits, the softmax, the float64 CDF counted as two, and the scaled copy
 # and log-softmax of the logprobs); one more covers the top-k/top-p masks, which run on sampled rows only.
 LOGITS_FLOAT32_TEMPORARIES = 8
+# The message of torch's CPU allocator when malloc fails (``DefaultCPUAllocator: can't allocate memory``): a plain
+# RuntimeError, with no type of its own (CUDA's is ``torch.OutOfMemoryError``).
+CPU_ALLOCATOR_FAILURE = "can't allocate memory"
 
 
 @dataclass(frozen=True)
@@ -180,3 +191,61 @@ def offload_space_gib(config: ContinuousBatchingConfig) -> float:
             config.cpu_offload_space_safety_threshold,
         )
     return gib
+
+
+class CacheAllocationError(MemoryError):
+    """The KV cache could not be allocated; the message names ``num_blocks`` and ``max_memory_percent``, what was
+    asked for and what is usable now (``allocation_error``)."""
+
+
+def _usable(device: torch.device) -> str:
+    return f"{usable_memory_bytes(device) / GIB:.2f} GiB are usable on {device}"
+
+
+def check_cache_fits(model: PreTrainedModel, config: ContinuousBatchingConfig) -> None:
+    """Refuse a ``num_blocks`` cache that cannot fit the device's usable memory beside the step's workspace (nothing
+    to check when ``num_blocks`` is unset: the cache is then sized from ``max_memory_percent``, so it fits).
+
+    Raises:
+        FieldError: ``num_blocks``; the message gives the cache's GiB, the GiB usable and the most blocks that fit.
+    """
+    if config.num_blocks is None:
+        return
+    most = num_blocks_for_model(model, config, memory_percent=1.0)  # every usable byte, less the step's workspace
+    if config.num_blocks <= most:
+        return
+    device = input_device(model)
+    page = config.resolved_page_size(device.type)
+    asked = CacheShape.from_model(model, attention_dtype(model)).bytes_per_token * page * config.num_blocks
+    raise FieldError(
+        "num_blocks",
+        f"num_blocks={config.num_blocks}: a KV cache of {config.num_blocks} blocks of {page} tokens "
+        f"({asked / GIB:.2f} GiB) does not fit: {_usable(device)}, room for at most {most} blocks beside the step's "
+        "workspace; lower num_blocks, or leave it unset and size the cache with max_memory_percent (now "
+        f"{config.resolved_memory_percent(device.type):g} of the usable memory)",
+    )
+
+
+def allocation_error(
+    model: PreTrainedModel, config: ContinuousBatchingConfig, error: BaseException
+) -> CacheAllocationError | None:
+    """What to raise for ``error``, raised while the KV cache was allocated: a ``CacheAllocationError`` with what was
+    asked for (the blocks of ``num_blocks`` or the share of ``max_memory_percent``), what is usable now and the
+    allocator's own first line; None when ``error`` is no failed allocation (``MemoryError``,
+    ``torch.OutOfMemoryError``, or torch's CPU allocator's RuntimeError)."""
+    failed = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and CPU_ALLOCATOR_FAILURE in str(error)
+    )
+    if not failed:
+        return None
+    device = input_device(model)
+    if config.num_blocks is not None:
+        asked = f"num_blocks={config.num_blocks}: the KV cache of {config.num_blocks} blocks"
+    else:
+        share = config.resolved_memory_percent(device.type)
+        asked = f"max_memory_percent={share:g}: the KV cache of {share:g} of the usable memory"
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CacheAllocationError(
+        f"{asked} could not be allocated ({cause}); {_usable(device)} now (other processes, or engines built "
+        "together, may hold the rest); lower num_blocks or max_memory_percent"
+    )

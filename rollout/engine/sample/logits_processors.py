@@ -3,7 +3,7 @@
 Repetition penalty, no-repeat n-grams, bad words, ``min_length`` and ``min_new_tokens``, read from each request's
 tokens (prompt and generated). A request without processors costs nothing; each processor works on the rows that
 have it at once, in tensors; only the bad-word lookups and minimum lengths are decided per request in Python (no work
-per vocabulary entry). ``sampling.sample_tokens`` applies them before temperature, top-k, top-p and min-p.
+per vocabulary entry). ``sampler.sample_tokens`` applies them before temperature, top-k, top-p and min-p.
 """
 
 from __future__ import annotations

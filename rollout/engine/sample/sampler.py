@@ -1,7 +1,7 @@
 """Batched per-request sampling and logprobs.
 
 One pass over the step's logits handles requests with different processors, temperatures, top-k, top-p, min-p and
-seeds, in ``model.generate``'s order: the logits processors (``logits_processors.py``) on the raw logits of every
+seeds, in ``model.generate``'s order: the logits processors (``logits_processors``) on the raw logits of every
 request that has them, greedy or not; then, for sampled requests only, temperature, top-k, top-p and min-p. Greedy
 requests take the argmax of the processed logits.
 
@@ -9,7 +9,7 @@ A token is drawn by inverse-CDF sampling: one uniform number per request and a s
 distribution. A request with a seed takes the ``t``-th number of its own counter-based stream for its ``t``-th
 generated token (``seeded_uniforms``: SplitMix64 jumped to position ``t``), so its completion depends neither on the
 batch nor on preemptions; requests without a seed share one draw of the engine's generator per step
-(``step_uniforms``). A step's per-row arrays reach the device in one copy (``host_staging.HostStaging``), and nothing
+(``step_uniforms``). A step's per-row arrays reach the device in one copy (``engine.staging.HostStaging``), and nothing
 here reads a device value back on the host.
 """
 
@@ -320,7 +320,7 @@ def unpack_top_logprobs(counts: Sequence[int], host: Sequence[float]) -> list[tu
 
     Args:
         counts: each sampled row's ``num_top_logprobs`` (0: none), in row order.
-        host: the ids then the logprobs of ``sampling.TopLogprobs``, R x K each, row-major, for the R rows
+        host: the ids then the logprobs of ``TopLogprobs``, R x K each, row-major, for the R rows
             whose count is > 0 (K, the widest count capped at the vocabulary, follows from the length).
 
     Returns:

@@ -1,6 +1,6 @@
 """The step's one forward, compiled or CUDA-graphed: compiled forwards, compile counting, CUDA graphs, warmup.
 
-Every step, eager, compiled or CUDA-graphed, runs ``step_forward`` on a batch from ``step_inputs``. The two paths
+Every step, eager, compiled or CUDA-graphed, runs ``step_forward`` on a batch from ``inputs``. The two paths
 (``PATHS``) run copies of it with code objects of their own (``FORWARDS``), so each keeps its own dynamo cache; their
 compiled versions are shared by every engine with the same ``CompileConfig`` (``compiled_forward``), so a new engine
 finds the graphs compiled before it. ``CompileCounter`` counts compilations per thread while a forward runs.

@@ -1,7 +1,7 @@
 """The step's one input builder: a batch of device inputs per step, its sizes exact or padded.
 
 Every step, eager, compiled or CUDA-graphed, is built by ``prepare_inputs`` (over ``build_step_batch``, which also
-builds the warmup's batches of no request: ``synthetic_batch``) and runs the one forward of ``static_step``; padding
+builds the warmup's batches of no request: ``synthetic_batch``) and runs the one forward of ``forward``; padding
 is only a choice of sizes (``PaddingRule``). An eager step keeps the exact sizes. A compiled forward is reused only
 while its input shapes stay those it was traced for (a CUDA graph replays one set of shapes), so a compiled or
 graphed step runs on padded inputs:
@@ -14,7 +14,7 @@ graphed step runs on padded inputs:
 - the keys every group reads are padded to a multiple of ``kv_interval``, then to whole blocks of its
   request's table (padded with the padding block).
 
-Slots and tables are built per KV layer group (``kv_cache.CacheLayout``; each layer reads its group's,
+Slots and tables are built per KV layer group (``kv.cache.CacheLayout``; each layer reads its group's,
 ``PagedAttentionMetadata.group_of``). A sliding group's ``NULL_BLOCK`` entries read the padding block, which
 the window mask never lets a query attend to.
 

@@ -185,9 +185,9 @@ class PackedWeights:
     (``torch.ops.mkldnn._reorder_linear_weight``) and remade when the weight is not the one packed: another tensor,
     storage or version counter (an in-place update: ``update_weights``, an optimizer step; the same test as the
     manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version) and before the first
-    forward after any optimizer step in the process (``weights.optimizer_steps``: a fused optimizer writes without
-    bumping versions). The copies cost the linear weights' memory once more, so the runner packs only where they fit
-    (``packing_fits``).
+    forward after any optimizer step in the process (``weights.versions.optimizer_steps``: a fused optimizer writes
+    without bumping versions). The copies cost the linear weights' memory once more, so the runner packs only where
+    they fit (``packing_fits``).
 
     Sibling projections (``groups``, from ``sibling_groups``) are packed stacked, as one weight: the first member's
     call computes every member's output in one GEMM and the others' calls on the same input tensor take their part

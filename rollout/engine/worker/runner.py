@@ -5,10 +5,10 @@ of offload preemption and of copy-on-write, one flattened forward of the model t
 sampling (a forked request samples from its parent's logits row) and the logprobs of scoring requests. It reads
 requests but changes none: ``Scheduler.update_from_output`` applies what it returns.
 
-Host work is batched so that the device does not wait on Python: the step's inputs (``step_inputs``) are built
+Host work is batched so that the device does not wait on Python: the step's inputs (``inputs``) are built
 with numpy and reach the device in one copy through a pinned staging buffer, the sampler's per-row values in a
-second, the random numbers of all sampled requests come from one vectorised draw (``sampling.step_uniforms``),
-and the results come back in one device-to-host copy, the step's only host sync outside the forward.
+second, the random numbers of all sampled requests come from one vectorised draw (``sampler.step_uniforms``),
+and the results come back in one device-to-host copy, the step's only host sync outside the forward (``readback``).
 
 ``execute`` is three phases, which async batching (``async_batching=True``) runs apart so that the host
 prepares step k + 1 while step k's forward and sampling run:
@@ -37,8 +37,9 @@ from transformers.generation import CompileConfig
 
 from rollout.engine.kv.cache import PagedKVCache
 from rollout.engine.kv.offload import CPUOffloadPool
-from rollout.engine.sample.sampler import HostStaging, sample_tokens, score_logprobs, step_uniforms, unpack_top_logprobs
+from rollout.engine.sample.sampler import TopLogprobs, sample_tokens, score_logprobs, step_uniforms
 from rollout.engine.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from rollout.engine.staging import HostStaging
 from rollout.engine.worker.forward import FORWARDS, PATHS, CompileCounter, CUDAGraphs, compiled_forward
 from rollout.engine.worker.inputs import (
     LogitsPlan,
@@ -49,6 +50,7 @@ from rollout.engine.worker.inputs import (
     synthetic_batch,
 )
 from rollout.engine.worker.onednn import PackedWeights, linear_plan, sibling_groups
+from rollout.engine.worker.readback import StepResult, pack_results, read_back
 from rollout.lora import LoraSlots
 from rollout.requests import Request
 
@@ -64,12 +66,12 @@ class PreparedStep:
 
     Attributes:
         scheduler_output: the step (not empty).
-        batch: the step's inputs (``step_inputs.StepBatch``), exact or padded as its path runs.
+        batch: the step's inputs (``inputs.StepBatch``), exact or padded as its path runs.
         rows: the rows whose logits are kept, in order (the forward keeps ``batch.logits_rows``, these first).
         plan: which kept row is for what.
         sampled: the request of each sampled row: ``plan.sampled``, then each fork's child.
         uniform: float64 [len(sampled)], the number each sampled row draws its token with (see
-            ``sampling.step_uniforms``); None when nothing is sampled.
+            ``sampler.step_uniforms``); None when nothing is sampled.
         placeholders: int64 [2, P] on the device: row 0 the rows of ``batch.input_ids`` that hold a
             placeholder, row 1 the index of the token replacing each among the previous step's sampled
             tokens; None when every input token is known.
@@ -84,26 +86,6 @@ class PreparedStep:
     uniform: np.ndarray | None
     placeholders: torch.Tensor | None
     staging_slot: int
-
-
-@dataclass
-class StepResult:
-    """What a launched step leaves on the device (and, for async CUDA steps, on its way to the host).
-
-    Attributes:
-        packed: float64 [N]: the scores, then the sampled tokens, then their logprobs, then the top
-            logprobs' ids and values (R x K each, row-major: ``sampling.TopLogprobs``; see ``collect``);
-            None when the step neither samples nor scores (a prefill chunk).
-        tokens: int64 [B] the sampled tokens on the device (the next step's placeholders read them);
-            None when nothing is sampled.
-        host: a pinned float64 [N] copy of ``packed`` being made, or None (``packed`` is read directly).
-        copied: the CUDA event of that copy.
-    """
-
-    packed: torch.Tensor | None
-    tokens: torch.Tensor | None
-    host: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -140,7 +122,7 @@ class ModelRunner:
         use_flash: attention runs paged kernels with flash-attn's inputs (flash-attn's on CUDA, rollout's on CPU),
             not SDPA: the decode kernel for the steps that fit it (``prepare_step``), the varlen kernel otherwise.
         max_blocks_per_request: with ``use_flash``, the most blocks a request of a ``flash_attn_with_kvcache``
-            step reads (``engine_spec.resolve_max_blocks_per_request``; 0: no step goes there).
+            step reads (``engine.spec.resolve_max_blocks_per_request``; 0: no step goes there).
         offload_pool: the CPU pool of offload preemption, or None.
         seed: seed of the generator of sampled requests that have no seed of their own; None: from the OS.
         logprobs_mode: "temperature", "raw" or "sampled" (see ``sample_tokens``).
@@ -149,7 +131,8 @@ class ModelRunner:
         cuda_graphs: (varlen, decode): replay that path's padded forward as CUDA graphs (CUDA only).
         padding: how static-shape steps are padded; needed when a path is compiled or graphed.
         async_batching: ``launch`` starts a step and returns: see the module docstring.
-        lora: the engine's LoRA adapters (each query token runs under its request's, ``lora.LoraSlots``), or None.
+        lora: the engine's LoRA adapters (each query token runs under its request's: ``rollout.lora.LoraSlots``), or
+            None.
 
     Raises:
         ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
@@ -191,9 +174,8 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
         # On CPU the step's float32 linear layers (eager and padded) run oneDNN on their weights reordered once into
-        # its blocked layout where the copies fit in memory, else MKL (rollout/engine/worker/onednn.py: MKL and oneDNN
-        # reorder a
-        # plain weight at every call).
+        # its blocked layout where the copies fit in memory, else MKL (``onednn``: MKL and oneDNN reorder a plain weight
+        # at every call).
         self._onednn, pack = linear_plan(model, self.device)
         self.packs: PackedWeights | None = PackedWeights(sibling_groups(model)) if pack else None
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
@@ -248,7 +230,7 @@ class ModelRunner:
             self._move_kv(scheduler_output)
             return RunnerOutput()
         prepared = self.prepare_step(scheduler_output)
-        return self._unpack(prepared, self._compute(prepared, None))
+        return read_back(self._compute(prepared, None), prepared.plan, prepared.sampled, self.return_logprobs)
 
     @torch.inference_mode()
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
@@ -332,10 +314,8 @@ class ModelRunner:
         Raises:
             Whatever the step's forward or sampling raised.
         """
-        result = launched.wait()
-        if result.copied is not None:
-            result.copied.synchronize()
-        return self._unpack(launched.prepared, result)
+        prepared = launched.prepared
+        return read_back(launched.wait(), prepared.plan, prepared.sampled, self.return_logprobs)
 
     def close(self) -> None:
         """Stop the worker thread (after the step it runs, if any). Idempotent."""
@@ -364,14 +344,14 @@ class ModelRunner:
             prepared.batch.input_ids[rows] = previous_tokens.index_select(0, sources)
         with record_function(FORWARD_SCOPE):
             logits = self.forward(prepared.batch)[: len(prepared.rows)]
-        # Everything the host needs back, in one float64 vector and one device-to-host copy: the
-        # step's single sync. Token ids (< 2**53) and float32 logprobs are exact in float64.
-        parts: list[torch.Tensor] = []
+        scores: torch.Tensor | None = None
+        tokens: torch.Tensor | None = None
+        logprobs: torch.Tensor | None = None
+        top: TopLogprobs | None = None
         if plan.score_segments:
             targets, temps = plan.score_target_ids, plan.score_temperatures
             assert targets is not None and temps is not None
-            parts.append(score_logprobs(logits[plan.num_sample_rows :], targets, temps).double())
-        tokens = None
+            scores = score_logprobs(logits[plan.num_sample_rows :], targets, temps)
         if plan.sampled:
             sampled = prepared.sampled
             sample_logits = logits[: plan.num_sample_rows]
@@ -390,41 +370,7 @@ class ModelRunner:
                 uniform=prepared.uniform,
                 staging=self._sampling_staging,
             )
-            parts.append(tokens.double())
-            if logprobs is not None:
-                parts.append(logprobs.double())
-            if top is not None:
-                parts += [top.token_ids.flatten().double(), top.logprobs.flatten().double()]
-        packed = torch.cat(parts) if parts else None
-        result = StepResult(packed, tokens)
-        if readback and packed is not None and packed.is_cuda:
-            result.host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
-            result.host.copy_(packed, non_blocking=True)
-            result.copied = torch.cuda.Event()
-            result.copied.record(torch.cuda.current_stream(packed.device))
-        return result
-
-    def _unpack(self, prepared: PreparedStep, result: StepResult) -> RunnerOutput:
-        """The ``RunnerOutput`` of a step from its packed results, read back to the host (one copy)."""
-        packed = result.host if result.host is not None else result.packed
-        host = packed.tolist() if packed is not None else []
-        plan = prepared.plan
-        output = RunnerOutput()
-        i = 0
-        if plan.score_segments:
-            output.prompt_logprobs = []
-            for req, count in plan.score_segments:
-                output.prompt_logprobs.append((req, host[i : i + count]))
-                i += count
-        if plan.sampled:
-            b = len(prepared.sampled)
-            output.sampled_token_ids = [int(t) for t in host[i : i + b]]
-            i += b
-            if self.return_logprobs:
-                output.logprobs = host[i : i + b]
-                i += b
-            output.top_logprobs = unpack_top_logprobs([r.params.num_top_logprobs for r in prepared.sampled], host[i:])
-        return output
+        return pack_results(scores, tokens, logprobs, top, readback)
 
     @property
     def static_paths(self) -> list[str]:
@@ -466,7 +412,7 @@ class ModelRunner:
     ) -> None:
         """Run the padded forward of each (path, shape) on a synthetic batch, compiling or capturing it.
 
-        The synthetic batches read and write the padding block only (``step_inputs.synthetic_batch``):
+        The synthetic batches read and write the padding block only (``inputs.synthetic_batch``):
         no request's keys, no prefix-cache block, no random generator and no counter of requests change.
         Each shape warms the kernel its steps take (``warmup_kernel``).
 

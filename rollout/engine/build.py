@@ -1,0 +1,135 @@
+"""An engine's parts, built from its spec: ``build_parts``.
+
+Everything that depends on the model or the device is decided first (``spec.EngineSpec.resolve``), and every refusal is
+raised before anything is allocated; then each part is built from the spec, in the order they depend on one another:
+the KV cache and its CPU offload pool, the block pool and the KV cache manager over them, the LoRA slots, the scheduler
+(the async one with async batching) and the model runner. nano-vllm's ``LLMEngine.__init__`` and vLLM's ``EngineCore``
+construction are the models; ``Engine`` holds the parts and runs the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+from transformers.generation import CompileConfig
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.kv.block_pool import BlockManager
+from rollout.engine.kv.cache import PagedKVCache
+from rollout.engine.kv.manager import KVCacheManager
+from rollout.engine.kv.offload import CPUOffloadPool
+from rollout.engine.kv.sizing import allocation_error, check_cache_fits
+from rollout.engine.sched.async_scheduler import AsyncScheduler
+from rollout.engine.sched.scheduler import Scheduler
+from rollout.engine.spec import EngineSpec
+from rollout.engine.worker.runner import ModelRunner
+from rollout.lora import LoraSlots
+from rollout.weights.model_info import check_model_supported
+from rollout.weights.versions import WeightWatch, watch_of
+
+__all__ = ["EngineParts", "build_parts"]
+
+
+@dataclass
+class EngineParts:
+    """The parts of one engine.
+
+    Attributes:
+        spec: the settings resolved for this model on this device.
+        cache: the paged KV cache (one padding block past the pool's when a path runs padded).
+        offload_pool: the pinned CPU pool of offload preemption, or None (``cpu_offload_space`` 0).
+        block_manager: the block pool and prefix cache.
+        kv_cache_manager: the requests' blocks, per layer group.
+        lora: the LoRA adapters' slots and hooks (``enable_lora``), or None.
+        scheduler: the scheduler (``AsyncScheduler`` with async batching).
+        runner: the model runner.
+        watch: the model's weight version, shared with every engine on the model; the scheduler starts at it.
+    """
+
+    spec: EngineSpec
+    cache: PagedKVCache
+    offload_pool: CPUOffloadPool | None
+    block_manager: BlockManager
+    kv_cache_manager: KVCacheManager
+    lora: LoraSlots | None
+    scheduler: Scheduler
+    runner: ModelRunner
+    watch: WeightWatch
+
+
+def build_parts(
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig,
+    max_tokens_hint: int | Sequence[int] | None = None,
+    fallback_compile_config: CompileConfig | None = None,
+) -> EngineParts:
+    """Resolve the spec of ``model`` under ``config``, then build the parts an engine runs.
+
+    Args:
+        model: a ``transformers`` decoder-only causal LM (its attention is switched by the engine, not here).
+        config: the engine's configuration.
+        max_tokens_hint: bounds the cache when ``config.num_blocks`` is None (see ``Engine``).
+        fallback_compile_config: the generation config's ``compile_config`` (see ``Engine``).
+
+    Returns:
+        The parts, the scheduler at the model's weight version (weights changed since the model's last check make a
+        new one first: ``check_weight_contents``).
+
+    Raises:
+        UnsupportedModelError: the model cannot be paged (``weights.model_info.check_model_supported``).
+        ValueError: what ``EngineSpec.resolve`` refuses (async batching or KV heads under tensor parallelism, CUDA
+            graphs off CUDA, a static path the engine cannot run), or ``enable_lora=True`` on a tensor-parallel model;
+            FieldError (``num_blocks``): a cache larger than the usable memory (``kv.sizing.check_cache_fits``); all
+            before anything is allocated.
+        CacheAllocationError: the cache's allocation failed (a ``MemoryError`` naming ``num_blocks`` and
+            ``max_memory_percent``).
+    """
+    check_model_supported(model)
+    spec = EngineSpec.resolve(model, config, max_tokens_hint, fallback_compile_config)
+    if config.enable_lora and spec.tp is not None:
+        raise ValueError("enable_lora=True: LoRA adapters are not served on a tensor-parallel model yet")
+    check_cache_fits(model, config)
+    try:
+        cache = PagedKVCache(
+            spec.shape, spec.num_blocks + int(spec.static), spec.block_size, spec.device, spec.layer_devices
+        )
+    except (MemoryError, RuntimeError) as e:
+        failure = allocation_error(model, config, e)
+        if failure is None:
+            raise
+        raise failure from e
+    offload_pool = None
+    if spec.offload_gib > 0:
+        pin = spec.device.type == "cuda"
+        offload_pool = CPUOffloadPool(spec.shape, spec.offload_gib, spec.block_size, pin, cache.layout)
+    block_manager = BlockManager(spec.num_blocks, spec.block_size, config.allow_block_sharing)
+    kv_cache_manager = KVCacheManager(block_manager, spec.safety_margin, offload_pool, cache.layout.sliding_windows)
+    # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's.
+    lora = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+    scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
+    scheduler = scheduler_class(
+        kv_cache_manager, spec.max_batch_tokens, config.max_requests_per_batch, config.scheduler_type
+    )
+    runner = ModelRunner(
+        model,
+        cache,
+        spec.use_flash,
+        offload_pool,
+        seed=config.seed,
+        logprobs_mode=config.logprobs_mode,
+        return_logprobs=config.return_logprobs,
+        max_blocks_per_request=spec.max_blocks_per_request,
+        compile_configs=spec.compile_configs,
+        cuda_graphs=spec.cuda_graphs,
+        padding=spec.padding,
+        async_batching=spec.async_batching,
+        lora=lora,
+    )
+    # The model's weight version, shared with every engine on it: weights changed since the last check (by any means:
+    # check_weight_contents) make a new one before this engine starts at it.
+    watch = watch_of(model)
+    watch.bump_if_changed(None, config.check_weight_contents)
+    scheduler.weight_version, scheduler.base_version = watch.version, watch.base_version
+    return EngineParts(spec, cache, offload_pool, block_manager, kv_cache_manager, lora, scheduler, runner, watch)

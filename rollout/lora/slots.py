@@ -1,0 +1,297 @@
+"""LoRA adapters served unmerged, per token: several adapters and the base model in one step (``LoraSlots``).
+
+``LoraSlots`` serves adapters (``adapters.LoraAdapter``) unmerged: the base weights are never written (their packed
+oneDNN copies stay valid, and a request of the base model in the same step sees the base weights). It holds
+``max_loras`` slots; each targeted linear layer gets stacked buffers ``A_all`` [S * R, in] and ``B_all`` [S * R, out]
+(S slots of rank R = ``max_lora_rank``, an adapter of rank r < R zero-padded, the scaling folded into B). A step gives
+each query token a slot (-1: the base model); a forward hook on each targeted layer then adds
+
+    delta = ((x @ A_all.T) * mask) @ B_all,    mask[t, s * R + j] = (slot[t] == s)
+
+which is vLLM's punica idea (a token-to-adapter index over the adapters' stacked A and B, its "shrink" then "expand"
+GEMMs) written as two dense GEMMs over every slot instead of a gather per token: static shapes (the same code runs
+eager, compiled and CUDA-graphed), plain torch ops (CPU now, CUDA as written), exact zeros for base tokens. Its cost
+grows with S * R, small next to the layer itself for the few adapters RL keeps (TRL's ``max_staleness + 2``); a step
+where no token has an adapter runs no hook work at all (``LoraSlots.step`` with no adapter token).
+
+The hooks sit on modules of the user's model, which a trainer's forward, an evaluation or another engine may run at
+the same time in other threads; each ``LoraSlots`` therefore keeps the running step's token slots per thread
+(``threading.local``), so a hook adds a delta only inside the step that set them, in the thread that runs it
+(DESIGN.md, "Adapters obey the same promise"). ``threading.local`` rather than a ``contextvars.ContextVar`` (what
+``engine.worker.onednn.PackedWeights`` uses) because compiled steps trace the hooks: dynamo guards on a thread-local
+attribute but breaks the graph at ``ContextVar.get``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.checks import FieldError
+from rollout.lora.adapters import LoraAdapter
+from rollout.requests import Request
+
+__all__ = ["LoadedAdapter", "LoraSlots"]
+
+# Modules whose inputs are not the step's query tokens (the LM head sees only the kept logits rows) or that are not
+# linear layers: refused as targets, by name.
+_REFUSED_TARGETS = ("lm_head", "embed_tokens")
+
+
+@dataclass
+class _Target:
+    """The stacked buffers of one targeted linear layer and the hook that adds its LoRA output."""
+
+    a_all: torch.Tensor  # [S * R, in]
+    b_all: torch.Tensor  # [S * R, out]
+    handle: Any = None
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter in a slot: ``uid`` is unique in the process's life of the ``LoraSlots`` (never reused), so KV and
+    prefix-cache blocks computed under it are keyed to these tensors, not to the name or the slot.
+
+    ``version`` is the model's weight version its load made (the manager's ``load_lora``; 0 for an engine used alone):
+    a token sampled under this adapter records ``max(version, the base weights' version)``, the version at which the
+    weights that produced it (base and adapter) were last set, whatever was loaded after it."""
+
+    adapter: LoraAdapter
+    slot: int
+    uid: int
+    version: int = 0
+
+    def bind(self, request: Request) -> None:
+        """``request`` runs under this adapter until it ends, whatever is loaded or unloaded under its name meanwhile
+        (its ``lora_id``, ``lora_slot`` and ``lora_version`` are this adapter's)."""
+        request.lora_id, request.lora_slot, request.lora_version = self.uid, self.slot, self.version
+
+
+class LoraSlots:
+    """The adapters one engine serves, in ``max_loras`` slots, applied per token by forward hooks on the targeted
+    linear layers of ``model`` (see the module docstring).
+
+    The hooks add nothing outside ``step``, and inside it only in the thread that runs the step: a training forward,
+    ``model.generate`` or another engine's step on the same model, in any thread, sees its own weights alone; so does
+    a ``step`` whose tokens all belong to the base model.
+
+    Args:
+        model: the engine's base model (not a peft wrapper): targets are its ``nn.Linear`` modules by name.
+        max_loras: slots (>= 1): adapters loaded at once.
+        max_lora_rank: R (>= 1): the largest rank an adapter may have.
+
+    Raises:
+        ValueError: ``max_loras`` or ``max_lora_rank`` < 1.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int) -> None:
+        for arg, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+        self.model = model
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self._modules = dict(model.named_modules())
+        self._targets: dict[str, _Target] = {}
+        self.loaded: dict[str, LoadedAdapter] = {}
+        # Unloaded adapters whose slot unfinished requests may still read (``unload``), freed by ``reclaim``.
+        self.retired: list[LoadedAdapter] = []
+        self._next_uid = 1
+        self._lock = threading.Lock()
+        # The running step's slot of each query token, int64 [T], in the attribute ``slots`` of the thread running the
+        # step (absent or None: no LoRA work in this thread); read by the hooks.
+        self._local = threading.local()
+        self._slot_of_column: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ adapters
+    def check(self, adapter: LoraAdapter, in_use: set[int] = frozenset(), replace: bool = False) -> None:
+        """Raise if ``adapter`` cannot be loaded now; changes nothing.
+
+        Args:
+            adapter: the adapter to load.
+            in_use: the uids of adapters unfinished requests run under (their slots stay taken).
+            replace: an adapter loaded under the same name is to be unloaded first (its slot counts as free unless
+                requests still run under it).
+
+        Raises:
+            FieldError: naming the field: its name is loaded already and ``replace`` is off (``lora_name``), its rank
+                is above ``max_lora_rank``, a target module is not an ``nn.Linear`` of the model or is the LM head or
+                the embeddings (``target_modules``), a tensor's shape does not match its module (``weights``: the
+                adapter was made for another base model), or every slot is taken (``max_loras``).
+        """
+        old = self.loaded.get(adapter.name)
+        if old is not None and not replace:
+            raise FieldError(
+                "lora_name", f"lora_name {adapter.name!r} is loaded already; unload it first or use another name"
+            )
+        if adapter.rank > self.max_lora_rank:
+            raise FieldError(
+                "max_lora_rank",
+                f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={self.max_lora_rank}; "
+                f"start the engine with max_lora_rank >= {adapter.rank}",
+            )
+        for module_name, (a, b) in sorted(adapter.weights.items()):  # the first misfit, whatever the load order
+            module = self._modules.get(module_name)
+            last = module_name.rsplit(".", 1)[-1]
+            if type(module) is not torch.nn.Linear or last in _REFUSED_TARGETS:
+                what = "the LM head or the embeddings" if last in _REFUSED_TARGETS else "not an nn.Linear of the model"
+                raise FieldError(
+                    "target_modules",
+                    f"adapter {adapter.name!r}: target_modules has {module_name!r}, {what}; LoRA is served on the "
+                    "decoder layers' linear layers only",
+                )
+            if a.shape[1] != module.in_features or b.shape[0] != module.out_features:
+                raise FieldError(
+                    "weights",
+                    f"adapter {adapter.name!r}: {module_name!r} is [{module.out_features}, {module.in_features}] but "
+                    f"lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}",
+                )
+        retired = [x for x in self.retired if x.uid in in_use]
+        taken = len(self.loaded) + len(retired)
+        if old is not None and old.uid not in in_use:
+            taken -= 1  # the replaced adapter's slot is freed at once
+        if taken >= self.max_loras:
+            still = f" and {len(retired)} unloaded one(s) still in use" if retired else ""
+            raise FieldError(
+                "max_loras",
+                f"max_loras={self.max_loras} adapters are loaded ({', '.join(sorted(self.loaded))}{still}); unload "
+                "one first or start the engine with a larger max_loras",
+            )
+
+    def load(
+        self, adapter: LoraAdapter, in_use: set[int] = frozenset(), replace: bool = False, version: int = 0
+    ) -> LoadedAdapter:
+        """Copy ``adapter`` into a free slot, all or nothing: checked first (``check``, same arguments), then the slots
+        of unloaded adapters no request runs under are freed (``reclaim``) and, with ``replace``, an adapter of the same
+        name is unloaded (requests already running under it keep it). Call with no step running.
+
+        Args:
+            version: the weight version this load makes (``LoadedAdapter.version``).
+
+        Returns:
+            Its slot, its new uid and ``version``.
+
+        Raises:
+            FieldError: as ``check``; nothing changes then.
+        """
+        with self._lock:
+            self.check(adapter, in_use, replace)
+            if adapter.name in self.loaded:
+                self.retired.append(self.loaded.pop(adapter.name))
+            self.retired = [x for x in self.retired if x.uid in in_use]
+            taken = {x.slot for x in (*self.loaded.values(), *self.retired)}
+            slot = min(set(range(self.max_loras)) - taken)
+            R = self.max_lora_rank
+            rows = slice(slot * R, slot * R + adapter.rank)
+            for name, target in self._targets.items():  # zero the slot where this adapter has no A/B
+                if name not in adapter.weights:
+                    target.a_all[slot * R : (slot + 1) * R].zero_()
+                    target.b_all[slot * R : (slot + 1) * R].zero_()
+            for name, (a, b) in adapter.weights.items():
+                target = self._target(name)
+                target.a_all[slot * R : (slot + 1) * R].zero_()
+                target.b_all[slot * R : (slot + 1) * R].zero_()
+                target.a_all[rows].copy_(a)
+                target.b_all[rows].copy_(b.t() * adapter.scaling)
+            loaded = LoadedAdapter(adapter, slot, self._next_uid, version)
+            self._next_uid += 1
+            self.loaded[adapter.name] = loaded
+            return loaded
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Forget adapter ``name``: no new request can select it. Its slot stays taken while requests accepted under it
+        are unfinished (each finishes under the adapter it was accepted with, as TRL's adapter sync needs), until
+        ``reclaim``; the buffers are overwritten by the next load into the slot.
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        with self._lock:
+            if name not in self.loaded:
+                raise KeyError(f"lora_name {name!r} is not loaded (loaded: {sorted(self.loaded)})")
+            gone = self.loaded.pop(name)
+            self.retired.append(gone)
+            return gone
+
+    def reclaim(self, in_use: set[int]) -> None:
+        """Free the slots of unloaded adapters whose uid is not in ``in_use`` (the uids of unfinished requests)."""
+        with self._lock:
+            self.retired = [x for x in self.retired if x.uid in in_use]
+
+    def get(self, name: str) -> LoadedAdapter:
+        """The loaded adapter called ``name``.
+
+        Raises:
+            FieldError: none is (field ``lora``; the message names the loaded adapters).
+        """
+        found = self.loaded.get(name)
+        if found is None:
+            raise FieldError("lora", f"lora {name!r} is not a loaded adapter (loaded: {sorted(self.loaded)})")
+        return found
+
+    def holds(self, uid: int) -> bool:
+        """True while the adapter of ``uid`` has a slot (loaded, or unloaded with requests still under it)."""
+        return any(x.uid == uid for x in (*self.loaded.values(), *self.retired))
+
+    def _target(self, name: str) -> _Target:
+        """The buffers of layer ``name``, made (zeros) and hooked at its first adapter."""
+        target = self._targets.get(name)
+        if target is None:
+            module = self._modules[name]
+            w = module.weight
+            rows = self.max_loras * self.max_lora_rank
+            target = _Target(
+                torch.zeros(rows, module.in_features, dtype=w.dtype, device=w.device),
+                torch.zeros(rows, module.out_features, dtype=w.dtype, device=w.device),
+            )
+            target.handle = module.register_forward_hook(self._hook(target))
+            self._targets[name] = target
+        return target
+
+    def _hook(self, target: _Target) -> Any:
+        local = self._local
+
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            slots = getattr(local, "slots", None)  # set only in the thread running this engine's step
+            if slots is None:
+                return None
+            x = args[0]
+            columns = self._slot_of_column
+            assert columns is not None
+            mask = (slots[:, None] == columns[None, :]).to(x.dtype)  # [T, S * R]
+            shrunk = (x @ target.a_all.t()) * mask  # x: [1, T, in] -> [1, T, S * R]
+            return output + shrunk @ target.b_all
+
+        return hook
+
+    # ------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def step(self, slots: torch.Tensor | None, any_adapter: bool) -> Iterator[None]:
+        """Within it, in this thread only, the hooks add each token's adapter: ``slots`` int64 [T] (the step's query
+        rows; -1 the base model), on the model's device. ``any_adapter`` False (or ``slots`` None) leaves the forward
+        to the base weights alone."""
+        if slots is None or not any_adapter or not self._targets:
+            yield
+            return
+        if self._slot_of_column is None or self._slot_of_column.device != slots.device:
+            column = torch.arange(self.max_loras, device=slots.device).repeat_interleave(self.max_lora_rank)
+            self._slot_of_column = column
+        self._local.slots = slots
+        try:
+            yield
+        finally:
+            self._local.slots = None
+
+    def close(self) -> None:
+        """Remove every hook (the engine closes): the model is left as it was."""
+        for target in self._targets.values():
+            if target.handle is not None:
+                target.handle.remove()
+        self._targets.clear()
+        self.loaded.clear()
+        self.retired.clear()
