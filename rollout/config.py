@@ -1,7 +1,7 @@
 """Engine configuration: one validated dataclass, and the one conversion of what callers pass for it.
 
 Every field is checked in ``__post_init__``: a bad value fails with a ``ValueError`` naming the field and its allowed
-values. Building a config has no side effect; what depends on the device or the model is resolved by ``engine_spec``.
+values. Building a config has no side effect; what depends on the device or the model is resolved by ``engine.spec``.
 ``resolve_continuous_batching_config``, which every entry point calls, accepts rollout's config, a transformers
 ``ContinuousBatchingConfig``, None, or (deprecated, as in transformers) one inside the ``GenerationConfig``.
 """
@@ -45,13 +45,13 @@ class ContinuousBatchingConfig:
     Attributes:
         page_size: tokens per KV-cache block (>= 4). ``None`` picks 256 on CUDA and 32 on CPU (measured fastest).
         num_blocks: blocks in the paged KV cache (>= 1). ``None`` sizes the cache from ``max_memory_percent`` of the
-            usable memory (``cache_sizing.num_blocks_for_memory``).
+            usable memory (``engine.kv.sizing.num_blocks_for_memory``).
         max_batch_tokens: token budget of one engine step: query tokens (prefill chunks plus one per decoding request)
             computed in one forward (>= 1). ``None`` picks 2048 on CUDA and 512 on CPU.
         max_memory_percent: fraction (0, 1] of the usable memory the engine may take when ``num_blocks`` is ``None``:
             the KV cache plus one step's logits and sampling temporaries (``max_batch_tokens`` x vocabulary x (the model
-            dtype's bytes + 8 float32), ``cache_sizing.logits_workspace_bytes``). Usable memory is psutil's available
-            RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
+            dtype's bytes + 8 float32), ``engine.kv.sizing.logits_workspace_bytes``). Usable memory is psutil's
+            available RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
             unused (``memory_reserved - memory_allocated``), so an engine built after another one was destroyed gets the
             same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use
             ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL plugin do), since gradients
@@ -60,7 +60,7 @@ class ContinuousBatchingConfig:
         allow_block_sharing: prefix caching; full prompt blocks are hashed and shared between requests (the G samples of
             a GRPO prompt share them).
         sliding_window_cache: sliding-window layers (Gemma 2/3/4, Mistral, Qwen2 with windows) keep only the KV blocks
-            their next queries read, giving the others back to the pool (``kv_cache_manager``). False keeps every
+            their next queries read, giving the others back to the pool (``engine.kv.manager``). False keeps every
             position of every layer, as full attention does (vLLM's ``--disable-hybrid-kv-cache-manager``): a fallback,
             and the baseline the saving is measured against.
         scheduler_type: ``"fifo"`` (running requests first, then waiting ones in arrival order) or ``"prefill_first"``
@@ -106,7 +106,7 @@ class ContinuousBatchingConfig:
         decode_compile_config: the same for decode-only steps (one query token per request, sampled).
         use_cuda_graph: capture the padded forward of each step shape in a CUDA graph and replay it (with static input
             buffers; an LRU of 64 graphs per engine): a bool for both paths, a (varlen, decode) pair, or None, which is
-            off on every device for now (the capture has not run on a GPU yet; see ``engine_spec.resolve_cuda_graphs``).
+            off on every device for now (the capture has not run on a GPU yet; see ``engine.spec.resolve_cuda_graphs``).
             True on a device without CUDA is a ValueError, raised before the engine allocates anything; so is a graphed
             path whose compile mode captures CUDA graphs itself ("reduce-overhead", "max-autotune").
         q_padding_interval_size: a compiled or CUDA-graphed path pads a step's query rows, kept logits rows and decode
@@ -119,7 +119,7 @@ class ContinuousBatchingConfig:
         max_blocks_per_request: width (blocks, >= 0) of the block table of the CUDA decode fast path: a step in which
             every request decodes one token goes through flash-attn's ``flash_attn_with_kvcache`` when each request's
             keys fit in this many blocks, else through the varlen kernel. 0 turns the fast path off; None sizes it for
-            the longest request the cache can hold (see ``engine_spec.resolve_max_blocks_per_request``). Used only where
+            the longest request the cache can hold (see ``engine.spec.resolve_max_blocks_per_request``). Used only where
             the engine runs a paged kernel (flash-attn on CUDA, rollout's on CPU).
         cpu_attention: the attention kernel of an engine on CPU: ``"auto"`` (default) rollout's paged kernel
             (``cpu_attention``, which reads the cache in place through the block tables; compiled with the machine's
@@ -129,7 +129,7 @@ class ContinuousBatchingConfig:
         use_async_batching: schedule and prepare step k+1 while step k's forward and sampling run (``batch_queue``;
             placeholders for step k's tokens filled on the device: ``async_scheduler``); a row of a request that step
             k ended is computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the
-            synchronous loop gives. None picks per device (``engine_spec.resolve_async_batching``). Under tensor
+            synchronous loop gives. None picks per device (``engine.spec.resolve_async_batching``). Under tensor
             parallelism True raises a ValueError before anything is allocated, None is off.
         disable_nccl_graph_mixing: under tensor parallelism on CUDA, turn off NCCL's safety net for graph-captured
             collectives beside other collectives (transformers' meaning; rollout never replays two such graphs at once).

@@ -122,7 +122,7 @@ class Request:
         lora_slot: that adapter's slot in the engine's ``LoraSlots`` (-1: the base model), each query token's index.
         lora_version: the weight version that loaded that adapter (``LoadedAdapter.version``; 0 for the base model):
             each token records ``max(lora_version, the base weights' version)`` (``Scheduler.token_version``).
-        block_tables: one block table per layer group of the cache (``kv_cache.CacheLayout``): the
+        block_tables: one block table per layer group of the cache (``engine.kv.cache.CacheLayout``): the
             physical block ids, in sequence order; a sliding-window group has ``NULL_BLOCK`` where a
             block fell out of its window.
         block_table: ``block_tables[0]``, the only table of a cache whose layers form one group.

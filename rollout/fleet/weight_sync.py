@@ -176,7 +176,7 @@ class WeightSync:
             named_tensors: a state dict or (name, tensor) pairs (an iterator is consumed once, lazily, when
                 ``metas`` is given), named as the servers' ``model.named_parameters()``. CPU or CUDA tensors;
                 a gloo group sends them from CPU.
-            metas: the names, dtypes and shapes of what ``named_tensors`` yields (``weight_transfer.describe``);
+            metas: the names, dtypes and shapes of what ``named_tensors`` yields (``weights.transfer.describe``);
                 None reads them from ``named_tensors`` (materialised as a list of references, no copy).
             packed: buckets of ``bucket_bytes`` (True) or one broadcast per tensor.
             recompute: in-flight requests drop their KV when the new weights take effect and are re-prefilled

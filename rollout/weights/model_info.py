@@ -80,7 +80,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
     if layer_ids and layer_ids != list(range(text.num_hidden_layers)):
         raise UnsupportedModelError(f"{name}: attention layers {layer_ids} do not map one-to-one to the KV cache")
     # Per-layer KV shapes (head dims, KV-head counts) are supported: the cache groups layers by shape
-    # (``kv_cache.CacheLayout``). Reading them here refuses a config whose shapes cannot be read.
+    # (``engine.kv.cache.CacheLayout``). Reading them here refuses a config whose shapes cannot be read.
     layer_kv_shapes(model)
 
 
