@@ -51,9 +51,9 @@ class ContinuousBatchingConfig:
         max_memory_percent: fraction (0, 1] of the usable memory the engine may take when ``num_blocks`` is ``None``:
             the KV cache plus one step's logits and sampling temporaries (``max_batch_tokens`` x vocabulary x (the model
             dtype's bytes + 8 float32), ``engine.kv.sizing.logits_workspace_bytes``). Usable memory is psutil's
-            available RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds
-            unused (``memory_reserved - memory_allocated``), so an engine built after another one was destroyed gets the
-            same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use
+            available RAM on CPU; on CUDA, the free memory (``torch.cuda.mem_get_info``) plus what torch's caching
+            allocator holds unused (``memory_reserved - memory_allocated``), so an engine built after another one was
+            destroyed gets the same share. ``None`` picks 0.9 on CUDA and 0.25 on CPU; next to a trainer, use
             ``trainers.setup.training_memory_percent(model)`` (the GRPO trainer and the TRL plugin do), since gradients
             and optimizer state are allocated only after the engine.
         max_requests_per_batch: most requests in one step (>= 1). ``None``: no cap beyond the token budget.
