@@ -81,6 +81,10 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "lora_lr_1e-4": ({**LORA, "learning_rate": 1e-4}, "r=8, alpha 16, lr 1e-4 (10x full): the earlier LoRA recipe"),
     "lora_lr_1.5e-4": ({**LORA, "learning_rate": 1.5e-4}, "r=8, alpha 16, lr 1.5e-4 (15x full)"),
     "lora_lr_2e-4": ({**LORA, "learning_rate": 2e-4}, "r=8, alpha 16, lr 2e-4 (20x full; 10x at alpha 32, as TM)"),
+    "lora_lr_2e-4_40_steps": (
+        {**LORA, "learning_rate": 2e-4, "max_steps": 40},
+        "r=8, alpha 16, lr 2e-4, 40 steps (a LoRA step is cheaper: the full run's wall time)",
+    ),
     "lora_lr_3e-4": ({**LORA, "learning_rate": 3e-4}, "r=8, alpha 16, lr 3e-4 (30x full)"),
     "lora_lr_1e-3": ({**LORA, "learning_rate": 1e-3}, "r=8, alpha 16, lr 1e-3 (100x full)"),
     "lora_lr_3e-3": ({**LORA, "learning_rate": 3e-3}, "r=8, alpha 16, lr 3e-3 (300x full)"),
