@@ -15,7 +15,7 @@ import torch
 import transformers
 
 # The checkout the package is imported from (``git describe`` there names the code that was measured).
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 
 # The /proc/cpuinfo flags that decide which kernels MKL and oneDNN dispatch (SIMD width, FMA, AMX, VNNI).

@@ -7,6 +7,7 @@ original sample file shipped in ``rollout/data/`` (package data, so an installed
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+# rollout's package data (installed with it): the sample questions and the shared system prompt.
+DATA_DIR = Path(str(importlib.resources.files("rollout") / "data"))
 SAMPLE_QUESTIONS = DATA_DIR / "sample_questions.jsonl"
 SHARED_PREFIX_SYSTEM_PROMPT = DATA_DIR / "shared_prefix_system_prompt.txt"
 
