@@ -88,6 +88,18 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "lora_lr_3e-4": ({**LORA, "learning_rate": 3e-4}, "r=8, alpha 16, lr 3e-4 (30x full)"),
     "lora_lr_1e-3": ({**LORA, "learning_rate": 1e-3}, "r=8, alpha 16, lr 1e-3 (100x full)"),
     "lora_lr_3e-3": ({**LORA, "learning_rate": 3e-3}, "r=8, alpha 16, lr 3e-3 (300x full)"),
+    "lora_alpha_32_lr_1e-4": (
+        {**LORA, "lora_alpha": 32.0, "learning_rate": 1e-4},
+        "r=8, alpha 32, lr 1e-4: twice the scale at half the lr (does alpha stand in for lr?)",
+    ),
+    "lora_attn_lr_2e-4": (
+        {**LORA, "learning_rate": 2e-4, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "r=8, alpha 16, lr 2e-4, attention projections only (no MLP)",
+    ),
+    "lora_r1_lr_2e-4": (
+        {**LORA, "lora_r": 1, "learning_rate": 2e-4},
+        "r=1, alpha 16, lr 2e-4 (TM: with alpha/r scaling the best lr hardly depends on the rank)",
+    ),
 }
 SWEEPS = {"recipe": VARIANTS, "lora": LORA_VARIANTS}
 
@@ -100,13 +112,20 @@ def _command(overrides: dict[str, Any], out: Path, config: Path, threads: int) -
     return cmd
 
 
-def run_all(jobs: list[tuple[str, dict[str, Any]]], runs_dir: Path, config: Path, reuse: bool, parallel: int) -> None:
+def run_all(
+    jobs: list[tuple[str, dict[str, Any]]],
+    runs_dir: Path,
+    config: Path,
+    reuse: bool,
+    parallel: int,
+    threads: int | None = None,
+) -> None:
     """Run each (folder name, overrides) job not already complete, ``parallel`` at a time.
 
-    Each job gets cores / parallel torch threads; on two cores two single-threaded runs finish
-    sooner than the same two runs one after the other with two threads each.
+    Each job gets ``threads`` torch threads, by default cores / parallel; on two cores two single-threaded
+    runs finish sooner than the same two runs one after the other with two threads each.
     """
-    threads = max(1, len(os.sched_getaffinity(0)) // parallel)
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // parallel)
     todo = [(n, o) for n, o in jobs if not (reuse and _complete(runs_dir / n / "metrics.jsonl", o))]
     running: list[tuple[str, subprocess.Popen, float]] = []
     while todo or running:
@@ -239,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (default: 0)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each gets cores / parallel threads)")
+    parser.add_argument("--threads", type=int, help="torch threads per run (default: cores / --parallel)")
     parser.add_argument("--reuse", action="store_true", help="keep the runs already complete in --runs-dir")
     parser.add_argument(
         "--table-only",
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: {', '.join(unknown)} not in --sweep {args.sweep} ({', '.join(variants)})")
     jobs = [(f"{n}_s{seed}", {**variants[n][0], "seed": seed}) for n in names for seed in args.seeds]
     if not args.table_only:
-        run_all(jobs, args.runs_dir, args.config, args.reuse, args.parallel)
+        run_all(jobs, args.runs_dir, args.config, args.reuse, args.parallel, args.threads)
     results = {
         n: [
             {**summarize(args.runs_dir / f"{n}_s{seed}"), "seed": seed}
