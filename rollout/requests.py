@@ -15,6 +15,7 @@ from rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rollout.stop_strings import StopStringMatcher
+    from rollout.structured_outputs import TokenMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -134,6 +135,10 @@ class Request:
         prompt_logprobs: a scoring request's logprobs of token_ids[score_from:].
         stop_matcher: decides whether a sampled token completes one of the request's stop strings;
             set by the engine when the request is queued (None: no stop strings).
+        grammar: with ``params.structured_outputs``, the grammar matcher that follows the generated tokens (xgrammar's
+            ``GrammarMatcher``, set by the engine when the request is queued, kept through preemption); it is advanced
+            here, once per appended token, and the request ends (reason "stop") when it terminates. None: no
+            constraint.
         fork_parent: while this request waits for another request's prefill of the same tokens (a
             "parked" fork, see ``Scheduler``), that request; None otherwise.
         forks: the requests parked on this one; they are forked from it when its prefill completes.
@@ -184,6 +189,7 @@ class Request:
         # Offload preemption: (CPU pool block ids, tokens they hold) while the KV is off the device.
         self.offloaded: tuple[list[int], int] | None = None
         self.stop_matcher: StopStringMatcher | None = None
+        self.grammar: TokenMatcher | None = None
         # Prompt forking (the scheduler writes both): the G samples of one prompt are prefilled once.
         self.fork_parent: Request | None = None
         self.forks: list[Request] = []
@@ -251,7 +257,12 @@ class Request:
         self.weight_versions.append(weight_version)
         if self.record_timestamps:
             self.timestamps.append(time.perf_counter())
-        if token in self.params.eos_token_ids:
+        if self.grammar is not None and (not self.grammar.accept_token(token) or self.grammar.is_terminated()):
+            # Terminated: it accepted an end-of-sequence id where the grammar may end. Refused: only a token the mask
+            # allowed can be sampled, so a logits processor banned every allowed one (min_new_tokens against an
+            # end-of-sequence id the grammar needs): nothing valid can follow.
+            self.finish_reason = FINISH_STOP
+        elif token in self.params.eos_token_ids:
             self.finish_reason = FINISH_STOP
         elif (
             self.stop_matcher is not None

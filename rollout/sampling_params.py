@@ -23,6 +23,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from rollout.checks import FieldError, check_bool, check_int, check_number, is_int, is_number
+from rollout.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ class SamplingParams:
         lora: the name of the LoRA adapter this request runs under (one the engine has loaded: ``Engine.load_lora``;
             vLLM's ``LoRARequest``, carried with the request's other values so that every path passes it down
             whole), or None for the base model.
+        structured_outputs: what the output must match (``StructuredOutputs``: a JSON schema, regex, choice or EBNF
+            grammar; a dict of its fields is converted), or None. Needs the engine's tokenizer; the returned logprobs
+            stay the model's (the mask only restricts which token is drawn).
 
     Raises:
         FieldError: a value out of its range; ``field`` names the field, and the message starts with it.
@@ -163,6 +167,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     num_top_logprobs: int = 0
     lora: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # True when a logits processor that reads the sequence may change this request's logits
     # (set at construction; the sampler skips every other request at no cost).
     uses_logits_processors: bool = field(default=False, init=False, repr=False, compare=False)
@@ -177,6 +182,7 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_ids", _as_token_sequences(self.bad_words_ids))
         object.__setattr__(self, "stop_strings", _as_strings(self.stop_strings))
         object.__setattr__(self, "stop", _as_strings(self.stop))
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         self.validate()
         # Plain Python types from here on: numpy scalars and ints are common in user input.
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -368,6 +374,7 @@ def build_sampling_params(
     stop: str | Sequence[str] | None = None,
     num_top_logprobs: int | None = None,
     lora: str | None = None,
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None,
 ) -> SamplingParams:
     """Build validated ``SamplingParams`` from defaults and per-request overrides.
 
@@ -389,6 +396,8 @@ def build_sampling_params(
         stop: vLLM-style stop strings of the request (see ``SamplingParams.stop``).
         num_top_logprobs: alternatives recorded per generated token (see ``SamplingParams.num_top_logprobs``).
         lora: the LoRA adapter's name (see ``SamplingParams.lora``); None keeps the default's.
+        structured_outputs: the output's constraint (see ``SamplingParams.structured_outputs``); None keeps the
+            default's.
 
     Returns:
         The parameters; ``base`` itself when it is a ``SamplingParams`` and nothing overrides it.
@@ -415,6 +424,7 @@ def build_sampling_params(
         "stop": stop,
         "num_top_logprobs": num_top_logprobs,
         "lora": lora,
+        "structured_outputs": structured_outputs,
     }
     if isinstance(base, GenerationConfig):
         values = _from_generation_config(base, drop_unsupported_processors)

@@ -17,12 +17,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GROUND = ("checks", "config", "sampling_params", "stop_strings", "requests", "lazy")
+GROUND = ("checks", "config", "sampling_params", "structured_outputs", "stop_strings", "requests", "lazy")
 
 # room -> (what it owns, the rooms it may import). A room's own modules may import each other (without a cycle). An
 # entry "room:face" allows the room's package __init__ only; "module:<dotted>" one module.
 ROOMS: dict[str, tuple[str, set[str]]] = {
-    "ground": ("config, sampling parameters, requests, checks (FieldError), stop strings, lazy faces", set()),
+    "ground": (
+        "config, sampling parameters, structured outputs, requests, checks (FieldError), stop strings, lazy faces",
+        set(),
+    ),
     "weights": ("loading and provisioning, model introspection, in-place copies and versions, transfer", {"ground"}),
     "lora": ("adapters and the per-token delta applied inside the step", {"ground"}),
     "engine.staging": ("host-to-device copies: a leaf of the engine", set()),
@@ -35,7 +38,7 @@ ROOMS: dict[str, tuple[str, set[str]]] = {
         "paged attention backends (flash-attn, the CPU kernel, SDPA) and their registry",
         {"ground", "engine.kv"},
     ),
-    "engine.sample": ("logits processors, sampling, logprobs", {"ground", "engine.staging"}),
+    "engine.sample": ("logits processors, sampling, logprobs, grammar bitmasks", {"ground", "engine.staging"}),
     "engine.worker": (
         "step inputs, the one forward (eager, compiled, graphed), oneDNN, tensor parallelism, the runner",
         {

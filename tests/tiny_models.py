@@ -263,6 +263,34 @@ def tiny_byte_level_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def tiny_json_tokenizer() -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level tokenizer over the tiny models' vocabulary that can spell JSON, for structured outputs.
+
+    "<pad>"=0, "<s>"=1, "</s>"=2 (the tiny models' EOS); then the 95 printable ASCII characters (space as "Ġ"), newline
+    ("Ċ") and tab ("ĉ"); then multi-character tokens (``{"``, ``":``, ``true``, ``false``, ``null``, ...), two-digit
+    numbers, and filler tokens "x0", "x1", ... up to id 255. Decoding maps the byte-level characters back to bytes
+    (``ByteLevel`` decoder), which is how xgrammar reads the vocabulary. Encoding text is not supported.
+    """
+    spell = {" ": "\u0120", "\n": "\u010a", "\t": "\u0109"}
+
+    def byte_level(text: str) -> str:
+        return "".join(spell.get(c, c) for c in text)
+
+    vocab = {"<pad>": PAD_TOKEN_ID, "<s>": BOS_TOKEN_ID, "</s>": EOS_TOKEN_ID}
+    for code in [*range(32, 127), 10, 9]:
+        vocab.setdefault(byte_level(chr(code)), len(vocab))
+    for word in ('{"', '":', '",', '"}', "true", "false", "null", ', "', ": ", "an", "sw", "er", "ok", "ab", "cd"):
+        vocab.setdefault(byte_level(word), len(vocab))
+    for pair in (a + b for a in "0123456789" for b in "0123456789"):
+        if len(vocab) < VOCAB_SIZE:
+            vocab.setdefault(pair, len(vocab))
+    vocab.update({f"x{i}": len(vocab) + i for i in range(VOCAB_SIZE - len(vocab))})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
 LLAMA3_BOS = "<|begin_of_text|>"
 
 

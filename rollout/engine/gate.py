@@ -5,13 +5,16 @@ A request is checked once, where it enters, by ``RequestGate.check``: ``Engine.a
 engine directly, the manager's intake (``manager.intake.check_fits``), ``generate_batch`` and the offline scorer. Its
 prompt and parameters were checked at the public boundary already; the gate adds what only the engine knows: the
 model's context, the cache's blocks, whether logprobs are recorded (the spec's), the tokenizer that stop strings are
-read with, and the adapters loaded. ``ready`` then gives a request what the step needs (its stop-string matcher, its
-adapter) as it is queued; it checks nothing again. vLLM v1's ``InputProcessor`` plays this part beside its engine core.
+read with and structured outputs compiled against (each distinct spec once, in the caller's thread: the loop does not
+wait for a compile), and the adapters loaded. ``ready`` then gives a request what the step needs (its stop-string
+matcher, its grammar matcher, its adapter) as it is queued; it checks nothing again. vLLM v1's ``InputProcessor``
+plays this part beside its engine core.
 """
 
 from __future__ import annotations
 
 from rollout.checks import FieldError
+from rollout.engine.sample.structured import GrammarCache, new_matcher
 from rollout.engine.spec import EngineSpec
 from rollout.lora import LoadedAdapter, LoraSlots
 from rollout.requests import Request
@@ -26,8 +29,8 @@ class RequestGate:
 
     Args:
         spec: the engine's resolved settings (its context, cache, logprobs and vocabulary).
-        tokenizer: the model's tokenizer, for stop strings; None refuses them. Replaceable (a manager may set one later:
-            ``Engine.tokenizer``).
+        tokenizer: the model's tokenizer, for stop strings and structured outputs; None refuses them. Replaceable (a
+            manager may set one later: ``Engine.tokenizer``).
         lora: the engine's LoRA adapters, which requests select by name (``SamplingParams.lora``); None refuses them.
 
     Attributes:
@@ -40,6 +43,8 @@ class RequestGate:
         self.lora = lora
         # The stop-string matchers, one per (stop_strings, stop): built once over the tokenizer's spellings.
         self._stop_matchers: dict[tuple[tuple[str, ...], tuple[str, ...]], StopStringMatcher] = {}
+        # The compiled grammars of structured outputs, over the tokenizer they were compiled for.
+        self._grammars: GrammarCache | None = None
 
     def check(
         self, request_id: str | None, num_prompt_tokens: int, params: SamplingParams, scoring: bool = False
@@ -60,8 +65,11 @@ class RequestGate:
                 prompt plus ``max_new_tokens`` is past the model's context (the message names ``max_new_tokens``, the
                 prompt's length and the context; ``field`` is ``input_ids`` when the prompt alone is too long, else
                 ``max_new_tokens``); it needs more blocks than the cache has (``max_new_tokens``); it has stop strings
-                and the engine no tokenizer (``stop_strings`` or ``stop``); its ``lora`` is not a loaded adapter.
+                and the engine no tokenizer (``stop_strings`` or ``stop``); it has ``structured_outputs`` and the engine
+                no tokenizer, or xgrammar cannot compile them (``structured_outputs``); its ``lora`` is not a loaded
+                adapter.
             ValueError: it names a ``lora`` and the engine serves no adapters.
+            ImportError: it has ``structured_outputs`` and xgrammar is not installed.
         """
         spec = self.spec
         # A request is named once it has an id (the manager checks some before it assigns one).
@@ -98,6 +106,8 @@ class RequestGate:
             )
         if params.needs_tokenizer:
             self._stop_matcher(params)
+        if params.structured_outputs is not None:
+            self._compiled_grammar(params)
         if params.lora is not None:
             self.adapter(params.lora)
 
@@ -112,6 +122,10 @@ class RequestGate:
         params = request.params
         if params.needs_tokenizer:
             request.stop_matcher = self._stop_matcher(params)
+        if params.structured_outputs is not None and request.grammar is None:
+            # Kept by a request queued again (preempted, or moved to a rebuilt engine): it follows its tokens already.
+            compiled = self._compiled_grammar(params)
+            request.grammar = new_matcher(compiled, params.eos_token_ids, request.generated_tokens)
         if params.lora is not None and request.lora_id == 0:  # resolved now: the name may be reloaded later
             self.adapter(params.lora).bind(request)
         elif request.lora_id and (self.lora is None or not self.lora.holds(request.lora_id)):
@@ -127,6 +141,28 @@ class RequestGate:
         if self.lora is None:
             raise ValueError(f"lora={name!r}: the engine was built without enable_lora=True")
         return self.lora.get(name)
+
+    def _compiled_grammar(self, params: SamplingParams) -> object:
+        """The compiled grammar of a request's ``structured_outputs``, compiled once per spec and tokenizer.
+
+        Raises:
+            FieldError: the engine has no tokenizer, or xgrammar cannot compile the spec (``structured_outputs``).
+            ImportError: xgrammar is not installed.
+        """
+        spec = params.structured_outputs
+        assert spec is not None
+        if self.tokenizer is None:
+            raise FieldError(
+                "structured_outputs",
+                "structured_outputs: the engine has no tokenizer, which the grammar is compiled against; pass the "
+                "model's tokenizer (tokenizer= of generate_batch, init_continuous_batching or Engine)",
+            )
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            self._grammars = GrammarCache(self.tokenizer, self.spec.logits_width or self.spec.vocab_size)
+        try:
+            return self._grammars.compile(spec)
+        except RuntimeError as e:
+            raise FieldError("structured_outputs", f"structured_outputs: xgrammar cannot compile it: {e}") from e
 
     def _stop_matcher(self, params: SamplingParams) -> StopStringMatcher:
         """The matcher of a request's stop strings, built once per set of strings (the first spells the tokenizer's

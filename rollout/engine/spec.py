@@ -24,7 +24,14 @@ from rollout.engine.kv.cache import CacheLayout, CacheShape
 from rollout.engine.kv.sizing import num_blocks_for_model, offload_space_gib
 from rollout.engine.worker.distributed import TensorParallel, tensor_parallel_mesh
 from rollout.engine.worker.forward import PaddingRule
-from rollout.weights.model_info import attention_dtype, input_device, layer_devices, model_context_length, vocab_size
+from rollout.weights.model_info import (
+    attention_dtype,
+    input_device,
+    layer_devices,
+    logits_width,
+    model_context_length,
+    vocab_size,
+)
 
 __all__ = ["EngineSpec"]
 
@@ -193,6 +200,7 @@ class EngineSpec:
         offload_gib: the CPU offload pool's GiB (0: none).
         context_length: the model's ``max_position_embeddings``, or None.
         vocab_size: the model's vocabulary.
+        logits_width: columns of the model's logits (``model_info.logits_width``; structured outputs' bitmasks).
         use_flash: the steps run paged kernels (flash-attn's on CUDA, ``attention.cpu``'s on CPU), else SDPA.
         max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
@@ -218,6 +226,7 @@ class EngineSpec:
     max_blocks_per_request: int
     padding: PaddingRule | None
     return_logprobs: bool = False
+    logits_width: int = 0
     tp: TensorParallel | None = field(default=None, compare=False)
 
     @property
@@ -307,5 +316,6 @@ class EngineSpec:
             max_blocks_per_request=resolve_max_blocks_per_request(config, num_blocks, block_size, context_length),
             padding=padding,
             return_logprobs=config.return_logprobs,
+            logits_width=logits_width(model),
             tp=tp,
         )

@@ -28,6 +28,7 @@ from rollout.manager.manager import ContinuousBatchingManager
 from rollout.manager.persistence import persistent_manager_of
 from rollout.requests import GenerationOutput, Request, RequestStatus
 from rollout.sampling_params import SamplingParams, build_sampling_params, resolve_generation_config
+from rollout.structured_outputs import StructuredOutputs
 from rollout.weights.model_info import check_model_supported, vocab_size
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def generate_batch(
     workload_hints: Any = None,
     tokenizer: Any | None = None,
     lora: LoraAdapter | str | None = None,
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a batch of prompts with continuous batching.
@@ -89,6 +91,9 @@ def generate_batch(
             loaded first (a fresh engine turns ``enable_lora`` on, its ``max_lora_rank`` at least the adapter's; a
             persistent manager loads it unless an adapter of that name is loaded); a name selects an adapter the
             persistent manager has loaded. None: the base model.
+        structured_outputs: what every output must match (``StructuredOutputs``, or a dict of its fields such as
+            ``{"json": schema}``; each sample gets its own matcher); needs ``tokenizer`` (or a persistent manager's).
+            Checked and compiled before any generation starts.
         **kwargs: none is accepted: a TypeError names them. (transformers quietly reads
             ``max_new_tokens`` from here and drops anything else; set it in the generation config.)
 
@@ -147,7 +152,13 @@ def generate_batch(
         if warmup:
             manager.warmup(progress_bar)
         drop = manager.cb_config.drop_unsupported_processors
-        base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop, lora=lora_name)
+        base_params = build_sampling_params(
+            gc,
+            vocab_size=vocab,
+            drop_unsupported_processors=drop,
+            lora=lora_name,
+            structured_outputs=structured_outputs,
+        )
         if isinstance(lora, LoraAdapter) and lora.name not in manager.lora_adapters:
             manager.load_lora(lora)
         seed = manager.cb_config.seed
@@ -162,7 +173,9 @@ def generate_batch(
         rank = max(cb_config.max_lora_rank, lora.rank)
         cb_config = dataclasses.replace(cb_config, enable_lora=True, max_lora_rank=rank)
     drop = cb_config.drop_unsupported_processors
-    base_params = build_sampling_params(gc, vocab_size=vocab, drop_unsupported_processors=drop, lora=lora_name)
+    base_params = build_sampling_params(
+        gc, vocab_size=vocab, drop_unsupported_processors=drop, lora=lora_name, structured_outputs=structured_outputs
+    )
     expanded = [p for p in prompts for _ in range(num_samples)]  # the G samples of a prompt next to each other
     seeds = derive_seeds(cb_config.seed if base_params.do_sample else None, len(expanded))
     jobs: list[tuple[str, list[int], SamplingParams]] = [

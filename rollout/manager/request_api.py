@@ -27,6 +27,7 @@ from rollout.manager.outputs import OutputRouter, ResultCallback
 from rollout.manager.pausing import PauseGate
 from rollout.requests import GenerationOutput
 from rollout.sampling_params import SamplingParams
+from rollout.structured_outputs import StructuredOutputs
 
 __all__ = ["RequestAPI"]
 
@@ -108,6 +109,7 @@ class RequestAPI:
         *,
         sampling_params: SamplingParams | None = None,
         lora: str | None = None,
+        structured_outputs: StructuredOutputs | dict | None = None,
     ) -> str | None:
         """Queue one request.
 
@@ -126,13 +128,17 @@ class RequestAPI:
                 strings (``build_sampling_params( manager.default_params, stop=["</answer>"])``).
             lora: the loaded LoRA adapter the request runs under (``load_lora``); None keeps ``sampling_params.lora``
                 (default: the base model).
+            structured_outputs: what the output must match (``StructuredOutputs``, or a dict of its fields such as
+                ``{"regex": "[0-9]+"}``); None keeps ``sampling_params.structured_outputs``. Needs the manager's
+                tokenizer; the grammar is compiled here, in the caller's thread, once per distinct spec.
 
         Returns:
             The request id, or None (with a warning) after ``stop()``. On a tensor-parallel rank other than the
             driver, None: the request is checked but not queued (the driver's is run by every rank), as in transformers.
 
         Raises:
-            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings without a tokenizer, or
+            ValueError: a bad prompt or sampling value, a duplicate ``request_id``, stop strings or structured outputs
+                without a tokenizer, a bad ``structured_outputs`` (FieldError naming ``structured_outputs.<kind>``), or
                 a logits-processor value other than the generation config's under ``per_request_processors=False``;
                 raised before anything is queued.
             QueueFullError: ``max_queue_size`` requests wait (and ``block`` is False or the wait timed out).
@@ -140,7 +146,16 @@ class RequestAPI:
                 room without a timeout inside this thread's ``pause()``.
         """
         params = self._params(
-            sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, lora, seed
+            sampling_params,
+            max_new_tokens,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            lora,
+            seed,
+            structured_outputs,
         )
         item = checked_request(self._current_engine(), input_ids, request_id, params, self._vocab_size)
         return self._enqueue([item], streaming, record_timestamps, block, timeout)[0]
@@ -163,6 +178,7 @@ class RequestAPI:
         timeout: float | None = None,
         request_id: None = None,
         lora: str | None = None,
+        structured_outputs: StructuredOutputs | dict | None = None,
     ) -> list[str]:
         """Queue several requests; returns their ids in input order.
 
@@ -181,7 +197,8 @@ class RequestAPI:
                 one prompt get G distinct, reproducible samples; a sequence gives one seed per input (None entries:
                 unseeded). Without it, a seed in ``sampling_params`` is spread the same way.
             max_new_tokens, streaming, record_timestamps, eos_token_id, temperature, top_k, top_p, do_sample, block,
-                timeout, lora: as for ``add_request``.
+                timeout, lora, structured_outputs: as for ``add_request`` (one constraint for every input; each
+                request gets its own matcher).
             request_id: not accepted (ids are chosen by the manager); use ``add_request``.
 
         Raises:
@@ -194,7 +211,18 @@ class RequestAPI:
         if seed is None and sampling_params is not None:
             seed = sampling_params.seed
         seeds = derive_seeds(seed, len(inputs))
-        params = self._params(sampling_params, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, lora)
+        params = self._params(
+            sampling_params,
+            max_new_tokens,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            lora,
+            None,
+            structured_outputs,
+        )
         items, order = checked_batch(self._current_engine(), inputs, params, seeds, self._vocab_size)
         queued = self._enqueue(items, streaming, record_timestamps, block, timeout)
         ids: list[str | None] = [None] * len(items)
@@ -243,6 +271,7 @@ class RequestAPI:
         eos_token_id: int | Sequence[int] | None,
         lora: str | None,
         seed: int | None = None,
+        structured_outputs: StructuredOutputs | dict | None = None,
     ) -> SamplingParams:
         """A request's parameters: the defaults, ``sampling_params`` and the per-request arguments of ``add_request``
         (``intake.request_params``, with the manager's vocabulary and processor rule); None keeps a value.
@@ -263,6 +292,7 @@ class RequestAPI:
             seed=seed,
             eos_token_id=eos_token_id,
             lora=lora,
+            structured_outputs=structured_outputs,
         )
 
     def _current_engine(self) -> Engine | None:

@@ -40,6 +40,13 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
+def logits_width(model: PreTrainedModel) -> int:
+    """Columns of the model's logits: its (text) config's ``vocab_size``, which sizes the LM head; the input embedding's
+    rows (``vocab_size``) when the config has none."""
+    width = getattr(text_config(model.config), "vocab_size", None)
+    return int(width) if isinstance(width, int) and width > 0 else vocab_size(model)
+
+
 def check_model_supported(model: torch.nn.Module) -> None:
     """Raise UnsupportedModelError unless the model is a decoder-only causal LM with pageable attention.
 

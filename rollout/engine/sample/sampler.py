@@ -16,12 +16,13 @@ here reads a device value back on the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from rollout.engine.sample.logits_processors import NEG_INF, apply_logits_processors
+from rollout.engine.sample.structured import apply_grammar_masks
 from rollout.engine.staging import HostStaging
 from rollout.sampling_params import SamplingParams
 
@@ -172,6 +173,7 @@ def sample_tokens(
     num_prompt_tokens: Sequence[int] | None = None,
     uniform: np.ndarray | None = None,
     staging: HostStaging | None = None,
+    grammars: Sequence[Any | None] | None = None,
 ) -> SampleOutput:
     """Pick one token per row, its logprob, and the top logprobs of the rows that ask for them.
 
@@ -189,6 +191,9 @@ def sample_tokens(
             engine's ``step_uniforms``; greedy rows' entries are unused); may be None when no row samples.
         staging: the buffers that carry the per-row values to the device (one copy per call); None
             uses a fresh one.
+        grammars: per row, the request's grammar matcher (``structured.new_matcher``) or None; a constrained row's
+            disallowed tokens are masked after the logits processors, before temperature, top-k and top-p. The
+            logprobs of the "temperature" and "raw" modes stay the unmasked model's; None: no row is constrained.
 
     Returns:
         ``SampleOutput``: int64 [B] tokens; float32 [B] logprobs (None without ``return_logprobs``); and
@@ -203,6 +208,8 @@ def sample_tokens(
     """
     raw = logits.float()
     logits = apply_logits_processors(raw, params, token_ids, num_prompt_tokens)
+    if grammars is not None:
+        logits = apply_grammar_masks(logits, grammars, copy=logits is raw)
     B, V = logits.shape
     device = logits.device
     tokens = torch.argmax(logits, dim=-1)

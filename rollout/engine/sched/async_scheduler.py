@@ -8,7 +8,8 @@ token arrives (``update_from_output``) the placeholder goes and the blocks it co
 is taken back: a row of a request that ended in the step before is computed and dropped.
 
 A running request waits for the step in flight instead (``_defer``) when that step samples its last token, its parked
-forks join it in that step, or it has logits processors (they read the tokens so far).
+forks join it in that step, or it has logits processors (they read the tokens so far) or a grammar (its matcher
+follows the tokens so far).
 
 Greedy tokens, logprobs, seeded samples and weight versions are what the synchronous loop gives (a weight update waits
 for the step in flight); a row's bits may differ where the batches differ.
@@ -42,7 +43,8 @@ class AsyncScheduler(Scheduler):
             return False
         if req.num_generated_tokens + req.num_output_placeholders >= req.params.max_new_tokens:
             return True
-        return bool(req.forks) or req.params.uses_logits_processors
+        # Logits processors read the tokens so far, a grammar matcher is advanced by them.
+        return bool(req.forks) or req.params.uses_logits_processors or req.grammar is not None
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """``Scheduler.update_from_output``, each sampled token replacing its placeholder; then the blocks that the new

@@ -369,6 +369,7 @@ class ModelRunner:
                 num_prompt_tokens=[r.num_prompt_tokens for r in sampled],
                 uniform=prepared.uniform,
                 staging=self._sampling_staging,
+                grammars=[r.grammar for r in sampled] if any(r.grammar is not None for r in sampled) else None,
             )
         return pack_results(scores, tokens, logprobs, top, readback)
 

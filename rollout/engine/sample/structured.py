@@ -1,0 +1,112 @@
+"""Structured outputs in the sampler: grammars compiled once per spec, one matcher per request, a token bitmask per row.
+
+The grammar engine is xgrammar (vLLM's and SGLang's default structured-output backend): ``GrammarCompiler`` compiles a
+``StructuredOutputs`` against the tokenizer's vocabulary once (``GrammarCache``, keyed by the spec), a
+``GrammarMatcher`` per request follows the tokens the request generated (``new_matcher``; the request advances it as it
+appends a token: ``Request.append_token``), and in the step's one sampling pass ``apply_grammar_masks`` fills a
+bitmask of the allowed next tokens for each constrained row on the CPU and sets the others' logits to -inf, before
+temperature, top-k and top-p. Free rows are not touched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rollout.structured_outputs import StructuredOutputs, import_xgrammar
+
+__all__ = ["GrammarCache", "apply_grammar_masks", "new_matcher"]
+
+
+class GrammarCache:
+    """Compiled grammars of one tokenizer, one per distinct ``StructuredOutputs`` (``StructuredOutputs.key``).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (xgrammar's ``TokenizerInfo.from_huggingface`` reads its vocabulary,
+            its kind (byte-level, byte-fallback, raw) and its end-of-sequence token).
+        vocab_size: the model's logits width V (>= the tokenizer's vocabulary; ids past it are never allowed).
+
+    Attributes:
+        tokenizer: as given.
+
+    Raises:
+        ImportError: xgrammar is not installed (the message names the ``structured`` extra).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        xgr = import_xgrammar()
+        self.tokenizer = tokenizer
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # One compiler thread: the engine's CPU threads are the step's.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: dict[tuple[str, str, bool], Any] = {}
+        self._lock = threading.Lock()  # requests are checked in their callers' threads
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """The ``xgrammar.CompiledGrammar`` of ``spec``, compiled on its first use.
+
+        Raises:
+            RuntimeError: xgrammar cannot compile it (``StructuredOutputs`` parsed it already, so this is rare).
+        """
+        key = spec.key
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compiled[key] = self._compiler.compile_grammar(spec.to_grammar())
+            return compiled
+
+    def __len__(self) -> int:
+        """The number of distinct specs compiled."""
+        return len(self._compiled)
+
+
+def new_matcher(compiled: Any, eos_token_ids: Sequence[int], generated: Sequence[int] = ()) -> Any:
+    """A request's ``xgrammar.GrammarMatcher``, advanced over the tokens it already generated.
+
+    Args:
+        compiled: the request's ``CompiledGrammar`` (``GrammarCache.compile``).
+        eos_token_ids: the request's end-of-sequence ids: the only tokens allowed where the grammar may end, and
+            only there (empty: the tokenizer's end-of-sequence token, as xgrammar detects it).
+        generated: tokens the request generated before it got this matcher (a request restored with its output).
+
+    Returns:
+        The matcher; ``fill_next_token_bitmask`` gives its allowed next tokens, ``accept_token`` advances it.
+
+    Raises:
+        ValueError: a token of ``generated`` does not follow the grammar.
+    """
+    xgr = import_xgrammar()
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(eos_token_ids) or None)
+    for i, token in enumerate(generated):
+        if not matcher.accept_token(int(token)):
+            raise ValueError(f"structured_outputs: generated token {i} ({token}) does not follow the grammar")
+    return matcher
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Any | None], copy: bool) -> torch.Tensor:
+    """Set to -inf the logits of the tokens each constrained row's grammar does not allow next.
+
+    Args:
+        logits: float32 [B, V]; row b belongs to the request whose matcher is ``matchers[b]``.
+        matchers: per row, the request's ``xgrammar.GrammarMatcher`` (not terminated), or None for a free row.
+        copy: mask a copy (the caller still reads ``logits``: the raw logits that logprobs are taken from), not
+            ``logits`` itself.
+
+    Returns:
+        float32 [B, V]: ``logits`` itself when no row is constrained; else the masked tensor (a copy with ``copy``),
+        in which free rows are unchanged.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    xgr = import_xgrammar()
+    B, V = logits.shape
+    bitmask = xgr.allocate_token_bitmask(B, V)  # int32 [B, ceil(V / 32)] on the CPU, every token allowed
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    out = logits.clone() if copy else logits
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=V, indices=rows)
+    return out
