@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     from rollout.requests import GenerationOutput, RequestStatus
     from rollout.sampling_params import SamplingParams, build_sampling_params
     from rollout.scoring import ScoreOutput, score, score_with_engine
+    from rollout.structured_outputs import StructuredOutputs
     from rollout.weights import UnsupportedModelError, load_model, model_context_length, rollout_home
 
 # Each public name -> the room (or ground module) whose face defines it. ``Engine``, ``EngineStats``,
@@ -103,6 +104,7 @@ _EXPORTS = {
     "RequestStatus": "rollout.requests",
     "SamplingParams": "rollout.sampling_params",
     "build_sampling_params": "rollout.sampling_params",
+    "StructuredOutputs": "rollout.structured_outputs",
     "ScoreOutput": "rollout.scoring",
     "score": "rollout.scoring",
     "score_with_engine": "rollout.scoring",
@@ -127,6 +129,7 @@ __all__ = [
     "ScoreOutput",
     "SamplingParams",
     "build_sampling_params",
+    "StructuredOutputs",
     "UnsupportedModelError",
     "generate_batch",
     "score",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -241,3 +242,10 @@ def test_grammar_cache_compiles_each_spec_once_and_matchers_follow_a_prefix() ->
     assert torch.equal(masked[0], logits[0]) and torch.equal(logits, torch.zeros(2, VOCAB_SIZE))  # copy: raw unchanged
     with pytest.raises(ValueError, match="does not follow the grammar"):
         new_matcher(cache.compile(spec), (EOS_TOKEN_ID,), tokenizer.convert_tokens_to_ids(["a"]))
+
+
+def test_missing_xgrammar_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # what an environment without it gives
+    with pytest.raises(ImportError, match=r"rollout\[structured\]"):
+        StructuredOutputs(regex=REGEX)
+    SamplingParams(max_new_tokens=4)  # requests without structured outputs do not need it
