@@ -66,6 +66,8 @@ def test_json_schema_n8_samples_at_temperature_1_parse_and_validate() -> None:
         assert out[f"req_0_{g}"].generated_tokens[-1] == EOS_TOKEN_ID  # ended by the EOS where the grammar may end
         _check_schema(json.loads(text))
     assert len(set(texts)) > 1  # 8 samples, not one repeated
+    # The first sample prefilled the prompt and the 7 others were forked from it, each with a matcher of its own.
+    assert [out[f"req_0_{g}"].num_cached_prompt_tokens for g in range(8)] == [0] + [len(PROMPTS[0])] * 7
 
 
 def test_regex_output_fully_matches() -> None:
