@@ -85,6 +85,10 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {**LORA, "learning_rate": 2e-4, "max_steps": 40},
         "r=8, alpha 16, lr 2e-4, 40 steps (a LoRA step is cheaper: the full run's wall time)",
     ),
+    "lora_lr_3e-4_linear": (
+        {**LORA, "learning_rate": 3e-4, "lr_scheduler_type": "linear"},
+        "r=8, alpha 16, lr 3e-4 decayed linearly to 0 (fast while B is small, gentle later)",
+    ),
     "lora_lr_3e-4": ({**LORA, "learning_rate": 3e-4}, "r=8, alpha 16, lr 3e-4 (30x full)"),
     "lora_lr_1e-3": ({**LORA, "learning_rate": 1e-3}, "r=8, alpha 16, lr 1e-3 (100x full)"),
     "lora_lr_3e-3": ({**LORA, "learning_rate": 3e-3}, "r=8, alpha 16, lr 3e-3 (300x full)"),
