@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -253,3 +254,13 @@ def test_a_template_without_hermes_tool_calls_cannot_force_a_tool() -> None:
         request_structured_outputs(req, other)
     assert info.value.field == "tool_choice"
     assert request_structured_outputs(req, SimpleNamespace(chat_template=JSON_CHAT_TEMPLATE)).kind == "grammar"
+
+
+def test_a_server_without_xgrammar_answers_500_naming_the_extra(
+    srv: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # what an environment without it gives
+    response = httpx.post(
+        f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "guided_regex": REGEX}, timeout=60
+    )
+    assert response.status_code == 500 and "rollout[structured]" in response.json()["error"]["message"]

@@ -218,12 +218,15 @@ def structured_outputs(req: SamplingFields, info: ModelInfo) -> StructuredOutput
     """The output constraint the request's structured-output fields ask for (``serve.structured``), or None.
 
     Raises:
-        APIError: 400 naming the field (two such fields at once, a bad schema, regex, grammar or forced tool).
+        APIError: 400 naming the field (two such fields at once, a bad schema, regex, grammar or forced tool); 500
+            naming the ``structured`` extra when the server's environment lacks xgrammar.
     """
     try:
         return request_structured_outputs(req, info.tokenizer)
     except FieldError as e:
         raise bad_request(str(e), e.field) from e
+    except ImportError as e:  # the server's environment, not the request, is at fault
+        raise APIError(500, f"structured outputs are not available on this server: {e}") from e
 
 
 def sampling_params(
