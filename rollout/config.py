@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("temperature", "raw", "sampled")
+# vLLM's names of the two modes that give logprobs (``--logprobs-mode``), read as rollout's: ``raw_logprobs`` is the
+# model's unprocessed distribution, ``processed_logprobs`` the one the token was drawn from (penalties, structured
+# outputs' mask, temperature, top-k/top-p). vLLM's ``raw_logits`` and ``processed_logits`` return logits: not offered.
+LOGPROBS_MODE_ALIASES = {"raw_logprobs": "raw", "processed_logprobs": "sampled"}
 PREEMPTION_MODES = ("recompute", "offload")
 CPU_ATTENTION_CHOICES = ("auto", "paged", "sdpa")
 
@@ -73,8 +77,11 @@ class ContinuousBatchingConfig:
             ``"temperature"`` and ``"raw"`` read the model's logits before any logits processor (repetition penalty,
             no-repeat n-grams, bad words, min_length/min_new_tokens, min_p), so they stay what a plain forward of the
             same weights gives, and a banned token keeps a finite logprob. ``"sampled"`` reads the processed
-            distribution: the processors, then temperature, top-k, top-p and min-p for sampled requests (a greedy
-            request: log_softmax of its processed logits, which is the raw logprob when it has no processor).
+            distribution: the processors and a structured-output request's grammar mask (renormalised over the allowed
+            tokens), then temperature, top-k, top-p and min-p for sampled requests (a greedy request: log_softmax of its
+            processed logits, which is the raw logprob when it has no processor and no constraint). vLLM's names are
+            read as these (``"raw_logprobs"`` is ``"raw"``, ``"processed_logprobs"`` is ``"sampled"``); each output
+            says which mode gave its logprobs (``GenerationOutput.logprobs_mode``).
         seed: seed of the engine's generator, used by sampled requests that carry no seed of their own.
         preemption_mode: ``"recompute"`` (free the blocks, re-prefill later) or ``"offload"`` (copy the blocks to a CPU
             pool of ``cpu_offload_space`` GiB). A ``cpu_offload_space`` above 0 (or None) turns offload on by itself, as
@@ -167,7 +174,7 @@ class ContinuousBatchingConfig:
     scheduler_type: Literal["fifo", "prefill_first"] = "fifo"
     safety_margin: float | None = None
     return_logprobs: bool = False
-    logprobs_mode: Literal["temperature", "raw", "sampled"] = "temperature"
+    logprobs_mode: Literal["temperature", "raw", "sampled", "raw_logprobs", "processed_logprobs"] = "temperature"
     seed: int | None = None
     preemption_mode: Literal["recompute", "offload"] = "recompute"
     cpu_offload_space: float | None = 0.0
@@ -218,7 +225,8 @@ class ContinuousBatchingConfig:
         check_int("max_queue_size", self.max_queue_size, minimum=0)
         check_number("max_memory_percent", self.max_memory_percent, 0.0, 1.0, min_open=True, allow_none=True)
         check_choice("scheduler_type", self.scheduler_type, SCHEDULER_TYPES)
-        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        self.logprobs_mode = LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)  # type: ignore[assignment]
+        check_choice("logprobs_mode", self.logprobs_mode, (*LOGPROBS_MODES, *LOGPROBS_MODE_ALIASES))
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_number("safety_margin", self.safety_margin, 0.0, 1.0, max_open=True, allow_none=True)
         check_number("cpu_offload_space", self.cpu_offload_space, minimum=0.0, allow_none=True)  # GiB

@@ -77,6 +77,10 @@ class GenerationOutput:
         top_logprobs: their logprobs, N floats per generated token, in the distribution of ``logprobs``.
         lifespan: ``time.perf_counter()`` seconds (first scheduled, ended), as in transformers;
             -1 for a moment that has not come (or never came: a request cancelled while waiting).
+        logprobs_mode: the distribution ``logprobs`` and ``top_logprobs`` come from, the engine's
+            ``ContinuousBatchingConfig.logprobs_mode``: "temperature", "raw" (the unprocessed model's; vLLM's
+            ``raw_logprobs``) or "sampled" (the processed distribution the token was drawn from, a structured-output
+            mask included; vLLM's ``processed_logprobs``); None when the engine records no logprobs.
     """
 
     request_id: str
@@ -94,6 +98,7 @@ class GenerationOutput:
     lifespan: tuple[float, float] = (-1.0, -1.0)
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    logprobs_mode: str | None = None
 
     def is_finished(self) -> bool:
         """True once the request reached a final status."""
@@ -142,6 +147,7 @@ class Request:
         fork_parent: while this request waits for another request's prefill of the same tokens (a
             "parked" fork, see ``Scheduler``), that request; None otherwise.
         forks: the requests parked on this one; they are forked from it when its prefill completes.
+        logprobs_mode: the engine's ``logprobs_mode`` when it records logprobs, else None (set when it is queued).
         num_output_placeholders: tokens that steps in flight will sample for the request and that ``token_ids``
             does not hold yet (vLLM v1's count; ``async_scheduler.AsyncScheduler``); 0 with the synchronous one.
     """
@@ -194,6 +200,7 @@ class Request:
         self.fork_parent: Request | None = None
         self.forks: list[Request] = []
         self.num_output_placeholders = 0
+        self.logprobs_mode: str | None = None
 
     @property
     def block_table(self) -> list[int]:
@@ -296,6 +303,7 @@ class Request:
             lifespan=self.lifespan,
             top_token_ids=list(self.top_token_ids),
             top_logprobs=list(self.top_logprobs),
+            logprobs_mode=self.logprobs_mode,
         )
 
     def __repr__(self) -> str:

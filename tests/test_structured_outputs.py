@@ -119,7 +119,7 @@ def test_constrained_and_free_requests_share_a_step_and_the_free_one_is_unchange
     assert together["json"].generated_tokens != alone["free"].generated_tokens[: len(together["json"].generated_tokens)]
 
 
-@pytest.mark.parametrize("logprobs_mode", ["temperature", "raw"])
+@pytest.mark.parametrize("logprobs_mode", ["temperature", "raw", "raw_logprobs"])
 def test_constrained_greedy_logprobs_equal_teacher_forced_raw_logits(logprobs_mode: str) -> None:
     model, tokenizer = tiny_llama(), tiny_json_tokenizer()
     cfg = ContinuousBatchingConfig(num_blocks=64, return_logprobs=True, logprobs_mode=logprobs_mode)
@@ -130,6 +130,47 @@ def test_constrained_greedy_logprobs_equal_teacher_forced_raw_logits(logprobs_mo
     assert_close(out.logprobs, expected, atol=1e-4)
     # The mask removed probability mass: the renormalised masked distribution would give larger logprobs.
     assert sum(expected) < -1.0
+
+
+@pytest.mark.parametrize("logprobs_mode", ["sampled", "processed_logprobs"])
+def test_processed_logprobs_equal_the_masked_renormalised_distribution(logprobs_mode: str) -> None:
+    """ "sampled" (vLLM's ``processed_logprobs``, accepted as its alias): each logprob is log_softmax of the
+    teacher-forced logits with the grammar's disallowed tokens masked (renormalised over the allowed ones), to 1e-5;
+    the output says which mode gave them."""
+    model, tokenizer = tiny_llama(), tiny_json_tokenizer()
+    cfg = ContinuousBatchingConfig(num_blocks=64, return_logprobs=True, logprobs_mode=logprobs_mode)
+    params = SamplingParams(
+        max_new_tokens=40, do_sample=True, temperature=1.0, seed=4, structured_outputs={"json": SCHEMA}
+    )
+    out = _run(Engine(model, cfg, tokenizer=tokenizer), [("r", PROMPTS[1], params)])["r"]
+    assert out.logprobs_mode == "sampled" and cfg.logprobs_mode == "sampled"
+    tokens = out.generated_tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[1] + tokens])).logits[0, len(PROMPTS[1]) - 1 : -1].float()
+    grammar = GrammarCache(tokenizer, logits.shape[-1]).compile(StructuredOutputs(json=SCHEMA))
+    matcher = new_matcher(grammar, params.eos_token_ids)
+    expected = []
+    for token, row in zip(tokens, logits):
+        masked = apply_grammar_masks(row[None].clone(), [matcher], copy=False)[0]
+        expected.append(torch.log_softmax(masked, dim=-1)[token].item())
+        assert matcher.accept_token(token)
+    assert_close(out.logprobs, expected, atol=1e-5)
+    # Not the raw ones: the mask removed mass, so the renormalised logprobs are larger.
+    raw = teacher_forced_logprobs(model, PROMPTS[1], tokens)
+    assert sum(out.logprobs) > sum(raw) + 1.0
+
+
+def test_outputs_name_their_logprobs_mode_and_none_without_logprobs() -> None:
+    model = tiny_llama()
+    params = SamplingParams(max_new_tokens=3)
+    for cfg, mode in [
+        (ContinuousBatchingConfig(num_blocks=64, return_logprobs=True, logprobs_mode="raw_logprobs"), "raw"),
+        (ContinuousBatchingConfig(num_blocks=64, return_logprobs=True), "temperature"),
+        (ContinuousBatchingConfig(num_blocks=64), None),
+    ]:
+        assert _run(Engine(model, cfg), [("r", PROMPTS[0], params)])["r"].logprobs_mode == mode
+    with pytest.raises(FieldError, match="logprobs_mode must be one of"):
+        ContinuousBatchingConfig(logprobs_mode="raw_logits")
 
 
 def test_bad_specs_raise_field_error_naming_the_field_before_anything_is_queued() -> None:

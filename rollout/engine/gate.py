@@ -112,14 +112,16 @@ class RequestGate:
             self.adapter(params.lora)
 
     def ready(self, request: Request) -> None:
-        """Give a checked request what its steps need as it is queued: the matcher of its stop strings, and its adapter
-        (bound now unless a manager bound it when it accepted the request: ``Engine.bind_adapter``).
+        """Give a checked request what its steps need as it is queued: its ``logprobs_mode``, the matchers of its stop
+        strings and its grammar, and its adapter (bound now unless a manager bound it when it accepted the request:
+        ``Engine.bind_adapter``).
 
         Raises:
             ValueError: the adapter it was accepted under is gone (an engine rebuilt since); FieldError: it has stop
                 strings and no tokenizer, or its ``lora`` is no longer loaded (a request not checked here).
         """
         params = request.params
+        request.logprobs_mode = self.spec.logprobs_mode if self.spec.return_logprobs else None
         if params.needs_tokenizer:
             request.stop_matcher = self._stop_matcher(params)
         if params.structured_outputs is not None and request.grammar is None:

@@ -205,6 +205,7 @@ class EngineSpec:
         max_blocks_per_request: the decode fast path's table width (0: off).
         padding: how static-shape steps are padded; None when no path is compiled or graphed.
         return_logprobs: the engine records a logprob per generated token (the config's).
+        logprobs_mode: the distribution those logprobs are taken from (the config's: "temperature", "raw", "sampled").
         tp: the tensor-parallel group of a ``tp_plan``-sharded model, else None.
     """
 
@@ -226,6 +227,7 @@ class EngineSpec:
     max_blocks_per_request: int
     padding: PaddingRule | None
     return_logprobs: bool = False
+    logprobs_mode: str = "temperature"
     logits_width: int = 0
     tp: TensorParallel | None = field(default=None, compare=False)
 
@@ -316,6 +318,7 @@ class EngineSpec:
             max_blocks_per_request=resolve_max_blocks_per_request(config, num_blocks, block_size, context_length),
             padding=padding,
             return_logprobs=config.return_logprobs,
+            logprobs_mode=config.logprobs_mode,
             logits_width=logits_width(model),
             tp=tp,
         )

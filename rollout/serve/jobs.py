@@ -16,10 +16,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout import FieldError, SamplingParams, build_sampling_params
+from rollout import FieldError, SamplingParams, StructuredOutputs, build_sampling_params
 from rollout.serve.chat import chat_prompt_ids, check_roles, text_messages
 from rollout.serve.errors import APIError, bad_request
 from rollout.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from rollout.serve.structured import request_structured_outputs
 
 # OpenAI's and vLLM's default max_tokens of a completion (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -213,13 +214,34 @@ def _check_min_tokens(req: SamplingFields, max_tokens: int, requested: int | Non
     )
 
 
+def structured_outputs(req: SamplingFields, info: ModelInfo) -> StructuredOutputs | None:
+    """The output constraint the request's structured-output fields ask for (``serve.structured``), or None.
+
+    Raises:
+        APIError: 400 naming the field (two such fields at once, a bad schema, regex, grammar or forced tool); 500
+            naming the ``structured`` extra when the server's environment lacks xgrammar.
+    """
+    try:
+        return request_structured_outputs(req, info.tokenizer)
+    except FieldError as e:
+        raise bad_request(str(e), e.field) from e
+    except ImportError as e:  # the server's environment, not the request, is at fault
+        raise APIError(500, f"structured outputs are not available on this server: {e}") from e
+
+
 def sampling_params(
-    req: SamplingFields, max_tokens: int, info: ModelInfo, top_logprobs: int = 0, lora: str | None = None
+    req: SamplingFields,
+    max_tokens: int,
+    info: ModelInfo,
+    top_logprobs: int = 0,
+    lora: str | None = None,
+    constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams``: OpenAI's defaults (temperature 1, top_p 1), the model's eos ids.
 
     ``top_logprobs`` is the alternatives asked for per generated token (``num_top_logprobs``); ``lora`` the adapter
-    the request's ``model`` names (``check_model_name``).
+    the request's ``model`` names (``check_model_name``); ``constraint`` its structured outputs
+    (``structured_outputs``).
 
     Raises:
         APIError: 400 naming the field of a value ``SamplingParams`` refuses.
@@ -246,6 +268,7 @@ def sampling_params(
             stop=req.stop,
             num_top_logprobs=top_logprobs,
             lora=lora,
+            structured_outputs=constraint,
         )
     except FieldError as e:
         raise field_error(e, prompt_param=None) from e
@@ -287,7 +310,7 @@ def completion_job(req: CompletionRequest, info: ModelInfo) -> Job:
     max_tokens = _max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, info, "prompt")
     _check_min_tokens(req, max_tokens, req.max_tokens, "max_tokens")
     top_logprobs = req.logprobs or 0
-    params = sampling_params(req, max_tokens, info, top_logprobs, lora)
+    params = sampling_params(req, max_tokens, info, top_logprobs, lora, structured_outputs(req, info))
     return Job(
         request_id=_new_id("cmpl", req),
         model=lora or info.name,
@@ -332,7 +355,7 @@ def chat_job(req: ChatCompletionRequest, info: ModelInfo) -> Job:
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     _check_min_tokens(req, max_tokens, requested, max_name)
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
-    params = sampling_params(req, max_tokens, info, top_logprobs, lora)
+    params = sampling_params(req, max_tokens, info, top_logprobs, lora, structured_outputs(req, info))
     return Job(
         request_id=_new_id("chatcmpl", req),
         model=lora or info.name,

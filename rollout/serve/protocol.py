@@ -9,7 +9,7 @@ true`` is a 400, not one choice).
 Unknown fields: a generation body (completions, chat) accepts them and logs a warning, as vLLM's ``OpenAIBaseModel``
 does, because routers and clients add fields of their own (vllm-router re-serialises every body with SGLang's
 ``no_stop_trim``, ``return_hidden_states``... at their defaults). A field known to change the output that the engine
-does not implement (``UNSUPPORTED_FIELDS``: structured output, beam search...) is refused unless set to a no-op value:
+does not implement (``UNSUPPORTED_FIELDS``: beam search, structural tags...) is refused unless set to a no-op value:
 a request is never answered as if a field it set had been honoured. Control bodies (pause, weights) refuse every
 unknown field (``extra="forbid"``): a misspelt ``recompute`` must not be ignored.
 
@@ -65,15 +65,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "logits_processors": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structural_tag": (None,),
-    "structured_outputs": (None,),
-    "regex": (None,),  # SGLang's structured output
-    "json_schema": (None,),
-    "ebnf": (None,),
+    "structural_tag": (None,),  # structured outputs other than those of ``serve.structured``
+    "guided_whitespace_pattern": (None,),
     "prompt_embeds": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (True,),
@@ -85,7 +78,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (None, {}),
     "lora_path": (None,),
     "typical_p": (None, 1.0),
-    "response_format": (None, {"type": "text"}),  # on completions; chat declares its own
 }
 
 
@@ -138,6 +130,8 @@ class SamplingFields(_GenerationBody):
         no_stop_trim: SGLang's (vllm-router sends it): keep the stop string in the text, as
             ``include_stop_str_in_output`` does.
         return_hidden_states: SGLang's (vllm-router sends it): only false (hidden states are not returned).
+        response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar, regex,
+            json_schema, ebnf: what the output must match, one of them at most (``serve.structured``).
     """
 
     model: str | None = None
@@ -168,6 +162,16 @@ class SamplingFields(_GenerationBody):
     # SGLang's, which vllm-router adds to every body it forwards.
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    # Structured outputs, at most one per request (``serve.structured`` checks them and builds the constraint).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None  # SGLang's
+    json_schema: str | dict[str, Any] | None = None  # SGLang's
+    ebnf: str | None = None  # SGLang's
 
     @model_validator(mode="after")
     def _sampling_supported(self) -> Self:
@@ -265,7 +269,9 @@ class ChatCompletionRequest(SamplingFields):
         messages: the conversation; each message a dict with ``role`` and ``content`` (and the tool
             fields the chat template reads), passed to the tokenizer's chat template as it is.
         tools: functions offered to the model, passed to the chat template.
-        tool_choice: "auto" or "none" (None: "auto" with tools); forcing a tool is not supported.
+        tool_choice: "auto" or "none" (None: "auto" with tools); "required" or a named function
+            (``{"type": "function", "function": {"name": ...}}``) constrain the output to a tool call whose arguments
+            validate against the tool's ``parameters`` (``serve.structured``).
         logprobs: return the sampled tokens' logprobs.
         top_logprobs: the N most likely tokens of each position (0 to 20; needs ``logprobs``).
         max_completion_tokens: OpenAI's newer name of ``max_tokens``.
@@ -284,7 +290,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Integer | None = Field(None, ge=0)
     max_completion_tokens: Integer | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -302,10 +307,6 @@ class ChatCompletionRequest(SamplingFields):
             raise _refuse("top_logprobs", f"{self.top_logprobs} alternatives asked for; at most {MAX_TOP_LOGPROBS}")
         if self.prompt_logprobs is not None:
             raise _refuse("prompt_logprobs", "not supported on chat; use /v1/completions")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise _refuse("tool_choice", "only 'auto' and 'none' are supported (a tool cannot be forced)")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _refuse("response_format", "structured output is not supported")
         if self.echo:
             raise _refuse("echo", "not supported on chat (only false)")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:

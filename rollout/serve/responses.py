@@ -116,8 +116,10 @@ def completion_logprobs(
     offset: int,
     prompt: tuple[list[int], list[float]] | None,
     top: tuple[list[list[int]], list[list[float]]] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's completion ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
+    """OpenAI's completion ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset, and rollout's
+    ``logprobs_mode``.
 
     Args:
         view: the choice's view (its tokenizer).
@@ -129,6 +131,7 @@ def completion_logprobs(
         top: (ids, logprobs) of each generated token's N alternatives, most likely first (``logprobs=N``); each
             ``top_logprobs`` entry is then ``{text: logprob}`` of those N, most likely first, then the sampled
             token when it is not among them (vLLM's shape: N or N + 1 entries). None: the sampled token alone.
+        mode: the engine's ``logprobs_mode`` that gave the logprobs (``GenerationOutput.logprobs_mode``).
     """
     ids, lps = list(tokens), list(logprobs)
     values: list[float | None] = list(lps)
@@ -149,7 +152,13 @@ def completion_logprobs(
             if tokens[k] not in alt_ids and lp is not None:
                 entry.setdefault(sampled, lp)
             tops[first + k] = entry
-    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": strings,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+        "logprobs_mode": mode,
+    }
 
 
 def _top_of(out: GenerationOutput, first: int, end: int) -> tuple[list[list[int]], list[list[float]]] | None:
@@ -164,11 +173,14 @@ def chat_logprobs(
     tokens: list[int],
     logprobs: list[float],
     top: tuple[list[list[int]], list[list[float]]] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``.
+    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, and rollout's
+    ``logprobs_mode``.
 
     ``top``: (ids, logprobs) of each token's N alternatives, most likely first (``top_logprobs=N``), shown as
-    ``[{"token", "logprob", "bytes"}]``; None gives empty lists.
+    ``[{"token", "logprob", "bytes"}]``; None gives empty lists. ``mode``: the engine's ``logprobs_mode`` that gave
+    the logprobs (``GenerationOutput.logprobs_mode``).
     """
     strings = view.token_strings(tokens)
     alternatives: list[list[dict[str, Any]]] = [[] for _ in tokens]
@@ -184,6 +196,7 @@ def chat_logprobs(
             for s, lp, alt in zip(strings, logprobs, alternatives)
         ],
         "refusal": None,
+        "logprobs_mode": mode,
     }
 
 
@@ -241,7 +254,9 @@ def completion_response(
         if job.logprobs:
             echo_part = (prompt, p_lps) if job.echo and p_lps is not None else None
             top = _top_of(out, 0, len(out.generated_tokens))
-            logprobs = completion_logprobs(view, out.generated_tokens, out.logprobs, 0, echo_part, top)
+            logprobs = completion_logprobs(
+                view, out.generated_tokens, out.logprobs, 0, echo_part, top, out.logprobs_mode
+            )
         choices.append(
             {
                 "index": i,
@@ -292,7 +307,9 @@ def completion_chunk_choice(job: Job, view: ChoiceView, index: int, out: Generat
         "index": index,
         "text": text,
         "logprobs": (
-            completion_logprobs(view, new_tokens, out.logprobs[first:end], 0, None, _top_of(out, first, end))
+            completion_logprobs(
+                view, new_tokens, out.logprobs[first:end], 0, None, _top_of(out, first, end), out.logprobs_mode
+            )
             if job.logprobs
             else None
         ),
@@ -326,7 +343,13 @@ def chat_response(job: Job, outputs: list[GenerationOutput], info: ModelInfo) ->
                 "index": i,
                 "message": message,
                 "logprobs": (
-                    chat_logprobs(view, out.generated_tokens, out.logprobs, _top_of(out, 0, len(out.generated_tokens)))
+                    chat_logprobs(
+                        view,
+                        out.generated_tokens,
+                        out.logprobs,
+                        _top_of(out, 0, len(out.generated_tokens)),
+                        out.logprobs_mode,
+                    )
                     if job.logprobs
                     else None
                 ),
@@ -368,7 +391,9 @@ def chat_chunk_choice(job: Job, view: ChoiceView, index: int, out: GenerationOut
         "index": index,
         "delta": delta,
         "logprobs": (
-            chat_logprobs(view, new_tokens, out.logprobs[first:end], _top_of(out, first, end)) if job.logprobs else None
+            chat_logprobs(view, new_tokens, out.logprobs[first:end], _top_of(out, first, end), out.logprobs_mode)
+            if job.logprobs
+            else None
         ),
         "finish_reason": reason,
         "token_ids": list(new_tokens) if job.return_token_ids else None,
