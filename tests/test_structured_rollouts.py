@@ -157,6 +157,21 @@ def test_remote_rollouts_send_vllm_s_structured_outputs_field() -> None:
     assert "structured_outputs" not in pool.bodies[1]  # an unconstrained request sends no field
 
 
+@pytest.mark.parametrize(
+    ("spec", "body"),
+    [
+        (StructuredOutputs(json=SCHEMA, disable_any_whitespace=True), {"json": SCHEMA, "disable_any_whitespace": True}),
+        (StructuredOutputs(choice=["yes", "no"]), {"choice": ["yes", "no"]}),
+        (StructuredOutputs(json_object=True), {"json_object": True}),
+        (StructuredOutputs(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
+    ],
+    ids=["json", "choice", "json_object", "grammar"],
+)
+def test_to_dict_is_vllm_s_field_and_coerces_back(spec: StructuredOutputs, body: dict[str, Any]) -> None:
+    assert json.loads(json.dumps(spec.to_dict())) == body  # what goes over HTTP
+    assert StructuredOutputs.coerce(body) == spec
+
+
 # ---------------------------------------------------------------------------------------------- episodes
 # User words as they are, each message closed by "</s>" (the tiny model's EOS, so a model turn ends on it); the
 # assistant turn opened by ">".
