@@ -144,6 +144,18 @@ class StructuredOutputs:
         text = "\x00".join(value) if kind == "choice" else ("" if kind == "json_object" else value)
         return kind, text, self.disable_any_whitespace
 
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM's ``structured_outputs`` request field: the one kind (a ``json`` schema parsed back to a dict, a
+        ``choice`` as a list) and ``disable_any_whitespace`` when set; ``coerce`` of it gives an equal constraint."""
+        kind = self.kind
+        value = getattr(self, kind)
+        body: dict[str, Any] = {
+            kind: _json.loads(value) if kind == "json" else list(value) if kind == "choice" else value
+        }
+        if self.disable_any_whitespace:
+            body["disable_any_whitespace"] = True
+        return body
+
     def to_grammar(self) -> Any:
         """The constraint as an ``xgrammar.Grammar`` (parsed, not compiled against a tokenizer).
 

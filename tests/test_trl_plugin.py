@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from datasets import Dataset
@@ -11,7 +13,7 @@ from trl import GRPOConfig
 import rollout
 import rollout.engine.kv.sizing as sizing
 from rollout import ContinuousBatchingConfig
-from tests.tiny_models import tiny_llama, tiny_tokenizer
+from tests.tiny_models import tiny_json_tokenizer, tiny_llama, tiny_tokenizer
 from tests.utils import assert_close
 from trainers.setup import training_memory_percent
 from trainers.trl_plugin import RolloutGRPOTrainer
@@ -252,3 +254,58 @@ def test_the_model_s_generation_config_does_not_reach_trl_s_sampling(tmp_path):
         expected = teacher_forced_logprobs(policy, prompt, out.generated_tokens, 1.0)
         ratio = torch.exp(expected - torch.tensor(out.logprobs))
         assert_close(ratio, torch.ones(len(out.generated_tokens)), atol=1e-4)
+
+
+TRL_REGEX = "[a-c]{2}[0-9]{1,2}"
+
+
+def test_vllm_structured_outputs_regex_constrains_every_completion(tmp_path):
+    # Issue 47 item 4: TRL's GRPOConfig.vllm_structured_outputs_regex, honoured as TRL's vLLM backend does. The
+    # byte-level tokenizer can spell the regex; its prompts are one-character words ("1 2 3": three ids).
+    path = tmp_path / "tiny-llama-json"
+    tiny_llama().save_pretrained(path)
+    tiny_json_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    completions: list[str] = []
+
+    def record(completions_text=None, completion_ids=None, **kwargs):
+        completions.extend(tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids)
+        return mean_token_id_reward(completion_ids)
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, temperature=1.0, max_steps=2, logging_steps=1, save_strategy="no",
+        report_to="none", bf16=False, seed=0, disable_tqdm=True, vllm_structured_outputs_regex=TRL_REGEX,
+    )  # fmt: skip
+    trainer = RolloutGRPOTrainer(
+        model=str(path),
+        reward_funcs=record,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"{i} {i + 1} {i + 2}" for i in range(4)]}),
+        processing_class=tokenizer,
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=64),
+    )
+    assert trainer.rollout_structured_outputs == rollout.StructuredOutputs(regex=TRL_REGEX)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert len(completions) == 2 * 8
+    assert all(re.fullmatch(TRL_REGEX, text) for text in completions), completions
+    # The logprobs stay the model's own (raw), the quantity TRL's forward computes: the ratio is 1.
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    ratios = [entry["sampling/importance_sampling_ratio/mean"] for entry in logs]
+    assert ratios == pytest.approx([1.0, 1.0], abs=1e-3)
+
+
+def test_a_bad_vllm_structured_outputs_regex_is_refused_naming_the_field(tiny_llama_dir, tmp_path):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, report_to="none",
+        bf16=False, vllm_structured_outputs_regex="[0-9",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"vllm_structured_outputs_regex: structured_outputs\.regex"):
+        RolloutGRPOTrainer(
+            model=tiny_llama_dir,
+            reward_funcs=mean_token_id_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * 4}),
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        )

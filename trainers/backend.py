@@ -36,6 +36,8 @@ class BatchOptions(TypedDict, total=False):
     do_sample: bool | None  # False: greedy
     eos_token_id: int | Sequence[int] | None
     lora: str | None  # the loaded LoRA adapter the requests run under (None: the base model)
+    # What every output must match (None: unconstrained); a remote backend sends it as vLLM's field of that name.
+    structured_outputs: rollout.StructuredOutputs | None
 
 
 class RequestOptions(BatchOptions, total=False):

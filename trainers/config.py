@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
@@ -95,6 +96,16 @@ class TrainerConfig:
             so behaviour and trainer logprobs are the same function of the weights. Sampling is
             plain temperature sampling (no top-k/top-p), so the behaviour policy is exactly
             softmax(logits / T).
+        structured_outputs_regex: every training completion must match this regular expression (xgrammar's
+            dialect; ``rollout.StructuredOutputs(regex=...)``): the engine masks, at each sampled token, the tokens
+            that cannot continue a match, and allows the end of sequence only where the match is complete (a
+            completion cut by ``max_new_tokens`` may be a prefix of one). None: unconstrained.
+        structured_outputs_json_schema: the path of a JSON schema file (read and checked when the config is
+            built); every training completion is a JSON value that validates against it. Exclusive with
+            ``structured_outputs_regex``. The rollouts' logprobs stay the model's own (unmasked): the importance
+            ratio compares the same function the trainer's forward computes (docs/training.md).
+        structured_outputs_eval: constrain the held-out evaluation's greedy answers the same way. False (the
+            default): evaluation is unconstrained, so ``eval_accuracy`` measures what the model writes on its own.
 
     Optimisation:
         learning_rate, weight_decay, adam_beta1, adam_beta2, max_grad_norm: AdamW and gradient
@@ -179,6 +190,9 @@ class TrainerConfig:
     max_prompt_length: int = 256
     max_new_tokens: int = 64
     temperature: float = 1.0
+    structured_outputs_regex: str | None = None
+    structured_outputs_json_schema: str | None = None
+    structured_outputs_eval: bool = False
 
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
@@ -255,6 +269,10 @@ class TrainerConfig:
                 raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
         self._check_rewards()
         self._check_lora()
+        from .structured import structured_outputs_of  # it imports ConfigError from here
+
+        # Read and checked here, once: a bad regex or schema file stops the run before the model loads.
+        self._structured_outputs = structured_outputs_of(self)
         if self.rollout_server is not None:
             for url in self.rollout_server.split(","):
                 if not url.strip().startswith(("http://", "https://")):
@@ -299,6 +317,27 @@ class TrainerConfig:
             )
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def structured_outputs(self) -> rollout.StructuredOutputs | None:
+        """The training rollouts' constraint (``structured_outputs_regex`` or ``_json_schema``), or None."""
+        return self._structured_outputs
+
+    def rollout_options(self, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+        """The ``add_request`` options of every training rollout (the rollout queue's ``request_kwargs``): plain
+        temperature sampling, ``max_new_tokens``, the stop ids and the structured-output constraint, if any."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "do_sample": True,
+            "eos_token_id": eos_token_ids,
+            "structured_outputs": self.structured_outputs,
+        }
+
+    @property
+    def eval_structured_outputs(self) -> rollout.StructuredOutputs | None:
+        """The held-out evaluation's constraint: ``structured_outputs`` under ``structured_outputs_eval``, else None."""
+        return self._structured_outputs if self.structured_outputs_eval else None
+
     @property
     def num_generations(self) -> int:
         """Completions per prompt (a field of ``GRPOConfig``; 1 for PPO)."""

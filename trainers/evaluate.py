@@ -72,6 +72,7 @@ def evaluate_greedy(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     questions: Sequence[str] | None = None,
+    structured_outputs: rollout.StructuredOutputs | None = None,
 ) -> EvalResult:
     """Greedy completions of the prompts on a running backend, scored by ``is_correct``.
 
@@ -86,6 +87,7 @@ def evaluate_greedy(
         max_new_tokens: most tokens per completion.
         eos_token_ids: token ids that end a completion.
         questions: the problems' text, kept in ``samples`` (optional).
+        structured_outputs: what every answer must match; None (the default): unconstrained.
 
     Returns:
         The counts and the per-problem samples.
@@ -100,7 +102,11 @@ def evaluate_greedy(
         return EvalResult(0, 0, 0)
     with backend.pause():
         ids = backend.add_requests(
-            prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_token_ids)
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_token_ids),
+            structured_outputs=structured_outputs,
         )
     outputs = []
     for rid in ids:
@@ -179,6 +185,7 @@ def evaluate_sharded(
     prompt_column: str,
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
+    structured_outputs: rollout.StructuredOutputs | None = None,
 ) -> tuple[EvalResult, list[dict[str, Any]]]:
     """Greedy held-out accuracy over all processes of a run, each answering its shard on its own backend.
 
@@ -191,6 +198,8 @@ def evaluate_sharded(
         prompt_column: the column holding the prompts.
         max_new_tokens: most tokens per completion.
         eos_token_ids: ids that end a completion.
+        structured_outputs: the answers' constraint (the trainer's ``eval_structured_outputs``: None, unconstrained,
+            unless ``structured_outputs_eval`` is set).
 
     Returns:
         The run-wide counts, and every process's samples (complete on the main process).
@@ -207,6 +216,7 @@ def evaluate_sharded(
         max_new_tokens,
         eos_token_ids,
         questions=shard["question"] if "question" in shard.column_names else None,
+        structured_outputs=structured_outputs,
     )
     totals = accelerator.reduce(
         torch.tensor(

@@ -17,6 +17,8 @@ What differs from single-turn training (``trainers.grpo``, ``trainers.ppo``), an
   sits on the last model token and GAE passes over environment tokens (``trainers.ppo_loss``);
 - the held-out evaluation runs greedy episodes: ``eval_accuracy`` is the share of episodes the environment counts a
   success (a positive reward), ``eval_first_attempt_accuracy`` the share rewarded 1.0 (right at once);
+- a ``structured_outputs_regex`` or ``_json_schema`` constrains every model turn of a training episode
+  (``run_episodes(structured_outputs=...)``), and the held-out episodes' turns only under ``structured_outputs_eval``;
 - the run folder gains ``trajectories.jsonl``: ``log_trajectories`` episodes per step, every field of
   ``rollout.Episode`` with ``logprobs_mode`` and ``temperature``.
 
@@ -269,6 +271,8 @@ class EpisodeRecipe:
             limits=cfg.eval_limits if greedy else cfg.limits,
             episode_ids=ids,
             seeds=None if greedy else seeds,
+            # Every model turn of a training episode; held-out ones only under structured_outputs_eval.
+            structured_outputs=cfg.eval_structured_outputs if greedy else cfg.structured_outputs,
         )
 
     def setup_queue(self) -> RolloutQueue:

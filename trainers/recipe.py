@@ -177,7 +177,7 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
         """The rollout backend on ``policy`` (``trainers.setup.rollout_backend``); in a LoRA run, wrapped so that
         only the adapter is synced and every request names the latest (``trainers.lora.LoraRollouts``)."""
         cfg = self.config
-        backend = rollout_backend(cfg, policy, self.accelerator, self.eos_token_ids)
+        backend = rollout_backend(cfg, policy, self.accelerator, self.eos_token_ids, self.tokenizer)
         if cfg.lora_r is None:
             return backend
         return LoraRollouts(backend, self.trained_policy, cfg.lora_r, cfg.lora_alpha, prefix=self.algo)
@@ -200,12 +200,7 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
             prefetch=cfg.effective_prefetch,
             max_staleness=cfg.max_staleness,
             stale_policy=cfg.stale_policy,
-            request_kwargs=dict(
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                do_sample=True,
-                eos_token_id=self.eos_token_ids,
-            ),
+            request_kwargs=cfg.rollout_options(self.eos_token_ids),
             seed=lambda j, i, g: sample_seed(cfg.seed, self.rank, j, i, g),
             id_prefix=self.algo,
             pauses_stop_generation=isinstance(self.engine_backend, rollout.ContinuousBatchingManager),
@@ -372,7 +367,7 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
         Returns:
             ``eval_accuracy`` (fraction right, by ``trainers.evaluate.is_correct``) and ``eval_completion_len``
             (mean tokens); an empty dict without an evaluation set. The main process appends every process's
-            samples to OUTPUT_DIR/eval_completions.jsonl.
+            samples to OUTPUT_DIR/eval_completions.jsonl. Unconstrained unless ``structured_outputs_eval`` is set.
         """
         if self.eval_dataset is None:
             return {}
@@ -386,6 +381,7 @@ class Recipe(abc.ABC, Generic[TrajectoryT, StatsT]):
             cfg.prompt_column,
             cfg.eval_max_new_tokens,
             self.eos_token_ids,
+            cfg.eval_structured_outputs,
         )
         self.run_folder.append("eval_completions.jsonl", [{"step": step, **sample} for sample in samples])
         return {"eval_accuracy": total.accuracy, "eval_completion_len": total.completion_len_mean}

@@ -213,7 +213,8 @@ class RemoteRollouts(RolloutBackend):
         self, input_ids: Sequence[int], request_id: str | None = None, **options: Unpack[RequestOptions]
     ) -> str:
         """Send one request (a ``/v1/completions`` call on a thread); returns its id at once (``get_result`` waits
-        for the answer). Without ``temperature`` it samples at 1.0; ``do_sample=False`` is greedy."""
+        for the answer). Without ``temperature`` it samples at 1.0; ``do_sample=False`` is greedy; a
+        ``structured_outputs`` option becomes the body's ``structured_outputs`` (vLLM's field and names)."""
         if request_id is None:
             self._count += 1
             request_id = f"remote_{self._count}"
@@ -231,6 +232,8 @@ class RemoteRollouts(RolloutBackend):
             body["seed"] = options["seed"]
         if options.get("lora") is not None:
             body["model"] = options["lora"]  # vLLM's rule: an adapter is served as a model of its own
+        if options.get("structured_outputs") is not None:
+            body["structured_outputs"] = options["structured_outputs"].to_dict()  # vLLM's field, its names
         timestamps = bool(options.get("record_timestamps"))
         self._futures[request_id] = self._pool.submit(self._run, request_id, list(input_ids), body, timestamps)
         return request_id

@@ -325,12 +325,17 @@ def engine_config_for(
 
 
 def rollout_backend(
-    config: Any, policy: PreTrainedModel, accelerator: Accelerator, eos_token_ids: Sequence[int]
+    config: Any,
+    policy: PreTrainedModel,
+    accelerator: Accelerator,
+    eos_token_ids: Sequence[int],
+    tokenizer: Any | None = None,
 ) -> RolloutBackend:
     """The trainer's rollout backend on ``policy``: the ``rollout-serve`` replicas at ``config.rollout_server``
     (behind ``config.rollout_router``, if set; ``trainers.remote.RemoteRollouts``; the main process streams the
     weights, every process learns their version), else a persistent ``rollout.ContinuousBatchingManager`` on the
-    policy object itself (no copy of the weights), its cache sized by ``engine_config_for``."""
+    policy object itself (no copy of the weights), its cache sized by ``engine_config_for``, with ``tokenizer``
+    (what structured outputs are compiled against; a server has its own)."""
     if config.rollout_server:
 
         def share_version(version: int) -> int:
@@ -354,4 +359,5 @@ def rollout_backend(
         temperature=config.temperature,
         eos_token_ids=tuple(eos_token_ids),
     )
-    return rollout.ContinuousBatchingManager(policy, params, engine_config_for(config, policy, accelerator.device.type))
+    engine_config = engine_config_for(config, policy, accelerator.device.type)
+    return rollout.ContinuousBatchingManager(policy, params, engine_config, tokenizer=tokenizer)

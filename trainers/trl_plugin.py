@@ -43,6 +43,12 @@ have placed the model) and destroyed when ``train()`` returns or raises, which
 restores the model's attention implementation; ``evaluate()`` called outside
 ``train()`` does the same for its own manager.
 
+Structured outputs: ``GRPOConfig.vllm_structured_outputs_regex`` is honoured as TRL's vLLM backend honours it:
+every generation (training, evaluation, the tool loop's turns) is constrained to the regex
+(``rollout.StructuredOutputs(regex=...)``, compiled once against the trainer's tokenizer), and the logprobs
+stay the model's own, unmasked ones (vLLM's default ``raw_logprobs``), so TRL's importance-sampling ratio
+compares the same function its training forward computes.
+
 Limits: text-only models that rollout can page (``PreTrainedModel``; no PEFT wrapper,
 no DeepSpeed ZeRO-3 or FSDP sharding); no ``min_p``, ``repetition_penalty``,
 ``generation_kwargs`` or ``rollout_func``. The logprobs are ``log_softmax(logits / T)``
@@ -72,6 +78,7 @@ from rollout import (
     GenerationOutput,
     RequestStatus,
     SamplingParams,
+    StructuredOutputs,
     init_continuous_batching,
 )
 
@@ -99,7 +106,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
 
     Takes every argument of ``GRPOTrainer``, plus ``continuous_batching_config``. The
     sampling values come from ``GRPOConfig``: ``temperature``, ``top_p``, ``top_k``,
-    ``max_completion_length``, and the eos ids TRL resolved (tokenizer's and model's).
+    ``max_completion_length``, ``vllm_structured_outputs_regex`` (every completion matches it), and the
+    eos ids TRL resolved (tokenizer's and model's).
     The G = ``num_generations`` copies of a prompt are queued next to each other and
     share the prompt's full KV blocks through the prefix cache.
 
@@ -115,6 +123,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
             aside, 0.5 of the rest, TRL's own default for its continuous-batching path.
 
     Attributes:
+        rollout_structured_outputs: the regex constraint of every generation
+            (``args.vllm_structured_outputs_regex``), or None.
         rollout_summary: after the manager is destroyed, its last statistics
             (``weight_version``, ``num_generated_tokens``, ``num_prompt_tokens_computed``,
             ``prefix_cache_hit_blocks``, ``num_forks`` (samples that took a sibling's prompt
@@ -125,7 +135,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
         ValueError: an option the manager cannot honour (``min_p``, ``repetition_penalty``
             != 1, ``generation_kwargs``, ``rollout_func``, ``use_vllm``,
             ``use_transformers_continuous_batching``, a ``logprobs_mode`` other than
-            ``"temperature"``).
+            ``"temperature"``); a ``vllm_structured_outputs_regex`` that xgrammar cannot parse, or
+            without xgrammar installed (the message names the field).
         TypeError: the installed TRL's ``_generate_single_turn`` is not the expected seam.
     """
 
@@ -157,6 +168,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             raise ValueError(f"rollout's sampler does not support {bad}; unset them in GRPOConfig")
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
             raise ValueError(f"max_completion_length must be an int >= 1, got {self.max_completion_length!r}")
+        self.rollout_structured_outputs = _regex_constraint(args_.vllm_structured_outputs_regex)
         # One sampling stream per process, as TRL's own `set_seed(args.seed, device_specific=True)`.
         seed = cb.seed if cb.seed is not None else args_.seed + self.accelerator.process_index
         self.rollout_cb_config = dataclasses.replace(cb, return_logprobs=True, seed=seed)
@@ -198,7 +210,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
             cb = self.rollout_cb_config
             if cb.num_blocks is None and cb.max_memory_percent is None:
                 cb = self.rollout_cb_config = dataclasses.replace(cb, max_memory_percent=training_memory_percent(model))
-            manager = init_continuous_batching(model, gc, cb)
+            # The tokenizer compiles the structured-output constraint; a processor's text tokenizer if TRL holds one.
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            manager = init_continuous_batching(model, gc, cb, tokenizer=tokenizer)
             manager.start()
             logger.info("rollout manager started on %s (%s)", type(model).__name__, self.rollout_cb_config)
             self._rollout_manager = manager
@@ -294,6 +308,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             "top_k": self.top_k,
             "top_p": self.top_p,
             "eos_token_id": list(self.eos_token_ids),
+            "structured_outputs": self.rollout_structured_outputs,
         }
         params.update(sampling)
         model = self.accelerator.unwrap_model(self.model)
@@ -334,6 +349,20 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["rollout/cached_prompt_fraction"].append(num_cached / max(num_prompt, 1))
         self._metrics[mode]["rollout/weight_version"].append(float(self._rollout_manager.weight_version))
         return [o.generated_tokens for o in outputs], [o.logprobs for o in outputs]
+
+
+def _regex_constraint(regex: str | None) -> StructuredOutputs | None:
+    """``StructuredOutputs(regex=regex)`` (None for None), checked now: a bad regex fails at construction.
+
+    Raises:
+        ValueError: xgrammar cannot parse it, or is not installed; the message names ``vllm_structured_outputs_regex``.
+    """
+    if regex is None:
+        return None
+    try:
+        return StructuredOutputs(regex=regex)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"vllm_structured_outputs_regex: {e}") from e
 
 
 def _check_trl_seam() -> None:

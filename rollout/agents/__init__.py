@@ -6,8 +6,8 @@ the ``TurnClient`` protocol), ``episodes`` (``EpisodeLimits``, ``Turn``, ``Episo
 environment shape, tools, tool-call parsing).
 
 May import ``rollout.manager`` and the ground modules (``rollout.checks``, ``config``, ``sampling_params``,
-``stop_strings``, ``requests``). The fleet only through the ``TurnClient`` protocol: nothing of ``rollout.fleet`` is
-imported here (a ``RolloutClient`` or ``RolloutPool`` is passed in by the caller).
+``stop_strings``, ``requests``, ``structured_outputs``). The fleet only through the ``TurnClient`` protocol: nothing of
+``rollout.fleet`` is imported here (a ``RolloutClient`` or ``RolloutPool`` is passed in by the caller).
 """
 
 from rollout.agents.chat_delta import ChatDelta

@@ -18,6 +18,12 @@ of vLLM-router's ``consistent_hash``). A turn that ends aborted (``cancel_reques
 or shutdown) keeps its partial ids, logprobs and versions and is submitted again with them appended, so it resumes
 from the prefix cache with the rest of its token budget; greedy, the resumed turn equals the uninterrupted one.
 
+A model turn can be constrained (``run_episode(structured_outputs=...)``: one ``rollout.StructuredOutputs`` for every
+turn, or a function of the turn's index and the messages so far that returns one or None, e.g. a tool call's JSON
+schema on the first turn only). The constraint lives in the request's grammar matcher, which a new request starts
+afresh, so a constrained turn that is aborted is sampled again from its start (its partial ids dropped) rather than
+resumed.
+
 The turns are sampled on a backend of ``rollout.agents.turns``: ``ManagerTurns`` (a ``ContinuousBatchingManager`` in
 this process) or ``ClientTurns`` (a ``rollout-serve`` through ``RolloutClient``, or a fleet through ``RolloutPool``).
 ``run_episodes`` runs many episodes at once, one thread each, so the engine batches their turns.
@@ -35,10 +41,19 @@ from typing import Any
 from rollout.agents.chat_delta import ChatDelta, ToolsInSystemMessage
 from rollout.agents.environments import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_schemas
 from rollout.agents.turns import FINISH_ABORT, TurnBackend
+from rollout.structured_outputs import StructuredOutputs
 
 __all__ = ["Episode", "EpisodeLimits", "Turn", "episode_json", "run_episode", "run_episodes"]
 
 NO_VERSION = -1  # weight version of an environment token: no weights sampled it
+
+# A turn's constraint as ``run_episode`` takes it: a spec (or a dict of its fields) for every model turn, or a function
+# ``(turn_index, messages) -> spec | None`` asked before each model turn.
+TurnConstraint = (
+    StructuredOutputs
+    | Mapping[str, Any]
+    | Callable[[int, list[dict[str, Any]]], StructuredOutputs | Mapping[str, Any] | None]
+)
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,19 @@ def _turn_seed(seed: int | None, k: int) -> int | None:
     return None if seed is None else (seed * 1_000_003 + k) & 0x7FFFFFFF
 
 
+def _turn_constraint(
+    structured_outputs: TurnConstraint | None, index: int, messages: list[dict[str, Any]]
+) -> StructuredOutputs | None:
+    """Model turn ``index``'s constraint (``run_episode``'s ``structured_outputs``, asked with the messages so far).
+
+    Raises:
+        FieldError: the spec (or what the function returned) is not a valid ``StructuredOutputs``.
+    """
+    if callable(structured_outputs):
+        return StructuredOutputs.coerce(structured_outputs(index, messages))
+    return StructuredOutputs.coerce(structured_outputs)
+
+
 def _model_turn(
     backend: TurnBackend,
     episode: Episode,
@@ -154,14 +182,18 @@ def _model_turn(
     limits: EpisodeLimits,
     index: int,
     seed: int | None,
+    constraint: StructuredOutputs | None = None,
 ) -> tuple[Turn, bool]:
-    """Sample one model turn into ``episode``, resuming it after aborts.
+    """Sample one model turn into ``episode``, resuming it after aborts (a constrained turn is sampled again from its
+    start: a new request's grammar matcher starts at the start of the constraint, not after the partial ids).
 
     Returns:
         The turn (its partial ids included) and whether it completed (False: the backend stopped, or it was aborted
         more than ``max_resumes`` times).
     """
     turn = Turn("model", len(episode.completion_ids), len(episode.completion_ids))
+    # Only a constrained turn passes the keyword, so a backend written without it still runs unconstrained episodes.
+    extra = {"structured_outputs": constraint} if constraint is not None else {}
     for k in range(limits.max_resumes + 1):
         rid = f"{episode.episode_id}-t{index}-r{k}"
         out = backend.generate_turn(
@@ -170,9 +202,14 @@ def _model_turn(
             rid,
             episode.episode_id,
             _turn_seed(seed, index * (limits.max_resumes + 1) + k),
+            **extra,
         )
         if out is None:
             return turn, False
+        if constraint is not None and out.finish_reason == FINISH_ABORT and k < limits.max_resumes:
+            turn.requests.append(rid)  # its partial ids are dropped: the turn starts again
+            turn.num_cached_prompt_tokens.append(out.num_cached_prompt_tokens)
+            continue
         episode._append(out.token_ids, 1, out.logprobs, out.weight_versions)
         turn.requests.append(rid)
         turn.num_cached_prompt_tokens.append(out.num_cached_prompt_tokens)
@@ -200,6 +237,7 @@ def run_episode(
     tool_parser: Callable[[list[int], list[int]], list[ToolCall]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
     tools_in_system_message: ToolsInSystemMessage = False,
+    structured_outputs: TurnConstraint | None = None,
 ) -> Episode:
     """Run ``env`` to the end of one episode on ``backend``.
 
@@ -221,6 +259,11 @@ def run_episode(
             and the Hermes call format the default parser reads) rather than through the template's ``tools``:
             True always, "auto" when the template drops them (SmolLM2's), False never; a template that drops them
             then gets one warning (``rollout.agents.chat_delta``).
+        structured_outputs: what model turns must match: a ``rollout.StructuredOutputs`` (or a dict of its fields,
+            ``{"json": tool_call_schema}``) for every model turn, or a function ``(turn_index, messages) -> spec |
+            None`` asked before each one (None: that turn is free). A constrained turn's logprobs are the model's
+            own, unmasked (the engine's ``logprobs_mode``); one aborted is sampled again from its start. None: no
+            turn is constrained.
 
     Returns:
         The episode's trajectory and reward. ``prompt_ids + completion_ids`` are the chat template's rendering of
@@ -229,10 +272,14 @@ def run_episode(
 
     Raises:
         ValueError: the tokenizer has no chat template, a tool has no JSON schema, the template has no delta, or
-            ``tools_in_system_message`` is not True, False or "auto".
+            ``tools_in_system_message`` is not True, False or "auto"; ``structured_outputs`` (or what its function
+            returns) is not a valid constraint (``FieldError`` naming ``structured_outputs``), or the backend cannot
+            compile it (a manager without a tokenizer).
         RuntimeError: a turn's request failed.
     """
     limits = limits or EpisodeLimits()
+    if not callable(structured_outputs):  # checked before any turn runs
+        structured_outputs = StructuredOutputs.coerce(structured_outputs)
     tools = environment_tools(env)
     schemas = tool_schemas(tools) if tools else None
     delta = ChatDelta(tokenizer, schemas, template_kwargs, tools_in_system_message)
@@ -245,7 +292,8 @@ def run_episode(
     respond = getattr(env, "respond", None)
     for index in range(limits.max_turns):
         budget = min(limits.max_new_tokens, limits.max_tokens - len(episode.completion_ids))
-        turn, complete = _model_turn(backend, episode, budget, limits, index, seed)
+        constraint = _turn_constraint(structured_outputs, index, episode.messages)
+        turn, complete = _model_turn(backend, episode, budget, limits, index, seed, constraint)
         if turn.requests:  # partial ids of an unfinished turn stay in the trajectory, in a turn of their own
             episode.turns.append(turn)
         if not complete:
@@ -323,7 +371,7 @@ def run_episodes(
         seeds: one sampling seed per row (default: unseeded).
         max_workers: threads at most (default: one per row).
         kwargs: ``run_episode``'s other keyword arguments (``tool_parser``, ``template_kwargs``,
-            ``tools_in_system_message``).
+            ``tools_in_system_message``, ``structured_outputs``).
 
     Returns:
         The episodes, in row order.

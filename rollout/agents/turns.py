@@ -7,6 +7,11 @@ holds its client as a ``TurnClient``, the one method it calls, so the agents imp
 A turn whose request ends before its last token (``cancel_request``, a server's ``/pause?mode=abort`` or shutdown)
 comes back with ``FINISH_ABORT`` and its partial ids; the episode submits it again with them appended
 (``rollout.agents.episodes``).
+
+A turn may be constrained (``structured_outputs``: a JSON schema, regex, choice or grammar, ``rollout.
+StructuredOutputs``): ``ManagerTurns`` passes it to ``add_request``, ``ClientTurns`` sends it as vLLM's
+``structured_outputs`` field. The episode passes the argument only to a constrained turn, so a backend written before
+it (without the keyword) still runs unconstrained episodes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Protocol
 
 from rollout.manager import ContinuousBatchingManager
 from rollout.requests import RequestStatus
+from rollout.structured_outputs import StructuredOutputs
 
 __all__ = ["FINISH_ABORT", "ClientTurns", "ManagerTurns", "TurnBackend", "TurnClient", "TurnOutput"]
 
@@ -46,9 +52,17 @@ class TurnBackend(Protocol):
     """Generates one model turn: ``ManagerTurns`` in process, ``ClientTurns`` over HTTP."""
 
     def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        request_id: str,
+        session_id: str,
+        seed: int | None,
+        *,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> TurnOutput | None:
-        """Sample up to ``max_new_tokens`` after ``prompt_ids``; None when the backend takes no more requests."""
+        """Sample up to ``max_new_tokens`` after ``prompt_ids`` (matching ``structured_outputs`` when given); None
+        when the backend takes no more requests."""
         ...
 
 
@@ -83,27 +97,37 @@ class ManagerTurns:
     Args:
         manager: the manager.
         sampling: ``add_request`` keyword arguments of every turn (``temperature``, ``do_sample``, ``eos_token_id``,
-            ``sampling_params``...); ``max_new_tokens``, ``request_id`` and ``seed`` are set per turn.
+            ``sampling_params``...); ``max_new_tokens``, ``request_id``, ``seed`` and ``structured_outputs`` are set per
+            turn.
 
     Raises:
-        ValueError: ``sampling`` sets ``max_new_tokens``, ``request_id`` or ``seed``.
+        ValueError: ``sampling`` sets ``max_new_tokens``, ``request_id``, ``seed`` or ``structured_outputs``.
     """
 
     def __init__(self, manager: ContinuousBatchingManager, **sampling: Any) -> None:
-        _refuse_per_turn(sampling, ("max_new_tokens", "request_id", "seed"), "ManagerTurns")
+        _refuse_per_turn(sampling, ("max_new_tokens", "request_id", "seed", "structured_outputs"), "ManagerTurns")
         self.manager = manager
         self.sampling = sampling
 
     def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        request_id: str,
+        session_id: str,
+        seed: int | None,
+        *,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> TurnOutput | None:
         """One turn's request on the manager (``TurnBackend.generate_turn``); a cancelled one ends ``FINISH_ABORT``.
 
         Raises:
             RuntimeError: the request failed, or the manager returns no logprobs (``return_logprobs`` off).
+            FieldError: ``structured_outputs`` and a manager without a tokenizer (what ``add_request`` raises).
         """
+        extra = {"structured_outputs": structured_outputs} if structured_outputs is not None else {}
         rid = self.manager.add_request(
-            prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, seed=seed, **self.sampling
+            prompt_ids, request_id=request_id, max_new_tokens=max_new_tokens, seed=seed, **self.sampling, **extra
         )
         if rid is None:
             return None
@@ -134,29 +158,39 @@ class ClientTurns:
         client: the client or the pool (any ``TurnClient``).
         version_base: subtracted from the server's weight versions (a trainer that counts its versions from its
             run's start, ``trainers.remote.RemoteRollouts.version_base``, compares them with its own); 0 keeps them.
-        params: ``/v1/completions`` fields of every turn (``temperature``, ``stop_token_ids``...); ``max_tokens``
-            and ``seed`` are set per turn.
+        params: ``/v1/completions`` fields of every turn (``temperature``, ``stop_token_ids``...); ``max_tokens``,
+            ``seed`` and ``structured_outputs`` are set per turn.
 
     Raises:
-        ValueError: ``params`` sets ``max_tokens``, ``seed``, ``prompt`` or ``n``.
+        ValueError: ``params`` sets ``max_tokens``, ``seed``, ``prompt``, ``n`` or ``structured_outputs``.
     """
 
     def __init__(self, client: TurnClient, version_base: int = 0, **params: Any) -> None:
-        _refuse_per_turn(params, ("max_tokens", "seed", "prompt", "n"), "ClientTurns")
+        _refuse_per_turn(params, ("max_tokens", "seed", "prompt", "n", "structured_outputs"), "ClientTurns")
         self.client = client
         self.version_base = version_base
         self.params = params
 
     def generate_turn(
-        self, prompt_ids: list[int], max_new_tokens: int, request_id: str, session_id: str, seed: int | None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        request_id: str,
+        session_id: str,
+        seed: int | None,
+        *,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> TurnOutput | None:
-        """One turn's ``/v1/completions`` (``TurnBackend.generate_turn``); the server's finish reason as it came.
+        """One turn's ``/v1/completions`` (``TurnBackend.generate_turn``), ``structured_outputs`` as vLLM's field of
+        that name; the server's finish reason as it came.
 
         Raises:
             RuntimeError: the server returned no logprob per token, or the request failed on the server.
             What the client raises (``RolloutServerError``, ``httpx.HTTPError``).
         """
-        extra = {"seed": seed} if seed is not None else {}
+        extra: dict[str, Any] = {"seed": seed} if seed is not None else {}
+        if structured_outputs is not None:
+            extra["structured_outputs"] = structured_outputs.to_dict()
         body = self.client.generate(
             prompt_ids,
             session=session_id,
