@@ -22,6 +22,7 @@ from rollout import (
     run_episode,
 )
 from rollout.agents.turns import FINISH_ABORT
+from tests.serve_utils import running_server
 from tests.tiny_models import EOS_TOKEN_ID, tiny_json_tokenizer, tiny_llama
 from trainers.arguments import load_config
 from trainers.config import ConfigError, GRPOConfig
@@ -155,6 +156,55 @@ def test_remote_rollouts_send_vllm_s_structured_outputs_field() -> None:
     assert pool.bodies[0]["structured_outputs"] == {"regex": REGEX}
     assert StructuredOutputs.coerce(pool.bodies[0]["structured_outputs"]) == StructuredOutputs(regex=REGEX)
     assert "structured_outputs" not in pool.bodies[1]  # an unconstrained request sends no field
+
+
+def test_grpo_on_a_real_server_with_a_regex_every_rollout_fully_matches(tmp_path) -> None:
+    """``rollout_server`` and ``structured_outputs_regex`` together: the trainer sends vLLM's ``structured_outputs``
+    field to a real rollout-serve on 127.0.0.1, the server compiles it against its own tokenizer, and every
+    completion of 2 steps fully matches the regex and ends on the EOS; the weights still reach the server."""
+    tokenizer = tiny_json_tokenizer()
+    rows = [{"prompt": f"{i % 7} {i % 5} {i % 3}", "answer": "1"} for i in range(16)]
+    served = tiny_llama(seed=3)  # other weights: the trainer's first send replaces them
+    config = ContinuousBatchingConfig(num_blocks=128, page_size=16, return_logprobs=True)
+    with running_server(served, tokenizer, config) as srv:
+        trainer = GRPOTrainer(
+            GRPOConfig(
+                model="tiny",
+                batch_size=8,
+                num_generations=4,
+                max_new_tokens=8,  # the longest match is 5 characters and the EOS
+                max_steps=2,
+                learning_rate=1e-2,
+                micro_batch_size=4,
+                temperature=1.0,
+                output_dir=str(tmp_path / "out"),
+                save_model=False,
+                rollout_server=srv.url,
+                structured_outputs_regex=REGEX,
+            ),
+            model=tiny_llama(),
+            tokenizer=tokenizer,
+            train_dataset=datasets.Dataset.from_list(rows),
+            reward_funcs=[lambda completion_ids, **kw: [sum(t < 60 for t in ids) / len(ids) for ids in completion_ids]],
+        )
+        seen: list[Any] = []
+        generate_trajectory = trainer.generate_trajectory
+
+        def record(batch, outputs):  # noqa: ANN001, ANN202
+            seen.extend(outputs)
+            return generate_trajectory(batch, outputs)
+
+        trainer.generate_trajectory = record
+        rows_out = trainer.train()
+        assert [r["weight_version"] for r in rows_out] == [1, 2]
+        assert srv.manager.weight_version == 3  # the first send, then one per step
+    assert len(seen) == 2 * 8
+    texts = [_text(tokenizer, out.generated_tokens) for out in seen]
+    for out, text in zip(seen, texts):
+        assert re.fullmatch(REGEX, text), out.generated_tokens
+        assert out.finish_reason == "stop" and out.generated_tokens[-1] == EOS_TOKEN_ID
+        assert len(out.logprobs) == len(out.generated_tokens)
+    assert len(set(texts)) > 1  # sampled at temperature 1, not one string repeated
 
 
 @pytest.mark.parametrize(
