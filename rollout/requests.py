@@ -266,8 +266,9 @@ class Request:
             self.timestamps.append(time.perf_counter())
         if self.grammar is not None and (not self.grammar.accept_token(token) or self.grammar.is_terminated()):
             # Terminated: it accepted an end-of-sequence id where the grammar may end. Refused: only a token the mask
-            # allowed can be sampled, so a logits processor banned every allowed one (min_new_tokens against an
-            # end-of-sequence id the grammar needs): nothing valid can follow.
+            # allowed can be sampled (a row whose logits processors ban every allowed token is masked from its
+            # unprocessed logits: ``apply_grammar_masks``), so the grammar allows no token of the vocabulary at all
+            # (one it cannot spell): nothing valid can follow.
             self.finish_reason = FINISH_STOP
         elif token in self.params.eos_token_ids:
             self.finish_reason = FINISH_STOP

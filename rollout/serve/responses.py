@@ -321,6 +321,12 @@ def completion_chunk_choice(job: Job, view: ChoiceView, index: int, out: Generat
     }
 
 
+def _tool_calls_reason(reason: str | None) -> str | None:
+    """The finish reason of a choice that called tools: "tool_calls" when it ended by itself; else its own ("length"
+    when max_tokens cut it, "abort")."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def chat_message(job: Job, view: ChoiceView, out: GenerationOutput) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a finished chat choice and its finish reason (``tool_calls`` when it called one)."""
     text = view.text(out.generated_tokens)
@@ -328,7 +334,9 @@ def chat_message(job: Job, view: ChoiceView, out: GenerationOutput) -> tuple[dic
     if job.tools:
         content, calls = parse_tool_calls(text)
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            # Cut by max_tokens: still "length" (OpenAI's rule), so a caller sees the truncation (a call cut mid-way
+            # is left in the content); vLLM says "tool_calls" there.
+            return {"role": "assistant", "content": content, "tool_calls": calls}, _tool_calls_reason(reason)
     return {"role": "assistant", "content": text, "tool_calls": []}, reason
 
 
@@ -384,7 +392,7 @@ def chat_chunk_choice(job: Job, view: ChoiceView, index: int, out: GenerationOut
     if reason is not None and job.tools:
         calls = parse_tool_calls(view.text(out.generated_tokens))[1]
         if calls:
-            reason = "tool_calls"
+            reason = _tool_calls_reason(reason)
             delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(calls)]
     new_tokens = out.generated_tokens[first:end]
     return {

@@ -155,10 +155,13 @@ def _tool_call(req: ChatCompletionRequest, tokenizer: Any) -> StructuredOutputs:
     xgr = import_xgrammar()
     calls = []
     for i, tool in forced:
-        # One call's JSON: this tool's name, and arguments that validate against its parameters.
+        # One call's JSON: this tool's name, and arguments that validate against its parameters. A tool without
+        # parameters (OpenAI: it takes none) is called with an empty object, as vLLM constrains it; an empty schema
+        # would let any JSON value (a number, a string) be its arguments.
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
         schema = {
             "type": "object",
-            "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters or {}},
+            "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

@@ -192,7 +192,8 @@ def sample_tokens(
         staging: the buffers that carry the per-row values to the device (one copy per call); None
             uses a fresh one.
         grammars: per row, the request's grammar matcher (``structured.new_matcher``) or None; a constrained row's
-            disallowed tokens are masked after the logits processors, before temperature, top-k and top-p. The
+            disallowed tokens are masked after the logits processors, before temperature, top-k and top-p (a row whose
+            processors ban every token its grammar allows is masked from its unprocessed logits instead). The
             logprobs of the "temperature" and "raw" modes stay the unmasked model's; None: no row is constrained.
 
     Returns:
@@ -209,7 +210,7 @@ def sample_tokens(
     raw = logits.float()
     logits = apply_logits_processors(raw, params, token_ids, num_prompt_tokens)
     if grammars is not None:
-        logits = apply_grammar_masks(logits, grammars, copy=logits is raw)
+        logits = apply_grammar_masks(logits, grammars, copy=logits is raw, unprocessed=raw)
     B, V = logits.shape
     device = logits.device
     tokens = torch.argmax(logits, dim=-1)

@@ -11,7 +11,9 @@ temperature, top-k and top-p. Free rows are not touched.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -24,10 +26,18 @@ __all__ = ["GrammarCache", "apply_grammar_masks", "new_matcher"]
 class GrammarCache:
     """Compiled grammars of one tokenizer, one per distinct ``StructuredOutputs`` (``StructuredOutputs.key``).
 
+    A spec is compiled once, by the first thread that asks for it, outside the cache's lock: a thread that asks for a
+    spec already compiled (the loop readying a request) never waits for another spec's compile, and threads that ask
+    for the spec being compiled wait for that one compile. The cache is bounded (``max_bytes`` of compiled grammars,
+    least recently used dropped first; a request keeps its own grammar through its matcher), since a server that is
+    sent a new schema per request would otherwise grow without end (vLLM bounds xgrammar's cache the same way).
+
     Args:
         tokenizer: a ``transformers`` tokenizer (xgrammar's ``TokenizerInfo.from_huggingface`` reads its vocabulary,
             its kind (byte-level, byte-fallback, raw) and its end-of-sequence token).
         vocab_size: the model's logits width V (>= the tokenizer's vocabulary; ids past it are never allowed).
+        max_bytes: the most bytes of compiled grammars kept (xgrammar's ``memory_size_bytes``); the one just compiled
+            is kept whatever its size.
 
     Attributes:
         tokenizer: as given.
@@ -36,13 +46,17 @@ class GrammarCache:
         ImportError: xgrammar is not installed (the message names the ``structured`` extra).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_bytes: int = 512 * 2**20) -> None:
         xgr = import_xgrammar()
         self.tokenizer = tokenizer
+        self.max_bytes = max_bytes
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        # One compiler thread: the engine's CPU threads are the step's.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[tuple[str, str, bool], Any] = {}
+        # One compiler thread: the engine's CPU threads are the step's. xgrammar's own cache is off: this one is
+        # bounded and compiles each spec once.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # spec key -> the compile's future (done once compiled), least recently used first.
+        self._compiled: OrderedDict[tuple[str, str, bool], Future[Any]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()  # requests are checked in their callers' threads
 
     def compile(self, spec: StructuredOutputs) -> Any:
@@ -53,13 +67,40 @@ class GrammarCache:
         """
         key = spec.key
         with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is None:
-                compiled = self._compiled[key] = self._compiler.compile_grammar(spec.to_grammar())
-            return compiled
+            future = self._compiled.get(key)
+            owner = future is None
+            if owner:
+                future = self._compiled[key] = Future()
+            else:
+                self._compiled.move_to_end(key)
+        if not owner:
+            return future.result()
+        try:
+            compiled = self._compiler.compile_grammar(spec.to_grammar())
+        except BaseException as e:
+            with self._lock:
+                self._compiled.pop(key, None)
+            future.set_exception(e)
+            raise
+        future.set_result(compiled)
+        with self._lock:
+            self._bytes += compiled.memory_size_bytes
+            self._evict(keep=key)
+        return compiled
+
+    def _evict(self, keep: tuple[str, str, bool]) -> None:
+        """Drop compiled grammars, least recently used first, until they fit ``max_bytes`` (``keep`` and compiles in
+        progress stay). Called under the lock."""
+        for key in list(self._compiled):
+            if self._bytes <= self.max_bytes:
+                return
+            future = self._compiled[key]
+            if key != keep and future.done():
+                del self._compiled[key]
+                self._bytes -= future.result().memory_size_bytes
 
     def __len__(self) -> int:
-        """The number of distinct specs compiled."""
+        """The number of distinct specs compiled (or being compiled) and kept."""
         return len(self._compiled)
 
 
@@ -86,7 +127,9 @@ def new_matcher(compiled: Any, eos_token_ids: Sequence[int], generated: Sequence
     return matcher
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Any | None], copy: bool) -> torch.Tensor:
+def apply_grammar_masks(
+    logits: torch.Tensor, matchers: Sequence[Any | None], copy: bool, unprocessed: torch.Tensor | None = None
+) -> torch.Tensor:
     """Set to -inf the logits of the tokens each constrained row's grammar does not allow next.
 
     Args:
@@ -94,6 +137,10 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Any | None], co
         matchers: per row, the request's ``xgrammar.GrammarMatcher`` (not terminated), or None for a free row.
         copy: mask a copy (the caller still reads ``logits``: the raw logits that logprobs are taken from), not
             ``logits`` itself.
+        unprocessed: the logits before the logits processors (float32 [B, V]), when ``logits`` are processed ones. A
+            processor may ban every token the grammar allows (``min_new_tokens`` or ``min_length`` the end-of-sequence
+            id where the grammar must end, ``bad_words_ids``, ``no_repeat_ngram_size``): such a row is the grammar's
+            mask of its unprocessed logits instead, so the token drawn still follows the grammar (the grammar wins).
 
     Returns:
         float32 [B, V]: ``logits`` itself when no row is constrained; else the masked tensor (a copy with ``copy``),
@@ -108,5 +155,13 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Any | None], co
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
     out = logits.clone() if copy else logits
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=V, indices=rows)
+    bitmask = bitmask.to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=V, indices=rows)
+    if unprocessed is not None and unprocessed is not logits:
+        index = torch.tensor(rows, device=out.device)
+        masked = out.index_select(0, index)
+        fallback = unprocessed.index_select(0, index)  # a copy
+        xgr.apply_token_bitmask_inplace(fallback, bitmask.index_select(0, index), vocab_size=V)
+        banned_all = torch.isneginf(masked).all(dim=-1, keepdim=True)
+        out.index_copy_(0, index, torch.where(banned_all, fallback, masked))
     return out
