@@ -584,6 +584,16 @@ def test_default_config_file_loads():
     assert parse_config([]) == config  # the command line's default is this file
 
 
+def test_lora_config_file_is_the_default_recipe_with_a_rank_8_adapter_at_lr_2e_4():
+    """configs/grpo_lora.yaml (issue 43, docs/lora_sweep.md) changes the adapter and the learning rate only: a change
+    of the default recipe reaches the LoRA one, or this fails."""
+    default = load_config("configs/grpo_default.yaml")
+    lora = load_config("configs/grpo_lora.yaml")
+    changed = {k: (v, getattr(lora, k)) for k, v in vars(default).items() if getattr(lora, k) != v}
+    assert changed == {"lora_r": (None, 8), "learning_rate": (1e-5, 2e-4)}
+    assert lora.lora_alpha == 16.0 and lora.lora_target_modules == ["all-linear"]
+
+
 # Four wrong answers to a problem whose answer is 7, two of them in the 'Answer: <number>' format.
 ALL_WRONG = ["Answer: 3", "The answer is 5.", "Maybe 5", "5 + 2 = 8\nAnswer: 8"]
 
