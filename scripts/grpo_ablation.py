@@ -100,6 +100,10 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {**LORA, "learning_rate": 2e-4, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "r=8, alpha 16, lr 2e-4, attention projections only (no MLP)",
     ),
+    "lora_r32_lr_2e-4": (
+        {**LORA, "lora_r": 32, "lora_alpha": 64.0, "learning_rate": 2e-4},
+        "r=32, alpha 64 (the same alpha / r), lr 2e-4: more capacity at the same scale",
+    ),
     "lora_r1_lr_2e-4": (
         {**LORA, "lora_r": 1, "learning_rate": 2e-4},
         "r=1, alpha 16, lr 2e-4 (TM: with alpha/r scaling the best lr hardly depends on the rank)",
