@@ -264,11 +264,19 @@ class Request:
         self.weight_versions.append(weight_version)
         if self.record_timestamps:
             self.timestamps.append(time.perf_counter())
-        if self.grammar is not None and (not self.grammar.accept_token(token) or self.grammar.is_terminated()):
-            # Terminated: it accepted an end-of-sequence id where the grammar may end. Refused: only a token the mask
-            # allowed can be sampled (a row whose logits processors ban every allowed token is masked from its
-            # unprocessed logits: ``apply_grammar_masks``), so the grammar allows no token of the vocabulary at all
-            # (one it cannot spell): nothing valid can follow.
+        if self.grammar is not None and not self.grammar.accept_token(token):
+            # Refused: only a token the mask allowed can be sampled (a row whose logits processors ban every allowed
+            # token is masked from its unprocessed logits: ``apply_grammar_masks``), so the grammar allows no token of
+            # the vocabulary here (text the tokenizer cannot spell). The token is taken back: no output holds a token
+            # outside the grammar, and the request ends in error rather than as if it matched.
+            self._take_back_last_token(top is not None and self.params.num_top_logprobs > 0, logprob is not None)
+            self.error = (
+                f"structured_outputs: after {self.num_generated_tokens} tokens the grammar allows no token of the "
+                "vocabulary (its text cannot be spelt by the tokenizer)"
+            )
+            self.finish_reason = FINISH_ERROR
+        elif self.grammar is not None and self.grammar.is_terminated():
+            # It accepted an end-of-sequence id where the grammar may end.
             self.finish_reason = FINISH_STOP
         elif token in self.params.eos_token_ids:
             self.finish_reason = FINISH_STOP
@@ -281,6 +289,18 @@ class Request:
             self.finish_reason = FINISH_STOP
         elif self.num_generated_tokens >= self.params.max_new_tokens:
             self.finish_reason = FINISH_LENGTH
+
+    def _take_back_last_token(self, had_top: bool, had_logprob: bool) -> None:
+        """Undo ``append_token``'s records of the token just appended (a token the grammar refused)."""
+        self.token_ids.pop()
+        if had_logprob:
+            self.generated_logprobs.pop()
+        if had_top:
+            self.top_token_ids.pop()
+            self.top_logprobs.pop()
+        self.weight_versions.pop()
+        if self.record_timestamps:
+            self.timestamps.pop()
 
     @property
     def done(self) -> bool:

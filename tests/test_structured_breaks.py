@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.engine import Engine
 from rollout.engine.sample.structured import GrammarCache, new_matcher
 from rollout.structured_outputs import StructuredOutputs
@@ -200,23 +200,32 @@ def test_a_forced_tool_call_cut_by_max_tokens_ends_length(client: openai.OpenAI,
         assert reasons[i] == ("length" if i in cut else "tool_calls"), (i, reasons, len(ids[i]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a grammar that allows no token of the vocabulary (one the tokenizer cannot spell: a choice '\\x07' with "
-    "the tiny vocabulary) has every logit masked; the sampler still draws a token (argmax of all -inf: id 0; a sample: "
-    "id V-1), Request.append_token appends it though the matcher refuses it and ends the request 'stop', as if the "
-    "output matched. It should end without a token outside the grammar, with an error naming structured_outputs; "
-    "not a small change (the step's token is appended through the scheduler's and async paths)",
-)
-def test_a_grammar_the_vocabulary_cannot_spell_does_not_end_stop_with_a_token_outside_it() -> None:
+def test_a_grammar_the_vocabulary_cannot_begin_is_refused_at_add_request_naming_structured_outputs() -> None:
+    """A choice of a byte the tiny vocabulary lacks allows no first token: every logit of its row would be masked and
+    the sampler would draw a token outside the grammar (it used to end 'stop' with id 0)."""
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(num_blocks=64), tokenizer=tiny_json_tokenizer())
+    try:
+        spec = StructuredOutputs(choice=["\x07"])
+        with pytest.raises(FieldError, match="no token of the tokenizer's vocabulary can begin choice") as info:
+            engine.add_request(PROMPT, SamplingParams(max_new_tokens=8, structured_outputs=spec), request_id="r")
+        assert info.value.field == "structured_outputs"
+        assert not engine.has_unfinished()
+    finally:
+        engine.close()
+
+
+def test_a_grammar_that_dead_ends_midway_ends_in_error_with_no_token_outside_it() -> None:
+    """'a' can be spelt, the byte after it cannot: the request ends 'error', its error names structured_outputs, and
+    its output holds only tokens the grammar accepted."""
     tokenizer = tiny_json_tokenizer()
-    spec = StructuredOutputs(choice=["\x07"])
+    spec = StructuredOutputs(choice=["a\x07"])
     engine = Engine(tiny_llama(), ContinuousBatchingConfig(num_blocks=64), tokenizer=tokenizer)
     try:
         engine.add_request(PROMPT, SamplingParams(max_new_tokens=8, structured_outputs=spec), request_id="r")
         out = run_engine(engine)["r"]
     finally:
         engine.close()
-    if out.finish_reason == "stop":
-        compiled = GrammarCache(tokenizer, VOCAB_SIZE).compile(spec)
-        new_matcher(compiled, [EOS_TOKEN_ID], out.generated_tokens)  # raises: token 0 does not follow the grammar
+    assert out.finish_reason == "error" and "structured_outputs" in (out.error or "")
+    assert tokenizer.decode(out.generated_tokens) == "a"
+    compiled = GrammarCache(tokenizer, VOCAB_SIZE).compile(spec)
+    new_matcher(compiled, [EOS_TOKEN_ID], out.generated_tokens)  # every token follows the grammar

@@ -14,7 +14,7 @@ plays this part beside its engine core.
 from __future__ import annotations
 
 from rollout.checks import FieldError
-from rollout.engine.sample.structured import GrammarCache, new_matcher
+from rollout.engine.sample.structured import GrammarCache, allows_a_first_token, new_matcher
 from rollout.engine.spec import EngineSpec
 from rollout.lora import LoadedAdapter, LoraSlots
 from rollout.requests import Request
@@ -107,7 +107,14 @@ class RequestGate:
         if params.needs_tokenizer:
             self._stop_matcher(params)
         if params.structured_outputs is not None:
-            self._compiled_grammar(params)
+            width = self.spec.logits_width or self.spec.vocab_size
+            if not allows_a_first_token(self._compiled_grammar(params), params.eos_token_ids, width):
+                raise FieldError(
+                    "structured_outputs",
+                    "structured_outputs: no token of the tokenizer's vocabulary can begin "
+                    f"{params.structured_outputs.kind} (it cannot spell the grammar's text); nothing generated could "
+                    "follow it",
+                )
         if params.lora is not None:
             self.adapter(params.lora)
 

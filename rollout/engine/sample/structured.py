@@ -20,7 +20,7 @@ import torch
 
 from rollout.structured_outputs import StructuredOutputs, import_xgrammar
 
-__all__ = ["GrammarCache", "apply_grammar_masks", "new_matcher"]
+__all__ = ["GrammarCache", "allows_a_first_token", "apply_grammar_masks", "new_matcher"]
 
 
 class GrammarCache:
@@ -125,6 +125,25 @@ def new_matcher(compiled: Any, eos_token_ids: Sequence[int], generated: Sequence
         if not matcher.accept_token(int(token)):
             raise ValueError(f"structured_outputs: generated token {i} ({token}) does not follow the grammar")
     return matcher
+
+
+def allows_a_first_token(compiled: Any, eos_token_ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether a fresh matcher of ``compiled`` allows any token of the vocabulary (an end-of-sequence id included).
+
+    A grammar whose text the tokenizer cannot spell (a choice of a control byte a small vocabulary lacks) allows none:
+    every logit of its row would be masked, and whatever the sampler then drew would be outside the grammar.
+
+    Args:
+        compiled: a ``CompiledGrammar`` (``GrammarCache.compile``).
+        eos_token_ids: the request's end-of-sequence ids (``new_matcher``'s).
+        vocab_size: the logits width V.
+    """
+    xgr = import_xgrammar()
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    new_matcher(compiled, eos_token_ids).fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, vocab_size)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
+    return bool(torch.isfinite(logits).any())
 
 
 def apply_grammar_masks(
