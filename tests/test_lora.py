@@ -8,6 +8,7 @@ step, and must never reuse KV computed under the base weights or another adapter
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -80,6 +81,76 @@ def test_adapters_and_base_in_one_batch_match_peft(models: tuple) -> None:
     assert len({tuple(t) for t in differs}) == 3
     # The hooks are gone: the model is the base model again.
     assert reference_greedy(base, prompts[0], 8, None) == out["r0"].generated_tokens
+
+
+@pytest.mark.parametrize("cpu_attention", ["auto", "sdpa"])
+def test_a_step_reads_only_its_adapters_rows_and_masks_only_mixed_rows(models: tuple, cpu_attention: str) -> None:
+    """Adapters in slots 1 and 2 (slot 0 holds a third): a batch all under y (slot 2) runs its hooks on y's rows of the
+    stacked buffers without a mask, a batch of x and y on slots 1-2 with one mask per step; both give each request its
+    peft model's greedy tokens and teacher-forced logprobs (1e-4), with rollout's CPU kernel (``auto``: the extension
+    is loaded) and with torch's GEMMs (``sdpa``: it is not)."""
+    base, x, y = models
+    engine = Engine(base, config(max_loras=3, cpu_attention=cpu_attention))
+    assert engine.runner.lora.cpu_kernel == (cpu_attention == "auto")
+    engine.load_lora(adapter_of(peft_model(base, seed=5), "first"))
+    engine.load_lora(adapter_of(x, "x"))
+    engine.load_lora(adapter_of(y, "y"))
+    lora = engine.runner.lora
+    plans = []
+    step = lora.step
+
+    @contextlib.contextmanager
+    def spy(*args: object, **kwargs: object):  # the plan each step's hooks read
+        with step(*args, **kwargs):
+            plans.append(getattr(lora._local, "plan", None))
+            yield
+
+    lora.step = spy
+    prompts = random_prompts(4, VOCAB_SIZE, seed=11)
+    refs = {"x": x, "y": y}
+    R = lora.max_lora_rank
+    try:
+        for which, (lo, hi), masked in ((["y"] * 4, (2 * R, 3 * R), False), (["x", "y", "y", "x"], (R, 3 * R), True)):
+            plans.clear()
+            for i, (p, name) in enumerate(zip(prompts, which)):
+                engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"{which}{i}", lora=name)
+            out = run_engine(engine)
+            for i, (p, name) in enumerate(zip(prompts, which)):
+                tokens = out[f"{which}{i}"].generated_tokens
+                assert tokens == reference_greedy(refs[name], p, 6, None), (which, i)
+                expected = teacher_forced_logprobs(refs[name], p, tokens)
+                assert_close(out[f"{which}{i}"].logprobs, expected, atol=LOGPROB_ATOL)
+            assert plans and all(plan is not None for plan in plans)
+            assert {plan.rows for plan in plans} == {(lo, hi)}
+            assert {plan.mask is not None for plan in plans} == {masked}
+            if masked:
+                assert {tuple(plan.mask.shape[1:]) for plan in plans} == {(hi - lo,)}
+    finally:
+        engine.close()
+
+
+def test_cpu_kernel_adds_the_masked_product() -> None:
+    """``rollout_cpu::lora_add_`` adds ((x A^T) * mask) B into ``out`` in place, as torch computes it (1e-5 relative),
+    for a decode step's few rows (inline) and a prefill's many (split over threads), x a strided view, with a mask
+    and without; rows whose mask is all zero are left exactly as they were."""
+    from rollout.engine.attention.cpu import load_kernel
+
+    if load_kernel() is not None:
+        pytest.skip("rollout's CPU extension does not build here")
+    g = torch.Generator().manual_seed(0)
+    for rows, masked in ((3, True), (16, False), (700, True)):
+        x = torch.randn(rows, 80, generator=g)[:, 5:69]  # [T, 64], row stride 80
+        a, b = torch.randn(12, 64, generator=g), torch.randn(12, 40, generator=g)
+        out = torch.randn(rows, 40, generator=g)
+        mask = (torch.rand(rows, 12, generator=g) > 0.5).float() if masked else None
+        if mask is not None:
+            mask[0] = 0
+        expected = out + ((x @ a.t()) * (mask if mask is not None else 1)) @ b
+        before = out.clone()
+        torch.ops.rollout_cpu.lora_add_(out, x, a, b, mask)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+        if mask is not None:
+            assert torch.equal(out[0], before[0])
 
 
 def test_peft_folder_matches_in_memory(models: tuple, tmp_path: object) -> None:

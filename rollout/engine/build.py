@@ -106,8 +106,12 @@ def build_parts(
         offload_pool = CPUOffloadPool(spec.shape, spec.offload_gib, spec.block_size, pin, cache.layout)
     block_manager = BlockManager(spec.num_blocks, spec.block_size, config.allow_block_sharing)
     kv_cache_manager = KVCacheManager(block_manager, spec.safety_margin, offload_pool, cache.layout.sliding_windows)
-    # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's.
-    lora = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+    # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's; on CPU
+    # through rollout's kernel where the paged-attention extension (which holds it) is loaded.
+    lora = None
+    if config.enable_lora:
+        cpu_kernel = spec.use_flash and spec.device.type == "cpu"
+        lora = LoraSlots(model, config.max_loras, config.max_lora_rank, cpu_kernel=cpu_kernel)
     scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
     scheduler = scheduler_class(
         kv_cache_manager, spec.max_batch_tokens, config.max_requests_per_batch, config.scheduler_type

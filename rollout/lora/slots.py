@@ -9,10 +9,14 @@ each query token a slot (-1: the base model); a forward hook on each targeted la
     delta = ((x @ A_all.T) * mask) @ B_all,    mask[t, s * R + j] = (slot[t] == s)
 
 which is vLLM's punica idea (a token-to-adapter index over the adapters' stacked A and B, its "shrink" then "expand"
-GEMMs) written as two dense GEMMs over every slot instead of a gather per token: static shapes (the same code runs
-eager, compiled and CUDA-graphed), plain torch ops (CPU now, CUDA as written), exact zeros for base tokens. Its cost
-grows with S * R, small next to the layer itself for the few adapters RL keeps (TRL's ``max_staleness + 2``); a step
-where no token has an adapter runs no hook work at all (``LoraSlots.step`` with no adapter token).
+GEMMs) written as two dense GEMMs over every slot instead of a gather per token: static shapes on compiled and
+CUDA-graphed steps, plain torch ops (CPU now, CUDA as written), exact zeros for base tokens. An eager step knows its
+requests' slots on the host, so it reads only the rows of the slots it uses (from the first to the last), makes the
+mask once for every layer, and none at all when every token runs under one adapter (an RL step under one policy); a
+step where no token has an adapter runs no hook work at all. On CPU, float32, the product is one call of rollout's
+kernel per layer (``rollout_cpu::lora_add_``, engine/attention/csrc/lora_cpu.cpp: row by row, no OpenMP region for a
+decode step's few rows, which cost 50-110 us each in the manager's thread): 1 and 4 adapters went from 0.60x of the
+base model's tokens/s to 0.87-0.89x (scripts/bench_lora.py, docs/lora_bench.md).
 
 The hooks sit on modules of the user's model, which a trainer's forward, an evaluation or another engine may run at
 the same time in other threads; each ``LoraSlots`` therefore keeps the running step's token slots per thread
@@ -26,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +54,20 @@ class _Target:
     a_all: torch.Tensor  # [S * R, in]
     b_all: torch.Tensor  # [S * R, out]
     handle: Any = None
+    # (lo, hi) -> (a_all[lo:hi].t(), b_all[lo:hi]): the views an eager step of those rows reads.
+    views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What the hooks of one step compute: ``rows`` (lo, hi) of every target's ``A_all`` and ``B_all`` (the slots the
+    step uses, from the first to the last), masked per token by ``mask`` [T, hi - lo], or by one each hook makes from
+    ``slots`` [T] over every slot (a static step), or not at all (every token under one adapter)."""
+
+    rows: tuple[int, int]
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None
+    kernel: bool = False  # run rollout's CPU kernel (``LoraSlots`` ``cpu_kernel``) rather than two torch GEMMs
 
 
 @dataclass
@@ -84,18 +102,23 @@ class LoraSlots:
         model: the engine's base model (not a peft wrapper): targets are its ``nn.Linear`` modules by name.
         max_loras: slots (>= 1): adapters loaded at once.
         max_lora_rank: R (>= 1): the largest rank an adapter may have.
+        cpu_kernel: eager float32 steps on CPU add each layer's product with rollout's kernel
+            (``rollout_cpu::lora_add_``, built with the engine's CPU attention kernel; the caller has loaded it): one
+            pass per row, no OpenMP region for a decode step's few rows, which cost 50-110 us each in the manager's
+            thread (``engine/attention/csrc/lora_cpu.cpp``). Off: two torch GEMMs per layer.
 
     Raises:
         ValueError: ``max_loras`` or ``max_lora_rank`` < 1.
     """
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, cpu_kernel: bool = False) -> None:
         for arg, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.cpu_kernel = cpu_kernel
         self._modules = dict(model.named_modules())
         self._targets: dict[str, _Target] = {}
         self.loaded: dict[str, LoadedAdapter] = {}
@@ -103,8 +126,8 @@ class LoraSlots:
         self.retired: list[LoadedAdapter] = []
         self._next_uid = 1
         self._lock = threading.Lock()
-        # The running step's slot of each query token, int64 [T], in the attribute ``slots`` of the thread running the
-        # step (absent or None: no LoRA work in this thread); read by the hooks.
+        # The running step's ``_StepPlan``, in the attribute ``plan`` of the thread running the step (absent or None:
+        # no LoRA work in this thread); read by the hooks.
         self._local = threading.local()
         self._slot_of_column: torch.Tensor | None = None
 
@@ -257,35 +280,74 @@ class LoraSlots:
         local = self._local
 
         def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            slots = getattr(local, "slots", None)  # set only in the thread running this engine's step
-            if slots is None:
+            plan = getattr(local, "plan", None)  # set only in the thread running this engine's step
+            if plan is None:
                 return None
-            x = args[0]
-            columns = self._slot_of_column
-            assert columns is not None
-            mask = (slots[:, None] == columns[None, :]).to(x.dtype)  # [T, S * R]
-            shrunk = (x @ target.a_all.t()) * mask  # x: [1, T, in] -> [1, T, S * R]
-            return output + shrunk @ target.b_all
+            x = args[0]  # [1, T, in]
+            n = output.shape[-1]
+            if plan.slots is not None:  # a static step: every slot, the mask made inside the traced or captured graph
+                columns = self._slot_of_column
+                assert columns is not None
+                mask = (plan.slots[:, None] == columns[None, :]).to(x.dtype)
+                shrunk = (x @ target.a_all.t()) * mask
+                return torch.addmm(output.reshape(-1, n), shrunk.reshape(-1, mask.shape[1]), target.b_all).view_as(
+                    output
+                )
+            views = target.views.get(plan.rows)
+            if views is None:  # views of the buffers, which loads update in place: made once per row range
+                lo, hi = plan.rows
+                views = target.views[plan.rows] = (target.a_all[lo:hi].t(), target.b_all[lo:hi])
+            a_t, b = views
+            if plan.kernel and output.is_contiguous() and x.dtype == torch.float32 and x.stride(-1) == 1:
+                torch.ops.rollout_cpu.lora_add_(output.view(-1, n), x.reshape(-1, x.shape[-1]), a_t.t(), b, plan.mask)
+                return None
+            shrunk = torch.mm(x.reshape(-1, x.shape[-1]), a_t)  # [T, hi - lo]
+            if plan.mask is not None:
+                shrunk.mul_(plan.mask)
+            if output.is_contiguous():  # added in place, a GEMM with BLAS's beta = 1: no product tensor, no copy
+                output.view(-1, n).addmm_(shrunk, b)
+                return None
+            return torch.addmm(output.reshape(-1, n), shrunk, b).view_as(output)
 
         return hook
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
-    def step(self, slots: torch.Tensor | None, any_adapter: bool) -> Iterator[None]:
-        """Within it, in this thread only, the hooks add each token's adapter: ``slots`` int64 [T] (the step's query
-        rows; -1 the base model), on the model's device. ``any_adapter`` False (or ``slots`` None) leaves the forward
-        to the base weights alone."""
-        if slots is None or not any_adapter or not self._targets:
+    def step(
+        self, slots: torch.Tensor | None, used: Sequence[int] = (), uniform: bool = False, static: bool = False
+    ) -> Iterator[None]:
+        """Within it, in this thread only, the hooks add each token's adapter.
+
+        Args:
+            slots: int64 [T], the step's query rows' slots (-1: the base model), on the model's device; None (or no
+                ``used``) leaves the forward to the base weights alone.
+            used: the distinct slots >= 0 of the step's real rows, ascending (host ints): an eager step reads only
+                the buffers' rows from the first one's to the last one's.
+            uniform: every real row runs under ``used[0]``: no per-row mask (an RL step under one policy).
+            static: the step is compiled or CUDA-graphed: every slot's rows, and the mask made inside the forward, so
+                that the traced or captured shapes do not depend on which adapters the step has.
+        """
+        if slots is None or not used or not self._targets:
             yield
             return
         if self._slot_of_column is None or self._slot_of_column.device != slots.device:
             column = torch.arange(self.max_loras, device=slots.device).repeat_interleave(self.max_lora_rank)
             self._slot_of_column = column
-        self._local.slots = slots
+        R = self.max_lora_rank
+        if static:
+            plan = _StepPlan((0, self.max_loras * R), slots, None)
+        elif uniform:
+            plan = _StepPlan((used[0] * R, (used[0] + 1) * R), None, None, self.cpu_kernel)
+        else:  # one mask for every hooked layer of the step
+            lo, hi = used[0] * R, (used[-1] + 1) * R
+            dtype = next(iter(self._targets.values())).a_all.dtype
+            mask = (slots[:, None] == self._slot_of_column[None, lo:hi]).to(dtype)
+            plan = _StepPlan((lo, hi), None, mask, self.cpu_kernel)
+        self._local.plan = plan
         try:
             yield
         finally:
-            self._local.slots = None
+            self._local.plan = None
 
     def close(self) -> None:
         """Remove every hook (the engine closes): the model is left as it was."""

@@ -45,6 +45,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# The extension's other operator: an unmerged LoRA adapter's product in one pass per row (``rollout_cpu::lora_add_``,
+# which ``lora.LoraSlots`` calls on CPU when the engine has loaded this extension; why in the file's header).
+LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 _BUILD_LOCK = threading.Lock()
 # Seconds to wait for another process's build of the kernel (one build takes about 20 s on 2 cores).
 BUILD_LOCK_TIMEOUT_S = 600.0
@@ -65,8 +68,8 @@ def _cpu_digest() -> str:
 
 
 def build_name() -> str:
-    """The kernel's build name in torch's extension directory: this CPU's digest and the source's."""
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    """The kernel's build name in torch's extension directory: this CPU's digest and the sources'."""
+    source = hashlib.sha256(SOURCE.read_bytes() + LORA_SOURCE.read_bytes()).hexdigest()[:10]
     return f"rollout_cpu_attention_{_cpu_digest()}_{source}"
 
 
@@ -104,7 +107,7 @@ def _build_and_load() -> str | None:
             logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
             load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(SOURCE), str(LORA_SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,

@@ -150,6 +150,9 @@ class StepBatch:
         lora_slots: int64 [T]; each row's LoRA slot (``lora.LoraSlots``; -1: the base model, and padded rows). None
             unless the engine serves LoRA adapters.
         any_lora: some real row has an adapter (a host value: a step of the base model alone runs no LoRA work).
+        lora_used: the distinct slots (>= 0) of the real rows, ascending (host values: an eager step reads only
+            their columns of the adapters' stacked buffers).
+        lora_uniform: every real row runs under ``lora_used[0]`` (no base row, one adapter): no per-row mask.
     """
 
     input_ids: torch.Tensor
@@ -168,6 +171,8 @@ class StepBatch:
     flash_decode: bool = False
     lora_slots: torch.Tensor | None = None
     any_lora: bool = False
+    lora_used: tuple[int, ...] = ()
+    lora_uniform: bool = False
 
     @property
     def path(self) -> str:
@@ -367,7 +372,12 @@ def build_step_batch(
     staged = staging.upload(*arrays.values(), *extra)
     tensors = dict(zip(arrays, staged))
     batch = StepBatch(**{"decode_rows": None, **tensors}, varlen_max_seqlens=max_seqlens)
-    batch.any_lora = bool(lora and (lora_slots >= 0).any())
+    if lora:
+        real = lora_slots[:start]
+        used = np.unique(real[real >= 0])
+        batch.any_lora = len(used) > 0
+        batch.lora_used = tuple(int(s) for s in used)
+        batch.lora_uniform = len(used) == 1 and bool((real == used[0]).all())
     return batch, staged[len(arrays) :]
 
 

@@ -400,7 +400,8 @@ class ModelRunner:
                 if self.packs is not None:
                     stack.enter_context(self.packs.active())
                 if self.lora is not None:  # each token's adapter, added by the targeted layers' hooks
-                    stack.enter_context(self.lora.step(b.lora_slots, b.any_lora))
+                    static = path in self._static
+                    stack.enter_context(self.lora.step(b.lora_slots, b.lora_used, b.lora_uniform, static))
                 return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
