@@ -147,12 +147,9 @@ class StepBatch:
         varlen_max_seqlens: that kernel's (``max_seqlen_q``, ``max_seqlen_k``): (T, W * block_size) on a padded
             step, fixed by its shape; the longest request's query rows and keys on an eager one.
         flash_decode: every row decodes through ``flash_attn_with_kvcache`` (eager, compiled or graphed).
-        lora_slots: int64 [T]; each row's LoRA slot (``lora.LoraSlots``; -1: the base model, and padded rows). None
-            unless the engine serves LoRA adapters.
+        lora_slots: int64 [T]; each row's ``lora.LoraSlots`` slot (-1: the base model, padded rows); None without LoRA.
         any_lora: some real row has an adapter (a host value: a step of the base model alone runs no LoRA work).
-        lora_used: the distinct slots (>= 0) of the real rows, ascending (host values: an eager step reads only
-            their columns of the adapters' stacked buffers).
-        lora_uniform: every real row runs under ``lora_used[0]`` (no base row, one adapter): no per-row mask.
+        lora_used, lora_uniform: the real rows' distinct slots >= 0, ascending; whether all run under the first.
     """
 
     input_ids: torch.Tensor
@@ -238,8 +235,7 @@ class StepBatch:
 
 
 def varlen_sizes(shape: Sequence[int]) -> tuple[int, int]:
-    """(B, W) of a padded step's flash varlen inputs from its ``StepBatch.shape``: B sequences, tables W blocks wide
-    (see the module docstring)."""
+    """(B, W) of a padded step's flash varlen inputs from its ``StepBatch.shape``: B sequences, tables W blocks wide."""
     if len(shape) == 2:  # the decode path: (T, Wd)
         return shape[0], shape[1]
     _, _, Bd, Wd, G, Wp = shape
@@ -329,8 +325,7 @@ def build_step_batch(
     rows[: len(logits_rows)] = logits_rows
     d_pos = np.zeros(Bd, dtype=np.int64)
     d_pos[: len(decodes)] = [c for _, c, _ in decodes]
-    # Staged in this order (``StepBatch`` field names): a step of a given shape finds its tensors at the same
-    # addresses (see the module docstring).
+    # Staged in this order (``StepBatch`` fields): a step of a given shape finds its tensors at the same addresses.
     arrays = {
         "input_ids": ids,
         "positions": pos,
@@ -372,12 +367,10 @@ def build_step_batch(
     staged = staging.upload(*arrays.values(), *extra)
     tensors = dict(zip(arrays, staged))
     batch = StepBatch(**{"decode_rows": None, **tensors}, varlen_max_seqlens=max_seqlens)
-    if lora:
-        real = lora_slots[:start]
-        used = np.unique(real[real >= 0])
-        batch.any_lora = len(used) > 0
-        batch.lora_used = tuple(int(s) for s in used)
-        batch.lora_uniform = len(used) == 1 and bool((real == used[0]).all())
+    if lora:  # the real rows' slots, read on the host (an eager step's LoRA work follows them)
+        used = np.unique(lora_slots[:start][lora_slots[:start] >= 0])
+        batch.any_lora, batch.lora_used = len(used) > 0, tuple(used.tolist())
+        batch.lora_uniform = len(used) == 1 and bool((lora_slots[:start] == used[0]).all())
     return batch, staged[len(arrays) :]
 
 
@@ -425,8 +418,7 @@ class LogitsPlan:
     score_targets: list[int] = field(default_factory=list)
     score_segments: list[tuple[Request, int]] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)  # the request of each sample row, in order
-    # On the device (staged with the step's inputs): int64 [S] score_targets, float32 [S] the
-    # temperature of each scored row; None when nothing is scored.
+    # On the device (staged with the inputs): int64 [S] score_targets, float32 [S] their temperatures; or None.
     score_target_ids: torch.Tensor | None = None
     score_temperatures: torch.Tensor | None = None
 
