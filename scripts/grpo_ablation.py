@@ -108,6 +108,14 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {**LORA, "lora_r": 1, "learning_rate": 2e-4},
         "r=1, alpha 16, lr 2e-4 (TM: with alpha/r scaling the best lr hardly depends on the rank)",
     ),
+    "lora_plus_4_lr_1e-4": (
+        {**LORA, "learning_rate": 1e-4, "lora_plus_ratio": 4.0},
+        "LoRA+ (Hayou et al. 2024): A at lr 1e-4, B at 4e-4 (B=0 at the start: its lr sets the early pace)",
+    ),
+    "lora_plus_16_lr_5e-5": (
+        {**LORA, "learning_rate": 5e-5, "lora_plus_ratio": 16.0},
+        "LoRA+ at the paper's ratio 16: A at lr 5e-5, B at 8e-4",
+    ),
 }
 SWEEPS = {"recipe": VARIANTS, "lora": LORA_VARIANTS}
 

@@ -212,6 +212,9 @@ def test_lora_run_on_a_server_without_enable_lora_fails_at_start_naming_the_flag
         ({"lora_r": 4, "lora_alpha": 0.0}, "lora_alpha"),
         ({"lora_r": 4, "lora_target_modules": []}, "lora_target_modules"),
         ({"lora_r": 4, "lora_target_modules": ["all-linear", "q_proj"]}, "lora_target_modules"),
+        ({"lora_r": 4, "lora_plus_ratio": 0.0}, "lora_plus_ratio"),
+        ({"lora_r": 4, "lora_plus_ratio": "16"}, "lora_plus_ratio"),
+        ({"lora_plus_ratio": 16.0}, "lora_plus_ratio"),
     ],
 )
 def test_bad_lora_settings_are_refused_naming_the_field(tmp_path: Path, overrides: dict, field: str) -> None:
@@ -229,6 +232,37 @@ def test_unknown_lora_target_is_refused_before_any_work(tmp_path: Path, monkeypa
     monkeypatch.setattr("trainers.recipe.rollout_backend", no_backend)
     with pytest.raises(ConfigError, match=rf"^lora_target_modules: .*{says}"):
         tiny_trainer(tmp_path, lora_r=4, lora_target_modules=targets)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_lora_plus_ratio_puts_the_b_matrices_at_ratio_times_the_learning_rate(tmp_path: Path, algo: str) -> None:
+    """LoRA+: every lora_B at 16 x learning_rate, every lora_A at learning_rate (PPO's value head in its own group),
+    and one step moves B from zero; with the default ratio 1 all adapter tensors share one group."""
+    make = tiny_trainer if algo == "grpo" else tiny_ppo_trainer
+    trainer = make(tmp_path / "plus", max_steps=1, lora_plus_ratio=16.0, **LORA)
+    lr = trainer.config.learning_rate
+    try:
+        names = {id(p): n for n, p in trainer.trained_policy.named_parameters()}
+        by_lr: dict[float, set[str]] = {}
+        for group in trainer.optimizer.param_groups:
+            kinds = {"B" if ".lora_B." in names.get(id(p), "") else "A" if ".lora_A." in names.get(id(p), "") else
+                     "other" for p in group["params"]}  # fmt: skip
+            by_lr.setdefault(group["initial_lr"], set()).update(kinds)
+        assert by_lr[16 * lr] == {"B"} and "A" in by_lr[lr] and "B" not in by_lr[lr]
+        trainer.train()
+        b = [p for n, p in trainer.trained_policy.named_parameters() if ".lora_B." in n]
+        assert b and all(p.abs().max() > 0 for p in b)
+    finally:
+        trainer.close()
+    trainer = make(tmp_path / "plain", max_steps=1, **LORA)
+    try:
+        adapter = [g for g in trainer.optimizer.param_groups if g["initial_lr"] == trainer.config.learning_rate]
+        names = {
+            n for g in adapter for n, p in trainer.trained_policy.named_parameters() if any(p is q for q in g["params"])
+        }
+        assert any(".lora_B." in n for n in names) and any(".lora_A." in n for n in names)
+    finally:
+        trainer.close()
 
 
 def test_ppo_lora_with_a_critic_is_refused(tmp_path: Path) -> None:

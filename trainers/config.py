@@ -165,6 +165,8 @@ class TrainerConfig:
         lora_alpha: peft's ``lora_alpha``: the adapter's output is scaled by ``lora_alpha / lora_r``.
         lora_target_modules: the linear layers adapted, by peft's rule (a module whose name is, or ends with
             ``.`` and, an entry); ``["all-linear"]``: every linear layer of the decoder (not the LM head).
+        lora_plus_ratio: LoRA+ (Hayou et al. 2024): the B matrices learn at this many times ``learning_rate``
+            (``trainers.lora.lora_plus_groups``); 1.0 (the default): one learning rate.
     """
 
     trainer_name: ClassVar[str] = "trainer"  # names the trainer in messages ("GRPO", "PPO")
@@ -226,6 +228,7 @@ class TrainerConfig:
     lora_r: int | None = None
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    lora_plus_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_at_least(
@@ -286,7 +289,13 @@ class TrainerConfig:
                 raise ConfigError(f"rollout_router must be an http:// or https:// URL, got {self.rollout_router!r}")
 
     def _check_lora(self) -> None:
+        if isinstance(self.lora_plus_ratio, bool) or not isinstance(self.lora_plus_ratio, (int, float)):
+            raise ConfigError(f"lora_plus_ratio must be a number > 0, got {self.lora_plus_ratio!r}")
+        if not self.lora_plus_ratio > 0:
+            raise ConfigError(f"lora_plus_ratio must be > 0, got {self.lora_plus_ratio!r}")
         if self.lora_r is None:
+            if self.lora_plus_ratio != 1.0:
+                raise ConfigError("lora_plus_ratio is for LoRA runs: set lora_r too (or leave lora_plus_ratio at 1.0)")
             return
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
             raise ConfigError(

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 import rollout
 
 from .config import GRPOConfig
+from .lora import lora_plus_groups
 from .loss import aggregate_loss, completion_logprobs, group_advantages, grpo_token_loss, zero_spread_groups
 from .recipe import Recipe
 from .rollout_queue import RolloutBatch
@@ -88,7 +89,11 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
         # A peft model passes its keyword arguments to the model it wraps: ask that one.
         model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.setup_optimization(policy, policy.parameters())
+        cfg = self.config
+        params: Any = policy.parameters()
+        if cfg.lora_r is not None and cfg.lora_plus_ratio != 1.0:
+            params = lora_plus_groups(policy.named_parameters(), cfg.learning_rate, cfg.lora_plus_ratio)
+        self.setup_optimization(policy, params)
         assert self.unwrapped is policy, "accelerate must wrap the model object, not copy it"
 
     def describe_step(self) -> str:

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 import rollout
 
+from .lora import lora_plus_groups
 from .loss import completion_logprobs, pad_batch
 from .ppo_config import PPOConfig
 from .ppo_loss import (
@@ -147,10 +148,9 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
             self.reference.requires_grad_(False)
         module = PolicyWithValue(policy, cfg.value_model)
         value_ids = {id(p) for p in module.value_parameters()}
-        groups = [
-            {"params": [p for p in module.parameters() if id(p) not in value_ids], "lr": cfg.learning_rate},
-            {"params": module.value_parameters(), "lr": cfg.value_learning_rate},
-        ]
+        policy_params = [(n, p) for n, p in module.named_parameters() if id(p) not in value_ids]
+        groups = lora_plus_groups(policy_params, cfg.learning_rate, cfg.lora_plus_ratio if cfg.lora_r else 1.0)
+        groups.append({"params": module.value_parameters(), "lr": cfg.value_learning_rate})
         self.setup_optimization(module, groups)
         assert self.unwrapped.policy is policy, "accelerate must wrap the model object, not copy it"
         self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)

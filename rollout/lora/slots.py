@@ -15,8 +15,8 @@ requests' slots on the host, so it reads only the rows of the slots it uses (fro
 mask once for every layer, and none at all when every token runs under one adapter (an RL step under one policy); a
 step where no token has an adapter runs no hook work at all. On CPU, float32, the product is one call of rollout's
 kernel per layer (``rollout_cpu::lora_add_``, engine/attention/csrc/lora_cpu.cpp: row by row, no OpenMP region for a
-decode step's few rows, which cost 50-110 us each in the manager's thread): 1 and 4 adapters went from 0.60x of the
-base model's tokens/s to 0.87-0.89x (scripts/bench_lora.py, docs/lora_bench.md).
+decode step's few rows; each region cost 60-80 us in the manager's thread, scripts/omp_thread_cost.py): 1 and 4
+adapters went from 0.60x of the base model's tokens/s to 0.90x and 0.86x (scripts/bench_lora.py, docs/lora_bench.md).
 
 The hooks sit on modules of the user's model, which a trainer's forward, an evaluation or another engine may run at
 the same time in other threads; each ``LoraSlots`` therefore keeps the running step's token slots per thread
@@ -104,7 +104,7 @@ class LoraSlots:
         max_lora_rank: R (>= 1): the largest rank an adapter may have.
         cpu_kernel: eager float32 steps on CPU add each layer's product with rollout's kernel
             (``rollout_cpu::lora_add_``, built with the engine's CPU attention kernel; the caller has loaded it): one
-            pass per row, no OpenMP region for a decode step's few rows, which cost 50-110 us each in the manager's
+            pass per row, no OpenMP region for a decode step's few rows, which cost 60-80 us each in the manager's
             thread (``engine/attention/csrc/lora_cpu.cpp``). Off: two torch GEMMs per layer.
 
     Raises:
