@@ -2,7 +2,7 @@
 finds the caches the first one left (issue 45 item 1).
 
     python scripts/compile_warm_start.py                     # default model, compile level 1, two processes
-    python scripts/compile_warm_start.py --json docs/compile_warm_start.json
+    python scripts/compile_warm_start.py --json docs/compile_warm_start.json --markdown docs/compile_warm_start.md
 
 Each run is a fresh Python process that loads the model, builds an engine at ``--compile-level`` and times
 ``Engine.warmup()`` (every padded step shape compiled before the first request), then generates one greedy request so
@@ -61,7 +61,15 @@ def main() -> None:
     parser.add_argument("--compile-level", type=int, default=1, choices=(1, 2, 3))
     parser.add_argument("--runs", type=int, default=2, choices=(2, 3), help="3: a second cold start on a new cache")
     parser.add_argument("--json", type=Path, help="write the runs and the machine here")
+    parser.add_argument("--markdown", type=Path, help="write the table (with commit and CPU) here")
+    parser.add_argument("--from-json", type=Path, help="run nothing: the table of a --json file written before")
     args = parser.parse_args()
+    if args.from_json is not None:
+        payload = json.loads(args.from_json.read_text())
+        print(markdown(payload))
+        if args.markdown is not None:
+            args.markdown.write_text(markdown(payload))
+        return
     from benchmarks.report import machine_info
 
     runs = []
@@ -74,10 +82,29 @@ def main() -> None:
             result["run"] = label
             runs.append(result)
             print(f"{label}: warmup {result['warmup_s']:.1f} s, process {result['wall_s']:.1f} s", flush=True)
-    machine = machine_info("cpu")
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info("cpu"), "runs": runs}
     if args.json is not None:
-        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine, "runs": runs}
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    print(markdown(payload))
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(payload))
+
+
+def markdown(payload: dict) -> str:
+    """The runs as a table, headed by the command's settings, the commit, the CPU and torch."""
+    args, machine = payload["args"], payload["machine"]
+    lines = [
+        f"Compile level {args['compile_level']} of `{args['model']}`, each run a new process "
+        f"(`scripts/compile_warm_start.py`); commit `{machine['git_commit']}`, {machine['cpu_model']}, "
+        f"{machine['torch_num_threads']} torch threads, torch {machine['torch']}.",
+        "",
+        "| run | warmup (s) | engine build + warmup (s) | model load (s) | whole process (s) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in payload["runs"]:
+        cells = (r["warmup_s"], r["build_and_warmup_s"], r["load_s"], r["wall_s"])
+        lines.append(f"| {r['run']} | " + " | ".join(f"{x:.1f}" for x in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class _Target:
     a_all: torch.Tensor  # [S * R, in]
     b_all: torch.Tensor  # [S * R, out]
     handle: Any = None
-    # (lo, hi) -> (a_all[lo:hi].t(), b_all[lo:hi]): the views an eager step of those rows reads.
+    # (lo, hi) -> (a_all[lo:hi], b_all[lo:hi]): the views an eager step of those rows reads.
     views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -296,12 +296,12 @@ class LoraSlots:
             views = target.views.get(plan.rows)
             if views is None:  # views of the buffers, which loads update in place: made once per row range
                 lo, hi = plan.rows
-                views = target.views[plan.rows] = (target.a_all[lo:hi].t(), target.b_all[lo:hi])
-            a_t, b = views
+                views = target.views[plan.rows] = (target.a_all[lo:hi], target.b_all[lo:hi])
+            a, b = views
             if plan.kernel and output.is_contiguous() and x.dtype == torch.float32 and x.stride(-1) == 1:
-                torch.ops.rollout_cpu.lora_add_(output.view(-1, n), x.reshape(-1, x.shape[-1]), a_t.t(), b, plan.mask)
+                torch.ops.rollout_cpu.lora_add_(output.view(-1, n), x.reshape(-1, x.shape[-1]), a, b, plan.mask)
                 return None
-            shrunk = torch.mm(x.reshape(-1, x.shape[-1]), a_t)  # [T, hi - lo]
+            shrunk = torch.mm(x.reshape(-1, x.shape[-1]), a.t())  # [T, hi - lo]
             if plan.mask is not None:
                 shrunk.mul_(plan.mask)
             if output.is_contiguous():  # added in place, a GEMM with BLAS's beta = 1: no product tensor, no copy
