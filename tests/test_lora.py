@@ -205,17 +205,26 @@ def test_prompt_forks_never_cross_adapters(models: tuple) -> None:
         assert out[f"r{i}"].generated_tokens == reference_greedy(x if lora else base, prompt, 5, None)
 
 
+def nan_adapter(model: torch.nn.Module) -> LoraAdapter:
+    """``model``'s adapter with one NaN in one layer's B (a diverged run)."""
+    adapter = adapter_of(model, "diverged")
+    name = sorted(adapter.weights)[3]
+    adapter.weights[name][1][0, 0] = float("nan")
+    return adapter
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
         (lambda m: adapter_of(peft_model(m, 3, r=8), "big", r=8), "max_lora_rank=4"),
         (lambda m: LoraAdapter("head", 2, 1.0, {"lm_head": (torch.zeros(2, 64), torch.zeros(256, 2))}), "lm_head"),
         (lambda m: LoraAdapter("odd", 2, 1.0, {"model.nope": (torch.zeros(2, 64), torch.zeros(64, 2))}), "target_mod"),
+        (lambda m: nan_adapter(peft_model(m, 3)), "non-finite"),
     ],
 )
 def test_bad_adapters_are_refused_by_name(models: tuple, make: object, match: str) -> None:
-    """Rank above max_lora_rank, the LM head, a module the model lacks: a ValueError naming the setting, nothing
-    loaded."""
+    """Rank above max_lora_rank, the LM head, a module the model lacks, a NaN (its slot's rows are read, masked, by
+    every step whose slots span it): a ValueError naming the setting, nothing loaded."""
     base = models[0]
     engine = Engine(base, config(max_lora_rank=4))
     try:

@@ -145,7 +145,8 @@ class LoraSlots:
             FieldError: naming the field: its name is loaded already and ``replace`` is off (``lora_name``), its rank
                 is above ``max_lora_rank``, a target module is not an ``nn.Linear`` of the model or is the LM head or
                 the embeddings (``target_modules``), a tensor's shape does not match its module (``weights``: the
-                adapter was made for another base model), or every slot is taken (``max_loras``).
+                adapter was made for another base model) or holds a NaN or inf (``weights``), or every slot is taken
+                (``max_loras``).
         """
         old = self.loaded.get(adapter.name)
         if old is not None and not replace:
@@ -173,6 +174,11 @@ class LoraSlots:
                     "weights",
                     f"adapter {adapter.name!r}: {module_name!r} is [{module.out_features}, {module.in_features}] but "
                     f"lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}",
+                )
+            # A slot's rows are read by every step whose slots span it (masked): a NaN there would reach them all.
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                raise FieldError(
+                    "weights", f"adapter {adapter.name!r}: {module_name!r} has non-finite values (NaN or inf)"
                 )
         retired = [x for x in self.retired if x.uid in in_use]
         taken = len(self.loaded) + len(retired)
