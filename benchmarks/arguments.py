@@ -24,6 +24,7 @@ COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compil
 SYSTEMS = (
     *COMPILE_SYSTEMS,
     "rollout-async",
+    "rollout-fused",
     "rollout",
     "rollout-mkl",
     "rollout-sdpa",

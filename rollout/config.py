@@ -30,6 +30,7 @@ LOGPROBS_MODES = ("temperature", "raw", "sampled")
 LOGPROBS_MODE_ALIASES = {"raw_logprobs": "raw", "processed_logprobs": "sampled"}
 PREEMPTION_MODES = ("recompute", "offload")
 CPU_ATTENTION_CHOICES = ("auto", "paged", "sdpa")
+FUSED_LAYERS_CHOICES = ("auto", "off")
 
 # Block size that measured fastest on a 2-core CPU with SmolLM2-135M (see scripts/bench.py); on CUDA 256 matches
 # transformers' continuous batching default.
@@ -133,6 +134,11 @@ class ContinuousBatchingConfig:
             C++ compiler the first time, about 20 s), falling back to SDPA over gathered keys with one warning when it
             cannot be built; ``"paged"`` the kernel or a RuntimeError naming why not; ``"sdpa"`` SDPA. No effect on
             CUDA (flash-attn or SDPA, see ``flash.choose_flash``).
+        fused_layers: ``"auto"``: eager float32 CPU steps of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM2)
+            run its decoder layers with rollout's fused kernels (``engine.worker.fused_layer``: the residual add fused
+            with RMSNorm, SiLU-and-mul; built with the paged-attention kernel, so only where ``cpu_attention`` uses
+            it), other models and steps transformers' forward, said once in the log; ``"off"`` (default, for now):
+            transformers' forward always.
         use_async_batching: schedule and prepare step k+1 while step k's forward and sampling run (``batch_queue``;
             placeholders for step k's tokens filled on the device: ``async_scheduler``); a row of a request that step
             k ended is computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the
@@ -190,6 +196,7 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 0
     max_blocks_per_request: int | None = None
     cpu_attention: Literal["auto", "paged", "sdpa"] = "auto"
+    fused_layers: Literal["auto", "off"] = "off"
     use_async_batching: bool | None = None
     disable_nccl_graph_mixing: bool = True
     cpu_group_timeout: float | None = 300.0
@@ -272,6 +279,7 @@ class ContinuousBatchingConfig:
         check_int("kv_padding_interval_size", self.kv_padding_interval_size, minimum=0)
         check_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0, allow_none=True)
         check_choice("cpu_attention", self.cpu_attention, CPU_ATTENTION_CHOICES)
+        check_choice("fused_layers", self.fused_layers, FUSED_LAYERS_CHOICES)
         if self.use_async_batching is not None:
             check_bool("use_async_batching", self.use_async_batching)
         check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)

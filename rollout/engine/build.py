@@ -9,9 +9,11 @@ construction are the models; ``Engine`` holds the parts and runs the steps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
@@ -24,10 +26,13 @@ from rollout.engine.kv.sizing import allocation_error, check_cache_fits
 from rollout.engine.sched.async_scheduler import AsyncScheduler
 from rollout.engine.sched.scheduler import Scheduler
 from rollout.engine.spec import EngineSpec
+from rollout.engine.worker.fused_layer import fused_support
 from rollout.engine.worker.runner import ModelRunner
 from rollout.lora import LoraSlots
 from rollout.weights.model_info import check_model_supported
 from rollout.weights.versions import WeightWatch, watch_of
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineParts", "build_parts"]
 
@@ -57,6 +62,17 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     watch: WeightWatch
+
+
+def fused_layers_of(model: torch.nn.Module, config: ContinuousBatchingConfig, cpu_kernels: bool) -> bool:
+    """Whether the engine's eager steps run ``engine.worker.fused_layer`` (``config.fused_layers``): ``"auto"`` where
+    rollout's CPU kernels are loaded and the model is supported; a model that is not gets one log line saying why."""
+    if config.fused_layers == "off" or not cpu_kernels:
+        return False
+    reason = fused_support(model)
+    if reason is not None:
+        logger.info("fused decoder layers off for this model (transformers' forward instead): %s", reason)
+    return reason is None
 
 
 def build_parts(
@@ -130,6 +146,7 @@ def build_parts(
         padding=spec.padding,
         async_batching=spec.async_batching,
         lora=lora,
+        fused_layers=fused_layers_of(model, config, spec.use_flash and spec.device.type == "cpu"),
     )
     # The model's weight version, shared with every engine on it: weights changed since the last check (by any means:
     # check_weight_contents) make a new one before this engine starts at it.

@@ -48,6 +48,12 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 # The extension's other operator: an unmerged LoRA adapter's product in one pass per row (``rollout_cpu::lora_add_``,
 # which ``lora.LoraSlots`` calls on CPU when the engine has loaded this extension; why in the file's header).
 LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
+# And the Llama family's fused decoder-layer ops (``rollout_cpu::rms_norm``, ``fused_add_rms_norm_``,
+# ``silu_and_mul``; ``engine.worker.fused_layer``).
+FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
+SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE)
+# Included by the attention and fused kernels: part of the build's digest, not compiled alone.
+HEADERS = (Path(__file__).parent / "csrc" / "vec16.h",)
 _BUILD_LOCK = threading.Lock()
 # Seconds to wait for another process's build of the kernel (one build takes about 20 s on 2 cores).
 BUILD_LOCK_TIMEOUT_S = 600.0
@@ -69,7 +75,7 @@ def _cpu_digest() -> str:
 
 def build_name() -> str:
     """The kernel's build name in torch's extension directory: this CPU's digest and the sources'."""
-    source = hashlib.sha256(SOURCE.read_bytes() + LORA_SOURCE.read_bytes()).hexdigest()[:10]
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:10]
     return f"rollout_cpu_attention_{_cpu_digest()}_{source}"
 
 
@@ -107,7 +113,7 @@ def _build_and_load() -> str | None:
             logger.info("loading rollout's CPU paged-attention kernel (the first time on a machine it is compiled)")
             load(
                 name=name,
-                sources=[str(SOURCE), str(LORA_SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,

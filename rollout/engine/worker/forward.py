@@ -25,6 +25,7 @@ from transformers.generation import CompileConfig
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata
 from rollout.engine.kv.cache import PagedKVCache
+from rollout.engine.worker.fused_layer import fused_forward
 from rollout.engine.worker.inputs import PaddingRule, StepBatch
 from rollout.engine.worker.onednn import OneDNNLinear
 
@@ -72,13 +73,19 @@ def step_forward(
     skip_mask: torch.Tensor,
     logits_to_keep: bool,
     onednn: bool,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The model's forward on a step's batch, then its kept logits rows in float32 [R, V].
 
     ``onednn``: run the float32 CPU linear layers inside ``onednn.OneDNNLinear`` (the runner's ``onednn.linear_plan``,
-    a constant to dynamo); False keeps ``F.linear`` (MKL).
+    a constant to dynamo); False keeps ``F.linear`` (MKL). ``fused``: the forward is ``fused_layer.fused_forward``
+    (eager CPU steps of a Llama-family model), not ``model(...)``.
     """
     meta = PagedAttentionMetadata.from_batch(cache, block_size, batch)
+    if fused:
+        with OneDNNLinear() if onednn else contextlib.nullcontext():
+            rows, ids, pos = batch.logits_rows, batch.input_ids, batch.positions
+            return fused_forward(model, ids, pos, skip_mask, rows, **{METADATA_KWARG: meta}).float()
     kwargs = {
         "input_ids": batch.input_ids[None, :],
         "position_ids": batch.positions[None, :],

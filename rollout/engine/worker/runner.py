@@ -153,9 +153,11 @@ class ModelRunner:
         padding: PaddingRule | None = None,
         async_batching: bool = False,
         lora: LoraSlots | None = None,
+        fused_layers: bool = False,
     ) -> None:
         self.model = model
         self.lora = lora
+        self.fused_layers = fused_layers
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
@@ -393,7 +395,8 @@ class ModelRunner:
         """
         path = batch.path
         fn = self._forwards[path]  # the plain forward on an eager path
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn)
+        fused = self.fused_layers and path not in self._static  # compiled and graphed steps keep transformers'
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn, fused)
 
         def run(b: StepBatch) -> torch.Tensor:
             with contextlib.ExitStack() as stack:

@@ -40,6 +40,8 @@
 #endif
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -52,18 +54,6 @@
 
 namespace {
 
-// 16 float32 lanes as a GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones (the compiler splits
-// it for the ISA -march=native gives), so the loops below are written once for every x86 machine.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // The sum of the 16 lanes as a tree of shuffles where AVX-512 has one (an in-order chain of 15 scalar adds otherwise,
 // which is what GCC makes of `omp simd reduction` here).
@@ -113,28 +103,6 @@ inline void add_scaled(float* __restrict acc, float p, const float* __restrict v
   const int64_t n = kD > 0 ? kD : D;
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
-}
-
-// exp(x) lane by lane for x <= 0 (std::exp is a scalar libm call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by
-// Cephes' degree-6 polynomial for expf (relative error about 1e-7), times 2^n built in the exponent bits. n is
-// rounded with the 1.5 * 2^23 trick, whose sum also holds n in its low mantissa bits. x below -87 gives about 1e-38
-// rather than 0 (masked keys are set to 0 apart).
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 magic = f32x16{} + 12582912.f;
-  x = x < -87.f ? f32x16{} - 87.f : x;
-  const f32x16 t = x * 1.44269504088896341f + magic;
-  const f32x16 n = t - magic;
-  f32x16 r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  f32x16 y = f32x16{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const i32x16 bits = ((reinterpret_cast<i32x16>(t) - reinterpret_cast<i32x16>(magic)) + 127) << 23;
-  return y * reinterpret_cast<f32x16>(bits);
 }
 
 // A key or value row of one KV head as float32: the cache row itself for a float32 cache, else converted into buf.

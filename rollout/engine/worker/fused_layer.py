@@ -1,0 +1,115 @@
+"""The Llama family's forward with fused decoder-layer ops on CPU: one step's logits without transformers' norms and MLP
+activation op by op (issue 45 item 2).
+
+A decoder layer of Llama, Qwen2/3, Mistral and SmolLM2 computes, in transformers' modules, ``RMSNorm`` (six
+elementwise ops), attention, a residual add, ``RMSNorm`` again, the gated MLP (``silu``, ``mul``) and another residual
+add: about 20 elementwise passes and dispatches per layer (docs/profile.md counted 275 ``mul`` and 182 ``add`` in one
+decode step of SmolLM2, where vLLM's CPU build runs 4-5 fused kernels per layer). ``fused_forward`` runs the same
+model's modules for what they do well (the embedding, the rotary embedding, attention with its projections and the
+engine's paged kernel, the MLP's linear layers, the LM head) and replaces the rest by rollout's CPU kernels
+(engine/attention/csrc/fused_cpu.cpp, vLLM's kernel set): ``rms_norm`` for the first layer's input,
+``fused_add_rms_norm_`` (the residual add and the next norm in one pass, the residual carried from layer to layer as
+vLLM's models do) and ``silu_and_mul``. Three ops per layer instead of about twenty.
+
+It is the step's one forward, called in place of ``model(...)`` (``forward.step_forward``) on eager CPU steps of a
+model it supports (``fused_support``); it changes nothing in the model (no module replaced or patched), so any other
+forward of the same model, in any thread, is transformers' own. Its logits equal transformers' to float32 rounding
+(another order of the sum of squares), not bit for bit. Models outside the family, other dtypes, compiled or
+CUDA-graphed steps and CUDA keep ``model(...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
+
+# transformers model types whose decoder layers are Llama's: input_layernorm -> self_attn -> residual ->
+# post_attention_layernorm -> mlp (gate, up, down; SiLU) -> residual, with Llama's RMSNorm (weight * normalised).
+# Gemma is not: its norm multiplies by (1 + weight), its MLP uses GELU, and it scales the embeddings.
+FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def fused_support(model: torch.nn.Module) -> str | None:
+    """None when ``fused_forward`` computes ``model``'s forward, else why not (a sentence for the log).
+
+    Checked: the model type (``FUSED_MODEL_TYPES``), a ``model.model`` with ``embed_tokens``, ``rotary_emb``, ``norm``
+    and ``layers``, a ``lm_head``; every layer's two norms with a float32 ``weight`` and a ``variance_epsilon``, an MLP
+    of three ``nn.Linear`` with SiLU; float32 CPU weights.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(FUSED_MODEL_TYPES)}"
+    inner = getattr(model, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "norm", "layers")
+    if inner is None or not all(hasattr(inner, p) for p in parts) or not hasattr(model, "lm_head"):
+        return "the model is not laid out as transformers' Llama (model.model.layers, norm, rotary_emb, lm_head)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
+    norms = [inner.norm]
+    for layer in inner.layers:
+        mlp = getattr(layer, "mlp", None)
+        if not all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
+            return "a layer's MLP is not three nn.Linear (gate_proj, up_proj, down_proj)"
+        norms += [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    for norm in norms:
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not hasattr(norm, "variance_epsilon"):
+            return "a norm is not RMSNorm with a weight and variance_epsilon"
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return f"the weights are {weight.dtype} on {weight.device.type}, not float32 on the CPU"
+    return None
+
+
+def fused_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_rows: torch.Tensor,
+    **attention_kwargs: object,
+) -> torch.Tensor:
+    """The logits of ``logits_rows`` for a step of ``model`` (one that ``fused_support`` accepts).
+
+    Args:
+        model: a Llama-family causal LM.
+        input_ids: int64 [T], the step's query tokens (flattened over its requests).
+        positions: int64 [T], each token's position in its request.
+        attention_mask: what the layers' attention gets (the engine's paged attention masks each request itself).
+        logits_rows: int64 [R], the rows whose logits are wanted.
+        **attention_kwargs: passed to every layer's attention (the engine's paged-attention metadata).
+
+    Returns:
+        [R, V] logits in the LM head's dtype.
+    """
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids[None])  # [1, T, H]
+    position_ids = positions[None]
+    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    residual = hidden[0]  # [T, H]: the running sum of the layers' outputs, updated in place
+    x = None  # the sublayer output to add into ``residual``, then the next sublayer's input, in place
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        norm = layer.input_layernorm
+        if x is None:
+            x = torch.ops.rollout_cpu.rms_norm(residual, norm.weight, norm.variance_epsilon)
+        else:
+            torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
+        attended = layer.self_attn(
+            hidden_states=x[None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **attention_kwargs,
+        )[0][0]
+        norm = layer.post_attention_layernorm
+        torch.ops.rollout_cpu.fused_add_rms_norm_(attended, residual, norm.weight, norm.variance_epsilon)
+        mlp = layer.mlp
+        gated = torch.ops.rollout_cpu.silu_and_mul(mlp.gate_proj(attended), mlp.up_proj(attended))
+        x = mlp.down_proj(gated)
+    norm = inner.norm
+    if x is None:  # no layers
+        x = torch.ops.rollout_cpu.rms_norm(residual, norm.weight, norm.variance_epsilon)
+    else:
+        torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
+    return model.lm_head(x.index_select(0, logits_rows))

@@ -1,0 +1,128 @@
+"""The Llama family's fused decoder layers on CPU (``rollout.engine.worker.fused_layer``, issue 45 item 2).
+
+With ``fused_layers="auto"`` an engine on a Llama, Mistral (sliding window), Qwen2 or Qwen3 model runs its eager
+steps through ``fused_forward``: greedy tokens must equal ``model.generate``'s and logprobs a teacher-forced forward
+of the unmodified model (1e-4), through prefill, chunked prefill and decode, with an adapter too; models outside the
+family (Gemma) keep transformers' forward and say why once in the log; the kernels match torch's ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
+from rollout.engine import Engine
+from rollout.engine.attention.cpu import load_kernel
+from rollout.engine.worker import fused_layer
+from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
+from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
+
+pytestmark = pytest.mark.skipif(load_kernel() is not None, reason="rollout's CPU extension does not build here")
+
+LOGPROB_ATOL = 1e-4
+
+
+def config(**kwargs: object) -> ContinuousBatchingConfig:
+    values = dict(page_size=4, num_blocks=256, max_batch_tokens=24, return_logprobs=True, fused_layers="auto")
+    values.update(kwargs)
+    return ContinuousBatchingConfig(**values)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_qwen3, tiny_mistral], ids=lambda f: f.__name__)
+def test_fused_engine_matches_transformers(make: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six requests (prompts up to 40 tokens: chunked prefill at 24 tokens a step), 10 greedy tokens each: tokens
+    equal ``generate``'s, logprobs the teacher-forced forward's; every step ran ``fused_forward``."""
+    model = make()  # type: ignore[operator]
+    calls = []
+    real = fused_layer.fused_forward
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", counted)
+    engine = Engine(model, config())
+    assert engine.runner.fused_layers
+    prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=10), request_id=f"r{i}")
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    assert len(calls) == engine.stats.num_steps > 0
+    for i, p in enumerate(prompts):
+        tokens = out[f"r{i}"].generated_tokens
+        assert tokens == reference_greedy(model, p, 10, None), i
+        assert_close(out[f"r{i}"].logprobs, teacher_forced_logprobs(model, p, tokens), atol=LOGPROB_ATOL)
+
+
+def test_a_model_outside_the_family_keeps_transformers_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_gemma()
+    with caplog.at_level(logging.INFO, logger="rollout.engine.build"):
+        engine = Engine(model, config())
+    try:
+        assert not engine.runner.fused_layers
+        assert any("fused decoder layers off" in r.getMessage() and "gemma" in r.getMessage() for r in caplog.records)
+    finally:
+        engine.close()
+
+
+def test_off_by_default_and_a_bad_value_is_refused_naming_the_field() -> None:
+    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=64))
+    try:
+        assert not engine.runner.fused_layers
+    finally:
+        engine.close()
+    with pytest.raises(FieldError, match="fused_layers"):
+        ContinuousBatchingConfig(fused_layers="on")  # type: ignore[arg-type]
+
+
+def test_kernels_match_torch() -> None:
+    """rms_norm, fused_add_rms_norm_ (residual updated in place, the input overwritten by the norm) and
+    silu_and_mul against torch's ops (1e-6), on rows with a stride, for few rows (inline) and many (threaded)."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (3, 900):
+        x = torch.randn(rows, 100, generator=g)[:, :64]
+        w, residual = torch.randn(64, generator=g), torch.randn(rows, 64, generator=g)
+
+        def norm(t: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+            return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+        torch.testing.assert_close(torch.ops.rollout_cpu.rms_norm(x, w, 1e-6), norm(x), rtol=1e-6, atol=1e-6)
+        x2, r2 = x.clone(), residual.clone()
+        torch.ops.rollout_cpu.fused_add_rms_norm_(x2, r2, w, 1e-6)
+        torch.testing.assert_close(r2, residual + x, rtol=0, atol=0)
+        torch.testing.assert_close(x2, norm(residual + x), rtol=1e-6, atol=1e-6)
+        gate, up = torch.randn(rows, 50, generator=g), torch.randn(rows, 50, generator=g)
+        expected = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(torch.ops.rollout_cpu.silu_and_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_engine_serves_an_adapter_as_peft_computes_it() -> None:
+    """An adapter's hooks run inside the fused forward too (its MLP projections see [T, H] rows): greedy tokens of a
+    request under the adapter equal its peft model's, logprobs its teacher-forced forward's (1e-4); a base request in
+    the same steps is the base model's."""
+    pytest.importorskip("peft")
+    from tests.test_lora import adapter_of, peft_model
+
+    base = tiny_llama()
+    x = peft_model(base, seed=1)
+    engine = Engine(base, config(enable_lora=True, max_loras=1))
+    assert engine.runner.fused_layers
+    engine.load_lora(adapter_of(x, "x"))
+    prompts = random_prompts(2, VOCAB_SIZE, seed=3)
+    try:
+        engine.add_request(prompts[0], SamplingParams(max_new_tokens=8), request_id="lora", lora="x")
+        engine.add_request(prompts[1], SamplingParams(max_new_tokens=8), request_id="base")
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    for rid, model, p in (("lora", x, prompts[0]), ("base", base, prompts[1])):
+        tokens = out[rid].generated_tokens
+        assert tokens == reference_greedy(model, p, 8, None), rid
+        assert_close(out[rid].logprobs, teacher_forced_logprobs(model, p, tokens), atol=LOGPROB_ATOL)
+    assert reference_greedy(x, prompts[0], 8, None) != reference_greedy(base, prompts[0], 8, None)
