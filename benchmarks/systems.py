@@ -5,8 +5,8 @@
 - ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
   than oneDNN on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``):
   how much of rollout's lead over ``hf-static`` is the linear kernel.
-- ``rollout-fused``: ``rollout`` with ``fused_layers="auto"`` (the Llama family's decoder layers with rollout's
-  fused CPU kernels, ``rollout/engine/worker/fused_layer.py``): what they bring.
+- ``rollout-unfused``: ``rollout`` with ``fused_layers="off"`` (transformers' decoder layers op by op rather than
+  the Llama family's fused CPU kernels, ``rollout/engine/worker/fused_layer.py``): what the fused layers bring.
 - ``rollout-sdpa``: ``rollout`` with ``cpu_attention="sdpa"`` (SDPA over gathered keys, not rollout's paged
   CPU kernel): what the kernel brings.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
@@ -176,13 +176,14 @@ def run_rollout(
     async_batching: bool = False,
     onednn: bool = True,
     cpu_attention: str = "auto",
-    fused_layers: str = "off",
+    fused_layers: str = "auto",
 ) -> SystemRun:
     """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
     compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
     (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
     layers (system ``rollout-mkl``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
-    ``rollout-sdpa``, eager only); ``fused_layers="auto"``: the fused decoder layers (system ``rollout-fused``)."""
+    ``rollout-sdpa``, eager only); ``fused_layers="off"``: transformers' decoder layers (system
+    ``rollout-unfused``)."""
     if not onednn and (compile_level or async_batching):
         raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
     if cpu_attention != "auto" and (compile_level or async_batching):
@@ -201,8 +202,8 @@ def run_rollout(
         name = "rollout-mkl"
     if cpu_attention == "sdpa":
         name = "rollout-sdpa"
-    if fused_layers != "off":
-        name = "rollout-fused"
+    if fused_layers == "off":
+        name = "rollout-unfused"
     t0 = time.perf_counter()
     with mock.patch.dict(os.environ, {} if onednn else {"ROLLOUT_ONEDNN_LINEAR": "0"}):
         outputs = rollout.generate_batch(

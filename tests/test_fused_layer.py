@@ -71,12 +71,14 @@ def test_a_model_outside_the_family_keeps_transformers_forward_and_says_why(capl
         engine.close()
 
 
-def test_off_by_default_and_a_bad_value_is_refused_naming_the_field() -> None:
-    engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=64))
-    try:
-        assert not engine.runner.fused_layers
-    finally:
-        engine.close()
+def test_on_by_default_off_on_request_and_a_bad_value_is_refused_naming_the_field() -> None:
+    for fused, expected in ((None, True), ("off", False)):
+        extra = {} if fused is None else {"fused_layers": fused}
+        engine = Engine(tiny_llama(), ContinuousBatchingConfig(page_size=4, num_blocks=64, **extra))
+        try:
+            assert engine.runner.fused_layers == expected
+        finally:
+            engine.close()
     with pytest.raises(FieldError, match="fused_layers"):
         ContinuousBatchingConfig(fused_layers="on")  # type: ignore[arg-type]
 
