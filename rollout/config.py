@@ -134,11 +134,6 @@ class ContinuousBatchingConfig:
             C++ compiler the first time, about 20 s), falling back to SDPA over gathered keys with one warning when it
             cannot be built; ``"paged"`` the kernel or a RuntimeError naming why not; ``"sdpa"`` SDPA. No effect on
             CUDA (flash-attn or SDPA, see ``flash.choose_flash``).
-        fused_layers: ``"auto"`` (default): eager float32 CPU steps of a Llama-family model (Llama, Mistral, Qwen2/3,
-            SmolLM2) run its decoder layers with rollout's fused kernels (``engine.worker.fused_layer``: the residual
-            add fused with RMSNorm, SiLU-and-mul; built with the paged-attention kernel, so only where
-            ``cpu_attention`` uses it), other models and steps transformers' forward, said once in the log; ``"off"``:
-            transformers' forward always.
         use_async_batching: schedule and prepare step k+1 while step k's forward and sampling run (``batch_queue``;
             placeholders for step k's tokens filled on the device: ``async_scheduler``); a row of a request that step
             k ended is computed and dropped. Greedy tokens, logprobs, seeded samples and weight versions are what the
@@ -168,6 +163,11 @@ class ContinuousBatchingConfig:
             version counters (and the process's optimizer steps): writes that bump no counter, ``param.data.copy_``
             among them, are then missed and old-weight KV may be served under them. Turn it off only if you always
             call ``update_weights`` (``update_weights(None)`` after changing the weights yourself) for every change.
+        fused_layers: ``"auto"`` (default): eager float32 CPU steps of a Llama-family model (Llama, Mistral, Qwen2/3,
+            SmolLM2) run its decoder layers with rollout's fused kernels (``engine.worker.fused_layer``: the residual
+            add fused with RMSNorm, SiLU-and-mul; built with the paged-attention kernel, so only where
+            ``cpu_attention`` uses it), other models and steps transformers' forward, said once in the log; ``"off"``:
+            transformers' forward always.
     """
 
     page_size: int | None = None
@@ -196,7 +196,6 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 0
     max_blocks_per_request: int | None = None
     cpu_attention: Literal["auto", "paged", "sdpa"] = "auto"
-    fused_layers: Literal["auto", "off"] = "auto"
     use_async_batching: bool | None = None
     disable_nccl_graph_mixing: bool = True
     cpu_group_timeout: float | None = 300.0
@@ -206,6 +205,7 @@ class ContinuousBatchingConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     check_weight_contents: bool = True
+    fused_layers: Literal["auto", "off"] = "auto"
 
     def __post_init__(self) -> None:
         check_bool("enable_lora", self.enable_lora)

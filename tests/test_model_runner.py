@@ -22,6 +22,7 @@ import torch
 from rollout import ContinuousBatchingConfig, SamplingParams
 from rollout.engine import Engine
 from rollout.engine.sched.output import ScheduledRequest, SchedulerOutput
+from rollout.engine.worker.fused_layer import fused_forward
 from rollout.engine.worker.runner import ModelRunner
 from rollout.requests import Request
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_llama
@@ -73,8 +74,18 @@ class HostTraffic:
             finally:
                 self._set(True)
 
+        def uncounted_fused(*args, **kwargs):  # the Llama family's fused forward (engine.worker.fused_layer)
+            self._set(False)
+            try:
+                return fused_forward(*args, **kwargs)
+            finally:
+                self._set(True)
+
         monkeypatch.setattr(runner, "execute", counted_execute)
-        monkeypatch.setattr(runner, "model", uncounted_forward)
+        if runner.fused_layers:
+            monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", uncounted_fused)
+        else:
+            monkeypatch.setattr(runner, "model", uncounted_forward)
 
     def _counting(self, fn, name: str):
         def wrapper(*args, **kwargs):
@@ -243,7 +254,14 @@ def captured_input_ids(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[
         seen.append((kwargs["input_ids"][0].tolist(), threading.current_thread().name))
         return model(**kwargs)
 
-    monkeypatch.setattr(engine.runner, "model", forward)
+    def fused(model, input_ids, *args, **kwargs):  # the Llama family's fused forward: input_ids [T]
+        seen.append((input_ids.tolist(), threading.current_thread().name))
+        return fused_forward(model, input_ids, *args, **kwargs)
+
+    if engine.runner.fused_layers:
+        monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", fused)
+    else:
+        monkeypatch.setattr(engine.runner, "model", forward)
     return seen
 
 

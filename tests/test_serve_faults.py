@@ -67,7 +67,7 @@ def test_an_engine_failure_answers_500_to_every_pending_request_and_health_turns
         def broken(*args: object, **kwargs: object) -> None:
             raise RuntimeError("simulated device fault")
 
-        model.model.layers[0].mlp.forward = broken
+        model.model.layers[0].mlp.down_proj.forward = broken  # called by transformers' layer and the fused one
         answers: list[httpx.Response] = []
         body = {"prompt": [5, 6, 7], "max_tokens": 5}
         callers = [

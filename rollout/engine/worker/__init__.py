@@ -1,7 +1,8 @@
 """The worker room: what runs a scheduled step on the model. The step's inputs (``inputs``: one builder, exact or
 padded, into staged buffers), the one forward (``forward``: eager, compiled or CUDA-graphed, and the warm keys of its
-shapes), the fused oneDNN linear layers (``onednn``), the model runner (``runner``: forward, then sampling), the
-readback of its results (``readback``) and tensor parallelism (``distributed``).
+shapes), the Llama family's fused decoder layers on CPU (``fused_layer``), the fused oneDNN linear layers
+(``onednn``), the model runner (``runner``: forward, then sampling), the readback of its results (``readback``) and
+tensor parallelism (``distributed``).
 
 May import the ground modules, ``rollout.lora``, ``rollout.weights``, ``engine.attention``, ``engine.sample``,
 ``engine.staging``, ``engine.kv`` (the cache tensors and the offload pool, not the KV cache manager) and
