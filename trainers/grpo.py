@@ -89,11 +89,10 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
         # A peft model passes its keyword arguments to the model it wraps: ask that one.
         model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        cfg = self.config
-        params: Any = policy.parameters()
-        if cfg.lora_r is not None and cfg.lora_plus_ratio != 1.0:
-            params = lora_plus_groups(policy.named_parameters(), cfg.learning_rate, cfg.lora_plus_ratio)
-        self.setup_optimization(policy, params)
+        cfg = self.config  # one group of every trained tensor; with LoRA+ the B matrices in a second one
+        self.setup_optimization(
+            policy, lora_plus_groups(policy.named_parameters(), cfg.learning_rate, cfg.lora_plus_ratio)
+        )
         assert self.unwrapped is policy, "accelerate must wrap the model object, not copy it"
 
     def describe_step(self) -> str:

@@ -120,12 +120,13 @@ def lora_plus_groups(named: Iterable[tuple[str, torch.nn.Parameter]], lr: float,
         ratio: B's learning rate over A's (> 0).
 
     Returns:
-        Two groups (``params``, ``lr``): the others, then the B matrices; an empty one is left out.
+        Groups (``params``, ``lr``): the others, then the B matrices, or one group of all when ``ratio`` is 1 (full
+        fine-tuning has no B); an empty one is left out.
     """
     others, b = [], []
     for name, p in named:
         if p.requires_grad:
-            (b if ".lora_B." in name else others).append(p)
+            (b if ".lora_B." in name and ratio != 1.0 else others).append(p)
     groups = [{"params": others, "lr": lr}, {"params": b, "lr": lr * ratio}]
     return [g for g in groups if g["params"]]
 

@@ -149,7 +149,7 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
         module = PolicyWithValue(policy, cfg.value_model)
         value_ids = {id(p) for p in module.value_parameters()}
         policy_params = [(n, p) for n, p in module.named_parameters() if id(p) not in value_ids]
-        groups = lora_plus_groups(policy_params, cfg.learning_rate, cfg.lora_plus_ratio if cfg.lora_r else 1.0)
+        groups = lora_plus_groups(policy_params, cfg.learning_rate, cfg.lora_plus_ratio)
         groups.append({"params": module.value_parameters(), "lr": cfg.value_learning_rate})
         self.setup_optimization(module, groups)
         assert self.unwrapped.policy is policy, "accelerate must wrap the model object, not copy it"

@@ -124,10 +124,10 @@ def build_parts(
     kv_cache_manager = KVCacheManager(block_manager, spec.safety_margin, offload_pool, cache.layout.sliding_windows)
     # The LoRA adapters (enable_lora): hooks on the targeted linear layers, each token under its request's; on CPU
     # through rollout's kernel where the paged-attention extension (which holds it) is loaded.
+    cpu_kernels = spec.use_flash and spec.device.type == "cpu"  # rollout's C++ extension is loaded
     lora = None
     if config.enable_lora:
-        cpu_kernel = spec.use_flash and spec.device.type == "cpu"
-        lora = LoraSlots(model, config.max_loras, config.max_lora_rank, cpu_kernel=cpu_kernel)
+        lora = LoraSlots(model, config.max_loras, config.max_lora_rank, cpu_kernel=cpu_kernels)
     scheduler_class = AsyncScheduler if spec.async_batching else Scheduler
     scheduler = scheduler_class(
         kv_cache_manager, spec.max_batch_tokens, config.max_requests_per_batch, config.scheduler_type
@@ -146,7 +146,7 @@ def build_parts(
         padding=spec.padding,
         async_batching=spec.async_batching,
         lora=lora,
-        fused_layers=fused_layers_of(model, config, spec.use_flash and spec.device.type == "cpu"),
+        fused_layers=fused_layers_of(model, config, cpu_kernels),
     )
     # The model's weight version, shared with every engine on it: weights changed since the last check (by any means:
     # check_weight_contents) make a new one before this engine starts at it.

@@ -148,8 +148,8 @@ class StepBatch:
             step, fixed by its shape; the longest request's query rows and keys on an eager one.
         flash_decode: every row decodes through ``flash_attn_with_kvcache`` (eager, compiled or graphed).
         lora_slots: int64 [T]; each row's ``lora.LoraSlots`` slot (-1: the base model, padded rows); None without LoRA.
-        any_lora: some real row has an adapter (a host value: a step of the base model alone runs no LoRA work).
-        lora_used, lora_uniform: the real rows' distinct slots >= 0, ascending; whether all run under the first.
+        lora_used, lora_uniform: the real rows' distinct slots >= 0, ascending; whether all run under the first
+            (host values: a step whose rows are all the base model's runs no LoRA work).
     """
 
     input_ids: torch.Tensor
@@ -167,7 +167,6 @@ class StepBatch:
     varlen_max_seqlens: tuple[int, int] | None = None
     flash_decode: bool = False
     lora_slots: torch.Tensor | None = None
-    any_lora: bool = False
     lora_used: tuple[int, ...] = ()
     lora_uniform: bool = False
 
@@ -369,7 +368,7 @@ def build_step_batch(
     batch = StepBatch(**{"decode_rows": None, **tensors}, varlen_max_seqlens=max_seqlens)
     if lora:  # the real rows' slots, read on the host (an eager step's LoRA work follows them)
         used = np.unique(lora_slots[:start][lora_slots[:start] >= 0])
-        batch.any_lora, batch.lora_used = len(used) > 0, tuple(used.tolist())
+        batch.lora_used = tuple(used.tolist())
         batch.lora_uniform = len(used) == 1 and bool((lora_slots[:start] == used[0]).all())
     return batch, staged[len(arrays) :]
 

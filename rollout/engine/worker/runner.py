@@ -395,7 +395,8 @@ class ModelRunner:
         """
         path = batch.path
         fn = self._forwards[path]  # the plain forward on an eager path
-        fused = self.fused_layers and path not in self._static  # compiled and graphed steps keep transformers'
+        static = path in self._static  # compiled or CUDA-graphed: transformers' forward, LoRA over every slot
+        fused = self.fused_layers and not static
         args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn, fused)
 
         def run(b: StepBatch) -> torch.Tensor:
@@ -403,12 +404,11 @@ class ModelRunner:
                 if self.packs is not None:
                     stack.enter_context(self.packs.active())
                 if self.lora is not None:  # each token's adapter, added by the targeted layers' hooks
-                    static = path in self._static
                     stack.enter_context(self.lora.step(b.lora_slots, b.lora_used, b.lora_uniform, static))
                 return self.compile_counter.run(fn, self.model, self.cache, b, *args)
 
         if self.graphs is not None and self.cuda_graph_paths[path]:
-            return self.graphs.run((path, batch.shape, batch.kernel, batch.any_lora), run, batch)
+            return self.graphs.run((path, batch.shape, batch.kernel, bool(batch.lora_used)), run, batch)
         return run(batch)
 
     @torch.inference_mode()
