@@ -168,6 +168,13 @@ class ContinuousBatchingConfig:
             add fused with RMSNorm, SiLU-and-mul; built with the paged-attention kernel, so only where
             ``cpu_attention`` uses it), other models and steps transformers' forward, said once in the log; ``"off"``:
             transformers' forward always.
+        batch_invariant: compute every token's logits and logprobs with rollout's batch-invariant CPU kernels
+            (``rollout.batch_invariant()``, ``engine.worker.invariant``): a row's result depends on nothing else in
+            the step (other requests, chunking, prefix-cache hits, forks, preemption), and equals, bitwise, what a
+            plain transformers forward of the same model computes inside ``rollout.batch_invariant()``, so a trainer's
+            ``log_softmax(logits / T)`` equals the engine's logprob of the token and the importance ratio is exactly 1
+            at equal weights. float32 on CPU, eager (no compile, no CUDA graphs), no LoRA; fused layers and oneDNN
+            are off in this mode. The cost is in docs/bench.md.
     """
 
     page_size: int | None = None
@@ -206,6 +213,7 @@ class ContinuousBatchingConfig:
     max_lora_rank: int = 16
     check_weight_contents: bool = True
     fused_layers: Literal["auto", "off"] = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_bool("enable_lora", self.enable_lora)
@@ -247,6 +255,7 @@ class ContinuousBatchingConfig:
             "per_request_processors",
             "drop_unsupported_processors",
             "check_weight_contents",
+            "batch_invariant",
         ):
             check_bool(name, getattr(self, name))
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)

@@ -67,12 +67,39 @@ class EngineParts:
 def fused_layers_of(model: torch.nn.Module, config: ContinuousBatchingConfig, cpu_kernels: bool) -> bool:
     """Whether the engine's eager steps run ``engine.worker.fused_layer`` (``config.fused_layers``): ``"auto"`` where
     rollout's CPU kernels are loaded and the model is supported; a model that is not gets one log line saying why."""
-    if config.fused_layers == "off" or not cpu_kernels:
+    if config.fused_layers == "off" or config.batch_invariant or not cpu_kernels:
         return False
     reason = fused_support(model)
     if reason is not None:
         logger.info("fused decoder layers off for this model (transformers' forward instead): %s", reason)
     return reason is None
+
+
+def check_batch_invariant(model: torch.nn.Module, config: ContinuousBatchingConfig, spec: EngineSpec) -> None:
+    """Refuse ``batch_invariant=True`` where the engine cannot keep its promise, before anything is allocated.
+
+    Raises:
+        ValueError: naming ``batch_invariant`` and what conflicts: a device other than the CPU, a parameter that is
+            not float32, a compiled or CUDA-graphed path, LoRA, tensor parallelism, or rollout's CPU kernels not
+            in use (``cpu_attention='sdpa'``, or the build failed: the reason is in the log).
+    """
+    if not config.batch_invariant:
+        return
+    why = None
+    if spec.device.type != "cpu":
+        why = f"it runs on the CPU only for now, the engine's device is {spec.device.type!r}"
+    elif any(p.dtype != torch.float32 for p in model.parameters()):
+        why = "the model's parameters must be float32"
+    elif any(c is not None for c in spec.compile_configs) or any(spec.cuda_graphs):
+        why = "steps must be eager: set default_compile_level=0 and no compile configs or CUDA graphs"
+    elif config.enable_lora:
+        why = "LoRA adapters are not served in this mode yet (enable_lora must be False)"
+    elif spec.tp is not None:
+        why = "a tensor-parallel model is not supported in this mode"
+    elif not spec.use_flash:
+        why = "it needs rollout's CPU kernels: cpu_attention must be 'auto' or 'paged' and the kernels must build"
+    if why is not None:
+        raise ValueError(f"batch_invariant=True: {why}")
 
 
 def build_parts(
@@ -104,6 +131,7 @@ def build_parts(
     """
     check_model_supported(model)
     spec = EngineSpec.resolve(model, config, max_tokens_hint, fallback_compile_config)
+    check_batch_invariant(model, config, spec)
     if config.enable_lora and spec.tp is not None:
         raise ValueError("enable_lora=True: LoRA adapters are not served on a tensor-parallel model yet")
     check_cache_fits(model, config)
@@ -147,6 +175,7 @@ def build_parts(
         async_batching=spec.async_batching,
         lora=lora,
         fused_layers=fused_layers_of(model, config, cpu_kernels),
+        batch_invariant=config.batch_invariant,
     )
     # The model's weight version, shared with every engine on it: weights changed since the last check (by any means:
     # check_weight_contents) make a new one before this engine starts at it.

@@ -51,7 +51,9 @@ LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 # And the Llama family's fused decoder-layer ops (``rollout_cpu::rms_norm``, ``fused_add_rms_norm_``,
 # ``silu_and_mul``; ``engine.worker.fused_layer``).
 FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
-SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE)
+# And the batch-invariant kernels (``rollout_cpu::invariant_*``; ``engine.worker.invariant``).
+INVARIANT_SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
+SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE, INVARIANT_SOURCE)
 # Included by the attention and fused kernels: part of the build's digest, not compiled alone.
 HEADERS = (Path(__file__).parent / "csrc" / "vec16.h",)
 _BUILD_LOCK = threading.Lock()
@@ -175,6 +177,7 @@ def flash_attn_varlen_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     block_table: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """flash-attn's paged ``flash_attn_varlen_func`` on CPU.
 
@@ -190,6 +193,8 @@ def flash_attn_varlen_func(
             positions back (-1: all).
         softcap: > 0 caps the scaled scores as softcap * tanh(score / softcap).
         block_table: int32 [B, W].
+        invariant: run the batch-invariant kernel (``rollout_cpu::invariant_paged_attention``, float32: each query
+            over its keys in ascending position, as ``rollout.batch_invariant()``'s attention) instead.
 
     Returns:
         [T, H, D] in q's dtype; rows from ``cu_seqlens_q[-1]`` on are 0.
@@ -201,9 +206,8 @@ def flash_attn_varlen_func(
     assert block_table is not None, "the CPU kernel reads a paged cache"
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     left = _window_left(causal, window_size)
-    return torch.ops.rollout_cpu.paged_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, None, block_table, scale, left, softcap
-    )
+    op = torch.ops.rollout_cpu.invariant_paged_attention if invariant else torch.ops.rollout_cpu.paged_attention
+    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, None, block_table, scale, left, softcap)
 
 
 def flash_attn_with_kvcache(
@@ -216,12 +220,14 @@ def flash_attn_with_kvcache(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """flash-attn's paged ``flash_attn_with_kvcache`` on CPU, for one query token per sequence (a decode step).
 
     Args:
         q: [B, 1, H, D]; k_cache, v_cache, block_table and the rest as in ``flash_attn_varlen_func``.
         cache_seqlens: int32 [B]; sequence b's keys (this step's included, already in the cache).
+        invariant: as in ``flash_attn_varlen_func``.
 
     Returns:
         [B, 1, H, D] in q's dtype.
@@ -229,7 +235,6 @@ def flash_attn_with_kvcache(
     assert q.shape[1] == 1, "the CPU kernel's kvcache form takes one query token per sequence"
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     left = _window_left(causal, window_size)
-    out = torch.ops.rollout_cpu.paged_attention(
-        q[:, 0], k_cache, v_cache, None, None, cache_seqlens, block_table, scale, left, softcap
-    )
+    op = torch.ops.rollout_cpu.invariant_paged_attention if invariant else torch.ops.rollout_cpu.paged_attention
+    out = op(q[:, 0], k_cache, v_cache, None, None, cache_seqlens, block_table, scale, left, softcap)
     return out.unsqueeze(1)

@@ -63,6 +63,7 @@ class PagedAttentionMetadata:
             T - 1 (the rows whose queries they take), computed once per step rather than per layer.
         flash: the flash-attn (or CPU kernel) inputs of the step (``worker.inputs.StepBatch.flash``: names,
             dtypes and shapes), else None.
+        invariant: the CPU kernel's batch-invariant form (``ContinuousBatchingConfig.batch_invariant``).
     """
 
     cache: PagedKVCache
@@ -76,10 +77,13 @@ class PagedAttentionMetadata:
     decode_read: torch.Tensor | None = None
     prefill_read: torch.Tensor | None = None
     flash: dict[str, Any] | None = None
+    invariant: bool = False
     _on_device: dict[torch.device, PagedAttentionMetadata] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_batch(cls, cache: PagedKVCache, block_size: int, batch: Any) -> PagedAttentionMetadata:
+    def from_batch(
+        cls, cache: PagedKVCache, block_size: int, batch: Any, invariant: bool = False
+    ) -> PagedAttentionMetadata:
         """The metadata of a step from its inputs (traceable: no host read).
 
         Args:
@@ -89,6 +93,7 @@ class PagedAttentionMetadata:
                 positions and ``flash`` inputs as the attributes here; its ``decode_tables`` int64 [N, Bd, Wd]
                 and ``prefill_tables`` int64 [N, G, Wp] (None on the decode path), each group's block table,
                 gathered into [N, Bd, Ld = Wd * block_size] and [N, G, Lp = Wp * block_size].
+            invariant: as the attribute.
         """
         slot_mapping, decode_rows, prefill_rows = batch.slot_mapping, batch.decode_rows, batch.prefill_rows
         flash = batch.flash
@@ -113,6 +118,7 @@ class PagedAttentionMetadata:
             decode_read,
             prefill_read,
             flash,
+            invariant,
         )
 
     def group_of(self, layer: int, sliding_window: int | None) -> int:
@@ -289,7 +295,7 @@ def paged_attention(
     cache.write(layer, meta.slot_mapping[g], key[0].transpose(0, 1), value[0].transpose(0, 1))
     if meta.flash is not None:
         return _flash_attention(
-            query, k_cache, v_cache, meta.flash, g, cache.block_size, scale, sliding_window, softcap
+            query, k_cache, v_cache, meta.flash, g, cache.block_size, scale, sliding_window, softcap, meta.invariant
         )
     dtype = _compute_dtype(query)
     q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
@@ -325,6 +331,7 @@ def _flash_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """flash-attn over the paged cache: the decode fast path when ``f`` has ``cache_seqlens``, else varlen.
 
@@ -357,6 +364,8 @@ def _flash_attention(
     )
     lengths = {k: v for k, v in f.items() if k != "block_tables"}  # cache_seqlens, or cu_seqlens_* and max_seqlen_*
     on_cpu = k_cache.device.type == "cpu"
+    if invariant:  # rollout's CPU kernel only (ContinuousBatchingConfig.batch_invariant is refused elsewhere)
+        shared["invariant"] = True
     if "cache_seqlens" in f:
         with_kvcache = cpu_attention.flash_attn_with_kvcache if on_cpu else _flash_attn_with_kvcache
         assert with_kvcache is not None

@@ -74,14 +74,16 @@ def step_forward(
     logits_to_keep: bool,
     onednn: bool,
     fused: bool = False,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """The model's forward on a step's batch, then its kept logits rows in float32 [R, V].
 
     ``onednn``: run the float32 CPU linear layers inside ``onednn.OneDNNLinear`` (the runner's ``onednn.linear_plan``,
     a constant to dynamo); False keeps ``F.linear`` (MKL). ``fused``: the forward is ``fused_layer.fused_forward``
-    (eager CPU steps of a Llama-family model), not ``model(...)``.
+    (eager CPU steps of a Llama-family model), not ``model(...)``. ``invariant``: the paged attention runs its
+    batch-invariant kernel (the runner runs the step inside ``invariant.batch_invariant()`` too).
     """
-    meta = PagedAttentionMetadata.from_batch(cache, block_size, batch)
+    meta = PagedAttentionMetadata.from_batch(cache, block_size, batch, invariant)
     if fused:
         with OneDNNLinear() if onednn else contextlib.nullcontext():
             rows, ids, pos = batch.logits_rows, batch.input_ids, batch.positions

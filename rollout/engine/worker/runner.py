@@ -49,6 +49,7 @@ from rollout.engine.worker.inputs import (
     prepare_inputs,
     synthetic_batch,
 )
+from rollout.engine.worker.invariant import batch_invariant
 from rollout.engine.worker.onednn import PackedWeights, linear_plan, sibling_groups
 from rollout.engine.worker.readback import StepResult, pack_results, read_back
 from rollout.lora import LoraSlots
@@ -154,8 +155,12 @@ class ModelRunner:
         async_batching: bool = False,
         lora: LoraSlots | None = None,
         fused_layers: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        # ContinuousBatchingConfig.batch_invariant: every step's forward and sampling inside batch_invariant() (the
+        # build refused what it cannot run: compiled or graphed paths, fused layers, LoRA, non-float32, off the CPU).
+        self.batch_invariant = batch_invariant
         self.lora = lora
         self.fused_layers = fused_layers
         self.cache = cache
@@ -178,7 +183,7 @@ class ModelRunner:
         # On CPU the step's float32 linear layers (eager and padded) run oneDNN on their weights reordered once into
         # its blocked layout where the copies fit in memory, else MKL (``onednn``: MKL and oneDNN reorder a plain weight
         # at every call).
-        self._onednn, pack = linear_plan(model, self.device)
+        self._onednn, pack = (False, False) if batch_invariant else linear_plan(model, self.device)
         self.packs: PackedWeights | None = PackedWeights(sibling_groups(model)) if pack else None
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -344,6 +349,11 @@ class ModelRunner:
             assert previous_tokens is not None
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
             prepared.batch.input_ids[rows] = previous_tokens.index_select(0, sources)
+        with batch_invariant() if self.batch_invariant else contextlib.nullcontext():
+            return self._forward_and_sample(prepared, readback)
+
+    def _forward_and_sample(self, prepared: PreparedStep, readback: bool) -> StepResult:
+        scheduler_output, plan = prepared.scheduler_output, prepared.plan
         with record_function(FORWARD_SCOPE):
             logits = self.forward(prepared.batch)[: len(prepared.rows)]
         scores: torch.Tensor | None = None
@@ -397,7 +407,7 @@ class ModelRunner:
         fn = self._forwards[path]  # the plain forward on an eager path
         static = path in self._static  # compiled or CUDA-graphed: transformers' forward, LoRA over every slot
         fused = self.fused_layers and not static
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn, fused)
+        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn, fused, self.batch_invariant)
 
         def run(b: StepBatch) -> torch.Tensor:
             with contextlib.ExitStack() as stack:

@@ -1,0 +1,268 @@
+"""Batch invariance: the engine's logprobs bitwise equal to the trainer's own forward, in any batch.
+
+RL's importance ratio is ``exp(logp_trainer - logp_rollout)``. The engine and the trainer run the same transformers
+modules on the same weights, but a token's logits still differ in the last bits: a decode step runs 1-row GEMMs where
+the trainer runs T-row ones, MKL and oneDNN choose their blocking (and with it the order of the sum over K) by the row
+count, the engine's paged attention sums over keys in another order than the trainer's SDPA, and ATen computes the
+tail of a vectorized elementwise loop with scalar libm calls that round differently from the vector ones.
+
+``batch_invariant()`` is a context manager under which every operation whose result could depend on the other rows
+runs one of rollout's kernels instead (``attention/csrc/invariant_cpu.cpp``, where the rules are written out):
+
+- ``aten.mm`` and ``aten.addmm`` of a linear layer (``x @ W^T``): each element one chain of FMAs over K in one order
+  (threads split rows and columns, never K);
+- ``aten.mean.dim`` and ``aten._log_softmax`` over the last dimension: each row alone, in one order (RMSNorm's mean,
+  the logprobs);
+- ``aten.silu``, ``aten.gelu``, ``aten.cos``, ``aten.sin``: the same formula for every element wherever it lies;
+- ``torch.nn.functional.scaled_dot_product_attention`` (transformers' ``sdpa`` attention, the trainer's): each query
+  over its visible keys in ascending position (``invariant_attention_dense``); the engine's paged attention runs the
+  same per-query code over its cache (``invariant_paged_attention``), after the step wrote its keys and values.
+
+Everything else (adds, multiplies, divisions, ``rsqrt``, copies, embedding lookups) is exact elementwise IEEE
+arithmetic, the same for a row wherever it lies. The engine runs its steps under the context when
+``ContinuousBatchingConfig(batch_invariant=True)``; a trainer runs its forward under it. Then a token's
+``log_softmax(logits / T)`` is the same float on both sides (tests/test_batch_invariant.py compares with ``==``).
+
+The modes are thread-local (a ``TorchDispatchMode`` and a ``TorchFunctionMode`` on the entering thread's stacks):
+another thread's forward, the engine's included, is untouched. Only the forward is made invariant; autograd's backward
+runs ATen's kernels for the products it forms (another layout than a linear layer's) and recomputes attention with
+plain ops (``_Attention.backward``).
+
+The anchors: Thinking Machines' ``batch_invariant_ops`` (overrides of ``aten::mm``, ``addmm``, ``_log_softmax``,
+``mean.dim`` with fixed-tile kernels, no split-K), vLLM's batch-invariant mode with TorchTitan and SGLang's
+deterministic mode (attention with a fixed split size, the KV cache written before it is read); those run on GPUs.
+Here the kernels are rollout's C++ CPU kernels, float32 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rollout.engine.attention.cpu import load_kernel
+
+aten = torch.ops.aten
+_UNARY = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "cos": 3, "sin": 4}
+_state = threading.local()  # per thread: how deep in batch_invariant() this thread is
+
+
+def is_active() -> bool:
+    """Whether the calling thread is inside ``batch_invariant()`` (the engine's paged attention then runs the
+    invariant kernel)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+def _cpu_float(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> Any:
+    """``a @ b`` when it is a linear layer's ``x @ W^T`` (b's columns contiguous); other layouts (autograd's) keep
+    ATen's kernel."""
+    if not _cpu_float(a, b) or a.stride(-1) != 1 or b.stride(0) != 1:
+        return NotImplemented
+    return torch.ops.rollout_cpu.invariant_mm(a, b.t())
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> Any:
+    if beta != 1 or alpha != 1:
+        return NotImplemented
+    out = _mm(a, b)
+    return out if out is NotImplemented else out + bias
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    """``F.linear``, which reaches the mode whole under ``torch.inference_mode`` (the engine's steps); with autograd
+    it arrives as ``mm`` / ``addmm`` of the same rows."""
+    if not _cpu_float(x, weight) or weight.dim() != 2 or weight.stride(-1) != 1 or x.dim() == 0:
+        return NotImplemented
+    out = torch.ops.rollout_cpu.invariant_mm(x.reshape(-1, x.shape[-1]), weight)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _last_dim(x: torch.Tensor, dim: Any) -> bool:
+    dims = [dim] if isinstance(dim, int) else list(dim or [])
+    return x.dim() > 0 and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _mean(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
+    if not _cpu_float(x) or dtype not in (None, torch.float32) or not _last_dim(x, dim) or x.shape[-1] == 0:
+        return NotImplemented
+    out = torch.ops.rollout_cpu.invariant_mean(_rows(x)).view(x.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
+
+
+def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> Any:
+    if not _cpu_float(x) or half_to_float or not _last_dim(x, dim) or x.shape[-1] == 0:
+        return NotImplemented
+    return torch.ops.rollout_cpu.invariant_log_softmax(_rows(x)).view(x.shape)
+
+
+def _unary(op: str) -> Callable[..., Any]:
+    def run(x: torch.Tensor) -> Any:
+        if not _cpu_float(x):
+            return NotImplemented
+        return torch.ops.rollout_cpu.invariant_unary(x, _UNARY[op])
+
+    return run
+
+
+def _gelu(x: torch.Tensor, *, approximate: str = "none") -> Any:
+    return _unary("gelu_tanh" if approximate == "tanh" else "gelu")(x)
+
+
+_HANDLERS: dict[Any, Callable[..., Any]] = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.linear.default: _linear,
+    aten.mean.dim: _mean,
+    aten._log_softmax.default: _log_softmax,
+    aten.silu.default: _unary("silu"),
+    aten.gelu.default: _gelu,
+    aten.cos.default: _unary("cos"),
+    aten.sin.default: _unary("sin"),
+}
+
+
+class _InvariantOps(TorchDispatchMode):
+    """The aten operations of ``_HANDLERS`` through rollout's invariant kernels (where their inputs qualify)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+
+def _allowed_keys(
+    attn_mask: torch.Tensor | None, is_causal: bool, batch: int, heads: int, t: int, s: int
+) -> torch.Tensor:
+    """bool [B, T, S]: which keys each query sees, from SDPA's ``attn_mask`` (bool, or float of 0 and -inf/min)
+    and ``is_causal`` (aligned to the top left, as SDPA's).
+
+    Raises:
+        ValueError: a mask that differs between heads or adds a bias (neither is what transformers' masks are).
+    """
+    allowed = torch.ones(batch, t, s, dtype=torch.bool)
+    if attn_mask is not None:
+        mask = attn_mask
+        if mask.dtype != torch.bool:
+            finite_bias = (mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)
+            if bool(finite_bias.any()):
+                raise ValueError("batch_invariant(): an attention mask with a bias (not 0 / -inf) is not supported")
+            mask = mask == 0
+        mask = mask.expand(batch, heads, t, s) if mask.dim() == 4 else mask.expand(batch, 1, t, s)
+        if mask.shape[1] > 1 and not bool((mask == mask[:, :1]).all()):
+            raise ValueError("batch_invariant(): an attention mask that differs between heads is not supported")
+        allowed = allowed & mask[:, 0]
+    if is_causal:
+        allowed = allowed & torch.ones(t, s, dtype=torch.bool).tril()
+    return allowed
+
+
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same attention in plain differentiable ops (for the backward): [B, H, T, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key: 0, as the kernel
+    return probs @ v
+
+
+class _Attention(torch.autograd.Function):
+    """Forward: rollout's invariant attention. Backward: the gradient of ``_reference_attention``."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> Any:
+        ctx.save_for_backward(q, k, v, allowed)
+        ctx.scale = scale
+        return torch.ops.rollout_cpu.invariant_attention_dense(q, k, v, allowed, scale, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        q, k, v, allowed = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = _reference_attention(*inputs, allowed, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    if not _cpu_float(query, key, value) or query.dim() != 4:
+        return NotImplemented
+    if dropout_p:
+        raise ValueError(f"batch_invariant(): attention dropout must be 0 (the forward is evaluated), got {dropout_p}")
+    b, h, t, d = query.shape
+    allowed = _allowed_keys(attn_mask, is_causal, b, h, t, key.shape[2])
+    return _Attention.apply(query, key, value, allowed, scale if scale is not None else d**-0.5)
+
+
+class _InvariantAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` through ``_sdpa``; every other function as it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = _sdpa(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def batch_invariant() -> Iterator[None]:
+    """Run the calling thread's float32 CPU forwards with rollout's batch-invariant kernels (see the module).
+
+    Under it, a plain transformers forward of a model (any batch size, padded with an attention mask, its default
+    ``sdpa`` attention) computes each row's logits and ``log_softmax`` as an engine built with
+    ``ContinuousBatchingConfig(batch_invariant=True)`` computes them: bitwise equal, whatever the rest of either batch.
+    Re-entrant; other threads are untouched.
+
+    Example::
+
+        with rollout.batch_invariant():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        logprobs = torch.log_softmax(logits / T, dim=-1)  # run it inside too: the log-softmax is one of the ops
+
+    Raises:
+        RuntimeError: rollout's C++ CPU extension cannot be built here (the reason named).
+    """
+    reason = load_kernel()
+    if reason is not None:
+        raise RuntimeError(f"batch_invariant() needs rollout's CPU kernels: {reason}")
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        with _InvariantAttention(), _InvariantOps():
+            yield
+    finally:
+        _state.depth -= 1
