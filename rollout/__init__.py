@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
     # Loaded from here for older code, not exported (see below): the redundant aliases say so.
     from rollout.engine import Engine as Engine
     from rollout.engine import EngineStats as EngineStats
+    from rollout.engine import batch_invariant as batch_invariant
     from rollout.engine import num_blocks_for_model as num_blocks_for_model
     from rollout.engine import usable_memory_bytes as usable_memory_bytes
     from rollout.fleet import RolloutClient, RolloutPool, RolloutServerError, RolloutWeightTransfer
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what type checkers and editors read; at run time each name 
 # ``rollout.engine``.
 _EXPORTS = {
     "attach": "rollout.manager",
+    "batch_invariant": "rollout.engine",
     "continuous_batching_context_manager": "rollout.manager",
     "generate_batch": "rollout.manager",
     "init_continuous_batching": "rollout.manager",
@@ -112,6 +114,7 @@ _EXPORTS = {
 
 __all__ = [
     "attach",
+    "batch_invariant",
     "is_attached",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",

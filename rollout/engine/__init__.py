@@ -15,6 +15,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.kv.sizing import num_blocks_for_model, usable_memory_bytes
 from rollout.engine.stats import EngineStats
 from rollout.engine.worker.distributed import TensorParallel, is_driver_rank
+from rollout.engine.worker.invariant import batch_invariant
 from rollout.weights.model_info import UnsupportedModelError
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "EngineStats",
     "TensorParallel",
     "UnsupportedModelError",
+    "batch_invariant",
     "is_driver_rank",
     "num_blocks_for_model",
     "usable_memory_bytes",

@@ -111,6 +111,13 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> Any:
     return torch.ops.rollout_cpu.invariant_log_softmax(_rows(x)).view(x.shape)
 
 
+def _log_softmax_int(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> Any:
+    """``torch.log_softmax`` as it reaches the mode under ``torch.inference_mode`` (the engine's sampler)."""
+    if dtype not in (None, torch.float32):
+        return NotImplemented
+    return _log_softmax(x, dim, False)
+
+
 def _unary(op: str) -> Callable[..., Any]:
     def run(x: torch.Tensor) -> Any:
         if not _cpu_float(x):
@@ -130,6 +137,7 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     aten.linear.default: _linear,
     aten.mean.dim: _mean,
     aten._log_softmax.default: _log_softmax,
+    aten.log_softmax.int: _log_softmax_int,
     aten.silu.default: _unary("silu"),
     aten.gelu.default: _gelu,
     aten.cos.default: _unary("cos"),

@@ -1,0 +1,285 @@
+"""Batch invariance (issue 46): with ``ContinuousBatchingConfig(batch_invariant=True)`` the engine's logprob of every
+generated token equals, bitwise (``==``), the trainer's ``log_softmax(logits / T)`` from a plain transformers forward of
+the same model inside ``rollout.batch_invariant()``, whatever else either side batched: the same request alone or
+among 63 others, chunked prefill at several budgets, a prefix-cache hit, a fork, preemption (recompute and offload),
+async batching; the trainer's forward alone or batched (right- or left-padded). The modes are thread-local: a forward
+of the same model in another thread is untouched while the engine decodes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rollout
+from rollout import ContinuousBatchingConfig, GenerationOutput, SamplingParams
+from rollout.engine import Engine
+from rollout.engine.attention.cpu import load_kernel
+from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama, tiny_mistral, tiny_qwen2
+from tests.utils import assert_close, run_engine
+from trainers.loss import completion_logprobs
+
+pytestmark = pytest.mark.skipif(load_kernel() is not None, reason="rollout's CPU extension does not build here")
+
+T = 0.7
+
+
+def config(**kwargs: object) -> ContinuousBatchingConfig:
+    values = dict(page_size=4, num_blocks=256, max_batch_tokens=24, return_logprobs=True, batch_invariant=True)
+    values.update(kwargs)
+    return ContinuousBatchingConfig(**values)
+
+
+def sampled(seed: int, n: int = 10) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, do_sample=True, temperature=T, seed=seed)
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, **kw: object) -> tuple[
+    list[GenerationOutput], Engine
+]:
+    """Each prompt i sampled with seed i (or the ``params`` given), through one engine; outputs in prompt order."""
+    engine = Engine(model, cfg)
+    params = kw.get("params")
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params[i] if params else sampled(i), request_id=f"r{i}")  # type: ignore[index]
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    return [out[f"r{i}"] for i in range(len(prompts))], engine
+
+
+def trainer_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], temperature: float = T
+) -> list[torch.Tensor]:
+    """The trainer's side: ``trainers.loss.completion_logprobs`` (one left-padded forward, with autograd) inside
+    ``rollout.batch_invariant()``; the logprobs of each completion."""
+    with rollout.batch_invariant():
+        logps, _ = completion_logprobs(model, prompts, completions, temperature, pad_token_id=0)
+    return [logps[i, : len(c)].detach() for i, c in enumerate(completions)]
+
+
+def assert_bitwise(engine_out: list[GenerationOutput], trainer: list[torch.Tensor]) -> None:
+    for i, (out, lp) in enumerate(zip(engine_out, trainer, strict=True)):
+        got = torch.tensor(out.logprobs, dtype=torch.float32)
+        assert got.shape == lp.shape, i
+        differ = int((got != lp).sum())
+        assert differ == 0, f"request {i}: {differ} of {len(got)} logprobs differ (max {float((got - lp).abs().max())})"
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_mistral, tiny_gemma], ids=lambda f: f.__name__)
+def test_engine_logprobs_equal_trainer_forward_bitwise(make: object) -> None:
+    """Six sampled requests (prompts up to 40 tokens, chunked at 24 a step): every logprob equals the trainer's
+    batched forward and its forward of each request alone (Mistral and Gemma 3 with an 8-token sliding window)."""
+    model = make()  # type: ignore[operator]
+    prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
+    outs, _ = generate(model, prompts, config())
+    completions = [o.generated_tokens for o in outs]
+    assert_bitwise(outs, trainer_logprobs(model, prompts, completions))
+    for i in range(len(prompts)):
+        assert_bitwise([outs[i]], trainer_logprobs(model, [prompts[i]], [completions[i]]))
+
+
+def test_raw_logprobs_equal_the_trainers_at_temperature_1() -> None:
+    model = tiny_llama()
+    prompts = random_prompts(4, VOCAB_SIZE, max_len=30, seed=3)
+    outs, _ = generate(model, prompts, config(logprobs_mode="raw"))
+    assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs], temperature=1.0))
+
+
+def test_default_mode_is_not_bitwise() -> None:
+    """Without the mode the two sides differ in the last bits (what the mode is for): the test above can fail."""
+    model = tiny_llama()
+    prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
+    outs, _ = generate(model, prompts, config(batch_invariant=False))
+    logps, _ = completion_logprobs(model, prompts, [o.generated_tokens for o in outs], T, pad_token_id=0)
+    engine = torch.cat([torch.tensor(o.logprobs) for o in outs])
+    trainer = torch.cat([logps[i, : len(o.logprobs)].detach() for i, o in enumerate(outs)])
+    assert_close(engine, trainer, atol=1e-4)
+    assert not torch.equal(engine, trainer)
+
+
+def test_a_request_alone_and_among_63_others_and_at_any_budget() -> None:
+    """One request's logprobs (same seed, so the same tokens) alone, among 63 others, and with chunked prefill at
+    budgets of 5, 16 and 512 tokens a step: all equal, and equal to the trainer's."""
+    model = tiny_llama()
+    prompts = random_prompts(64, VOCAB_SIZE, max_len=40, seed=11)
+    target = prompts[17]
+    alone, _ = generate(model, [target], config(), params=[sampled(17)])
+    params = [sampled(i) for i in range(64)]
+    crowd, engine = generate(model, prompts, config(num_blocks=2048, max_batch_tokens=256), params=params)
+    assert crowd[17].generated_tokens == alone[0].generated_tokens
+    assert crowd[17].logprobs == alone[0].logprobs
+    for budget in (5, 16, 512):
+        out, _ = generate(model, [target], config(max_batch_tokens=budget), params=[sampled(17)])
+        assert out[0].logprobs == alone[0].logprobs, budget
+    assert_bitwise(alone, trainer_logprobs(model, [target], [alone[0].generated_tokens]))
+
+
+def test_prefix_cache_hit_and_forks() -> None:
+    """A prompt served twice, the second time from the prefix cache, then four copies of one prompt in one step
+    (three forks of the first): every logprob equals the trainer's."""
+    model = tiny_llama()
+    prompt = random_prompts(1, VOCAB_SIZE, max_len=30, seed=5)[0]
+    engine = Engine(model, config())
+    try:
+        engine.add_request(prompt, sampled(0), request_id="first")
+        first = run_engine(engine)["first"]
+        engine.add_request(prompt, sampled(1), request_id="again")
+        again = run_engine(engine)["again"]
+        assert engine.stats.num_prefix_cache_hit_blocks > 0
+        for i in range(4):
+            engine.add_request(prompt, sampled(10 + i), request_id=f"g{i}")
+        group = run_engine(engine)
+        assert engine.stats.num_forks == 3
+    finally:
+        engine.close()
+    outs = [first, again, *(group[f"g{i}"] for i in range(4))]
+    assert_bitwise(outs, trainer_logprobs(model, [prompt] * 6, [o.generated_tokens for o in outs]))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_preemption(mode: str) -> None:
+    """Eight requests on a cache too small for them (preempted and resumed, by recompute or from the CPU pool)."""
+    model = tiny_llama()
+    prompts = random_prompts(8, VOCAB_SIZE, max_len=24, seed=13)
+    extra = dict(cpu_offload_space=0.01) if mode == "offload" else {}
+    outs, engine = generate(
+        model, prompts, config(num_blocks=24, preemption_mode=mode, **extra), params=[sampled(i, 16) for i in range(8)]
+    )
+    assert engine.stats.num_preemptions > 0
+    if mode == "offload":
+        assert engine.stats.num_offloads > 0
+    assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))
+
+
+def manager_generate(model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, n: int = 10) -> (
+    list[GenerationOutput]
+):
+    """Each prompt i sampled with seed i through a persistent manager (its background thread)."""
+    manager = rollout.ContinuousBatchingManager(model, continuous_batching_config=cfg)
+    manager.start()
+    try:
+        for i, p in enumerate(prompts):
+            manager.add_request(p, request_id=f"m{i}", max_new_tokens=n, temperature=T, seed=i, do_sample=True)
+        outs = [manager.get_result(f"m{i}", timeout=300) for i in range(len(prompts))]
+    finally:
+        manager.stop(block=True)
+    assert all(o is not None for o in outs)
+    return outs  # type: ignore[return-value]
+
+
+def test_async_batching_and_the_manager() -> None:
+    """Through a manager (its background thread) with async batching: equal to the trainer's."""
+    model = tiny_qwen2()
+    prompts = random_prompts(6, VOCAB_SIZE, max_len=30, seed=17)
+    outs = manager_generate(model, prompts, config(use_async_batching=True))
+    assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))
+
+
+def test_trainer_side_rows_do_not_depend_on_the_batch() -> None:
+    """The trainer's forward alone, batched with others (left-padded by ``completion_logprobs``) and with its
+    gradient: the same logprobs; the backward runs and its gradient is the default forward's to 1e-4."""
+    model = tiny_mistral()
+    prompts = random_prompts(5, VOCAB_SIZE, max_len=30, seed=19)
+    completions = random_prompts(5, VOCAB_SIZE, max_len=12, seed=23)
+    batched = trainer_logprobs(model, prompts, completions)
+    for i in range(5):
+        assert torch.equal(trainer_logprobs(model, [prompts[i]], [completions[i]])[0], batched[i])
+    with rollout.batch_invariant():
+        logps, mask = completion_logprobs(model, prompts, completions, T, pad_token_id=0)
+    (logps * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logps, mask = completion_logprobs(model, prompts, completions, T, pad_token_id=0)
+    (logps * mask).sum().backward()
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        assert_close(grads[n].flatten(), p.grad.flatten(), atol=1e-4)
+
+
+def test_other_threads_forwards_are_untouched() -> None:
+    """While a manager decodes in batch-invariant mode, a plain forward of the same model in this thread gives
+    exactly what it gives alone (the modes live on the manager's thread only)."""
+    model = tiny_llama()
+    ids = torch.tensor(random_prompts(3, VOCAB_SIZE, max_len=20, seed=29, min_len=20))
+    with torch.no_grad():
+        alone = model(input_ids=ids).logits
+    manager = rollout.ContinuousBatchingManager(model, continuous_batching_config=config(num_blocks=1024))
+    manager.start()
+    try:
+        prompts = random_prompts(16, VOCAB_SIZE, max_len=30, seed=31)
+        for i, p in enumerate(prompts):
+            manager.add_request(p, request_id=f"bg{i}", max_new_tokens=40, temperature=T, seed=i, do_sample=True)
+        for _ in range(30):
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=ids).logits, alone)
+        assert manager.get_result("bg0", timeout=120) is not None
+    finally:
+        manager.stop(block=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "model_dtype", "needle"),
+    [
+        (dict(default_compile_level=1), torch.float32, "eager"),
+        (dict(enable_lora=True), torch.float32, "LoRA"),
+        (dict(cpu_attention="sdpa"), torch.float32, "cpu_attention"),
+        ({}, torch.bfloat16, "float32"),
+    ],
+)
+def test_what_the_mode_refuses(kwargs: dict, model_dtype: torch.dtype, needle: str) -> None:
+    model = tiny_llama().to(model_dtype)
+    with pytest.raises(ValueError, match=f"batch_invariant=True: .*{needle}"):
+        Engine(model, config(**kwargs))
+
+
+def test_kernels_rows_do_not_depend_on_the_other_rows() -> None:
+    """The GEMM, mean and log-softmax of a row are the same computed alone, among 1-70 rows, at any offset;
+    and close to ATen's."""
+    assert load_kernel() is None
+    torch.manual_seed(0)
+    a, w = torch.randn(70, 200), torch.randn(37, 200)
+    full = torch.ops.rollout_cpu.invariant_mm(a, w)
+    assert_close(full.flatten(), (a @ w.T).flatten(), atol=1e-4)
+    for m in (1, 3, 4, 5, 17, 69):
+        assert torch.equal(torch.ops.rollout_cpu.invariant_mm(a[m : m + 1], w), full[m : m + 1])
+        assert torch.equal(torch.ops.rollout_cpu.invariant_mm(a[:m], w), full[:m])
+    x = torch.randn(33, 1000)
+    mean, lsm = torch.ops.rollout_cpu.invariant_mean(x), torch.ops.rollout_cpu.invariant_log_softmax(x)
+    assert_close(mean, x.mean(-1), atol=1e-6)
+    assert_close(lsm.flatten(), torch.log_softmax(x, -1).flatten(), atol=1e-5)
+    for r in (0, 5, 32):
+        assert torch.equal(torch.ops.rollout_cpu.invariant_mean(x[r : r + 1]), mean[r : r + 1])
+        assert torch.equal(torch.ops.rollout_cpu.invariant_log_softmax(x[r : r + 1]), lsm[r : r + 1])
+    y = torch.randn(1001)
+    silu = torch.ops.rollout_cpu.invariant_unary(y, 0)
+    assert_close(silu, torch.nn.functional.silu(y), atol=1e-6)
+    for start in (1, 7, 990):  # every element the same wherever it lies (ATen's scalar tails round otherwise)
+        assert torch.equal(torch.ops.rollout_cpu.invariant_unary(y[start:], 0), silu[start:])
+
+
+def test_over_http_and_the_serve_flag() -> None:
+    """``rollout-serve --batch-invariant`` sets the config field; a real server on 127.0.0.1 answers a real OpenAI
+    client with logprobs equal to the trainer's (JSON floats carry float32 values exactly)."""
+    import openai
+
+    from rollout.serve.cli import build_parser, config_from_args
+    from tests.serve_utils import running_server
+    from tests.tiny_models import tiny_tokenizer
+
+    assert config_from_args(build_parser().parse_args(["--batch-invariant"])).batch_invariant is True
+    assert config_from_args(build_parser().parse_args([])).batch_invariant is False
+    model = tiny_llama()
+    prompts = random_prompts(3, VOCAB_SIZE, max_len=30, seed=37)
+    with running_server(model, tiny_tokenizer(), config(num_blocks=256, page_size=16)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(
+            model="tiny", prompt=prompts, max_tokens=10, temperature=T, seed=3, logprobs=0,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+    completions = [c.token_ids for c in out.choices]
+    trainer = trainer_logprobs(model, prompts, completions)
+    for choice, lp in zip(out.choices, trainer, strict=True):
+        assert torch.equal(torch.tensor(choice.logprobs.token_logprobs, dtype=torch.float32), lp)
