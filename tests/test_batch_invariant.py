@@ -283,3 +283,109 @@ def test_over_http_and_the_serve_flag() -> None:
     trainer = trainer_logprobs(model, prompts, completions)
     for choice, lp in zip(out.choices, trainer, strict=True):
         assert torch.equal(torch.tensor(choice.logprobs.token_logprobs, dtype=torch.float32), lp)
+
+
+def test_grpo_with_batch_invariant_has_importance_ratio_exactly_one(tmp_path: object) -> None:
+    """A synchronous GRPO run with ``batch_invariant: true``: every step's IS ratio is exactly 1.0 (min and max) and
+    the behaviour KL exactly 0; without it both move in the last bits (so the assertion can fail)."""
+    from tests.test_grpo import tiny_trainer
+
+    rows = tiny_trainer(tmp_path / "bi", max_steps=3, batch_invariant=True).train()  # type: ignore[operator]
+    for row in rows:
+        assert row["staleness_max"] == 0
+        assert row["is_ratio_min"] == 1.0 and row["is_ratio_max"] == 1.0 and row["behaviour_kl"] == 0.0, row
+    plain = tiny_trainer(tmp_path / "plain", max_steps=3).train()  # type: ignore[operator]
+    assert any(row["is_ratio_max"] != 1.0 or row["is_ratio_min"] != 1.0 for row in plain)
+    assert all(row["behaviour_kl"] > 0 for row in plain)
+
+
+def test_ppo_with_batch_invariant_has_importance_ratio_exactly_one(tmp_path: object) -> None:
+    from tests.test_ppo import tiny_trainer
+
+    rows = tiny_trainer(tmp_path / "bi", batch_invariant=True).train()  # type: ignore[operator]
+    assert all(row["first_ratio_max_dev"] == 0.0 for row in rows), rows
+    plain = tiny_trainer(tmp_path / "plain").train()  # type: ignore[operator]
+    assert any(row["first_ratio_max_dev"] != 0.0 for row in plain)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (dict(lora_r=4), "lora_r"),
+        (dict(dtype="bfloat16"), "float32"),
+        (dict(engine={"batch_invariant": False}), "engine.batch_invariant"),
+        (dict(batch_invariant="yes"), "true or false"),
+    ],
+)
+def test_trainer_config_refusals(tmp_path: object, overrides: dict, needle: str) -> None:
+    from tests.test_grpo import tiny_config
+    from trainers.config import ConfigError
+
+    values = dict(batch_invariant=True)
+    values.update(overrides)
+    with pytest.raises(ConfigError, match=needle):
+        tiny_config(tmp_path, **values)  # type: ignore[operator]
+
+
+def test_scoring_equals_the_trainers_forward() -> None:
+    """``rollout.score`` (what ``rollout-score --batch-invariant`` runs) with the mode: each completion token's
+    logprob equals the trainer's; and the flag parses."""
+    from rollout.scoring.cli import parse_args
+
+    args = ["--dataset", "d.jsonl", "--prompt-column", "p", "--completion-column", "c", "--output", "o.jsonl"]
+    assert parse_args([*args, "--batch-invariant"]).batch_invariant and not parse_args(args).batch_invariant
+    model = tiny_qwen2()
+    prompts = random_prompts(5, VOCAB_SIZE, max_len=30, seed=41)
+    completions = random_prompts(5, VOCAB_SIZE, max_len=12, seed=43)
+    results = rollout.score(
+        model, prompts, completions, temperature=T, batch_tokens=16, continuous_batching_config=config()
+    )
+    for result, lp in zip(results, trainer_logprobs(model, prompts, completions), strict=True):
+        assert torch.equal(torch.tensor(result.completion_logprobs, dtype=torch.float32), lp)
+
+
+def test_trl_plugin_importance_sampling_ratio_is_exactly_one(tmp_path: object) -> None:
+    """``RolloutGRPOTrainer`` with a batch-invariant engine: TRL's own logged sampling/training logprob gap is 0 and
+    its importance-sampling ratio 1.0 exactly at every step (TRL's forward ran inside ``batch_invariant()``)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from tests.test_trl_plugin import mean_token_id_reward
+    from tests.tiny_models import tiny_tokenizer
+    from trainers.trl_plugin import RolloutGRPOTrainer
+
+    path = tmp_path / "tiny"  # type: ignore[operator]
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),  # type: ignore[operator]
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        temperature=T,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = RolloutGRPOTrainer(
+        model=str(path),
+        reward_funcs=mean_token_id_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=64, batch_invariant=True),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["sampling/sampling_logp_difference/max"] == 0.0, entry
+        for name in ("min", "mean", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{name}"] == 1.0, entry

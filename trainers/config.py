@@ -167,6 +167,13 @@ class TrainerConfig:
             ``.`` and, an entry); ``["all-linear"]``: every linear layer of the decoder (not the LM head).
         lora_plus_ratio: LoRA+ (Hayou et al. 2024): the B matrices learn at this many times ``learning_rate``
             (``trainers.lora.lora_plus_groups``); 1.0 (the default): one learning rate.
+
+    Batch invariance (docs/batch_invariance.md):
+        batch_invariant: the engine runs with ``ContinuousBatchingConfig(batch_invariant=True)`` and the trainer's
+            forwards inside ``rollout.batch_invariant()``, so the behaviour logprobs equal the trainer's bitwise: at
+            staleness 0 the importance ratio is exactly 1 on every token (``is_ratio_min`` = ``is_ratio_max`` = 1,
+            ``behaviour_kl`` 0; PPO: ``first_ratio_max_dev`` 0). float32, no LoRA; with ``rollout_server`` the servers
+            must run ``rollout-serve --batch-invariant``.
     """
 
     trainer_name: ClassVar[str] = "trainer"  # names the trainer in messages ("GRPO", "PPO")
@@ -230,6 +237,8 @@ class TrainerConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     lora_plus_ratio: float = 1.0
 
+    batch_invariant: bool = False
+
     def __post_init__(self) -> None:
         check_at_least(
             self,
@@ -272,6 +281,15 @@ class TrainerConfig:
                 raise ConfigError(f"log_with must be null or one of {trackers}, got {self.log_with!r}")
         self._check_rewards()
         self._check_lora()
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if self.batch_invariant:
+            if self.dtype != "float32" or self.mixed_precision not in (None, "no"):
+                raise ConfigError("batch_invariant: true needs dtype float32 and no mixed_precision (float32 kernels)")
+            if self.lora_r is not None:
+                raise ConfigError("batch_invariant: true does not serve LoRA adapters yet: unset lora_r")
+            if self.engine.get("batch_invariant") is False:
+                raise ConfigError("batch_invariant: true conflicts with engine.batch_invariant: false")
         from .structured import structured_outputs_of  # it imports ConfigError from here
 
         # Read and checked here, once: a bad regex or schema file stops the run before the model loads.
@@ -393,6 +411,8 @@ class TrainerConfig:
                 )
         try:
             fields = {**self.engine, **ENGINE_FIXED, **self.lora_engine_fields(), **extra}
+            if self.batch_invariant:
+                fields["batch_invariant"] = True
             return rollout.ContinuousBatchingConfig(**fields)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"engine: {e}") from e

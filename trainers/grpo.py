@@ -55,6 +55,8 @@ class GRPOStats:
         is_ratio_sum, is_ratio_max, is_ratio_min: pi_prox / pi_behaviour over the forwarded trained tokens
             (sum, max, min; 0 and inf without any).
         is_tokens: forwarded trained tokens.
+        kl_sum: KL(behaviour || policy) estimated per forwarded trained token as r - 1 - log r (r the IS ratio,
+            Schulman's k3, in float64: exactly 0 only where the two logprobs are equal), summed.
         is_truncated: of those, the tokens whose ratio exceeded ``is_cap``.
         staleness_sum, staleness_max: over every trained token (forwarded or not).
         trained_tokens: the tokens of the samples kept in the loss.
@@ -67,6 +69,7 @@ class GRPOStats:
     is_ratio_max: float = 0.0
     is_ratio_min: float = math.inf
     is_tokens: float = 0.0
+    kl_sum: float = 0.0
     is_truncated: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
@@ -176,7 +179,10 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
 
         chunks = self.micro_batches(active or [min(range(n), key=length)], length)
         for c, idx in enumerate(chunks):
-            with contextlib.nullcontext() if c == len(chunks) - 1 else acc.no_sync(self.model):
+            with (
+                contextlib.nullcontext() if c == len(chunks) - 1 else acc.no_sync(self.model),
+                rollout.batch_invariant() if cfg.batch_invariant else contextlib.nullcontext(),
+            ):
                 logps, mask = completion_logprobs(
                     self.model,
                     [traj.prompt_ids[i] for i in idx],
@@ -209,6 +215,8 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
                 stats.is_ratio_max = max(stats.is_ratio_max, float(is_ratio[m].max()))
                 stats.is_ratio_min = min(stats.is_ratio_min, float(is_ratio[m].min()))
                 stats.is_truncated += float((is_ratio[m] > cfg.is_cap).sum())
+                d = (logps.detach() - behaviour.to(device)).double()[m]
+                stats.kl_sum += float((torch.exp(d) - 1 - d).sum())
                 stats.is_tokens += float(m.sum())
         return stats
 
@@ -234,6 +242,7 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
                     float(trajectory.dropped.sum()),
                     stats.trained_tokens,
                     stats.skipped,
+                    stats.kl_sum,
                 ],
                 dtype=torch.float64,
                 device=device,
@@ -251,6 +260,7 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
             "is_ratio_max": float(maxima[0]) if is_tokens else math.nan,
             "is_ratio_min": -float(maxima[3]) if is_tokens else math.nan,
             "is_truncated_fraction": float(totals[4]) / is_tokens if is_tokens else math.nan,
+            "behaviour_kl": float(totals[8]) / is_tokens if is_tokens else math.nan,
             "staleness_mean": float(totals[3]) / tokens if tokens else math.nan,
             "staleness_max": float(maxima[1]) if tokens else math.nan,
             "staleness_max_sampled": float(maxima[2]),

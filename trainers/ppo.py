@@ -177,10 +177,11 @@ class PPOTrainer(Recipe[PPOTrajectory, PPOStats]):
             [traj_prompts[i] for i in idx], [traj_completions[i] for i in idx], self.pad_token_id
         )
         L = mask.shape[1]
-        logits, values = module(input_ids.to(device), attention.to(device), position_ids.to(device), L + 1)
-        logits = logits[:, :-1].float() / self.config.temperature
-        targets = input_ids[:, -L:].to(device)
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+        with rollout.batch_invariant() if self.config.batch_invariant else contextlib.nullcontext():
+            logits, values = module(input_ids.to(device), attention.to(device), position_ids.to(device), L + 1)
+            logits = logits[:, :-1].float() / self.config.temperature
+            targets = input_ids[:, -L:].to(device)
+            logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
         mask = mask.to(device)
         return logps * mask, values[:, :-1] * mask, logits, mask
 

@@ -49,6 +49,15 @@ every generation (training, evaluation, the tool loop's turns) is constrained to
 stay the model's own, unmasked ones (vLLM's default ``raw_logprobs``), so TRL's importance-sampling ratio
 compares the same function its training forward computes.
 
+Batch invariance: with ``ContinuousBatchingConfig(batch_invariant=True)`` the engine runs rollout's batch-invariant
+kernels and ``_get_per_token_logps_and_entropies`` (TRL's one scoring and training forward) runs inside
+``rollout.batch_invariant()`` (``training_step`` too, whose backward recomputes the forward under gradient
+checkpointing), and TRL's fused LM head (``add_fused_lm_head``: the vocabulary in tiles with an online logsumexp,
+the logits times 1/T) is replaced by its plain form, ``log_softmax(logits / T)`` of the whole vocabulary
+(``_plain_lm_head``: the engine's formula, at the memory cost of the [B, T, V] logits). TRL's recomputed logprobs then
+equal the sampling logprobs bitwise, so ``sampling/sampling_logp_difference/max`` is 0 and the importance-sampling ratio 1.0
+exactly while the weights have not moved.
+
 Limits: text-only models that rollout can page (``PreTrainedModel``; no PEFT wrapper,
 no DeepSpeed ZeRO-3 or FSDP sharding); no ``min_p``, ``repetition_penalty``,
 ``generation_kwargs`` or ``rollout_func``. The logprobs are ``log_softmax(logits / T)``
@@ -64,9 +73,11 @@ import dataclasses
 import inspect
 import logging
 import time
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
@@ -79,6 +90,7 @@ from rollout import (
     RequestStatus,
     SamplingParams,
     StructuredOutputs,
+    batch_invariant,
     init_continuous_batching,
 )
 
@@ -181,6 +193,23 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self._generation_seconds = 0.0
         self.rollout_summary: dict[str, float] | None = None
         self.add_callback(_WeightSyncCallback(self))
+        if self.rollout_cb_config.batch_invariant:
+            _plain_lm_head(self.model, self.temperature)
+
+    def _invariance(self) -> contextlib.AbstractContextManager[None]:
+        return batch_invariant() if self.rollout_cb_config.batch_invariant else contextlib.nullcontext()
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's scoring and training forward, inside ``rollout.batch_invariant()`` when the engine runs
+        batch-invariant."""
+        with self._invariance():
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward and the backward too: under gradient checkpointing (TRL's default) the backward recomputes
+        the forward, which must take the same operations."""
+        with self._invariance():
+            return super().training_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ manager lifecycle
     @property
@@ -349,6 +378,38 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["rollout/cached_prompt_fraction"].append(num_cached / max(num_prompt, 1))
         self._metrics[mode]["rollout/weight_version"].append(float(self._rollout_manager.weight_version))
         return [o.generated_tokens for o in outputs], [o.logprobs for o in outputs]
+
+
+def _plain_lm_head(model: Any, temperature: float) -> None:
+    """Make ``model(..., labels=labels, fused_lm_head=True)`` (TRL's fused-LM-head contract, ``FusedCausalLMOutput``:
+    per-token ``log_probs`` and ``entropy`` of the next-token labels, 0 where a label is -100) compute
+    ``log_softmax(logits / T)`` over the whole vocabulary, the formula of the engine's logprobs; other calls run the
+    forward they ran."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    patched = model.forward
+
+    def forward(
+        self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
+        num_items_in_batch: Any = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return patched(*args, **{k: v for k, v in extra.items() if v is not None}, **kwargs)
+        kwargs["use_cache"] = False
+        logits = type(self).forward(self, *args, **kwargs).logits
+        if shift_labels is None:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        mask = labels != -100
+        logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+        log_probs = logps.gather(-1, labels.clamp(min=0)[..., None])[..., 0].masked_fill(~mask, 0.0)
+        entropy = -(logps.exp() * logps).sum(-1).masked_fill(~mask, 0.0)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, label_mask=mask)
+
+    model.forward = types.MethodType(forward, model)
 
 
 def _regex_constraint(regex: str | None) -> StructuredOutputs | None:

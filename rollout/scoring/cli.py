@@ -299,6 +299,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="divide the logits by this (default 1)")
     p.add_argument("--device", default="cpu", help="torch device of the model (default cpu)")
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="score with the batch-invariant kernels: each logprob bitwise equal to a trainer's forward inside "
+        "rollout.batch_invariant() (float32 on CPU; ContinuousBatchingConfig.batch_invariant)",
+    )
+    p.add_argument(
         "--tp",
         action="store_true",
         help="shard the model over the processes of a torchrun launch (tp_plan='auto'; --device is then ignored)",
@@ -331,6 +337,7 @@ def run(args: argparse.Namespace) -> int | None:
     check_columns(ds.column_names, [args.prompt_column, args.completion_column], args.dataset)
     prompts = _texts(ds[args.prompt_column], args.prompt_column)
     completions = _texts(ds[args.completion_column], args.completion_column, null_is_empty=True)
+    from rollout.config import ContinuousBatchingConfig
     from rollout.engine import is_driver_rank
     from rollout.scoring.offline import score
     from rollout.weights.loading import load_model
@@ -368,6 +375,7 @@ def run(args: argparse.Namespace) -> int | None:
         temperature=args.temperature,
         skip_too_long=args.skip_too_long,
         progress_bar=True,
+        continuous_batching_config=ContinuousBatchingConfig(batch_invariant=True) if args.batch_invariant else None,
     )
     if not is_driver_rank(model):  # rank 0 of a tensor-parallel launch has the scores and writes them
         return None

@@ -11,22 +11,25 @@ runs one of rollout's kernels instead (``attention/csrc/invariant_cpu.cpp``, whe
 
 - ``aten.mm`` and ``aten.addmm`` of a linear layer (``x @ W^T``): each element one chain of FMAs over K in one order
   (threads split rows and columns, never K);
-- ``aten.mean.dim`` and ``aten._log_softmax`` over the last dimension: each row alone, in one order (RMSNorm's mean,
-  the logprobs);
+- ``aten.mean.dim``, ``aten._log_softmax`` and ``aten.logsumexp`` over the last dimension: each row alone, in one
+  order (RMSNorm's mean, the logprobs; ``log_softmax`` is ``x - logsumexp`` computed once, so a trainer that takes
+  the selected logit minus ``logsumexp``, as TRL does, gets the same float);
 - ``aten.silu``, ``aten.gelu``, ``aten.cos``, ``aten.sin``: the same formula for every element wherever it lies;
-- ``torch.nn.functional.scaled_dot_product_attention`` (transformers' ``sdpa`` attention, the trainer's): each query
-  over its visible keys in ascending position (``invariant_attention_dense``); the engine's paged attention runs the
-  same per-query code over its cache (``invariant_paged_attention``), after the step wrote its keys and values.
+- SDPA (transformers' ``sdpa`` attention, the trainer's): ``aten.scaled_dot_product_attention`` as it arrives whole
+  without autograd, and ATen's CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``) it runs
+  with autograd: each query over its visible keys in ascending position (``invariant_attention_dense``, which also
+  gives the logsumexp the flash backward reads); the engine's paged attention runs the same per-query code over its
+  cache (``invariant_paged_attention``), after the step wrote its keys and values.
 
 Everything else (adds, multiplies, divisions, ``rsqrt``, copies, embedding lookups) is exact elementwise IEEE
 arithmetic, the same for a row wherever it lies. The engine runs its steps under the context when
 ``ContinuousBatchingConfig(batch_invariant=True)``; a trainer runs its forward under it. Then a token's
 ``log_softmax(logits / T)`` is the same float on both sides (tests/test_batch_invariant.py compares with ``==``).
 
-The modes are thread-local (a ``TorchDispatchMode`` and a ``TorchFunctionMode`` on the entering thread's stacks):
-another thread's forward, the engine's included, is untouched. Only the forward is made invariant; autograd's backward
-runs ATen's kernels for the products it forms (another layout than a linear layer's) and recomputes attention with
-plain ops (``_Attention.backward``).
+The mode is thread-local (a ``TorchDispatchMode`` on the entering thread's stack, below autograd, so a backward run
+inside it, and a checkpointed layer's recomputation, take the same operations): another thread's forward, the
+engine's included, is untouched. Only the forward is made invariant; the backward runs ATen's kernels for the
+products it forms (another layout than a linear layer's) and ATen's flash-attention backward.
 
 The anchors: Thinking Machines' ``batch_invariant_ops`` (overrides of ``aten::mm``, ``addmm``, ``_log_softmax``,
 ``mean.dim`` with fixed-tile kernels, no split-K), vLLM's batch-invariant mode with TorchTitan and SGLang's
@@ -42,8 +45,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.engine.attention.cpu import load_kernel
@@ -111,6 +112,15 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> Any:
     return torch.ops.rollout_cpu.invariant_log_softmax(_rows(x)).view(x.shape)
 
 
+def _logsumexp(x: torch.Tensor, dim: Any, keepdim: bool = False) -> Any:
+    """``torch.logsumexp`` over the last dimension (TRL's ``selective_log_softmax``: the selected logit minus it, the
+    same float as ``log_softmax``'s element)."""
+    if not _cpu_float(x) or not _last_dim(x, dim) or x.shape[-1] == 0:
+        return NotImplemented
+    out = torch.ops.rollout_cpu.invariant_logsumexp(_rows(x)).view(x.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
+
+
 def _log_softmax_int(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> Any:
     """``torch.log_softmax`` as it reaches the mode under ``torch.inference_mode`` (the engine's sampler)."""
     if dtype not in (None, torch.float32):
@@ -131,31 +141,6 @@ def _gelu(x: torch.Tensor, *, approximate: str = "none") -> Any:
     return _unary("gelu_tanh" if approximate == "tanh" else "gelu")(x)
 
 
-_HANDLERS: dict[Any, Callable[..., Any]] = {
-    aten.mm.default: _mm,
-    aten.addmm.default: _addmm,
-    aten.linear.default: _linear,
-    aten.mean.dim: _mean,
-    aten._log_softmax.default: _log_softmax,
-    aten.log_softmax.int: _log_softmax_int,
-    aten.silu.default: _unary("silu"),
-    aten.gelu.default: _gelu,
-    aten.cos.default: _unary("cos"),
-    aten.sin.default: _unary("sin"),
-}
-
-
-class _InvariantOps(TorchDispatchMode):
-    """The aten operations of ``_HANDLERS`` through rollout's invariant kernels (where their inputs qualify)."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
 
 
 def _allowed_keys(
@@ -184,36 +169,24 @@ def _allowed_keys(
     return allowed
 
 
-def _reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The same attention in plain differentiable ops (for the backward): [B, H, T, D]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key: 0, as the kernel
-    return probs @ v
-
-
-class _Attention(torch.autograd.Function):
-    """Forward: rollout's invariant attention. Backward: the gradient of ``_reference_attention``."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> Any:
-        ctx.save_for_backward(q, k, v, allowed)
-        ctx.scale = scale
-        return torch.ops.rollout_cpu.invariant_attention_dense(q, k, v, allowed, scale, 0.0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v, allowed = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = _reference_attention(*inputs, allowed, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> Any:
+    """(out [B, H, T, D], logsumexp [B, H, T]) of rollout's invariant attention, or NotImplemented."""
+    if not _cpu_float(query, key, value) or query.dim() != 4:
+        return NotImplemented
+    if dropout_p:
+        raise ValueError(f"batch_invariant(): attention dropout must be 0 (the forward is evaluated), got {dropout_p}")
+    b, h, t, d = query.shape
+    allowed = _allowed_keys(attn_mask, is_causal, b, h, t, key.shape[2])
+    scale = scale if scale is not None else d**-0.5
+    return torch.ops.rollout_cpu.invariant_attention_dense(query, key, value, allowed, scale, 0.0)
 
 
 def _sdpa(
@@ -226,22 +199,51 @@ def _sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Any:
-    if not _cpu_float(query, key, value) or query.dim() != 4:
-        return NotImplemented
-    if dropout_p:
-        raise ValueError(f"batch_invariant(): attention dropout must be 0 (the forward is evaluated), got {dropout_p}")
-    b, h, t, d = query.shape
-    allowed = _allowed_keys(attn_mask, is_causal, b, h, t, key.shape[2])
-    return _Attention.apply(query, key, value, allowed, scale if scale is not None else d**-0.5)
+    """``F.scaled_dot_product_attention`` as it reaches the mode whole (no autograd: ``torch.inference_mode``)."""
+    out = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return out if out is NotImplemented else out[0]
 
 
-class _InvariantAttention(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` through ``_sdpa``; every other function as it is."""
+def _flash_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Any:
+    """ATen's CPU flash attention (what SDPA runs with autograd): rollout's output and logsumexp in its place, so
+    autograd's backward (ATen's flash backward, which reads both) and a checkpointed recomputation work unchanged."""
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+
+_HANDLERS: dict[Any, Callable[..., Any]] = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.linear.default: _linear,
+    aten.mean.dim: _mean,
+    aten._log_softmax.default: _log_softmax,
+    aten.log_softmax.int: _log_softmax_int,
+    aten.logsumexp.default: _logsumexp,
+    aten.silu.default: _unary("silu"),
+    aten.gelu.default: _gelu,
+    aten.cos.default: _unary("cos"),
+    aten.sin.default: _unary("sin"),
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_cpu,
+}
+
+
+class _InvariantOps(TorchDispatchMode):
+    """The aten operations of ``_HANDLERS`` through rollout's invariant kernels (where their inputs qualify)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            out = _sdpa(*args, **kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
@@ -270,7 +272,7 @@ def batch_invariant() -> Iterator[None]:
         raise RuntimeError(f"batch_invariant() needs rollout's CPU kernels: {reason}")
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
-        with _InvariantAttention(), _InvariantOps():
+        with _InvariantOps():
             yield
     finally:
         _state.depth -= 1

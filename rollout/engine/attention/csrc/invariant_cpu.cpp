@@ -10,7 +10,7 @@
 //   columns, never K; every element is one chain of fused multiply-adds over K in 16 lanes, in ascending K, then one
 //   fixed tree over the lanes, whatever the tile shape (the 4 x 4 micro-tile and its edge tiles run the same chain).
 //   No GEMV special case, no BLAS dispatch by shape.
-// - Row reductions (`invariant_mean`, `invariant_log_softmax`): each row alone, 16 lanes in ascending order, one
+// - Row reductions (`invariant_mean`, `invariant_log_softmax`, `invariant_logsumexp`): each row alone, 16 lanes in ascending order, one
 //   fixed lane tree.
 // - Elementwise transcendental ops (`invariant_unary`: silu, gelu, cos, sin): the same code for every element,
 //   wherever it lies (ATen's vectorized loops compute the tail of a range with scalar libm calls, which round
@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -213,7 +214,24 @@ void exp_nonpositive_inplace(float* x, int64_t n) {
   }
 }
 
-// log_softmax(x, -1): [R, C]. Row max (exact in any order), then sum of exp(x - max) in 16 lanes ascending.
+// The log of the sum of exp over each row: max (exact in any order) + log(sum of exp(x - max) in 16 lanes ascending).
+// log_softmax is x - this, so TRL's `selected_logit - logsumexp(logits)` and `log_softmax(logits)[token]` are one
+// computation.
+inline float row_logsumexp(const float* row, int64_t C, std::vector<float>& e) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t k = 0; k < C; ++k) m = std::max(m, row[k]);
+  if (!std::isfinite(m)) return m;  // all -inf (or an inf/NaN logit): as the stock definitions
+  e.resize(C);
+  for (int64_t k = 0; k < C; ++k) e[k] = row[k] - m;
+  exp_nonpositive_inplace(e.data(), C);
+  vf acc = vzero();
+  int64_t k = 0;
+  for (; k + 16 <= C; k += 16) acc = vadd(acc, vload(e.data() + k));
+  if (k < C) acc = vadd(acc, vload_n(e.data() + k, C - k));
+  return m + std::log(vsum(acc));
+}
+
+// log_softmax(x, -1): [R, C].
 at::Tensor invariant_log_softmax(const at::Tensor& x) {
   check_rows(x, "invariant_log_softmax");
   const int64_t R = x.size(0), C = x.size(1);
@@ -221,23 +239,24 @@ at::Tensor invariant_log_softmax(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for_rows(R, C, [&](int64_t r) {
+    std::vector<float> e;
     const float* row = xp + r * x.stride(0);
-    float* o = op + r * C;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t k = 0; k < C; ++k) m = std::max(m, row[k]);
-    if (!std::isfinite(m)) {  // all -inf (or a NaN/inf logit): the stock definition's value
-      for (int64_t k = 0; k < C; ++k) o[k] = row[k] - m;
-      return;
-    }
-    for (int64_t k = 0; k < C; ++k) o[k] = row[k] - m;
-    std::vector<float> e(o, o + C);
-    exp_nonpositive_inplace(e.data(), C);
-    vf acc = vzero();
-    int64_t k = 0;
-    for (; k + 16 <= C; k += 16) acc = vadd(acc, vload(e.data() + k));
-    if (k < C) acc = vadd(acc, vload_n(e.data() + k, C - k));
-    const float lse = std::log(vsum(acc));
-    for (k = 0; k < C; ++k) o[k] = o[k] - lse;
+    const float lse = row_logsumexp(row, C, e);
+    for (int64_t k = 0; k < C; ++k) op[r * C + k] = row[k] - lse;
+  });
+  return out;
+}
+
+// logsumexp(x, -1): [R].
+at::Tensor invariant_logsumexp(const at::Tensor& x) {
+  check_rows(x, "invariant_logsumexp");
+  const int64_t R = x.size(0), C = x.size(1);
+  at::Tensor out = at::empty({R}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_rows(R, C, [&](int64_t r) {
+    std::vector<float> e;
+    op[r] = row_logsumexp(xp + r * x.stride(0), C, e);
   });
   return out;
 }
@@ -303,12 +322,14 @@ struct Scratch {
 };
 
 // out [D] = softmax(scale * q . k_j) . v_j over the n keys key(0..n-1), value(0..n-1) in that order; 0 if n == 0.
+// Returns the log of the softmax's denominator, logsumexp_j(scale * q . k_j) (+inf when no key: a backward that
+// reads it then gives the row no gradient).
 template <class KeyAt, class ValueAt>
-inline void attend_one(const float* q, int64_t D, int64_t n, KeyAt key, ValueAt value, float scale, float softcap,
+inline float attend_one(const float* q, int64_t D, int64_t n, KeyAt key, ValueAt value, float scale, float softcap,
                        float* out, Scratch& s) {
   if (n == 0) {
     std::fill(out, out + D, 0.f);
-    return;
+    return std::numeric_limits<float>::infinity();
   }
   s.scores.resize(n);
   float* sc = s.scores.data();
@@ -341,12 +362,15 @@ inline void attend_one(const float* q, int64_t D, int64_t n, KeyAt key, ValueAt 
     vstore(lanes, acc);
     for (int64_t i = 0; i < w; ++i) out[d + i] = lanes[i] * inv;
   }
+  return m + std::log(total);
 }
 
-// q [B, H, T, D], k and v [B, Hkv, S, D] (contiguous last dim), allowed bool [B, T, S]: query t of batch row b sees
-// key j where allowed[b, t, j]. Returns [B, H, T, D].
-at::Tensor invariant_attention_dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& allowed_in, double scale, double softcap) {
+// q [B, H, T, D], k and v [B, Hkv, S, D] (any strides), allowed bool [B, T, S]: query t of batch row b sees key j
+// where allowed[b, t, j]. Returns (out [B, H, T, D] laid out as [B, T, H, D], the layout of ATen's CPU flash
+// attention; logsumexp [B, H, T], its second output).
+std::tuple<at::Tensor, at::Tensor> invariant_attention_dense(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& allowed_in,
+                                                             double scale, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "invariant_attention_dense: float32 only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "q [B, H, T, D], k and v [B, Hkv, S, D]");
@@ -356,10 +380,12 @@ at::Tensor invariant_attention_dense(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(allowed.dim() == 3 && allowed.size(0) == B && allowed.size(1) == T && allowed.size(2) == S,
               "allowed must be bool [B, T, S]");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  at::Tensor lse = at::empty({B, H, T}, q.options());
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const bool* ap = allowed.data_ptr<bool>();
   float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
     Scratch s;
@@ -373,14 +399,14 @@ at::Tensor invariant_attention_dense(const at::Tensor& q, const at::Tensor& k, c
       for (int64_t h = 0; h < H; ++h) {
         const float* kb = kp + ((b * Hkv + h / G) * S) * D;
         const float* vb = vp + ((b * Hkv + h / G) * S) * D;
-        attend_one(
+        lp[(b * H + h) * T + t] = attend_one(
             qp + ((b * H + h) * T + t) * D, D, static_cast<int64_t>(keys.size()),
             [&](int64_t i) { return kb + keys[i] * D; }, [&](int64_t i) { return vb + keys[i] * D; },
-            static_cast<float>(scale), static_cast<float>(softcap), op + ((b * H + h) * T + t) * D, s);
+            static_cast<float>(scale), static_cast<float>(softcap), op + ((b * T + t) * H + h) * D, s);
       }
     }
   });
-  return out;
+  return {out.transpose(1, 2), lse};
 }
 
 // The paged form, with rollout_cpu::paged_attention's inputs: q [T, H, D]; k_cache, v_cache [num_blocks,
@@ -471,9 +497,11 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("invariant_mm(Tensor a, Tensor b) -> Tensor");
   m.def("invariant_mean(Tensor x) -> Tensor");
   m.def("invariant_log_softmax(Tensor x) -> Tensor");
+  m.def("invariant_logsumexp(Tensor x) -> Tensor");
   m.def("invariant_unary(Tensor x, int op) -> Tensor");
   m.def(
-      "invariant_attention_dense(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale, float softcap) -> Tensor");
+      "invariant_attention_dense(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale, float softcap) -> "
+      "(Tensor, Tensor)");
   m.def(
       "invariant_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cu_seqlens_q, "
       "Tensor? cu_seqlens_k, Tensor? seqused_k, Tensor block_table, float scale, int window_left, float softcap) -> "
@@ -484,6 +512,7 @@ TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("invariant_mm", &invariant_mm);
   m.impl("invariant_mean", &invariant_mean);
   m.impl("invariant_log_softmax", &invariant_log_softmax);
+  m.impl("invariant_logsumexp", &invariant_logsumexp);
   m.impl("invariant_unary", &invariant_unary);
   m.impl("invariant_attention_dense", &invariant_attention_dense);
   m.impl("invariant_paged_attention", &invariant_paged_attention);
