@@ -326,8 +326,8 @@ def run_workload(
         "decode_step": None,
     }
     if not workload.do_sample:
-        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-invariant", "rollout-mkl",
-                     "rollout-sdpa", "vllm-cpu", "hf-cb"):  # fmt: skip
+        for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-invariant",
+                     "rollout-mkl", "rollout-sdpa", "vllm-cpu", "hf-cb"):  # fmt: skip
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
         for name in (*COMPILE_SYSTEMS, "vllm-cpu"):

@@ -8,6 +8,8 @@ of the same model in another thread is untouched while the engine decodes.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -34,9 +36,9 @@ def sampled(seed: int, n: int = 10) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, do_sample=True, temperature=T, seed=seed)
 
 
-def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, **kw: object) -> tuple[
-    list[GenerationOutput], Engine
-]:
+def generate(
+    model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, **kw: object
+) -> tuple[list[GenerationOutput], Engine]:
     """Each prompt i sampled with seed i (or the ``params`` given), through one engine; outputs in prompt order."""
     engine = Engine(model, cfg)
     params = kw.get("params")
@@ -153,9 +155,9 @@ def test_preemption(mode: str) -> None:
     assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))
 
 
-def manager_generate(model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, n: int = 10) -> (
-    list[GenerationOutput]
-):
+def manager_generate(
+    model: torch.nn.Module, prompts: list[list[int]], cfg: ContinuousBatchingConfig, n: int = 10
+) -> list[GenerationOutput]:
     """Each prompt i sampled with seed i through a persistent manager (its background thread)."""
     manager = rollout.ContinuousBatchingManager(model, continuous_batching_config=cfg)
     manager.start()
@@ -389,3 +391,19 @@ def test_trl_plugin_importance_sampling_ratio_is_exactly_one(tmp_path: object) -
         assert entry["sampling/sampling_logp_difference/max"] == 0.0, entry
         for name in ("min", "mean", "max"):
             assert entry[f"sampling/importance_sampling_ratio/{name}"] == 1.0, entry
+
+
+def test_async_grpo_tokens_at_staleness_0_have_ratio_exactly_one(tmp_path: object) -> None:
+    """The default recipe's async rollouts (max_staleness 1) with ``batch_invariant: true``: the sequences sampled
+    wholly under the current weights have IS ratio exactly 1 (``is_ratio_fresh_min`` = ``is_ratio_fresh_max`` = 1.0),
+    stale ones not."""
+    from tests.test_grpo import tiny_trainer
+
+    rows = tiny_trainer(  # type: ignore[operator]
+        tmp_path, max_steps=4, batch_invariant=True, async_rollouts=True, max_staleness=1
+    ).train()
+    fresh = [row for row in rows if not math.isnan(row["is_ratio_fresh_max"])]
+    assert fresh, rows
+    for row in fresh:
+        assert row["is_ratio_fresh_min"] == 1.0 and row["is_ratio_fresh_max"] == 1.0, row
+    assert any(row["staleness_max"] == 1 and row["is_ratio_max"] != 1.0 for row in rows)

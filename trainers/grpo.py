@@ -55,6 +55,9 @@ class GRPOStats:
         is_ratio_sum, is_ratio_max, is_ratio_min: pi_prox / pi_behaviour over the forwarded trained tokens
             (sum, max, min; 0 and inf without any).
         is_tokens: forwarded trained tokens.
+        fresh_ratio_max, fresh_ratio_min: the IS ratio over the forwarded trained tokens of the sequences sampled
+            wholly under the current weights (every token at staleness 0; -inf and inf without any): exactly 1 with
+            ``batch_invariant``.
         kl_sum: KL(behaviour || policy) estimated per forwarded trained token as r - 1 - log r (r the IS ratio,
             Schulman's k3, in float64: exactly 0 only where the two logprobs are equal), summed.
         is_truncated: of those, the tokens whose ratio exceeded ``is_cap``.
@@ -70,6 +73,8 @@ class GRPOStats:
     is_ratio_min: float = math.inf
     is_tokens: float = 0.0
     kl_sum: float = 0.0
+    fresh_ratio_max: float = -math.inf
+    fresh_ratio_min: float = math.inf
     is_truncated: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
@@ -217,6 +222,14 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
                 stats.is_truncated += float((is_ratio[m] > cfg.is_cap).sum())
                 d = (logps.detach() - behaviour.to(device)).double()[m]
                 stats.kl_sum += float((torch.exp(d) - 1 - d).sum())
+                # Sequences sampled wholly under the current weights: a token at staleness 0 after a weight update
+                # still read keys and values the earlier weights computed, so its logprob is not the current
+                # policy's alone.
+                whole = torch.tensor([max(traj.staleness[i], default=0) == 0 for i in idx], device=m.device)
+                fresh = m & whole[:, None]
+                if fresh.any():
+                    stats.fresh_ratio_max = max(stats.fresh_ratio_max, float(is_ratio[fresh].max()))
+                    stats.fresh_ratio_min = min(stats.fresh_ratio_min, float(is_ratio[fresh].min()))
                 stats.is_tokens += float(m.sum())
         return stats
 
@@ -250,7 +263,10 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
             reduction="sum",
         )
         sampled_stale = float(max(max(s, default=0) for s in trajectory.staleness))
-        local_maxima = [[stats.is_ratio_max, stats.staleness_max, sampled_stale, -stats.is_ratio_min]]
+        local_maxima = [
+            [stats.is_ratio_max, stats.staleness_max, sampled_stale, -stats.is_ratio_min]
+            + [stats.fresh_ratio_max, -stats.fresh_ratio_min]
+        ]
         maxima = acc.gather(torch.tensor(local_maxima, dtype=torch.float64, device=device)).max(dim=0).values
         is_tokens, tokens = float(totals[2]), float(totals[6])
         return {
@@ -261,6 +277,9 @@ class GRPOTrainer(Recipe[GRPOTrajectory, GRPOStats]):
             "is_ratio_min": -float(maxima[3]) if is_tokens else math.nan,
             "is_truncated_fraction": float(totals[4]) / is_tokens if is_tokens else math.nan,
             "behaviour_kl": float(totals[8]) / is_tokens if is_tokens else math.nan,
+            # Over the sequences sampled wholly under the current weights (staleness 0); NaN without any.
+            "is_ratio_fresh_max": float(maxima[4]) if math.isfinite(float(maxima[4])) else math.nan,
+            "is_ratio_fresh_min": -float(maxima[5]) if math.isfinite(float(maxima[5])) else math.nan,
             "staleness_mean": float(totals[3]) / tokens if tokens else math.nan,
             "staleness_max": float(maxima[1]) if tokens else math.nan,
             "staleness_max_sampled": float(maxima[2]),

@@ -55,8 +55,8 @@ kernels and ``_get_per_token_logps_and_entropies`` (TRL's one scoring and traini
 checkpointing), and TRL's fused LM head (``add_fused_lm_head``: the vocabulary in tiles with an online logsumexp,
 the logits times 1/T) is replaced by its plain form, ``log_softmax(logits / T)`` of the whole vocabulary
 (``_plain_lm_head``: the engine's formula, at the memory cost of the [B, T, V] logits). TRL's recomputed logprobs then
-equal the sampling logprobs bitwise, so ``sampling/sampling_logp_difference/max`` is 0 and the importance-sampling ratio 1.0
-exactly while the weights have not moved.
+equal the sampling logprobs bitwise, so ``sampling/sampling_logp_difference/max`` is 0 and the importance-sampling
+ratio 1.0 exactly while the weights have not moved.
 
 Limits: text-only models that rollout can page (``PreTrainedModel``; no PEFT wrapper,
 no DeepSpeed ZeRO-3 or FSDP sharding); no ``min_p``, ``repetition_penalty``,

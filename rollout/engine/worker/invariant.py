@@ -141,8 +141,6 @@ def _gelu(x: torch.Tensor, *, approximate: str = "none") -> Any:
     return _unary("gelu_tanh" if approximate == "tanh" else "gelu")(x)
 
 
-
-
 def _allowed_keys(
     attn_mask: torch.Tensor | None, is_causal: bool, batch: int, heads: int, t: int, s: int
 ) -> torch.Tensor:

@@ -342,7 +342,6 @@ class ModelRunner:
         """
         scheduler_output = prepared.scheduler_output
         self._move_kv(scheduler_output)
-        plan = prepared.plan
         if prepared.placeholders is not None:
             assert previous is not None
             previous_tokens = previous.wait().tokens
@@ -407,7 +406,14 @@ class ModelRunner:
         fn = self._forwards[path]  # the plain forward on an eager path
         static = path in self._static  # compiled or CUDA-graphed: transformers' forward, LoRA over every slot
         fused = self.fused_layers and not static
-        args = (self.block_size, self._skip_mask, self.supports_logits_to_keep, self._onednn, fused, self.batch_invariant)
+        args = (
+            self.block_size,
+            self._skip_mask,
+            self.supports_logits_to_keep,
+            self._onednn,
+            fused,
+            self.batch_invariant,
+        )
 
         def run(b: StepBatch) -> torch.Tensor:
             with contextlib.ExitStack() as stack:
