@@ -141,6 +141,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "max_lora_rank",
         "check_weight_contents",
         "fused_layers",
+        "batch_invariant",
     ]
 
 
