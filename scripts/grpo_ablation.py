@@ -116,6 +116,10 @@ LORA_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {**LORA, "learning_rate": 5e-5, "lora_plus_ratio": 16.0},
         "LoRA+ at the paper's ratio 16: A at lr 5e-5, B at 8e-4",
     ),
+    "lora_plus_8_lr_7e-5": (
+        {**LORA, "learning_rate": 7e-5, "lora_plus_ratio": 8.0},
+        "LoRA+ at ratio 8: A at lr 7e-5, B at 5.6e-4 (between ratio 4, short and behind, and 16, ahead but long)",
+    ),
 }
 SWEEPS = {"recipe": VARIANTS, "lora": LORA_VARIANTS}
 
