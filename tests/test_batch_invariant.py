@@ -407,3 +407,32 @@ def test_async_grpo_tokens_at_staleness_0_have_ratio_exactly_one(tmp_path: objec
     for row in fresh:
         assert row["is_ratio_fresh_min"] == 1.0 and row["is_ratio_fresh_max"] == 1.0, row
     assert any(row["staleness_max"] == 1 and row["is_ratio_max"] != 1.0 for row in rows)
+
+
+def test_the_engines_packed_weights_follow_every_weight_change() -> None:
+    """The engine keeps its packed copies of the linear weights across steps: after the weights change in place (an
+    optimizer-like ``add_``, and a ``param.data.copy_`` that bumps no version counter, reported by
+    ``update_weights``), its logprobs are the new weights' (equal to the trainer's forward of them), not the old
+    copies'."""
+    model = tiny_llama()
+    prompts = random_prompts(3, VOCAB_SIZE, max_len=20, seed=47)
+    manager = rollout.ContinuousBatchingManager(model, continuous_batching_config=config())
+    manager.start()
+    try:
+        for change in ("add_", "data.copy_"):
+            with manager.pause():
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if change == "add_":
+                            p.add_(0.01 * torch.randn_like(p))
+                        else:
+                            p.data.copy_(p.data * 1.01)
+                manager.update_weights(None)
+            for i, p in enumerate(prompts):
+                manager.add_request(
+                    p, request_id=f"{change}{i}", max_new_tokens=8, temperature=T, seed=i, do_sample=True
+                )
+            outs = [manager.get_result(f"{change}{i}", timeout=120) for i in range(3)]
+            assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))
+    finally:
+        manager.stop(block=True)

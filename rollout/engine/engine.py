@@ -238,6 +238,8 @@ class Engine:
         self.scheduler.weight_version = version
         if self.runner.packs is not None:
             self.runner.packs.clear()  # the copies of the old weights (each is remade on its next use)
+        if self.runner.invariant_packs is not None:
+            self.runner.invariant_packs.clear()
         self._watch.publish(version)
         # A tensor-parallel rank serves no adapter: every version is its base weights'.
         self.scheduler.base_version = min(self._watch.base_version, version) if self.tp is None else version

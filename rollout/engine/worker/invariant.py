@@ -40,6 +40,7 @@ Here the kernels are rollout's C++ CPU kernels, float32 only.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,28 +49,76 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.engine.attention.cpu import load_kernel
+from rollout.weights.versions import optimizer_steps
 
 aten = torch.ops.aten
 _UNARY = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "cos": 3, "sin": 4}
-_state = threading.local()  # per thread: how deep in batch_invariant() this thread is
 
 
-def is_active() -> bool:
-    """Whether the calling thread is inside ``batch_invariant()`` (the engine's paged attention then runs the
-    invariant kernel)."""
-    return getattr(_state, "depth", 0) > 0
+class InvariantPacks:
+    """The linear weights packed for ``invariant_mm_packed`` (column panels), each made on first use and remade when
+    the weight is not the one packed: another storage, shape or strides, or another version counter (an in-place
+    update: an optimizer step, ``update_weights``), as the engine's oneDNN copies (``onednn.PackedWeights``). All are
+    dropped by ``clear`` (the engine calls it at a new weight version) and when an optimizer step was taken since the
+    last ``batch_invariant()`` entered with them (a fused optimizer bumps no version counter). A tensor without a
+    version counter (an inference tensor) is packed at every call.
+
+    An engine keeps one (its steps reuse the copies: packing the LM head costs tens of milliseconds); a
+    ``batch_invariant()`` entered without one packs each weight once within it. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._packs: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._optimizer_steps = optimizer_steps()
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """float32 [ceil(N / 32), K, 32]: ``weight`` [N, K] packed (a copy kept for its next use)."""
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor: no version counter, so no copy could be trusted later
+            return torch.ops.rollout_cpu.invariant_pack(weight)
+        key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
+        entry = self._packs.get(key)
+        if entry is None or entry[0] != version:
+            with self._lock:
+                entry = (version, torch.ops.rollout_cpu.invariant_pack(weight))
+                self._packs[key] = entry
+        return entry[1]
+
+    def clear(self) -> None:
+        """Drop every copy (each is remade on its next use)."""
+        with self._lock:
+            self._packs.clear()
+
+    def check_optimizer_steps(self) -> None:
+        steps = optimizer_steps()
+        if steps != self._optimizer_steps:
+            self.clear()
+            self._optimizer_steps = steps
+
+
+# The packed weights of the batch_invariant() this thread (or task) is in.
+_PACKS: contextvars.ContextVar[InvariantPacks | None] = contextvars.ContextVar("rollout_invariant_packs", default=None)
 
 
 def _cpu_float(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def _matmul_wt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T by the invariant kernel, on the packed copy of ``weight``."""
+    packs = _PACKS.get()
+    packed = packs.packed(weight) if packs is not None else torch.ops.rollout_cpu.invariant_pack(weight)
+    return torch.ops.rollout_cpu.invariant_mm_packed(x, packed, weight.shape[0])
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> Any:
-    """``a @ b`` when it is a linear layer's ``x @ W^T`` (b's columns contiguous); other layouts (autograd's) keep
-    ATen's kernel."""
+    """``a @ b`` when it is a linear layer's ``x @ W^T`` (b = W.t(), W's rows contiguous); other layouts (autograd's
+    products) keep ATen's kernel."""
     if not _cpu_float(a, b) or a.stride(-1) != 1 or b.stride(0) != 1:
         return NotImplemented
-    return torch.ops.rollout_cpu.invariant_mm(a, b.t())
+    return _matmul_wt(a, b.t())
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> Any:
@@ -84,7 +133,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     it arrives as ``mm`` / ``addmm`` of the same rows."""
     if not _cpu_float(x, weight) or weight.dim() != 2 or weight.stride(-1) != 1 or x.dim() == 0:
         return NotImplemented
-    out = torch.ops.rollout_cpu.invariant_mm(x.reshape(-1, x.shape[-1]), weight)
+    out = _matmul_wt(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -248,7 +297,7 @@ class _InvariantOps(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def batch_invariant() -> Iterator[None]:
+def batch_invariant(packs: InvariantPacks | None = None) -> Iterator[None]:
     """Run the calling thread's float32 CPU forwards with rollout's batch-invariant kernels (see the module).
 
     Under it, a plain transformers forward of a model (any batch size, padded with an attention mask, its default
@@ -260,7 +309,11 @@ def batch_invariant() -> Iterator[None]:
 
         with rollout.batch_invariant():
             logits = model(input_ids=ids, attention_mask=mask).logits
-        logprobs = torch.log_softmax(logits / T, dim=-1)  # run it inside too: the log-softmax is one of the ops
+            logprobs = torch.log_softmax(logits / T, dim=-1)  # inside too: the log-softmax is one of the ops
+
+    Args:
+        packs: where the packed copies of the linear weights are kept (an engine passes its own, reused across its
+            steps); None: a fresh ``InvariantPacks`` for this context (each weight packed once inside it).
 
     Raises:
         RuntimeError: rollout's C++ CPU extension cannot be built here (the reason named).
@@ -268,9 +321,12 @@ def batch_invariant() -> Iterator[None]:
     reason = load_kernel()
     if reason is not None:
         raise RuntimeError(f"batch_invariant() needs rollout's CPU kernels: {reason}")
-    _state.depth = getattr(_state, "depth", 0) + 1
+    outer = _PACKS.get()
+    packs = packs if packs is not None else (outer if outer is not None else InvariantPacks())
+    packs.check_optimizer_steps()
+    token = _PACKS.set(packs)
     try:
         with _InvariantOps():
             yield
     finally:
-        _state.depth -= 1
+        _PACKS.reset(token)

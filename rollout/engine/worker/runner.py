@@ -49,7 +49,7 @@ from rollout.engine.worker.inputs import (
     prepare_inputs,
     synthetic_batch,
 )
-from rollout.engine.worker.invariant import batch_invariant
+from rollout.engine.worker.invariant import InvariantPacks, batch_invariant
 from rollout.engine.worker.onednn import PackedWeights, linear_plan, sibling_groups
 from rollout.engine.worker.readback import StepResult, pack_results, read_back
 from rollout.lora import LoraSlots
@@ -161,6 +161,8 @@ class ModelRunner:
         # ContinuousBatchingConfig.batch_invariant: every step's forward and sampling inside batch_invariant() (the
         # build refused what it cannot run: compiled or graphed paths, fused layers, LoRA, non-float32, off the CPU).
         self.batch_invariant = batch_invariant
+        # Its packed copies of the linear weights, kept across steps (cleared by the engine at a new weight version).
+        self.invariant_packs: InvariantPacks | None = InvariantPacks() if batch_invariant else None
         self.lora = lora
         self.fused_layers = fused_layers
         self.cache = cache
@@ -348,7 +350,7 @@ class ModelRunner:
             assert previous_tokens is not None
             rows, sources = prepared.placeholders[0], prepared.placeholders[1]
             prepared.batch.input_ids[rows] = previous_tokens.index_select(0, sources)
-        with batch_invariant() if self.batch_invariant else contextlib.nullcontext():
+        with batch_invariant(self.invariant_packs) if self.batch_invariant else contextlib.nullcontext():
             return self._forward_and_sample(prepared, readback)
 
     def _forward_and_sample(self, prepared: PreparedStep, readback: bool) -> StepResult:

@@ -6,9 +6,9 @@
 //
 // The rules (Thinking Machines' batch_invariant_ops and SGLang's deterministic mode, in CPU terms; the code is
 // rollout's):
-// - GEMM (`invariant_mm`): C[m, n] = dot(A[m, :], B[n, :]) for the linear layer's x @ W^T. Threads split rows and
-//   columns, never K; every element is one chain of fused multiply-adds over K in 16 lanes, in ascending K, then one
-//   fixed tree over the lanes, whatever the tile shape (the 4 x 4 micro-tile and its edge tiles run the same chain).
+// - GEMM (`invariant_mm`, `invariant_mm_packed` on `invariant_pack`'s copy of W): C[m, n] = A[m, :] . W[n, :] for the
+//   linear layer's x @ W^T. Threads split rows and columns, never K; every element is one chain of fused multiply-adds
+//   over K in ascending order, whatever the tile shape (the 8 x 32 micro-tile and its edge tiles run the same chain).
 //   No GEMV special case, no BLAS dispatch by shape.
 // - Row reductions (`invariant_mean`, `invariant_log_softmax`, `invariant_logsumexp`): each row alone, 16 lanes in ascending order, one
 //   fixed lane tree.
@@ -94,66 +94,107 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return vsum(acc);
 }
 
-// ---- GEMM: C [M, N] = A [M, K] @ B [N, K]^T.
+// ---- GEMM: C [M, N] = A [M, K] @ W [N, K]^T, W packed in panels of kCols columns.
+//
+// Each element of C is one chain of fused multiply-adds over k = 0..K-1 in ascending order, starting from 0:
+// acc = fma(A[m, k], W[n, k], acc). A tile of up to kRows rows by kCols columns keeps its accumulators in registers
+// (the broadcast-A outer-product micro-kernel of a BLIS GEMM: one lane per column, so no lane sum), and the edge tiles
+// run the same chain per element, so an element's value never depends on M, on the tile it fell in or on the thread
+// that computed it. W is packed once ([P, K, kCols], column panels, zero-padded), by the caller's cache or per call.
 
-// One MR x NR tile: each element's chain is dot()'s, whatever MR and NR are.
-template <int MR, int NR>
-inline void dot_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
-  vf acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    vf av[MR], bv[NR];
-    for (int i = 0; i < MR; ++i) av[i] = vload(a + i * lda + k);
-    for (int j = 0; j < NR; ++j) bv[j] = vload(b + j * ldb + k);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(av[i], bv[j], acc[i][j]);
+constexpr int64_t kCols = 32;  // two 16-lane vectors
+constexpr int64_t kRows = 8;   // 16 accumulators
+constexpr int64_t kInlineFmas = int64_t{1} << 20;  // below this many FMAs, no OpenMP region
+
+// W [N, K] (any strides) -> [ceil(N / kCols), K, kCols], zero past N.
+at::Tensor invariant_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "invariant_pack: float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
+  at::Tensor out = at::zeros({P, K, kCols}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sn = w.stride(0), sk = w.stride(1);
+  // Written in order, read as kCols streams advancing together (each cache line of a row used for 16 k's).
+  auto pack = [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t cols = std::min(kCols, N - p * kCols);
+      const float* rows = wp + p * kCols * sn;
+      float* dst = op + p * K * kCols;
+      for (int64_t k = 0; k < K; ++k, dst += kCols)
+        for (int64_t j = 0; j < cols; ++j) dst[j] = rows[j * sn + k * sk];
+    }
+  };
+  if (N * K < (int64_t{1} << 18)) {
+    pack(0, P);
+  } else {
+    at::parallel_for(0, P, 1, pack);
   }
-  if (k < K) {
-    vf av[MR], bv[NR];
-    for (int i = 0; i < MR; ++i) av[i] = vload_n(a + i * lda + k, K - k);
-    for (int j = 0; j < NR; ++j) bv[j] = vload_n(b + j * ldb + k, K - k);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(av[i], bv[j], acc[i][j]);
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) c[i * ldc + j] = vsum(acc[i][j]);
+  return out;
 }
 
 template <int MR>
-inline void dot_row_tiles(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t n0, int64_t n1,
-                          float* c, int64_t ldc) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) dot_tile<MR, 4>(a, lda, b + n * ldb, ldb, K, c + n, ldc);
-  for (; n < n1; ++n) dot_tile<MR, 1>(a, lda, b + n * ldb, ldb, K, c + n, ldc);
+inline void panel_tile(const float* a, int64_t lda, const float* bp, int64_t K, float* c, int64_t ldc, int64_t cols) {
+  vf acc0[MR], acc1[MR];
+  for (int i = 0; i < MR; ++i) acc0[i] = vzero(), acc1[i] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b0 = vload(bp + k * kCols), b1 = vload(bp + k * kCols + 16);
+    for (int i = 0; i < MR; ++i) {
+#ifdef __AVX512F__
+      const vf av = _mm512_set1_ps(a[i * lda + k]);
+#else
+      vf av;
+      for (int l = 0; l < 16; ++l) av.l[l] = a[i * lda + k];
+#endif
+      acc0[i] = vfma(av, b0, acc0[i]);
+      acc1[i] = vfma(av, b1, acc1[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* row = c + i * ldc;
+    if (cols == kCols) {
+      vstore(row, acc0[i]);
+      vstore(row + 16, acc1[i]);
+    } else {
+      vstore_n(row, acc0[i], std::min<int64_t>(16, cols));
+      if (cols > 16) vstore_n(row + 16, acc1[i], cols - 16);
+    }
+  }
 }
 
-constexpr int64_t kPanelCols = 32;   // columns of C (rows of B) per task: B's panel stays in L2 while A streams
-constexpr int64_t kPanelRows = 128;  // rows of C per task
-constexpr int64_t kInlineFmas = int64_t{1} << 20;  // below this many FMAs, no OpenMP region
+template <int MR>
+inline void panel_rows(const float* a, int64_t lda, const float* bp, int64_t K, float* c, int64_t ldc, int64_t cols,
+                       int64_t rows) {
+  // rows < kRows: the same chain per element, in a tile of exactly `rows` rows.
+  if constexpr (MR > 1) {
+    if (rows < MR) return panel_rows<MR - 1>(a, lda, bp, K, c, ldc, cols, rows);
+  }
+  panel_tile<MR>(a, lda, bp, K, c, ldc, cols);
+}
 
-at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "invariant_mm: float32 only");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "invariant_mm: a [M, K] and b [N, K], got ",
-              a.sizes(), " and ", b.sizes());
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "invariant_mm: a and b need a contiguous last dimension");
-  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+// A [M, K] (contiguous rows) @ the packed W [P, K, kCols] -> C [M, N].
+at::Tensor invariant_mm_packed(const at::Tensor& a, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "invariant_mm: float32 only");
+  TORCH_CHECK(a.dim() == 2 && a.stride(1) == 1, "invariant_mm: a must be [M, K] with a contiguous last dimension");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() && packed.size(1) == a.size(1),
+              "invariant_mm: packed must be invariant_pack's [P, K, 32] for a's K");
+  const int64_t M = a.size(0), K = a.size(1), P = packed.size(0);
+  TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols, "invariant_mm: N does not match the packed panels");
   at::Tensor c = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return c;
   const float* ap = a.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
+  const float* bp = packed.data_ptr<float>();
   float* cp = c.data_ptr<float>();
-  const int64_t lda = a.stride(0), ldb = b.stride(0);
-  const int64_t col_tasks = (N + kPanelCols - 1) / kPanelCols, row_tasks = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t lda = a.stride(0);
+  constexpr int64_t kTaskRows = 128;
+  const int64_t row_tasks = (M + kTaskRows - 1) / kTaskRows;
   auto task = [&](int64_t t) {
-    const int64_t n0 = (t % col_tasks) * kPanelCols, n1 = std::min(N, n0 + kPanelCols);
-    const int64_t m0 = (t / col_tasks) * kPanelRows, m1 = std::min(M, m0 + kPanelRows);
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4) dot_row_tiles<4>(ap + m * lda, lda, bp, ldb, K, n0, n1, cp + m * N, N);
-    for (; m < m1; ++m) dot_row_tiles<1>(ap + m * lda, lda, bp, ldb, K, n0, n1, cp + m * N, N);
+    const int64_t p = t % P, m0 = (t / P) * kTaskRows, m1 = std::min(M, m0 + kTaskRows);
+    const int64_t cols = std::min(kCols, N - p * kCols);
+    const float* panel = bp + p * K * kCols;
+    for (int64_t m = m0; m < m1; m += kRows)
+      panel_rows<kRows>(ap + m * lda, lda, panel, K, cp + m * N + p * kCols, N, cols, std::min(kRows, m1 - m));
   };
-  const int64_t tasks = col_tasks * row_tasks;
+  const int64_t tasks = P * row_tasks;
   if (M * N * K < kInlineFmas) {
     for (int64_t t = 0; t < tasks; ++t) task(t);
   } else {
@@ -162,6 +203,13 @@ at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& b) {
     });
   }
   return c;
+}
+
+// A [M, K] @ W [N, K]^T with W packed for this call.
+at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && a.dim() == 2 && a.size(1) == w.size(1), "invariant_mm: a [M, K] and w [N, K], got ",
+              a.sizes(), " and ", w.sizes());
+  return invariant_mm_packed(a, invariant_pack(w), w.size(0));
 }
 
 // ---- Row reductions over the last dimension of x [R, C] (contiguous rows).
@@ -495,6 +543,8 @@ at::Tensor invariant_paged_attention(const at::Tensor& q, const at::Tensor& k_ca
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("invariant_mm(Tensor a, Tensor b) -> Tensor");
+  m.def("invariant_pack(Tensor w) -> Tensor");
+  m.def("invariant_mm_packed(Tensor a, Tensor packed, int n) -> Tensor");
   m.def("invariant_mean(Tensor x) -> Tensor");
   m.def("invariant_log_softmax(Tensor x) -> Tensor");
   m.def("invariant_logsumexp(Tensor x) -> Tensor");
@@ -510,6 +560,8 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("invariant_mm", &invariant_mm);
+  m.impl("invariant_pack", &invariant_pack);
+  m.impl("invariant_mm_packed", &invariant_mm_packed);
   m.impl("invariant_mean", &invariant_mean);
   m.impl("invariant_log_softmax", &invariant_log_softmax);
   m.impl("invariant_logsumexp", &invariant_logsumexp);
