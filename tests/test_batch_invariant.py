@@ -436,3 +436,23 @@ def test_the_engines_packed_weights_follow_every_weight_change() -> None:
             assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))
     finally:
         manager.stop(block=True)
+
+
+@pytest.mark.slow
+def test_smollm2_engine_logprobs_equal_the_trainers_forward() -> None:
+    """The real default model: 8 chat prompts sampled 24 tokens each through a batch-invariant engine (chunked at 64
+    tokens a step), every logprob equal to the trainer's batched forward."""
+    model, tokenizer = rollout.load_model()
+    questions = ["What is 17 + 25?", "Name a prime above 50.", "Spell 'rollout' backwards.", "What is 9 x 12?"] * 2
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    outs, _ = generate(
+        model,
+        prompts,
+        config(page_size=16, num_blocks=128, max_batch_tokens=64),
+        params=[sampled(i, 24) for i in range(len(prompts))],
+    )
+    assert_bitwise(outs, trainer_logprobs(model, prompts, [o.generated_tokens for o in outs]))

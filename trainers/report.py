@@ -208,6 +208,10 @@ def report(
     keys = ["reward_mean", *parts, "completion_len_mean"]
     if algo == "grpo":
         keys += ["frac_reward_zero_std", "is_ratio_max", "staleness_mean", "grad_norm"]
+        if any("is_ratio_fresh_max" in r for r in train):  # the importance ratio's extremes in full
+            at = keys.index("is_ratio_max")
+            keys[at : at + 1] = ["is_ratio_min", "is_ratio_max", "is_ratio_fresh_min", "is_ratio_fresh_max"]
+            keys.insert(keys.index("staleness_mean") + 1, "behaviour_kl")
     else:
         keys += ["explained_variance", "value_loss", "clip_fraction", "approx_kl", "entropy"]
         keys += ["kl"] if any("kl" in r for r in train) else []  # absent on a step that trained on no sample
@@ -215,8 +219,16 @@ def report(
     keys += ["step_time_s", "rollout_tokens_per_s"]
     lines += ["", "## Per step", "", "| step | " + " | ".join(k.replace("rewards/", "") for k in keys) + " |"]
     lines.append("| ---: | " + " | ".join("---:" for _ in keys) + " |")
+    exact = ("is_ratio_min", "is_ratio_max", "is_ratio_fresh_min", "is_ratio_fresh_max", "behaviour_kl")
+
+    def cell(r: dict[str, float], k: str) -> str:
+        value = float(r.get(k, math.nan))
+        if k in exact and "is_ratio_fresh_max" in r and not math.isnan(value):
+            return f"{value:.9g}"  # enough digits to tell exactly 1 (or 0) from rounding
+        return _f(value)
+
     for r in train:
-        lines.append(f"| {r['step']} | " + " | ".join(_f(float(r.get(k, math.nan))) for k in keys) + " |")
+        lines.append(f"| {r['step']} | " + " | ".join(cell(r, k) for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -9,8 +9,8 @@ tail of a vectorized elementwise loop with scalar libm calls that round differen
 ``batch_invariant()`` is a context manager under which every operation whose result could depend on the other rows
 runs one of rollout's kernels instead (``attention/csrc/invariant_cpu.cpp``, where the rules are written out):
 
-- ``aten.mm`` and ``aten.addmm`` of a linear layer (``x @ W^T``): each element one chain of FMAs over K in one order
-  (threads split rows and columns, never K);
+- ``aten.mm``, ``aten.addmm`` and ``aten.linear`` of a linear layer (``x @ W^T``): each element one chain of FMAs over
+  K in ascending order (threads split rows and columns, never K), on W packed in column panels (``InvariantPacks``);
 - ``aten.mean.dim``, ``aten._log_softmax`` and ``aten.logsumexp`` over the last dimension: each row alone, in one
   order (RMSNorm's mean, the logprobs; ``log_softmax`` is ``x - logsumexp`` computed once, so a trainer that takes
   the selected logit minus ``logsumexp``, as TRL does, gets the same float);
