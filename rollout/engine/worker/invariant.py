@@ -68,7 +68,10 @@ class InvariantPacks:
     """
 
     def __init__(self) -> None:
-        self._packs: dict[tuple, tuple[int, torch.Tensor]] = {}
+        # (data_ptr, shape, strides) -> (version, the tensor packed, its copy). The tensor is held so that its memory
+        # cannot be reused by another tensor while its copy is kept (a freed temporary's address would otherwise
+        # find a stale copy).
+        self._packs: dict[tuple, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._optimizer_steps = optimizer_steps()
 
@@ -82,9 +85,9 @@ class InvariantPacks:
         entry = self._packs.get(key)
         if entry is None or entry[0] != version:
             with self._lock:
-                entry = (version, torch.ops.rollout_cpu.invariant_pack(weight))
+                entry = (version, weight, torch.ops.rollout_cpu.invariant_pack(weight))
                 self._packs[key] = entry
-        return entry[1]
+        return entry[2]
 
     def clear(self) -> None:
         """Drop every copy (each is remade on its next use)."""
