@@ -351,36 +351,20 @@ def test_trl_plugin_importance_sampling_ratio_is_exactly_one(tmp_path: object) -
     its importance-sampling ratio 1.0 exactly at every step (TRL's forward ran inside ``batch_invariant()``)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import GRPOConfig
 
-    from tests.test_trl_plugin import mean_token_id_reward
+    from tests.test_trl_plugin import mean_token_id_reward, trl_args, word_prompts
     from tests.tiny_models import tiny_tokenizer
     from trainers.trl_plugin import RolloutGRPOTrainer
 
     path = tmp_path / "tiny"  # type: ignore[operator]
     tiny_llama().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
-    prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),  # type: ignore[operator]
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        temperature=T,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
+    args = trl_args(tmp_path, temperature=T)
     trainer = RolloutGRPOTrainer(
         model=str(path),
         reward_funcs=mean_token_id_reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        train_dataset=Dataset.from_dict({"prompt": word_prompts()}),
         processing_class=AutoTokenizer.from_pretrained(path),
         continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=64, batch_invariant=True),
     )

@@ -80,18 +80,21 @@ def tiny_llama_dir(tmp_path):
     return str(path)
 
 
-def test_grpo_trainer_generates_with_manager_and_logs_importance_sampling(tiny_llama_dir, tmp_path):
-    # Non-conversational prompts (the tiny tokenizer has no chat template): 10 word tokens each,
-    # so with block_size 4 the G completions of a prompt share its 2 full blocks.
-    prompts = [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
-    dataset = Dataset.from_dict({"prompt": prompts})
-    args = GRPOConfig(
+def word_prompts() -> list[str]:
+    """Four non-conversational prompts of 10 word tokens each (the tiny tokenizer has no chat template)."""
+    return [" ".join(f"t{3 + (7 * i + 5 * j) % 250}" for j in range(10)) for i in range(4)]
+
+
+def trl_args(tmp_path, **overrides) -> GRPOConfig:
+    """TRL's config of the runs here: 2 prompts x 4 completions per step, 8 tokens, MAX_STEPS steps; lr 1e-2 (large,
+    so that stale weights would show in the logprob gap)."""
+    values = dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=BATCH,
         num_generations=NUM_GENERATIONS,
         max_completion_length=8,
         temperature=TEMPERATURE,
-        learning_rate=1e-2,  # large, so that stale weights would show in the logprob gap
+        learning_rate=1e-2,
         max_steps=MAX_STEPS,
         logging_steps=1,
         save_strategy="no",
@@ -100,6 +103,15 @@ def test_grpo_trainer_generates_with_manager_and_logs_importance_sampling(tiny_l
         seed=0,
         disable_tqdm=True,
     )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def test_grpo_trainer_generates_with_manager_and_logs_importance_sampling(tiny_llama_dir, tmp_path):
+    # Non-conversational prompts (the tiny tokenizer has no chat template): 10 word tokens each,
+    # so with block_size 4 the G completions of a prompt share its 2 full blocks.
+    dataset = Dataset.from_dict({"prompt": word_prompts()})
+    args = trl_args(tmp_path)
     probe = Probe()
     trainer = RolloutGRPOTrainer(
         model=tiny_llama_dir,
