@@ -134,6 +134,10 @@ class ModelRunner:
         async_batching: ``launch`` starts a step and returns: see the module docstring.
         lora: the engine's LoRA adapters (each query token runs under its request's: ``rollout.lora.LoraSlots``), or
             None.
+        fused_layers: eager steps run ``fused_layer.fused_forward`` (the Llama family's fused CPU kernels).
+        batch_invariant: every step's forward and sampling run inside ``invariant.batch_invariant`` with the
+            runner's ``invariant_packs``, and the paged attention takes its batch-invariant kernel
+            (``ContinuousBatchingConfig.batch_invariant``; the build refuses what this mode cannot run).
 
     Raises:
         ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
