@@ -17,7 +17,16 @@ import rollout
 from rollout import ContinuousBatchingConfig, GenerationOutput, SamplingParams
 from rollout.engine import Engine
 from rollout.engine.attention.cpu import load_kernel
-from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama, tiny_mistral, tiny_qwen2
+from tests.tiny_models import (
+    VOCAB_SIZE,
+    random_prompts,
+    tiny_gemma,
+    tiny_gemma2,
+    tiny_llama,
+    tiny_mistral,
+    tiny_qwen2,
+    tiny_qwen3,
+)
 from tests.utils import assert_close, run_engine
 from trainers.loss import completion_logprobs
 
@@ -69,7 +78,9 @@ def assert_bitwise(engine_out: list[GenerationOutput], trainer: list[torch.Tenso
         assert differ == 0, f"request {i}: {differ} of {len(got)} logprobs differ (max {float((got - lp).abs().max())})"
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_mistral, tiny_gemma], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make", [tiny_llama, tiny_qwen2, tiny_qwen3, tiny_mistral, tiny_gemma], ids=lambda f: f.__name__
+)
 def test_engine_logprobs_equal_trainer_forward_bitwise(make: object) -> None:
     """Six sampled requests (prompts up to 40 tokens, chunked at 24 a step): every logprob equals the trainer's
     batched forward and its forward of each request alone (Mistral and Gemma 3 with an 8-token sliding window)."""
@@ -235,6 +246,55 @@ def test_what_the_mode_refuses(kwargs: dict, model_dtype: torch.dtype, needle: s
     model = tiny_llama().to(model_dtype)
     with pytest.raises(ValueError, match=f"batch_invariant=True: .*{needle}"):
         Engine(model, config(**kwargs))
+
+
+@pytest.mark.parametrize("which", ["gemma2", "llama_eager"])
+def test_a_model_whose_own_attention_is_not_sdpa_is_refused(which: str) -> None:
+    """Eager attention (Gemma 2's softcapping, or chosen by hand) computes its own matmuls and softmax in the
+    trainer's forward, which the mode does not route: refused rather than silently not bitwise (a review found 49 of
+    60 logprobs differing)."""
+    if which == "gemma2":
+        model = tiny_gemma2()
+    else:
+        model = tiny_llama()
+        model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="batch_invariant=True: .*'eager' attention"):
+        Engine(model, config())
+
+
+def test_weights_changed_inside_one_context_are_read_anew() -> None:
+    """A trainer loop inside one ``batch_invariant()``: after an optimizer step, or an in-place change that moves no
+    version counter, the next forward computes the new weights (a review found the old weights' packed copies
+    served, max |dlogit| 7)."""
+    model = tiny_llama()
+    ids = torch.tensor(random_prompts(2, VOCAB_SIZE, min_len=20, max_len=20, seed=1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def fresh() -> torch.Tensor:
+        with rollout.batch_invariant(), torch.no_grad():
+            return model(input_ids=ids).logits
+
+    with rollout.batch_invariant():
+        model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+        optimizer.step()
+        with torch.no_grad():
+            after_step = model(input_ids=ids).logits
+    assert torch.equal(after_step, fresh())
+    with rollout.batch_invariant():
+        with torch.inference_mode():
+            before = model(input_ids=ids).logits
+        for p in model.parameters():
+            p.data.mul_(1.5)
+        with torch.inference_mode():
+            after_data = model(input_ids=ids).logits
+    assert torch.equal(after_data, fresh()) and not torch.equal(after_data, before)
+
+
+def test_a_bfloat16_forward_inside_the_mode_says_it_is_not_routed() -> None:
+    model = tiny_llama().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="bfloat16 operation on cpu ran with ATen's kernels"):
+        with rollout.batch_invariant(), torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
 
 
 def test_kernels_rows_do_not_depend_on_the_other_rows() -> None:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.generation import CompileConfig
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.attention.registry import original_implementation
 from rollout.engine.kv.block_pool import BlockManager
 from rollout.engine.kv.cache import PagedKVCache
 from rollout.engine.kv.manager import KVCacheManager
@@ -80,8 +81,9 @@ def check_batch_invariant(model: torch.nn.Module, config: ContinuousBatchingConf
 
     Raises:
         ValueError: naming ``batch_invariant`` and what conflicts: a device other than the CPU, a parameter that is
-            not float32, a compiled or CUDA-graphed path, LoRA, tensor parallelism, or rollout's CPU kernels not
-            in use (``cpu_attention='sdpa'``, or the build failed: the reason is in the log).
+            not float32, a compiled or CUDA-graphed path, LoRA, tensor parallelism, rollout's CPU kernels not in use
+            (``cpu_attention='sdpa'``, or the build failed: the reason is in the log), or a model whose own attention
+            is not SDPA (what a trainer's forward of it would run, and the mode routes).
     """
     if not config.batch_invariant:
         return
@@ -98,6 +100,13 @@ def check_batch_invariant(model: torch.nn.Module, config: ContinuousBatchingConf
         why = "a tensor-parallel model is not supported in this mode"
     elif not spec.use_flash:
         why = "it needs rollout's CPU kernels: cpu_attention must be 'auto' or 'paged' and the kernels must build"
+    elif original_implementation(model) != "sdpa":
+        why = (
+            f"the model's own forward runs {original_implementation(model)!r} attention, which batch_invariant() does "
+            "not route (only SDPA): a trainer's forward could not match the engine; load it with "
+            "attn_implementation='sdpa' (models that need eager attention, such as Gemma 2's softcapping, are not "
+            "supported)"
+        )
     if why is not None:
         raise ValueError(f"batch_invariant=True: {why}")
 

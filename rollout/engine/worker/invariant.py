@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,8 +65,9 @@ class InvariantPacks:
     last ``batch_invariant()`` entered with them (a fused optimizer bumps no version counter). A tensor without a
     version counter (an inference tensor) is packed at every call.
 
-    An engine keeps one (its steps reuse the copies: packing the LM head costs tens of milliseconds); a
-    ``batch_invariant()`` entered without one packs each weight once within it. Thread-safe.
+    An engine keeps one (its steps reuse the copies: packing the LM head costs tens of milliseconds); only
+    ``aten.linear`` reads it, which reaches the mode with the parameter itself under ``torch.inference_mode`` (the
+    engine's steps). A ``batch_invariant()`` entered without one packs each weight at each call. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -109,19 +112,41 @@ def _cpu_float(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def _matmul_wt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T by the invariant kernel, on the packed copy of ``weight``."""
-    packs = _PACKS.get()
+def _routable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors (float32 on the CPU); a floating-point operation they cannot take runs
+    with ATen's kernels, said once per dtype and device (its rows are then not batch-invariant)."""
+    if _cpu_float(*tensors):
+        return True
+    for t in tensors:
+        if t.is_floating_point() and (t.device.type != "cpu" or t.dtype != torch.float32):
+            _warn_not_routed(str(t.dtype), t.device.type)
+    return False
+
+
+@functools.cache
+def _warn_not_routed(dtype: str, device: str) -> None:
+    warnings.warn(
+        f"batch_invariant(): a {dtype} operation on {device} ran with ATen's kernels (rollout's invariant kernels are "
+        "float32 on the CPU): its rows are not batch-invariant",
+        stacklevel=4,
+    )
+
+
+def _matmul_wt(x: torch.Tensor, weight: torch.Tensor, cached: bool) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T by the invariant kernel, on a packed copy of ``weight``: the context's kept copy
+    when ``cached`` and the context has an ``InvariantPacks``, else one made for this call."""
+    packs = _PACKS.get() if cached else None
     packed = packs.packed(weight) if packs is not None else torch.ops.rollout_cpu.invariant_pack(weight)
     return torch.ops.rollout_cpu.invariant_mm_packed(x, packed, weight.shape[0])
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> Any:
     """``a @ b`` when it is a linear layer's ``x @ W^T`` (b = W.t(), W's rows contiguous); other layouts (autograd's
-    products) keep ATen's kernel."""
-    if not _cpu_float(a, b) or a.stride(-1) != 1 or b.stride(0) != 1:
+    products) keep ATen's kernel. Never from a kept copy: ``b`` is a view made below autograd, whose version counter
+    does not follow the parameter's (an optimizer step inside one context would go unseen)."""
+    if not _routable(a, b) or a.stride(-1) != 1 or b.stride(0) != 1:
         return NotImplemented
-    return _matmul_wt(a, b.t())
+    return _matmul_wt(a, b.t(), cached=False)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> Any:
@@ -134,9 +159,9 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
     """``F.linear``, which reaches the mode whole under ``torch.inference_mode`` (the engine's steps); with autograd
     it arrives as ``mm`` / ``addmm`` of the same rows."""
-    if not _cpu_float(x, weight) or weight.dim() != 2 or weight.stride(-1) != 1 or x.dim() == 0:
+    if not _routable(x, weight) or weight.dim() != 2 or weight.stride(-1) != 1 or x.dim() == 0:
         return NotImplemented
-    out = _matmul_wt(x.reshape(-1, x.shape[-1]), weight)
+    out = _matmul_wt(x.reshape(-1, x.shape[-1]), weight, cached=True)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -152,14 +177,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mean(x: torch.Tensor, dim: Any, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
-    if not _cpu_float(x) or dtype not in (None, torch.float32) or not _last_dim(x, dim) or x.shape[-1] == 0:
+    if not _routable(x) or dtype not in (None, torch.float32) or not _last_dim(x, dim) or x.shape[-1] == 0:
         return NotImplemented
     out = torch.ops.rollout_cpu.invariant_mean(_rows(x)).view(x.shape[:-1])
     return out.unsqueeze(-1) if keepdim else out
 
 
 def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> Any:
-    if not _cpu_float(x) or half_to_float or not _last_dim(x, dim) or x.shape[-1] == 0:
+    if not _routable(x) or half_to_float or not _last_dim(x, dim) or x.shape[-1] == 0:
         return NotImplemented
     return torch.ops.rollout_cpu.invariant_log_softmax(_rows(x)).view(x.shape)
 
@@ -167,7 +192,7 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> Any:
 def _logsumexp(x: torch.Tensor, dim: Any, keepdim: bool = False) -> Any:
     """``torch.logsumexp`` over the last dimension (TRL's ``selective_log_softmax``: the selected logit minus it, the
     same float as ``log_softmax``'s element)."""
-    if not _cpu_float(x) or not _last_dim(x, dim) or x.shape[-1] == 0:
+    if not _routable(x) or not _last_dim(x, dim) or x.shape[-1] == 0:
         return NotImplemented
     out = torch.ops.rollout_cpu.invariant_logsumexp(_rows(x)).view(x.shape[:-1])
     return out.unsqueeze(-1) if keepdim else out
@@ -182,7 +207,7 @@ def _log_softmax_int(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None
 
 def _unary(op: str) -> Callable[..., Any]:
     def run(x: torch.Tensor) -> Any:
-        if not _cpu_float(x):
+        if not _routable(x):
             return NotImplemented
         return torch.ops.rollout_cpu.invariant_unary(x, _UNARY[op])
 
@@ -229,7 +254,7 @@ def _attention(
     scale: float | None,
 ) -> Any:
     """(out [B, H, T, D], logsumexp [B, H, T]) of rollout's invariant attention, or NotImplemented."""
-    if not _cpu_float(query, key, value) or query.dim() != 4:
+    if not _routable(query, key, value) or query.dim() != 4:
         return NotImplemented
     if dropout_p:
         raise ValueError(f"batch_invariant(): attention dropout must be 0 (the forward is evaluated), got {dropout_p}")
@@ -316,7 +341,8 @@ def batch_invariant(packs: InvariantPacks | None = None) -> Iterator[None]:
 
     Args:
         packs: where the packed copies of the linear weights are kept (an engine passes its own, reused across its
-            steps); None: a fresh ``InvariantPacks`` for this context (each weight packed once inside it).
+            steps, cleared at each new weight version); None: the enclosing context's, else none (each linear
+            layer's weight packed at each call, so a weight changed inside the context is always read anew).
 
     Raises:
         RuntimeError: rollout's C++ CPU extension cannot be built here (the reason named).
@@ -324,9 +350,9 @@ def batch_invariant(packs: InvariantPacks | None = None) -> Iterator[None]:
     reason = load_kernel()
     if reason is not None:
         raise RuntimeError(f"batch_invariant() needs rollout's CPU kernels: {reason}")
-    outer = _PACKS.get()
-    packs = packs if packs is not None else (outer if outer is not None else InvariantPacks())
-    packs.check_optimizer_steps()
+    packs = packs if packs is not None else _PACKS.get()
+    if packs is not None:
+        packs.check_optimizer_steps()
     token = _PACKS.set(packs)
     try:
         with _InvariantOps():
