@@ -1,13 +1,13 @@
-"""Time one pass of SmolLM2-135M's linear layers (30 layers x 7 projections, then the lm_head) on the CPU, three
-ways: MKL (``F.linear``), oneDNN on the plain weights, and oneDNN on weights reordered once into its blocked layout
-(``rollout.engine.worker.onednn.PackedWeights``, what the engine runs). A whole pass, not one shape at a time: as in
-an engine
-step, each layer's weights come from memory (540 MB in all), not from the caches. rollout/engine/worker/onednn.py
+"""Time one pass of SmolLM2-135M's linear layers (30 layers x 7 projections, then the lm_head) on the CPU, four
+ways: MKL (``F.linear``), oneDNN on the plain weights, oneDNN on weights reordered once into its blocked layout
+(``rollout.engine.worker.onednn.PackedWeights``, what the engine runs), and rollout's batch-invariant GEMM on its own
+packed copies (``invariant``: ``rollout.engine.worker.invariant.InvariantPacks``, what ``batch_invariant=True``
+runs). A whole pass, not one shape at a time: as in an engine step, each layer's weights come from memory (540 MB in all), not from the caches. rollout/engine/worker/onednn.py
 quotes it.
 
     python scripts/bench_cpu_linear.py [--rows 2 32 512] [--repeats 5]
 
-Rounds alternate the three, and each prints its median and every round's time.
+Rounds alternate the four, and each prints its median and every round's time.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from rollout.engine.attention.cpu import load_kernel
+from rollout.engine.worker.invariant import InvariantPacks
 from rollout.engine.worker.onednn import PackedWeights, _onednn
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers, vocabulary 49,152.
@@ -37,6 +39,10 @@ def main() -> None:
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in LAYER_SHAPES]
     weights.append(torch.randn(VOCAB, HIDDEN) * 0.02)
     packs = PackedWeights()
+    reason = load_kernel()
+    if reason is not None:
+        raise SystemExit(f"rollout's CPU kernels are needed for the invariant GEMM: {reason}")
+    invariant = InvariantPacks()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for rows in args.rows:
@@ -52,6 +58,7 @@ def main() -> None:
             "mkl": lambda x, w: F.linear(x, w),
             "onednn": lambda x, w: _onednn(x, w, None),
             "packed": lambda x, w: packs.linear(x, w, None),
+            "invariant": lambda x, w: torch.ops.rollout_cpu.invariant_mm_packed(x, invariant.packed(w), w.shape[0]),
         }
         for linear in kernels.values():
             one_pass(linear)  # builds oneDNN's primitives and the packed copies
