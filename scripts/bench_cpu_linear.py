@@ -2,8 +2,8 @@
 ways: MKL (``F.linear``), oneDNN on the plain weights, oneDNN on weights reordered once into its blocked layout
 (``rollout.engine.worker.onednn.PackedWeights``, what the engine runs), and rollout's batch-invariant GEMM on its own
 packed copies (``invariant``: ``rollout.engine.worker.invariant.InvariantPacks``, what ``batch_invariant=True``
-runs). A whole pass, not one shape at a time: as in an engine step, each layer's weights come from memory (540 MB in all), not from the caches. rollout/engine/worker/onednn.py
-quotes it.
+runs). A whole pass, not one shape at a time: as in an engine step, each layer's weights come from memory (540 MB in
+all), not from the caches. rollout/engine/worker/onednn.py quotes it.
 
     python scripts/bench_cpu_linear.py [--rows 2 32 512] [--repeats 5]
 
