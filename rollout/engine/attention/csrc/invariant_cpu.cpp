@@ -85,7 +85,7 @@ inline void vstore(float* p, vf v) { std::memcpy(p, v.l, sizeof v.l); }
 inline void vstore_n(float* p, vf v, int64_t n) { std::memcpy(p, v.l, sizeof(float) * n); }
 #endif
 
-// dot(a, b) over n floats: the one chain every kernel here uses for a reduction over a row.
+// dot(a, b) over n floats: 16 lanes in ascending order, then one fixed lane tree (the attention's scores).
 inline float dot(const float* a, const float* b, int64_t n) {
   vf acc = vzero();
   int64_t k = 0;
@@ -231,6 +231,15 @@ void for_rows(int64_t rows, int64_t width, F f) {
   }
 }
 
+// The sum of n floats: 16 lanes in ascending order, the last partial group masked, then one fixed lane tree.
+inline float row_sum(const float* x, int64_t n) {
+  vf acc = vzero();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) acc = vadd(acc, vload(x + k));
+  if (k < n) acc = vadd(acc, vload_n(x + k, n - k));
+  return vsum(acc);
+}
+
 // mean(x, -1): [R].
 at::Tensor invariant_mean(const at::Tensor& x) {
   check_rows(x, "invariant_mean");
@@ -238,14 +247,7 @@ at::Tensor invariant_mean(const at::Tensor& x) {
   at::Tensor out = at::empty({R}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for_rows(R, C, [&](int64_t r) {
-    const float* row = xp + r * x.stride(0);
-    vf acc = vzero();
-    int64_t k = 0;
-    for (; k + 16 <= C; k += 16) acc = vadd(acc, vload(row + k));
-    if (k < C) acc = vadd(acc, vload_n(row + k, C - k));
-    op[r] = vsum(acc) / static_cast<float>(C);
-  });
+  for_rows(R, C, [&](int64_t r) { op[r] = row_sum(xp + r * x.stride(0), C) / static_cast<float>(C); });
   return out;
 }
 
@@ -272,11 +274,7 @@ inline float row_logsumexp(const float* row, int64_t C, std::vector<float>& e) {
   e.resize(C);
   for (int64_t k = 0; k < C; ++k) e[k] = row[k] - m;
   exp_nonpositive_inplace(e.data(), C);
-  vf acc = vzero();
-  int64_t k = 0;
-  for (; k + 16 <= C; k += 16) acc = vadd(acc, vload(e.data() + k));
-  if (k < C) acc = vadd(acc, vload_n(e.data() + k, C - k));
-  return m + std::log(vsum(acc));
+  return m + std::log(row_sum(e.data(), C));
 }
 
 // log_softmax(x, -1): [R, C].
@@ -323,12 +321,7 @@ at::Tensor invariant_unary(const at::Tensor& x_in, int64_t op) {
   auto run = [&](int64_t b, int64_t e) {
     switch (op) {
       case 0: {
-        // x / (1 + exp(-x)) with exp of -|x| only (x < 0: x e^x / (1 + e^x)), 16 lanes; the last partial group
-        // on a padded copy through the same code.
-        auto silu16 = [](f32x16 v) {
-          const f32x16 e = exp_nonpositive(v < 0.f ? v : -v);
-          return (v < 0.f ? v * e : v) / (1.f + e);
-        };
+        // vec16.h's silu16, 16 lanes; the last partial group on a padded copy through the same code.
         int64_t i = b;
         for (; i + 16 <= e; i += 16) store16(yp + i, silu16(load16(xp + i)));
         if (i < e) {

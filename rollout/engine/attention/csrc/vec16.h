@@ -1,5 +1,5 @@
-// rollout's CPU kernels' 16-lane float32 vector helpers, shared by paged_attention_cpu.cpp and fused_cpu.cpp (inline:
-// one definition however many files include it).
+// rollout's CPU kernels' 16-lane float32 vector helpers, shared by paged_attention_cpu.cpp, fused_cpu.cpp and
+// invariant_cpu.cpp (inline: one definition however many files include it).
 #pragma once
 
 #include <cstdint>
@@ -38,4 +38,11 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   y = y * r * r + r + 1.f;
   const i32x16 bits = ((reinterpret_cast<i32x16>(t) - reinterpret_cast<i32x16>(magic)) + 127) << 23;
   return y * reinterpret_cast<f32x16>(bits);
+}
+
+// silu(x) = x * sigmoid(x) lane by lane, sigmoid from e = exp(-|x|) <= 1 (no overflow): 1 / (1 + e) for x >= 0,
+// e / (1 + e) below; exp by the polynomial above. Shared by fused_cpu.cpp (silu_and_mul) and invariant_cpu.cpp.
+inline f32x16 silu16(f32x16 x) {
+  const f32x16 e = exp_nonpositive(x < 0.f ? x : -x);
+  return x * ((x < 0.f ? e : f32x16{} + 1.f) / (e + 1.f));
 }
