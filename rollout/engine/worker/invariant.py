@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.engine.attention.cpu import load_kernel
+from rollout.engine.worker.onednn import _version_of
 from rollout.weights.versions import optimizer_steps
 
 aten = torch.ops.aten
@@ -80,9 +81,8 @@ class InvariantPacks:
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         """float32 [ceil(N / 32), K, 32]: ``weight`` [N, K] packed (a copy kept for its next use)."""
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor: no version counter, so no copy could be trusted later
+        version = _version_of(weight)
+        if version is None:  # an inference tensor: no version counter, so no copy could be trusted later
             return torch.ops.rollout_cpu.invariant_pack(weight)
         key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()))
         entry = self._packs.get(key)
