@@ -28,6 +28,7 @@ SYSTEMS = (
     "rollout-unfused",
     "rollout-invariant",
     "rollout-mkl",
+    "rollout-onednn",
     "rollout-sdpa",
     "vllm-cpu",
     "hf-cb",

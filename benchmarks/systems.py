@@ -3,8 +3,10 @@
 - ``rollout-async``: ours with async batching, ``rollout.generate_batch`` with ``use_async_batching=True``.
 - ``rollout``: ours, ``rollout.generate_batch``, the synchronous loop (``use_async_batching=False``).
 - ``rollout-mkl``: ``rollout`` with every float32 CPU linear layer on MKL, as transformers runs them, rather
-  than oneDNN on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``rollout/onednn.py``):
+  than on packed weights (``ROLLOUT_ONEDNN_LINEAR=0`` while its engine is built; ``engine/worker/onednn.py``):
   how much of rollout's lead over ``hf-static`` is the linear kernel.
+- ``rollout-onednn``: ``rollout`` with its packed weights on oneDNN's inner product (``ROLLOUT_ONEDNN_LINEAR=1``),
+  where ``rollout`` runs rollout's own GEMM on AVX-512 machines (``engine.worker.onednn.packed_kernel``).
 - ``rollout-unfused``: ``rollout`` with ``fused_layers="off"`` (transformers' decoder layers op by op rather than
   the Llama family's fused CPU kernels, ``rollout/engine/worker/fused_layer.py``): what the fused layers bring.
 - ``rollout-invariant``: ``rollout`` with ``batch_invariant=True`` (``engine.worker.invariant``: every row's logits
@@ -169,6 +171,14 @@ def _continuous_batching_run(name: str, outputs: Mapping, t0: float, wall_s: flo
     return SystemRun(name, sum(len(s) for s in sequences), wall_s, ttft, sequences, extra)
 
 
+# ``run_rollout``'s linear kernels and the environment each is built under (engine/worker/onednn.py).
+LINEAR_ENV: dict[str, dict[str, str]] = {
+    "auto": {},
+    "mkl": {"ROLLOUT_ONEDNN_LINEAR": "0"},
+    "onednn": {"ROLLOUT_ONEDNN_LINEAR": "1"},
+}
+
+
 def run_rollout(
     model,
     prompts: Sequence[list[int]],
@@ -176,20 +186,23 @@ def run_rollout(
     seed: int = 0,
     compile_level: int = 0,
     async_batching: bool = False,
-    onednn: bool = True,
+    linear: str = "auto",
     cpu_attention: str = "auto",
     fused_layers: str = "auto",
     batch_invariant: bool = False,
 ) -> SystemRun:
     """Our engine: ``rollout.generate_batch`` over all prompts in one call (with its warmup, which
     compiles nothing at level 0), at ``default_compile_level=compile_level``, with async batching or without
-    (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``onednn=False``: MKL linear
-    layers (system ``rollout-mkl``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
+    (system ``rollout-async``, ``rollout`` or ``rollout-compile<level>``); ``linear="mkl"``: MKL linear
+    layers (system ``rollout-mkl``, eager only); ``linear="onednn"``: oneDNN on the packed weights (system
+    ``rollout-onednn``, eager only); ``cpu_attention="sdpa"``: SDPA over gathered keys (system
     ``rollout-sdpa``, eager only); ``fused_layers="off"``: transformers' decoder layers (system
     ``rollout-unfused``); ``batch_invariant=True``: the batch-invariant kernels (system ``rollout-invariant``, eager
     only)."""
-    if not onednn and (compile_level or async_batching):
-        raise ValueError("onednn=False is the eager synchronous system rollout-mkl only")
+    if linear not in LINEAR_ENV:
+        raise ValueError(f"linear must be one of {sorted(LINEAR_ENV)}; got {linear!r}")
+    if linear != "auto" and (compile_level or async_batching):
+        raise ValueError("linear is set by the eager synchronous systems rollout-mkl and rollout-onednn only")
     if cpu_attention != "auto" and (compile_level or async_batching):
         raise ValueError("cpu_attention is set by the eager synchronous system rollout-sdpa only")
     cb_config = rollout.ContinuousBatchingConfig(
@@ -203,8 +216,8 @@ def run_rollout(
     name = "rollout" if compile_level == 0 else f"rollout-compile{compile_level}"
     if async_batching:
         name = name.replace("rollout", "rollout-async", 1)
-    if not onednn:
-        name = "rollout-mkl"
+    if linear != "auto":
+        name = f"rollout-{linear}"
     if cpu_attention == "sdpa":
         name = "rollout-sdpa"
     if fused_layers == "off":
@@ -212,7 +225,7 @@ def run_rollout(
     if batch_invariant:
         name = "rollout-invariant"
     t0 = time.perf_counter()
-    with mock.patch.dict(os.environ, {} if onednn else {"ROLLOUT_ONEDNN_LINEAR": "0"}):
+    with mock.patch.dict(os.environ, LINEAR_ENV[linear]):
         outputs = rollout.generate_batch(
             model,
             list(prompts),

@@ -177,8 +177,10 @@ def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, t
     assert os.environ.get("ROLLOUT_ONEDNN_LINEAR") is None  # restored after the run
     _run(tiny_llama, ["rollout"], _tiny_workload())
     assert len(entered) > 0
-    with pytest.raises(ValueError, match="rollout-mkl only"):
-        systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), 0, 1, onednn=False)
+    with pytest.raises(ValueError, match="rollout-mkl and rollout-onednn only"):
+        systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), 0, 1, linear="mkl")
+    with pytest.raises(ValueError, match="linear must be one of"):
+        systems_module.run_rollout(tiny_llama, PROMPTS, GenerationConfig(max_new_tokens=2), linear="fast")
 
 
 def test_bench_rollout_sdpa_runs_sdpa_and_generates_what_rollout_does(tiny_llama, tmp_path, monkeypatch):

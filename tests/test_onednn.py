@@ -27,6 +27,22 @@ from tests.utils import reference_greedy, run_engine
 pytestmark = pytest.mark.skipif(not MKLDNN_AVAILABLE, reason="this torch build has no oneDNN")
 
 
+def _kernel(name: str) -> str:
+    """``name``, skipping the test where it is rollout's GEMM and the CPU extension does not load here."""
+    if name == onednn.ROLLOUT:
+        from rollout.engine.attention.cpu import load_kernel
+
+        reason = load_kernel()
+        if reason is not None:
+            pytest.skip(f"rollout's CPU extension: {reason}")
+    return name
+
+
+# The packed weights' two kernels, and the op each runs a packed layer with.
+KERNELS = pytest.mark.parametrize("kernel", [onednn.ONEDNN, onednn.ROLLOUT])
+PACKED_OPS = {onednn.ONEDNN: "mkldnn::_linear_pointwise", onednn.ROLLOUT: "rollout_cpu::packed_linear"}
+
+
 def test_onednn_linear_equals_f_linear_within_float32_rounding() -> None:
     torch.manual_seed(0)
     x, w, b = torch.randn(3, 5, 64), torch.randn(48, 64), torch.randn(48)
@@ -135,10 +151,12 @@ def test_an_unknown_switch_value_is_refused_naming_the_variable(monkeypatch: pyt
         linear_kernel_policy()
 
 
-def test_the_mode_runs_packed_copies_in_eager_code_and_the_custom_op_when_traced() -> None:
+@KERNELS
+def test_the_mode_runs_packed_copies_in_eager_code_and_the_custom_op_when_traced(kernel: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 32))
-    packs = onednn.PackedWeights()
+    packs = onednn.PackedWeights(kernel=_kernel(kernel))
+    op = PACKED_OPS[kernel]
     x = torch.randn(4, 16)
     with torch.inference_mode():
         expected = model(x)
@@ -146,7 +164,7 @@ def test_the_mode_runs_packed_copies_in_eager_code_and_the_custom_op_when_traced
             out = model(x)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
         names = [e.name for e in prof.events()]
-        assert names.count("mkldnn::_linear_pointwise") == 3 and "aten::linear" not in names
+        assert names.count(op) == 3 and "aten::linear" not in names
         assert "rollout::onednn_linear" not in names  # eager calls the packed copies directly
         assert len(packs) == 3
         compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -156,7 +174,7 @@ def test_the_mode_runs_packed_copies_in_eager_code_and_the_custom_op_when_traced
             out = compiled(x)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
         names = [e.name for e in prof.events()]
-        assert names.count("rollout::onednn_linear") == 3 and names.count("mkldnn::_linear_pointwise") == 3
+        assert names.count("rollout::onednn_linear") == 3 and names.count(op) == 3
     assert len(packs) == 3  # the traced run found the eager run's copies
 
 
@@ -202,9 +220,10 @@ def test_without_packing_auto_runs_mkl_and_forced_onednn_the_plain_weights(monke
     assert [out[f"p{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 5, None) for p in prompts]
 
 
-def test_packed_weights_equal_f_linear_and_follow_in_place_updates() -> None:
+@KERNELS
+def test_packed_weights_equal_f_linear_and_follow_in_place_updates(kernel: str) -> None:
     torch.manual_seed(0)
-    packs = onednn.PackedWeights()
+    packs = onednn.PackedWeights(kernel=_kernel(kernel))
     x, w, b = torch.randn(3, 5, 64), torch.randn(48, 64), torch.randn(48)
     torch.testing.assert_close(packs.linear(x, w, b), F.linear(x, w, b), rtol=0, atol=1e-5)
     torch.testing.assert_close(packs.linear(x[0], w, None), F.linear(x[0], w), rtol=0, atol=1e-5)
@@ -222,12 +241,13 @@ def test_packed_weights_equal_f_linear_and_follow_in_place_updates() -> None:
     assert len(packs) == 0
 
 
-def test_an_inference_tensor_weight_is_not_packed() -> None:
+@KERNELS
+def test_an_inference_tensor_weight_is_not_packed(kernel: str) -> None:
     # An inference tensor has no version counter, so a change to it could not be seen: it runs unpacked.
     with torch.inference_mode():
         w = torch.randn(8, 16)
     x = torch.randn(2, 16)
-    packs = onednn.PackedWeights()
+    packs = onednn.PackedWeights(kernel=_kernel(kernel))
     assert packs.packed(w) is None
     torch.testing.assert_close(packs.linear(x, w, None), F.linear(x, w), rtol=0, atol=1e-5)
     assert len(packs) == 0
@@ -254,6 +274,7 @@ def test_the_engine_packs_each_linear_weight_once_and_drops_them_on_a_new_weight
     out = run_engine(engine)
     # Per layer q/k/v stacked, o, gate/up stacked and down; then the lm_head.
     assert len(engine.runner.packs) == 4 * model.config.num_hidden_layers + 1
+    assert engine.runner.packs.kernel == onednn.packed_kernel()
     assert [out[f"p{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 5, None) for p in prompts]
     engine.set_weight_version(engine.weight_version + 1)
     assert len(engine.runner.packs) == 0
@@ -272,7 +293,8 @@ def test_a_bad_rollout_pack_weights_value_names_the_variable(monkeypatch) -> Non
         onednn.packing_wanted()
 
 
-def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_linear() -> None:
+@KERNELS
+def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_linear(kernel: str) -> None:
     # tiny_qwen2's q/k/v projections have biases; its MLP's gate/up have none.
     model = tiny_qwen2()
     groups = onednn.sibling_groups(model)
@@ -280,7 +302,7 @@ def test_sibling_projections_run_as_one_gemm_with_each_part_equal_to_its_own_lin
     assert len(groups) == 2 * layers
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert groups[0] == (attn.q_proj, attn.k_proj, attn.v_proj) and groups[1] == (mlp.gate_proj, mlp.up_proj)
-    packs = onednn.PackedWeights(groups)
+    packs = onednn.PackedWeights(groups, kernel=_kernel(kernel))
     x, other = torch.randn(1, 5, attn.q_proj.in_features), torch.randn(1, 5, attn.q_proj.in_features)
     with torch.no_grad(), packs.active():
         outs = [packs.linear(x, m.weight, m.bias) for m in groups[0]]
@@ -323,3 +345,33 @@ def test_an_optimizer_step_on_the_shared_model_reaches_the_next_forward(monkeypa
         engine.add_request(p, SamplingParams(max_new_tokens=6), request_id=f"b{i}")
     out = run_engine(engine)
     assert [out[f"b{i}"].generated_tokens for i in range(3)] == [reference_greedy(model, p, 6, None) for p in second]
+
+
+def test_packed_weights_run_rollout_s_gemm_on_avx512_under_auto_else_onednn(monkeypatch) -> None:
+    monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert onednn.packed_kernel() == _kernel(onednn.ROLLOUT)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert onednn.packed_kernel() == onednn.ONEDNN  # its loops would be scalar without 16-lane registers
+    monkeypatch.undo()
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEAR", "1")
+    assert onednn.packed_kernel() == onednn.ONEDNN  # forced oneDNN
+    with pytest.raises(ValueError, match="kernel must be 'onednn' or 'rollout'; got 'mkl'"):
+        onednn.PackedWeights(kernel="mkl")
+
+
+def test_rollout_s_gemm_writes_each_sibling_into_its_own_tensor_with_its_bias() -> None:
+    # Members whose widths are not whole panels (32 columns): each padded apart, so no panel mixes two outputs.
+    _kernel(onednn.ROLLOUT)
+    torch.manual_seed(0)
+    sizes = (40, 7, 33)
+    members = [torch.nn.Linear(24, n) for n in sizes]
+    packs = onednn.PackedWeights([members], kernel=onednn.ROLLOUT)
+    for rows in (1, 9, 300):  # a tile of one row, edge tiles, more than one task of 128 rows
+        x = torch.randn(rows, 24)
+        with torch.no_grad(), packs.active():
+            outs = [packs.linear(x, m.weight, m.bias) for m in members]
+            for m, out in zip(members, outs):
+                assert out.shape == (rows, m.out_features) and out.is_contiguous()
+                torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=0, atol=1e-5)
+    assert len({out.untyped_storage().data_ptr() for out in outs}) == 3 and len(packs) == 1

@@ -16,6 +16,7 @@ from tests.tiny_models import PAD_TOKEN_ID, VOCAB_SIZE, random_prompts, tiny_lla
         ("aten::addmm", "matmul"),
         ("rollout::onednn_linear", "matmul"),
         ("mkldnn::_linear_pointwise", "matmul"),
+        ("rollout_cpu::packed_linear", "matmul"),
         ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
         ("aten::index_select", "copies"),
         ("aten::mul", "elementwise"),

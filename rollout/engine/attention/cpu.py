@@ -53,9 +53,13 @@ LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 # And the batch-invariant kernels (``rollout_cpu::invariant_*``; ``engine.worker.invariant``).
 INVARIANT_SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
-SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE, INVARIANT_SOURCE)
-# Included by the attention and fused kernels: part of the build's digest, not compiled alone.
-HEADERS = (Path(__file__).parent / "csrc" / "vec16.h",)
+# And the GEMM on panel-packed weights (``rollout_cpu::packed_linear``, the engine's default float32 linear on
+# AVX-512 machines: ``engine.worker.onednn.PackedWeights``; ``invariant_pack`` / ``invariant_mm_packed``, the
+# batch-invariant mode's).
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "gemm_cpu.cpp"
+SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE, INVARIANT_SOURCE, GEMM_SOURCE)
+# Included by the kernels: part of the build's digest, not compiled alone.
+HEADERS = (Path(__file__).parent / "csrc" / "vec16.h", Path(__file__).parent / "csrc" / "fma16.h")
 _BUILD_LOCK = threading.Lock()
 # Seconds to wait for another process's build of the kernel (one build takes about 20 s on 2 cores).
 BUILD_LOCK_TIMEOUT_S = 600.0

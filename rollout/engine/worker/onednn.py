@@ -57,8 +57,10 @@ OFF_VALUES = ("0", "false", "off", "no")
 ON_VALUES = ("1", "true", "on", "yes")
 AUTO_VALUES = ("", "auto")
 
-# The policies: packed oneDNN where it fits else MKL, oneDNN everywhere, MKL everywhere.
+# The policies: packed weights where they fit else MKL, oneDNN everywhere, MKL everywhere.
 AUTO, ONEDNN, MKL = "auto", "onednn", "mkl"
+# The kernels that run packed weights: rollout's GEMM (``rollout_cpu::packed_linear``) or oneDNN's inner product.
+ROLLOUT = "rollout"
 
 
 def _switch_value(var: str, on_label: str = "", off_label: str = "") -> str:
@@ -140,6 +142,38 @@ def _version_of(weight: torch.Tensor) -> int | None:
         return None
 
 
+def packed_kernel() -> str:
+    """The kernel an engine built now runs its packed weights on: ``"rollout"`` (rollout's GEMM on column panels,
+    ``rollout_cpu::packed_linear``) where ``ROLLOUT_ONEDNN_LINEAR`` is ``auto``, the CPU has AVX-512 (what torch's
+    vector code reports: ``torch.backends.cpu.get_cpu_capability()``) and rollout's CPU extension builds and loads; else
+    ``"onednn"``. The GEMM is written for AVX-512's 16-lane registers (without them its loops are scalar).
+
+    Measured on this project's 2-core Zen 4 EPYC (``scripts/bench_cpu_linear.py``, docs/engine.md): faster than
+    oneDNN on packed weights up to 128 rows (the decode steps), equal at 512.
+
+    Raises:
+        ValueError: a value of ``ROLLOUT_ONEDNN_LINEAR`` that it does not take.
+    """
+    if linear_kernel_policy() != AUTO or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return ONEDNN
+    from rollout.engine.attention.cpu import load_kernel
+
+    return ROLLOUT if load_kernel() is None else ONEDNN
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, sizes: Sequence[int], bias: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """rollout's GEMM: ``x`` [..., K] on the column panels of one weight or of stacked siblings (``sizes``, their
+    output features) -> one new contiguous [..., size] tensor per member."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    outs = torch.ops.rollout_cpu.packed_linear(rows, packed, list(sizes), bias)
+    return [out.view(*lead, out.shape[-1]) for out in outs]
+
+
 @dataclass(frozen=True)
 class _Pack:
     key: tuple[tuple[int, int, int], ...]  # (id, data_ptr, version) of each tensor packed
@@ -193,15 +227,28 @@ class PackedWeights:
     call computes every member's output in one GEMM and the others' calls on the same input tensor take their part
     (a call on another input, or out of order, runs on the member's own copy).
 
+    The copies are oneDNN's blocked layout (run by ``mkldnn._linear_pointwise``) or, with ``kernel="rollout"``,
+    rollout's column panels (``rollout_cpu::invariant_pack``, run by ``rollout_cpu::packed_linear``, which writes each
+    sibling's output into a tensor of its own: no split and no copy); ``packed_kernel`` chooses.
+
     Thread-safe (the fused outputs are kept per thread); the runner makes the copies active around its forwards
     (``active``), where ``OneDNNLinear`` and the compiled step's linear ops find them.
 
     Args:
         groups: sibling linear layers to fuse, each in call order.
         rows_hint: the rows oneDNN chooses its blocked layout for (any row count runs on it).
+        kernel: ``"onednn"`` or ``"rollout"`` (which needs rollout's CPU extension loaded).
+
+    Raises:
+        ValueError: another ``kernel``.
     """
 
-    def __init__(self, groups: Sequence[Sequence[torch.nn.Linear]] = (), rows_hint: int = PACK_ROWS_HINT) -> None:
+    def __init__(
+        self, groups: Sequence[Sequence[torch.nn.Linear]] = (), rows_hint: int = PACK_ROWS_HINT, kernel: str = ONEDNN
+    ) -> None:
+        if kernel not in (ONEDNN, ROLLOUT):
+            raise ValueError(f"kernel must be {ONEDNN!r} or {ROLLOUT!r}; got {kernel!r}")
+        self.kernel = kernel
         self.rows_hint = rows_hint
         self._packs: dict[int, _Pack] = {}
         self._lock = threading.Lock()
@@ -230,11 +277,16 @@ class PackedWeights:
         entry = self._packs.get(key_id)
         if entry is None or entry.key != tuple(key):
             with self._lock:
-                weight = tensors[0].detach() if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
                 bias = None
                 if len(tensors) > 1 and biases[0] is not None:
                     bias = torch.cat([b.detach() for b in biases])
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+                if self.kernel == ROLLOUT:
+                    # Each member padded to whole panels, so that no panel straddles two members' outputs.
+                    panels = [torch.ops.rollout_cpu.invariant_pack(t.detach()) for t in tensors]
+                    packed = panels[0] if len(panels) == 1 else torch.cat(panels)
+                else:
+                    weight = tensors[0].detach() if len(tensors) == 1 else torch.cat([t.detach() for t in tensors])
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
                 entry = _Pack(tuple(key), packed, bias)
                 self._packs[key_id] = entry
         return entry
@@ -260,13 +312,17 @@ class PackedWeights:
                 if i == 0:
                     entry = self._pack(id(siblings), siblings.weights, siblings.biases)
                     if entry is not None:
-                        y = torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
                         # Each part a contiguous tensor of its own: the model views its projections' outputs into
                         # heads, and a compiled step may reuse an op's output buffer once it is dead, which must not
-                        # be a sibling's memory (a one-row part is contiguous as a view, so it is copied too).
-                        parts: list[torch.Tensor | None] = [
-                            t.clone(memory_format=torch.contiguous_format) for t in y.split(siblings.sizes, dim=-1)
-                        ]
+                        # be a sibling's memory (a one-row part is contiguous as a view, so oneDNN's is copied too).
+                        parts: list[torch.Tensor | None]
+                        if self.kernel == ROLLOUT:
+                            parts = list(_packed_linear(x, entry.packed, siblings.sizes, entry.bias))
+                        else:
+                            y = torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
+                            parts = [
+                                t.clone(memory_format=torch.contiguous_format) for t in y.split(siblings.sizes, dim=-1)
+                            ]
                         self._local.fused = (siblings, x, parts)
                         first, parts[0] = parts[0], None
                         return first
@@ -274,6 +330,8 @@ class PackedWeights:
         if packed is None:
             return _onednn(x, weight, bias)
         bias = bias.contiguous() if bias is not None else None
+        if self.kernel == ROLLOUT:
+            return _packed_linear(x, packed, (weight.shape[0],), bias)[0]
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def clear(self) -> None:

@@ -50,7 +50,7 @@ from rollout.engine.worker.inputs import (
     synthetic_batch,
 )
 from rollout.engine.worker.invariant import InvariantPacks, batch_invariant
-from rollout.engine.worker.onednn import PackedWeights, linear_plan, sibling_groups
+from rollout.engine.worker.onednn import PackedWeights, linear_plan, packed_kernel, sibling_groups
 from rollout.engine.worker.readback import StepResult, pack_results, read_back
 from rollout.lora import LoraSlots
 from rollout.requests import Request
@@ -186,11 +186,13 @@ class ModelRunner:
             self.generator.seed()
         params = inspect.signature(model.forward).parameters
         self.supports_logits_to_keep = "logits_to_keep" in params
-        # On CPU the step's float32 linear layers (eager and padded) run oneDNN on their weights reordered once into
-        # its blocked layout where the copies fit in memory, else MKL (``onednn``: MKL and oneDNN reorder a plain weight
-        # at every call).
+        # On CPU the step's float32 linear layers (eager and padded) run on their weights packed once (rollout's GEMM
+        # on AVX-512, else oneDNN's blocked layout) where the copies fit in memory, else MKL (``onednn``: MKL and
+        # oneDNN reorder a plain weight at every call).
         self._onednn, pack = (False, False) if batch_invariant else linear_plan(model, self.device)
-        self.packs: PackedWeights | None = PackedWeights(sibling_groups(model)) if pack else None
+        self.packs: PackedWeights | None = (
+            PackedWeights(sibling_groups(model), kernel=packed_kernel()) if pack else None
+        )
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.async_batching = async_batching

@@ -6,10 +6,8 @@
 //
 // The rules (Thinking Machines' batch_invariant_ops and SGLang's deterministic mode, in CPU terms; the code is
 // rollout's):
-// - GEMM (`invariant_mm`, `invariant_mm_packed` on `invariant_pack`'s copy of W): C[m, n] = A[m, :] . W[n, :] for the
-//   linear layer's x @ W^T. Threads split rows and columns, never K; every element is one chain of fused multiply-adds
-//   over K in ascending order, whatever the tile shape (the 8 x 32 micro-tile and its edge tiles run the same chain).
-//   No GEMV special case, no BLAS dispatch by shape.
+// - GEMM (`invariant_mm`, `invariant_mm_packed` on `invariant_pack`'s copy of W, in gemm_cpu.cpp, which the engine's
+//   default float32 linear layers run too): every element one chain of fused multiply-adds over K in ascending order.
 // - Row reductions (`invariant_mean`, `invariant_log_softmax`, `invariant_logsumexp`): each row alone, 16 lanes in ascending order, one
 //   fixed lane tree.
 // - Elementwise transcendental ops (`invariant_unary`: silu, gelu, cos, sin): the same code for every element,
@@ -24,11 +22,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <torch/library.h>
 
+#include "fma16.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -42,49 +38,6 @@
 
 namespace {
 
-// ---- 16-lane helpers with explicit fused multiply-adds (no compiler contraction choice can differ between tiles).
-#ifdef __AVX512F__
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline void vstore_n(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v); }
-#else
-struct vf {
-  float l[16];
-};
-inline vf vzero() { return vf{}; }
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(v.l, p, sizeof v.l);
-  return v;
-}
-inline vf vload_n(const float* p, int64_t n) {
-  vf v{};
-  std::memcpy(v.l, p, sizeof(float) * n);
-  return v;
-}
-inline vf vfma(vf a, vf b, vf c) {
-  for (int i = 0; i < 16; ++i) c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
-  return c;
-}
-inline vf vadd(vf a, vf b) {
-  for (int i = 0; i < 16; ++i) a.l[i] += b.l[i];
-  return a;
-}
-inline float vsum(vf v) {
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) v.l[i] += v.l[i + w];
-  return v.l[0];
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, v.l, sizeof v.l); }
-inline void vstore_n(float* p, vf v, int64_t n) { std::memcpy(p, v.l, sizeof(float) * n); }
-#endif
-
 // dot(a, b) over n floats: 16 lanes in ascending order, then one fixed lane tree (the attention's scores).
 inline float dot(const float* a, const float* b, int64_t n) {
   vf acc = vzero();
@@ -92,124 +45,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; k + 16 <= n; k += 16) acc = vfma(vload(a + k), vload(b + k), acc);
   if (k < n) acc = vfma(vload_n(a + k, n - k), vload_n(b + k, n - k), acc);
   return vsum(acc);
-}
-
-// ---- GEMM: C [M, N] = A [M, K] @ W [N, K]^T, W packed in panels of kCols columns.
-//
-// Each element of C is one chain of fused multiply-adds over k = 0..K-1 in ascending order, starting from 0:
-// acc = fma(A[m, k], W[n, k], acc). A tile of up to kRows rows by kCols columns keeps its accumulators in registers
-// (the broadcast-A outer-product micro-kernel of a BLIS GEMM: one lane per column, so no lane sum), and the edge tiles
-// run the same chain per element, so an element's value never depends on M, on the tile it fell in or on the thread
-// that computed it. W is packed once ([P, K, kCols], column panels, zero-padded), by the caller's cache or per call.
-
-constexpr int64_t kCols = 32;  // two 16-lane vectors
-constexpr int64_t kRows = 8;   // 16 accumulators
-constexpr int64_t kInlineFmas = int64_t{1} << 20;  // below this many FMAs, no OpenMP region
-
-// W [N, K] (any strides) -> [ceil(N / kCols), K, kCols], zero past N.
-at::Tensor invariant_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "invariant_pack: float32 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
-  at::Tensor out = at::zeros({P, K, kCols}, w.options());
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sn = w.stride(0), sk = w.stride(1);
-  // Written in order, read as kCols streams advancing together (each cache line of a row used for 16 k's).
-  auto pack = [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) {
-      const int64_t cols = std::min(kCols, N - p * kCols);
-      const float* rows = wp + p * kCols * sn;
-      float* dst = op + p * K * kCols;
-      for (int64_t k = 0; k < K; ++k, dst += kCols)
-        for (int64_t j = 0; j < cols; ++j) dst[j] = rows[j * sn + k * sk];
-    }
-  };
-  if (N * K < (int64_t{1} << 18)) {
-    pack(0, P);
-  } else {
-    at::parallel_for(0, P, 1, pack);
-  }
-  return out;
-}
-
-template <int MR>
-inline void panel_tile(const float* a, int64_t lda, const float* bp, int64_t K, float* c, int64_t ldc, int64_t cols) {
-  vf acc0[MR], acc1[MR];
-  for (int i = 0; i < MR; ++i) acc0[i] = vzero(), acc1[i] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    const vf b0 = vload(bp + k * kCols), b1 = vload(bp + k * kCols + 16);
-    for (int i = 0; i < MR; ++i) {
-#ifdef __AVX512F__
-      const vf av = _mm512_set1_ps(a[i * lda + k]);
-#else
-      vf av;
-      for (int l = 0; l < 16; ++l) av.l[l] = a[i * lda + k];
-#endif
-      acc0[i] = vfma(av, b0, acc0[i]);
-      acc1[i] = vfma(av, b1, acc1[i]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    float* row = c + i * ldc;
-    if (cols == kCols) {
-      vstore(row, acc0[i]);
-      vstore(row + 16, acc1[i]);
-    } else {
-      vstore_n(row, acc0[i], std::min<int64_t>(16, cols));
-      if (cols > 16) vstore_n(row + 16, acc1[i], cols - 16);
-    }
-  }
-}
-
-template <int MR>
-inline void panel_rows(const float* a, int64_t lda, const float* bp, int64_t K, float* c, int64_t ldc, int64_t cols,
-                       int64_t rows) {
-  // rows < kRows: the same chain per element, in a tile of exactly `rows` rows.
-  if constexpr (MR > 1) {
-    if (rows < MR) return panel_rows<MR - 1>(a, lda, bp, K, c, ldc, cols, rows);
-  }
-  panel_tile<MR>(a, lda, bp, K, c, ldc, cols);
-}
-
-// A [M, K] (contiguous rows) @ the packed W [P, K, kCols] -> C [M, N].
-at::Tensor invariant_mm_packed(const at::Tensor& a, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "invariant_mm: float32 only");
-  TORCH_CHECK(a.dim() == 2 && a.stride(1) == 1, "invariant_mm: a must be [M, K] with a contiguous last dimension");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() && packed.size(1) == a.size(1),
-              "invariant_mm: packed must be invariant_pack's [P, K, 32] for a's K");
-  const int64_t M = a.size(0), K = a.size(1), P = packed.size(0);
-  TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols, "invariant_mm: N does not match the packed panels");
-  at::Tensor c = at::empty({M, N}, a.options());
-  if (M == 0 || N == 0) return c;
-  const float* ap = a.data_ptr<float>();
-  const float* bp = packed.data_ptr<float>();
-  float* cp = c.data_ptr<float>();
-  const int64_t lda = a.stride(0);
-  constexpr int64_t kTaskRows = 128;
-  const int64_t row_tasks = (M + kTaskRows - 1) / kTaskRows;
-  auto task = [&](int64_t t) {
-    const int64_t p = t % P, m0 = (t / P) * kTaskRows, m1 = std::min(M, m0 + kTaskRows);
-    const int64_t cols = std::min(kCols, N - p * kCols);
-    const float* panel = bp + p * K * kCols;
-    for (int64_t m = m0; m < m1; m += kRows)
-      panel_rows<kRows>(ap + m * lda, lda, panel, K, cp + m * N + p * kCols, N, cols, std::min(kRows, m1 - m));
-  };
-  const int64_t tasks = P * row_tasks;
-  if (M * N * K < kInlineFmas) {
-    for (int64_t t = 0; t < tasks; ++t) task(t);
-  } else {
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) task(t);
-    });
-  }
-  return c;
-}
-
-// A [M, K] @ W [N, K]^T with W packed for this call.
-at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && a.dim() == 2 && a.size(1) == w.size(1), "invariant_mm: a [M, K] and w [N, K], got ",
-              a.sizes(), " and ", w.sizes());
-  return invariant_mm_packed(a, invariant_pack(w), w.size(0));
 }
 
 // ---- Row reductions over the last dimension of x [R, C] (contiguous rows).
@@ -535,9 +370,6 @@ at::Tensor invariant_paged_attention(const at::Tensor& q, const at::Tensor& k_ca
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
-  m.def("invariant_mm(Tensor a, Tensor b) -> Tensor");
-  m.def("invariant_pack(Tensor w) -> Tensor");
-  m.def("invariant_mm_packed(Tensor a, Tensor packed, int n) -> Tensor");
   m.def("invariant_mean(Tensor x) -> Tensor");
   m.def("invariant_log_softmax(Tensor x) -> Tensor");
   m.def("invariant_logsumexp(Tensor x) -> Tensor");
@@ -552,9 +384,6 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
-  m.impl("invariant_mm", &invariant_mm);
-  m.impl("invariant_pack", &invariant_pack);
-  m.impl("invariant_mm_packed", &invariant_mm_packed);
   m.impl("invariant_mean", &invariant_mean);
   m.impl("invariant_log_softmax", &invariant_log_softmax);
   m.impl("invariant_logsumexp", &invariant_logsumexp);
