@@ -31,10 +31,24 @@ def config(**kwargs: object) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**values)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_qwen3, tiny_mistral], ids=lambda f: f.__name__)
+def tiny_qwen2_sliding() -> torch.nn.Module:
+    """tiny_qwen2's shapes with its second layer on a sliding window of 8 (Qwen2's attention keeps it per layer)."""
+    config = tiny_qwen2().config
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 1
+    config.layer_types = ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = type(tiny_qwen2())(config).eval()
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 8]
+    return model
+
+
+@pytest.mark.parametrize(
+    "make", [tiny_llama, tiny_qwen2, tiny_qwen2_sliding, tiny_qwen3, tiny_mistral], ids=lambda f: f.__name__
+)
 def test_fused_engine_matches_transformers(make: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Six requests (prompts up to 40 tokens: chunked prefill at 24 tokens a step), 10 greedy tokens each: tokens
-    equal ``generate``'s, logprobs the teacher-forced forward's; every step ran ``fused_forward``."""
+    equal ``generate``'s, logprobs the teacher-forced forward's; every step ran ``fused_forward`` and its own
+    attention block (rotary embedding and cache write fused), never transformers' attention module."""
     model = make()  # type: ignore[operator]
     calls = []
     real = fused_layer.fused_forward
@@ -43,7 +57,11 @@ def test_fused_engine_matches_transformers(make: object, monkeypatch: pytest.Mon
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
+    def module_attention(*args: object, **kwargs: object) -> None:
+        raise AssertionError("transformers' attention module ran inside the fused forward")
+
     monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", counted)
+    monkeypatch.setattr("rollout.engine.attention.registry.paged_attention", module_attention)
     engine = Engine(model, config())
     assert engine.runner.fused_layers
     prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
@@ -102,6 +120,37 @@ def test_kernels_match_torch() -> None:
         gate, up = torch.randn(rows, 50, generator=g), torch.randn(rows, 50, generator=g)
         expected = torch.nn.functional.silu(gate) * up
         torch.testing.assert_close(torch.ops.rollout_cpu.silu_and_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_cache_write_matches_transformers_rotary_and_the_cache_write() -> None:
+    """rotary_cache_write_: q and k rotated in place as transformers' apply_rotary_pos_emb does (1e-6), the rotated
+    keys and the values at their slots of a cache layer whose rows are padded (a strided view), every other row
+    untouched; few rows (inline) and many (threaded)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = 4, 2, 16
+    for T in (3, 700):
+        q, k, v = (torch.randn(T, h * D, generator=g) for h in (H, Hkv, Hkv))
+        angles = torch.rand(T, D // 2, generator=g) * 6
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        rows = 2 * T + 5
+        k_store, v_store = torch.zeros(rows, Hkv * D + 8), torch.zeros(rows, Hkv * D + 8)
+        k_cache, v_cache = (t[:, : Hkv * D].view(rows, Hkv, D) for t in (k_store, v_store))
+        slots = torch.randperm(rows, generator=g)[:T]
+        q_ref, k_ref = apply_rotary_pos_emb(
+            q.view(1, T, H, D).transpose(1, 2), k.view(1, T, Hkv, D).transpose(1, 2), cos[None], sin[None]
+        )
+        q2, k2 = q.clone(), k.clone()
+        torch.ops.rollout_cpu.rotary_cache_write_(q2, k2, v, cos, sin, k_cache, v_cache, slots)
+        torch.testing.assert_close(q2.view(T, H, D), q_ref[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k_cache[slots], k_ref[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+        assert torch.equal(v_cache[slots], v.view(T, Hkv, D))
+        untouched = torch.ones(rows, dtype=torch.bool)
+        untouched[slots] = False
+        assert not k_store[untouched].any() and not v_store[untouched].any() and not k_store[:, Hkv * D :].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.rollout_cpu.rotary_cache_write_(q2, k2, v, cos, sin, k_cache, v_cache, slots + rows)
 
 
 def test_fused_engine_serves_an_adapter_as_peft_computes_it() -> None:

@@ -288,23 +288,49 @@ def paged_attention(
     layer = module.layer_idx
     cache = meta.cache
     g = meta.group_of(layer, sliding_window)
-    k_cache, v_cache = cache.key[layer], cache.value[layer]
-    meta = meta.on(k_cache.device)
-    _, H, T, D = query.shape
-    scale = scaling if scaling is not None else D**-0.5
+    meta = meta.on(cache.key[layer].device)
     cache.write(layer, meta.slot_mapping[g], key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return attend_cache(query[0].transpose(0, 1), layer, meta, g, scaling, sliding_window, softcap)[None]
+
+
+def attend_cache(
+    query: torch.Tensor,
+    layer: int,
+    meta: PagedAttentionMetadata,
+    group: int,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The read half of ``paged_attention``: the step's queries against the cache, whose keys and values for this
+    step are already written (by ``PagedKVCache.write``, or by the fused layer's ``rollout_cpu::rotary_cache_write_``).
+
+    Args:
+        query: [T, H, D] (after rotary embedding).
+        layer: the cache layer; group: its layer group (``meta.group_of``).
+        meta: the step's metadata, on the layer's device.
+        scaling, sliding_window, softcap: as ``paged_attention``'s.
+
+    Returns:
+        [T, H, D] in the compute dtype (``_compute_dtype``; flash-attn: the query's dtype).
+    """
+    cache = meta.cache
+    k_cache, v_cache = cache.key[layer], cache.value[layer]
+    T, H, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    g = group
     if meta.flash is not None:
         return _flash_attention(
             query, k_cache, v_cache, meta.flash, g, cache.block_size, scale, sliding_window, softcap, meta.invariant
         )
     dtype = _compute_dtype(query)
-    q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
+    q = query.to(dtype)  # [T, H, D]
     args = (k_cache, v_cache)
     rest = (dtype, scale, sliding_window, softcap)
     assert meta.decode_gather is not None
     if meta.decode_rows is None:  # the decode path: row i is decode group i
         out = _group_attention(q[:, None], *args, meta.decode_gather[g], meta.decode_pos[:, None], *rest)
-        return out.reshape(1, T, H, D)
+        return out.reshape(T, H, D)
     rows_d, rows_p = meta.decode_rows, meta.prefill_rows
     assert rows_p is not None and meta.prefill_gather is not None and meta.prefill_pos is not None
     assert meta.decode_read is not None and meta.prefill_read is not None
@@ -318,7 +344,7 @@ def paged_attention(
         qp = q.index_select(0, meta.prefill_read.reshape(-1)).view(*rows_p.shape, H, D)
         op = _group_attention(qp, *args, meta.prefill_gather[g], meta.prefill_pos, *rest)
         out = out.index_copy(0, rows_p.reshape(-1), op.reshape(-1, H, D))
-    return out[:T].unsqueeze(0)
+    return out[:T]
 
 
 def _flash_attention(
@@ -349,10 +375,13 @@ def _flash_attention(
     q is cast to the cache's dtype (fp16 or bf16 on CUDA: an fp32 rotary embedding under autocast gives another);
     the output is returned in the query's dtype, which the model's output projection expects.
 
+    Args:
+        query: [T, H, D].
+
     Returns:
-        [1, T, H, D] (T = B on the decode fast path).
+        [T, H, D] (T = B on the decode fast path).
     """
-    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
+    q = query.to(k_cache.dtype)
     kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D], no copy
     vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
     shared: dict[str, Any] = dict(
@@ -370,7 +399,7 @@ def _flash_attention(
         with_kvcache = cpu_attention.flash_attn_with_kvcache if on_cpu else _flash_attn_with_kvcache
         assert with_kvcache is not None
         out = with_kvcache(q.unsqueeze(1), kc, vc, **lengths, **shared)
-        return out.to(query.dtype).transpose(0, 1)  # [B, 1, H, D] -> [1, B, H, D]
+        return out.to(query.dtype)[:, 0]  # [B, 1, H, D] -> [B, H, D]
     varlen = cpu_attention.flash_attn_varlen_func if on_cpu else _flash_attn_varlen_func
     assert varlen is not None
     out = varlen(q, kc, vc, **lengths, **shared)
@@ -379,4 +408,4 @@ def _flash_attention(
     # block under a mask (0 x NaN). No host read: traceable, graphable. (rollout's CPU kernel writes 0 there.)
     real = torch.arange(q.shape[0], device=q.device) < f["cu_seqlens_q"][-1]
     out = torch.where(real[:, None, None], out, 0)
-    return out.to(query.dtype).unsqueeze(0)
+    return out.to(query.dtype)

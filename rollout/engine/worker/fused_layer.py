@@ -20,7 +20,11 @@ CUDA-graphed steps and CUDA keep ``model(...)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
 
 __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
 
@@ -28,6 +32,16 @@ __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
 # post_attention_layernorm -> mlp (gate, up, down; SiLU) -> residual, with Llama's RMSNorm (weight * normalised).
 # Gemma is not: its norm multiplies by (1 + weight), its MLP uses GELU, and it scales the embeddings.
 FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# Each family's sliding window for a layer's attention module, as its transformers attention passes it to the
+# attention function (None: every key): Llama none, Mistral the config's, Qwen2/3 the layer's own (set on sliding
+# layers only).
+_SLIDING_WINDOW: dict[str, Callable[[torch.nn.Module], int | None]] = {
+    "llama": lambda attn: None,
+    "mistral": lambda attn: getattr(attn.config, "sliding_window", None),
+    "qwen2": lambda attn: attn.sliding_window,
+    "qwen3": lambda attn: attn.sliding_window,
+}
 
 
 def fused_support(model: torch.nn.Module) -> str | None:
@@ -49,6 +63,18 @@ def fused_support(model: torch.nn.Module) -> str | None:
         return f"hidden_act is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
     norms = [inner.norm]
     for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(type(getattr(attn, n, None)) is torch.nn.Linear for n in parts):
+            return "a layer's attention is not four nn.Linear (q_proj, k_proj, v_proj, o_proj)"
+        if not all(hasattr(attn, n) for n in ("head_dim", "scaling", "layer_idx", "config")):
+            return "a layer's attention has no head_dim, scaling, layer_idx or config"
+        if model_type == "qwen3":  # Qwen3 normalises each head of q and k before the rotary embedding
+            norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        elif hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return f"a {model_type} attention with q_norm or k_norm"
+        if model_type in ("qwen2", "qwen3") and not hasattr(attn, "sliding_window"):
+            return "a Qwen attention without its sliding_window attribute"
         mlp = getattr(layer, "mlp", None)
         if not all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj")):
             return "a layer's MLP is not three nn.Linear (gate_proj, up_proj, down_proj)"
@@ -60,6 +86,41 @@ def fused_support(model: torch.nn.Module) -> str | None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return f"the weights are {weight.dtype} on {weight.device.type}, not float32 on the CPU"
     return None
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``. (A hook, such as a LoRA adapter's, runs as the module's call runs it.)"""
+    return module(x)
+
+
+def _attention(
+    attn: torch.nn.Module,
+    window: int | None,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    meta: PagedAttentionMetadata,
+) -> torch.Tensor:
+    """A Llama-family attention block on ``x`` [T, H] -> [T, H]: the module's projections (and norms), then the rotary
+    embedding and the cache write in one op (``rollout_cpu::rotary_cache_write_``) and the paged read
+    (``paged.attend_cache``), where transformers would run about ten ops of rotary embedding, transposes and copies
+    before the engine's ``paged_attention``."""
+    T, D = x.shape[0], attn.head_dim
+    q, k, v = _linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x)
+    q_norm = getattr(attn, "q_norm", None)
+    if q_norm is not None:  # Qwen3: RMSNorm of each head
+        k_norm = attn.k_norm
+        q = torch.ops.rollout_cpu.rms_norm(q.reshape(-1, D), q_norm.weight, q_norm.variance_epsilon).view(T, -1)
+        k = torch.ops.rollout_cpu.rms_norm(k.reshape(-1, D), k_norm.weight, k_norm.variance_epsilon).view(T, -1)
+    layer = attn.layer_idx
+    group = meta.group_of(layer, window)
+    cache = meta.cache
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    torch.ops.rollout_cpu.rotary_cache_write_(
+        q, k, v, cos, sin, cache.key[layer], cache.value[layer], meta.slot_mapping[group]
+    )
+    out = attend_cache(q.view(T, -1, D), layer, meta, group, attn.scaling, window, None)
+    return _linear(attn.o_proj, out.reshape(T, -1))
 
 
 def fused_forward(
@@ -88,6 +149,12 @@ def fused_forward(
     position_ids = positions[None]
     position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
     residual = hidden[0]  # [T, H]: the running sum of the layers' outputs, updated in place
+    # The attention block's fused form needs the engine's metadata and a float32 cache (else the module's own).
+    meta = attention_kwargs.get(METADATA_KWARG)
+    fused_attention = isinstance(meta, PagedAttentionMetadata) and meta.cache.dtype == torch.float32
+    if fused_attention:
+        cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, D]
+        window_of = _SLIDING_WINDOW[model.config.model_type]
     x = None  # the sublayer output to add into ``residual``, then the next sublayer's input, in place
     for layer in inner.layers[: model.config.num_hidden_layers]:
         norm = layer.input_layernorm
@@ -95,13 +162,16 @@ def fused_forward(
             x = torch.ops.rollout_cpu.rms_norm(residual, norm.weight, norm.variance_epsilon)
         else:
             torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
-        attended = layer.self_attn(
-            hidden_states=x[None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **attention_kwargs,
-        )[0][0]
+        if fused_attention:
+            attended = _attention(layer.self_attn, window_of(layer.self_attn), x, cos, sin, meta)
+        else:
+            attended = layer.self_attn(
+                hidden_states=x[None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                **attention_kwargs,
+            )[0][0]
         norm = layer.post_attention_layernorm
         torch.ops.rollout_cpu.fused_add_rms_norm_(attended, residual, norm.weight, norm.variance_epsilon)
         mlp = layer.mlp
