@@ -616,7 +616,7 @@ def test_rows_past_the_last_sequence_come_out_zero_when_the_kernel_leaves_nan_th
     H, Hkv, D = 4, 2, 16
     k_cache = torch.randn(3 * PAGE, Hkv, D, generator=g).to(torch.float16)
     v_cache = torch.randn(3 * PAGE, Hkv, D, generator=g).to(torch.float16)
-    query = torch.randn(1, H, 6, D, generator=g).to(torch.float16)  # 6 rows: 3 real, 3 padding
+    query = torch.randn(6, H, D, generator=g).to(torch.float16)  # 6 rows: 3 real, 3 padding
     # Two sequences (2 rows over 300 keys in blocks [2, 0]; 1 row over 5 keys in block 1), then a filler.
     flash = {
         "cu_seqlens_q": torch.tensor([0, 2, 3, 3], dtype=torch.int32),
@@ -626,16 +626,16 @@ def test_rows_past_the_last_sequence_come_out_zero_when_the_kernel_leaves_nan_th
         "block_tables": torch.tensor([[[2, 0], [1, 2], [2, 2]]], dtype=torch.int32),
     }
     out = attention._flash_attention(query, k_cache, v_cache, flash, 0, PAGE, D**-0.5, None, None)
-    assert out.shape == (1, 6, H, D) and out.dtype == torch.float16
-    assert torch.equal(out[0, 3:], torch.zeros(3, H, D, dtype=torch.float16))
+    assert out.shape == (6, H, D) and out.dtype == torch.float16
+    assert torch.equal(out[3:], torch.zeros(3, H, D, dtype=torch.float16))
     # The real rows are the kernel's, untouched by the guard.
-    q = query[0].transpose(0, 1)
+    q = query
     kc, vc = k_cache.view(3, PAGE, Hkv, D), v_cache.view(3, PAGE, Hkv, D)
     keys = [torch.cat([kc[2], kc[0, :44]]), kc[1, :5]]
     values = [torch.cat([vc[2], vc[0, :44]]), vc[1, :5]]
     for rows, k, v in zip((slice(0, 2), slice(2, 3)), keys, values):
         expected = flash_reference.reference_attention(q[rows], k, v, D**-0.5, True, (-1, -1), 0.0)
-        assert torch.equal(out[0, rows], expected)
+        assert torch.equal(out[rows], expected)
 
 
 def test_nan_left_in_padded_rows_reaches_neither_the_padding_slot_nor_a_token(monkeypatch) -> None:  # noqa: ANN001

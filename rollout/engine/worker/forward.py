@@ -27,7 +27,7 @@ from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadat
 from rollout.engine.kv.cache import PagedKVCache
 from rollout.engine.worker.fused_layer import fused_forward
 from rollout.engine.worker.inputs import PaddingRule, StepBatch
-from rollout.engine.worker.onednn import OneDNNLinear
+from rollout.engine.worker.onednn import OneDNNLinear, active_packs
 
 PATHS = ("varlen", "decode")
 # Captured CUDA graphs kept per runner (both paths), least recently used evicted first. Their temporaries share one
@@ -85,7 +85,9 @@ def step_forward(
     """
     meta = PagedAttentionMetadata.from_batch(cache, block_size, batch, invariant)
     if fused:
-        with OneDNNLinear() if onednn else contextlib.nullcontext():
+        # The fused forward runs its linear layers on the active packed weights itself (fused_layer._linear): the
+        # mode, whose Python dispatch sees every op of the step, only where there are none.
+        with OneDNNLinear() if onednn and active_packs() is None else contextlib.nullcontext():
             rows, ids, pos = batch.logits_rows, batch.input_ids, batch.positions
             return fused_forward(model, ids, pos, skip_mask, rows, **{METADATA_KWARG: meta}).float()
     kwargs = {

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
+from rollout.engine.worker.onednn import PackedWeights, active_packs
 
 __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
 
@@ -88,9 +89,32 @@ def fused_support(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``. (A hook, such as a LoRA adapter's, runs as the module's call runs it.)"""
-    return module(x)
+def _plain_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s call would run nothing but its forward and its plain forward hooks (``hook(module, args,
+    output)``, as a LoRA adapter's, ``lora.LoraSlots``): no pre-hook, no hook taking kwargs, no global hook."""
+    hooks = torch.nn.modules.module
+    return not (
+        module._forward_pre_hooks
+        or module._forward_hooks_with_kwargs
+        or module._backward_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+    )
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor, packs: PackedWeights | None) -> torch.Tensor:
+    """``module(x)``: on the engine's packed weights directly where they are active (no module call, no
+    ``F.linear`` through ``onednn.OneDNNLinear``: about 1,000 Python dispatches a step of SmolLM2), then its forward
+    hooks as the module's call runs them; else the module's own call."""
+    if packs is None or not _plain_hooks(module):
+        return module(x)
+    out = packs.linear(x, module.weight, module.bias)
+    for hook in module._forward_hooks.values():
+        result = hook(module, (x,), out)
+        if result is not None:
+            out = result
+    return out
 
 
 def _attention(
@@ -100,13 +124,14 @@ def _attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     meta: PagedAttentionMetadata,
+    packs: PackedWeights | None,
 ) -> torch.Tensor:
     """A Llama-family attention block on ``x`` [T, H] -> [T, H]: the module's projections (and norms), then the rotary
     embedding and the cache write in one op (``rollout_cpu::rotary_cache_write_``) and the paged read
     (``paged.attend_cache``), where transformers would run about ten ops of rotary embedding, transposes and copies
     before the engine's ``paged_attention``."""
     T, D = x.shape[0], attn.head_dim
-    q, k, v = _linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x)
+    q, k, v = _linear(attn.q_proj, x, packs), _linear(attn.k_proj, x, packs), _linear(attn.v_proj, x, packs)
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:  # Qwen3: RMSNorm of each head
         k_norm = attn.k_norm
@@ -120,7 +145,7 @@ def _attention(
         q, k, v, cos, sin, cache.key[layer], cache.value[layer], meta.slot_mapping[group]
     )
     out = attend_cache(q.view(T, -1, D), layer, meta, group, attn.scaling, window, None)
-    return _linear(attn.o_proj, out.reshape(T, -1))
+    return _linear(attn.o_proj, out.reshape(T, -1), packs)
 
 
 def fused_forward(
@@ -149,6 +174,7 @@ def fused_forward(
     position_ids = positions[None]
     position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
     residual = hidden[0]  # [T, H]: the running sum of the layers' outputs, updated in place
+    packs = active_packs()
     # The attention block's fused form needs the engine's metadata and a float32 cache (else the module's own).
     meta = attention_kwargs.get(METADATA_KWARG)
     fused_attention = isinstance(meta, PagedAttentionMetadata) and meta.cache.dtype == torch.float32
@@ -163,7 +189,7 @@ def fused_forward(
         else:
             torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
         if fused_attention:
-            attended = _attention(layer.self_attn, window_of(layer.self_attn), x, cos, sin, meta)
+            attended = _attention(layer.self_attn, window_of(layer.self_attn), x, cos, sin, meta, packs)
         else:
             attended = layer.self_attn(
                 hidden_states=x[None],
@@ -175,11 +201,13 @@ def fused_forward(
         norm = layer.post_attention_layernorm
         torch.ops.rollout_cpu.fused_add_rms_norm_(attended, residual, norm.weight, norm.variance_epsilon)
         mlp = layer.mlp
-        gated = torch.ops.rollout_cpu.silu_and_mul(mlp.gate_proj(attended), mlp.up_proj(attended))
-        x = mlp.down_proj(gated)
+        gate, up = _linear(mlp.gate_proj, attended, packs), _linear(mlp.up_proj, attended, packs)
+        x = _linear(mlp.down_proj, torch.ops.rollout_cpu.silu_and_mul(gate, up), packs)
     norm = inner.norm
     if x is None:  # no layers
         x = torch.ops.rollout_cpu.rms_norm(residual, norm.weight, norm.variance_epsilon)
     else:
         torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
-    return model.lm_head(x.index_select(0, logits_rows))
+    head = model.lm_head
+    rows = x.index_select(0, logits_rows)
+    return _linear(head, rows, packs) if type(head) is torch.nn.Linear else head(rows)

@@ -365,6 +365,11 @@ class PackedWeights:
 _ACTIVE_PACKS: contextvars.ContextVar[PackedWeights | None] = contextvars.ContextVar("rollout_packs", default=None)
 
 
+def active_packs() -> PackedWeights | None:
+    """The packed weights made active in this thread (``PackedWeights.active``), None outside such a forward."""
+    return _ACTIVE_PACKS.get()
+
+
 def packing_wanted() -> bool:
     """Whether ``ROLLOUT_PACK_WEIGHTS`` allows packing: unset, empty, ``auto`` or an on value (``1``, ``true``...).
 
