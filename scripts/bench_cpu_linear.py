@@ -1,9 +1,11 @@
 """Time one pass of SmolLM2-135M's linear layers (30 layers x 7 projections, then the lm_head) on the CPU, four
 ways: MKL (``F.linear``), oneDNN on the plain weights, oneDNN on weights reordered once into its blocked layout
-(``rollout.engine.worker.onednn.PackedWeights``, what the engine runs), and rollout's batch-invariant GEMM on its own
-packed copies (``invariant``: ``rollout.engine.worker.invariant.InvariantPacks``, what ``batch_invariant=True``
-runs). A whole pass, not one shape at a time: as in an engine step, each layer's weights come from memory (540 MB in
-all), not from the caches. rollout/engine/worker/onednn.py quotes it.
+(``packed``: ``rollout.engine.worker.onednn.PackedWeights``, what the engine runs without AVX-512 or under
+``ROLLOUT_ONEDNN_LINEAR=1``), and rollout's GEMM on its column panels (``rollout``: ``PackedWeights(kernel="rollout")``,
+``rollout_cpu::packed_linear``, what the engine runs on AVX-512 machines and, per element the same chain, what
+``batch_invariant=True`` runs). A whole pass, not one shape at a time: as in an engine step, each layer's weights come
+from memory (540 MB in all), not from the caches; the projections unstacked (the engine stacks q/k/v and gate/up).
+rollout/engine/worker/onednn.py and docs/engine.md quote it.
 
     python scripts/bench_cpu_linear.py [--rows 2 32 512] [--repeats 5]
 
@@ -22,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine.attention.cpu import load_kernel
-from rollout.engine.worker.invariant import InvariantPacks
-from rollout.engine.worker.onednn import PackedWeights, _onednn
+from rollout.engine.worker.onednn import ROLLOUT, PackedWeights, _onednn
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, 30 layers, vocabulary 49,152.
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -41,8 +42,8 @@ def main() -> None:
     packs = PackedWeights()
     reason = load_kernel()
     if reason is not None:
-        raise SystemExit(f"rollout's CPU kernels are needed for the invariant GEMM: {reason}")
-    invariant = InvariantPacks()
+        raise SystemExit(f"rollout's CPU kernels are needed for its GEMM: {reason}")
+    panels = PackedWeights(kernel=ROLLOUT)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for rows in args.rows:
@@ -58,7 +59,7 @@ def main() -> None:
             "mkl": lambda x, w: F.linear(x, w),
             "onednn": lambda x, w: _onednn(x, w, None),
             "packed": lambda x, w: packs.linear(x, w, None),
-            "invariant": lambda x, w: torch.ops.rollout_cpu.invariant_mm_packed(x, invariant.packed(w), w.shape[0]),
+            "rollout": lambda x, w: panels.linear(x, w, None),
         }
         for linear in kernels.values():
             one_pass(linear)  # builds oneDNN's primitives and the packed copies
