@@ -214,6 +214,11 @@ def flash_attn_varlen_func(
     return op(q, k, v, cu_seqlens_q, cu_seqlens_k, None, block_table, scale, left, softcap)
 
 
+# The kernel writes 0 in the rows past cu_seqlens_q[-1] (flash-attn leaves them unwritten): the paged attention needs
+# no guard after it (``paged._flash_attention``).
+flash_attn_varlen_func.zeroes_rows_past_sequences = True  # type: ignore[attr-defined]
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -403,9 +403,11 @@ def _flash_attention(
     varlen = cpu_attention.flash_attn_varlen_func if on_cpu else _flash_attn_varlen_func
     assert varlen is not None
     out = varlen(q, kc, vc, **lengths, **shared)
-    # flash-attn leaves the padded rows (past cu_seqlens_q[-1]) unwritten, and unwritten memory may hold NaN: it
-    # would flow on into the padding slot's keys and values, and from there into a real row that reads the padding
-    # block under a mask (0 x NaN). No host read: traceable, graphable. (rollout's CPU kernel writes 0 there.)
-    real = torch.arange(q.shape[0], device=q.device) < f["cu_seqlens_q"][-1]
-    out = torch.where(real[:, None, None], out, 0)
+    if not getattr(varlen, "zeroes_rows_past_sequences", False):
+        # flash-attn leaves the padded rows (past cu_seqlens_q[-1]) unwritten, and unwritten memory may hold NaN: it
+        # would flow on into the padding slot's keys and values, and from there into a real row that reads the
+        # padding block under a mask (0 x NaN). No host read: traceable, graphable. (rollout's CPU kernel writes 0
+        # there itself, and says so: its ``zeroes_rows_past_sequences``.)
+        real = torch.arange(q.shape[0], device=q.device) < f["cu_seqlens_q"][-1]
+        out = torch.where(real[:, None, None], out, 0)
     return out.to(query.dtype)
