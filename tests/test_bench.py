@@ -161,6 +161,7 @@ def test_bench_rollout_against_static_tiny_llama(tiny_llama, tmp_path):
 
 def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, tmp_path, monkeypatch):
     from rollout.engine.worker import forward as static_step
+    from rollout.engine.worker import onednn
 
     entered: list[str] = []
 
@@ -170,6 +171,13 @@ def test_bench_rollout_mkl_runs_without_onednn_and_rollout_with_it(tiny_llama, t
             return super().__enter__()
 
     monkeypatch.setattr(static_step, "OneDNNLinear", CountingMode)
+    packed_linear = onednn.PackedWeights.linear
+
+    def counted_linear(self, *args):  # noqa: ANN001, ANN002, ANN202
+        entered.append("packed")  # the fused forward runs the packed weights without the mode
+        return packed_linear(self, *args)
+
+    monkeypatch.setattr(onednn.PackedWeights, "linear", counted_linear)
     systems = ["rollout-mkl", "hf-static"]
     w = _check_report_json(_run(tiny_llama, systems, _tiny_workload()), tmp_path, systems)
     assert entered == []  # every forward of rollout-mkl ran MKL

@@ -358,6 +358,7 @@ def test_packed_weights_run_rollout_s_gemm_on_avx512_under_auto_else_onednn(monk
     monkeypatch.delenv("ROLLOUT_ONEDNN_LINEAR", raising=False)
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         assert onednn.packed_kernel() == _kernel(onednn.ROLLOUT)
+    assert onednn.packed_kernel(extension=False) == onednn.ONEDNN  # cpu_attention="sdpa": no extension built
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert onednn.packed_kernel() == onednn.ONEDNN  # its loops would be scalar without 16-lane registers
     monkeypatch.undo()

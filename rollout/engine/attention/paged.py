@@ -2,8 +2,9 @@
 
 One metadata class (``PagedAttentionMetadata``) and one function (``paged_attention``, reached through
 ``registry``'s dispatcher) serve eager, compiled and CUDA-graphed steps alike, on inputs exact or padded
-(``worker.inputs.PaddingRule``). Keys and values go into the cache through ``PagedKVCache.write``; every read then
-comes from the cache. SDPA path (CPU with ``cpu_attention="sdpa"`` or without a C++ compiler, CUDA without
+(``worker.inputs.PaddingRule``). Keys and values go into the cache through ``PagedKVCache.write`` (or, in the fused
+decoder layers' attention, ``rollout_cpu::rotary_cache_write_``, which writes the same rows); every read then comes
+from the cache (``attend_cache``). SDPA path (CPU with ``cpu_attention="sdpa"`` or without a C++ compiler, CUDA without
 flash-attn): the query rows attend in groups over their request's keys, gathered through the block tables: decode
 rows one per group (the query heads sharing a KV head folded into the query axis: no copy of the keys for
 grouped-query attention), prefill chunks in sub-chunks. CUDA path (``flash.choose_flash``): a step that fits it
@@ -259,8 +260,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of one layer over the paged cache: the one function of eager, compiled and graphed steps.
 
-    The step's keys and values are written into the cache first (``PagedKVCache.write``, the cache's one
-    write path), then every read comes from the cache: through flash-attn's kernels when ``meta.flash``
+    The step's keys and values are written into the cache first (``PagedKVCache.write``), then every read comes
+    from the cache (``attend_cache``): through flash-attn's kernels when ``meta.flash``
     is set (CUDA), else group by group with SDPA (see ``PagedAttentionMetadata``): the decode groups,
     then the prefill groups, whose outputs are scattered back to their rows.
 
@@ -366,8 +367,9 @@ def _flash_attention(
 
     - varlen (``flash_attn_varlen_func``): the whole flattened batch, ``q`` [T, H, D], split by
       ``cu_seqlens_q`` (keys counted by ``cu_seqlens_k``). The rows past ``cu_seqlens_q[-1]`` (a padded step's
-      padding rows) belong to no sequence, and the kernel leaves their output unwritten: it is zeroed here,
-      as SDPA's is;
+      padding rows) belong to no sequence, and flash-attn leaves their output unwritten: it is zeroed here,
+      as SDPA's is (not after a kernel that zeroes them itself: ``zeroes_rows_past_sequences``, rollout's CPU
+      kernel);
     - decode fast path (``flash_attn_with_kvcache``): row b is request b's only token (``q`` [B, 1, H, D]). The
       step's keys and values are already in the cache, so the kernel gets no ``k``/``v`` and ``cache_seqlens``
       counts this step's key. With one query token flash-attn aligns the window to the last key, as SDPA's mask.

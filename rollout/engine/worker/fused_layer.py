@@ -1,31 +1,38 @@
-"""The Llama family's forward with fused decoder-layer ops on CPU: one step's logits without transformers' norms and MLP
-activation op by op (issue 45 item 2).
+"""The Llama family's forward with fused decoder-layer ops on CPU: one step's logits without transformers' norms, MLP
+activation, rotary embedding and cache write op by op (issue 45 item 2).
 
 A decoder layer of Llama, Qwen2/3, Mistral and SmolLM2 computes, in transformers' modules, ``RMSNorm`` (six
-elementwise ops), attention, a residual add, ``RMSNorm`` again, the gated MLP (``silu``, ``mul``) and another residual
-add: about 20 elementwise passes and dispatches per layer (docs/profile.md counted 275 ``mul`` and 182 ``add`` in one
-decode step of SmolLM2, where vLLM's CPU build runs 4-5 fused kernels per layer). ``fused_forward`` runs the same
-model's modules for what they do well (the embedding, the rotary embedding, attention with its projections and the
-engine's paged kernel, the MLP's linear layers, the LM head) and replaces the rest by rollout's CPU kernels
+elementwise ops), the projections, the rotary embedding (slices, a negation, a concatenation, two products and a sum,
+for queries and keys), transposes, attention, a residual add, ``RMSNorm`` again, the gated MLP (``silu``, ``mul``)
+and another residual add: about 30 elementwise passes and dispatches per layer (docs/profile.md counted 275 ``mul``
+and 182 ``add`` in one decode step of SmolLM2, where vLLM's CPU build runs 4-5 fused kernels per layer).
+``fused_forward`` runs the same model's modules for what they do well (the embedding, the rotary embedding's cos and
+sin, Qwen3's per-head norms' weights) and its own loop for the rest, on rollout's CPU kernels
 (engine/attention/csrc/fused_cpu.cpp, vLLM's kernel set): ``rms_norm`` for the first layer's input,
 ``fused_add_rms_norm_`` (the residual add and the next norm in one pass, the residual carried from layer to layer as
-vLLM's models do) and ``silu_and_mul``. Three ops per layer instead of about twenty.
+vLLM's models do), ``rotary_cache_write_`` (the rotary embedding of queries and keys in place and the keys and values
+written into the paged cache, one pass: vLLM's ``rotary_embedding`` and ``reshape_and_cache``), the engine's paged
+attention read (``paged.attend_cache``) and ``silu_and_mul``. The linear layers run on the engine's packed weights
+directly (``onednn.PackedWeights``: q/k/v and gate/up each one GEMM whose parts are tensors of their own, so nothing
+is split or copied), then any plain forward hook of the module (a LoRA adapter's) as its call would run it.
 
 It is the step's one forward, called in place of ``model(...)`` (``forward.step_forward``) on eager CPU steps of a
 model it supports (``fused_support``); it changes nothing in the model (no module replaced or patched), so any other
 forward of the same model, in any thread, is transformers' own. Its logits equal transformers' to float32 rounding
-(another order of the sum of squares), not bit for bit. Models outside the family, other dtypes, compiled or
-CUDA-graphed steps and CUDA keep ``model(...)``.
+(another order of the sum of squares, of the GEMMs' sums and of the rotary products), not bit for bit. Models outside
+the family, other dtypes, compiled or CUDA-graphed steps and CUDA keep ``model(...)``; a cache of another dtype keeps
+the module's attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
-from rollout.engine.worker.onednn import PackedWeights, active_packs
+from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, is_dtensor
 
 __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
 
@@ -49,8 +56,10 @@ def fused_support(model: torch.nn.Module) -> str | None:
     """None when ``fused_forward`` computes ``model``'s forward, else why not (a sentence for the log).
 
     Checked: the model type (``FUSED_MODEL_TYPES``), a ``model.model`` with ``embed_tokens``, ``rotary_emb``, ``norm``
-    and ``layers``, a ``lm_head``; every layer's two norms with a float32 ``weight`` and a ``variance_epsilon``, an MLP
-    of three ``nn.Linear`` with SiLU; float32 CPU weights.
+    and ``layers``, a ``lm_head``; every layer's attention with four ``nn.Linear`` projections, a ``head_dim``,
+    ``scaling`` and ``layer_idx`` (Qwen3: its per-head norms), and an MLP of three ``nn.Linear`` with SiLU; every norm
+    (RMSNorm: a ``weight`` and a ``variance_epsilon``) float32 on the CPU. (A linear layer of another dtype or device
+    runs as the module's own call: ``_linear``.)
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -103,13 +112,33 @@ def _plain_hooks(module: torch.nn.Module) -> bool:
     )
 
 
+def _linear_mode(packs: PackedWeights | None) -> contextlib.AbstractContextManager:
+    """Around a module's own call inside the fused forward: ``OneDNNLinear`` where packed weights are active (the
+    step's forward does not enter it then), so its linear layers still run on them."""
+    return OneDNNLinear() if packs is not None else contextlib.nullcontext()
+
+
 def _linear(module: torch.nn.Linear, x: torch.Tensor, packs: PackedWeights | None) -> torch.Tensor:
     """``module(x)``: on the engine's packed weights directly where they are active (no module call, no
     ``F.linear`` through ``onednn.OneDNNLinear``: about 1,000 Python dispatches a step of SmolLM2), then its forward
-    hooks as the module's call runs them; else the module's own call."""
-    if packs is None or not _plain_hooks(module):
-        return module(x)
-    out = packs.linear(x, module.weight, module.bias)
+    hooks as the module's call runs them; else the module's own call (under the mode), wherever ``OneDNNLinear`` would
+    not take the layer or the call would run more than the forward and plain hooks (an instance's own ``forward``,
+    such as accelerate's device hooks set, a pre-hook, a global hook)."""
+    weight = module.weight
+    if (
+        packs is None
+        or "forward" in module.__dict__
+        or not _plain_hooks(module)
+        or weight.dtype != torch.float32
+        or x.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or is_dtensor(weight)
+        or torch.is_autocast_enabled("cpu")
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        with _linear_mode(packs):
+            return module(x)
+    out = packs.linear(x, weight, module.bias)
     for hook in module._forward_hooks.values():
         result = hook(module, (x,), out)
         if result is not None:
@@ -162,7 +191,8 @@ def fused_forward(
         model: a Llama-family causal LM.
         input_ids: int64 [T], the step's query tokens (flattened over its requests).
         positions: int64 [T], each token's position in its request.
-        attention_mask: what the layers' attention gets (the engine's paged attention masks each request itself).
+        attention_mask: what a layer's attention module gets where it runs (the fused attention block does not read
+            it: the engine's paged attention masks each request itself).
         logits_rows: int64 [R], the rows whose logits are wanted.
         **attention_kwargs: passed to every layer's attention (the engine's paged-attention metadata).
 
@@ -175,12 +205,18 @@ def fused_forward(
     position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
     residual = hidden[0]  # [T, H]: the running sum of the layers' outputs, updated in place
     packs = active_packs()
-    # The attention block's fused form needs the engine's metadata and a float32 cache (else the module's own).
+    # The attention block's fused form needs the engine's metadata, a float32 cache on the CPU and a rotary embedding
+    # over the whole head (else the module's own).
     meta = attention_kwargs.get(METADATA_KWARG)
-    fused_attention = isinstance(meta, PagedAttentionMetadata) and meta.cache.dtype == torch.float32
-    if fused_attention:
-        cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, D]
-        window_of = _SLIDING_WINDOW[model.config.model_type]
+    cos, sin = (t[0].contiguous() for t in position_embeddings)  # [T, rotary width]
+    fused_attention = (
+        isinstance(meta, PagedAttentionMetadata)
+        and meta.cache.dtype == torch.float32
+        and all(t.device.type == "cpu" for t in (*meta.cache.key, cos))
+        and cos.dtype == torch.float32
+        and all(cos.shape[-1] == layer.self_attn.head_dim for layer in inner.layers)
+    )
+    window_of = _SLIDING_WINDOW[model.config.model_type]
     x = None  # the sublayer output to add into ``residual``, then the next sublayer's input, in place
     for layer in inner.layers[: model.config.num_hidden_layers]:
         norm = layer.input_layernorm
@@ -191,13 +227,14 @@ def fused_forward(
         if fused_attention:
             attended = _attention(layer.self_attn, window_of(layer.self_attn), x, cos, sin, meta, packs)
         else:
-            attended = layer.self_attn(
-                hidden_states=x[None],
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-                **attention_kwargs,
-            )[0][0]
+            with _linear_mode(packs):
+                attended = layer.self_attn(
+                    hidden_states=x[None],
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                    **attention_kwargs,
+                )[0][0]
         norm = layer.post_attention_layernorm
         torch.ops.rollout_cpu.fused_add_rms_norm_(attended, residual, norm.weight, norm.variance_epsilon)
         mlp = layer.mlp
@@ -210,4 +247,7 @@ def fused_forward(
         torch.ops.rollout_cpu.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
     head = model.lm_head
     rows = x.index_select(0, logits_rows)
-    return _linear(head, rows, packs) if type(head) is torch.nn.Linear else head(rows)
+    if type(head) is torch.nn.Linear:
+        return _linear(head, rows, packs)
+    with _linear_mode(packs):
+        return head(rows)

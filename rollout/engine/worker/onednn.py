@@ -1,13 +1,20 @@
-"""The engine's float32 CPU linear layers: oneDNN on weights packed once per engine, else MKL.
+"""The engine's float32 CPU linear layers: weights packed once per engine (rollout's GEMM or oneDNN), else MKL.
 
 ``torch.nn.functional.linear`` in float32 on a CPU runs MKL's sgemm, which, like oneDNN's inner product on a plain
 weight (``torch.ops.mkldnn._linear_pointwise``), reorders the weight into a blocked layout inside every call: every
 weight of the model is read and written again at each step. Packed weights (``PackedWeights``, issue 23): where the
-copies fit in memory, each engine reorders its float32 linear weights once into oneDNN's blocked layout, as vLLM's CPU
-backend does, and runs every such layer on them, sibling projections stacked into one GEMM. On this project's machine
-a pass of SmolLM2-135M's 211 linear layers took 118.7 ms on MKL, 87.2 on oneDNN with plain weights and 70.6 packed at
-32 rows, and packed won at 2 and 512 rows too (``scripts/bench_cpu_linear.py`` at ``450a0c9``; also with oneDNN held
-to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``, in a trial).
+copies fit in memory, each engine packs its float32 linear weights once and runs every such layer on them, sibling
+projections stacked into one GEMM, as vLLM's CPU backend does. Two kernels run packed weights (``packed_kernel``):
+
+- rollout's GEMM (``rollout_cpu::packed_linear``, engine/attention/csrc/gemm_cpu.cpp) on weights packed in 32-column
+  panels, on AVX-512 machines (issue 45): the broadcast micro-kernel the batch-invariant mode runs, so each output
+  element is one FMA chain over K whatever the step's rows; each stacked sibling's output is written into a tensor of
+  its own. A pass of SmolLM2-135M's 211 linear layers took 20.2 ms against 29.8 for packed oneDNN at 2 rows, 48.4
+  against 56.4 at 32 rows and 700.7 against 706.0 at 512 rows (``scripts/bench_cpu_linear.py`` at ``e341d09``, this
+  project's 2-core Zen 4 EPYC): oneDNN's fixed cost per call is what a decode step's small GEMMs pay;
+- oneDNN's inner product on its blocked layout (``mkldnn._reorder_linear_weight``) elsewhere, or under
+  ``ROLLOUT_ONEDNN_LINEAR=1``: 118.7 ms on MKL, 87.2 on oneDNN with plain weights and 70.6 packed at 32 rows at
+  ``450a0c9`` (packed won at 2 and 512 rows too, also with oneDNN held to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``).
 
 Where the weights are not packed (``ROLLOUT_PACK_WEIGHTS=0``, or the copies would not fit), the engine keeps MKL,
 what ``F.linear``, training and ``model.generate`` run. oneDNN on plain weights is not a safe default: on the
@@ -16,19 +23,20 @@ project's Zen 4 EPYC (AVX-512) it was 1.1-2.7x faster than MKL at 32 and 512 row
 lm_head. (Until issue 31 the engine timed both kernels per weight shape and row bucket and kept the faster; packing
 left that only to this fallback.)
 
-How each forward gets there: ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) around the engine's
-forwards, eager and compiled. In eager steps it runs the packed copies directly; in a compiled step it maps each
-float32 CPU ``F.linear`` to the custom op ``rollout::onednn_linear``, which finds the packed copies at run time.
-Custom ops rather than inductor's own oneDNN lowering: inductor lowers ``mkldnn._linear_pointwise`` only for weights
-frozen into the graph (``torch._inductor.config.freezing``), so an in-place weight update would go unseen; the op is
-opaque to inductor and reads the live parameter at every call. Only the engine's own forwards run inside the mode:
-training and ``model.generate`` keep MKL.
+How each forward gets there: the fused decoder layers (``fused_layer``) call the active packed weights directly.
+Otherwise ``OneDNNLinear`` is a ``TorchFunctionMode`` (which dynamo traces) around the engine's forwards, eager and
+compiled. In eager steps it runs the packed copies directly; in a compiled step it maps each float32 CPU ``F.linear``
+to the custom op ``rollout::onednn_linear``, which finds the packed copies at run time. Custom ops rather than
+inductor's own oneDNN lowering: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph
+(``torch._inductor.config.freezing``), so an in-place weight update would go unseen; the op is opaque to inductor and
+reads the live parameter at every call. Only the engine's own forwards run inside the mode: training and
+``model.generate`` keep MKL.
 
-``ROLLOUT_ONEDNN_LINEAR`` in the environment, read when an engine is built (``linear_plan``): unset or ``auto``:
-packed oneDNN where packing is on and fits, else MKL; ``1``/``true``/``on``/``yes``: oneDNN for every layer (packed
-where it can be, else on the plain weights); ``0``/``false``/``off``/``no``: MKL for every layer (the mode is not
-entered, nothing is packed). oneDNN's results equal ``F.linear``'s up to float32 rounding (another summation order),
-not bit for bit.
+``ROLLOUT_ONEDNN_LINEAR`` in the environment, read when an engine is built (``linear_plan``, ``packed_kernel``): unset
+or ``auto``: packed weights where packing is on and fits (rollout's GEMM on AVX-512, else oneDNN), else MKL;
+``1``/``true``/``on``/``yes``: oneDNN for every layer (packed where it can be, else on the plain weights);
+``0``/``false``/``off``/``no``: MKL for every layer (the mode is not entered, nothing is packed). Either packed kernel's
+results equal ``F.linear``'s up to float32 rounding (another summation order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ def linear_kernel_policy() -> str:
     """The linear kernel policy of an engine built now, from ``ROLLOUT_ONEDNN_LINEAR``.
 
     Returns:
-        ``"auto"`` (unset, empty or ``auto``: packed oneDNN where it fits, else MKL), ``"onednn"`` (``1``, ``true``,
+        ``"auto"`` (unset, empty or ``auto``: packed weights where they fit, else MKL), ``"onednn"`` (``1``, ``true``,
         ``on``, ``yes``) or ``"mkl"`` (``0``, ``false``, ``off``, ``no``, or oneDNN missing from this torch build).
 
     Raises:
@@ -113,8 +121,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 @torch.library.custom_op("rollout::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through oneDNN's inner product, on the packed copy of ``weight`` where this
-    thread's forward has packed weights active (``PackedWeights.active``), else on ``weight`` itself.
+    """``F.linear(x, weight, bias)`` on the packed copy of ``weight`` where this thread's forward has packed weights
+    active (``PackedWeights.active``, whose kernel runs it), else through oneDNN's inner product on ``weight``.
 
     Args:
         x: float32 [..., K] on the CPU.
@@ -142,10 +150,11 @@ def _version_of(weight: torch.Tensor) -> int | None:
         return None
 
 
-def packed_kernel() -> str:
+def packed_kernel(extension: bool = True) -> str:
     """The kernel an engine built now runs its packed weights on: ``"rollout"`` (rollout's GEMM on column panels,
     ``rollout_cpu::packed_linear``) where ``ROLLOUT_ONEDNN_LINEAR`` is ``auto``, the CPU has AVX-512 (what torch's
-    vector code reports: ``torch.backends.cpu.get_cpu_capability()``) and rollout's CPU extension builds and loads; else
+    vector code reports: ``torch.backends.cpu.get_cpu_capability()``), ``extension`` (the engine runs rollout's CPU
+    extension: False under ``cpu_attention="sdpa"``, which is not built then) and the extension loads; else
     ``"onednn"``. The GEMM is written for AVX-512's 16-lane registers (without them its loops are scalar).
 
     Measured on this project's 2-core Zen 4 EPYC (``scripts/bench_cpu_linear.py``, docs/engine.md): faster than
@@ -154,7 +163,7 @@ def packed_kernel() -> str:
     Raises:
         ValueError: a value of ``ROLLOUT_ONEDNN_LINEAR`` that it does not take.
     """
-    if linear_kernel_policy() != AUTO or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if not extension or linear_kernel_policy() != AUTO or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return ONEDNN
     from rollout.engine.attention.cpu import load_kernel
 
@@ -211,12 +220,13 @@ def sibling_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, ...]]:
 
 
 class PackedWeights:
-    """oneDNN's blocked (prepacked) copies of an engine's float32 CPU linear weights, made on a weight's first use.
+    """Packed copies of an engine's float32 CPU linear weights (oneDNN's blocked layout or rollout's column panels),
+    made on a weight's first use.
 
     ``F.linear`` on a plain weight makes MKL or oneDNN reorder the weight into their blocked layout at every call,
     which reads and writes every weight again each step; vLLM's CPU backend runs its linear layers on weights
     reordered once (``_C::onednn_mm``, docs/profile.md). Here a weight's copy is made the first time a step uses it
-    (``torch.ops.mkldnn._reorder_linear_weight``) and remade when the weight is not the one packed: another tensor,
+    and remade when the weight is not the one packed: another tensor,
     storage or version counter (an in-place update: ``update_weights``, an optimizer step; the same test as the
     manager's weight fingerprint), and all are dropped by ``clear`` (a new weight version) and before the first
     forward after any optimizer step in the process (``weights.versions.optimizer_steps``: a fused optimizer writes
@@ -236,7 +246,8 @@ class PackedWeights:
 
     Args:
         groups: sibling linear layers to fuse, each in call order.
-        rows_hint: the rows oneDNN chooses its blocked layout for (any row count runs on it).
+        rows_hint: the rows oneDNN chooses its blocked layout for (any row count runs on it; unused by rollout's
+            kernel, whose panels serve every row count alike).
         kernel: ``"onednn"`` or ``"rollout"`` (which needs rollout's CPU extension loaded).
 
     Raises:
@@ -417,8 +428,8 @@ def linear_plan(model: torch.nn.Module, device: torch.device) -> tuple[bool, boo
 
 
 class OneDNNLinear(TorchFunctionMode):
-    """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs oneDNN: on the packed copies made active
-    in this thread (``PackedWeights.active``), else on the plain weight.
+    """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs on the packed copies made active in this
+    thread (``PackedWeights.active``, with their kernel), else on oneDNN with the plain weight.
 
     In eager code a packed layer runs directly; otherwise, and in any compiled code, through the custom op
     ``rollout::onednn_linear`` (which finds the copies at run time). Anything else (other functions, other devices or

@@ -191,7 +191,9 @@ class ModelRunner:
         # oneDNN reorder a plain weight at every call).
         self._onednn, pack = (False, False) if batch_invariant else linear_plan(model, self.device)
         self.packs: PackedWeights | None = (
-            PackedWeights(sibling_groups(model), kernel=packed_kernel()) if pack else None
+            PackedWeights(sibling_groups(model), kernel=packed_kernel(use_flash and self.device.type == "cpu"))
+            if pack
+            else None
         )
         # A prepared 4D mask: transformers builds no mask of its own (the paged attention masks each request).
         self._skip_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

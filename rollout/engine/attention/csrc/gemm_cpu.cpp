@@ -1,7 +1,7 @@
 // rollout's float32 CPU GEMM on panel-packed weights: the engine's default linear layers (`packed_linear`, called by
 // engine/worker/onednn.py's PackedWeights on AVX-512 machines) and the batch-invariant mode's (`invariant_mm_packed`,
-// engine/worker/invariant.py). One micro-kernel serves both, so the default engine's linear layers are batch-invariant
-// too (an element's value does not depend on how many rows the step has).
+// engine/worker/invariant.py). One micro-kernel serves both, so the default engine's linear layers on these packed
+// weights are batch-invariant too (an element's value does not depend on how many rows the step has).
 //
 // C [M, N] = A [M, K] @ W [N, K]^T, W packed once in column panels ([P, K, kCols], zero past N). Each element of C is
 // one chain of fused multiply-adds over k = 0..K-1 in ascending order, starting from 0: acc = fma(A[m, k], W[n, k],
@@ -125,7 +125,7 @@ std::vector<at::Tensor> packed_linear(const at::Tensor& a, const at::Tensor& pac
   std::vector<at::Tensor> outs;
   int64_t total = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    TORCH_CHECK(sizes[i] > 0, "packed_linear: sizes must be positive");
+    TORCH_CHECK(sizes[i] >= 0, "packed_linear: sizes must not be negative");
     outs.push_back(at::empty({M, sizes[i]}, a.options()));
     for (int64_t col = 0; col < sizes[i]; col += kCols)
       targets.push_back({static_cast<int64_t>(i), col, std::min(kCols, sizes[i] - col)});
@@ -171,7 +171,7 @@ std::vector<at::Tensor> packed_linear(const at::Tensor& a, const at::Tensor& pac
 
 // A [M, K] @ the packed W^T -> [M, N] (the batch-invariant mode's form: one member, no bias).
 at::Tensor invariant_mm_packed(const at::Tensor& a, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(N > 0 && N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols,
+  TORCH_CHECK(N > (packed.size(0) - 1) * kCols && N <= packed.size(0) * kCols,
               "invariant_mm: N does not match the packed panels");
   return packed_linear(a, packed, {N}, std::nullopt)[0];
 }
