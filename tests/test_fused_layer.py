@@ -122,6 +122,49 @@ def test_kernels_match_torch() -> None:
         torch.testing.assert_close(torch.ops.rollout_cpu.silu_and_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
 
 
+def _hook_on(model: torch.nn.Module, where: str) -> None:
+    """Change what ``model`` computes through a hook or an instance ``forward`` on a module the fused forward would
+    not call itself."""
+    layers = model.model.layers
+    if where == "mlp_hook":
+        layers[0].mlp.register_forward_hook(lambda m, args, out: out + 0.5)
+    elif where == "final_norm_hook":
+        model.model.norm.register_forward_hook(lambda m, args, out: out + 0.5)
+    elif where == "layer_pre_hook":
+        layers[1].register_forward_pre_hook(lambda m, args: (args[0] + 0.5, *args[1:]))
+    elif where == "model_hook":  # the whole model's output: its logits
+        model.register_forward_hook(lambda m, args, out: out.__class__(logits=-out.logits))
+    else:  # an instance forward of its own (as accelerate's device hooks set)
+        mlp_forward = layers[0].mlp.forward
+        layers[0].mlp.forward = lambda x: 2 * mlp_forward(x)
+
+
+@pytest.mark.parametrize("where", ["mlp_hook", "final_norm_hook", "layer_pre_hook", "model_hook", "mlp_forward"])
+def test_a_hook_on_a_module_the_fused_forward_skips_sends_the_step_to_transformers_forward(where: str) -> None:
+    """A hook (or an instance forward) on a module that the fused forward does not call is honoured: the engine's
+    greedy tokens and logprobs are those of ``generate`` and a forward with the hook (found by a break test: the
+    fused forward skipped them)."""
+    model = tiny_llama()
+    prompts = random_prompts(3, VOCAB_SIZE, max_len=20, seed=11)
+    before = [reference_greedy(model, p, 8, None) for p in prompts]
+    _hook_on(model, where)
+    assert fused_layer.hooks_in_the_way(model)
+    engine = Engine(model, config())
+    assert engine.runner.fused_layers
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=8), request_id=f"r{i}")
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    after = [reference_greedy(model, p, 8, None) for p in prompts]
+    assert after != before  # the hook changes what the model computes
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].generated_tokens == after[i], i
+        assert_close(out[f"r{i}"].logprobs, teacher_forced_logprobs(model, p, after[i]), atol=LOGPROB_ATOL)
+    assert not fused_layer.hooks_in_the_way(tiny_llama())
+
+
 def test_rotary_cache_write_matches_transformers_rotary_and_the_cache_write() -> None:
     """rotary_cache_write_: q and k rotated in place as transformers' apply_rotary_pos_emb does (1e-6), the rotated
     keys and the values at their slots of a cache layer whose rows are padded (a strided view), every other row

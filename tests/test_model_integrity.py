@@ -140,6 +140,31 @@ def test_encoder_only_model_is_refused() -> None:
         generate_batch(BertForMaskedLM(config), [[5, 6]], GC)
 
 
+def _longrope_llama(max_positions: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=40, intermediate_size=72, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=10, num_hidden_layers=2, max_position_embeddings=max_positions, initializer_range=0.2,
+        rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+            short_factor=[1.0] * 5, long_factor=[2.0] * 5, factor=4.0,
+        ),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_longrope_past_its_original_context_is_refused_and_within_it_served() -> None:
+    # longrope switches factors when the batch's longest position passes the original context: in a continuous batch
+    # a request's rotary embedding would depend on the others' (a break test found a 4-token prompt batched with a
+    # 30-token one decoded other tokens than generate).
+    with pytest.raises(UnsupportedModelError, match="rope_type='longrope'.*max_position_embeddings to 16"):
+        generate_batch(_longrope_llama(256), [[5, 6]], GC)
+    model = _longrope_llama(16)  # never past the original context: the short factors only
+    prompts = [[5, 17, 33, 60], list(range(3, 13))]
+    out = generate_batch(model, prompts, GenerationConfig(max_new_tokens=4, do_sample=False))
+    assert [o.generated_tokens for o in out.values()] == [reference_greedy(model, p, 4, None) for p in prompts]
+
+
 def test_unpageable_attention_kinds_are_refused() -> None:
     model = tiny_llama()
     model.config.layer_types = ["full_attention", "linear_attention"]

@@ -5,6 +5,7 @@ shapes and sliding windows, each layer's device and its attention's dtype. Loadi
 """
 
 import itertools
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -81,6 +82,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
         )
     if getattr(text, "num_kv_shared_layers", 0):
         raise UnsupportedModelError(f"{name} shares KV between layers, which the paged cache does not support")
+    _check_rope_is_per_position(text, name)
     if not model._can_set_attn_implementation():
         raise UnsupportedModelError(f"{name} does not dispatch attention through transformers' AttentionInterface")
     layer_ids = sorted({m.layer_idx for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")})
@@ -89,6 +91,35 @@ def check_model_supported(model: torch.nn.Module) -> None:
     # Per-layer KV shapes (head dims, KV-head counts) are supported: the cache groups layers by shape
     # (``engine.kv.cache.CacheLayout``). Reading them here refuses a config whose shapes cannot be read.
     layer_kv_shapes(model)
+
+
+def _check_rope_is_per_position(text: Any, name: str) -> None:
+    """Refuse a rotary embedding whose frequencies depend on the longest position in the forward's batch.
+
+    transformers' ``longrope`` (Phi-3's long context) switches from its short to its long factors when
+    ``max(position_ids) + 1`` passes ``original_max_position_embeddings``: in one engine step that is the longest
+    request's position, so a request's rotary embedding would depend on its batch-mates and on chunked prefill (a
+    wrong answer found by a break test). Accepted where the switch can never happen (``max_position_embeddings`` at
+    most the original length).
+
+    Raises:
+        UnsupportedModelError: ``rope_type="longrope"`` with ``max_position_embeddings`` above
+            ``original_max_position_embeddings``.
+    """
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    params = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
+    for p in params:
+        if (p.get("rope_type") or p.get("type")) != "longrope":
+            continue
+        original = p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        longest = getattr(text, "max_position_embeddings", None)
+        if original is not None and longest is not None and longest > original:
+            raise UnsupportedModelError(
+                f"{name} uses rope_type='longrope', whose factors switch when the batch's longest position passes "
+                f"original_max_position_embeddings={original}: in a continuous batch one request's rotary embedding "
+                f"would depend on the others'. Set config.max_position_embeddings to {original} or less to serve it "
+                "within its original context"
+            )
 
 
 def layer_kv_shapes(model: PreTrainedModel, local: bool = True) -> list[tuple[int, int]]:

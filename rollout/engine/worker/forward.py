@@ -25,7 +25,7 @@ from transformers.generation import CompileConfig
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata
 from rollout.engine.kv.cache import PagedKVCache
-from rollout.engine.worker.fused_layer import fused_forward
+from rollout.engine.worker.fused_layer import fused_forward, hooks_in_the_way
 from rollout.engine.worker.inputs import PaddingRule, StepBatch
 from rollout.engine.worker.onednn import OneDNNLinear, active_packs
 
@@ -80,11 +80,12 @@ def step_forward(
 
     ``onednn``: run the float32 CPU linear layers inside ``onednn.OneDNNLinear`` (the runner's ``onednn.linear_plan``,
     a constant to dynamo); False keeps ``F.linear`` (MKL). ``fused``: the forward is ``fused_layer.fused_forward``
-    (eager CPU steps of a Llama-family model), not ``model(...)``. ``invariant``: the paged attention runs its
+    (eager CPU steps of a Llama-family model), not ``model(...)``, unless a hook or an instance ``forward`` on a module
+    it would skip is set (``fused_layer.hooks_in_the_way``). ``invariant``: the paged attention runs its
     batch-invariant kernel (the runner runs the step inside ``invariant.batch_invariant()`` too).
     """
     meta = PagedAttentionMetadata.from_batch(cache, block_size, batch, invariant)
-    if fused:
+    if fused and not hooks_in_the_way(model):
         # The fused forward runs its linear layers on the active packed weights itself (fused_layer._linear): the
         # mode, whose Python dispatch sees every op of the step, only where there are none.
         with OneDNNLinear() if onednn and active_packs() is None else contextlib.nullcontext():

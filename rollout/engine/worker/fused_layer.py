@@ -34,7 +34,7 @@ import torch
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
 from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, is_dtensor
 
-__all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support"]
+__all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support", "hooks_in_the_way"]
 
 # transformers model types whose decoder layers are Llama's: input_layernorm -> self_attn -> residual ->
 # post_attention_layernorm -> mlp (gate, up, down; SiLU) -> residual, with Llama's RMSNorm (weight * normalised).
@@ -96,6 +96,24 @@ def fused_support(model: torch.nn.Module) -> str | None:
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return f"the weights are {weight.dtype} on {weight.device.type}, not float32 on the CPU"
     return None
+
+
+def hooks_in_the_way(model: torch.nn.Module) -> bool:
+    """Whether a module the fused forward does not call (the model, its decoder, each layer, attention, MLP, the
+    activation and the norms) has a forward hook, a pre-hook or an instance ``forward`` of its own, or a global module
+    hook is set: the fused forward would skip what it does, so the step runs ``model(...)`` instead (checked at every
+    step: a hook may come at any time). The linear layers, the embedding and the rotary embedding are called as
+    modules or replay their plain hooks (``_linear``), so an adapter's hooks keep the fused forward."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    inner = model.model
+    skipped: list[torch.nn.Module | None] = [model, inner, inner.norm]
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        skipped += [layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        skipped += [getattr(mlp, "act_fn", None), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__) for m in skipped)
 
 
 def _plain_hooks(module: torch.nn.Module) -> bool:
