@@ -31,6 +31,20 @@ def config(**kwargs: object) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**values)
 
 
+def _greedy_on_a_fused_engine(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[dict, int]:
+    """Request ``r{i}`` per prompt, ``new_tokens`` greedy tokens each, on an engine with fused layers: its outputs and
+    the steps it ran."""
+    engine = Engine(model, config())
+    assert engine.runner.fused_layers
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_new_tokens=new_tokens), request_id=f"r{i}")
+        out = run_engine(engine)
+    finally:
+        engine.close()
+    return out, engine.stats.num_steps
+
+
 def tiny_qwen2_sliding() -> torch.nn.Module:
     """tiny_qwen2's shapes with its second layer on a sliding window of 8 (Qwen2's attention keeps it per layer)."""
     config = tiny_qwen2().config
@@ -62,16 +76,9 @@ def test_fused_engine_matches_transformers(make: object, monkeypatch: pytest.Mon
 
     monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", counted)
     monkeypatch.setattr("rollout.engine.attention.registry.paged_attention", module_attention)
-    engine = Engine(model, config())
-    assert engine.runner.fused_layers
     prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
-    try:
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_new_tokens=10), request_id=f"r{i}")
-        out = run_engine(engine)
-    finally:
-        engine.close()
-    assert len(calls) == engine.stats.num_steps > 0
+    out, steps = _greedy_on_a_fused_engine(model, prompts, 10)
+    assert len(calls) == steps > 0
     for i, p in enumerate(prompts):
         tokens = out[f"r{i}"].generated_tokens
         assert tokens == reference_greedy(model, p, 10, None), i
@@ -149,14 +156,7 @@ def test_a_hook_on_a_module_the_fused_forward_skips_sends_the_step_to_transforme
     before = [reference_greedy(model, p, 8, None) for p in prompts]
     _hook_on(model, where)
     assert fused_layer.hooks_in_the_way(model)
-    engine = Engine(model, config())
-    assert engine.runner.fused_layers
-    try:
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_new_tokens=8), request_id=f"r{i}")
-        out = run_engine(engine)
-    finally:
-        engine.close()
+    out, _ = _greedy_on_a_fused_engine(model, prompts, 8)
     after = [reference_greedy(model, p, 8, None) for p in prompts]
     assert after != before  # the hook changes what the model computes
     for i, p in enumerate(prompts):
