@@ -18,7 +18,7 @@ from rollout.engine import Engine
 from rollout.engine.attention.cpu import load_kernel
 from rollout.engine.worker import fused_layer
 from tests.tiny_models import VOCAB_SIZE, random_prompts, tiny_gemma, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
-from tests.utils import assert_close, reference_greedy, run_engine, teacher_forced_logprobs
+from tests.utils import assert_close, generate_in_order, reference_greedy, run_engine, teacher_forced_logprobs
 
 pytestmark = pytest.mark.skipif(load_kernel() is not None, reason="rollout's CPU extension does not build here")
 
@@ -29,20 +29,6 @@ def config(**kwargs: object) -> ContinuousBatchingConfig:
     values = dict(page_size=4, num_blocks=256, max_batch_tokens=24, return_logprobs=True, fused_layers="auto")
     values.update(kwargs)
     return ContinuousBatchingConfig(**values)
-
-
-def _greedy_on_a_fused_engine(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[dict, int]:
-    """Request ``r{i}`` per prompt, ``new_tokens`` greedy tokens each, on an engine with fused layers: its outputs and
-    the steps it ran."""
-    engine = Engine(model, config())
-    assert engine.runner.fused_layers
-    try:
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_new_tokens=new_tokens), request_id=f"r{i}")
-        out = run_engine(engine)
-    finally:
-        engine.close()
-    return out, engine.stats.num_steps
 
 
 def tiny_qwen2_sliding() -> torch.nn.Module:
@@ -77,12 +63,14 @@ def test_fused_engine_matches_transformers(make: object, monkeypatch: pytest.Mon
     monkeypatch.setattr("rollout.engine.worker.forward.fused_forward", counted)
     monkeypatch.setattr("rollout.engine.attention.registry.paged_attention", module_attention)
     prompts = random_prompts(6, VOCAB_SIZE, max_len=40, seed=7)
-    out, steps = _greedy_on_a_fused_engine(model, prompts, 10)
-    assert len(calls) == steps > 0
+    engine = Engine(model, config())
+    assert engine.runner.fused_layers
+    out = generate_in_order(engine, prompts, 10)
+    assert len(calls) == engine.stats.num_steps > 0
     for i, p in enumerate(prompts):
-        tokens = out[f"r{i}"].generated_tokens
+        tokens = out[i].generated_tokens
         assert tokens == reference_greedy(model, p, 10, None), i
-        assert_close(out[f"r{i}"].logprobs, teacher_forced_logprobs(model, p, tokens), atol=LOGPROB_ATOL)
+        assert_close(out[i].logprobs, teacher_forced_logprobs(model, p, tokens), atol=LOGPROB_ATOL)
 
 
 def test_a_model_outside_the_family_keeps_transformers_forward_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -156,12 +144,14 @@ def test_a_hook_on_a_module_the_fused_forward_skips_sends_the_step_to_transforme
     before = [reference_greedy(model, p, 8, None) for p in prompts]
     _hook_on(model, where)
     assert fused_layer.hooks_in_the_way(model)
-    out, _ = _greedy_on_a_fused_engine(model, prompts, 8)
+    engine = Engine(model, config())
+    assert engine.runner.fused_layers
+    out = generate_in_order(engine, prompts, 8)
     after = [reference_greedy(model, p, 8, None) for p in prompts]
     assert after != before  # the hook changes what the model computes
     for i, p in enumerate(prompts):
-        assert out[f"r{i}"].generated_tokens == after[i], i
-        assert_close(out[f"r{i}"].logprobs, teacher_forced_logprobs(model, p, after[i]), atol=LOGPROB_ATOL)
+        assert out[i].generated_tokens == after[i], i
+        assert_close(out[i].logprobs, teacher_forced_logprobs(model, p, after[i]), atol=LOGPROB_ATOL)
     assert not fused_layer.hooks_in_the_way(tiny_llama())
 
 
