@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
-from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, is_dtensor
+from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, takes_linear
 
 __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support", "hooks_in_the_way"]
 
@@ -142,21 +142,10 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor, packs: PackedWeights | Non
     hooks as the module's call runs them; else the module's own call (under the mode), wherever ``OneDNNLinear`` would
     not take the layer or the call would run more than the forward and plain hooks (an instance's own ``forward``,
     such as accelerate's device hooks set, a pre-hook, a global hook)."""
-    weight = module.weight
-    if (
-        packs is None
-        or "forward" in module.__dict__
-        or not _plain_hooks(module)
-        or weight.dtype != torch.float32
-        or x.dtype != torch.float32
-        or weight.device.type != "cpu"
-        or is_dtensor(weight)
-        or torch.is_autocast_enabled("cpu")
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
+    if packs is None or "forward" in module.__dict__ or not _plain_hooks(module) or not takes_linear(x, module.weight):
         with _linear_mode(packs):
             return module(x)
-    out = packs.linear(x, weight, module.bias)
+    out = packs.linear(x, module.weight, module.bias)
     for hook in module._forward_hooks.values():
         result = hook(module, (x,), out)
         if result is not None:

@@ -427,6 +427,22 @@ def linear_plan(model: torch.nn.Module, device: torch.device) -> tuple[bool, boo
     return policy == ONEDNN or pack, pack
 
 
+def takes_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.linear(x, weight)`` may run on the engine's kernels (packed weights or oneDNN): float32 tensors on
+    the CPU, neither a tensor-parallel ``DTensor``, nothing that needs a gradient, and CPU autocast off (under it
+    ``F.linear`` computes in autocast's dtype; the kernels would stay float32). ``OneDNNLinear`` and the fused
+    forward's linear layers (``fused_layer._linear``) ask it."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not (is_dtensor(x) or is_dtensor(weight))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
 class OneDNNLinear(TorchFunctionMode):
     """Inside it, ``F.linear`` on float32 CPU tensors without autograd runs on the packed copies made active in this
     thread (``PackedWeights.active``, with their kernel), else on oneDNN with the plain weight.
@@ -442,15 +458,7 @@ class OneDNNLinear(TorchFunctionMode):
         if func is F.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (
-                x.device.type == "cpu"
-                and x.dtype == torch.float32
-                and weight.dtype == torch.float32
-                and not (is_dtensor(x) or is_dtensor(weight))
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                # Under autocast F.linear computes in autocast's dtype; the custom op would stay float32.
-                and not torch.is_autocast_enabled("cpu")
-            ):
+            if takes_linear(x, weight):
                 if torch.compiler.is_compiling():
                     return onednn_linear(x, weight, bias)  # the op finds the packed copies when the graph runs
                 packs = _ACTIVE_PACKS.get()
