@@ -326,14 +326,7 @@ class PackedWeights:
                         # Each part a contiguous tensor of its own: the model views its projections' outputs into
                         # heads, and a compiled step may reuse an op's output buffer once it is dead, which must not
                         # be a sibling's memory (a one-row part is contiguous as a view, so oneDNN's is copied too).
-                        parts: list[torch.Tensor | None]
-                        if self.kernel == ROLLOUT:
-                            parts = list(_packed_linear(x, entry.packed, siblings.sizes, entry.bias))
-                        else:
-                            y = torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
-                            parts = [
-                                t.clone(memory_format=torch.contiguous_format) for t in y.split(siblings.sizes, dim=-1)
-                            ]
+                        parts: list[torch.Tensor | None] = list(self._run(x, entry.packed, siblings.sizes, entry.bias))
                         self._local.fused = (siblings, x, parts)
                         first, parts[0] = parts[0], None
                         return first
@@ -341,9 +334,20 @@ class PackedWeights:
         if packed is None:
             return _onednn(x, weight, bias)
         bias = bias.contiguous() if bias is not None else None
+        return self._run(x, packed, (weight.shape[0],), bias)[0]
+
+    def _run(
+        self, x: torch.Tensor, packed: torch.Tensor, sizes: Sequence[int], bias: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """``x`` [..., K] on one packed copy (one weight, or stacked siblings of ``sizes`` output features) with this
+        engine's kernel: one [..., size] output per member, each a tensor of its own (oneDNN's stacked output is split
+        and its parts copied)."""
         if self.kernel == ROLLOUT:
-            return _packed_linear(x, packed, (weight.shape[0],), bias)[0]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return _packed_linear(x, packed, sizes, bias)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if len(sizes) == 1:
+            return [y]
+        return [t.clone(memory_format=torch.contiguous_format) for t in y.split(list(sizes), dim=-1)]
 
     def clear(self) -> None:
         """Drop every copy (each is made again on its weight's next use)."""
