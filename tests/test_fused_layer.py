@@ -2,13 +2,17 @@
 
 With ``fused_layers="auto"`` an engine on a Llama, Mistral (sliding window), Qwen2 or Qwen3 model runs its eager
 steps through ``fused_forward``: greedy tokens must equal ``model.generate``'s and logprobs a teacher-forced forward
-of the unmodified model (1e-4), through prefill, chunked prefill and decode, with an adapter too; models outside the
-family (Gemma) keep transformers' forward and say why once in the log; the kernels match torch's ops.
+of the unmodified model (1e-4), through prefill, chunked prefill and decode, with an adapter too (its products added
+by ``lora_add_group_``, 4 calls a layer, no ``LoraHook`` call, bitwise as the hooks added them; a user's hooks on a
+projection still run around it); models outside the family (Gemma) keep transformers' forward and say why once in the
+log; the kernels match torch's ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -187,7 +191,7 @@ def test_rotary_cache_write_matches_transformers_rotary_and_the_cache_write() ->
 
 
 def test_fused_engine_serves_an_adapter_as_peft_computes_it() -> None:
-    """An adapter's hooks run inside the fused forward too (its MLP projections see [T, H] rows): greedy tokens of a
+    """An adapter is served inside the fused forward too (its MLP projections see [T, H] rows): greedy tokens of a
     request under the adapter equal its peft model's, logprobs its teacher-forced forward's (1e-4); a base request in
     the same steps is the base model's."""
     pytest.importorskip("peft")
@@ -210,3 +214,114 @@ def test_fused_engine_serves_an_adapter_as_peft_computes_it() -> None:
         assert tokens == reference_greedy(model, p, 8, None), rid
         assert_close(out[rid].logprobs, teacher_forced_logprobs(model, p, tokens), atol=LOGPROB_ATOL)
     assert reference_greedy(x, prompts[0], 8, None) != reference_greedy(base, prompts[0], 8, None)
+
+
+def _lora_engine(base: torch.nn.Module, pack: str, monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> Engine:
+    """A fused engine on ``base`` serving adapters x and y (peft's, on all seven projections), its linear layers on
+    packed weights (``pack="1"``) or through ``F.linear`` (``"0"``)."""
+    from tests.test_lora import adapter_of, peft_model
+
+    monkeypatch.setenv("ROLLOUT_PACK_WEIGHTS", pack)
+    engine = Engine(base, config(enable_lora=True, max_loras=2, **kwargs))
+    assert engine.runner.fused_layers and engine.runner.lora.cpu_kernel
+    assert (engine.runner.packs is not None) == (pack == "1")
+    engine.load_lora(adapter_of(peft_model(base, seed=1), "x"))
+    engine.load_lora(adapter_of(peft_model(base, seed=2), "y"))
+    return engine
+
+
+def _serve(engine: Engine, prompts: list[list[int]], which: list[str | None], n: int) -> dict:
+    try:
+        for i, (p, lora) in enumerate(zip(prompts, which)):
+            engine.add_request(p, SamplingParams(max_new_tokens=n), request_id=f"r{i}", lora=lora)
+        return run_engine(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pack", ["1", "0"])
+def test_fused_engine_adds_sibling_adapters_in_one_kernel_call_as_the_hooks_did(
+    pack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapters x and y on all seven projections and the base model in the same steps: the fused forward adds them
+    with 4 ``lora_add_group_`` calls per layer a step (q/k/v, o, gate/up, down) and calls no ``LoraHook``; tokens and
+    logprobs equal, bitwise, a run where the fused forward replays the hooks (each its own ``lora_add_``), and each
+    request's peft model (greedy tokens, teacher-forced logprobs within 1e-4)."""
+    pytest.importorskip("peft")
+    from rollout.lora import LoraHook
+    from tests.test_lora import peft_model
+
+    base = tiny_llama()
+    refs = {None: base, "x": peft_model(base, seed=1), "y": peft_model(base, seed=2)}
+    prompts = random_prompts(4, VOCAB_SIZE, max_len=30, seed=5)
+    which = ["x", None, "y", "x"]
+    hook_calls, group_calls = [], []
+    real_call, real_group = LoraHook.__call__, torch.ops.rollout_cpu.lora_add_group_
+    monkeypatch.setattr(LoraHook, "__call__", lambda *a: hook_calls.append(1) or real_call(*a))
+    monkeypatch.setattr(torch.ops.rollout_cpu, "lora_add_group_", lambda *a: group_calls.append(1) or real_group(*a))
+    engine = _lora_engine(base, pack, monkeypatch)
+    planned = []  # per step: whether it has rows under an adapter
+    step = engine.runner.lora.step
+
+    @contextlib.contextmanager
+    def spy(*args: object, **kwargs: object) -> Iterator[None]:
+        with step(*args, **kwargs):
+            planned.append(getattr(engine.runner.lora._local, "plan", None) is not None)
+            yield
+
+    engine.runner.lora.step = spy
+    grouped = _serve(engine, prompts, which, 8)
+    assert len(planned) == engine.stats.num_steps and any(planned)
+    assert hook_calls == [] and len(group_calls) == 4 * 2 * sum(planned)
+
+    class NotTheHook:  # the fused forward no longer recognises the adapter's hook: it replays it
+        pass
+
+    monkeypatch.setattr(fused_layer, "LoraHook", NotTheHook)
+    group_calls.clear()
+    engine = _lora_engine(base, pack, monkeypatch)
+    replayed = _serve(engine, prompts, which, 8)
+    assert group_calls == [] and len(hook_calls) == 7 * 2 * engine.stats.num_steps
+    for i, (p, lora) in enumerate(zip(prompts, which)):
+        out = grouped[f"r{i}"]
+        assert out.generated_tokens == replayed[f"r{i}"].generated_tokens, i
+        assert out.logprobs == replayed[f"r{i}"].logprobs, i  # bitwise
+        assert out.generated_tokens == reference_greedy(refs[lora], p, 8, None), (i, lora)
+        expected = teacher_forced_logprobs(refs[lora], p, out.generated_tokens)
+        assert_close(out.logprobs, expected, atol=LOGPROB_ATOL)
+
+
+def test_a_users_hooks_on_q_proj_run_once_a_step_around_the_fused_adapter() -> None:
+    """A user's forward hooks on layer 0's q_proj, one registered before the adapter's hook and one after, each run
+    once a step inside the fused forward: the first sees the projection without the adapter, the second with x's
+    product added (x @ A^T @ B^T * scaling, 1e-5), as the module's call would order them; the tokens stay x's."""
+    pytest.importorskip("peft")
+    from tests.test_lora import adapter_of, peft_model
+
+    base = tiny_llama()
+    x = peft_model(base, seed=1)
+    adapter = adapter_of(x, "x")
+    q_proj = base.model.layers[0].self_attn.q_proj
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"before": [], "after": []}
+
+    def record(where: str) -> object:
+        return lambda module, args, out: seen[where].append((args[0].clone(), out.clone()))
+
+    handles = [q_proj.register_forward_hook(record("before"))]
+    engine = Engine(base, config(enable_lora=True, max_loras=1))
+    assert engine.runner.fused_layers
+    engine.load_lora(adapter)  # the adapter's hook on q_proj is set here
+    handles.append(q_proj.register_forward_hook(record("after")))
+    prompts = random_prompts(2, VOCAB_SIZE, seed=3)
+    try:
+        out = _serve(engine, prompts, ["x", "x"], 6)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen["before"]) == len(seen["after"]) == engine.stats.num_steps > 0
+    a, b = adapter.weights["model.layers.0.self_attn.q_proj"]
+    for (x_in, plain), (x_after, added) in zip(seen["before"], seen["after"]):
+        assert torch.equal(x_in, x_after)
+        torch.testing.assert_close(added, plain + (x_in @ a.t() @ b.t()) * adapter.scaling, rtol=1e-5, atol=1e-5)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].generated_tokens == reference_greedy(x, p, 6, None), i

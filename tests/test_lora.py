@@ -153,6 +153,43 @@ def test_cpu_kernel_adds_the_masked_product() -> None:
             assert torch.equal(out[0], before[0])
 
 
+def test_cpu_kernel_for_sibling_layers_adds_each_members_product() -> None:
+    """``rollout_cpu::lora_add_group_`` (q/k/v or gate/up on one input): each member's out gets torch's
+    ((x A_i^T) * mask) B_i (1e-5 relative), bitwise what ``lora_add_`` gives that member alone, for 1, 2 and 3 members
+    of odd widths, a decode step's few rows (inline) and a prefill's many (threaded), x a strided view, with a mask
+    and without (then members may differ in rank); rows whose mask is zero are left exactly as they were."""
+    from rollout.engine.attention.cpu import load_kernel
+
+    if load_kernel() is not None:
+        pytest.skip("rollout's CPU extension does not build here")
+    g = torch.Generator().manual_seed(0)
+    K = 67
+    for rows, masked in ((3, True), (5, False), (700, True), (700, False)):
+        x = torch.randn(rows, 83, generator=g)[:, 5 : 5 + K]  # [T, 67], row stride 83
+        for widths, ranks in (((37,), (11,)), ((37, 19), (11, 11)), ((37, 13, 13), (11, 11, 11 if masked else 5))):
+            a = [torch.randn(r, K, generator=g) for r in ranks]
+            b = [torch.randn(r, n, generator=g) for r, n in zip(ranks, widths)]
+            outs = [torch.randn(rows, n, generator=g) for n in widths]
+            mask = (torch.rand(rows, ranks[0], generator=g) > 0.5).float() if masked else None
+            if mask is not None:
+                mask[0] = 0
+            alone = [out.clone() for out in outs]
+            for out, ai, bi in zip(alone, a, b):
+                torch.ops.rollout_cpu.lora_add_(out, x, ai, bi, mask)
+            grouped = [out.clone() for out in outs]
+            torch.ops.rollout_cpu.lora_add_group_(grouped, x, a, b, mask)
+            for i, (out, ai, bi) in enumerate(zip(outs, a, b)):
+                expected = out + ((x @ ai.t()) * (mask if mask is not None else 1)) @ bi
+                torch.testing.assert_close(grouped[i], expected, rtol=1e-5, atol=1e-4)
+                assert torch.equal(grouped[i], alone[i]), (rows, widths, i)
+                if mask is not None:
+                    assert torch.equal(grouped[i][0], out[0])
+    with pytest.raises(RuntimeError, match="mask's W rows"):
+        a = [torch.randn(4, K), torch.randn(3, K)]
+        b = [torch.randn(4, 8), torch.randn(3, 8)]
+        torch.ops.rollout_cpu.lora_add_group_([torch.zeros(2, 8)] * 2, x[:2], a, b, torch.ones(2, 4))
+
+
 def test_peft_folder_matches_in_memory(models: tuple, tmp_path: object) -> None:
     """An adapter saved by peft's ``save_pretrained`` loads to the same tensors and scaling as the live one."""
     _, x, _ = models

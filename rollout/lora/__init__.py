@@ -6,6 +6,6 @@ May import the ground modules only (``rollout.checks``, ``config``, ``sampling_p
 """
 
 from rollout.lora.adapters import LoraAdapter, adapter_state_dict, lora_module_name
-from rollout.lora.slots import LoadedAdapter, LoraSlots
+from rollout.lora.slots import LoadedAdapter, LoraHook, LoraSlots
 
-__all__ = ["LoadedAdapter", "LoraAdapter", "LoraSlots", "adapter_state_dict", "lora_module_name"]
+__all__ = ["LoadedAdapter", "LoraAdapter", "LoraHook", "LoraSlots", "adapter_state_dict", "lora_module_name"]

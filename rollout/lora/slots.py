@@ -17,11 +17,17 @@ step where no token has an adapter runs no hook work at all. On CPU, float32, th
 kernel per layer (``rollout_cpu::lora_add_``, engine/attention/csrc/lora_cpu.cpp: row by row, no OpenMP region for a
 decode step's few rows; each region cost 60-80 us in the manager's thread, scripts/omp_thread_cost.py): 1 and 4
 adapters went from 0.60x of the base model's tokens/s to 0.90x and 0.86x (scripts/bench_lora.py, docs/lora_bench.md).
+The engine's fused forward of the Llama family (engine/worker/fused_layer.py) calls no hook on such a step: it finds
+each layer's hook by its type (``LoraHook``), asks it for the operands (``LoraHook.kernel_operands``: float32 views
+``a`` [W, in] and ``b`` [W, out] of the step's rows, W = hi - lo, and the step's mask [T, W] or None; None where the
+hook would do anything else), and adds the products of sibling layers on one input in one kernel call
+(``rollout_cpu::lora_add_group_``: q/k/v, gate/up), bit for bit what the hooks' ``lora_add_`` would add.
 
 The hooks sit on modules of the user's model, which a trainer's forward, an evaluation or another engine may run at
 the same time in other threads; each ``LoraSlots`` therefore keeps the running step's token slots per thread
 (``threading.local``), so a hook adds a delta only inside the step that set them, in the thread that runs it
-(DESIGN.md, "Adapters obey the same promise"). ``threading.local`` rather than a ``contextvars.ContextVar`` (what
+(DESIGN.md, "Adapters obey the same promise"); ``kernel_operands`` reads the same plan, so the fused forward's
+additions hold the promise too. ``threading.local`` rather than a ``contextvars.ContextVar`` (what
 ``engine.worker.onednn.PackedWeights`` uses) because compiled steps trace the hooks: dynamo guards on a thread-local
 attribute but breaks the graph at ``ContextVar.get``.
 """
@@ -40,7 +46,7 @@ from rollout.checks import FieldError
 from rollout.lora.adapters import LoraAdapter
 from rollout.requests import Request
 
-__all__ = ["LoadedAdapter", "LoraSlots"]
+__all__ = ["LoadedAdapter", "LoraHook", "LoraSlots"]
 
 # Modules whose inputs are not the step's query tokens (the LM head sees only the kept logits rows) or that are not
 # linear layers: refused as targets, by name.
@@ -53,7 +59,7 @@ class _Target:
 
     a_all: torch.Tensor  # [S * R, in]
     b_all: torch.Tensor  # [S * R, out]
-    handle: Any = None
+    handle: Any = None  # of the module's ``LoraHook``
     # (lo, hi) -> (a_all[lo:hi], b_all[lo:hi]): the views an eager step of those rows reads.
     views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -278,44 +284,9 @@ class LoraSlots:
                 torch.zeros(rows, module.in_features, dtype=w.dtype, device=w.device),
                 torch.zeros(rows, module.out_features, dtype=w.dtype, device=w.device),
             )
-            target.handle = module.register_forward_hook(self._hook(target))
+            target.handle = module.register_forward_hook(LoraHook(self._local, target, self))
             self._targets[name] = target
         return target
-
-    def _hook(self, target: _Target) -> Any:
-        local = self._local
-
-        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            plan = getattr(local, "plan", None)  # set only in the thread running this engine's step
-            if plan is None:
-                return None
-            x = args[0]  # [1, T, in]
-            n = output.shape[-1]
-            if plan.slots is not None:  # a static step: every slot, the mask made inside the traced or captured graph
-                columns = self._slot_of_column
-                assert columns is not None
-                mask = (plan.slots[:, None] == columns[None, :]).to(x.dtype)
-                shrunk = (x @ target.a_all.t()) * mask
-                return torch.addmm(output.reshape(-1, n), shrunk.reshape(-1, mask.shape[1]), target.b_all).view_as(
-                    output
-                )
-            views = target.views.get(plan.rows)
-            if views is None:  # views of the buffers, which loads update in place: made once per row range
-                lo, hi = plan.rows
-                views = target.views[plan.rows] = (target.a_all[lo:hi], target.b_all[lo:hi])
-            a, b = views
-            if plan.kernel and output.is_contiguous() and x.dtype == torch.float32 and x.stride(-1) == 1:
-                torch.ops.rollout_cpu.lora_add_(output.view(-1, n), x.reshape(-1, x.shape[-1]), a, b, plan.mask)
-                return None
-            shrunk = torch.mm(x.reshape(-1, x.shape[-1]), a.t())  # [T, hi - lo]
-            if plan.mask is not None:
-                shrunk.mul_(plan.mask)
-            if output.is_contiguous():  # added in place, a GEMM with BLAS's beta = 1: no product tensor, no copy
-                output.view(-1, n).addmm_(shrunk, b)
-                return None
-            return torch.addmm(output.reshape(-1, n), shrunk, b).view_as(output)
-
-        return hook
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -363,3 +334,96 @@ class LoraSlots:
         self._targets.clear()
         self.loaded.clear()
         self.retired.clear()
+
+
+class LoraHook:
+    """The forward hook ``LoraSlots`` sets on one targeted layer: in the thread running a step of its ``slots``, it
+    adds the step's LoRA product to the layer's output (the module docstring); anywhere else it returns at once.
+
+    A forward that computes the layer's output itself (``engine.worker.fused_layer``) finds the hook among the
+    module's forward hooks by its type and may add the product in the hook's place: where ``kernel_operands`` gives
+    operands, ``rollout_cpu::lora_add_(out, x, *operands)`` (or one ``lora_add_group_`` call for sibling layers) is
+    exactly what the call would do, and the hook must not be called as well.
+    """
+
+    def __init__(self, local: threading.local, target: _Target, slots: LoraSlots) -> None:
+        self._local = local  # the slots' ``_local``: its attribute ``plan`` is set in the thread running a step
+        self.target = target
+        self.slots = slots
+
+    def __copy__(self) -> LoraHook:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> LoraHook:
+        """The hook itself, as for a function: a copy of the hooked model (a trainer's, ``copy.deepcopy``) shares it,
+        and it adds nothing there outside the engine's step thread."""
+        return self
+
+    def _views(self, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a_all[lo:hi], b_all[lo:hi])``: views of the buffers (which loads update in place), made once per range."""
+        views = self.target.views.get(rows)
+        if views is None:
+            lo, hi = rows
+            views = self.target.views[rows] = (self.target.a_all[lo:hi], self.target.b_all[lo:hi])
+        return views
+
+    def idle(self) -> bool:
+        """No step of its slots runs in this thread: a call would add nothing (a fused forward may skip it)."""
+        return getattr(self._local, "plan", None) is None
+
+    def kernel_operands(
+        self, x: torch.Tensor, output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """What this hook would add to ``output`` with rollout's kernel here and now, else None.
+
+        Args:
+            x: the layer's input, [..., in] (the fused forward's [T, in]).
+            output: its output, [..., out].
+
+        Returns:
+            ``(a, b, mask)`` where this thread runs an eager step of ``slots`` whose plan takes the kernel
+            (``cpu_kernel``), and ``x`` and ``output`` are float32 with contiguous rows (``output`` contiguous):
+            ``a`` [W, in] and ``b`` [W, out], contiguous float32 views of the step's rows (W = (hi - lo) of the
+            step's slots), ``mask`` the step's float32 [T, W] (None: every token under one adapter). None: the hook
+            adds nothing here (no step of its slots in this thread), or adds by torch's GEMMs (no kernel, a static
+            step, another dtype or layout).
+        """
+        plan = getattr(self._local, "plan", None)  # set only in the thread running this engine's step
+        if plan is None or not plan.kernel or plan.slots is not None:
+            return None
+        if not (
+            x.dtype == torch.float32
+            and output.dtype == torch.float32
+            and x.stride(-1) == 1
+            and output.is_contiguous()
+            and self.target.a_all.dtype == torch.float32
+        ):
+            return None
+        a, b = self._views(plan.rows)
+        return a, b, plan.mask
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        plan = getattr(self._local, "plan", None)
+        if plan is None:
+            return None
+        target = self.target
+        x = args[0]  # [1, T, in] (the module's call) or [T, in] (the fused forward's replay)
+        n = output.shape[-1]
+        if plan.slots is not None:  # a static step: every slot, the mask made inside the traced or captured graph
+            columns = self.slots._slot_of_column
+            assert columns is not None
+            mask = (plan.slots[:, None] == columns[None, :]).to(x.dtype)
+            shrunk = (x @ target.a_all.t()) * mask
+            return torch.addmm(output.reshape(-1, n), shrunk.reshape(-1, mask.shape[1]), target.b_all).view_as(output)
+        operands = self.kernel_operands(x, output)
+        if operands is not None:
+            torch.ops.rollout_cpu.lora_add_(output.view(-1, n), x.reshape(-1, x.shape[-1]), *operands)
+            return None
+        a, b = self._views(plan.rows)
+        shrunk = torch.mm(x.reshape(-1, x.shape[-1]), a.t())  # [T, hi - lo]
+        if plan.mask is not None:
+            shrunk.mul_(plan.mask)
+        if output.is_contiguous():  # added in place, a GEMM with BLAS's beta = 1: no product tensor, no copy
+            output.view(-1, n).addmm_(shrunk, b)
+            return None
+        return torch.addmm(output.reshape(-1, n), shrunk, b).view_as(output)

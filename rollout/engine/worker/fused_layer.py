@@ -14,7 +14,13 @@ vLLM's models do), ``rotary_cache_write_`` (the rotary embedding of queries and 
 written into the paged cache, one pass: vLLM's ``rotary_embedding`` and ``reshape_and_cache``), the engine's paged
 attention read (``paged.attend_cache``) and ``silu_and_mul``. The linear layers run on the engine's packed weights
 directly (``onednn.PackedWeights``: q/k/v and gate/up each one GEMM whose parts are tensors of their own, so nothing
-is split or copied), then any plain forward hook of the module (a LoRA adapter's) as its call would run it.
+is split or copied), then any plain forward hook of the module as its call would run it, but for an unmerged LoRA
+adapter's (``lora.LoraHook``) on a step that takes rollout's LoRA kernel (``LoraSlots`` with ``cpu_kernel``, float32):
+the fused forward adds the adapters' products itself, ``((x A^T) * mask) B`` into each projection's float32 [T, out]
+output before it is used (before the rotary embedding and cache write, before ``silu_and_mul``), q/k/v's in one
+``rollout_cpu::lora_add_group_`` call (each [T, H] row of x read once for the three), gate/up's in one, o_proj's and
+down_proj's one each: 4 kernel calls and no Python hook call per layer, where the hooks made 7 of each (SmolLM2: 210
+a step). Other steps (torch's GEMMs for the product, a static step) replay the adapter's hook as any other.
 
 It is the step's one forward, called in place of ``model(...)`` (``forward.step_forward``) on eager CPU steps of a
 model it supports (``fused_support``); it changes nothing in the model (no module replaced or patched), so any other
@@ -27,12 +33,13 @@ the module's attention.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata, attend_cache
 from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, takes_linear
+from rollout.lora import LoraHook
 
 __all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support", "hooks_in_the_way"]
 
@@ -103,7 +110,7 @@ def hooks_in_the_way(model: torch.nn.Module) -> bool:
     activation and the norms) has a forward hook, a pre-hook or an instance ``forward`` of its own, or a global module
     hook is set: the fused forward would skip what it does, so the step runs ``model(...)`` instead (checked at every
     step: a hook may come at any time). The linear layers, the embedding and the rotary embedding are called as
-    modules or replay their plain hooks (``_linear``), so an adapter's hooks keep the fused forward."""
+    modules or replay their plain hooks (``_linears``), so an adapter's hooks keep the fused forward."""
     hooks = torch.nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return True
@@ -136,21 +143,77 @@ def _linear_mode(packs: PackedWeights | None) -> contextlib.AbstractContextManag
     return OneDNNLinear() if packs is not None else contextlib.nullcontext()
 
 
+def _linears(modules: Sequence[torch.nn.Linear], x: torch.Tensor, packs: PackedWeights | None) -> list[torch.Tensor]:
+    """``[module(x) for module in modules]`` for sibling layers on one input (q/k/v, gate/up, or one layer).
+
+    Each output is computed on the engine's packed weights directly where they are active (no module call, no
+    ``F.linear`` through ``onednn.OneDNNLinear``: about 1,000 Python dispatches a step of SmolLM2), else by ``F.linear``
+    under the step's mode, then the module's forward hooks run as its call would run them, but for a LoRA adapter's
+    (``lora.LoraHook``): skipped where no step of its slots runs in this thread (it would add nothing); where its step
+    takes rollout's kernel here (``LoraHook.kernel_operands``), its product is added by one
+    ``rollout_cpu::lora_add_group_`` call for every such member (per mask), after the member's hooks registered before
+    the adapter's and before those registered after it. These are the same sums as the hook's ``lora_add_``, so a
+    decoder layer with adapters on its seven projections adds them with 4 kernel calls and no Python hook call.
+    A module runs its own call (under the mode, its hooks included) wherever ``OneDNNLinear`` would not take the layer
+    or the call would run more than the forward and plain hooks (an instance's own ``forward``, such as accelerate's
+    device hooks set, a pre-hook, a global hook).
+
+    Args:
+        modules: ``nn.Linear`` layers that all read ``x``.
+        x: float32 [T, in] (any other input runs the modules' own calls).
+        packs: the step's active packed weights, or None.
+
+    Returns:
+        One [T, out_i] output per module, each member's adapter product added.
+    """
+    outs: list[torch.Tensor] = []
+    after: list[tuple] = []  # each member's hooks to run after its adapter's product
+    groups: dict[int, tuple[torch.Tensor | None, list, list, list]] = {}  # id(mask) -> (mask, outs, a's, b's)
+    for module in modules:
+        if "forward" in module.__dict__ or not _plain_hooks(module) or not takes_linear(x, module.weight):
+            with _linear_mode(packs):
+                outs.append(module(x))
+            after.append(())
+            continue
+        if packs is not None:
+            out = packs.linear(x, module.weight, module.bias)
+        else:
+            out = torch.nn.functional.linear(x, module.weight, module.bias)
+        hooks = tuple(module._forward_hooks.values())
+        rest: tuple = ()
+        for i, hook in enumerate(hooks):
+            operands = None
+            if isinstance(hook, LoraHook):
+                if hook.idle():  # outside its slots' step (a base-only step, another engine's): adds nothing
+                    continue
+                operands = hook.kernel_operands(x, out)
+            if operands is not None:  # (a, b, mask): added with the group's, below
+                group = groups.setdefault(id(operands[2]), (operands[2], [], [], []))
+                group[1].append(out)
+                group[2].append(operands[0])
+                group[3].append(operands[1])
+                rest = hooks[i + 1 :]
+                break
+            out = _hooked(hook, module, x, out)
+        outs.append(out)
+        after.append(rest)
+    for mask, group_outs, a, b in groups.values():
+        torch.ops.rollout_cpu.lora_add_group_(group_outs, x, a, b, mask)
+    for j, (module, rest) in enumerate(zip(modules, after)):
+        for hook in rest:
+            outs[j] = _hooked(hook, module, x, outs[j])
+    return outs
+
+
+def _hooked(hook: Callable, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` after a plain forward hook, as the module's call applies it (a returned tensor replaces it)."""
+    result = hook(module, (x,), out)
+    return out if result is None else result
+
+
 def _linear(module: torch.nn.Linear, x: torch.Tensor, packs: PackedWeights | None) -> torch.Tensor:
-    """``module(x)``: on the engine's packed weights directly where they are active (no module call, no
-    ``F.linear`` through ``onednn.OneDNNLinear``: about 1,000 Python dispatches a step of SmolLM2), then its forward
-    hooks as the module's call runs them; else the module's own call (under the mode), wherever ``OneDNNLinear`` would
-    not take the layer or the call would run more than the forward and plain hooks (an instance's own ``forward``,
-    such as accelerate's device hooks set, a pre-hook, a global hook)."""
-    if packs is None or "forward" in module.__dict__ or not _plain_hooks(module) or not takes_linear(x, module.weight):
-        with _linear_mode(packs):
-            return module(x)
-    out = packs.linear(x, module.weight, module.bias)
-    for hook in module._forward_hooks.values():
-        result = hook(module, (x,), out)
-        if result is not None:
-            out = result
-    return out
+    """``module(x)``: ``_linears`` of the one layer."""
+    return _linears((module,), x, packs)[0]
 
 
 def _attention(
@@ -167,7 +230,7 @@ def _attention(
     (``paged.attend_cache``), where transformers would run about ten ops of rotary embedding, transposes and copies
     before the engine's ``paged_attention``."""
     T, D = x.shape[0], attn.head_dim
-    q, k, v = _linear(attn.q_proj, x, packs), _linear(attn.k_proj, x, packs), _linear(attn.v_proj, x, packs)
+    q, k, v = _linears((attn.q_proj, attn.k_proj, attn.v_proj), x, packs)
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:  # Qwen3: RMSNorm of each head
         k_norm = attn.k_norm
@@ -245,7 +308,7 @@ def fused_forward(
         norm = layer.post_attention_layernorm
         torch.ops.rollout_cpu.fused_add_rms_norm_(attended, residual, norm.weight, norm.variance_epsilon)
         mlp = layer.mlp
-        gate, up = _linear(mlp.gate_proj, attended, packs), _linear(mlp.up_proj, attended, packs)
+        gate, up = _linears((mlp.gate_proj, mlp.up_proj), attended, packs)
         x = _linear(mlp.down_proj, torch.ops.rollout_cpu.silu_and_mul(gate, up), packs)
     norm = inner.norm
     if x is None:  # no layers
