@@ -15,9 +15,18 @@ and 1.60x on another). So every ``rollout-bench`` run also measures:
 
 A system's ``decode_gflops`` is the FLOPs of the tokens it generated (each token's forward at its own context)
 over its wall time, and ``decode_fraction_of_peak`` that over ``gemm_peak_gflops``. The wall time includes the
-prompts' prefill, so this is a lower bound of the decode phase's own rate; on the project's workloads (prompts of
-about 100 tokens, up to 256 generated per sequence) prefill is a few percent of the FLOPs. The prefill's own FLOPs
-are left out of the numerator, so that every system, vLLM's too, is measured from what it returns alone.
+prompts' prefill, so this is a lower bound of the decode phase's own rate. The prefill's own FLOPs are left out of
+the numerator, so that every system, vLLM's too, is measured from what it returns alone; how much that leaves out
+depends on the workload, so each run also reports:
+
+- ``prefill_gflop``: the FLOPs of the prompts' other positions (each prompt once: its G samples share it, as
+  prefix caching computes it), the LM head left out (only a prompt's last position needs logits, and its forward is
+  the first generated token's);
+- ``decode_fraction_ceiling``: generated FLOPs over generated plus prefill FLOPs, the ``decode_fraction_of_peak`` of
+  a system that ran every FLOP at the GEMM peak. gsm8k-greedy's prompts (about 92 tokens) are as long as its
+  completions, so its ceiling is near one half; gsm8k-grpo's 8 prompts serve 64 completions;
+- ``model_gflops`` and ``model_fraction_of_peak``: all the FLOPs (generated and prefill) over the wall time, what
+  share of the GEMM peak the system used (model FLOPs utilisation).
 """
 
 from __future__ import annotations
@@ -101,6 +110,8 @@ class TokenFlops:
     def __init__(self, model: nn.Module) -> None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.linear = sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = 2 * head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.per_position = 4 * heads * head_dim  # per layer and attended position
@@ -123,6 +134,11 @@ class TokenFlops:
         """
         return sum(self.linear + self.attention(prompt_len + j) for j in range(num_generated))
 
+    def prompt(self, prompt_len: int) -> int:
+        """FLOPs of a prompt's positions 0 .. ``prompt_len`` - 2 (position p at context p + 1), without the LM head:
+        the prefill work that produces no token (the last position's forward is charged to token 0: ``generated``)."""
+        return sum(self.linear - self.head + self.attention(p + 1) for p in range(prompt_len - 1))
+
 
 def decode_rate(
     flops: TokenFlops,
@@ -132,7 +148,8 @@ def decode_rate(
     wall_s: float,
     peak_gflops: float,
 ) -> dict:
-    """``decode_gflops`` and ``decode_fraction_of_peak`` of one run.
+    """``decode_gflops`` and ``decode_fraction_of_peak`` of one run, with ``generated_gflop``, ``prefill_gflop``,
+    ``decode_fraction_ceiling``, ``model_gflops`` and ``model_fraction_of_peak`` (the module docstring).
 
     Args:
         flops: the model's FLOPs per token.
@@ -143,5 +160,15 @@ def decode_rate(
         peak_gflops: ``gemm_peak_gflops`` of the same run.
     """
     total = sum(flops.generated(prompt_lens[i // num_samples], n) for i, n in enumerate(generated_lens))
+    prefill = sum(flops.prompt(n) for n in prompt_lens)
     gflops = total / wall_s / 1e9 if wall_s > 0 else float("nan")
-    return {"decode_gflops": gflops, "decode_fraction_of_peak": gflops / peak_gflops, "generated_gflop": total / 1e9}
+    model_gflops = (total + prefill) / wall_s / 1e9 if wall_s > 0 else float("nan")
+    return {
+        "decode_gflops": gflops,
+        "decode_fraction_of_peak": gflops / peak_gflops,
+        "generated_gflop": total / 1e9,
+        "prefill_gflop": prefill / 1e9,
+        "decode_fraction_ceiling": total / (total + prefill) if total + prefill > 0 else float("nan"),
+        "model_gflops": model_gflops,
+        "model_fraction_of_peak": model_gflops / peak_gflops,
+    }

@@ -49,6 +49,15 @@ def test_decode_rate_is_generated_flops_over_wall_time_against_the_peak() -> Non
     assert rate["generated_gflop"] == pytest.approx(total / 1e9)
     assert rate["decode_gflops"] == pytest.approx(total / 0.5 / 1e9)
     assert rate["decode_fraction_of_peak"] == pytest.approx(rate["decode_gflops"] / 10.0)
+    # Each prompt's positions but the last, once (its G samples share them), without the LM head.
+    per_position = flops.linear - flops.head
+    prefill = sum(per_position + flops.attention(p + 1) for n in (4, 7) for p in range(n - 1))
+    config = tiny_llama().config
+    assert flops.head == 2 * config.hidden_size * config.vocab_size
+    assert rate["prefill_gflop"] == pytest.approx(prefill / 1e9)
+    assert rate["decode_fraction_ceiling"] == pytest.approx(total / (total + prefill))
+    assert rate["model_gflops"] == pytest.approx((total + prefill) / 0.5 / 1e9)
+    assert rate["model_fraction_of_peak"] == pytest.approx(rate["model_gflops"] / 10.0)
 
 
 def test_the_gemm_rates_are_measured_on_the_model_s_widest_layer() -> None:
