@@ -614,3 +614,61 @@ def test_host_staging_takes_its_buffer_sets_in_turn_and_refuses_bad_settings() -
         HostStaging(torch.device("cpu"), num_buffers=3)
     with pytest.raises(ValueError, match="copy_stream needs a CUDA device"):
         HostStaging(torch.device("cpu"), copy_stream=object())  # type: ignore[arg-type]  # checked before any use
+
+
+def _torch_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch form of the draw (its fallback off the CPU kernel)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
+def _cpu_kernel_or_skip() -> None:
+    from rollout.engine.attention.cpu import load_kernel
+
+    if load_kernel() is not None:
+        pytest.skip("rollout's CPU extension does not build here")
+
+
+def test_cpu_inverse_cdf_kernel_draws_the_torch_forms_token_bit_for_bit() -> None:
+    """``rollout_cpu::inverse_cdf_sample`` against cumsum + searchsorted: vocabularies below, at and across its
+    1024-entry blocks, rows of zeros (banned tokens) around the mass, u at 0, near 1 and on a block's edge, one row and
+    many (split over threads), a row-strided view."""
+    _cpu_kernel_or_skip()
+    g = torch.Generator().manual_seed(0)
+    op = torch.ops.rollout_cpu.inverse_cdf_sample
+    for rows, vocab in ((1, 7), (3, 1024), (70, 3000), (64, 49152)):
+        wide = torch.softmax(torch.randn(rows, vocab + 5, generator=g) * 3, dim=-1)
+        probs = wide[:, :vocab]  # row stride vocab + 5: rows need not be packed
+        probs[: rows // 2, : vocab // 3] = 0.0  # banned tokens before the mass
+        u = torch.rand(rows, generator=g, dtype=torch.float64)
+        u[0] = 0.0
+        if rows > 1:
+            u[1] = 1.0 - 1e-16
+        if rows > 2:  # exactly the running sum at the end of the first block
+            u[2] = torch.cumsum(probs[2].double(), 0)[min(1023, vocab - 1)] / probs[2].double().sum()
+        assert torch.equal(op(probs, u), _torch_inverse_cdf(probs, u)), (rows, vocab)
+    with pytest.raises(RuntimeError, match="float64"):
+        op(probs, u.float())
+
+
+def test_sample_tokens_draws_the_same_tokens_with_the_cpu_kernel() -> None:
+    """The sampler with ``cpu_kernel`` against its torch form: the same tokens and logprobs, every row sampled (no
+    argmax, no row gather) and sampled rows beside greedy ones, with top-k / top-p rows."""
+    _cpu_kernel_or_skip()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 5000, generator=g) * 4
+    uniform = np.random.default_rng(0).random(40)
+    sampled = [SamplingParams(do_sample=True, temperature=0.7 + 0.01 * i) for i in range(40)]
+    mixed = [
+        SamplingParams(do_sample=False)
+        if i % 5 == 0
+        else SamplingParams(do_sample=True, temperature=1.0, top_k=50 if i % 3 else 0, top_p=0.9 if i % 2 else None)
+        for i in range(40)
+    ]
+    for params in (sampled, mixed):
+        ref = sample_tokens(logits, params, uniform=uniform)
+        out = sample_tokens(logits, params, uniform=uniform, cpu_kernel=True)
+        assert torch.equal(out.tokens, ref.tokens)
+        assert torch.equal(out.logprobs, ref.logprobs)
+    greedy_rows = [i for i, p in enumerate(mixed) if not p.do_sample]
+    assert torch.equal(out.tokens[greedy_rows], logits[greedy_rows].argmax(-1))

@@ -57,7 +57,9 @@ INVARIANT_SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.cpp"
 # AVX-512 machines: ``engine.worker.onednn.PackedWeights``; ``invariant_pack`` / ``invariant_mm_packed``, the
 # batch-invariant mode's).
 GEMM_SOURCE = Path(__file__).parent / "csrc" / "gemm_cpu.cpp"
-SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE, INVARIANT_SOURCE, GEMM_SOURCE)
+# And the sampler's inverse-CDF draw (``rollout_cpu::inverse_cdf_sample``; ``engine.sample.sampler``).
+SAMPLE_SOURCE = Path(__file__).parent / "csrc" / "sample_cpu.cpp"
+SOURCES = (SOURCE, LORA_SOURCE, FUSED_SOURCE, INVARIANT_SOURCE, GEMM_SOURCE, SAMPLE_SOURCE)
 # Included by the kernels: part of the build's digest, not compiled alone.
 HEADERS = (Path(__file__).parent / "csrc" / "vec16.h", Path(__file__).parent / "csrc" / "fma16.h")
 _BUILD_LOCK = threading.Lock()

@@ -174,6 +174,7 @@ def sample_tokens(
     uniform: np.ndarray | None = None,
     staging: HostStaging | None = None,
     grammars: Sequence[Any | None] | None = None,
+    cpu_kernel: bool = False,
 ) -> SampleOutput:
     """Pick one token per row, its logprob, and the top logprobs of the rows that ask for them.
 
@@ -195,6 +196,9 @@ def sample_tokens(
             disallowed tokens are masked after the logits processors, before temperature, top-k and top-p (a row whose
             processors ban every token its grammar allows is masked from its unprocessed logits instead). The
             logprobs of the "temperature" and "raw" modes stay the unmasked model's; None: no row is constrained.
+        cpu_kernel: CPU logits draw their sampled rows with rollout's kernel (``rollout_cpu::inverse_cdf_sample``,
+            engine/attention/csrc/sample_cpu.cpp; the caller has loaded it): the same tokens as the torch ops, in
+            one pass over each row's probabilities instead of a float64 copy and ``torch.cumsum``.
 
     Returns:
         ``SampleOutput``: int64 [B] tokens; float32 [B] logprobs (None without ``return_logprobs``); and
@@ -213,8 +217,10 @@ def sample_tokens(
         logits = apply_grammar_masks(logits, grammars, copy=logits is raw, unprocessed=raw)
     B, V = logits.shape
     device = logits.device
-    tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    every_row_samples = len(sampled_rows) == B
+    # A sampled row's token is its draw (below): the argmax only for the greedy rows.
+    tokens = torch.empty(B, dtype=torch.long, device=device) if every_row_samples else torch.argmax(logits, dim=-1)
     top_rows = [i for i, p in enumerate(params) if p.num_top_logprobs > 0]
     need_logprobs = return_logprobs or bool(top_rows)
     need_temps = bool(sampled_rows) or (need_logprobs and logprobs_mode == "temperature")
@@ -255,7 +261,7 @@ def sample_tokens(
         top_k = next(staged) if use_top_k else None
         top_p = next(staged).float() if use_top_p else None
         min_p = next(staged).float() if use_min_p else None
-        scaled = logits[rows] / temps_t[rows, None]
+        scaled = (logits / temps_t[:, None]) if every_row_samples else logits[rows] / temps_t[rows, None]
         if top_k is not None or top_p is not None:
             scaled = apply_top_k_top_p(scaled, top_k, top_p, max_k)
         if min_p is not None:
@@ -263,9 +269,15 @@ def sample_tokens(
         probs = torch.softmax(scaled, dim=-1)
         # Inverse-CDF sampling in float64: the first token whose cumulative probability exceeds u.
         # Tokens of probability 0 (banned, or outside top-k/top-p/min-p) never are the first to exceed it.
-        cdf = torch.cumsum(probs.double(), dim=-1)
-        chosen = torch.searchsorted(cdf, (u_t * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
-        tokens[rows] = chosen
+        if cpu_kernel and probs.device.type == "cpu":
+            chosen = torch.ops.rollout_cpu.inverse_cdf_sample(probs, u_t.double())
+        else:
+            cdf = torch.cumsum(probs.double(), dim=-1)
+            chosen = torch.searchsorted(cdf, (u_t * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+        if every_row_samples:
+            tokens = chosen
+        else:
+            tokens[rows] = chosen
         if need_logprobs and logprobs_mode == "sampled":
             processed = torch.log_softmax(scaled, dim=-1)
     if not need_logprobs:

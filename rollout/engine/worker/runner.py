@@ -391,6 +391,7 @@ class ModelRunner:
                 uniform=prepared.uniform,
                 staging=self._sampling_staging,
                 grammars=[r.grammar for r in sampled] if any(r.grammar is not None for r in sampled) else None,
+                cpu_kernel=self.use_flash and self.device.type == "cpu",  # rollout's C++ extension is loaded
             )
         return pack_results(scores, tokens, logprobs, top, readback)
 
