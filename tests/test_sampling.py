@@ -672,3 +672,13 @@ def test_sample_tokens_draws_the_same_tokens_with_the_cpu_kernel() -> None:
         assert torch.equal(out.logprobs, ref.logprobs)
     greedy_rows = [i for i, p in enumerate(mixed) if not p.do_sample]
     assert torch.equal(out.tokens[greedy_rows], logits[greedy_rows].argmax(-1))
+
+
+def test_sampler_benchmark_times_both_draws_and_checks_their_tokens() -> None:
+    """``benchmarks.sampler`` (scripts/bench_sampler.py): one time per round and way, on the same tokens."""
+    _cpu_kernel_or_skip()
+    from benchmarks.sampler import measure
+
+    times = measure(rows=5, vocab=300, repeats=3)
+    assert sorted(times) == ["kernel", "torch"]
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in times.values())
