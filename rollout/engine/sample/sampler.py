@@ -233,6 +233,8 @@ def sample_tokens(
         return SampleOutput(tokens, _token_logprobs(_log_distribution(raw, logits, None, logprobs_mode), tokens), None)
     # Every per-row value the device needs, gathered on the host and sent in one copy.
     temps = np.array([p.temperature if p.do_sample and p.temperature > 0 else 1.0 for p in params], dtype=np.float64)
+    # Every temperature 1 (GRPO's usual): x / 1 is x exactly, so no [B, V] division is made.
+    unit_temps = bool((temps == 1.0).all())
     arrays = [temps]
     if top_rows and len(top_rows) < B:
         arrays.append(np.array(top_rows, dtype=np.int64))
@@ -264,7 +266,10 @@ def sample_tokens(
         top_k = next(staged) if use_top_k else None
         top_p = next(staged).float() if use_top_p else None
         min_p = next(staged).float() if use_min_p else None
-        scaled = (logits / temps_t[:, None]) if every_row_samples else logits[rows] / temps_t[rows, None]
+        if every_row_samples:
+            scaled = logits if unit_temps else logits / temps_t[:, None]  # read only below: the filters copy
+        else:
+            scaled = logits[rows] / temps_t[rows, None]
         if top_k is not None or top_p is not None:
             scaled = apply_top_k_top_p(scaled, top_k, top_p, max_k)
         if min_p is not None:
@@ -285,7 +290,7 @@ def sample_tokens(
             processed = torch.log_softmax(scaled, dim=-1)
     if not need_logprobs:
         return SampleOutput(tokens, None, None)
-    dist = _log_distribution(raw, logits, temps_t, logprobs_mode)
+    dist = _log_distribution(raw, logits, None if unit_temps else temps_t, logprobs_mode)
     logprobs = None
     if return_logprobs:
         logprobs = _token_logprobs(dist, tokens)
@@ -309,10 +314,9 @@ def _log_distribution(
     """float32 [B, V]: each row's log-distribution in ``mode`` (see ``sample_tokens``), before the
     "sampled" mode's temperature and filters (the caller puts those rows in).
 
-    ``temps`` (float32 [B]) is needed by the "temperature" mode only.
+    ``temps`` (float32 [B]) is read by the "temperature" mode only; None there: every temperature is 1.
     """
-    if mode == "temperature":
-        assert temps is not None
+    if mode == "temperature" and temps is not None:
         return torch.log_softmax(raw / temps[:, None], dim=-1)
     if mode == "raw":
         return torch.log_softmax(raw, dim=-1)
