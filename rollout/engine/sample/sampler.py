@@ -316,8 +316,8 @@ def _log_distribution(
 
     ``temps`` (float32 [B]) is read by the "temperature" mode only; None there: every temperature is 1.
     """
-    if mode == "temperature" and temps is not None:
-        return torch.log_softmax(raw / temps[:, None], dim=-1)
+    if mode == "temperature":
+        return torch.log_softmax(raw if temps is None else raw / temps[:, None], dim=-1)
     if mode == "raw":
         return torch.log_softmax(raw, dim=-1)
     return torch.log_softmax(processed, dim=-1)  # "sampled": greedy rows drew from their processed logits
