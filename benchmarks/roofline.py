@@ -112,25 +112,40 @@ class TokenFlops:
         self.linear = sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head = 2 * head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.per_position = 4 * heads * head_dim  # per layer and attended position
         window = getattr(config, "sliding_window", None)
         # No layer_types and a window (Mistral): every layer slides.
         default = "sliding_attention" if window else "full_attention"
         layer_types = getattr(config, "layer_types", None) or [default] * config.num_hidden_layers
         # None: a full-attention layer; an int: the positions a sliding layer attends to at most.
         self.windows = [window if kind == "sliding_attention" and window else None for kind in layer_types]
+        # Each layer's query width (heads x head width): its attention's q_proj where it has one (Gemma 4's layers
+        # differ in head width, and its config refuses a global head_dim), else the config's.
+        try:
+            head_dim = getattr(config, "head_dim", None)
+        except Exception:  # noqa: BLE001 - transformers' per-layer attributes raise their own error type
+            head_dim = None
+        width = config.num_attention_heads * (head_dim or config.hidden_size // config.num_attention_heads)
+        widths = [width] * len(self.windows)
+        for module in model.modules():
+            layer, q_proj = getattr(module, "layer_idx", None), getattr(module, "q_proj", None)
+            if isinstance(layer, int) and 0 <= layer < len(widths) and isinstance(q_proj, nn.Linear):
+                widths[layer] = q_proj.out_features
+        self.per_layer = [4 * w for w in widths]  # attention FLOPs per layer and attended position
+        # The same for every layer (None where layers differ).
+        self.per_position = self.per_layer[0] if len(set(self.per_layer)) == 1 else None
 
     def attention(self, context: int) -> int:
         """Attention FLOPs of a token that attends to ``context`` positions (itself included)."""
-        return self.per_position * sum(context if w is None else min(context, w) for w in self.windows)
+        return sum(f * (context if w is None else min(context, w)) for f, w in zip(self.per_layer, self.windows))
 
     def generated(self, prompt_len: int, num_generated: int) -> int:
         """FLOPs of the ``num_generated`` tokens after a ``prompt_len``-token prompt, each at its own context.
 
         Each token is charged the forward that produced it: token 0 comes out of the prompt's last position
-        (context ``prompt_len``), token j out of token j - 1 fed back (context ``prompt_len + j``).
+        (context ``prompt_len``), token j out of token j - 1 fed back (context ``prompt_len + j``). With G samples of
+        a prompt each sample's token 0 is charged that position, which rollout computes once for the G (prompt forks)
+        and vLLM once per sample: for rollout the generated FLOPs count G - 1 forwards a prompt that it does not run
+        (about 0.7% of gsm8k-grpo's), so its ceiling and model FLOPs are that much too high.
         """
         return sum(self.linear + self.attention(prompt_len + j) for j in range(num_generated))
 

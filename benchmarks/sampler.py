@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="rounds (default: %(default)s)")
     args = p.parse_args(argv)
+    for name in ("rows", "vocab", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     times = measure(args.rows, args.vocab, args.repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"sample_tokens, {args.rows} x {args.vocab}, every row sampled, {torch.get_num_threads()} threads, {commit}:")

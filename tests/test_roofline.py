@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.roofline import TokenFlops, decode_rate, gemm_gflops, machine_limit, widest_linear
-from tests.tiny_models import tiny_gemma, tiny_llama, tiny_mistral
+from tests.tiny_models import tiny_gemma, tiny_gemma4, tiny_llama, tiny_mistral
 
 
 def _linear_flops_by_hand(model: torch.nn.Module) -> int:
@@ -39,6 +39,18 @@ def test_sliding_windows_cap_the_attended_positions_per_layer() -> None:
     mistral = TokenFlops(tiny_mistral(sliding_window=8))  # no layer_types: every layer slides
     assert mistral.attention(100) == mistral.per_position * 8 * 2
     assert TokenFlops(tiny_mistral(sliding_window=None)).attention(100) == mistral.per_position * 100 * 2
+
+
+def test_layers_of_different_head_widths_count_their_own_queries() -> None:
+    """Gemma 4's full layers have wider heads than its sliding ones, and its config refuses a global ``head_dim``:
+    each layer counts 4 x its q_proj's output features per attended position."""
+    model = tiny_gemma4(global_head_dim=32, sliding_window=8)  # layers: sliding (head dim 16), full (32), ...
+    flops = TokenFlops(model)
+    widths = [layer.self_attn.q_proj.out_features for layer in model.model.layers]
+    assert widths[0] != widths[1]
+    assert flops.per_layer == [4 * w for w in widths] and flops.per_position is None
+    assert flops.windows == [8, None, 8, None]
+    assert flops.attention(100) == 4 * (widths[0] * 8 + widths[1] * 100 + widths[2] * 8 + widths[3] * 100)
 
 
 def test_decode_rate_is_generated_flops_over_wall_time_against_the_peak() -> None:
