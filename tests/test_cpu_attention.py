@@ -147,6 +147,53 @@ def test_the_kvcache_form_is_the_varlen_kernel_with_one_query_per_sequence() -> 
     assert out.shape == (4, 1, H, D) and torch.equal(out[:, 0], varlen)
 
 
+@pytest.mark.parametrize("dtype, softcap, head_dim", [(torch.float32, 0.0, 64), (torch.float32, 3.0, 16),
+                                                      (torch.bfloat16, 0.0, 64)])  # fmt: skip
+def test_decode_forks_sharing_blocks_get_the_kernels_output_bit_for_bit(dtype, softcap, head_dim) -> None:  # noqa: ANN001
+    """Decode sequences whose tables begin with the same blocks (prompt forks) run as one group that reads each shared
+    key and value row once (``attend_decode_group``); each row's output must be what it is when the same keys lie in
+    blocks of its own (no group): bit for bit, against flash-attn's semantics to 1e-5 (float32). Runs of 4, 2 and 1
+    sequences, a member shorter than the shared blocks (its keys end inside them), and a sequence between groups."""
+    g = torch.Generator().manual_seed(11)
+    page, hkv, heads, shared_blocks = 8, 2, 6, 3
+    lens = [40, 33, 26, 19, 30, 37, 12, 25, 41]  # 19: ends inside the 3 shared blocks (24 keys)
+    share = [0, 0, 0, 0, 1, 1, None, 2, 2]  # None: a prefix of its own
+    width = max((n + page - 1) // page for n in lens)
+    shape = (200, page, hkv, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    own = torch.zeros(len(lens), width, dtype=torch.int32)
+    prefixes: dict = {}
+    nxt = 1
+    for b, n in enumerate(lens):
+        for k in range((n + page - 1) // page):
+            if share[b] is not None and k < shared_blocks:
+                if (share[b], k) not in prefixes:
+                    prefixes[(share[b], k)] = nxt
+                    nxt += 1
+                table[b, k] = prefixes[(share[b], k)]
+            else:
+                table[b, k] = nxt
+                nxt += 1
+    for b, n in enumerate(lens):  # the same keys, every block a copy of its own
+        for k in range((n + page - 1) // page):
+            own[b, k] = nxt
+            k_cache[nxt], v_cache[nxt] = k_cache[table[b, k]], v_cache[table[b, k]]
+            nxt += 1
+    q = torch.randn(len(lens), 1, heads, head_dim, generator=g).to(dtype)
+    used = torch.tensor(lens, dtype=torch.int32)
+    grouped = cpu_attention.flash_attn_with_kvcache(q, k_cache, v_cache, used, table, 0.3, softcap=softcap)
+    alone = cpu_attention.flash_attn_with_kvcache(q, k_cache, v_cache, used, own, 0.3, softcap=softcap)
+    assert torch.equal(grouped, alone)
+    if dtype == torch.float32:
+        for b, n in enumerate(lens):
+            slots = (table[b].long()[:, None] * page + torch.arange(page)).reshape(-1)[:n]
+            k = k_cache.reshape(-1, hkv, head_dim)[slots]
+            v = v_cache.reshape(-1, hkv, head_dim)[slots]
+            expected = reference_attention(q[b], k, v, 0.3, True, (-1, 0), softcap)
+            assert_close(grouped[b], expected, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -30,7 +30,12 @@
 //
 // Speed (scripts/bench_cpu_attention.py, docs/profile.md): a decode step reads every layer's keys and values from
 // memory, so the rows of the next block are prefetched while a block is computed on; dot products, exp and the
-// weighted sums run on 16-lane vectors, with the head dim a compile-time constant for 64 and 128.
+// weighted sums run on 16-lane vectors, with the head dim a compile-time constant for 64 and 128. The G samples of
+// one prompt (prompt forks) share the prompt's blocks: a decode step's consecutive sequences whose block tables begin
+// with the same blocks form one work item (attend_decode_group) that reads each shared key and value row once for all
+// of them, with every row's arithmetic unchanged (the idea of cascade attention for shared prefixes: FlashInfer's
+// "cascade inference", vLLM's cascade attention; they merge two partial softmaxes, this one keeps one softmax per row
+// over all its keys, so its output is bit for bit the ungrouped one).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -245,6 +250,43 @@ inline void weigh_queries(int n, float* const* accs, const float* const* ps, con
   weigh_chunk<kD, N>(accs, ps, vs);
 }
 
+// The softmax of one query vector's scores sm[0:ns] over its visible keys [first, last]: scaled (or soft-capped)
+// in place, then probabilities; masked keys (and the row's padding) get 0. The loops run over groups of 16 keys from
+// a multiple of 16 (a row's padding to ns, a multiple of 16, keeps each group inside it), the lanes outside the
+// visible keys masked: a row's result depends on its scores and [first, last] alone.
+inline void softmax_row(float* sm, int64_t first, int64_t last, int64_t ns, float scale, float softcap) {
+  i32x16 lane;
+  for (int l = 0; l < 16; ++l) lane[l] = l;
+  const float factor = softcap > 0.f ? 1.f : scale;  // softcap's loop scales the scores itself
+  const int64_t begin = first / 16 * 16, end = last / 16 * 16 + 16;
+  if (softcap > 0.f)
+    for (int64_t i = first; i <= last; ++i) sm[i] = softcap * std::tanh(sm[i] * scale / softcap);
+  auto visible = [&](int64_t i) {
+    const i32x16 key = lane + static_cast<int32_t>(i);
+    return (key >= static_cast<int32_t>(first)) & (key <= static_cast<int32_t>(last));
+  };
+  f32x16 tops = f32x16{} - std::numeric_limits<float>::infinity();
+  for (int64_t i = begin; i < end; i += 16) {
+    const f32x16 x = load16(sm + i) * factor;
+    store16(sm + i, x);
+    tops = visible(i) & (x > tops) ? x : tops;
+  }
+  const float top = hmax(tops);
+  // exp(score - top), masked lanes set to 0 and so left out of the sum (exp's argument clamped to <= 0 there).
+  f32x16 sums{};
+  for (int64_t i = begin; i < end; i += 16) {
+    const f32x16 x = load16(sm + i) - top;
+    const f32x16 e = exp_nonpositive(x > 0.f ? f32x16{} : x);
+    const f32x16 p = visible(i) ? e : f32x16{};
+    store16(sm + i, p);
+    sums += p;
+  }
+  const float inv = 1.f / hsum(sums);
+  for (int64_t i = begin; i < end; i += 16) store16(sm + i, load16(sm + i) * inv);
+  std::fill(sm, sm + begin, 0.f);
+  std::fill(sm + end, sm + ns, 0.f);
+}
+
 // The thread's scratch buffers, reused across its work items. The scores of a tile take R x H x (keys) floats:
 // 16 rows x 32 heads x 32k keys is 64 MB per thread, the price of reading every cache row once per tile.
 struct Scratch {
@@ -366,43 +408,10 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       }
     });
   }
-  // Softmax per query vector over its visible keys; masked keys (and a row's padding) get probability 0. The loops
-  // run over groups of 16 keys from a multiple of 16 (the row's padding keeps each group inside it), the lanes
-  // outside the visible keys masked.
-  i32x16 lane;
-  for (int l = 0; l < 16; ++l) lane[l] = l;
-  const float factor = softcap > 0.f ? 1.f : scale;  // softcap's loop scales the scores itself
+  // Softmax per query vector over its visible keys.
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = m / H;
-    const int64_t first = lo_of(r) - jlo, last = p0 + r - jlo;  // visible: [first, last]
-    const int64_t begin = first / 16 * 16, end = last / 16 * 16 + 16;
-    float* sm = scores + m * ns;
-    if (softcap > 0.f)
-      for (int64_t i = first; i <= last; ++i) sm[i] = softcap * std::tanh(sm[i] * scale / softcap);
-    auto visible = [&](int64_t i) {
-      const i32x16 key = lane + static_cast<int32_t>(i);
-      return (key >= static_cast<int32_t>(first)) & (key <= static_cast<int32_t>(last));
-    };
-    f32x16 tops = f32x16{} - std::numeric_limits<float>::infinity();
-    for (int64_t i = begin; i < end; i += 16) {
-      const f32x16 x = load16(sm + i) * factor;
-      store16(sm + i, x);
-      tops = visible(i) & (x > tops) ? x : tops;
-    }
-    const float top = hmax(tops);
-    // exp(score - top), masked lanes set to 0 and so left out of the sum (exp's argument clamped to <= 0 there).
-    f32x16 sums{};
-    for (int64_t i = begin; i < end; i += 16) {
-      const f32x16 x = load16(sm + i) - top;
-      const f32x16 e = exp_nonpositive(x > 0.f ? f32x16{} : x);
-      const f32x16 p = visible(i) ? e : f32x16{};
-      store16(sm + i, p);
-      sums += p;
-    }
-    const float inv = 1.f / hsum(sums);
-    for (int64_t i = begin; i < end; i += 16) store16(sm + i, load16(sm + i) * inv);
-    std::fill(sm, sm + begin, 0.f);
-    std::fill(sm + end, sm + ns, 0.f);
+    softmax_row(scores + m * ns, lo_of(r) - jlo, p0 + r - jlo, ns, scale, softcap);  // visible: [first, last]
   }
   // The weighted sum of the values: each value row is read once for the tile's queries of its KV head. GEMM-shaped
   // (a head dim known at compile time): per chunk and KV head, each query's accumulator is loaded and stored once.
@@ -440,6 +449,90 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     for (int64_t h = 0; h < H; ++h) {
       scalar_t* oh = out + r * out_row_stride + h * D;
       const float* am = s.acc.data() + (r * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(am[d]);
+    }
+}
+
+// One query row of each of `count` decode sequences (`members`, sequence b's query at row b, its keys 0..lens[b] - 1,
+// no window) whose block tables begin with the same blocks for their first `shared` keys: prompt forks, the G samples
+// of one prompt, share the prompt's blocks. Each shared key and value row is read once for every member's queries
+// (a decode step reads the cache from memory: the G forks of a prompt read its keys once instead of G times). Every
+// member's scores, softmax and weighted sum are attend_tile's for one row: the same dot products, softmax_row over
+// the same keys and the values added in key order, so its output is attend_tile's bit for bit: grouping changes what
+// is read, not what is computed. Only for tiles that take attend_tile's dot-product path (G < kGemmQueries).
+template <typename scalar_t, int kD>
+void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, const int64_t* members,
+                         int64_t count, const int64_t* lens, int64_t shared, const scalar_t* k_cache,
+                         const scalar_t* v_cache, const int32_t* tables, int64_t W, int64_t block_size,
+                         int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t H, int64_t G,
+                         int64_t D_runtime, float scale, float softcap, scalar_t* out, int64_t out_row_stride,
+                         Scratch& s) {
+  const int64_t D = kD > 0 ? kD : D_runtime;
+  const int64_t Hkv = H / G;
+  // Member u's scores: H rows of ns(u) floats (its keys padded to whole chunks, as attend_tile pads) from offset[u].
+  std::vector<int64_t>& offset = s.queries;
+  offset.assign(count + 1, 0);
+  auto ns_of = [&](int64_t u) { return (offset[u + 1] - offset[u]) / H; };
+  for (int64_t u = 0; u < count; ++u)
+    offset[u + 1] = offset[u] + H * ((lens[members[u]] + kChunk - 1) / kChunk * kChunk);
+  s.scores.resize(offset[count]);
+  s.q.resize(count * H * D);
+  s.row.resize(D);
+  float* scores = s.scores.data();
+  float* qs = s.q.data();
+  float* buf = s.row.data();
+  for (int64_t u = 0; u < count; ++u)
+    for (int64_t h = 0; h < H; ++h) {
+      const scalar_t* qh = q + members[u] * q_row_stride + h * q_head_stride;
+      for (int64_t d = 0; d < D; ++d) qs[(u * H + h) * D + d] = static_cast<float>(qh[d]);
+    }
+  auto row_of = [&](const scalar_t* cache, int64_t seq, int64_t j) {
+    return cache + static_cast<int64_t>(tables[seq * W + j / block_size]) * block_stride + (j % block_size) * token_stride;
+  };
+  // fn(j, row) for the keys j of member u (-1: the shared keys, read through the first member's table).
+  auto for_keys = [&](const scalar_t* cache, int64_t u, auto&& fn) {
+    const int64_t seq = members[u < 0 ? 0 : u];
+    for (int64_t j = u < 0 ? 0 : shared, end = u < 0 ? shared : lens[seq]; j < end; ++j) fn(j, row_of(cache, seq, j));
+  };
+  auto score = [&](int64_t u, int64_t j, int64_t g, const float* k) {
+    float* su = scores + offset[u];
+    const int64_t ns = ns_of(u);
+    for (int64_t m = g * G; m < (g + 1) * G; ++m) su[m * ns + j] = dot<kD>(qs + (u * H + m) * D, k, D);
+  };
+  for_keys(k_cache, -1, [&](int64_t j, const scalar_t* row) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* k = as_float(row + g * head_stride, buf, D);
+      for (int64_t u = 0; u < count; ++u) score(u, j, g, k);
+    }
+  });
+  for (int64_t u = 0; u < count; ++u)
+    for_keys(k_cache, u, [&](int64_t j, const scalar_t* row) {
+      for (int64_t g = 0; g < Hkv; ++g) score(u, j, g, as_float(row + g * head_stride, buf, D));
+    });
+  for (int64_t u = 0; u < count; ++u)
+    for (int64_t m = 0; m < H; ++m)
+      softmax_row(scores + offset[u] + m * ns_of(u), 0, lens[members[u]] - 1, ns_of(u), scale, softcap);
+  s.acc.assign(count * H * D, 0.f);
+  float* acc = s.acc.data();
+  auto weigh = [&](int64_t u, int64_t j, int64_t g, const float* v) {
+    const float* su = scores + offset[u];
+    const int64_t ns = ns_of(u);
+    for (int64_t m = g * G; m < (g + 1) * G; ++m) add_scaled<kD>(acc + (u * H + m) * D, su[m * ns + j], v, D);
+  };
+  for_keys(v_cache, -1, [&](int64_t j, const scalar_t* row) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* v = as_float(row + g * head_stride, buf, D);
+      for (int64_t u = 0; u < count; ++u) weigh(u, j, g, v);
+    }
+  });
+  for (int64_t u = 0; u < count; ++u)
+    for_keys(v_cache, u, [&](int64_t j, const scalar_t* row) {
+      for (int64_t g = 0; g < Hkv; ++g) weigh(u, j, g, as_float(row + g * head_stride, buf, D));
+    });
+  for (int64_t u = 0; u < count; ++u)
+    for (int64_t h = 0; h < H; ++h) {
+      scalar_t* oh = out + members[u] * out_row_stride + h * D;
+      const float* am = acc + (u * H + h) * D;
       for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(am[d]);
     }
 }
@@ -494,19 +587,56 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   const auto tables = block_table.contiguous();
 
-  // The work: tiles of at most kRowTile consecutive rows of one sequence, checked before any work.
+  // The work: tiles of at most kRowTile consecutive rows of one sequence, checked before any work, and on a decode
+  // step groups of consecutive sequences whose tables begin with the same blocks (attend_decode_group).
   constexpr int64_t kRowTile = 16;
   struct Tile {
     int64_t row, count, pos;  // first row, rows, position of the first row among its sequence's keys
     int32_t seq;
+    int32_t group = -1;  // a decode group (then seq is its first member)
   };
-  std::vector<Tile> tiles;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = q_len[b], m = k_len[b];
     TORCH_CHECK(n >= 0 && n <= m, "sequence ", b, " has ", n, " queries but ", m, " keys");
     TORCH_CHECK(m <= W * block_size, "sequence ", b, " has ", m, " keys, more than its table of ", W, " blocks holds");
+  }
+  const int64_t G = H / Hkv;
+  struct Group {
+    int64_t first, count, shared;  // members[first..first + count - 1]; keys read through the first's table
+  };
+  std::vector<int64_t> members;
+  std::vector<Group> groups;
+  std::vector<char> grouped(B, 0);
+  const int32_t* table_rows = tables.data_ptr<int32_t>();
+  if (!cu_seqlens_q.has_value() && window_left < 0 && G < kGemmQueries) {
+    for (int64_t b = 0; b < B;) {
+      // The run b..e - 1 of sequences whose tables begin with b's blocks, sharing at least one block's keys.
+      int64_t shared = k_len[b], e = b + 1;
+      for (; e < B; ++e) {
+        const int64_t limit = std::min(shared, k_len[e]);
+        int64_t blocks = 0;
+        while (blocks * block_size < limit && table_rows[b * W + blocks] == table_rows[e * W + blocks]) ++blocks;
+        const int64_t keys = std::min(blocks * block_size, limit);
+        if (keys < block_size) break;
+        shared = keys;
+      }
+      if (e - b >= 2) {
+        groups.push_back({static_cast<int64_t>(members.size()), e - b, shared});
+        for (int64_t i = b; i < e; ++i) members.push_back(i), grouped[i] = 1;
+      }
+      b = e;
+    }
+  }
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = q_len[b], m = k_len[b];
+    if (grouped[b]) continue;
     for (int64_t i = 0; i < n; i += kRowTile)
       tiles.push_back({q_start[b] + i, std::min(kRowTile, n - i), m - n + i, static_cast<int32_t>(b)});
+  }
+  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
+    const int64_t first = members[groups[g].first];
+    tiles.push_back({first, groups[g].count, 0, static_cast<int32_t>(first), static_cast<int32_t>(g)});
   }
   // Largest first (rows x keys read): the tiles of a causal prefill grow with their position, and ATen's split of
   // the items into one contiguous range per thread gave one of two threads three quarters of a long prefill's work.
@@ -515,17 +645,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto first_key = [&](const Tile& t) {
     return window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : int64_t{0};
   };
-  auto work = [&](const Tile& t) { return t.count * (t.pos + t.count - first_key(t)); };
+  auto work = [&](const Tile& t) {
+    if (t.group < 0) return t.count * (t.pos + t.count - first_key(t));
+    int64_t keys = 0;  // a group's: every member's keys (its shared ones are read once, but scored for each)
+    for (int64_t u = 0; u < t.count; ++u) keys += k_len[members[groups[t.group].first + u]];
+    return keys;
+  };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   auto out = at::zeros({T, H, D}, q.options());
-  const int64_t G = H / Hkv;
   const int64_t items = static_cast<int64_t>(tiles.size());
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    const int32_t* tp = tables.data_ptr<int32_t>();
+    const int32_t* tp = table_rows;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t q_row = q.stride(0), q_head = q.stride(1);
     // The threads take the tiles one at a time from a shared counter, largest first (the order of `tiles`), each
@@ -546,6 +680,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                   (lo % block_size) * k_cache.stride(1);
         }
         auto run = [&](auto head_dim) {
+          if (tile.group >= 0) {
+            const Group& group = groups[tile.group];
+            attend_decode_group<scalar_t, decltype(head_dim)::value>(
+                qp, q_row, q_head, members.data() + group.first, group.count, k_len.data(), group.shared, kp, vp, tp,
+                W, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H, G, D, fscale, fcap, op,
+                H * D, scratch);
+            return;
+          }
           attend_tile<scalar_t, decltype(head_dim)::value>(
               qp + tile.row * q_row, q_row, q_head, tile.count, tile.pos, window_left, kp, vp, tp + tile.seq * W,
               block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H, G, D, fscale, fcap,
