@@ -499,16 +499,20 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
     const int64_t ns = ns_of(u);
     for (int64_t m = g * G; m < (g + 1) * G; ++m) su[m * ns + j] = dot<kD>(qs + (u * H + m) * D, k, D);
   };
-  for_keys(k_cache, -1, [&](int64_t j, const scalar_t* row) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const float* k = as_float(row + g * head_stride, buf, D);
-      for (int64_t u = 0; u < count; ++u) score(u, j, g, k);
-    }
-  });
-  for (int64_t u = 0; u < count; ++u)
-    for_keys(k_cache, u, [&](int64_t j, const scalar_t* row) {
-      for (int64_t g = 0; g < Hkv; ++g) score(u, j, g, as_float(row + g * head_stride, buf, D));
+  // fn(u, j, g, row j of KV head g as float32) for every member u and key j: the shared rows read once for all.
+  auto for_member_keys = [&](const scalar_t* cache, auto&& fn) {
+    for_keys(cache, -1, [&](int64_t j, const scalar_t* row) {
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float* x = as_float(row + g * head_stride, buf, D);
+        for (int64_t u = 0; u < count; ++u) fn(u, j, g, x);
+      }
     });
+    for (int64_t u = 0; u < count; ++u)
+      for_keys(cache, u, [&](int64_t j, const scalar_t* row) {
+        for (int64_t g = 0; g < Hkv; ++g) fn(u, j, g, as_float(row + g * head_stride, buf, D));
+      });
+  };
+  for_member_keys(k_cache, score);
   for (int64_t u = 0; u < count; ++u)
     for (int64_t m = 0; m < H; ++m)
       softmax_row(scores + offset[u] + m * ns_of(u), 0, lens[members[u]] - 1, ns_of(u), scale, softcap);
@@ -519,16 +523,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
     const int64_t ns = ns_of(u);
     for (int64_t m = g * G; m < (g + 1) * G; ++m) add_scaled<kD>(acc + (u * H + m) * D, su[m * ns + j], v, D);
   };
-  for_keys(v_cache, -1, [&](int64_t j, const scalar_t* row) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const float* v = as_float(row + g * head_stride, buf, D);
-      for (int64_t u = 0; u < count; ++u) weigh(u, j, g, v);
-    }
-  });
-  for (int64_t u = 0; u < count; ++u)
-    for_keys(v_cache, u, [&](int64_t j, const scalar_t* row) {
-      for (int64_t g = 0; g < Hkv; ++g) weigh(u, j, g, as_float(row + g * head_stride, buf, D));
-    });
+  for_member_keys(v_cache, weigh);
   for (int64_t u = 0; u < count; ++u)
     for (int64_t h = 0; h < H; ++h) {
       scalar_t* oh = out + members[u] * out_row_stride + h * D;
