@@ -77,47 +77,24 @@ int64_t check_member(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   return W;
 }
 
-// out [T, N] += ((x [T, K] a^T [K, W]) * mask [T, W]) b [W, N], in place; float32; x, out and mask may have any row
-// stride, a and b are contiguous. A row whose masked product is zero (a base-model token) reads no row of b.
-void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const std::optional<at::Tensor>& mask) {
-  const int64_t W = check_member(out, x, a, b, "lora_add_");
-  const int64_t T = x.size(0), K = x.size(1), N = b.size(1);
-  int64_t m_stride = 0;
-  const float* m = mask_rows(mask, T, W, &m_stride, "lora_add_");
-  const float* xp = x.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), o_stride = out.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kWorkPerTask / std::max<int64_t>(1, W * (K + N)));
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(W);
-    for (int64_t t = begin; t < end; ++t) {
-      add_row(xp + t * x_stride, ap, bp, m != nullptr ? m + t * m_stride : nullptr, op + t * o_stride, s.data(), K,
-              W, N);
-    }
-  });
-}
-
-// lora_add_ for sibling layers on one input (q/k/v, gate/up): outs[i] [T, N_i] += ((x a[i]^T) * mask) b[i], each row
-// of x taken once for every member in turn, so a step runs one call (and at most one parallel region) per group. The
-// rows are split as lora_add_ splits them, by the work of all members together; each member's row is add_row's, so
-// its result is lora_add_'s bit for bit. Members may differ in W only without a mask.
-void lora_add_group_(at::TensorList outs, const at::Tensor& x, at::TensorList a, at::TensorList b,
-                     const std::optional<at::Tensor>& mask) {
+// Sibling layers on one input (q/k/v, gate/up): outs[i] [T, N_i] += ((x a[i]^T) * mask) b[i], each row of x taken
+// once for every member in turn, so a step runs one call (and at most one parallel region) per group. The rows are
+// split by the work of all members together; each member's row is add_row's. Members may differ in W only without a
+// mask. op_name names the calling op in errors.
+void add_members(at::TensorList outs, const at::Tensor& x, at::TensorList a, at::TensorList b,
+                 const std::optional<at::Tensor>& mask, const char* op_name) {
   const int64_t G = static_cast<int64_t>(outs.size());
-  TORCH_CHECK(static_cast<int64_t>(a.size()) == G && static_cast<int64_t>(b.size()) == G,
-              "lora_add_group_: outs, a and b must have one tensor per member");
+  TORCH_CHECK(static_cast<int64_t>(a.size()) == G && static_cast<int64_t>(b.size()) == G, op_name,
+              ": outs, a and b must have one tensor per member");
   if (G == 0) return;
-  TORCH_CHECK(x.dim() == 2, "lora_add_group_: 2-D tensors expected");
+  TORCH_CHECK(x.dim() == 2, op_name, ": 2-D tensors expected");
   const int64_t T = x.size(0), K = x.size(1);
   std::vector<int64_t> W(G), N(G), o_stride(G);
   std::vector<const float*> ap(G), bp(G);
   std::vector<float*> op(G);
   int64_t work = 0, w_max = 0;
   for (int64_t i = 0; i < G; ++i) {
-    W[i] = check_member(outs[i], x, a[i], b[i], "lora_add_group_");
+    W[i] = check_member(outs[i], x, a[i], b[i], op_name);
     N[i] = b[i].size(1);
     ap[i] = a[i].data_ptr<float>();
     bp[i] = b[i].data_ptr<float>();
@@ -127,9 +104,9 @@ void lora_add_group_(at::TensorList outs, const at::Tensor& x, at::TensorList a,
     w_max = std::max(w_max, W[i]);
   }
   int64_t m_stride = 0;
-  const float* m = mask_rows(mask, T, w_max, &m_stride, "lora_add_group_");
-  TORCH_CHECK(m == nullptr || std::all_of(W.begin(), W.end(), [&](int64_t w) { return w == w_max; }),
-              "lora_add_group_: with a mask, every member's a must have the mask's W rows");
+  const float* m = mask_rows(mask, T, w_max, &m_stride, op_name);
+  TORCH_CHECK(m == nullptr || std::all_of(W.begin(), W.end(), [&](int64_t w) { return w == w_max; }), op_name,
+              ": with a mask, every member's a must have the mask's W rows");
   const float* xp = x.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
   const int64_t grain = std::max<int64_t>(1, kWorkPerTask / std::max<int64_t>(1, work));
@@ -143,6 +120,19 @@ void lora_add_group_(at::TensorList outs, const at::Tensor& x, at::TensorList a,
       }
     }
   });
+}
+
+// out [T, N] += ((x [T, K] a^T [K, W]) * mask [T, W]) b [W, N], in place; float32; x, out and mask may have any row
+// stride, a and b are contiguous. A row whose masked product is zero (a base-model token) reads no row of b.
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const std::optional<at::Tensor>& mask) {
+  add_members({out}, x, {a}, {b}, mask, "lora_add_");
+}
+
+// lora_add_ for sibling layers on one input (add_members), so a member's result is lora_add_'s bit for bit.
+void lora_add_group_(at::TensorList outs, const at::Tensor& x, at::TensorList a, at::TensorList b,
+                     const std::optional<at::Tensor>& mask) {
+  add_members(outs, x, a, b, mask, "lora_add_group_");
 }
 
 }  // namespace

@@ -453,15 +453,15 @@ void attend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     }
 }
 
-// One query row of each of `count` decode sequences (`members`, sequence b's query at row b, its keys 0..lens[b] - 1,
-// no window) whose block tables begin with the same blocks for their first `shared` keys: prompt forks, the G samples
-// of one prompt, share the prompt's blocks. Each shared key and value row is read once for every member's queries
+// One query row of each of the `count` decode sequences first, first + 1, ... (sequence b's query at row b, its keys
+// 0..lens[b] - 1, no window) whose block tables begin with the same blocks for their first `shared` keys: prompt
+// forks, the G samples of one prompt, share the prompt's blocks. Each shared key and value row is read once for every member's queries
 // (a decode step reads the cache from memory: the G forks of a prompt read its keys once instead of G times). Every
 // member's scores, softmax and weighted sum are attend_tile's for one row: the same dot products, softmax_row over
 // the same keys and the values added in key order, so its output is attend_tile's bit for bit: grouping changes what
 // is read, not what is computed. Only for tiles that take attend_tile's dot-product path (G < kGemmQueries).
 template <typename scalar_t, int kD>
-void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, const int64_t* members,
+void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride, int64_t first,
                          int64_t count, const int64_t* lens, int64_t shared, const scalar_t* k_cache,
                          const scalar_t* v_cache, const int32_t* tables, int64_t W, int64_t block_size,
                          int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t H, int64_t G,
@@ -474,7 +474,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
   offset.assign(count + 1, 0);
   auto ns_of = [&](int64_t u) { return (offset[u + 1] - offset[u]) / H; };
   for (int64_t u = 0; u < count; ++u)
-    offset[u + 1] = offset[u] + H * ((lens[members[u]] + kChunk - 1) / kChunk * kChunk);
+    offset[u + 1] = offset[u] + H * ((lens[first + u] + kChunk - 1) / kChunk * kChunk);
   s.scores.resize(offset[count]);
   s.q.resize(count * H * D);
   s.row.resize(D);
@@ -483,7 +483,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
   float* buf = s.row.data();
   for (int64_t u = 0; u < count; ++u)
     for (int64_t h = 0; h < H; ++h) {
-      const scalar_t* qh = q + members[u] * q_row_stride + h * q_head_stride;
+      const scalar_t* qh = q + (first + u) * q_row_stride + h * q_head_stride;
       for (int64_t d = 0; d < D; ++d) qs[(u * H + h) * D + d] = static_cast<float>(qh[d]);
     }
   auto row_of = [&](const scalar_t* cache, int64_t seq, int64_t j) {
@@ -491,7 +491,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
   };
   // fn(j, row) for the keys j of member u (-1: the shared keys, read through the first member's table).
   auto for_keys = [&](const scalar_t* cache, int64_t u, auto&& fn) {
-    const int64_t seq = members[u < 0 ? 0 : u];
+    const int64_t seq = first + (u < 0 ? 0 : u);
     for (int64_t j = u < 0 ? 0 : shared, end = u < 0 ? shared : lens[seq]; j < end; ++j) fn(j, row_of(cache, seq, j));
   };
   auto score = [&](int64_t u, int64_t j, int64_t g, const float* k) {
@@ -515,7 +515,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
   for_member_keys(k_cache, score);
   for (int64_t u = 0; u < count; ++u)
     for (int64_t m = 0; m < H; ++m)
-      softmax_row(scores + offset[u] + m * ns_of(u), 0, lens[members[u]] - 1, ns_of(u), scale, softcap);
+      softmax_row(scores + offset[u] + m * ns_of(u), 0, lens[first + u] - 1, ns_of(u), scale, softcap);
   s.acc.assign(count * H * D, 0.f);
   float* acc = s.acc.data();
   auto weigh = [&](int64_t u, int64_t j, int64_t g, const float* v) {
@@ -526,7 +526,7 @@ void attend_decode_group(const scalar_t* q, int64_t q_row_stride, int64_t q_head
   for_member_keys(v_cache, weigh);
   for (int64_t u = 0; u < count; ++u)
     for (int64_t h = 0; h < H; ++h) {
-      scalar_t* oh = out + members[u] * out_row_stride + h * D;
+      scalar_t* oh = out + (first + u) * out_row_stride + h * D;
       const float* am = acc + (u * H + h) * D;
       for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<scalar_t>(am[d]);
     }
@@ -597,9 +597,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   const int64_t G = H / Hkv;
   struct Group {
-    int64_t first, count, shared;  // members[first..first + count - 1]; keys read through the first's table
+    // Sequences first..first + count - 1, their first `shared` keys read through first's table; keys: all of the
+    // members' keys (the group's work).
+    int64_t first, count, shared, keys;
   };
-  std::vector<int64_t> members;
   std::vector<Group> groups;
   std::vector<char> grouped(B, 0);
   const int32_t* table_rows = tables.data_ptr<int32_t>();
@@ -616,8 +617,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         shared = keys;
       }
       if (e - b >= 2) {
-        groups.push_back({static_cast<int64_t>(members.size()), e - b, shared});
-        for (int64_t i = b; i < e; ++i) members.push_back(i), grouped[i] = 1;
+        int64_t keys = 0;
+        for (int64_t i = b; i < e; ++i) keys += k_len[i], grouped[i] = 1;
+        groups.push_back({b, e - b, shared, keys});
       }
       b = e;
     }
@@ -630,7 +632,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       tiles.push_back({q_start[b] + i, std::min(kRowTile, n - i), m - n + i, static_cast<int32_t>(b)});
   }
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
-    const int64_t first = members[groups[g].first];
+    const int64_t first = groups[g].first;
     tiles.push_back({first, groups[g].count, 0, static_cast<int32_t>(first), static_cast<int32_t>(g)});
   }
   // Largest first (rows x keys read): the tiles of a causal prefill grow with their position, and ATen's split of
@@ -641,10 +643,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     return window_left >= 0 ? std::max<int64_t>(0, t.pos - window_left) : int64_t{0};
   };
   auto work = [&](const Tile& t) {
-    if (t.group < 0) return t.count * (t.pos + t.count - first_key(t));
-    int64_t keys = 0;  // a group's: every member's keys (its shared ones are read once, but scored for each)
-    for (int64_t u = 0; u < t.count; ++u) keys += k_len[members[groups[t.group].first + u]];
-    return keys;
+    // A group's: every member's keys (its shared ones are read once, but scored for each).
+    return t.group < 0 ? t.count * (t.pos + t.count - first_key(t)) : groups[t.group].keys;
   };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   auto out = at::zeros({T, H, D}, q.options());
@@ -678,7 +678,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           if (tile.group >= 0) {
             const Group& group = groups[tile.group];
             attend_decode_group<scalar_t, decltype(head_dim)::value>(
-                qp, q_row, q_head, members.data() + group.first, group.count, k_len.data(), group.shared, kp, vp, tp,
+                qp, q_row, q_head, group.first, group.count, k_len.data(), group.shared, kp, vp, tp,
                 W, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H, G, D, fscale, fcap, op,
                 H * D, scratch);
             return;
