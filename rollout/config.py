@@ -175,6 +175,15 @@ class ContinuousBatchingConfig:
             ``log_softmax(logits / T)`` equals the engine's logprob of the token and the importance ratio is exactly 1
             at equal weights. float32 on CPU, eager (no compile, no CUDA graphs), no LoRA; fused layers and oneDNN
             are off in this mode. The cost is in docs/bench.md.
+        regional_compile: eager CPU steps that run transformers' forward (models outside the fused family, or
+            ``fused_layers="off"``) run the decoder layers' norms and MLPs through ``torch.compile``d calls, one per
+            module class shared by every layer (``engine.worker.regions``: seconds to compile where a whole-model
+            compile takes minutes), the attention eager; entered only in the engine's step thread, so any other
+            forward of the model is transformers' own. ``warmup()`` compiles them (``generate_batch`` calls it),
+            else the first steps do. Compiled artifacts are kept in ``$ROLLOUT_COMPILE_CACHE`` (default
+            ``~/.cache/rollout/compile``) for the next process (``engine.worker.compile_cache``). CPU only; not with
+            compile levels or configs, CUDA graphs, LoRA, batch_invariant or tensor parallelism (ValueError). Off by
+            default: docs/engine.md has what it costs and gains.
     """
 
     page_size: int | None = None
@@ -214,6 +223,7 @@ class ContinuousBatchingConfig:
     check_weight_contents: bool = True
     fused_layers: Literal["auto", "off"] = "auto"
     batch_invariant: bool = False
+    regional_compile: bool = False
 
     def __post_init__(self) -> None:
         check_bool("enable_lora", self.enable_lora)
@@ -256,6 +266,7 @@ class ContinuousBatchingConfig:
             "drop_unsupported_processors",
             "check_weight_contents",
             "batch_invariant",
+            "regional_compile",
         ):
             check_bool(name, getattr(self, name))
         check_int("default_compile_level", self.default_compile_level, minimum=0, maximum=MAX_COMPILE_LEVEL)

@@ -142,6 +142,7 @@ def test_field_names_lists_every_field_in_declaration_order() -> None:
         "check_weight_contents",
         "fused_layers",
         "batch_invariant",
+        "regional_compile",
     ]
 
 

@@ -27,7 +27,9 @@ from rollout.engine.kv.sizing import allocation_error, check_cache_fits
 from rollout.engine.sched.async_scheduler import AsyncScheduler
 from rollout.engine.sched.scheduler import Scheduler
 from rollout.engine.spec import EngineSpec
+from rollout.engine.worker.compile_cache import CompileCache, cache_key
 from rollout.engine.worker.fused_layer import fused_support
+from rollout.engine.worker.regions import install
 from rollout.engine.worker.runner import ModelRunner
 from rollout.lora import LoraSlots
 from rollout.weights.model_info import check_model_supported
@@ -111,6 +113,55 @@ def check_batch_invariant(model: torch.nn.Module, config: ContinuousBatchingConf
         raise ValueError(f"batch_invariant=True: {why}")
 
 
+def check_regional_compile(config: ContinuousBatchingConfig, spec: EngineSpec) -> None:
+    """Refuse ``regional_compile=True`` with what it cannot run, before anything is allocated.
+
+    Raises:
+        ValueError: naming ``regional_compile`` and the conflict: a device other than the CPU, a compiled or
+            CUDA-graphed path (compile levels and configs compile the whole forward), LoRA, ``batch_invariant`` or
+            tensor parallelism.
+    """
+    if not config.regional_compile:
+        return
+    why = None
+    if spec.device.type != "cpu":
+        why = f"it runs on the CPU only for now, the engine's device is {spec.device.type!r}"
+    elif any(c is not None for c in spec.compile_configs) or any(spec.cuda_graphs):
+        why = "it compiles the decoder layers of eager steps: set default_compile_level=0, no compile configs (the "
+        why += "generation config's compile_config included) and no CUDA graphs"
+    elif config.enable_lora:
+        why = "LoRA adapters are not served with it yet (enable_lora must be False)"
+    elif config.batch_invariant:
+        why = "batch_invariant=True runs its own kernels, eager"
+    elif spec.tp is not None:
+        why = "a tensor-parallel model is not supported with it"
+    if why is not None:
+        raise ValueError(f"regional_compile=True: {why}")
+
+
+def regional_compile_of(
+    model: torch.nn.Module, config: ContinuousBatchingConfig, spec: EngineSpec, fused: bool
+) -> CompileCache | None:
+    """Install the decoder layers' dispatchers for ``regional_compile`` and load the model's compile cache.
+
+    Returns:
+        The compile cache the runner saves new compilations to, or None where nothing is compiled: the option off,
+        the fused decoder layers running the steps, or layers the dispatchers cannot take (said once in the log).
+    """
+    if not config.regional_compile:
+        return None
+    if fused:
+        logger.info("regional_compile: the fused decoder layers run this model's steps; nothing to compile")
+        return None
+    reason = install(model)
+    if reason is not None:
+        logger.info("regional_compile off for this model (transformers' eager forward instead): %s", reason)
+        return None
+    cache = CompileCache(cache_key(model, {"dynamic": True, "cpu_kernels": spec.use_flash, "split": "attention"}))
+    cache.load()
+    return cache
+
+
 def build_parts(
     model: PreTrainedModel,
     config: ContinuousBatchingConfig,
@@ -141,6 +192,7 @@ def build_parts(
     check_model_supported(model)
     spec = EngineSpec.resolve(model, config, max_tokens_hint, fallback_compile_config)
     check_batch_invariant(model, config, spec)
+    check_regional_compile(config, spec)
     if config.enable_lora and spec.tp is not None:
         raise ValueError("enable_lora=True: LoRA adapters are not served on a tensor-parallel model yet")
     check_cache_fits(model, config)
@@ -169,6 +221,8 @@ def build_parts(
     scheduler = scheduler_class(
         kv_cache_manager, spec.max_batch_tokens, config.max_requests_per_batch, config.scheduler_type
     )
+    fused = fused_layers_of(model, config, cpu_kernels)
+    compile_cache = regional_compile_of(model, config, spec, fused)
     runner = ModelRunner(
         model,
         cache,
@@ -183,8 +237,10 @@ def build_parts(
         padding=spec.padding,
         async_batching=spec.async_batching,
         lora=lora,
-        fused_layers=fused_layers_of(model, config, cpu_kernels),
+        fused_layers=fused,
         batch_invariant=config.batch_invariant,
+        regional=compile_cache is not None,
+        compile_cache=compile_cache,
     )
     # The model's weight version, shared with every engine on it: weights changed since the last check (by any means:
     # check_weight_contents) make a new one before this engine starts at it.

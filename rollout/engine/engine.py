@@ -28,6 +28,7 @@ from rollout.engine.build import build_parts
 from rollout.engine.gate import RequestGate
 from rollout.engine.stats import EngineStats, StepMeter, read_stats
 from rollout.engine.warmup import Warmup
+from rollout.engine.worker.regions import uninstall
 from rollout.lora import LoadedAdapter, LoraAdapter, LoraSlots
 from rollout.requests import Request, RequestStatus
 from rollout.sampling_params import SamplingParams, build_sampling_params
@@ -394,6 +395,8 @@ class Engine:
             if self.lora is not None:
                 self.lora.close()  # the hooks go: the model is left as it was found
             restore_attention(self.model, self._original_attn)
+            if self.runner.regional:
+                uninstall(self.model)  # the last engine's close leaves the layers as they were
             if self.offload_pool is not None:
                 self.offload_pool.close()
 

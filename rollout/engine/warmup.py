@@ -18,6 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rollout.engine.worker.forward import mark_warmed, warm_key, warmed_before, warmup_shapes
+from rollout.engine.worker.onednn import OneDNNLinear
+from rollout.engine.worker.regions import warm
 from rollout.engine.worker.runner import ModelRunner
 
 __all__ = ["Warmup"]
@@ -51,12 +53,16 @@ class Warmup:
         return self.runner.compile_counter.count, graphs.num_captures if graphs is not None else 0
 
     def plan(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The (path, padded shape) pairs ``run`` runs: two per compiled or graphed path; empty when every path is
-        eager."""
+        """The (path, padded shape) pairs ``run`` runs: two per compiled or graphed path, and with regional
+        compilation ("regions", (T,)) for T = 1 and 2 (dynamo specialises size 1; 2 compiles every larger T); empty
+        when every step is eager and nothing is compiled."""
         rule = self.runner.padding
-        if rule is None:
-            return []
-        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
+        plan = []
+        if rule is not None:
+            plan = [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
+        if self.runner.regional:
+            plan += [("regions", (rows,)) for rows in (1, 2)]
+        return plan
 
     def run(self, progress_bar: bool, quiesce: Callable[[], None]) -> float:
         """Compile (and on CUDA capture) each shape of ``plan`` once; a no-op (logged at debug) when there is nothing
@@ -76,6 +82,19 @@ class Warmup:
             )
             return 0.0
         runner = self.runner
+        regions = [shape[0] for path, shape in plan if path == "regions"]
+        plan = [(path, shape) for path, shape in plan if path != "regions"]
+        if not plan:  # regional compilation alone: its compiled calls are the model's, kept across engines
+            quiesce()
+            t0 = time.perf_counter()
+            packs = runner.packs.active() if runner.packs is not None else contextlib.nullcontext()
+            with torch.inference_mode(), packs, OneDNNLinear() if runner.onednn else contextlib.nullcontext():
+                warm(self.model, runner.device, regions, runner.compile_counter.run)  # under what a step runs
+            self.seconds = time.perf_counter() - t0
+            self.done = True
+            self.counts = self.compile_counts()
+            logger.info("warmup: the regions compiled in %.1f s (%d compilations)", self.seconds, self.counts[0])
+            return self.seconds
         assert runner.padding is not None  # a plan means a static path, which has a padding rule
         key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
         if warmed_before(self.model, key):

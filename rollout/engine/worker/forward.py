@@ -25,9 +25,11 @@ from transformers.generation import CompileConfig
 
 from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadata
 from rollout.engine.kv.cache import PagedKVCache
+from rollout.engine.worker.compile_cache import CompileCache
 from rollout.engine.worker.fused_layer import fused_forward, hooks_in_the_way
 from rollout.engine.worker.inputs import PaddingRule, StepBatch
 from rollout.engine.worker.onednn import OneDNNLinear, active_packs
+from rollout.engine.worker.regions import regional_step
 
 PATHS = ("varlen", "decode")
 # Captured CUDA graphs kept per runner (both paths), least recently used evicted first. Their temporaries share one
@@ -75,6 +77,7 @@ def step_forward(
     onednn: bool,
     fused: bool = False,
     invariant: bool = False,
+    regional: bool = False,
 ) -> torch.Tensor:
     """The model's forward on a step's batch, then its kept logits rows in float32 [R, V].
 
@@ -82,7 +85,8 @@ def step_forward(
     a constant to dynamo); False keeps ``F.linear`` (MKL). ``fused``: the forward is ``fused_layer.fused_forward``
     (eager CPU steps of a Llama-family model), not ``model(...)``, unless a hook or an instance ``forward`` on a module
     it would skip is set (``fused_layer.hooks_in_the_way``). ``invariant``: the paged attention runs its
-    batch-invariant kernel (the runner runs the step inside ``invariant.batch_invariant()`` too).
+    batch-invariant kernel (the runner runs the step inside ``invariant.batch_invariant()`` too). ``regional``: the
+    decoder layers' regions (norms, MLPs) run their compiled calls (``regions.regional_step``).
     """
     meta = PagedAttentionMetadata.from_batch(cache, block_size, batch, invariant)
     if fused and not hooks_in_the_way(model):
@@ -100,7 +104,10 @@ def step_forward(
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = batch.logits_rows
-    with OneDNNLinear() if onednn else contextlib.nullcontext():
+    with (
+        OneDNNLinear() if onednn else contextlib.nullcontext(),
+        regional_step() if regional else contextlib.nullcontext(),
+    ):
         logits = model(**kwargs).logits[0]
     if not logits_to_keep:
         logits = logits.index_select(0, batch.logits_rows)
@@ -202,8 +209,9 @@ class CompileCounter:
     _registered = False
     _lock = threading.Lock()
 
-    def __init__(self) -> None:
+    def __init__(self, cache: CompileCache | None = None) -> None:
         self.count = 0
+        self.cache = cache
         with CompileCounter._lock:
             if not CompileCounter._registered:
                 from torch._dynamo.callback import CallbackTrigger, callback_handler
@@ -218,13 +226,16 @@ class CompileCounter:
                 CompileCounter._registered = True
 
     def run(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-        """``fn(*args)``, counting the compilations it triggers in this thread."""
+        """``fn(*args)``, counting the compilations it triggers in this thread (saved to ``cache`` when there are)."""
         previous = getattr(CompileCounter._local, "counter", None)
         CompileCounter._local.counter = self
+        count = self.count
         try:
             return fn(*args)
         finally:
             CompileCounter._local.counter = previous
+            if self.cache is not None and self.count > count:
+                self.cache.save()  # the new graphs, for the next process
 
 
 @dataclass

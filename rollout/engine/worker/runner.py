@@ -40,6 +40,7 @@ from rollout.engine.kv.offload import CPUOffloadPool
 from rollout.engine.sample.sampler import TopLogprobs, sample_tokens, score_logprobs, step_uniforms
 from rollout.engine.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from rollout.engine.staging import HostStaging
+from rollout.engine.worker.compile_cache import CompileCache
 from rollout.engine.worker.forward import FORWARDS, PATHS, CompileCounter, CUDAGraphs, compiled_forward
 from rollout.engine.worker.inputs import (
     LogitsPlan,
@@ -138,6 +139,8 @@ class ModelRunner:
         batch_invariant: every step's forward and sampling run inside ``invariant.batch_invariant`` with the
             runner's ``invariant_packs``, and the paged attention takes its batch-invariant kernel
             (``ContinuousBatchingConfig.batch_invariant``; the build refuses what this mode cannot run).
+        regional: eager steps run the decoder layers' regions compiled (``regions``; the build installed them).
+        compile_cache: where the forwards' new compilations are saved (``CompileCounter.cache``), or None.
 
     Raises:
         ValueError: a path is compiled or graphed without a padding rule, or graphed off CUDA.
@@ -160,8 +163,11 @@ class ModelRunner:
         lora: LoraSlots | None = None,
         fused_layers: bool = False,
         batch_invariant: bool = False,
+        regional: bool = False,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.model = model
+        self.regional = regional
         # ContinuousBatchingConfig.batch_invariant: every step's forward and sampling inside batch_invariant() (the
         # build refused what it cannot run: compiled or graphed paths, fused layers, LoRA, non-float32, off the CPU).
         self.batch_invariant = batch_invariant
@@ -189,7 +195,7 @@ class ModelRunner:
         # On CPU the step's float32 linear layers (eager and padded) run on their weights packed once (rollout's GEMM
         # on AVX-512, else oneDNN's blocked layout) where the copies fit in memory, else MKL (``onednn``: MKL and
         # oneDNN reorder a plain weight at every call).
-        self._onednn, pack = (False, False) if batch_invariant else linear_plan(model, self.device)
+        self.onednn, pack = (False, False) if batch_invariant else linear_plan(model, self.device)
         self.packs: PackedWeights | None = (
             PackedWeights(sibling_groups(model), kernel=packed_kernel(use_flash and self.device.type == "cpu"))
             if pack
@@ -226,7 +232,7 @@ class ModelRunner:
             raise ValueError(f"use_cuda_graph needs a CUDA device, the cache is on {self.device.type!r}")
         share = self._input_staging.copy_stream is None  # graphs replay on the staged inputs (``CUDAGraphs``)
         self.graphs = CUDAGraphs(self.device, share_inputs=share) if any(cuda_graphs) else None
-        self.compile_counter = CompileCounter()
+        self.compile_counter = CompileCounter(compile_cache)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -421,9 +427,10 @@ class ModelRunner:
             self.block_size,
             self._skip_mask,
             self.supports_logits_to_keep,
-            self._onednn,
+            self.onednn,
             fused,
             self.batch_invariant,
+            self.regional and not static,
         )
 
         def run(b: StepBatch) -> torch.Tensor:
