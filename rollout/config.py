@@ -179,11 +179,12 @@ class ContinuousBatchingConfig:
             ``fused_layers="off"``) run the decoder layers' norms and MLPs through ``torch.compile``d calls, one per
             module class shared by every layer (``engine.worker.regions``: seconds to compile where a whole-model
             compile takes minutes), the attention eager; entered only in the engine's step thread, so any other
-            forward of the model is transformers' own. ``warmup()`` compiles them (``generate_batch`` calls it),
-            else the first steps do. Compiled artifacts are kept in ``$ROLLOUT_COMPILE_CACHE`` (default
-            ``~/.cache/rollout/compile``) for the next process (``engine.worker.compile_cache``). CPU only; not with
-            compile levels or configs, CUDA graphs, LoRA, batch_invariant or tensor parallelism (ValueError). Off by
-            default: docs/engine.md has what it costs and gains.
+            forward of the model is transformers' own. The engine compiles them when it is built; steps never
+            compile (a region whose graphs do not match, or with a hook set, runs its own call). Compiled artifacts
+            are kept in ``$ROLLOUT_COMPILE_CACHE`` (default ``~/.cache/rollout/compile``) for the next process
+            (``engine.worker.compile_cache``). CPU only; not with compile levels or configs, CUDA graphs, LoRA,
+            batch_invariant or tensor parallelism (ValueError). Off by default: docs/engine.md has what it costs and
+            gains.
     """
 
     page_size: int | None = None

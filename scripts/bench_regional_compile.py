@@ -7,7 +7,7 @@ Two parts, on two models of SmolLM2-135M's shapes: ``smollm2`` (the real default
 (Gemma 3 with SmolLM2's widths and depth, random seeded weights, 5 sliding layers to 1 full: a family outside the
 fused decoder layers; throughput depends on the shapes, not the weights, and every sequence runs to its budget).
 
-1. The compile's cost, each run a new process timing ``Engine.warmup()`` (which compiles the regions): ``cold`` (an
+1. The compile's cost, each run a new process timing the engine's build (which compiles the regions): ``cold`` (an
    empty inductor cache and an empty rollout compile cache: a new machine), ``warm`` (a second process on both caches:
    the same machine later), ``cache file only`` (an empty inductor cache, the compile cache file kept: a new machine
    given ``$ROLLOUT_HOME/compile``).
@@ -65,7 +65,7 @@ def build_model(name: str):  # noqa: ANN201
 
 
 def child(model_name: str) -> None:
-    """One process: the model, a regional engine, its warmup timed, one request generated (the compiled steps run)."""
+    """One process: the model, a regional engine built (compiling the regions) and timed, one request generated."""
     t0 = time.perf_counter()
     from rollout import ContinuousBatchingConfig, SamplingParams
     from rollout.engine import Engine
@@ -75,7 +75,7 @@ def child(model_name: str) -> None:
     t_load = time.perf_counter()
     engine = Engine(model, ContinuousBatchingConfig(regional_compile=True, **fields))
     t_built = time.perf_counter()
-    warmup_s = engine.warmup(progress_bar=False)
+    compiles = engine.stats.num_compiles
     engine.add_request(list(range(1, 33)), SamplingParams(max_new_tokens=8, do_sample=False), request_id="r")
     while engine.has_unfinished():
         engine.step()
@@ -87,9 +87,8 @@ def child(model_name: str) -> None:
             {
                 "load_s": t_load - t0,
                 "build_s": t_built - t_load,
-                "warmup_s": warmup_s,
-                "compiles": stats.num_compiles,
-                "compiles_after_warmup": stats.num_compiles_after_warmup,
+                "compiles": compiles,
+                "compiles_in_steps": stats.num_compiles - compiles,
                 "process_s": t_end - t0,
             }
         )
@@ -110,7 +109,7 @@ def compile_costs(model_name: str) -> list[dict]:
                 raise SystemExit(f"the child process failed ({out.returncode}):\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             result.update(model=model_name, run=label)
-            print(f"{model_name} {label}: warmup {result['warmup_s']:.1f} s, process {result['process_s']:.1f} s")
+            print(f"{model_name} {label}: build {result['build_s']:.1f} s, process {result['process_s']:.1f} s")
             runs.append(result)
     return runs
 
@@ -132,13 +131,11 @@ def throughput(model_name: str, batches: list[int], new_tokens: int, repeats: in
         systems = SYSTEMS[model_name]
         tokens: dict[str, list] = {}
         rates: dict[str, list[float]] = {s: [] for s in systems}
-        for round_ in range(repeats + 1):  # round 0 warms each system up (and compiles), untimed
+        for round_ in range(repeats + 1):  # round 0 warms each system up (a regional engine compiles), untimed
             for system, fields in systems.items():
                 config = ContinuousBatchingConfig(max_batch_tokens=512, **fields)
                 t0 = time.perf_counter()
-                out = generate_batch(
-                    model, prompts, generation_config=generation, continuous_batching_config=config, warmup=True
-                )
+                out = generate_batch(model, prompts, generation_config=generation, continuous_batching_config=config)
                 seconds = time.perf_counter() - t0
                 generated = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
                 if round_ == 0:
@@ -162,14 +159,13 @@ def markdown(payload: dict) -> str:
         f"`scripts/bench_regional_compile.py` at commit `{machine['git_commit']}`, {machine['cpu_model']}, "
         f"{machine['torch_num_threads']} torch threads, torch {machine['torch']}.",
         "",
-        "| model | run | warmup, the regions compiled (s) | compilations | after warmup | engine build (s) "
-        "| process (s) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | run | engine build, the regions compiled (s) | compilations | in the steps after | process (s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in payload["compile"]:
         lines.append(
-            f"| {r['model']} | {r['run']} | {r['warmup_s']:.1f} | {r['compiles']} | {r['compiles_after_warmup']} | "
-            f"{r['build_s']:.1f} | {r['process_s']:.1f} |"
+            f"| {r['model']} | {r['run']} | {r['build_s']:.1f} | {r['compiles']} | {r['compiles_in_steps']} | "
+            f"{r['process_s']:.1f} |"
         )
     lines += [
         "",

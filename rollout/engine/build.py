@@ -157,7 +157,9 @@ def regional_compile_of(
     if reason is not None:
         logger.info("regional_compile off for this model (transformers' eager forward instead): %s", reason)
         return None
-    cache = CompileCache(cache_key(model, {"dynamic": True, "cpu_kernels": spec.use_flash, "split": "attention"}))
+    cache = CompileCache(
+        cache_key(model, {"dynamic": True, "cpu_kernels": spec.use_flash, "regions": "norms and MLPs"})
+    )
     cache.load()
     return cache
 

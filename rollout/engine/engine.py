@@ -13,6 +13,7 @@ step function, chosen once, is ``BatchQueue.step`` (vLLM v1's ``step_with_batch_
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
@@ -98,6 +99,14 @@ class Engine:
         self._step_fn = self._queue.step if self._queue is not None else self._step_sync  # chosen once, as vLLM's
         self._original_attn = enable_paged_attention(model)
         self._closed = False
+        # regional_compile: the dispatchers come off the model at close(), or when the engine is collected unclosed.
+        self._uninstall = weakref.finalize(self, uninstall, model) if self.runner.regional else None
+        if self._uninstall is not None:
+            try:
+                self._warmup.compile_regions()  # before any step: steps never compile
+            except BaseException:
+                self.close()  # the model as it was found: its attention and its modules' calls
+                raise
 
     @property
     def stats(self) -> EngineStats:
@@ -395,8 +404,8 @@ class Engine:
             if self.lora is not None:
                 self.lora.close()  # the hooks go: the model is left as it was found
             restore_attention(self.model, self._original_attn)
-            if self.runner.regional:
-                uninstall(self.model)  # the last engine's close leaves the layers as they were
+            if self._uninstall is not None:
+                self._uninstall()  # the last engine's close leaves the layers as they were (once: a finalizer)
             if self.offload_pool is not None:
                 self.offload_pool.close()
 

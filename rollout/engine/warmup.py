@@ -52,17 +52,32 @@ class Warmup:
         graphs = self.runner.graphs
         return self.runner.compile_counter.count, graphs.num_captures if graphs is not None else 0
 
+    def compile_regions(self) -> float:
+        """Compile the model's regions (``regional_compile``; the engine does when it is built): T = 1 and 2 tokens,
+        since dynamo specialises size 1 and a dynamic graph for 2 serves every larger T; steps never compile (what
+        does not match runs eagerly). Under what a step runs: the packed weights, the linear layers' mode.
+
+        Returns:
+            The seconds it took.
+        """
+        runner = self.runner
+        t0 = time.perf_counter()
+        packs = runner.packs.active() if runner.packs is not None else contextlib.nullcontext()
+        with torch.inference_mode(), packs, OneDNNLinear() if runner.onednn else contextlib.nullcontext():
+            warm(self.model, runner.device, (1, 2), runner.compile_counter.run)
+        seconds = time.perf_counter() - t0
+        logger.info(
+            "regional_compile: the regions compiled in %.1f s (%d compilations)", seconds, self.compile_counts()[0]
+        )
+        return seconds
+
     def plan(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The (path, padded shape) pairs ``run`` runs: two per compiled or graphed path, and with regional
-        compilation ("regions", (T,)) for T = 1 and 2 (dynamo specialises size 1; 2 compiles every larger T); empty
-        when every step is eager and nothing is compiled."""
+        """The (path, padded shape) pairs ``run`` runs: two per compiled or graphed path; empty when every path is
+        eager."""
         rule = self.runner.padding
-        plan = []
-        if rule is not None:
-            plan = [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
-        if self.runner.regional:
-            plan += [("regions", (rows,)) for rows in (1, 2)]
-        return plan
+        if rule is None:
+            return []
+        return [(path, shape) for path in self.runner.static_paths for shape in warmup_shapes(path, rule)]
 
     def run(self, progress_bar: bool, quiesce: Callable[[], None]) -> float:
         """Compile (and on CUDA capture) each shape of ``plan`` once; a no-op (logged at debug) when there is nothing
@@ -82,19 +97,6 @@ class Warmup:
             )
             return 0.0
         runner = self.runner
-        regions = [shape[0] for path, shape in plan if path == "regions"]
-        plan = [(path, shape) for path, shape in plan if path != "regions"]
-        if not plan:  # regional compilation alone: its compiled calls are the model's, kept across engines
-            quiesce()
-            t0 = time.perf_counter()
-            packs = runner.packs.active() if runner.packs is not None else contextlib.nullcontext()
-            with torch.inference_mode(), packs, OneDNNLinear() if runner.onednn else contextlib.nullcontext():
-                warm(self.model, runner.device, regions, runner.compile_counter.run)  # under what a step runs
-            self.seconds = time.perf_counter() - t0
-            self.done = True
-            self.counts = self.compile_counts()
-            logger.info("warmup: the regions compiled in %.1f s (%d compilations)", self.seconds, self.counts[0])
-            return self.seconds
         assert runner.padding is not None  # a plan means a static path, which has a padding rule
         key = warm_key(runner.compile_configs, runner.cuda_graph_paths, runner.padding)
         if warmed_before(self.model, key):

@@ -128,6 +128,7 @@ class CompileCache:
         if artifacts is None:
             return 0
         data = artifacts[0]
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.key}.")
@@ -136,6 +137,8 @@ class CompileCache:
             os.replace(tmp, self.path)
         except OSError as exc:
             logger.warning("compile cache %s not written (%s)", self.path, exc)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)  # no half-written file left behind
             return 0
         CompileCache._loaded_keys.add(self.key)  # what it holds is in this process's caches
         self.saved = len(data)

@@ -41,7 +41,7 @@ _STEP = threading.local()
 _LOCK = threading.Lock()
 # Each model's compiled region calls by module class, kept while the model lives: the next engine on it finds their
 # graphs (dynamo keeps them on the code object, which is the model's own).
-_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[type, Callable[..., Any]]] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[type, tuple]] = weakref.WeakKeyDictionary()
 # Children that are no region: the attention itself, and modules a graph of their own would not speed up.
 _NOT_REGIONS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity)
 
@@ -51,16 +51,31 @@ def _region_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
-def _compiled_region_call() -> Callable[..., Any]:
-    """A compiled copy of ``_region_call`` with a code object of its own: one per model and region class, so each
-    keeps its own dynamo cache and recompile limit (functions made from one def share their def's)."""
+def _compiled_region_call() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A copy of ``_region_call`` with a code object of its own (one per model and region class, so each keeps its own
+    dynamo cache and recompile limit: functions made from one def share their def's), as (compiling, run-only): the
+    first compiles what its guards do not match; the second runs what the first compiled and, where nothing matches,
+    the plain call, never compiling (``torch._dynamo.run``)."""
     # The step's float32 linear layers run under ``OneDNNLinear``, a TorchFunctionMode: traced into the graphs (as
     # ``rollout::onednn_linear``), but at run time every op call of a graph passes through the mode's
     # ``__torch_function__``, which dynamo would otherwise compile as a frame of its own and guard at each call.
     # Skipping its code as a frame leaves tracing through it as it was.
     torch._dynamo.eval_frame.skip_code(OneDNNLinear.__torch_function__.__code__)
     fn = types.FunctionType(_region_call.__code__.replace(), _region_call.__globals__, "rollout_region_call")
-    return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=True), torch._dynamo.run(fn)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` would run more than its submodules' forwards: a hook on it or on a submodule, an
+    instance ``forward``, a global module hook. A graph compiled before a hook came does not run it (dynamo does not
+    guard a hook dict that was empty), so such a call is the module's own."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or "forward" in m.__dict__
+        for m in module.modules()
+    )
 
 
 def _none() -> None:
@@ -68,25 +83,28 @@ def _none() -> None:
 
 
 class RegionDispatch:
-    """A region's ``_compiled_call_impl`` while engines compile its model's regions: the compiled region call inside a
-    ``regional_step`` of this thread, the module's own ``_call_impl`` anywhere else.
+    """A region's ``_compiled_call_impl`` while engines compile its model's regions: inside a ``regional_step`` of this
+    thread the compiled region call (run-only: a step never compiles; ``warm`` compiles), the module's own
+    ``_call_impl`` anywhere else, and wherever a hook is set on it or below it (``_hooked``).
 
     Attributes:
         engines: the open engines that installed it (the last to close removes it).
     """
 
-    __slots__ = ("_module", "_compiled", "engines", "__weakref__")
+    __slots__ = ("_module", "_compiled", "_run", "engines", "__weakref__")
 
-    def __init__(self, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+    def __init__(self, module: torch.nn.Module, calls: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
         self._module = weakref.ref(module)  # no cycle through the module's own attribute
-        self._compiled = compiled  # the model's compiled call of this module's class
+        self._compiled, self._run = calls  # the model's (compiling, run-only) calls of this module's class
         self.engines = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
         assert module is not None  # it is called through the module
-        if getattr(_STEP, "depth", 0):
-            return self._compiled(module, *args, **kwargs)
+        depth = getattr(_STEP, "depth", 0)
+        if depth and not _hooked(module):
+            call = self._compiled if getattr(_STEP, "compile", False) else self._run
+            return call(module, *args, **kwargs)
         return module._call_impl(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -165,25 +183,30 @@ def uninstall(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def regional_step() -> Iterator[None]:
-    """Inside it, this thread's calls of regions with a ``RegionDispatch`` run their compiled calls."""
+def regional_step(compile: bool = False) -> Iterator[None]:
+    """Inside it, this thread's calls of regions with a ``RegionDispatch`` run their compiled calls: run-only (what
+    ``warm`` compiled, else the plain call), or compiling what is missing with ``compile``."""
+    previous = getattr(_STEP, "compile", False)
     _STEP.depth = getattr(_STEP, "depth", 0) + 1
+    _STEP.compile = compile
     try:
         yield
     finally:
         _STEP.depth -= 1
+        _STEP.compile = previous
 
 
 def warm(model: torch.nn.Module, device: torch.device, rows: Sequence[int], run: Callable[..., Any]) -> None:
-    """Compile the model's regions before its first step: the model's own forward on ``n`` dummy tokens for each ``n``
-    in ``rows``, inside ``regional_step``, with no engine metadata (its attention is the model's original: nothing of
-    the engine's cache is read or written), each through ``run`` (the runner's compile counter).
+    """Compile the model's regions (the engine does, when it is built): the model's own forward on ``n`` dummy tokens
+    for each ``n`` in ``rows``, inside ``regional_step(compile=True)``, with no engine metadata (its attention is the
+    model's original: nothing of the engine's cache is read or written), each through ``run`` (the runner's compile
+    counter). Steps only run what it compiled.
 
-    Compiling before the first step also keeps the compile session away from the forwards other threads run once the
-    engine serves: ``torch.compiler.is_compiling()`` is True in every thread while any thread compiles, and the
-    ``kernels`` package's context variable (transformers 5's attention wrapper) then takes its process-wide form.
+    Nothing compiles while the engine serves because of a reason beyond dynamo's: ``torch.compiler.is_compiling()``
+    is True in every thread while any thread compiles, and the ``kernels`` package's context variable (transformers
+    5's attention wrapper) then takes its process-wide form, which a forward running in another thread breaks.
     """
-    with regional_step():
+    with regional_step(compile=True):
         for n in rows:
             ids = torch.zeros(1, n, dtype=torch.long, device=device)
             run(lambda ids=ids: model(input_ids=ids, use_cache=False))
