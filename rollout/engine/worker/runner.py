@@ -166,8 +166,7 @@ class ModelRunner:
         regional: bool = False,
         compile_cache: CompileCache | None = None,
     ) -> None:
-        self.model = model
-        self.regional = regional
+        self.model, self.regional = model, regional
         # ContinuousBatchingConfig.batch_invariant: every step's forward and sampling inside batch_invariant() (the
         # build refused what it cannot run: compiled or graphed paths, fused layers, LoRA, non-float32, off the CPU).
         self.batch_invariant = batch_invariant
