@@ -112,7 +112,7 @@ def test_another_threads_forward_is_transformers_own_while_the_engine_steps() ->
         assert torch.equal(logits, reference)  # bit for bit: the trainer's layers ran their own _call_impl
 
 
-def test_a_layer_call_outside_a_step_runs_the_layers_own_call() -> None:
+def test_a_region_call_outside_a_step_runs_the_modules_own_call() -> None:
     model = tiny_gemma()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -123,7 +123,7 @@ def test_a_layer_call_outside_a_step_runs_the_layers_own_call() -> None:
 
         def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             calls.append(1)
-            raise AssertionError("the compiled layer call ran outside a step")
+            raise AssertionError("the compiled region call ran outside a step")
 
         dispatch = model.model.layers[0].mlp._compiled_call_impl
         dispatch._run, real = spy, dispatch._run  # what a step calls

@@ -32,7 +32,7 @@ __all__ = ["CompileCache", "cache_key"]
 logger = logging.getLogger(__name__)
 
 COMPILE_CACHE_ENV = "ROLLOUT_COMPILE_CACHE"
-# Bump when what the compiled layer call contains changes in a way the versions below do not show.
+# Bump when what the compiled region calls contain changes in a way the versions below do not show.
 FORMAT = 1
 
 

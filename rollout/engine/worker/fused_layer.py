@@ -33,7 +33,7 @@ the module's attention.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from rollout.engine.attention.paged import METADATA_KWARG, PagedAttentionMetadat
 from rollout.engine.worker.onednn import OneDNNLinear, PackedWeights, active_packs, takes_linear
 from rollout.lora import LoraHook
 
-__all__ = ["FUSED_MODEL_TYPES", "fused_forward", "fused_support", "hooks_in_the_way"]
+__all__ = ["FUSED_MODEL_TYPES", "forward_hooked", "fused_forward", "fused_support", "hooks_in_the_way"]
 
 # transformers model types whose decoder layers are Llama's: input_layernorm -> self_attn -> residual ->
 # post_attention_layernorm -> mlp (gate, up, down; SiLU) -> residual, with Llama's RMSNorm (weight * normalised).
@@ -105,14 +105,24 @@ def fused_support(model: torch.nn.Module) -> str | None:
     return None
 
 
+def forward_hooked(modules: Iterable[torch.nn.Module | None]) -> bool:
+    """Whether a global module forward hook or pre-hook is set, or one of ``modules`` (None entries skipped) has a
+    forward hook, a pre-hook or an instance ``forward`` of its own: what a call that does not go through their
+    ``_call_impl`` (the fused forward, a graph compiled before the hook came) would skip."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__) for m in modules)
+
+
 def hooks_in_the_way(model: torch.nn.Module) -> bool:
     """Whether a module the fused forward does not call (the model, its decoder, each layer, attention, MLP, the
     activation and the norms) has a forward hook, a pre-hook or an instance ``forward`` of its own, or a global module
-    hook is set: the fused forward would skip what it does, so the step runs ``model(...)`` instead (checked at every
-    step: a hook may come at any time). The linear layers, the embedding and the rotary embedding are called as
-    modules or replay their plain hooks (``_linears``), so an adapter's hooks keep the fused forward."""
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+    hook is set (``forward_hooked``): the fused forward would skip what it does, so the step runs ``model(...)``
+    instead (checked at every step: a hook may come at any time). The linear layers, the embedding and the rotary
+    embedding are called as modules or replay their plain hooks (``_linears``), so an adapter's hooks keep the fused
+    forward."""
+    if forward_hooked(()):  # a global hook: no need to list the modules
         return True
     inner = model.model
     skipped: list[torch.nn.Module | None] = [model, inner, inner.norm]
@@ -120,7 +130,7 @@ def hooks_in_the_way(model: torch.nn.Module) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
         skipped += [layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
         skipped += [getattr(mlp, "act_fn", None), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__) for m in skipped)
+    return forward_hooked(skipped)
 
 
 def _plain_hooks(module: torch.nn.Module) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rollout.engine.worker.fused_layer import forward_hooked
 from rollout.engine.worker.onednn import OneDNNLinear
 
 __all__ = ["RegionDispatch", "decoder_layers", "install", "regional_step", "regions_of", "uninstall", "warm"]
@@ -66,16 +67,14 @@ def _compiled_region_call() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 def _hooked(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` would run more than its submodules' forwards: a hook on it or on a submodule, an
-    instance ``forward``, a global module hook. A graph compiled before a hook came does not run it (dynamo does not
-    guard a hook dict that was empty), so such a call is the module's own."""
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+    """Whether a call of ``module`` would run more than its submodules' forwards: a forward hook, pre-hook or instance
+    ``forward`` on it or on a submodule, or a global one (``fused_layer.forward_hooked``), or a backward hook. A graph
+    compiled before a hook came does not run it (dynamo does not guard a hook dict that was empty), so such a call is
+    the module's own."""
+    modules = list(module.modules())
+    if forward_hooked(modules) or torch.nn.modules.module._global_backward_hooks:
         return True
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or "forward" in m.__dict__
-        for m in module.modules()
-    )
+    return any(m._backward_hooks for m in modules)
 
 
 def _none() -> None:
